@@ -1,0 +1,193 @@
+"""The ``AttentionBackend`` interface and the metadata every backend receives.
+
+Conventions shared by all backends (the reference backend in ``torch_ref.py`` is the spec):
+
+* The model runner flattens one scheduled step into ``T`` tokens from ``B`` requests, **decodes
+  first** (query length 1), then prefill chunks. Request ``i`` owns query tokens
+  ``query_start_loc[i]:query_start_loc[i+1]``; its context after this step holds
+  ``seq_lens[i]`` tokens, the last ``query_len`` of which are the new ones, so the new tokens sit
+  at positions ``seq_lens[i] - query_len .. seq_lens[i] - 1``.
+* ``slot_mapping[t] = block_id * block_size + offset`` is where token ``t``'s key/value go;
+  a negative slot marks a padding token whose key/value must not be written.
+* Query ``i`` at position ``p`` sees key position ``j`` iff ``j <= p`` and, with a sliding window
+  ``W``, ``p - j < W`` (the Hugging Face convention).
+* Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class AttentionSpec:
+    """What a model and cache ask of an attention backend. ``None`` means "not known yet"
+    (``engine plugins`` checks backends before any model is chosen)."""
+
+    device_type: str | None = None
+    dtype: str | None = None  # float32 | bfloat16 | float16
+    head_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    block_size: int | None = None
+    sliding_window: bool = False
+    logit_softcap: bool = False
+
+
+@dataclass
+class BatchLayout:
+    """One step's batch in plain Python (CPU) form, from which a backend builds its metadata.
+
+    ``block_tables[i]`` are request i's physical block ids for one KV-cache group.
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    block_size: int
+    num_decodes: int  # the first num_decodes requests have query_len == 1
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors (on the model's device) describing one step's batch for one KV-cache group."""
+
+    num_actual_tokens: int
+    num_seqs: int
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [T]
+    # Host copies, for backends that loop over requests in Python.
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+
+class AttentionBackend(ABC):
+    """A named attention implementation over the paged KV cache.
+
+    Subclass it in a plugin and return the class from ``engine_attention_backends()``. The class
+    attributes declare what the backend can serve; ``supports`` turns them into reasons.
+    """
+
+    name: ClassVar[str] = "unnamed"
+    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
+    supported_block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logit_softcap: ClassVar[bool] = False
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        """Reasons independent of the model, e.g. a missing optional package. Cheap."""
+        return []
+
+    @classmethod
+    def supports(cls, spec: AttentionSpec) -> list[str]:
+        """Human-readable reasons this backend cannot serve ``spec``; empty when it can."""
+        reasons = list(cls.unavailable_reasons())
+        if spec.device_type is not None and spec.device_type not in cls.device_types:
+            reasons.append(f"runs on {'/'.join(cls.device_types)} devices, not {spec.device_type}")
+        if spec.dtype is not None and spec.dtype not in cls.supported_dtypes:
+            reasons.append(
+                f"dtype {spec.dtype} not supported (supported: {', '.join(cls.supported_dtypes)})"
+            )
+        if (
+            spec.head_size is not None
+            and cls.supported_head_sizes is not None
+            and spec.head_size not in cls.supported_head_sizes
+        ):
+            reasons.append(
+                f"head size {spec.head_size} not supported "
+                f"(supported: {', '.join(map(str, cls.supported_head_sizes))})"
+            )
+        if (
+            spec.block_size is not None
+            and cls.supported_block_sizes is not None
+            and spec.block_size not in cls.supported_block_sizes
+        ):
+            reasons.append(
+                f"block size {spec.block_size} not supported "
+                f"(supported: {', '.join(map(str, cls.supported_block_sizes))})"
+            )
+        if spec.sliding_window and not cls.supports_sliding_window:
+            reasons.append("sliding-window attention not supported")
+        if spec.logit_softcap and not cls.supports_logit_softcap:
+            reasons.append("logit soft-capping not supported")
+        return reasons
+
+    @classmethod
+    def kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor. The default layout is
+        ``(2, num_blocks, block_size, num_kv_heads, head_size)``: keys then values."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def build_metadata(cls, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
+        """Turn a step's ``BatchLayout`` into tensors on ``device``. Override to add fields."""
+        import torch
+
+        qsl = [0]
+        for n in layout.query_lens:
+            qsl.append(qsl[-1] + n)
+        width = max((len(t) for t in layout.block_tables), default=0) or 1
+        table = torch.zeros((len(layout.block_tables), width), dtype=torch.int32)
+        for i, blocks in enumerate(layout.block_tables):
+            if blocks:
+                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return AttentionMetadata(
+            num_actual_tokens=qsl[-1],
+            num_seqs=len(layout.query_lens),
+            num_decodes=layout.num_decodes,
+            max_query_len=max(layout.query_lens, default=0),
+            max_seq_len=max(layout.seq_lens, default=0),
+            block_size=layout.block_size,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=list(layout.seq_lens),
+        )
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write ``key``/``value`` ([T, num_kv_heads, head_size]) into ``kv_cache`` at
+        ``metadata.slot_mapping``, then attend ``query`` ([T, num_heads, head_size]) over each
+        request's cached context. Returns [T, num_heads, head_size] in the query's dtype."""

@@ -1,0 +1,33 @@
+"""engine: an LLM inference and serving engine with pluggable hardware backends.
+
+``import engine`` stays cheap (no torch): the heavy entry points are loaded on first use.
+"""
+
+from engine.version import PLUGIN_API_VERSION, __version__
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+    "PLUGIN_API_VERSION",
+    "hookimpl",
+]
+
+_LAZY = {
+    "LLM": ("engine.llm", "LLM"),
+    "SamplingParams": ("engine.sampling_params", "SamplingParams"),
+    "RequestOutput": ("engine.outputs", "RequestOutput"),
+    "CompletionOutput": ("engine.outputs", "CompletionOutput"),
+    "hookimpl": ("engine.hookspecs", "hookimpl"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

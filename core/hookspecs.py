@@ -1,0 +1,63 @@
+"""The plugin contract: every hook a plugin may implement, validated by pluggy at load time.
+
+A plugin is a module (or object) exposed under the ``engine`` entry-point group::
+
+    [project.entry-points.engine]
+    myvendor = "engine_myvendor.plugin"
+
+It declares the contract version it was built for (``ENGINE_PLUGIN_API = "1"``) and implements
+any subset of the hooks below, decorated with ``engine.hookimpl``. pluggy checks every
+implementation's name and arguments against these specifications when the plugin registers, so a
+misspelled hook or argument fails at load time naming the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import argparse
+
+    from engine.attention_backends.interface import AttentionBackend
+    from engine.kernels.registry import KernelRegistry
+    from engine.models.registry import ModelRegistry
+    from engine.platforms.interface import Platform
+
+PROJECT_NAME = "engine"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def engine_platform() -> type[Platform] | None:
+    """Return this plugin's ``Platform`` subclass (or None if it provides no platform).
+
+    Return the class even when the device is absent: its ``unavailable_reasons()`` says why, and
+    ``engine plugins`` shows it. Importing the class must be cheap (no torch device context).
+    """
+
+
+@hookspec
+def engine_attention_backends() -> list[type[AttentionBackend]]:
+    """Return the attention backend classes this plugin provides (any number, unique names)."""
+
+
+@hookspec
+def engine_kernels(registry: KernelRegistry) -> None:
+    """Register kernel implementations with ``registry.register(name, fn, platforms=...,
+    priority=..., provider=...)``. Called once, after the platform is chosen, and only on plugins
+    that are loaded; import heavy kernel modules inside this hook, not at plugin import."""
+
+
+@hookspec
+def engine_models(registry: ModelRegistry) -> None:
+    """Register extra model architectures with ``registry.register(arch_name, "module:Class")``."""
+
+
+@hookspec
+def engine_add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add plugin-specific options to ``engine serve``/``generate`` (prefix them with the plugin
+    name to avoid clashes)."""

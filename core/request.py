@@ -1,0 +1,68 @@
+"""The device-free state of one sequence as the scheduler and KV-cache manager see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "rejected")
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache (prefix-cache hits
+    included). The tokens still to feed the model are ``all_token_ids[num_computed_tokens:]``.
+    For ``n > 1`` the engine forks children from a parent after its prompt is computed; they
+    share the parent's blocks (``parent_id`` records where a child came from).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value = scheduled first (vLLM's convention)
+    # Extra keys folded into the prefix hash of every block (e.g. a LoRA id or a cache salt).
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    parent_id: str | None = None
+    # Free-form per-request data the engine keeps (sampling params, detokenizer state...).
+    data: object = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,138 @@
+"""``SamplingParams``: how to sample one request, named and defaulted as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; ``param`` names the field (for the HTTP error body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingType(Enum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request (vLLM's names and defaults).
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``logprobs=N``
+    returns the sampled token's logprob plus the top N; ``prompt_logprobs=N`` does the same for
+    every prompt token. ``max_tokens=None`` means "until the context is full".
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    detokenize: bool = True
+    # Upper bound for logprobs/prompt_logprobs; the engine sets it from its config.
+    max_logprobs: int = field(default=20, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise SamplingParamsError(
+                    "logit_bias must map token ids (integers) to floats", "logit_bias"
+                ) from e
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``SamplingParamsError`` naming the first invalid field and what is allowed."""
+
+        def fail(param: str, allowed: str) -> None:
+            raise SamplingParamsError(
+                f"{param} must be {allowed}, got {getattr(self, param)!r}", param
+            )
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "an integer >= 1")
+        if self.temperature < 0:
+            fail("temperature", "non-negative (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", "0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            fail("repetition_penalty", "greater than 0")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            fail("max_tokens", "an integer >= 1 (or None)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            fail("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"at most max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or value < 0 or value > self.max_logprobs
+            ):
+                fail(name, f"an integer in [0, {self.max_logprobs}] (or None)")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop must be a non-empty string or a list of them", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(
+                "stop_token_ids must be non-negative integers", "stop_token_ids"
+            )
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", "an integer (or None)")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _GREEDY_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type is SamplingType.GREEDY
+
+    def clone(self) -> SamplingParams:
+        from copy import deepcopy
+
+        return deepcopy(self)

@@ -1,0 +1,45 @@
+"""What the scheduler decided for one step: the contract between scheduler and model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The model consumes ``request.all_token_ids[start:start + num_new_tokens]`` at positions
+    ``start .. start + num_new_tokens - 1`` where ``start`` is ``num_computed_tokens`` before the
+    step. ``block_ids[g]`` is the request's block table for KV-cache group ``g``, covering at
+    least ``start + num_new_tokens`` tokens (sliding-window groups may hold placeholder ids for
+    blocks that fell out of the window; those are never read). ``samples`` is true when the step
+    reaches the end of the known tokens, so a new token is sampled for this request.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: list[list[int]]
+    samples: bool
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """A step: requests in model order (decodes first), plus cache maintenance to do first."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # (src_block, dst_block) copies for copy-on-write, to run before the forward pass.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

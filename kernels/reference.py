@@ -1,0 +1,96 @@
+"""Torch reference implementations of the named kernels: the spec every override must match.
+
+All ops are functional (they return new tensors) except ``write_kv_cache``, which writes in place.
+Norms compute in float32 and cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim. x: [T, H], weight: [H]."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual``; returns ``(rms_norm(residual), residual)``."""
+    summed = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding on the first ``rot_dim`` dims of each head.
+
+    positions: int64 [T]; query: [T, num_heads * head_size]; key: [T, num_kv_heads * head_size];
+    cos_sin_cache: float32 [max_position, rot_dim] holding ``cos`` (rot_dim/2) then ``sin``
+    (rot_dim/2). ``is_neox`` rotates halves (Llama/Qwen/Gemma in HF layout); otherwise
+    interleaved pairs (GPT-J). Returns new (query, key) in the input dtype.
+    """
+    rot_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # [T, rot_dim/2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.view(t, -1, head_size)
+        rot, rest = x[..., :rot_dim].float(), x[..., rot_dim:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        if is_neox:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        return torch.cat((out.to(x.dtype), rest), dim=-1).view(t, -1)
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] (gate then up) -> silu(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] (gate then up) -> gelu_tanh(gate) * up: [T, I] (Gemma's GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter key/value ([T, num_kv_heads, head_size]) into ``kv_cache``
+    ([2, num_blocks, block_size, num_kv_heads, head_size]) at ``slot_mapping`` (int64 [T]);
+    negative slots (padding) are skipped."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+REFERENCE_KERNELS = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul,
+    "write_kv_cache": write_kv_cache,
+}

@@ -1,0 +1,107 @@
+"""The kernel registry: named ops with torch references that plugins override per platform.
+
+Plugins register implementations from their ``engine_kernels(registry)`` hook::
+
+    registry.register("rms_norm", my_rms_norm, platforms=("cuda", "rocm"), priority=10,
+                      provider="engine-triton")
+
+``resolve(platform)`` then binds, for every op, the highest-priority implementation that lists
+that platform (or all platforms); the torch reference sits at priority 0 everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+KERNEL_NAMES = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "write_kv_cache",
+)
+
+
+class KernelError(ValueError):
+    """A kernel was registered under an unknown name or with a bad argument."""
+
+
+@dataclass(frozen=True)
+class KernelImpl:
+    """One registered implementation of a named op."""
+
+    name: str
+    fn: Callable[..., Any]
+    platforms: tuple[str, ...] | None  # None: every platform
+    priority: int
+    provider: str
+
+    def serves(self, platform: str) -> bool:
+        return self.platforms is None or platform in self.platforms
+
+
+class Kernels:
+    """The ops bound for one platform; call them as attributes: ``kernels.rms_norm(x, w, eps)``."""
+
+    def __init__(self, platform: str, impls: dict[str, KernelImpl]) -> None:
+        self.platform = platform
+        self.impls = impls
+        for name, impl in impls.items():
+            setattr(self, name, impl.fn)
+
+    def provider(self, name: str) -> str:
+        return self.impls[name].provider
+
+
+class KernelRegistry:
+    """All registered implementations of all named ops (see ``KERNEL_NAMES``)."""
+
+    def __init__(self, with_reference: bool = True) -> None:
+        self._impls: dict[str, list[KernelImpl]] = {name: [] for name in KERNEL_NAMES}
+        if with_reference:
+            from engine.kernels.reference import REFERENCE_KERNELS
+
+            for name, fn in REFERENCE_KERNELS.items():
+                self.register(name, fn, priority=0, provider="engine (torch reference)")
+
+    def register(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        platforms: Iterable[str] | None = None,
+        priority: int = 10,
+        provider: str = "unknown",
+    ) -> None:
+        if name not in self._impls:
+            raise KernelError(
+                f"{provider} registered unknown kernel {name!r}; known kernels: "
+                f"{', '.join(KERNEL_NAMES)}"
+            )
+        if not callable(fn):
+            raise KernelError(f"{provider} registered a non-callable for kernel {name!r}")
+        plats = tuple(platforms) if platforms is not None else None
+        self._impls[name].append(KernelImpl(name, fn, plats, priority, provider))
+
+    def implementations(self, name: str) -> list[KernelImpl]:
+        return sorted(self._impls[name], key=lambda i: -i.priority)
+
+    def resolve(self, platform: str) -> Kernels:
+        chosen = {}
+        for name in KERNEL_NAMES:
+            for impl in self.implementations(name):
+                if impl.serves(platform):
+                    chosen[name] = impl
+                    break
+            else:
+                raise KernelError(
+                    f"no implementation of kernel {name!r} serves platform {platform!r}"
+                )
+        return Kernels(platform, chosen)
+
+    def overrides(self) -> list[KernelImpl]:
+        """Every non-reference implementation, for ``engine plugins``."""
+        return [i for impls in self._impls.values() for i in impls if i.priority > 0]

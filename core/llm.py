@@ -102,6 +102,16 @@ class LLM:
         self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """Build from a complete ``EngineConfig`` (what the CLI commands do)."""
+        from engine.engine import LLMEngine
+
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_config(config)
+        llm._counter = itertools.count()
+        return llm
+
     @property
     def config(self) -> EngineConfig:
         return self.llm_engine.config

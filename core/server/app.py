@@ -8,6 +8,7 @@ while draining on shutdown or after the engine died.
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -99,10 +100,15 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     from engine.version import __version__
 
     state = state or ServerState()
+    kwargs = {}
+    if "strict_content_type" in inspect.signature(FastAPI).parameters:
+        # Parse JSON bodies sent without a Content-Type too (curl -d), as older FastAPI did.
+        kwargs["strict_content_type"] = False
     app = FastAPI(
         title="engine OpenAI-compatible server",
         version=__version__,
         description="OpenAI-compatible completions and chat completions served by `engine`.",
+        **kwargs,
     )
     app.state.server = state
     install_error_handlers(app)

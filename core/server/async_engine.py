@@ -381,9 +381,7 @@ class AsyncEngine:
             if out.finished:
                 del tracked[out.request_id]
                 if observer is not None:
-                    observer.on_finished(
-                        now - t.arrival, [c.finish_reason for c in out.outputs]
-                    )
+                    observer.on_finished(now - t.arrival, [c.finish_reason for c in out.outputs])
                 batch.append((t.channel, out))
             elif t.channel.stream:
                 batch.append((t.channel, out))

@@ -114,7 +114,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         max_tokens = max(1, ctx.max_model_len - len(ids))
     ctx.check_prompt_fits(len(ids), max_tokens, param="messages")
     top_n = req.top_logprobs or 0
-    params = ctx.sampling_params(req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None)
+    params = ctx.sampling_params(
+        req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None
+    )
 
     request_id = random_id("chatcmpl")
     engine = ctx.async_engine

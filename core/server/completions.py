@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from engine.server.async_engine import OutputChannel
-from engine.server.deltas import ChoiceDelta, stream_deltas
+from engine.server.deltas import stream_deltas
 from engine.server.errors import APIError, bad_request, from_engine_error
 from engine.server.protocol import (
     CompletionChoice,
@@ -145,7 +145,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         channel.abort()
         raise from_engine_error(e) if isinstance(e, Exception) else e from None
 
-    prompt_texts = [t if t is not None else ctx.decode(ids) for t, ids in zip(texts, token_ids)]
+    prompt_texts = [
+        t if t is not None else ctx.decode(ids) for t, ids in zip(texts, token_ids, strict=True)
+    ]
     created = int(time.time())
     if req.stream:
         body = _stream(
@@ -238,7 +240,9 @@ async def _stream(
                 if want_logprobs:
                     builder = builders.setdefault(d.index, LegacyLogprobs(ctx))
                     if d.first and req.echo:
-                        prompt_lp = builder.build(token_ids[d.prompt_index], d.output.prompt_logprobs)
+                        prompt_lp = builder.build(
+                            token_ids[d.prompt_index], d.output.prompt_logprobs
+                        )
                         gen_lp = builder.build(ids, entries)
                         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                             getattr(prompt_lp, name).extend(getattr(gen_lp, name))

@@ -154,7 +154,7 @@ class ApiServer:
         ]
         metrics = ServerMetrics(names[0], log_stats_interval_s=self.launch.log_stats_interval)
         async_engine = AsyncEngine(
-            engine, observer=metrics, idle_wakeup_s=max(self.launch.log_stats_interval, 1.0)
+            engine, observer=metrics, idle_wakeup_s=max(self.launch.log_stats_interval or 10.0, 1.0)
         )
         async_engine.start(self._loop)
         ctx = ServingContext(async_engine, serving)
@@ -225,4 +225,3 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-

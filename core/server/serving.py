@@ -285,8 +285,7 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
             part_type = part.type if hasattr(part, "type") else part.get("type")
             if part_type != "text":
                 raise bad_request(
-                    f"messages[{index}].content: only text parts are supported, got "
-                    f"{part_type!r}",
+                    f"messages[{index}].content: only text parts are supported, got {part_type!r}",
                     param=f"messages.{index}.content",
                 )
             texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))

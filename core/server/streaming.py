@@ -21,7 +21,9 @@ class ClientDisconnected(Exception):
 
 def sse(data: dict[str, Any]) -> bytes:
     """One server-sent event carrying ``data`` as compact JSON."""
-    return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return (
+        b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    )
 
 
 async def wait_for_disconnect(request: Request) -> None:

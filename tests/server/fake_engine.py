@@ -68,6 +68,8 @@ class FakeEngine:
         ids = prompt_token_ids
         if ids is None:
             ids = self.tokenizer(prompt)["input_ids"]
+        if 0 in ids:
+            raise FakeInvalidRequest("token 0 is reserved", "prompt")
         if len(ids) >= self.config.model.max_model_len:
             raise FakePromptTooLong(self.config.model.max_model_len, len(ids))
         self.requests[request_id] = _Req(request_id, prompt, list(ids), params)

@@ -37,18 +37,19 @@ def chat_logprobs(
     token_ids: list[int],
     entries: list[dict[int, Any] | None] | None,
     top_n: int,
+    as_ids: bool = False,
 ) -> list[ChatTokenLogprob]:
     """The chat ``logprobs.content`` list for ``token_ids`` (``top_n`` alternatives each)."""
     content = []
     for i, token in enumerate(token_ids):
         entry = (entries[i] if entries is not None and i < len(entries) else None) or {}
         chosen = entry.get(token)
-        text = _text(ctx, chosen, token)
+        text = ctx.logprob_token(token, chosen, as_ids)
         top = []
         if top_n:
             ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
             for t, lp in ranked:
-                t_text = _text(ctx, lp, t)
+                t_text = ctx.logprob_token(t, lp, as_ids)
                 top.append(
                     TopLogprob(
                         token=t_text,
@@ -65,11 +66,6 @@ def chat_logprobs(
             )
         )
     return content
-
-
-def _text(ctx: ServingContext, lp: Any, token: int) -> str:
-    decoded = getattr(lp, "decoded_token", None) if lp is not None else None
-    return decoded if decoded is not None else ctx.token_text(token)
 
 
 def _finite(x: float) -> float:
@@ -154,7 +150,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         logprobs = None
         if req.logprobs:
             logprobs = ChatChoiceLogprobs(
-                content=chat_logprobs(ctx, comp.token_ids, comp.logprobs, top_n)
+                content=chat_logprobs(
+                    ctx, comp.token_ids, comp.logprobs, top_n, req.return_tokens_as_token_ids
+                )
             )
         choices.append(
             ChatCompletionChoice(
@@ -235,7 +233,9 @@ async def _stream(
                     continue
                 logprobs = None
                 if req.logprobs and d.token_ids:
-                    content = chat_logprobs(ctx, d.token_ids, d.logprobs, top_n)
+                    content = chat_logprobs(
+                        ctx, d.token_ids, d.logprobs, top_n, req.return_tokens_as_token_ids
+                    )
                     logprobs = {"content": [c.model_dump() for c in content]}
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 yield chunk(d.index, delta, logprobs, d.finish_reason, d.stop_reason)

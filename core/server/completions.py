@@ -33,8 +33,9 @@ class LegacyLogprobs:
     """Accumulates OpenAI legacy ``logprobs`` (tokens, token_logprobs, top_logprobs,
     text_offset) for one choice; ``text_offset`` keeps counting across stream chunks."""
 
-    def __init__(self, ctx: ServingContext, offset: int = 0) -> None:
+    def __init__(self, ctx: ServingContext, as_ids: bool = False, offset: int = 0) -> None:
         self.ctx = ctx
+        self.as_ids = as_ids
         self.offset = offset
 
     def build(
@@ -42,26 +43,22 @@ class LegacyLogprobs:
     ) -> CompletionLogprobs:
         """Logprobs of ``token_ids``; ``entries[i]`` maps token id -> Logprob (None: unknown)."""
         out = CompletionLogprobs()
-        token_text = self.ctx.token_text
+        show = self.ctx.logprob_token
+        as_ids = self.as_ids
         for i, token in enumerate(token_ids):
             entry = entries[i] if entries is not None and i < len(entries) else None
             chosen = entry.get(token) if entry else None
-            text = _text(chosen, token, token_text)
+            text = show(token, chosen, as_ids)
             out.tokens.append(text)
             out.token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
             out.top_logprobs.append(
-                {_text(lp, t, token_text): _finite(lp.logprob) for t, lp in entry.items()}
+                {show(t, lp, as_ids): _finite(lp.logprob) for t, lp in entry.items()}
                 if entry
                 else None
             )
             out.text_offset.append(self.offset)
             self.offset += len(text)
         return out
-
-
-def _text(lp: Any, token: int, token_text) -> str:
-    decoded = getattr(lp, "decoded_token", None) if lp is not None else None
-    return decoded if decoded is not None else token_text(token)
 
 
 def _finite(x: float) -> float:
@@ -177,7 +174,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             completion_tokens += len(gen_ids)
             logprobs = None
             if req.logprobs is not None:
-                builder = LegacyLogprobs(ctx)
+                builder = LegacyLogprobs(ctx, req.return_tokens_as_token_ids)
                 if req.echo:
                     logprobs = builder.build(token_ids[p], out.prompt_logprobs)
                     tail = builder.build(gen_ids, comp.logprobs)
@@ -238,7 +235,9 @@ async def _stream(
                 completion_tokens += len(ids)
                 logprobs = None
                 if want_logprobs:
-                    builder = builders.setdefault(d.index, LegacyLogprobs(ctx))
+                    builder = builders.setdefault(
+                        d.index, LegacyLogprobs(ctx, req.return_tokens_as_token_ids)
+                    )
                     if d.first and req.echo:
                         prompt_lp = builder.build(
                             token_ids[d.prompt_index], d.output.prompt_logprobs

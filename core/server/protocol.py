@@ -51,6 +51,8 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    # vLLM's: logprob tokens as "token_id:<id>" (exact ids, for clients that compare tokens).
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(SamplingFields):

@@ -115,6 +115,13 @@ class ServingContext:
             self._token_text[token_id] = text
         return text
 
+    def logprob_token(self, token_id: int, lp: Any, as_ids: bool = False) -> str:
+        """How a token is shown in logprobs: its text, or ``token_id:<id>`` when asked."""
+        if as_ids:
+            return f"token_id:{token_id}"
+        decoded = getattr(lp, "decoded_token", None) if lp is not None else None
+        return decoded if decoded is not None else self.token_text(token_id)
+
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         vocab = len(self.tokenizer)
         for t in ids:

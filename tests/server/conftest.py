@@ -11,12 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import RunningServer
+from server_harness import API_KEY, MAX_MODEL_LEN, RunningServer, engine_config
 
 from engine.server.app import ServerOptions
-
-API_KEY = "test-key-123"
-MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="session")
@@ -25,25 +22,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     return build_tiny_model(
         tmp_path_factory.mktemp("tiny-llama"), "llama", max_position_embeddings=MAX_MODEL_LEN
-    )
-
-
-def engine_config(model_dir: Path, **overrides):
-    """The ``EngineConfig`` the tests serve (float32 on CPU, a small KV cache)."""
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-
-    cache = CacheConfig(block_size=16, cpu_kv_cache_gb=0.05)
-    return EngineConfig(
-        model=ModelConfig(
-            model=str(model_dir),
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            served_model_name=overrides.pop("served_model_name", "tiny"),
-        ),
-        cache=cache,
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
-        platform="cpu",
-        **overrides,
     )
 
 

@@ -1,11 +1,16 @@
-"""``RunningServer``: an ``ApiServer`` on 127.0.0.1 and a free port, in a background thread."""
+"""Shared by the server tests: ``RunningServer`` (an ``ApiServer`` on 127.0.0.1 and a free
+port, in a background thread) and the engine configuration they serve."""
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from engine.server.app import Phase, ServerOptions
 from engine.server.launcher import ApiServer, LaunchOptions
+
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 256
 
 
 class RunningServer:
@@ -37,3 +42,22 @@ class RunningServer:
         self.server.request_shutdown()
         self.thread.join(30)
         assert not self.thread.is_alive(), "the server did not stop"
+
+
+def engine_config(model_dir: Path, **overrides):
+    """The ``EngineConfig`` the tests serve (float32 on CPU, a small KV cache)."""
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    cache = CacheConfig(block_size=16, cpu_kv_cache_gb=0.05)
+    return EngineConfig(
+        model=ModelConfig(
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            served_model_name=overrides.pop("served_model_name", "tiny"),
+        ),
+        cache=cache,
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+        platform="cpu",
+        **overrides,
+    )

@@ -25,9 +25,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_model_dir) -> RunningServer:
-    """A real server on the tiny model, requiring ``API_KEY``."""
+    """A real server on the tiny model, requiring ``API_KEY`` (loaded once per session)."""
     from engine.engine import LLMEngine
 
     def factory():
@@ -35,6 +35,14 @@ def server(tiny_model_dir) -> RunningServer:
 
     with RunningServer(factory, ServerOptions(api_keys=[API_KEY])) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_model_dir):
+    """The offline ``LLM`` on the same model: the reference for exact tokens."""
+    from engine.llm import LLM
+
+    return LLM.from_engine_config(engine_config(tiny_model_dir))
 
 
 @pytest.fixture()

@@ -6,17 +6,9 @@ import json
 
 import openai
 import pytest
-from server_harness import API_KEY, MAX_MODEL_LEN, engine_config
+from server_harness import API_KEY, MAX_MODEL_LEN
 
 PROMPTS = ["Hello world", "The quick brown fox", "A paged KV cache", "def main():"]
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir):
-    """The offline ``LLM`` on the same model: the reference for exact tokens."""
-    from engine.llm import LLM
-
-    return LLM.from_engine_config(engine_config(tiny_model_dir))
 
 
 def offline_greedy(llm, prompt, max_tokens, **kw):

@@ -65,10 +65,15 @@ def test_disconnect_flood_frees_every_block(server, http):
                     tasks.append(_cut_stream(c, "/v1/chat/completions", body, 0.2))
             # Non-streaming clients that give up are aborted too.
             tasks += [_cut_plain(c, {"prompt": f"plain {i}", **long}, 0.2) for i in range(10)]
-            await asyncio.gather(*tasks)
+            return await asyncio.gather(*tasks)
 
-    asyncio.run(flood())
+    generated_before = server.engine.get_stats().generation_tokens_total
+    chunks = asyncio.run(flood())
+    assert sum(c for c in chunks if c) > 0, "no stream was running when it was cut"
     assert wait_for_idle(server) == 0, "KV blocks leaked after client disconnects"
+    # The requests were aborted, not run to the end (160 sequences x 200 tokens).
+    generated = server.engine.get_stats().generation_tokens_total - generated_before
+    assert generated < 160 * 200 // 2
     assert server.server.state.engine.num_open_channels == 0
     # The next request is served, completely.
     r = http.post("/v1/completions", json={"prompt": "after", "max_tokens": 7, "ignore_eos": True})

@@ -163,7 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-layers", type=int, default=4, help="Tiny model depth.")
     parser.add_argument("--modes", default="offline,stream,plain", help="What to run.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads in both runs (OMP_NUM_THREADS for the server); 1 is "
+        "steadier on a shared machine.",
+    )
     args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model

@@ -62,10 +62,15 @@ class OfflineRunner:
     def run(self, prompts: list) -> dict:
         """Generate for every prompt at once; return elapsed seconds and generated tokens."""
         self.llm.generate(prompts[:4], self.params, use_tqdm=False)  # warm up
+        cpu = time.process_time()
         start = time.perf_counter()
         outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        return {"elapsed": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+        return {
+            "elapsed": elapsed,
+            "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "cpu": time.process_time() - cpu,
+        }
 
 
 def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, float]:
@@ -138,16 +143,28 @@ async def _one(client, prompt: list[int], output_len: int, stream: bool) -> int:
     return json.loads(last[6:])["usage"]["completion_tokens"]
 
 
-async def _saturate(base: str, prompts: list, output_len: int, stream: bool) -> dict:
+async def _saturate(
+    base: str, prompts: list, output_len: int, stream: bool, server_pid: int
+) -> dict:
     import httpx
+    import psutil
 
+    server = psutil.Process(server_pid)
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
         await asyncio.gather(*(_one(client, p, output_len, stream) for p in prompts[:4]))
+        cpu = server.cpu_times()
+        client_cpu = time.process_time()
         start = time.perf_counter()
         counts = await asyncio.gather(*(_one(client, p, output_len, stream) for p in prompts))
         elapsed = time.perf_counter() - start
-    return {"elapsed": elapsed, "tokens": sum(counts)}
+        after = server.cpu_times()
+    return {
+        "elapsed": elapsed,
+        "tokens": sum(counts),
+        "cpu": (after.user - cpu.user) + (after.system - cpu.system),
+        "client_cpu": time.process_time() - client_cpu,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,13 +241,17 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in ("stream", "plain"):
                     if mode in modes:
                         results[mode].append(
-                            asyncio.run(_saturate(base, prompts, args.output_len, mode == "stream"))
+                            asyncio.run(
+                                _saturate(
+                                    base, prompts, args.output_len, mode == "stream", proc.pid
+                                )
+                            )
                         )
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(60)
-        offline_tps = None
+        offline_tps = offline_cpu = None
         labels = {
             "offline": "offline LLM.generate",
             "stream": "HTTP, streaming",

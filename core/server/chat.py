@@ -26,8 +26,10 @@ from engine.server.serving import ServingContext, random_id
 from engine.server.streaming import (
     DONE,
     SSE_HEADERS,
+    ChunkWriter,
     ClientDisconnected,
     sse,
+    to_json,
     unless_disconnected,
 )
 
@@ -201,31 +203,24 @@ async def _stream(
     completion_tokens = 0
     top_n = req.top_logprobs or 0
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: Any, stop: Any) -> bytes:
-        data: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                    "stop_reason": stop,
-                }
-            ],
-        }
-        if include_usage:
-            data["usage"] = _usage(prompt_tokens, completion_tokens) if continuous else None
-        return sse(data)
+    writer = ChunkWriter(request_id, "chat.completion.chunk", created, model, include_usage)
+
+    def chunk(index: int, delta: str, logprobs: Any, finish: Any, stop: Any) -> bytes:
+        choice = (
+            f'{{"index":{index},"delta":{delta},'
+            f'"logprobs":{"null" if logprobs is None else to_json(logprobs)},'
+            f'"finish_reason":{"null" if finish is None else to_json(finish)},'
+            f'"stop_reason":{"null" if stop is None else to_json(stop)}}}'
+        )
+        return writer.chunk(
+            choice, _usage(prompt_tokens, completion_tokens) if continuous else None
+        )
 
     try:
         # The role chunk goes first, before the engine produced anything (OpenAI does this).
+        role = to_json({"role": "assistant", "content": echo_text})
         for i in range(req.n):
-            delta = {"role": "assistant", "content": echo_text}
-            yield chunk(i, delta, None, None, None)
+            yield chunk(i, role, None, None, None)
         async for deltas in stream_deltas(channel, {rid: 0}, req.n):
             for d in deltas:
                 completion_tokens += len(d.token_ids)
@@ -237,19 +232,14 @@ async def _stream(
                         ctx, d.token_ids, d.logprobs, top_n, req.return_tokens_as_token_ids
                     )
                     logprobs = {"content": [c.model_dump() for c in content]}
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                delta = (
+                    '{"content":' + to_json(d.text) + "}"
+                    if d.text or d.finish_reason is None
+                    else "{}"
+                )
                 yield chunk(d.index, delta, logprobs, d.finish_reason, d.stop_reason)
         if include_usage:
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage(prompt_tokens, completion_tokens),
-                }
-            )
+            yield writer.usage_chunk(_usage(prompt_tokens, completion_tokens))
     except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
         err = e if isinstance(e, APIError) else from_engine_error(e)
         yield sse(err.body())

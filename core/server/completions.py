@@ -23,8 +23,10 @@ from engine.server.serving import ServingContext, random_id
 from engine.server.streaming import (
     DONE,
     SSE_HEADERS,
+    ChunkWriter,
     ClientDisconnected,
     sse,
+    to_json,
     unless_disconnected,
 )
 
@@ -222,6 +224,7 @@ async def _stream(
     completion_tokens = 0
     builders: dict[int, LegacyLogprobs] = {}
     want_logprobs = req.logprobs is not None
+    writer = ChunkWriter(request_id, "text_completion", created, model, include_usage)
     try:
         async for deltas in stream_deltas(channel, prompt_index, req.n):
             for d in deltas:
@@ -245,50 +248,40 @@ async def _stream(
                         gen_lp = builder.build(ids, entries)
                         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                             getattr(prompt_lp, name).extend(getattr(gen_lp, name))
-                        logprobs = prompt_lp.model_dump()
+                        logprobs = _as_dict(prompt_lp)
                     else:
-                        logprobs = builder.build(ids, entries).model_dump()
+                        logprobs = _as_dict(builder.build(ids, entries))
                 if d.first and req.echo:
                     text = prompt_texts[d.prompt_index] + text
                 if not text and not ids and d.finish_reason is None and not d.first:
                     continue
-                chunk: dict[str, Any] = {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": d.index,
-                            "text": text,
-                            "logprobs": logprobs,
-                            "finish_reason": "length" if echo_only else d.finish_reason,
-                            "stop_reason": None if echo_only else d.stop_reason,
-                        }
-                    ],
-                }
-                if include_usage:
-                    chunk["usage"] = (
-                        _usage(prompt_tokens, completion_tokens) if continuous else None
-                    )
-                yield sse(chunk)
+                finish = "length" if echo_only else d.finish_reason
+                stop = None if echo_only else d.stop_reason
+                choice = (
+                    f'{{"index":{d.index},"text":{to_json(text)},'
+                    f'"logprobs":{"null" if logprobs is None else to_json(logprobs)},'
+                    f'"finish_reason":{"null" if finish is None else to_json(finish)},'
+                    f'"stop_reason":{"null" if stop is None else to_json(stop)}}}'
+                )
+                usage = _usage(prompt_tokens, completion_tokens) if continuous else None
+                yield writer.chunk(choice, usage)
         if include_usage:
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage(prompt_tokens, completion_tokens),
-                }
-            )
+            yield writer.usage_chunk(_usage(prompt_tokens, completion_tokens))
     except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
         err = e if isinstance(e, APIError) else from_engine_error(e)
         yield sse(err.body())
     finally:
         channel.abort()  # no-op when everything finished; frees KV blocks on disconnect
     yield DONE
+
+
+def _as_dict(lp: CompletionLogprobs) -> dict[str, Any]:
+    return {
+        "tokens": lp.tokens,
+        "token_logprobs": lp.token_logprobs,
+        "top_logprobs": lp.top_logprobs,
+        "text_offset": lp.text_offset,
+    }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

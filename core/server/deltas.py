@@ -4,30 +4,32 @@ One HTTP request may hold several engine requests (one per prompt), each with ``
 completions: choice ``prompt_index * n + completion_index`` in the response. When the client
 reads slower than the engine writes, the outputs of several engine steps are merged into one
 delta per choice, so a slow client costs fewer, larger chunks instead of a backlog.
+
+This runs once per token per stream, so it avoids per-call allocations where it can.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.server.async_engine import OutputChannel
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceDelta:
     """What one choice gained since the last delta."""
 
     index: int
     prompt_index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[int, Any] | None] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    first: bool = False  # the first delta of this choice
-    output: Any = None  # the latest RequestOutput (prompt ids, prompt logprobs)
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, Any] | None] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    first: bool  # the first delta of this choice
+    output: Any  # the latest RequestOutput (prompt ids, prompt logprobs)
 
 
 async def stream_deltas(
@@ -38,24 +40,30 @@ async def stream_deltas(
     Ends when every choice has finished.
     """
     total = len(prompt_index) * n
-    sent: dict[int, int] = {}
-    done: set[int] = set()
-    while len(done) < total:
+    sent = [0] * total  # tokens delivered per choice
+    started = [False] * total
+    done = [False] * total
+    remaining = total
+    while remaining:
+        outs = await channel.get()
         merged: dict[int, ChoiceDelta] = {}
-        for out in await channel.get():
+        for out in outs:
             p = prompt_index[out.request_id]
             new_ids = out.new_token_ids
             new_texts = out.new_texts
             for comp in out.outputs:
                 c = comp.index
                 idx = p * n + c
-                if idx in done:
+                if done[idx]:
                     continue
+                ids = new_ids[c] if c < len(new_ids) else ()
+                text = new_texts[c] if c < len(new_texts) else ""
                 d = merged.get(idx)
                 if d is None:
-                    d = merged[idx] = ChoiceDelta(idx, p, first=idx not in sent)
-                    sent.setdefault(idx, 0)
-                ids = new_ids[c] if c < len(new_ids) else ()
+                    d = merged[idx] = ChoiceDelta(
+                        idx, p, [], "", None, None, None, not started[idx], out
+                    )
+                    started[idx] = True
                 if ids:
                     start = sent[idx]
                     d.token_ids.extend(ids)
@@ -64,17 +72,22 @@ async def stream_deltas(
                             d.logprobs = []
                         d.logprobs.extend(comp.logprobs[start : start + len(ids)])
                     sent[idx] = start + len(ids)
-                if c < len(new_texts):
-                    d.text += new_texts[c]
+                if text:
+                    d.text += text
                 if comp.finish_reason is not None or out.finished:
                     d.finish_reason = comp.finish_reason or "abort"
                     d.stop_reason = comp.stop_reason
-                    done.add(idx)
+                    done[idx] = True
+                    remaining -= 1
                 d.output = out
+            if out.finished and len(out.outputs) < n:  # defensive: every choice must end
+                for c in range(n):
+                    idx = p * n + c
+                    if not done[idx]:
+                        merged[idx] = ChoiceDelta(
+                            idx, p, [], "", None, "abort", None, not started[idx], out
+                        )
+                        started[idx] = done[idx] = True
+                        remaining -= 1
         if merged:
-            yield [merged[k] for k in sorted(merged)]
-
-
-def count_tokens(deltas: list[ChoiceDelta]) -> int:
-    """Generated tokens in ``deltas``."""
-    return sum(len(d.token_ids) for d in deltas)
+            yield list(merged.values()) if len(merged) == 1 else [merged[k] for k in sorted(merged)]

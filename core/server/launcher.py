@@ -111,8 +111,21 @@ class ApiServer:
 
     # ----------------------------------------------------------------- running
     def run(self) -> int:
-        """Serve until shut down; return the exit status."""
-        asyncio.run(self.serve())
+        """Serve until shut down; return the exit status.
+
+        The event loop is uvicorn's choice (uvloop when installed, else asyncio's).
+        """
+        config = self._server.config
+        loop_factory = None
+        if hasattr(config, "get_loop_factory"):  # uvicorn >= 0.36
+            loop_factory = config.get_loop_factory()
+        elif hasattr(config, "setup_event_loop"):
+            config.setup_event_loop()
+        if loop_factory is not None and hasattr(asyncio, "Runner"):
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                runner.run(self.serve())
+        else:
+            asyncio.run(self.serve())
         return self.exit_code
 
     async def serve(self) -> None:

@@ -19,11 +19,41 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
+# Compact JSON, UTF-8 kept as is; a bound method skips json.dumps' per-call setup.
+to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(data: dict[str, Any]) -> bytes:
     """One server-sent event carrying ``data`` as compact JSON."""
-    return (
-        b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-    )
+    return b"data: " + to_json(data).encode() + b"\n\n"
+
+
+class ChunkWriter:
+    """Renders the stream chunks of one response from a pre-rendered head.
+
+    A chunk is ``{"id", "object", "created", "model", "choices": [choice], "usage"?}``; only
+    the choice (and usage) change from one to the next, so the rest is rendered once.
+    """
+
+    def __init__(
+        self, request_id: str, obj: str, created: int, model: str, usage_field: bool
+    ) -> None:
+        self._head = (
+            f'data: {{"id":{to_json(request_id)},"object":"{obj}","created":{created},'
+            f'"model":{to_json(model)},"choices":['
+        )
+        self._usage_field = usage_field
+
+    def chunk(self, choice_json: str, usage: dict[str, int] | None = None) -> bytes:
+        """One event with one choice (already JSON) and, if the client asked, ``usage``."""
+        if not self._usage_field:
+            return (self._head + choice_json + "]}\n\n").encode()
+        tail = "null" if usage is None else to_json(usage)
+        return (self._head + choice_json + '],"usage":' + tail + "}\n\n").encode()
+
+    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+        """The final ``choices: []`` event with the request's usage."""
+        return (self._head + '],"usage":' + to_json(usage) + "}\n\n").encode()
 
 
 async def wait_for_disconnect(request: Request) -> None:

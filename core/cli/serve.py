@@ -157,6 +157,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.server.serving import ServerLimits, ServingOptions
 
     config = engine_config_from_args(args)  # validates flags before the port is taken
+    if config.model.model is None:
+        # The embedded default model; a missing package fails here, before the port is
+        # taken, with the install hint (a ConfigError: one paragraph, exit status 2).
+        from engine.default_model import resolve_model
+
+        path, served_name = resolve_model(None)
+        config.model.model = str(path)
+        if config.model.served_model_name is None:
+            config.model.served_model_name = served_name
 
     def load_engine():
         from engine.engine import LLMEngine

@@ -126,6 +126,10 @@ class ApiServer:
                 runner.run(self.serve())
         else:
             asyncio.run(self.serve())
+        if self.state.startup_error is not None:
+            # Let the CLI report it: one paragraph for configuration and plugin errors, a
+            # traceback for anything else.
+            raise self.state.startup_error
         return self.exit_code
 
     async def serve(self) -> None:
@@ -147,8 +151,8 @@ class ApiServer:
     def _load_engine(self) -> None:
         try:
             engine = self.engine_factory()
-        except BaseException as e:  # noqa: BLE001 - report and exit non-zero
-            logger.exception("failed to load the engine")
+        except BaseException as e:  # noqa: BLE001 - re-raised by run() once uvicorn stopped
+            logger.error("failed to load the engine: %s", e)
             self.state.startup_error = e
             self.exit_code = 1
             self._server.should_exit = True

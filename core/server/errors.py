@@ -132,7 +132,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         # Union members add their type name to the location; keep what the user wrote.
         field_path = ".".join(p for p in loc if not _is_type_tag(p))
         if not field_path and err.get("type") in ("model_attributes_type", "dict_type"):
-            parts.append("The request body must be a JSON object.")
+            parts.append(
+                "The request body must be a JSON object, sent with Content-Type: application/json."
+            )
             continue
         if param is None and field_path:
             param = field_path

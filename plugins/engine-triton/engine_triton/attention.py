@@ -35,6 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
+    supports_decode_graphs: ClassVar[bool] = True  # lengths come from tensors; see kernels
     max_head_size: ClassVar[int] = 256
 
     @classmethod

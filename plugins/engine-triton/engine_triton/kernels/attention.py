@@ -190,9 +190,11 @@ def _decode_kernel(
     window,
     head_size,
     num_heads,
+    num_splits,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -208,7 +210,7 @@ def _decode_kernel(
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     # Each split takes a whole number of tiles; trailing splits may get nothing.
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     s_lo = lo + split * per_split
     s_hi = tl.minimum(s_lo + per_split, seq_len)
 
@@ -246,7 +248,7 @@ def _decode_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o_rows = seq * o_stride_t + head.to(tl.int64) * o_stride_h
         tl.store(
             out_ptr + o_rows[:, None] + d[None, :],
@@ -254,8 +256,8 @@ def _decode_kernel(
             mask=g_ok[:, None] & d_mask[None, :],
         )
     else:
-        # Partials: [B, num_heads, NUM_SPLITS, HEAD_PAD] and log2-sum-exp [B, num_heads, SPLITS].
-        idx = (seq * num_heads + head) * NUM_SPLITS + split
+        # Partials: [B, num_heads, MAX_SPLITS, HEAD_PAD], log2-sum-exp [B, num_heads, MAX_SPLITS].
+        idx = (seq * num_heads + head) * MAX_SPLITS + split
         tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + idx, lse, mask=g_ok)
@@ -270,20 +272,24 @@ def _decode_reduce_kernel(
     o_stride_h,
     num_heads,
     head_size,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    MAX_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    base = (seq * num_heads + head) * NUM_SPLITS
-    sp = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + base + sp)
+    base = (seq * num_heads + head) * MAX_SPLITS
+    sp = tl.arange(0, MAX_SPLITS)
+    sp_ok = sp < num_splits
+    lse = tl.load(part_lse_ptr + base + sp, mask=sp_ok, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     total = tl.sum(w, axis=0)
     d = tl.arange(0, HEAD_PAD)
-    parts = tl.load(part_out_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :])
+    parts = tl.load(
+        part_out_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :], mask=sp_ok[:, None]
+    )
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
         out_ptr + seq * o_stride_t + head * o_stride_h + d,
@@ -381,12 +387,15 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device, max_splits: int = 32):
+MAX_SPLITS = 32
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """How many context slices each (request, KV head) gets: enough programs to fill the GPU
     about twice over. A function of the batch shape only, so graph replays stay valid."""
     programs = num_seqs * num_kv_heads
     want = triton.cdiv(2 * _num_sms(device), max(programs, 1))
-    return max(1, min(max_splits, triton.next_power_of_2(want)))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
 
 
 def paged_decode(
@@ -413,12 +422,13 @@ def paged_decode(
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, query.device)
     head_pad = max(16, triton.next_power_of_2(head_size))
+    num_splits = min(num_splits, MAX_SPLITS)
     if num_splits > 1:
         part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, MAX_SPLITS, head_pad), dtype=torch.float32, device=query.device
         )
         part_lse = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, MAX_SPLITS), dtype=torch.float32, device=query.device
         )
     else:
         part_out = part_lse = out  # unused
@@ -444,9 +454,11 @@ def paged_decode(
         sliding_window or 0,
         head_size,
         num_heads,
+        num_splits,
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
-        NUM_SPLITS=num_splits,
+        SPLIT_KV=num_splits > 1,
+        MAX_SPLITS=MAX_SPLITS,
         BLOCK_N=16 if interp else 64,
         PAGE=page,
         HEAD_PAD=head_pad,
@@ -465,7 +477,8 @@ def paged_decode(
             out.stride(1),
             num_heads,
             head_size,
-            NUM_SPLITS=num_splits,
+            num_splits,
+            MAX_SPLITS=MAX_SPLITS,
             HEAD_PAD=head_pad,
             num_warps=4,
         )

@@ -113,6 +113,20 @@ def test_top_k_only_batch_uses_per_row_k():
     assert masked(logits, params) == [{0, 1}, {0, 1, 2, 3, 4}, {1, 3, 4}]
 
 
+def test_top_p_within_top_k_uses_partial_topk_path():
+    # Every top-p row also has a top-k: the sorted prefix comes from topk(max k).
+    logits = [LOGITS, LOGITS, [0.0, 3.0, 1.0, 2.0]]
+    params = [
+        SamplingParams(top_k=3, top_p=0.6),
+        SamplingParams(top_k=2),
+        SamplingParams(top_k=4, top_p=0.999),
+    ]
+    assert masked(logits, params) == [{0, 1}, {0, 1}, {0, 1, 2, 3}]
+    # top-p applies to the top-k renormalized: .44, .33, .22 -> 0.75 needs only two, 0.8 three
+    assert masked([LOGITS], [SamplingParams(top_k=3, top_p=0.75)]) == [{0, 1}]
+    assert masked([LOGITS], [SamplingParams(top_k=3, top_p=0.8)]) == [{0, 1, 2}]
+
+
 def test_top_k_distribution():
     assert_distribution(empirical(LOGITS, SamplingParams(top_k=2)), [0.4, 0.3, 0, 0])
 

@@ -10,7 +10,7 @@ is one ``argmax``):
 3. penalties: repetition penalty over prompt + output tokens (positive logits divided,
    negative multiplied, as HF/vLLM), then frequency and presence penalties over output tokens;
 4. greedy rows (``temperature == 0``) take the argmax of the logits at this point;
-5. random rows: temperature, top-k, top-p, min-p, softmax, then the exponential race
+5. random rows: temperature, top-k, top-p, min-p, then the exponential race
    ``argmax(probs / q)`` with ``q ~ Exponential(1)`` (equivalent to sampling from ``probs``,
    and free of the host sync and the cumsum of ``torch.multinomial``).
 
@@ -159,7 +159,10 @@ class Sampler:
         x = logits if len(rand_rows) == len(rows) else logits[_index(rand_rows, device)]
         params = [rows[i].params for i in rand_rows]
         x = _apply_temperature_and_filters(x, params)
-        probs = torch.softmax(x, dim=-1)
+        # The race only compares probs / q within a row, so the softmax normalizer can be
+        # skipped: exp(x - max) is proportional to the probabilities (and has no row-wide sum
+        # whose rounding could depend on the kernel chosen for this batch).
+        probs = (x - x.max(dim=-1, keepdim=True).values).exp_()
 
         # One probs row per random sample.
         row_to_rand = {row: k for k, row in enumerate(rand_rows)}
@@ -480,15 +483,18 @@ def _top_k_top_p_threshold(x: torch.Tensor, ks: list[int], ps: list[float]) -> t
     k_t = _index([min(k, width) for k in ks], device)
     keep = k_t
     if any(p < 1.0 for p in ps):
-        if any(k < width for k in ks):
-            beyond_k = torch.arange(width, device=device)[None, :] >= k_t[:, None]
-            sorted_vals = sorted_vals.masked_fill(beyond_k, float("-inf"))
-        probs = torch.softmax(sorted_vals, dim=-1)
+        # Unnormalized probabilities; the top-k mass is the cumulative sum at k - 1. Tokens
+        # past k need no masking: their mass-before is the whole top-k mass, never < p * it.
+        # No row-wide sum is involved, so the result does not depend on the prefix width
+        # (which depends on the rest of the batch).
+        weights = (sorted_vals - sorted_vals[:, :1]).exp_()
+        cum = weights.cumsum(dim=-1)
+        top_k_mass = cum.gather(1, (k_t - 1)[:, None])
         # Keep token j when the mass strictly before it is < top_p: the smallest prefix whose
         # mass reaches top_p (the top token is always kept).
-        mass_before = probs.cumsum(dim=-1).sub_(probs)
+        mass_before = cum.sub_(weights)
         p_t = torch.tensor(ps, dtype=x.dtype, device=device)
-        keep_p = (mass_before < p_t[:, None]).sum(dim=-1)
+        keep_p = (mass_before < p_t[:, None] * top_k_mass).sum(dim=-1)
         keep_p = torch.where(p_t >= 1.0, width, keep_p)  # no float drift for rows without top-p
         keep = torch.minimum(keep, keep_p).clamp_min_(1)
     return sorted_vals.gather(1, (keep - 1)[:, None])

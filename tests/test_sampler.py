@@ -13,6 +13,31 @@ from engine.sampling_params import SamplingParams
 NEG = float("-inf")
 
 
+def _device() -> torch.device:
+    return torch.get_default_device()
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def device(request):
+    """Every test runs on the CPU, and again on a GPU when there is one."""
+    previous = torch.get_default_device()
+    torch.set_default_device(request.param)
+    yield torch.device(request.param)
+    torch.set_default_device(previous)
+
+
 def row(params: SamplingParams, *, prompt=(), output=(), gens=None, n=1, eos=()) -> SamplingRow:
     return SamplingRow(
         params=params,
@@ -25,14 +50,14 @@ def row(params: SamplingParams, *, prompt=(), output=(), gens=None, n=1, eos=())
 
 
 def gen(seed: int) -> torch.Generator:
-    return Sampler(8, "cpu").make_generator(seed)
+    return Sampler(8, _device()).make_generator(seed)
 
 
 def empirical(logits_row: list[float], params: SamplingParams, draws: int = 20000) -> torch.Tensor:
     """Frequencies of each token over ``draws`` samples of one row (deterministic seed)."""
     torch.manual_seed(1234)
     logits = torch.tensor([logits_row])
-    out = Sampler(len(logits_row), "cpu").sample(logits, [row(params, n=draws)])
+    out = Sampler(len(logits_row), _device()).sample(logits, [row(params, n=draws)])
     counts = torch.bincount(torch.tensor(out.token_ids[0]), minlength=len(logits_row))
     return counts.double() / draws
 
@@ -59,7 +84,7 @@ def test_greedy_is_argmax_and_reports_rank_one():
     expected = logits.argmax(-1).tolist()
     lp = torch.log_softmax(logits, -1)
     rows = [row(SamplingParams(temperature=0.0, logprobs=2)) for _ in range(7)]
-    out = Sampler(50, "cpu").sample(logits.clone(), rows)
+    out = Sampler(50, _device()).sample(logits.clone(), rows)
     assert [t[0] for t in out.token_ids] == expected
     for i, (tok,) in enumerate(out.token_ids):
         d = out.logprobs[i][0]
@@ -70,7 +95,7 @@ def test_greedy_is_argmax_and_reports_rank_one():
 
 def test_padded_vocab_is_cut():
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]])  # column 3 is padding beyond vocab 3
-    out = Sampler(3, "cpu").sample(logits, [row(SamplingParams(temperature=0.0))])
+    out = Sampler(3, _device()).sample(logits, [row(SamplingParams(temperature=0.0))])
     assert out.token_ids == [[2]]
 
 
@@ -173,7 +198,7 @@ def test_penalties_match_hand_computation():
     expected[3] -= 0.5 * 1 + 0.25
     expected[4] -= 0.5 * 1 + 0.25
     x = logits.clone()
-    out = Sampler(6, "cpu").sample(x, [r])
+    out = Sampler(6, _device()).sample(x, [r])
     assert x[0].tolist() == pytest.approx(expected)
     assert out.token_ids == [[max(range(6), key=lambda t: expected[t])]]
 
@@ -187,7 +212,7 @@ def test_penalties_only_touch_rows_that_set_them():
         row(SamplingParams(temperature=0.0, frequency_penalty=1.0), prompt=[1], output=[2, 2]),
         row(SamplingParams(temperature=0.0), prompt=[1], output=[2, 2]),
     ]
-    Sampler(10, "cpu").sample(logits, rows)
+    Sampler(10, _device()).sample(logits, rows)
     assert torch.equal(logits[0], original[0]) and torch.equal(logits[2], original[2])
     expected = original[1].clone()
     expected[2] -= 2.0
@@ -200,7 +225,7 @@ def test_logit_bias():
         row(SamplingParams(temperature=0.0, logit_bias={0: 5.0, 99: 1.0})),  # 99: out of vocab
         row(SamplingParams(temperature=0.0, logit_bias={2: -100.0})),
     ]
-    out = Sampler(3, "cpu").sample(logits, rows)
+    out = Sampler(3, _device()).sample(logits, rows)
     assert out.token_ids == [[0], [1]]
 
 
@@ -213,7 +238,7 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
         row(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), eos=[2]),
         row(SamplingParams(temperature=0.0), eos=[2]),
     ]
-    out = Sampler(5, "cpu").sample(logits, rows)
+    out = Sampler(5, _device()).sample(logits, rows)
     assert out.token_ids == [[4], [2], [2], [2]]
 
 
@@ -238,7 +263,7 @@ def test_seeded_row_same_alone_and_in_any_batch():
             rows.insert(position, row(params, gens=[g]))
             logits = others[: len(other_params)]
             logits = torch.cat([logits[:position], target[None], logits[position:]])
-            out = Sampler(vocab, "cpu").sample(logits, rows)
+            out = Sampler(vocab, _device()).sample(logits, rows)
             tokens.append(out.token_ids[position][0])
         return tokens
 
@@ -258,7 +283,7 @@ def test_seeded_row_same_alone_and_in_any_batch():
     params_other = SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=8)
     g8 = gen(8)
     other = [
-        Sampler(vocab, "cpu")
+        Sampler(vocab, _device())
         .sample(target[None].clone(), [row(params_other, gens=[g8])])
         .token_ids[0][0]
         for _ in range(6)
@@ -279,11 +304,11 @@ def test_rows_with_different_params_do_not_interfere():
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.8, top_k=10, top_p=0.8, min_p=0.05, seed=6),
     ]
-    batch = Sampler(vocab, "cpu").sample(
+    batch = Sampler(vocab, _device()).sample(
         logits.clone(), [row(p, gens=[gen(p.seed) if p.seed else None]) for p in params]
     )
     for i, p in enumerate(params):
-        alone = Sampler(vocab, "cpu").sample(
+        alone = Sampler(vocab, _device()).sample(
             logits[i : i + 1].clone(), [row(p, gens=[gen(p.seed) if p.seed else None])]
         )
         assert alone.token_ids[0] == batch.token_ids[i]
@@ -297,11 +322,13 @@ def test_num_samples_uses_each_generator():
 
     def single(seed: int) -> int:
         return (
-            Sampler(vocab, "cpu").sample(logits.clone(), [row(p, gens=[gen(seed)])]).token_ids[0][0]
+            Sampler(vocab, _device())
+            .sample(logits.clone(), [row(p, gens=[gen(seed)])])
+            .token_ids[0][0]
         )
 
     greedy_row = row(SamplingParams(temperature=0.0))
-    out = Sampler(vocab, "cpu").sample(
+    out = Sampler(vocab, _device()).sample(
         torch.cat([logits, logits]), [greedy_row, row(p, gens=[gen(11), None, gen(12)], n=3)]
     )
     assert out.token_ids[0] == [logits.argmax().item()]
@@ -309,7 +336,7 @@ def test_num_samples_uses_each_generator():
     assert out.token_ids[1][0] == single(11)
     assert out.token_ids[1][2] == single(12)
 
-    greedy_n = Sampler(vocab, "cpu").sample(
+    greedy_n = Sampler(vocab, _device()).sample(
         logits.clone(), [row(SamplingParams(temperature=0.0, logprobs=1), n=2)]
     )
     assert greedy_n.token_ids == [[logits.argmax().item()] * 2]
@@ -318,7 +345,7 @@ def test_num_samples_uses_each_generator():
 
 def test_generator_count_must_match_num_samples():
     with pytest.raises(ValueError, match="generators"):
-        Sampler(4, "cpu").sample(torch.zeros(1, 4), [row(SamplingParams(), gens=[None], n=2)])
+        Sampler(4, _device()).sample(torch.zeros(1, 4), [row(SamplingParams(), gens=[None], n=2)])
 
 
 # ---------------------------------------------------------------- logprobs
@@ -329,7 +356,7 @@ def test_logprobs_ranks_and_top_n():
     lp = torch.log_softmax(logits, -1)[0]
     # logit_bias forces the least likely token: it is reported with its raw rank.
     p = SamplingParams(temperature=0.0, logprobs=3, logit_bias={5: 100.0})
-    out = Sampler(6, "cpu").sample(logits.clone(), [row(p)])
+    out = Sampler(6, _device()).sample(logits.clone(), [row(p)])
     assert out.token_ids == [[5]]
     d = out.logprobs[0][0]
     assert list(d) == [5, 1, 2, 4]  # sampled first, then the top 3
@@ -350,7 +377,7 @@ def test_logprobs_only_for_rows_that_ask_and_zero_means_sampled_only():
         row(SamplingParams(temperature=1.0, logprobs=0), gens=[gen(3)]),
         row(SamplingParams(temperature=0.0, logprobs=5, presence_penalty=2.0), output=[0]),
     ]
-    out = Sampler(20, "cpu").sample(logits.clone(), rows)
+    out = Sampler(20, _device()).sample(logits.clone(), rows)
     assert out.logprobs[0] is None
     (tok1,) = out.token_ids[1]
     d1 = out.logprobs[1][0]
@@ -368,7 +395,7 @@ def test_prompt_logprobs():
     logits = torch.randn(4, 30)
     lp = torch.log_softmax(logits, -1)
     targets = [3, 17, lp[2].argmax().item(), 0]
-    result = Sampler(30, "cpu").compute_prompt_logprobs(logits, targets, 2)
+    result = Sampler(30, _device()).compute_prompt_logprobs(logits, targets, 2)
     assert len(result) == 4
     for pos, (d, tgt) in enumerate(zip(result, targets, strict=True)):
         assert d[tgt].logprob == pytest.approx(lp[pos, tgt].item(), abs=1e-6)
@@ -376,4 +403,4 @@ def test_prompt_logprobs():
         top = lp[pos].topk(2).indices.tolist()
         assert set(d) == {tgt, *top}
     assert result[2][targets[2]].rank == 1
-    assert Sampler(30, "cpu").compute_prompt_logprobs(logits[:0], [], 2) == []
+    assert Sampler(30, _device()).compute_prompt_logprobs(logits[:0], [], 2) == []

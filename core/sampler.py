@@ -137,7 +137,7 @@ class Sampler:
 
         logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            self._fill_logprobs(logprobs, raw_logprobs, lp_rows, rows, token_ids)
+            self._fill_logprobs(logprobs, raw_logprobs, lp_rows, rows, tokens)
         return SamplerOutput(token_ids, logprobs)
 
     def _sample_mixed(
@@ -216,18 +216,26 @@ class Sampler:
         raw_logprobs: torch.Tensor,
         lp_rows: list[int],
         rows: list[SamplingRow],
-        token_ids: list[list[int]],
+        tokens: torch.Tensor,
     ) -> None:
-        """Fill ``out[i]`` for each row in ``lp_rows`` (``raw_logprobs`` is [len(lp_rows), V])."""
-        device = raw_logprobs.device
-        lp_pos: list[int] = []
-        sampled: list[int] = []
-        for k, i in enumerate(lp_rows):
-            for tok in token_ids[i]:
-                lp_pos.append(k)
-                sampled.append(tok)
+        """Fill ``out[i]`` for each row in ``lp_rows`` (``raw_logprobs`` is [len(lp_rows), V]).
+
+        ``tokens`` holds every sample's token, rows' samples in order.
+        """
+        lp_pos: list[int] = []  # per logprob sample: its row in raw_logprobs
+        lp_samples: list[int] = []  # per logprob sample: its index in ``tokens``
+        first_sample = 0
+        k = 0
+        for i, r in enumerate(rows):
+            if k < len(lp_rows) and lp_rows[k] == i:
+                lp_pos.extend([k] * r.num_samples)
+                lp_samples.extend(range(first_sample, first_sample + r.num_samples))
+                k += 1
+            first_sample += r.num_samples
+        if len(lp_samples) != tokens.numel():
+            tokens = tokens[_index(lp_samples, tokens.device)]
         top_n = [rows[i].params.logprobs or 0 for i in lp_rows]
-        dicts = _logprob_dicts(raw_logprobs, _index(lp_pos, device), _index(sampled, device), top_n)
+        dicts = _logprob_dicts(raw_logprobs, lp_pos, tokens, top_n)
         pos = 0
         for i in lp_rows:
             n = rows[i].num_samples
@@ -265,10 +273,8 @@ def compute_prompt_logprobs(
     for start in range(0, num, chunk):
         end = min(num, start + chunk)
         lp = torch.log_softmax(logits[start:end], dim=-1)
-        rows = torch.arange(end - start, device=device)
-        result.extend(
-            _logprob_dicts(lp, rows, _index(target_ids[start:end], device), [k] * (end - start))
-        )
+        targets = _index(target_ids[start:end], device)
+        result.extend(_logprob_dicts(lp, list(range(end - start)), targets, [k] * (end - start)))
     return result
 
 
@@ -290,7 +296,7 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _logprob_dicts(
     logprobs: torch.Tensor,
-    positions: torch.Tensor,
+    positions: list[int],
     token_ids: torch.Tensor,
     top_n: list[int],
 ) -> list[dict[int, Logprob]]:
@@ -300,18 +306,18 @@ def _logprob_dicts(
     plus that row's top ``top_n[row]`` tokens. rank = 1 + number of tokens with a strictly
     greater logprob (so tied tokens share a rank).
     """
-    lp_rows = logprobs[positions]
-    chosen = lp_rows.gather(1, token_ids[:, None])
-    chosen_rank = (lp_rows > chosen).sum(dim=-1) + 1
-    del lp_rows
+    device = logprobs.device
+    identity = positions == list(range(logprobs.shape[0]))
+    rows = logprobs if identity else logprobs[_index(positions, device)]
+    chosen = rows.gather(1, token_ids[:, None])
+    chosen_rank = (rows > chosen).sum(dim=-1) + 1
     chosen_lp = chosen.squeeze(1).tolist()
     chosen_rank_l = chosen_rank.tolist()
     token_l = token_ids.tolist()
-    pos_l = positions.tolist()
 
-    max_n = max(top_n) if top_n else 0
+    max_n = min(max(top_n, default=0), logprobs.shape[-1])
     if max_n > 0:
-        top_vals, top_ids = logprobs.topk(min(max_n, logprobs.shape[-1]), dim=-1)
+        top_vals, top_ids = logprobs.topk(max_n, dim=-1)
         # Every token strictly above a top-N value is itself among the top N, so ranks
         # within the top N come from an N x N comparison.
         top_ranks = (top_vals[:, None, :] > top_vals[:, :, None]).sum(dim=-1) + 1
@@ -324,8 +330,8 @@ def _logprob_dicts(
     dicts: list[dict[int, Logprob]] = []
     for s, tok in enumerate(token_l):
         d = {tok: Logprob(chosen_lp[s], chosen_rank_l[s])}
-        row = pos_l[s]
-        for j in range(top_n[row]):
+        row = positions[s]
+        for j in range(min(top_n[row], max_n)):
             tid = top_ids_l[row][j]
             if tid not in d:
                 d[tid] = Logprob(top_vals_l[row][j], top_ranks_l[row][j])

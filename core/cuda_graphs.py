@@ -173,7 +173,7 @@ class DecodeGraphs:
         n = self.padded_size(num)
         if n is None or any(s.num_new_tokens != 1 for s in scheduled):
             return None
-        b, bs, w, g_count = self.max_batch, self.block_size, self.max_blocks, self.num_groups
+        b, bs, g_count = self.max_batch, self.block_size, self.num_groups
         self._copied.synchronize()  # the previous step's copies have read the host buffers
         i64, seq, tables = self._np_i64, self._np_seq, self._np_tables
         starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num)

@@ -4,6 +4,7 @@ in Triton's interpreter, and greedy tokens equal the torch reference path's exac
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.testing.tiny_models import build_tiny_model
@@ -23,6 +24,7 @@ def _generate(path: str, backend: str) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
 def test_engine_on_triton_interpreter_matches_torch(tiny_qwen3, monkeypatch):
     import engine_triton.kernels as triton_kernels
 

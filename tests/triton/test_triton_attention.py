@@ -58,26 +58,36 @@ def test_prefill_over_cached_prefix(dtype, heads, kv_heads, window, cap, device,
 
 
 @pytest.mark.parametrize(
-    "dtype,splits,window,cap",
+    "dtype,splits,window,cap,append",
     [
-        (torch.float32, 1, None, None),
-        (torch.bfloat16, 4, None, None),  # split-KV with the reduction kernel
-        (torch.float32, 2, 9, None),  # splits over a sliding window
-        (torch.bfloat16, 2, None, 3.0),
+        (torch.float32, 1, None, None, False),
+        (torch.bfloat16, 4, None, None, False),  # split-KV, combined in the same launch
+        (torch.float32, 2, 9, None, True),  # splits over a sliding window, fused append
+        (torch.bfloat16, 2, None, 3.0, True),
+        (torch.float32, 1, 4, 2.0, True),
     ],
 )
-def test_decode_split_kv(dtype, splits, window, cap, device, seed):
+def test_decode_split_kv(dtype, splits, window, cap, append, device, seed):
+    from engine.kernels.reference import write_kv_cache
     from engine_triton.kernels.attention import paged_decode
 
     # seq_len 1 and one shorter than the number of splits leave some splits empty.
     batch = make_batch([1, 1, 1], [37, 1, 3], 4, 2, 16, 8, dtype, device)
     meta = _tensors(batch, device)
+    expected_cache = batch.kv_cache.clone()
+    write_kv_cache(batch.key, batch.value, expected_cache, meta.slot_mapping)
+    if not append:  # the kernel reads the newest token from the cache
+        batch.kv_cache.copy_(expected_cache)
     out = torch.full_like(batch.query, float("nan"))
+    counters = torch.zeros(3 * 2, dtype=torch.int32, device=device)
     scale = 0.3
+    extra = dict(key=batch.key, value=batch.value, slot_mapping=meta.slot_mapping) if append else {}
     paged_decode(
         batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, 3, scale, window, cap,
-        num_splits=splits,
+        num_splits=splits, split_counters=counters, **extra,
     )  # fmt: skip
+    assert torch.equal(batch.kv_cache.cpu(), expected_cache.cpu()), f"seed={seed}"
+    assert not counters.any(), "the arrival counters must be left at zero"
     _check(out, batch, scale, window, cap, dtype, seed)
 
 
@@ -89,10 +99,15 @@ def test_decode_skips_empty_padding_rows(device, seed):
     meta = _tensors(batch, device)
     seq_lens = meta.seq_lens.clone()
     seq_lens[1] = 0
+    slots = meta.slot_mapping.clone()
+    slots[1] = -1
+    cache_before = batch.kv_cache.clone()
     out = torch.full_like(batch.query, float("nan"))
     paged_decode(batch.query, batch.kv_cache, out, seq_lens, meta.block_table, 2, 0.25,
-                 num_splits=2)  # fmt: skip
+                 num_splits=2, key=batch.key, value=batch.value, slot_mapping=slots)  # fmt: skip
     assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu())), f"seed={seed}"
+    changed = (batch.kv_cache != cache_before).flatten(2).any(-1)  # [2, blocks * page]
+    assert changed.sum().item() == 2, "only request 0's key and value are written"
     expected = reference_attention(batch.query[:1], batch.kv_cache, [1], [5],
                                    batch.block_tables[:1], 0.25)  # fmt: skip
     assert rel_error(out[:1], expected) < 1e-5, f"seed={seed}"

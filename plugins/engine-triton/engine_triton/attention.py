@@ -63,6 +63,18 @@ class TritonAttentionBackend(AttentionBackend):
 
         return build_metadata_pinned(layout, device)
 
+    def _split_counters(self, needed: int, device: torch.device) -> torch.Tensor:
+        """This layer's zeroed arrival counters for split-KV decode (the kernel leaves them
+        zeroed). Allocated on the first decode, which the model runner runs eagerly before any
+        graph capture, at the largest captured size first."""
+        import torch
+
+        buf = getattr(self, "_counters", None)
+        if buf is None or buf.numel() < needed or buf.device != device:
+            buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+            self._counters = buf
+        return buf
+
     def forward(
         self,
         query: torch.Tensor,
@@ -76,10 +88,16 @@ class TritonAttentionBackend(AttentionBackend):
         from engine_triton.kernels.attention import paged_decode, paged_prefill
         from engine_triton.kernels.kv_cache import write_kv_cache
 
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(query)
         num_tokens = metadata.num_actual_tokens
         num_decodes = metadata.num_decodes
+        if num_tokens > num_decodes:  # decodes append their own key/value (below)
+            write_kv_cache(
+                key[num_decodes:num_tokens],
+                value[num_decodes:num_tokens],
+                kv_cache,
+                metadata.slot_mapping[num_decodes:num_tokens],
+            )
         if num_decodes:
             paged_decode(
                 query,
@@ -91,6 +109,10 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 self.sliding_window,
                 self.logit_softcap,
+                key=key,
+                value=value,
+                slot_mapping=metadata.slot_mapping,
+                split_counters=self._split_counters(num_decodes * self.num_kv_heads, query.device),
             )
         if metadata.num_seqs > num_decodes:
             paged_prefill(

@@ -15,9 +15,11 @@ so every key/value tile is loaded once for the whole group. In the prefill kerne
 one (token, head-in-group) pair: ``BLOCK_M`` rows hold ``BLOCK_M // G`` tokens.
 
 Decode (flash-decoding): the grid is ``(requests, kv_heads, splits)``; each program reduces one
-slice of the context to a partial output and a log-sum-exp, and a second kernel combines the
-slices. ``splits`` depends only on the batch size and head count, and every length is read from
-device tensors, so the launch can be captured in a CUDA graph and replayed with new lengths.
+slice of the context to a partial output and a log-sum-exp, and the last program of each
+(request, KV head) to finish (an atomic arrival counter) combines the slices, so one launch does
+it all. The same launch also appends each request's newest key/value to the cache. ``splits``
+depends only on the batch size and head count, and every length is read from device tensors, so
+the launch can be captured in a CUDA graph and replayed with new lengths.
 """
 
 from __future__ import annotations
@@ -177,12 +179,20 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counter_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
     seq_lens_ptr,
     block_table_ptr,
     q_stride_t,
     q_stride_h,
     o_stride_t,
     o_stride_h,
+    kn_stride_t,
+    kn_stride_h,
+    vn_stride_t,
+    vn_stride_h,
     stride_blk,
     stride_tok,
     stride_head,
@@ -192,11 +202,12 @@ def _decode_kernel(
     window,
     head_size,
     num_heads,
+    num_kv_heads,
     num_splits,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    APPEND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -215,6 +226,12 @@ def _decode_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     s_lo = lo + split * per_split
     s_hi = tl.minimum(s_lo + per_split, seq_len)
+    cache_hi = s_hi
+    if APPEND:
+        # The newest token (position seq_len - 1) is not in the cache yet: the split that
+        # owns it takes its key/value from the inputs and writes them to the cache.
+        owns_new = (s_lo < s_hi) & (s_hi == seq_len)
+        cache_hi = tl.minimum(s_hi, seq_len - 1)
 
     g = tl.arange(0, G_PAD)
     head = kv_head * G + g
@@ -228,9 +245,9 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
     bt_row = block_table_ptr + seq * bt_stride
-    for start in range(s_lo, s_hi, BLOCK_N):
+    for start in range(s_lo, cache_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < s_hi
+        n_mask = n < cache_hi
         k = _load_kv_tile(
             k_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d,
             d_mask, PAGE,
@@ -248,56 +265,71 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if APPEND:
+        new_mask = d_mask & owns_new
+        k_new = tl.load(k_new_ptr + seq * kn_stride_t + kv_head * kn_stride_h + d, mask=new_mask)
+        v_new = tl.load(v_new_ptr + seq * vn_stride_t + kv_head * vn_stride_h + d, mask=new_mask)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+        if USE_SOFTCAP:
+            s_new = softcap * _tanh(s_new / softcap)
+        s_new = tl.where(owns_new, s_new * 1.4426950408889634, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.exp2(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        write = new_mask & (slot >= 0)
+        slot = tl.maximum(slot, 0)
+        dst = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_tok + kv_head * stride_head + d
+        tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=write)
+        tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=write)
+
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_rows = seq * o_stride_t + head.to(tl.int64) * o_stride_h
+    o_mask = g_ok[:, None] & d_mask[None, :]
     if not SPLIT_KV:
-        o_rows = seq * o_stride_t + head.to(tl.int64) * o_stride_h
-        tl.store(
-            out_ptr + o_rows[:, None] + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=g_ok[:, None] & d_mask[None, :],
-        )
+        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), o_mask)
     else:
-        # Partials: [B, num_heads, MAX_SPLITS, HEAD_PAD], log2-sum-exp [B, num_heads, MAX_SPLITS].
-        idx = (seq * num_heads + head) * MAX_SPLITS + split
+        # Partials [B, num_heads, splits, HEAD_PAD] and log2-sum-exp [B, num_heads, splits];
+        # the last of the (request, KV head)'s splits to arrive combines them (one launch).
+        idx = (seq * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + idx, lse, mask=g_ok)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    o_stride_t,
-    o_stride_h,
-    num_heads,
-    head_size,
-    num_splits,
-    MAX_SPLITS: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    base = (seq * num_heads + head) * MAX_SPLITS
-    sp = tl.arange(0, MAX_SPLITS)
-    sp_ok = sp < num_splits
-    lse = tl.load(part_lse_ptr + base + sp, mask=sp_ok, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, axis=0)
-    d = tl.arange(0, HEAD_PAD)
-    parts = tl.load(
-        part_out_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :], mask=sp_ok[:, None]
-    )
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + seq * o_stride_t + head * o_stride_h + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < head_size,
-    )
+        counter = counter_ptr + seq * num_kv_heads + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            tl.atomic_xchg(counter, 0)  # ready for the next launch
+            base = (seq * num_heads + head) * num_splits
+            m_all = tl.full([G_PAD], float("-inf"), tl.float32)
+            for sp in range(0, num_splits):
+                m_all = tl.maximum(
+                    m_all, tl.load(part_lse_ptr + base + sp, mask=g_ok, other=float("-inf"),
+                                   cache_modifier=".cg")
+                )  # fmt: skip
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            total = tl.zeros([G_PAD], tl.float32)
+            merged = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
+            for sp in range(0, num_splits):
+                w = tl.exp2(
+                    tl.load(part_lse_ptr + base + sp, mask=g_ok, other=float("-inf"),
+                            cache_modifier=".cg") - m_all
+                )  # fmt: skip
+                part = tl.load(
+                    part_out_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :],
+                    mask=g_ok[:, None],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                total += w
+                merged += w[:, None] * part
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(
+                out_ptr + o_rows[:, None] + d[None, :], merged.to(out_ptr.dtype.element_ty), o_mask
+            )
 
 
 def _interpreted(t: torch.Tensor) -> bool:
@@ -390,6 +422,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 MAX_SPLITS = 32
+# Launch configuration of the decode kernel: key/value tile length, warps, pipeline depth.
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -411,9 +445,21 @@ def paged_decode(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     num_splits: int | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    split_counters: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> None:
     """One query token per request (request ``i`` is token ``i`` of ``query``/``out``
-    [T, H, D]) over its paged context of ``seq_lens[i]`` tokens. Writes ``out[:num_seqs]``."""
+    [T, H, D]) over its paged context of ``seq_lens[i]`` tokens. Writes ``out[:num_seqs]``.
+
+    With ``key``/``value``/``slot_mapping`` the newest token of each request is not read from
+    the cache but taken from ``key``/``value`` [T, Hkv, D] and written to the cache at its slot
+    in the same launch (no separate cache-write kernel). ``split_counters`` (int32, zeros, at
+    least ``num_seqs * num_kv_heads``; left zeroed by every launch) lets split-KV reduce in the
+    same launch; one is allocated when not given.
+    """
     if num_seqs == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -421,19 +467,32 @@ def paged_decode(
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     interp = _interpreted(query)
+    cfg = dict(DECODE_CONFIG, **(config or {}))
+    if interp:
+        cfg = {"block_n": 16, "num_warps": 4, "num_stages": 1}
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, query.device)
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
     head_pad = max(16, triton.next_power_of_2(head_size))
-    num_splits = min(num_splits, MAX_SPLITS)
     if num_splits > 1:
         part_out = torch.empty(
-            (num_seqs, num_heads, MAX_SPLITS, head_pad), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
         )
         part_lse = torch.empty(
-            (num_seqs, num_heads, MAX_SPLITS), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
+        if split_counters is None:
+            split_counters = torch.zeros(
+                num_seqs * num_kv_heads, dtype=torch.int32, device=query.device
+            )
+        assert split_counters.numel() >= num_seqs * num_kv_heads
     else:
         part_out = part_lse = out  # unused
+        split_counters = seq_lens  # unused
+    append = key is not None
+    if not append:
+        key = value = query  # unused
+        slot_mapping = seq_lens  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -441,12 +500,20 @@ def paged_decode(
         out,
         part_out,
         part_lse,
+        split_counters,
+        key,
+        value,
+        slot_mapping,
         seq_lens,
         block_table,
         query.stride(0),
         query.stride(1),
         out.stride(0),
         out.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -456,31 +523,18 @@ def paged_decode(
         sliding_window or 0,
         head_size,
         num_heads,
+        num_kv_heads,
         num_splits,
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         SPLIT_KV=num_splits > 1,
-        MAX_SPLITS=MAX_SPLITS,
-        BLOCK_N=16 if interp else 64,
+        APPEND=append,
+        BLOCK_N=cfg["block_n"],
         PAGE=page,
         HEAD_PAD=head_pad,
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(logit_softcap),
         PRECISION=_precision(query.dtype),
-        num_warps=4,
-        num_stages=1 if interp else 3,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            head_size,
-            num_splits,
-            MAX_SPLITS=MAX_SPLITS,
-            HEAD_PAD=head_pad,
-            num_warps=4,
-        )

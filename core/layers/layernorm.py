@@ -41,11 +41,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # Kernels take 2-D input; per-head norms (q/k norm) pass [T, H, D].
         shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)
         if residual is None:
-            return self.kernels.rms_norm(x2, self._scale(), self.eps).view(shape)
+            # Per-head norms (q/k norm) pass a [T, H, D] view of the fused qkv output: rms_norm
+            # normalises the last dim of any shape, so it goes in without a reshape (a copy).
+            return self.kernels.rms_norm(x, self._scale(), self.eps).view(shape)
+        x2 = x.reshape(-1, self.hidden_size)
         out, res = self.kernels.fused_add_rms_norm(
             x2, residual.reshape(-1, self.hidden_size), self._scale(), self.eps
         )

@@ -104,8 +104,9 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.q_norm is not None:
             t = hidden.shape[0]
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+            # unflatten is a view of the qkv slice (reshape would copy it).
+            q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).view(t, -1)
+            k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).view(t, -1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 

@@ -32,6 +32,21 @@ def test_rms_norm(dtype, device, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_strided_view(dtype, device, seed):
+    """q-norm on ``qkv[:, :q_size].unflatten(-1, (heads, head_size))``: read in place."""
+    from engine_triton.kernels.norm import rms_norm
+
+    tokens, heads, head_size = 3, 3, 20
+    qkv = torch.randn(tokens, (heads + 2) * head_size).to(dtype)
+    q = qkv[:, : heads * head_size].unflatten(-1, (heads, head_size))
+    w = torch.randn(head_size).to(dtype)
+    q_dev = qkv.to(device)[:, : heads * head_size].unflatten(-1, (heads, head_size))
+    out = rms_norm(q_dev, w.to(device), 1e-6)
+    assert out.shape == (tokens, heads, head_size) and out.is_contiguous()
+    close(out, ref.rms_norm(q, w, 1e-6), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_rms_norm(dtype, device, seed):
     from engine_triton.kernels.norm import fused_add_rms_norm
 

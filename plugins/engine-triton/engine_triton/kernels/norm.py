@@ -21,6 +21,8 @@ def _rms_norm_kernel(
     out_ptr,
     res_out_ptr,
     x_stride,
+    x_stride_inner,
+    inner,
     res_stride,
     out_stride,
     res_out_stride,
@@ -32,7 +34,10 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    # Row r of a [..., inner, hidden] input sits at (r // inner, r % inner): per-head norms read
+    # a strided [T, heads, head_size] view of the fused qkv output without a copy.
+    x_row = (row // inner) * x_stride + (row % inner) * x_stride_inner
+    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
         # The reference rounds the sum to the activation dtype before normalising it.
@@ -45,18 +50,27 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps):
-    hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
+def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``(tensor, outer stride, inner stride, inner size)`` addressing ``x``'s rows; a 3-D
+    strided view is used as is, anything else is flattened to 2-D (copied only if it must)."""
+    if x.dim() == 3 and x.stride(-1) == 1:
+        return x, x.stride(0), x.stride(1), x.shape[1]
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    rows = x2.shape[0]
+    return x2, x2.stride(0), 0, 1
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    x2, x_stride, x_stride_inner, inner = _rows_view(x)
+    rows = x.numel() // hidden
     out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(hidden)
     # Wide rows want more warps to keep registers per thread low.
     num_warps = min(max(block // 256, 1), 16)
     if residual is None:
-        res2, res_out = x2, out
+        res2, res_out = out, out  # unused
     else:
         res2 = residual.reshape(-1, hidden)
         if res2.stride(-1) != 1:
@@ -69,7 +83,9 @@ def _launch(x, residual, weight, eps):
             weight,
             out,
             res_out,
-            x2.stride(0),
+            x_stride,
+            x_stride_inner,
+            inner,
             res2.stride(0),
             out.stride(0),
             res_out.stride(0),
@@ -83,7 +99,8 @@ def _launch(x, residual, weight, eps):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (any leading shape)."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim (any leading shape; a strided
+    3-D view such as per-head q/k is read in place). Returns a new contiguous tensor."""
     return _launch(x, None, weight, eps)[0]
 
 

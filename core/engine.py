@@ -145,7 +145,7 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.runner.vocab_size
+        vocab = self.runner.sampler.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(

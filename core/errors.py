@@ -1,8 +1,9 @@
-"""Errors raised by the plugin framework: each message is one paragraph naming the culprit
-(plugin, distribution, entry point, platform or backend) and the fix.
+"""Errors of the engine, each message one paragraph naming the culprit and the fix.
 
-The CLI prints ``str(error)`` of any ``PluginError`` to stderr and exits with status 2, without a
-traceback, so messages must stand on their own.
+Plugin framework errors (``PluginError`` and subclasses) name the plugin, distribution, entry
+point, platform or backend; the CLI prints ``str(error)`` to stderr and exits with status 2,
+without a traceback, so messages must stand on their own. Request errors
+(``InvalidRequestError`` and subclasses) are shared by the offline API and the HTTP server.
 """
 
 from __future__ import annotations
@@ -26,3 +27,32 @@ class PlatformError(PluginError):
 class AttentionBackendError(PluginError):
     """An attention backend is unknown, cannot be imported, is registered twice, or cannot
     serve the requested model/device."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine will not run; ``param`` names the offending field when known.
+
+    Raised before any work starts, so the engine stays usable.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt leaves no room in the model's context for even one generated token."""
+
+    def __init__(self, num_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, the prompt "
+            f"has {num_tokens} tokens, which leaves no room for a generated token. Shorten the "
+            "prompt or start the engine with a larger --max-model-len.",
+            param="prompt",
+        )
+        self.num_tokens = num_tokens
+        self.max_model_len = max_model_len
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no further requests can be served by this engine."""

@@ -39,9 +39,13 @@ def check_platform_attributes(platform: type[Platform], expected_name: str) -> N
     assert isinstance(platform.device_type, str) and platform.device_type, "device_type is empty"
     assert isinstance(platform.dist_backend, str) and platform.dist_backend, "dist_backend is empty"
     dtypes = tuple(platform.supported_dtypes)
-    assert dtypes and set(dtypes) <= set(KNOWN_DTYPES), f"supported_dtypes {dtypes} not in {KNOWN_DTYPES}"
+    assert dtypes and set(dtypes) <= set(KNOWN_DTYPES), (
+        f"supported_dtypes {dtypes} not in {KNOWN_DTYPES}"
+    )
     assert isinstance(platform.priority, int), "priority must be an int"
-    assert isinstance(platform.supports_graph_capture, bool), "supports_graph_capture must be a bool"
+    assert isinstance(platform.supports_graph_capture, bool), (
+        "supports_graph_capture must be a bool"
+    )
 
 
 def check_platform_detection(platform: type[Platform]) -> None:
@@ -141,7 +145,9 @@ def _cpu(value: Any) -> Any:
     return value
 
 
-def check_kernel(name: str, fn: Callable[..., Any], device: torch.device, dtype: str, seed: int = 0) -> None:
+def check_kernel(
+    name: str, fn: Callable[..., Any], device: torch.device, dtype: str, seed: int = 0
+) -> None:
     """``fn`` matches ``engine.kernels.reference.<name>`` on random inputs in ``dtype``."""
     reference = REFERENCE_KERNELS[name]
     rtol, atol = KERNEL_TOLERANCE[dtype]
@@ -156,16 +162,30 @@ def check_kernel(name: str, fn: Callable[..., Any], device: torch.device, dtype:
         try:
             torch.testing.assert_close(_cpu(got), expected, rtol=rtol, atol=atol)
         except AssertionError as exc:
-            raise AssertionError(f"kernel {name} [{case_id}, {dtype}] differs from the reference: {exc}") from None
+            raise AssertionError(
+                f"kernel {name} [{case_id}, {dtype}] differs from the reference: {exc}"
+            ) from None
 
 
 # ---- attention ------------------------------------------------------------------------------
-def attention_cases(backend: type[AttentionBackend], platform: type[Platform]) -> list[AttentionCase]:
+def attention_cases(
+    backend: type[AttentionBackend], platform: type[Platform]
+) -> list[AttentionCase]:
     """The configurations to check ``backend`` on: each dtype both support, plus sliding window
     and soft-capping when the backend declares them."""
-    head = 64 if backend.supported_head_sizes is None or 64 in backend.supported_head_sizes else backend.supported_head_sizes[0]
-    block = 16 if backend.supported_block_sizes is None or 16 in backend.supported_block_sizes else backend.supported_block_sizes[0]
-    dtypes = [d for d in platform.supported_dtypes if d in backend.supported_dtypes] or list(platform.supported_dtypes)
+    head = (
+        64
+        if backend.supported_head_sizes is None or 64 in backend.supported_head_sizes
+        else backend.supported_head_sizes[0]
+    )
+    block = (
+        16
+        if backend.supported_block_sizes is None or 16 in backend.supported_block_sizes
+        else backend.supported_block_sizes[0]
+    )
+    dtypes = [d for d in platform.supported_dtypes if d in backend.supported_dtypes] or list(
+        platform.supported_dtypes
+    )
     cases = [AttentionCase(d, head_size=head, block_size=block) for d in dtypes]
     if backend.supports_sliding_window:
         cases.append(AttentionCase(dtypes[0], head_size=head, block_size=block, sliding_window=8))
@@ -201,10 +221,21 @@ def check_attention_backend(
     gen = torch.Generator().manual_seed(seed)
     dtype = DTYPES[case.dtype]
     plan = default_plan(case.block_size, gen)
-    args = (case.num_heads, case.head_size, case.num_kv_heads, case.scale, case.sliding_window, case.logit_softcap)
+    args = (
+        case.num_heads,
+        case.head_size,
+        case.num_kv_heads,
+        case.scale,
+        case.sliding_window,
+        case.logit_softcap,
+    )
     impl, ref = backend(*args), reference(*args)
-    shape = backend.kv_cache_shape(plan.num_blocks, case.block_size, case.num_kv_heads, case.head_size)
-    ref_shape = reference.kv_cache_shape(plan.num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    shape = backend.kv_cache_shape(
+        plan.num_blocks, case.block_size, case.num_kv_heads, case.head_size
+    )
+    ref_shape = reference.kv_cache_shape(
+        plan.num_blocks, case.block_size, case.num_kv_heads, case.head_size
+    )
     cache = torch.zeros(shape, dtype=dtype, device=device)
     ref_cache = torch.zeros(ref_shape, dtype=torch.float32)
     rtol, atol = ATTENTION_TOLERANCE[case.dtype]
@@ -215,8 +246,16 @@ def check_attention_backend(
         v = torch.randn(t, case.num_kv_heads, case.head_size, generator=gen).to(dtype)
         meta = backend.build_metadata(layout, device)
         out = impl.forward(q.to(device), k.to(device), v.to(device), cache, meta)
-        expected = ref.forward(q.float(), k.float(), v.float(), ref_cache, reference.build_metadata(layout, torch.device("cpu")))
-        assert tuple(out.shape) == (t, case.num_heads, case.head_size), f"step {step}: output shape {tuple(out.shape)}"
+        expected = ref.forward(
+            q.float(),
+            k.float(),
+            v.float(),
+            ref_cache,
+            reference.build_metadata(layout, torch.device("cpu")),
+        )
+        assert tuple(out.shape) == (t, case.num_heads, case.head_size), (
+            f"step {step}: output shape {tuple(out.shape)}"
+        )
         assert out.dtype == dtype, f"step {step}: output dtype {out.dtype}, expected {dtype}"
         try:
             torch.testing.assert_close(out.detach().cpu().float(), expected, rtol=rtol, atol=atol)

@@ -105,9 +105,11 @@ class ConformanceCollector(pytest.Collector):
                 raise AssertionError(message)
 
             return [self._item("platform::load", fail)]
-        return list(self._platform_items(pm, entry)) + list(
-            self._backend_items(pm, entry)
-        ) + list(self._kernel_items(pm, entry))
+        return (
+            list(self._platform_items(pm, entry))
+            + list(self._backend_items(pm, entry))
+            + list(self._kernel_items(pm, entry))
+        )
 
     def _platform_items(self, pm: Any, entry: Any) -> Iterator[ConformanceItem]:
         from engine.testing import checks
@@ -199,8 +201,10 @@ def pytest_collection_modifyitems(
     collector = ConformanceCollector.from_parent(
         session,
         name=f"engine-conformance[{name}]",
+        nodeid=f"engine-conformance[{name}]",
         platform_name=name,
         seed=config.getoption("--engine-conformance-seed"),
         distributed=config.getoption("--engine-conformance-distributed"),
     )
-    items.extend(collector.collect())
+    # genitems reports the collection like pytest's own (so "collected N items" counts ours).
+    items.extend(session.genitems(collector))

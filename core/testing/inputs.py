@@ -38,13 +38,23 @@ def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tu
     if name == "rms_norm":
         return [(f"T{t}-H{h}", (randn(t, h), weight(h), 1e-6)) for t, h in ((7, 64), (1, 256))]
     if name == "fused_add_rms_norm":
-        return [(f"T{t}-H{h}", (randn(t, h), randn(t, h), weight(h), 1e-6)) for t, h in ((7, 64), (1, 256))]
+        return [
+            (f"T{t}-H{h}", (randn(t, h), randn(t, h), weight(h), 1e-6))
+            for t, h in ((7, 64), (1, 256))
+        ]
     if name == "rotary_embedding":
         cases = []
         for is_neox in (True, False):
             for rot_dim in (64, 32):  # full and partial rotary
                 positions = torch.randint(0, 64, (5,), generator=gen, dtype=torch.int64)
-                args = (positions, randn(5, 4 * 64), randn(5, 2 * 64), rope_cache(64, rot_dim), 64, is_neox)
+                args = (
+                    positions,
+                    randn(5, 4 * 64),
+                    randn(5, 2 * 64),
+                    rope_cache(64, rot_dim),
+                    64,
+                    is_neox,
+                )
                 cases.append((f"neox{int(is_neox)}-rot{rot_dim}", args))
         return cases
     if name in ("silu_and_mul", "gelu_tanh_and_mul"):
@@ -78,7 +88,12 @@ class AttentionCase:
 
     @property
     def id(self) -> str:
-        parts = [self.dtype, f"H{self.num_heads}/{self.num_kv_heads}", f"D{self.head_size}", f"B{self.block_size}"]
+        parts = [
+            self.dtype,
+            f"H{self.num_heads}/{self.num_kv_heads}",
+            f"D{self.head_size}",
+            f"B{self.block_size}",
+        ]
         if self.sliding_window:
             parts.append(f"window{self.sliding_window}")
         if self.logit_softcap:
@@ -120,12 +135,16 @@ class PagedBatchPlan:
                 while len(table) * self.block_size < start + n:
                     table.append(self._free.pop())
                 for pos in range(start, start + n):
-                    slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+                    slots.append(
+                        table[pos // self.block_size] * self.block_size + pos % self.block_size
+                    )
                 self._lens[req] = start + n
                 query_lens.append(n)
                 seq_lens.append(start + n)
                 tables.append(list(table))
-            out.append(BatchLayout(query_lens, seq_lens, tables, slots, self.block_size, num_decodes))
+            out.append(
+                BatchLayout(query_lens, seq_lens, tables, slots, self.block_size, num_decodes)
+            )
         return out
 
 

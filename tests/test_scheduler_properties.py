@@ -56,9 +56,7 @@ def scenarios(draw):
     base = draw(st.lists(st.integers(0, 3), min_size=32, max_size=32))
     requests = []
     for i in range(draw(st.integers(1, 10))):
-        prompt = base[: draw(st.integers(0, 28))] + draw(
-            st.lists(st.integers(0, 9), max_size=8)
-        )
+        prompt = base[: draw(st.integers(0, 28))] + draw(st.lists(st.integers(0, 9), max_size=8))
         requests.append(
             SimRequest(
                 request_id=f"r{i}",

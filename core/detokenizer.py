@@ -60,14 +60,11 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0  # window start: context for the next decode
         self._read_offset = len(context)  # ids before this are emitted
-        self.output_token_ids: list[int] = []
         self.output_text = ""
 
     def add_tokens(self, new_ids: Iterable[int]) -> str:
         """Append output ids; return the text they finalize (possibly ``""``)."""
-        new_ids = list(new_ids)
         self._ids.extend(new_ids)
-        self.output_token_ids.extend(new_ids)
         return self._emit(final=False)
 
     def flush(self) -> str:
@@ -84,7 +81,9 @@ class IncrementalDetokenizer:
         if len(new) <= len(old) or (new.endswith(_REPLACEMENT_CHAR) and not final):
             return ""
         delta = new[len(old) :]
-        self._prefix_offset = self._read_offset
+        # The next window starts at the ids just emitted; older ids are no longer needed.
+        del self._ids[: self._read_offset]
+        self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.output_text += delta
         return delta

@@ -402,7 +402,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
     def send(row: np.ndarray, tok: np.ndarray, per_row: list[float]) -> tuple:
         """Flat indices and each entry's parameter (per_row[row]) on the device, one copy."""
-        table = np.asarray(per_row, dtype=np.float64)
+        table = np.asarray(per_row, dtype=np.float32)
         packed = torch.from_numpy(np.stack([row * vocab + tok, row])).to(device)
         return packed[0], torch.from_numpy(table).to(device=device, dtype=dtype)[packed[1]]
 

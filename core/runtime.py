@@ -113,7 +113,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
             f"platform {platform.name} cannot run this configuration: " + "; ".join(problems)
         )
 
-    hf_config = load_hf_config(config.model)
+    hf_config = load_hf_config(config.model, plugins=plugins)
     config.model.max_model_len = resolve_max_model_len(config, hf_config)
     resolve_dtype(config, hf_config, platform)
     if config.model.served_model_name is None:

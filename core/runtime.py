@@ -113,12 +113,8 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
             f"platform {platform.name} cannot run this configuration: " + "; ".join(problems)
         )
 
-    models = ModelRegistry()
-    for _ in plugins.call_hook("engine_models", registry=models):
-        pass
-    requested_len = config.model.max_model_len
+    models = ModelRegistry.with_plugins(plugins)
     hf_config = load_hf_config(config.model, models)
-    config.model.max_model_len = requested_len
     config.model.max_model_len = resolve_max_model_len(config, hf_config)
     resolve_dtype(config, hf_config, platform)
     if config.model.served_model_name is None:

@@ -25,6 +25,7 @@ from engine.version import PLUGIN_API_VERSION, __version__
 SUBCOMMANDS = [
     "engine.cli.plugins",
     "engine.cli.env",
+    "engine.cli.serve",
 ]
 
 EXIT_USAGE_ERROR = 2

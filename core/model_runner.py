@@ -103,6 +103,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self._groups: list[int | None] | None = None
+        self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> nn.Module:
@@ -307,11 +308,38 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:
+        self.graphs = None  # captured graphs point at the cache tensors
         if self.model is not None:
             for layer in self.model.attention_layers():
                 layer.kv_cache = None
         self.kv_caches = []
         self.num_blocks = 0
+
+    def capture_graphs(self) -> float | None:
+        """Capture decode CUDA graphs (``engine.cuda_graphs``) for the allocated cache when the
+        platform supports graph capture, the attention backend declares
+        ``supports_decode_graphs`` and ``enforce_eager`` is off. Returns the seconds taken, or
+        None when graphs are not used."""
+        if (
+            self.config.enforce_eager
+            or not self.platform.supports_graph_capture
+            or not getattr(self.attn_backend_cls, "supports_decode_graphs", False)
+            or self.device.type != "cuda"
+        ):
+            return None
+        assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
+        from engine.cuda_graphs import DecodeGraphs
+
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        self.graphs = DecodeGraphs(
+            self.model,
+            len(groups),
+            self.block_size,
+            self.max_model_len,
+            self.config.scheduler.max_num_seqs,
+            self.device,
+        )
+        return self.graphs.capture()
 
     # ---- one step ---------------------------------------------------------------------------
     def execute(
@@ -335,9 +363,13 @@ class ModelRunner:
         scheduled = sched_out.scheduled
         if not scheduled:
             return out
-        batch = self._prepare(scheduled)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            hidden = self.graphs.run(scheduled) if self.graphs is not None else None
+            if hidden is not None:  # replayed a captured decode graph
+                batch = _Batch(None, None, [], list(range(len(scheduled) + 1)))
+            else:
+                batch = self._prepare(scheduled)
+                hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             self._sample(scheduled, batch, hidden, sampling_rows, out)
             if prompt_logprobs:
                 self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, out)

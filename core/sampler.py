@@ -27,9 +27,11 @@ position. Unseeded rows share one batched draw from the device's default generat
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.outputs import Logprob
@@ -380,58 +382,72 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Repetition, frequency and presence penalties, for the rows that set any."""
-    pen = [
+    """Repetition, then frequency and presence penalties, for the rows that set any.
+
+    Sparse: only the entries of tokens a row has seen are read and written (through a flat
+    view, the fastest gather/scatter on CPU too), so the cost grows with the number of
+    tokens, not with rows x vocabulary.
+    """
+    rep_rows = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    out_rows = [
         i
         for i, r in enumerate(rows)
-        if r.params.repetition_penalty != 1.0
-        or r.params.frequency_penalty != 0.0
-        or r.params.presence_penalty != 0.0
+        if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
     ]
-    if not pen:
+    if not rep_rows and not out_rows:
         return
-    device = logits.device
-    num, vocab = len(pen), logits.shape[1]
-    x = logits if num == len(rows) else logits[_index(pen, device)]
+    device, dtype, vocab = logits.device, logits.dtype, logits.shape[1]
+    work = logits if logits.is_contiguous() else logits.contiguous()
+    flat = work.view(-1)
 
-    # Output-token counts per penalized row, built with one scatter_add over a flat index.
-    flat: list[int] = []
-    for k, i in enumerate(pen):
-        base = k * vocab
-        flat.extend(base + t for t in rows[i].output_token_ids if 0 <= t < vocab)
-    counts = torch.zeros(num * vocab, dtype=logits.dtype, device=device)
-    if flat:
-        idx = _index(flat, device)
-        counts.scatter_add_(0, idx, torch.ones(idx.numel(), dtype=logits.dtype, device=device))
-    counts = counts.view(num, vocab)
+    def send(row: np.ndarray, tok: np.ndarray, per_row: list[float]) -> tuple:
+        """Flat indices and each entry's parameter (per_row[row]) on the device, one copy."""
+        table = np.asarray(per_row, dtype=np.float32)
+        packed = torch.from_numpy(np.stack([row * vocab + tok, row])).to(device)
+        return packed[0], torch.from_numpy(table).to(device=device, dtype=dtype)[packed[1]]
 
-    params = [rows[i].params for i in pen]
-    rep = [p.repetition_penalty for p in params]
-    if any(v != 1.0 for v in rep):
-        seen = counts > 0
-        flat = []
-        for k, i in enumerate(pen):
-            if rep[k] != 1.0:
-                base = k * vocab
-                flat.extend(base + t for t in rows[i].prompt_token_ids if 0 <= t < vocab)
-        if flat:
-            seen.view(-1)[_index(flat, device)] = True
-        rep_t = torch.tensor(rep, dtype=logits.dtype, device=device)[:, None]
-        penalized = torch.where(x > 0, x / rep_t, x * rep_t)
-        x = torch.where(seen, penalized, x)
+    if rep_rows:
+        # Every token seen in the prompt or the output; duplicates read the same value and
+        # write the same result, so each entry is penalized once.
+        lists = [rows[i].prompt_token_ids for i in rep_rows]
+        lists += [rows[i].output_token_ids for i in rep_rows]
+        row, tok = _row_token_pairs(lists, rep_rows + rep_rows, vocab)
+        idx, rep = send(row, tok, [r.params.repetition_penalty for r in rows])
+        vals = flat.index_select(0, idx)
+        flat.index_copy_(0, idx, torch.where(vals > 0, vals / rep, vals * rep))
 
-    freq = [p.frequency_penalty for p in params]
-    if any(freq):
-        x = x - torch.tensor(freq, dtype=logits.dtype, device=device)[:, None] * counts
-    pres = [p.presence_penalty for p in params]
-    if any(pres):
-        pres_t = torch.tensor(pres, dtype=logits.dtype, device=device)[:, None]
-        x = x - pres_t * (counts > 0).to(logits.dtype)
+    if out_rows:
+        row, tok = _row_token_pairs([rows[i].output_token_ids for i in out_rows], out_rows, vocab)
+        freq = [r.params.frequency_penalty for r in rows]
+        if any(freq):
+            # Once per occurrence: the count-weighted penalty.
+            idx, f = send(row, tok, freq)
+            flat.scatter_add_(0, idx, -f)
+        pres = [r.params.presence_penalty for r in rows]
+        if any(pres):
+            idx, p = send(row, tok, pres)
+            flat.index_copy_(0, idx, flat.index_select(0, idx) - p)
 
-    if num == len(rows):
-        logits.copy_(x)
-    else:
-        logits[_index(pen, device)] = x
+    if work is not logits:
+        logits.copy_(work)
+
+
+def _row_token_pairs(
+    token_lists: list[list[int]], row_ids: list[int], vocab: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) arrays for every token of every list (list k belongs to row_ids[k]).
+
+    The lists are joined in C (itertools + numpy: the per-token cost is reading a Python
+    int); ids outside the vocabulary are dropped.
+    """
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    total = int(lengths.sum())
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    row = np.repeat(np.asarray(row_ids, dtype=np.int64), lengths)
+    valid = (tokens >= 0) & (tokens < vocab)
+    if not valid.all():
+        tokens, row = tokens[valid], row[valid]
+    return row, tokens
 
 
 def _apply_temperature_and_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -153,12 +153,10 @@ def test_auto_dtype_without_declared_dtype_is_float32(tmp_path, llama_dir):
     assert next(load(d).parameters()).dtype == torch.float32
 
 
-def test_max_model_len_from_config_and_checked(llama_dir):
+def test_max_model_len_from_config(llama_dir):
     mc = ModelConfig(model=str(llama_dir))
     load_hf_config(mc)
     assert mc.max_model_len == 512 and mc.architecture == "LlamaForCausalLM"
-    with pytest.raises(ModelLoadError, match="max_position_embeddings"):
-        load_hf_config(ModelConfig(model=str(llama_dir), max_model_len=4096))
 
 
 def test_dummy_weights_deterministic_and_config_only(tmp_path, llama_dir):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import types
 
 import pytest
@@ -13,6 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import ConfigError
 from engine.outputs import Logprob
+from engine.sampler import SamplingRow
+from engine.sampling_params import SamplingParams
 from engine.testing.tiny_models import save_tiny_model
 
 
@@ -110,41 +111,28 @@ def test_multiple_samples_and_logprobs_pass_through(hybrid_dir):
     assert len(out.sampled["p"]) == 2 and len(out.logprobs["p"]) == 2
 
 
-def test_prompt_logprobs_over_chunks(hybrid_dir, monkeypatch):
-    """Prompt logprobs come from the logits at each previous position; concatenated over the
-    chunks they give one entry per prompt token, None first."""
-    try:
-        from engine.sampler import compute_prompt_logprobs
-    except ImportError:  # until the sampler lands: a stand-in with the agreed signature
-
-        def compute_prompt_logprobs(logits, target_ids, k):
-            lp = torch.log_softmax(logits, dim=-1)
-            out = []
-            for row, t in zip(lp, target_ids, strict=True):
-                entry = {int(t): Logprob(float(row[t]))}
-                for j in row.topk(k).indices.tolist() if k else []:
-                    entry.setdefault(j, Logprob(float(row[j])))
-                out.append(entry)
-            return out
-
-        fake = types.ModuleType("engine.sampler")
-        fake.compute_prompt_logprobs = compute_prompt_logprobs
-        monkeypatch.setitem(sys.modules, "engine.sampler", fake)
+def test_prompt_logprobs_over_chunks(hybrid_dir):
+    """Prompt logprobs come from the logits at each previous position; the chunks' lists
+    concatenated give one entry per prompt token after the first."""
+    from engine.sampler import Sampler
 
     hf = AutoModelForCausalLM.from_pretrained(hybrid_dir, dtype=torch.float32).eval()
     runner, _ = make_runner(hybrid_dir)
+    runner.sampler = Sampler(runner.vocab_size, runner.device)
     alloc = BlockAllocator(runner.num_blocks, 2)
     prompt = [11, 42, 7, 99, 3, 250, 17, 8, 64]
     req = new_request("p", prompt)
-    entries = []
     out = runner.execute(schedule([(req, 4)], alloc, runner.block_size), {}, {"p": 2})
+    entries = out.prompt_logprobs["p"]
+    assert len(entries) == 4 and out.sampled == {}
+    row = SamplingRow(SamplingParams(temperature=0.0), prompt, [], [None])
+    out = runner.execute(schedule([(req, 5)], alloc, runner.block_size), {"p": row}, {"p": 2})
     entries += out.prompt_logprobs["p"]
-    out = runner.execute(schedule([(req, 5)], alloc, runner.block_size), {"p": object()}, {"p": 2})
-    entries += out.prompt_logprobs["p"]
-    assert len(entries) == len(prompt) and entries[0] is None
+    assert len(entries) == len(prompt) - 1
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
     for j in range(1, len(prompt)):
-        got = entries[j][prompt[j]].logprob
-        assert abs(got - float(ref[j - 1, prompt[j]])) < 1e-4
-        assert len(entries[j]) >= 2
+        entry = entries[j - 1]
+        assert abs(entry[prompt[j]].logprob - float(ref[j - 1, prompt[j]])) < 1e-4
+        assert len(entry) >= 2
+    assert out.sampled["p"] == [int(ref[-1].argmax())]

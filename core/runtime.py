@@ -133,6 +133,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     groups = runner.kv_cache_groups()
     num_blocks = runner.determine_num_blocks()
     runner.allocate_kv_cache(num_blocks)
+    runner.capture_graphs()  # decode CUDA graphs where the platform and backend allow them
     scheduler = Scheduler(
         config.scheduler,
         config.cache,

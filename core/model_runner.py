@@ -431,10 +431,13 @@ class ModelRunner:
         ]
         if missing:
             raise KeyError(f"no sampling row for requests that sample this step: {missing}")
-        last = torch.tensor(
-            [batch.query_start_loc[i + 1] - 1 for i, _ in sampling], device=hidden.device
-        )
-        logits = self.model.compute_logits(hidden[last])
+        if len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]:
+            logits = self.model.compute_logits(hidden)  # one token per request: no gather
+        else:
+            last = torch.tensor(
+                [batch.query_start_loc[i + 1] - 1 for i, _ in sampling], device=hidden.device
+            )
+            logits = self.model.compute_logits(hidden[last])
         rows = [sampling_rows[s.request.request_id] for _, s in sampling]
         result = self.sampler.sample(logits, rows)
         for j, (_, s) in enumerate(sampling):

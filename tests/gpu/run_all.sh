@@ -3,10 +3,11 @@
 #
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
-# Steps (default: all, in this order): tests, qwen-nano, qwen-b1, llama-b1, llama-nano,
-# profile. Each writes a log under $OUT and its JSON into $OUT/results.json (one object keyed
-# by step); a step is skipped when less than a minute of DEADLINE (seconds, default 560) is
-# left. Run from a copy of the repository on a machine with python3, torch and triton.
+# Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
+# llama-nano, profile. Logs go to $OUT/tests.log, kernels.log, bench.log and profile.txt; every
+# benchmark's JSON into $OUT/results.json (one object keyed by step). A step is skipped when
+# less than a minute of DEADLINE (seconds, default 560) is left. Run from a copy of the
+# repository on a machine with python3, torch and triton.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -20,14 +21,14 @@ left() { echo $((DEADLINE - $(elapsed))); }
 JSONS=()
 
 python3 -m pip install -q --no-deps --no-build-isolation --no-index \
-  -e . -e plugins/engine-cuda -e plugins/engine-triton >"$OUT/install.log" 2>&1 \
-  || { echo "INSTALL FAILED"; tail -20 "$OUT/install.log"; exit 1; }
+  -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
+  || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "installed at $(elapsed)s"
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests qwen-nano qwen-b1 llama-b1 llama-nano profile)
+[ ${#steps[@]} -eq 0 ] && steps=(tests kernels qwen-nano qwen-b1 llama-b1 llama-nano profile)
 
 bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for results.json
   local name=$1 limit=$2
@@ -35,9 +36,10 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for result
   [ "$(left)" -lt 60 ] && { echo "SKIP $name: $(left)s left"; return; }
   [ "$limit" -gt "$(left)" ] && limit=$(left)
   echo "=== $name (limit ${limit}s) at $(elapsed)s: engine bench $*"
-  timeout -k 10 "$limit" python3 -m engine.cli.main bench "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
+  echo "=== $name: engine bench $*" >>"$OUT/bench.log"
+  timeout -k 10 "$limit" python3 -m engine.cli.main bench "$@" --json "$OUT/$name.json" >/tmp/$name.log 2>&1
   echo "rc=$? at $(elapsed)s"
-  grep -vE "it/s\]|s/it\]|^Loading" "$OUT/$name.log" | tail -8
+  grep -vE "it/s\]|s/it\]|^Loading" /tmp/$name.log | tee -a "$OUT/bench.log" | tail -8
   JSONS+=("$name")
 }
 
@@ -49,10 +51,19 @@ for step in "${steps[@]}"; do
   case $step in
     tests)
       echo "=== GPU tests at $(elapsed)s"
-      timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -x -p no:cacheprovider \
-        tests/gpu tests/triton -m "gpu or triton" >"$OUT/tests.log" 2>&1
+      timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider \
+        tests/triton tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -15 "$OUT/tests.log"
+      ;;
+    kernels)
+      [ "$(left)" -lt 90 ] && { echo "SKIP kernels"; continue; }
+      echo "=== kernel sweeps at $(elapsed)s"
+      timeout -k 10 $(($(left) - 60)) python3 -m engine_triton.benchmark --json "$OUT/kernels.json" \
+        >"$OUT/kernels.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -A3 -E "^(decode|prefill)" "$OUT/kernels.log"
+      JSONS+=("kernels")
       ;;
     qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
     qwen-b1) bench qwen-b1 150 latency --model qwen3-0.6b "${B1[@]}" ;;
@@ -64,10 +75,10 @@ for step in "${steps[@]}"; do
       echo "=== profile at $(elapsed)s"
       timeout -k 10 $(($(left) - 10)) python3 -m cProfile -o /tmp/bench.prof \
         -m engine.benchmarks.throughput --model qwen3-0.6b "${NANO[@]}" --num-prompts 128 \
-        >"$OUT/profile-run.log" 2>&1
+        >/tmp/profile-run.log 2>&1
       python3 -c "import pstats; pstats.Stats('/tmp/bench.prof').sort_stats('tottime').print_stats(45)" \
         >"$OUT/profile.txt" 2>&1
-      grep -E "Throughput|Steps" "$OUT/profile-run.log"
+      grep -E "Throughput|Steps" /tmp/profile-run.log
       ;;
     *) echo "unknown step $step" ;;
   esac
@@ -87,6 +98,8 @@ for name in names:
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 for name, r in results.items():
+    if name == "kernels":
+        continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "
               f"{r['elapsed_s']} s, ready {r['start_to_ready_s']} s, split {r['step_split']}")

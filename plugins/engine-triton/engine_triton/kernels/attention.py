@@ -347,6 +347,10 @@ def _cache_halves(kv_cache: torch.Tensor):
     return k_cache, v_cache
 
 
+# Launch configuration of the prefill kernel: rows (token x head pairs) and keys per tile.
+PREFILL_CONFIG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+
+
 def paged_prefill(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -359,6 +363,7 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    config: dict | None = None,
 ) -> None:
     """Attention for ``num_seqs`` requests with query lengths from ``query_start_loc`` (absolute
     token indices into ``query``/``out`` [T, H, D]) over their paged context; writes ``out``.
@@ -370,9 +375,11 @@ def paged_prefill(
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     interp = _interpreted(query)
-    block_m = 16 if interp else 128
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_n = 16 if interp else 64
+    cfg = dict(PREFILL_CONFIG, **(config or {}))
+    if interp:
+        cfg = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+    block_m = max(cfg["block_m"], triton.next_power_of_2(group))
+    block_n = cfg["block_n"]
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
@@ -404,8 +411,8 @@ def paged_prefill(
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(logit_softcap),
         PRECISION=_precision(query.dtype),
-        num_warps=4 if interp else 8,
-        num_stages=1 if interp else 3,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 

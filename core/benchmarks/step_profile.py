@@ -5,7 +5,9 @@ runner's ``execute`` and the model's forward (or the replay of a captured graph)
 CUDA events from the launch of the first model kernel to the end of ``execute`` (which returns
 only once the sampled tokens are on the host). The engine synchronises every step, so a step's
 wall time is its GPU span plus the time the GPU waits for the host: scheduling, input
-preparation, sampling bookkeeping, detokenisation and stop checks.
+preparation, sampling bookkeeping, detokenisation and stop checks. For replayed decode graphs
+an event after the replay also splits the span into the forward pass (the graph) and the rest
+(logits, sampling, the copy of the tokens to the host), and spans are averaged per batch size.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ class StepProfiler:
         self.schedule_s = 0.0
         self.execute_s = 0.0
         self._pending_start: Any = None
-        self._spans: list[tuple[Any, Any]] = []
+        self._pending_graph_end: Any = None
+        self._batch = 0
+        # (start, end of graph replay or None, end, batch size) per step
+        self._spans: list[tuple[Any, Any, Any, int]] = []
         self._torch = torch
         self._wrap()
 
@@ -56,6 +61,7 @@ class StepProfiler:
             t = time.perf_counter()
             out = schedule(*a, **k)
             self.schedule_s += time.perf_counter() - t
+            self._batch = len(out.scheduled)
             if out.scheduled:
                 self.steps += 1
                 if all(s.num_new_tokens == 1 for s in out.scheduled):
@@ -67,8 +73,10 @@ class StepProfiler:
             out = execute(*a, **k)
             self.execute_s += time.perf_counter() - t
             if self._pending_start is not None:
-                self._spans.append((self._pending_start, self._event()))
-                self._pending_start = None
+                self._spans.append(
+                    (self._pending_start, self._pending_graph_end, self._event(), self._batch)
+                )
+                self._pending_start = self._pending_graph_end = None
             return out
 
         def marked_forward(*a: Any, **k: Any) -> Any:
@@ -86,7 +94,9 @@ class StepProfiler:
 
                 def marked_replay(replay: Any = replay) -> Any:
                     self._mark_forward()
-                    return replay()
+                    out = replay()
+                    self._pending_graph_end = self._event()
+                    return out
 
                 graph.replay = marked_replay
 
@@ -94,8 +104,21 @@ class StepProfiler:
         """Totals in seconds and per-step means in milliseconds."""
         if self.cuda:
             self._torch.cuda.synchronize()
-        gpu_s = sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+        gpu_s = sum(a.elapsed_time(c) for a, _, c, _ in self._spans) / 1e3
         steps = max(self.steps, 1)
+        graph_steps = [(a.elapsed_time(g), g.elapsed_time(c), n) for a, g, c, n in self._spans if g]
+        buckets: dict[str, list[tuple[float, float]]] = {}
+        for graph_ms, rest_ms, n in graph_steps:
+            key = next(f"<={b}" for b in (1, 8, 32, 64, 128, 192, 256, 10**9) if n <= b)
+            buckets.setdefault(key, []).append((graph_ms, rest_ms))
+        per_batch = {
+            k: {
+                "steps": len(v),
+                "graph_ms": round(sum(x for x, _ in v) / len(v), 3),
+                "after_graph_ms": round(sum(y for _, y in v) / len(v), 3),
+            }
+            for k, v in buckets.items()
+        }
         return {
             "steps": self.steps,
             "decode_only_steps": self.decode_steps,
@@ -108,4 +131,6 @@ class StepProfiler:
             "mean_gpu_span_ms": round(1e3 * gpu_s / steps, 3),
             "mean_schedule_ms": round(1e3 * self.schedule_s / steps, 3),
             "mean_host_only_ms": round(1e3 * (self.step_s - gpu_s) / steps, 3),
+            "graph_s": round(sum(x for x, _, _ in graph_steps) / 1e3, 3),
+            "decode_graph_by_batch": per_batch,
         }

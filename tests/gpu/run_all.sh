@@ -65,6 +65,11 @@ for step in "${steps[@]}"; do
       grep -A3 -E "^(decode|prefill)" "$OUT/kernels.log"
       JSONS+=("kernels")
       ;;
+    spread)  # decode bandwidth with the used blocks packed vs spread over a full-size cache
+      echo "=== spread check at $(elapsed)s"
+      timeout -k 10 120 python3 -m engine_triton.benchmark --spread-only --json "$OUT/spread.json" 2>&1 | tail -3
+      JSONS+=("spread")
+      ;;
     qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
     qwen-b1) bench qwen-b1 150 latency --model qwen3-0.6b "${B1[@]}" ;;
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
@@ -98,7 +103,7 @@ for name in names:
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 for name, r in results.items():
-    if name == "kernels":
+    if name in ("kernels", "spread"):
         continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "

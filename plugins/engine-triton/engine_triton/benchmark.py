@@ -75,7 +75,6 @@ def sweep_decode(results: dict) -> None:
         splits = decode_splits(b, hkv, torch.device("cuda"))
         rows = []
         for cfg in configs:
-
             run = functools.partial(
                 paged_decode, inputs["query"], inputs["kv_cache"], out, inputs["seq_lens"],
                 inputs["block_table"], b, d**-0.5, num_splits=splits, key=inputs["key"],
@@ -94,6 +93,45 @@ def sweep_decode(results: dict) -> None:
         for r in rows[:6]:
             print("  ", r, flush=True)
         print("   worst:", rows[-1], flush=True)
+
+
+def spread_check(results: dict, num_blocks: int = 72764) -> None:
+    """The default decode configuration at 256 x 600..1100 tokens in a cache the size the
+    engine allocates for Qwen3-0.6B on an H200 (72764 blocks, 4.8 GB a layer), with the used
+    blocks packed at the start of the cache or spread over all of it."""
+    import torch
+    import triton.testing
+
+    from engine_triton.kernels.attention import paged_decode
+
+    hq, hkv, d, page = 16, 8, 128, 16
+    rng = random.Random(1)
+    ctx = [rng.randint(600, 1100) for _ in range(256)]
+    need = [(c + page - 1) // page for c in ctx]
+    cache = torch.randn(2, num_blocks, page, hkv, d, dtype=torch.bfloat16, device="cuda")
+    nbytes = sum(ctx) * hkv * d * 2 * 2
+    for layout in ("packed", "spread"):
+        pool = list(range(sum(need))) if layout == "packed" else list(range(num_blocks))
+        rng.shuffle(pool)
+        table = torch.zeros(256, max(need), dtype=torch.int32)
+        at = 0
+        for i, n in enumerate(need):
+            table[i, :n] = torch.tensor(pool[at : at + n])
+            at += n
+        inputs = dict(
+            query=torch.randn(256, hq, d, dtype=torch.bfloat16, device="cuda"),
+            seq_lens=torch.tensor(ctx, dtype=torch.int32, device="cuda"),
+            block_table=table.cuda(),
+        )
+        out = torch.empty_like(inputs["query"])
+        run = functools.partial(
+            paged_decode, inputs["query"], cache, out, inputs["seq_lens"],
+            inputs["block_table"], 256, d**-0.5,
+        )  # fmt: skip
+        ms = triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median")
+        row = {"us": round(ms * 1e3, 1), "GBps": round(nbytes / ms / 1e6, 0)}
+        results[f"decode 256x600-1100 in {num_blocks} blocks, {layout}"] = row
+        print(f"decode 256 x 600..1100, {num_blocks}-block cache, {layout}: {row}", flush=True)
 
 
 def sweep_prefill(results: dict) -> None:
@@ -134,8 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument(
+        "--spread-only", action="store_true", help="Only the packed/spread block-layout check."
+    )
     args = parser.parse_args(argv)
     results: dict = {}
+    spread_check(results)
+    if args.spread_only:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     sweep_decode(results)
     if not args.skip_prefill:
         sweep_prefill(results)

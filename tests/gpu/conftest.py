@@ -1,6 +1,6 @@
 """GPU tests: every test marked ``gpu`` is skipped without a CUDA device.
 
-``paged_reference`` (the float64 paged-attention oracle) is shared with ``tests/triton``.
+``paged_reference`` (the float64 paged-attention oracle) is shared with ``tests/triton_kernels``.
 """
 
 from __future__ import annotations

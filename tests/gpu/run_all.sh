@@ -50,7 +50,7 @@ for step in "${steps[@]}"; do
     tests)
       echo "=== GPU tests at $(elapsed)s"
       timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -x -p no:cacheprovider \
-        tests/gpu tests/triton -m "gpu or triton" >"$OUT/tests.log" 2>&1
+        tests/gpu tests/triton_kernels -m "gpu or triton" >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -15 "$OUT/tests.log"
       ;;

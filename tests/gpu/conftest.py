@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "triton"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "triton_kernels"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -241,3 +241,18 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
         dict(model.named_parameters())["model.norm.weight"],
         load_file(llama_dir / "model.safetensors")["model.norm.weight"],
     )
+
+
+def test_corrupt_shard_is_named(tmp_path, llama_dir):
+    d = copy_with_weights(llama_dir, tmp_path / "m", lambda s: None)
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
+    with pytest.raises(ModelLoadError, match="cannot read safetensors file .*model.safetensors"):
+        load(d)
+
+
+def test_index_listing_a_missing_shard(tmp_path, llama_dir):
+    d = copy_with_weights(llama_dir, tmp_path / "m", lambda s: None)
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        load(d)

@@ -63,7 +63,9 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert backends["triton"]["distribution"] == "engine-triton"
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
     assert report["auto_order"] == ["torch"]
-    assert report["kernel_overrides"] == []
+    # Overrides (engine-triton's, when triton is installed) target GPUs, none the CPU.
+    for override in report["kernel_overrides"]:
+        assert "cpu" not in (override["platforms"] or ["cpu"]), override
 
 
 def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
@@ -204,3 +206,36 @@ def test_example_vendor_really_installed_with_pip(tmp_path) -> None:
     assert "Unknown platform 'examplevendor'" in " ".join(out.stderr.split())
     report = json.loads(out.stdout)
     assert "examplevendor" not in {p["name"] for p in report["plugins"]}
+
+
+def test_unknown_and_unusable_attention_backend_from_the_cli(plugin_env, capsys, monkeypatch):
+    install_fixtures(plugin_env, "engine-bad-backend")
+    monkeypatch.setenv("ENGINE_PLUGINS", "cpu,badbackend")
+    code, _, err = run_main(capsys, "plugins", "--attention-backend", "flashy")
+    assert_one_paragraph_error(code, err, "Unknown attention backend 'flashy'", "auto, torch, bad")
+    code, _, err = run_main(capsys, "plugins", "--attention-backend", "bad")
+    assert_one_paragraph_error(
+        code, err, "Could not import attention backend 'bad'", "engine-bad-backend"
+    )
+    code, _, err = run_main(capsys, "plugins", "--attention-backend", "auto")
+    assert code == 0 and "Selected attention backend: torch" in err
+
+
+def test_malformed_entry_points_fail_the_cli_with_one_paragraph(plugin_env, capsys, monkeypatch):
+    """An entry point naming a module that does not exist, and one whose value is not a valid
+    ``module:attr`` reference at all."""
+    for name, value in (("ghost", "engine_no_such_module"), ("garbled", "not a module!")):
+        dist_info = plugin_env / f"engine_{name}-1.0.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: engine-{name}\nVersion: 1.0\n"
+        )
+        (dist_info / "entry_points.txt").write_text(f"[engine]\n{name} = {value}\n")
+    monkeypatch.setenv("ENGINE_PLUGINS", "cpu,ghost")
+    code, _, err = run_main(capsys, "plugins")
+    assert_one_paragraph_error(
+        code, err, "engine-ghost 1.0", "ghost = engine_no_such_module", "ModuleNotFoundError"
+    )
+    monkeypatch.setenv("ENGINE_PLUGINS", "cpu,garbled")
+    code, _, err = run_main(capsys, "plugins")
+    assert_one_paragraph_error(code, err, "engine-garbled 1.0", "garbled = not a module!")

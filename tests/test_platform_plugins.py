@@ -208,3 +208,11 @@ def test_tpu_communicator_maps_onto_xm(fake_torch_xla) -> None:
     ]
     grouped = TpuPlatform.communicator([[0, 1], [2, 3]])
     assert (grouped.world_size, grouped.rank) == (2, 1)
+
+
+def test_a_directory_named_like_a_package_is_not_the_package(tmp_path, monkeypatch) -> None:
+    """tests/triton/ on sys.path must not make engine-triton believe triton is installed."""
+    (tmp_path / "surely_not_installed_pkg").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not detect.module_available("surely_not_installed_pkg")
+    assert detect.module_available("json")

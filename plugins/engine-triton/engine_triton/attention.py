@@ -11,11 +11,11 @@ Importing this module is cheap: Triton and torch are imported when the backend i
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import TYPE_CHECKING, ClassVar
 
 from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
+from engine.platforms.detect import module_available
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
-        if importlib.util.find_spec("triton") is None:
+        # module_available, not find_spec: a tests/triton/ folder on sys.path is not triton.
+        if not module_available("triton"):
             return ["triton is not installed"]
         return []
 

@@ -88,8 +88,14 @@ class TorchReferenceBackend(AttentionBackend):
         idx = logical.clamp(max=block_table.shape[1] - 1)
         physical = block_table.gather(1, idx).long().clamp(0, kv_cache.shape[1] - 1)
         b = physical.shape[0]
-        keys = kv_cache[0][physical].view(b, num_blocks * block_size, *kv_cache.shape[3:])
-        values = kv_cache[1][physical].view(b, num_blocks * block_size, *kv_cache.shape[3:])
+        flat = physical.flatten()
+        # index_select rather than advanced indexing: the same gather, far faster on CPU.
+        keys = (
+            kv_cache[0].index_select(0, flat).view(b, num_blocks * block_size, *kv_cache.shape[3:])
+        )
+        values = (
+            kv_cache[1].index_select(0, flat).view(b, num_blocks * block_size, *kv_cache.shape[3:])
+        )
         positions = (
             logical[:, :, None] * block_size + torch.arange(block_size, device=logical.device)
         ).view(b, -1)

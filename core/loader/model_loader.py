@@ -240,6 +240,8 @@ def load_model(
     ctx = ModelContext(hf_config, dtype, kernels, attn_backend_cls, device)
     path = resolve_model_path(model_config.model)
     fmt = model_config.load_format
+    if fmt == "safetensors" and path.is_file():
+        raise ModelLoadError(f"load_format=safetensors needs a model directory, got file {path}")
 
     if fmt == "dummy":
         with torch.device(device):

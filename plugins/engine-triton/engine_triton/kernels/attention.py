@@ -108,15 +108,16 @@ def _prefill_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     blk = pid - ((q_start - q0) // BLOCK_Q + seq)
-    if blk * BLOCK_Q >= q_len:
-        return
+    # Programs past the request's last q-block (the grid over-counts) do nothing: no rows, no
+    # key tiles (no early return, which not every Triton lowers).
+    has_rows = blk * BLOCK_Q < q_len
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
 
     r = tl.arange(0, BLOCK_M)
     tok = blk * BLOCK_Q + r // G
     head = kv_head * G + r % G
-    row_ok = (r < BLOCK_Q * G) & (tok < q_len)
+    row_ok = (r < BLOCK_Q * G) & (tok < q_len) & has_rows
     pos = prefix + tok
     d = tl.arange(0, HEAD_PAD)
     d_mask = d < head_size
@@ -129,6 +130,7 @@ def _prefill_kernel(
 
     pos_lo = prefix + blk * BLOCK_Q
     kv_hi = prefix + tl.minimum(q_len, (blk + 1) * BLOCK_Q)  # one past the last visible key
+    kv_hi = tl.where(has_rows, kv_hi, 0)
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = tl.maximum(pos_lo - window + 1, 0)

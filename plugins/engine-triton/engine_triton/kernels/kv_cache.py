@@ -3,7 +3,7 @@
 Cache layout (the default of ``AttentionBackend.kv_cache_shape``):
 ``[2, num_blocks, block_size, num_kv_heads, head_size]``; slot ``s`` is row ``s`` of the
 flattened ``[num_blocks * block_size, num_kv_heads * head_size]`` view. Negative slots mark
-padding tokens and are skipped (the program returns before touching memory).
+padding tokens and are skipped (every load and store of that program is masked off).
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ def _write_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    if slot < 0:
-        return
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, DIM_PAD)[None, :]
-    mask = (h < num_kv_heads) & (d < head_size)
+    mask = (h < num_kv_heads) & (d < head_size) & (slot >= 0)  # padding: no access at all
+    slot = tl.maximum(slot, 0)
     row = num_kv_heads * head_size
     dst = cache_ptr + slot * row + h * head_size + d
     ty = cache_ptr.dtype.element_ty

@@ -1,9 +1,5 @@
 """Triton kernel tests: on the CPU they run in Triton's interpreter, with a GPU on the GPU.
 
-(This folder must not be named ``triton``: pytest puts ``tests/`` on ``sys.path``, where a
-``triton/`` folder becomes a namespace package that shadows the real Triton — torch and
-transformers then believe Triton is installed and fail importing ``triton.language``.)
-
 Triton reads ``TRITON_INTERPRET`` when ``triton.language`` is imported (its own library
 functions are decorated then), so it is set here, while collecting, before anything imports
 Triton. It changes nothing for the rest of the suite: engine-triton registers its kernels for

@@ -1,0 +1,253 @@
+"""Offline ``LLM.generate`` vs the HTTP server at saturation, on the same model and flags.
+
+    python -m engine.benchmarks.serve_vs_offline [--model DIR] [--num-prompts 256] ...
+
+Without ``--model`` a tiny random Llama is built in a temporary directory. The same prompts
+(random token ids, greedy, ``ignore_eos``, fixed output length) run first offline in this
+process, then against ``engine serve`` started as a subprocess with the same engine flags, all
+requests sent at once by an asyncio client (streaming and non-streaming). It prints generated
+tokens per second for each and the server's share of the offline number, plus the time from
+launching ``engine serve`` to ``/health`` answering 200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompts(vocab_size: int, special: set[int], num: int, length: int, seed: int) -> list:
+    rng = random.Random(seed)
+    pool = [t for t in range(vocab_size) if t not in special]
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(num)]
+
+
+def _engine_flags(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "cpu_kv_cache_gb": args.cpu_kv_cache_gb,
+        "platform": args.platform,
+        "enable_prefix_caching": False,  # random prompts; keep the two runs identical
+    }
+
+
+class OfflineRunner:
+    """The offline ``LLM`` with the benchmark's engine flags, loaded once."""
+
+    def __init__(self, model: str, args: argparse.Namespace) -> None:
+        from engine.llm import LLM
+        from engine.sampling_params import SamplingParams
+
+        self.llm = LLM(model, **_engine_flags(args))
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+
+    def run(self, prompts: list) -> dict:
+        """Generate for every prompt at once; return elapsed seconds and generated tokens."""
+        self.llm.generate(prompts[:4], self.params, use_tqdm=False)  # warm up
+        start = time.perf_counter()
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        return {"elapsed": elapsed, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, float]:
+    """Launch ``engine serve`` with the same engine flags; wait for /health 200."""
+    import httpx
+
+    port = _free_port()
+    flags = _engine_flags(args)
+    cmd = [
+        sys.executable,
+        "-c",
+        "from engine.cli.main import main; raise SystemExit(main())",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--dtype",
+        flags["dtype"],
+        "--max-model-len",
+        str(flags["max_model_len"]),
+        "--max-num-seqs",
+        str(flags["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(flags["max_num_batched_tokens"]),
+        "--cpu-kv-cache-gb",
+        str(flags["cpu_kv_cache_gb"]),
+        "--platform",
+        flags["platform"],
+        "--no-enable-prefix-caching",
+        "--served-model-name",
+        "bench",
+        "--disable-log-requests",
+        "--disable-uvicorn-access-log",
+    ]
+    log = open(Path(tempfile.gettempdir()) / f"serve_vs_offline_{port}.log", "w")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine serve exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    return proc, base, time.perf_counter() - start
+
+
+async def _one(client, prompt: list[int], output_len: int, stream: bool) -> int:
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if not stream:
+        r = await client.post("/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    last = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                last = line
+    return json.loads(last[6:])["usage"]["completion_tokens"]
+
+
+async def _saturate(base: str, prompts: list, output_len: int, stream: bool) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base, timeout=3600, limits=limits) as client:
+        await asyncio.gather(*(_one(client, p, output_len, stream) for p in prompts[:4]))
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(_one(client, p, output_len, stream) for p in prompts))
+        elapsed = time.perf_counter() - start
+    return {"elapsed": elapsed, "tokens": sum(counts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="Model directory (default: a tiny Llama).")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--platform", default="auto")
+    parser.add_argument("--hidden-size", type=int, default=256, help="Tiny model width.")
+    parser.add_argument("--num-layers", type=int, default=4, help="Tiny model depth.")
+    parser.add_argument("--modes", default="offline,stream,plain", help="What to run.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="Runs per mode (best counts).")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads in both runs (OMP_NUM_THREADS for the server); 1 is "
+        "steadier on a shared machine.",
+    )
+    args = parser.parse_args(argv)
+    if args.torch_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from engine.testing.tiny_models import build_tiny_model
+
+            model = str(
+                build_tiny_model(
+                    tmp,
+                    "llama",
+                    hidden_size=args.hidden_size,
+                    num_layers=args.num_layers,
+                    num_heads=max(1, args.hidden_size // 64),
+                    num_kv_heads=max(1, args.hidden_size // 128),
+                    intermediate_size=args.hidden_size * 2,
+                    max_position_embeddings=args.max_model_len,
+                )
+            )
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        prompts = _prompts(
+            len(tok), set(tok.all_special_ids), args.num_prompts, args.input_len, args.seed
+        )
+        modes = args.modes.split(",")
+        print(
+            f"model {model}: {args.num_prompts} prompts x {args.input_len} tokens in, "
+            f"{args.output_len} out, max_num_seqs {args.max_num_seqs}, best of {args.repeats}"
+        )
+        # The server idles (its engine thread sleeps) while the offline engine runs, and the
+        # runs alternate, so that load drifting on a shared machine hits every mode alike.
+        proc = base = None
+        if "stream" in modes or "plain" in modes:
+            proc, base, ready_s = start_server(model, args)
+            print(f"engine serve: ready (/health 200) {ready_s:.2f} s after launch")
+        results: dict[str, list[dict]] = {m: [] for m in ("offline", "stream", "plain")}
+        try:
+            offline = OfflineRunner(model, args) if "offline" in modes else None
+            for _ in range(args.repeats):
+                if offline is not None:
+                    results["offline"].append(offline.run(prompts))
+                for mode in ("stream", "plain"):
+                    if mode in modes:
+                        results[mode].append(
+                            asyncio.run(_saturate(base, prompts, args.output_len, mode == "stream"))
+                        )
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+        offline_tps = None
+        labels = {
+            "offline": "offline LLM.generate",
+            "stream": "HTTP, streaming",
+            "plain": "HTTP, non-streaming",
+        }
+        for name, runs in results.items():
+            if not runs:
+                continue
+            rates = sorted(r["tokens"] / r["elapsed"] for r in runs)
+            best = rates[-1]
+            if name == "offline":
+                offline_tps = best
+            share = f" = {100 * best / offline_tps:5.1f}% of offline" if offline_tps else ""
+            all_rates = ", ".join(f"{x:.0f}" for x in rates)
+            print(f"{labels[name]:21s} best {best:8.1f} tokens/s{share}   (runs: {all_rates})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

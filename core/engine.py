@@ -186,7 +186,10 @@ class LLMEngine:
         )
         state.seqs.append(self._new_sequence(0, request, prompt_token_ids, params, generators[0]))
         state.pending_child_generators = generators[1:]
-        self.scheduler.add_request(request)  # may raise a rejection (ValueError)
+        # Prompt logprobs need logits at every prompt position, so no prefix-cache skipping.
+        self.scheduler.add_request(
+            request, allow_prefix_hit=params.prompt_logprobs is None
+        )  # may raise RequestRejectedError (a ValueError)
         self._requests[request_id] = state
         self._seq_owner[request_id] = (state, state.seqs[0])
         self._prompt_tokens_total += len(prompt_token_ids)

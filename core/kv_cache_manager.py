@@ -269,9 +269,11 @@ class KVCacheManager:
         num_computed_tokens: int,
         computed_tables: list[list[int]] | None,
         num_new_tokens: int,
+        count_query: bool = True,
     ) -> bool:
         """Give a request that holds no blocks its cached prefix plus room for
         ``num_new_tokens`` more. All or nothing: False (and no change) when the pool is short.
+        ``count_query`` adds the request to the prefix-cache query/hit counters.
         """
         st = self._reqs[request.request_id]
         pool = self.pool
@@ -304,7 +306,7 @@ class KVCacheManager:
             for s in self.groups
         ]
         self._refresh(st)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and count_query:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += num_computed_tokens
         return True

@@ -198,7 +198,8 @@ class ModelRunner:
         )
 
     def blocks_per_request(self) -> int:
-        """Blocks one max-length request needs across all KV-cache groups."""
+        """Blocks one max-length request needs across all KV-cache groups (the KV-cache
+        manager reserves one more block, the null block, on top of these)."""
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
         return math.ceil(self.max_model_len / self.block_size) * len(groups)
 
@@ -221,7 +222,7 @@ class ModelRunner:
             num_blocks = min(
                 budget // per_block, self.config.scheduler.max_num_seqs * per_request + 1
             )
-            if num_blocks < per_request:
+            if num_blocks < per_request + 1:  # + the scheduler's reserved null block
                 raise ConfigError(
                     f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds {budget // per_block} KV "
                     f"blocks but one request of max_model_len={self.max_model_len} needs "
@@ -242,7 +243,7 @@ class ModelRunner:
         budget = int(platform.total_memory() * self.config.cache.gpu_memory_utilization)
         available = budget - peak
         num_blocks = max(0, available // per_block)
-        if num_blocks < per_request:
+        if num_blocks < per_request + 1:  # + the scheduler's reserved null block
             raise ConfigError(
                 f"not enough device memory for the KV cache: budget {budget / _GiB:.2f} GiB "
                 f"(total x gpu_memory_utilization={self.config.cache.gpu_memory_utilization}), "

@@ -150,12 +150,18 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._seq: dict[str, int] = {}  # admission order, the last tie-break
         self._counter = itertools.count()
+        self._no_prefix_hit: set[str] = set()
         self.num_preemptions = 0
         self.num_rejected = 0
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises ``RequestRejectedError`` when it could never run."""
+    def add_request(self, request: Request, *, allow_prefix_hit: bool = True) -> None:
+        """Queue a new request. Raises ``RequestRejectedError`` when it could never run.
+
+        ``allow_prefix_hit=False`` makes it compute its whole prompt even when a prefix is
+        cached (a request that wants prompt logprobs needs logits at every prompt position);
+        its blocks are still offered to the cache for others.
+        """
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already queued or running")
@@ -168,6 +174,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         self._requests[rid] = request
         self._seq[rid] = next(self._counter)
+        if not allow_prefix_hit:
+            self._no_prefix_hit.add(rid)
         self.kv.add_request(request)
         self.waiting.push(request, self._seq[rid])
 
@@ -184,6 +192,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.remove(request_id)
         del self._seq[request_id]
+        self._no_prefix_hit.discard(request_id)
         request.status = status
 
     def fork_request(self, parent_id: str, children: list[Request]) -> None:
@@ -238,6 +247,10 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         """The waiting or running request with this id, or None."""
         return self._requests.get(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their content)."""
+        self.kv.reset_prefix_cache()
 
     @property
     def num_free_blocks(self) -> int:
@@ -386,7 +399,10 @@ class Scheduler:
                 break
             request = waiting.peek()
             assert request is not None
-            num_hit, hit_tables = kv.get_computed_blocks(request)
+            if request.request_id in self._no_prefix_hit:
+                num_hit, hit_tables = 0, None
+            else:
+                num_hit, hit_tables = kv.get_computed_blocks(request)
             num_tokens = request.num_tokens
             n = num_tokens - num_hit
             if n > token_budget:
@@ -395,7 +411,8 @@ class Scheduler:
                 if not self._chunked and request.num_preemptions == 0:
                     break
                 n = token_budget
-            if not kv.admit(request, num_hit, hit_tables, n):
+            lookup = request.request_id not in self._no_prefix_hit
+            if not kv.admit(request, num_hit, hit_tables, n, count_query=lookup):
                 break  # head-of-line: later requests wait for blocks too
             waiting.pop()
             if request.num_preemptions == 0:

@@ -38,6 +38,15 @@ KERNELS = KernelRegistry().resolve("cpu")
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 128,
         },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 16,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
     ],
 )
 @pytest.mark.parametrize("partial", [None, 0.5])
@@ -50,13 +59,15 @@ def test_inv_freq_matches_transformers(scaling, partial):
         cfg.rope_parameters["partial_rotary_factor"] = partial
     params = rope_parameters(cfg)
     rot_dim = int(64 * (partial or 1.0))
-    ours = compute_inv_freq(rot_dim, params)
+    ours, scale = compute_inv_freq(rot_dim, params)
     rope_type = params["rope_type"]
     if rope_type == "default":
         expected = 1.0 / (50000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+        expected_scale = 1.0
     else:
-        expected, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+        expected, expected_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
     assert torch.equal(ours, expected)
+    assert scale == expected_scale
 
 
 def test_rope_parameters_from_transformers4_style_config():
@@ -79,8 +90,8 @@ def test_rope_parameters_nested_per_layer_type():
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ValueError, match="yarn"):
-        compute_inv_freq(8, {"rope_type": "yarn", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="longrope"):
+        compute_inv_freq(8, {"rope_type": "longrope", "rope_theta": 1e4})
 
 
 def test_partial_rotary_leaves_tail_untouched():

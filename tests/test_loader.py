@@ -188,17 +188,24 @@ def test_model_id_from_local_hf_cache(tmp_path, llama_dir, monkeypatch):
         resolve_model_path("tiny-org/not-there")
 
 
-def test_plugin_registered_architecture(tmp_path, llama_dir):
-    """A plugin can map a new architecture name onto a model class by reference."""
+def test_plugin_registered_architecture(tmp_path, llama_dir, plugin_env):
+    """A plugin's engine_models hook adds an architecture; without the plugin it is refused."""
+    from plugin_helpers import install_fixtures
+
+    from engine.plugins import PluginManager
+
     cfg = json.loads((llama_dir / "config.json").read_text())
-    cfg["architectures"] = ["MyLlamaForCausalLM"]
+    cfg["architectures"] = ["ExtraLlamaForCausalLM"]
     d = copy_with_weights(llama_dir, tmp_path / "m", lambda s: None)
     (d / "config.json").write_text(json.dumps(cfg))
-    registry = ModelRegistry()
-    with pytest.raises(ModelLoadError, match="MyLlamaForCausalLM"):
-        load_hf_config(ModelConfig(model=str(d)), registry)
-    registry.register("MyLlamaForCausalLM", "engine.models.llama:LlamaForCausalLM")
+    with pytest.raises(ModelLoadError, match="ExtraLlamaForCausalLM"):
+        load_hf_config(ModelConfig(model=str(d)))
+    install_fixtures(plugin_env, "engine-extra-model")
+    plugins = PluginManager.from_env({"ENGINE_PLUGINS": "extramodel"})
     mc = ModelConfig(model=str(d))
+    assert load_hf_config(mc, plugins=plugins) is mc.hf_config
+    assert mc.architecture == "ExtraLlamaForCausalLM"
+    registry = ModelRegistry.with_plugins(plugins)
     model = load_model(mc, KERNELS, TorchReferenceBackend, registry=registry)
     assert type(model).__name__ == "LlamaForCausalLM"
 
@@ -234,3 +241,18 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
         dict(model.named_parameters())["model.norm.weight"],
         load_file(llama_dir / "model.safetensors")["model.norm.weight"],
     )
+
+
+def test_corrupt_shard_is_named(tmp_path, llama_dir):
+    d = copy_with_weights(llama_dir, tmp_path / "m", lambda s: None)
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
+    with pytest.raises(ModelLoadError, match="cannot read safetensors file .*model.safetensors"):
+        load(d)
+
+
+def test_index_listing_a_missing_shard(tmp_path, llama_dir):
+    d = copy_with_weights(llama_dir, tmp_path / "m", lambda s: None)
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        load(d)

@@ -322,6 +322,18 @@ def test_prefix_hits_and_stats():
     assert st.kv_waste == pytest.approx(3 / 20)  # 17 computed tokens in 5 blocks of 4
 
 
+def test_prefix_hits_can_be_refused_per_request():
+    s = make(max_tokens=64)
+    s.add_request(req("a", 17, max_tokens=1))
+    step(s)
+    s.add_request(req("b", 17, max_tokens=1), allow_prefix_hit=False)
+    assert plan(step(s)) == [("b", 0, 17, True)]
+    s.add_request(req("c", 17, max_tokens=1))
+    assert plan(step(s)) == [("c", 16, 1, True)]  # b's or a's blocks serve c
+    st = s.stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (34, 16)
+
+
 def test_blocks_filled_by_decoding_are_cached():
     s = make(max_tokens=64)
     a = req("a", 6, max_tokens=6)

@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                             best[b] = r
             hf_rss = hf_pool.apply(_peak_rss_bytes), hf[batches[0]][3]
             en_rss = en_pool.apply(_peak_rss_bytes), eng[batches[0]][3]
+            for pool in (hf_pool, en_pool):  # a clean exit (terminate() leaks a semaphore)
+                pool.close()
+                pool.join()
 
     print()
     print(f"{'batch':>5} | {'HF tok/s':>9} | {'engine tok/s':>12} | {'ratio':>6} | tokens equal")

@@ -112,14 +112,18 @@ def bench_waste(
     prefix_caching: bool,
     sliding_window: int | None,
     seed: int = 0,
+    length_scale: float = 1.0,
 ) -> dict:
-    """Run a mixed workload to completion and report KV waste at peak usage."""
+    """Run a mixed workload to completion and report KV waste at peak usage.
+
+    Prompt lengths are log-normal (median ~245 tokens x ``length_scale``, 16..2048), a third
+    of them starting with a shared system prompt; outputs log-normal (median ~90, 8..512)."""
     rng = random.Random(seed)
     groups = _groups(sliding_window)
     shared = [rng.randrange(32000) for _ in range(1024)]  # a common system prompt pool
     specs = []
     for i in range(num_requests):
-        n_prompt = int(min(2048, max(16, rng.lognormvariate(5.5, 0.9))))
+        n_prompt = int(min(2048, max(16, length_scale * rng.lognormvariate(5.5, 0.9))))
         n_shared = rng.choice([0, 0, 64, 256, 1000])
         prompt = shared[: min(n_shared, n_prompt)]
         prompt += [rng.randrange(32000) for _ in range(n_prompt - len(prompt))]
@@ -188,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--waste-requests", type=int, default=600, help="0 skips the waste run")
+    parser.add_argument(
+        "--waste-length-scale", type=float, default=1.0, help="scale the waste run's prompts"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON lines")
     args = parser.parse_args(argv)
     caching = not args.no_prefix_caching
@@ -201,7 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     waste = None
     if args.waste_requests > 0:
-        waste = bench_waste(args.waste_requests, args.block_size, caching, args.sliding_window)
+        waste = bench_waste(
+            args.waste_requests,
+            args.block_size,
+            caching,
+            args.sliding_window,
+            length_scale=args.waste_length_scale,
+        )
 
     if args.json:
         for r in results:

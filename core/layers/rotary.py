@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.kernels.registry import Kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -44,8 +44,9 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
     return params
 
 
-def compute_inv_freq(rot_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """float32 [rot_dim / 2] inverse frequencies for the rope variant in ``params``."""
+def compute_inv_freq(rot_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """float32 [rot_dim / 2] inverse frequencies for the rope variant in ``params``, and the
+    factor that scales cos/sin (1.0 except for YaRN)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -56,8 +57,8 @@ def compute_inv_freq(rot_dim: int, params: dict[str, Any]) -> torch.Tensor:
     exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).to(torch.float32) / rot_dim
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
-        inv_freq = inv_freq / params["factor"]
-    elif rope_type == "llama3":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
         factor = params["factor"]
         low_factor = params["low_freq_factor"]
         high_factor = params["high_freq_factor"]
@@ -71,8 +72,47 @@ def compute_inv_freq(rot_dim: int, params: dict[str, Any]) -> torch.Tensor:
         smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(rot_dim, base, params)
+    return inv_freq, 1.0
+
+
+def _yarn(rot_dim: int, base: float, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): interpolate low frequencies by ``factor``, keep high ones,
+    ramp between the dims that rotate ``beta_slow`` and ``beta_fast`` times over the original
+    context; cos/sin are scaled by the attention factor ``0.1 * ln(factor) + 1``."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return rot_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rot_dim, 2).to(torch.float32) / rot_dim)
+    extrapolation = 1 - ramp  # share of each dim that keeps its original frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -95,10 +135,13 @@ class RotaryEmbedding(nn.Module):
         self.params = params
         # Computed on the CPU so every device gets the same values, then moved with the model.
         with torch.device("cpu"):
-            inv_freq = compute_inv_freq(self.rot_dim, params)
+            inv_freq, scale = compute_inv_freq(self.rot_dim, params)
             positions = torch.arange(max_position, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq)
-            cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            cos, sin = freqs.cos(), freqs.sin()
+            if scale != 1.0:
+                cos, sin = cos * scale, sin * scale
+            cache = torch.cat((cos, sin), dim=-1)
         self.register_buffer(
             "cos_sin_cache", cache.to(torch.get_default_device()), persistent=False
         )

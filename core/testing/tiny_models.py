@@ -176,6 +176,16 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_window_layers": 1,
     },
     "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 32, "tie_word_embeddings": True},
+    "qwen3_yarn": {
+        "model_type": "qwen3",
+        **_BASE,
+        "head_dim": 32,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
 }
 
 

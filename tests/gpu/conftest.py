@@ -1,6 +1,6 @@
 """GPU tests: every test marked ``gpu`` is skipped without a CUDA device.
 
-``paged_reference`` (the float64 paged-attention oracle) is shared with ``tests/triton``.
+``paged_reference`` (the float64 paged-attention oracle) is shared with ``tests/triton_kernels``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "triton"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "triton_kernels"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -52,7 +52,7 @@ for step in "${steps[@]}"; do
     tests)
       echo "=== GPU tests at $(elapsed)s"
       timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider \
-        tests/triton tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
+        tests/triton_kernels tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -15 "$OUT/tests.log"
       ;;

@@ -87,6 +87,10 @@ class AttentionBackend(ABC):
     supported_block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logit_softcap: ClassVar[bool] = False
+    # True when ``forward`` on a pure-decode batch reads every length and table from the
+    # metadata's tensors (never from its Python numbers or host lists beyond the batch size), so
+    # the model runner may capture it in a CUDA graph and replay it with new tensors.
+    supports_decode_graphs: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -134,6 +138,13 @@ class AttentionBackend(ABC):
         """Shape of one layer's KV cache tensor. The default layout is
         ``(2, num_blocks, block_size, num_kv_heads, head_size)``: keys then values."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def copy_blocks(cls, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` (int64 tensors on the cache's device) inside
+        one layer's cache, keys and values (copy-on-write). Override with ``kv_cache_shape``
+        when the block dim is not dim 1."""
+        kv_cache[:, dst] = kv_cache[:, src]
 
     @classmethod
     def build_metadata(cls, layout: BatchLayout, device: torch.device) -> AttentionMetadata:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.detokenizer import pending_stop_chars
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
@@ -72,6 +73,7 @@ class _RequestState:
     finished: bool = False
     num_cached_tokens: int = 0
     pending_child_generators: list[Any] = field(default_factory=list)
+    final_only: bool = False
 
 
 class LLMEngine:
@@ -123,9 +125,14 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` (or
-        ``SamplingParamsError``) before any work starts; the engine stays usable."""
+        ``SamplingParamsError``) before any work starts; the engine stays usable.
+
+        ``final_only`` requests produce a ``RequestOutput`` only when they finish (what offline
+        batch generation needs; it saves copying every running request's tokens each step).
+        Others produce one after every step in which they progressed, for streaming."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not isinstance(params, SamplingParams):
@@ -146,6 +153,8 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.runner.vocab_size
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise SamplingParamsError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
@@ -165,6 +174,7 @@ class LLMEngine:
             seqs=[],
             metrics=RequestMetrics(arrival_time=arrival_time or now),
             needs_fork=params.n > 1,
+            final_only=final_only,
         )
         generators = [self._make_generator(params, i) for i in range(params.n)]
         request = Request(
@@ -176,7 +186,10 @@ class LLMEngine:
         )
         state.seqs.append(self._new_sequence(0, request, prompt_token_ids, params, generators[0]))
         state.pending_child_generators = generators[1:]
-        self.scheduler.add_request(request)  # may raise a rejection (ValueError)
+        # Prompt logprobs need logits at every prompt position, so no prefix-cache skipping.
+        self.scheduler.add_request(
+            request, allow_prefix_hit=params.prompt_logprobs is None
+        )  # may raise RequestRejectedError (a ValueError)
         self._requests[request_id] = state
         self._seq_owner[request_id] = (state, state.seqs[0])
         self._prompt_tokens_total += len(prompt_token_ids)
@@ -275,10 +288,11 @@ class LLMEngine:
             lps = out.logprobs.get(seq_id)
             self._append_tokens(state, seq, tokens, lps[0] if lps else None)
 
-        outputs = []
-        for state in touched.values():
-            outputs.append(self._make_output(state, now))
-        return outputs
+        return [
+            self._make_output(state, now)
+            for state in touched.values()
+            if not state.final_only or self._is_finished(state)
+        ]
 
     # ------------------------------------------------------------------ helpers
     def _make_generator(self, params: SamplingParams, index: int) -> Any:
@@ -416,6 +430,8 @@ class LLMEngine:
     def _finish(
         self, state: _RequestState, seq: _Sequence, reason: str, stop_reason: int | str | None
     ) -> None:
+        if seq.detokenizer is not None and not isinstance(stop_reason, str):
+            seq.text += seq.detokenizer.flush()  # an incomplete character held back, if any
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         status = (
@@ -424,22 +440,21 @@ class LLMEngine:
         self.scheduler.finish_request(seq.request.request_id, status)
         self._seq_owner.pop(seq.request.request_id, None)
 
+    @staticmethod
+    def _is_finished(state: _RequestState) -> bool:
+        return not state.needs_fork and all(seq.finish_reason is not None for seq in state.seqs)
+
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
-        finished = not state.needs_fork and all(seq.finish_reason is not None for seq in state.seqs)
+        finished = self._is_finished(state)
         completions, new_ids, new_texts = [], [], []
         params = state.params
-        holdback = (
-            0
-            if not params.stop or params.include_stop_str_in_output
-            else max(len(s) for s in params.stop) - 1
-        )
         for seq in state.seqs:
             ids = seq.request.output_token_ids
-            visible = (
-                len(seq.text)
-                if seq.finish_reason
-                else max(seq.emitted_text_len, len(seq.text) - holdback)
-            )
+            visible = len(seq.text)
+            if seq.finish_reason is None and params.stop and not params.include_stop_str_in_output:
+                # Hold back a tail that may be the start of a stop string still to come.
+                visible -= pending_stop_chars(seq.text, params.stop)
+            visible = max(visible, seq.emitted_text_len)
             new_texts.append(seq.text[seq.emitted_text_len : visible])
             seq.emitted_text_len = visible
             new_ids.append(list(ids[seq.emitted_token_len :]))

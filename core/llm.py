@@ -173,6 +173,7 @@ class LLM:
                     params,
                     prompt_token_ids=ids,
                     priority=priority[i] if priority is not None else 0,
+                    final_only=True,
                 )
                 ids_in_order.append(request_id)
         except Exception:

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim. x: [T, H], weight: [H]."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim. x: [T, H] (or any leading
+    shape, possibly a strided view such as per-head [T, heads, head_size]), weight: [H]."""
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * weight.float()).to(x.dtype)

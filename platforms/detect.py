@@ -39,11 +39,17 @@ class TorchBuild:
 
 
 def module_available(name: str) -> bool:
-    """True when ``name`` could be imported, without importing it (parents may be imported)."""
+    """True when ``name`` is an installed module or regular package, without importing it
+    (parents may be imported).
+
+    A bare directory of that name on ``sys.path`` (an implicit namespace package, such as a
+    ``tests/triton/`` folder while pytest runs) does not count: it is not the library.
+    """
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin is not None
 
 
 def torch_build() -> TorchBuild:

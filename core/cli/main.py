@@ -26,6 +26,8 @@ SUBCOMMANDS = [
     "engine.cli.plugins",
     "engine.cli.env",
     "engine.cli.serve",
+    "engine.cli.generate",
+    "engine.cli.bench",
 ]
 
 EXIT_USAGE_ERROR = 2

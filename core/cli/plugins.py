@@ -28,6 +28,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="platform to check the backends against (default: ENGINE_PLATFORM, else auto)",
     )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        metavar="NAME",
+        help="also select this backend (or 'auto') on the platform for a generic model, and "
+        "fail with its reasons if it cannot serve",
+    )
     parser.set_defaults(func=run)
 
 
@@ -157,4 +164,12 @@ def run(args: argparse.Namespace) -> int:
     if report["platform_error"]:
         print(format_error(report["platform_error"]), file=sys.stderr)
         return EXIT_USAGE_ERROR
+    if args.attention_backend:
+        from engine.attention_backends.interface import AttentionSpec
+
+        # Raises AttentionBackendError (unknown name, import failure, reasons): exit status 2.
+        backend = pm.select_attention_backend(
+            args.attention_backend, AttentionSpec(), pm.resolve_platform(args.platform)
+        )
+        print(f"\nSelected attention backend: {backend.name}", file=sys.stderr)
     return 0

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from engine.platforms.detect import torch_build, visible_devices_hidden
-from engine.platforms.interface import Platform
+from engine.platforms.torch_cuda import TorchCudaPlatform
 from engine_cuda.detect import nvidia_gpu_count
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(TorchCudaPlatform):
     """NVIDIA GPUs through a CUDA build of torch. Priority 100 (a built-in accelerator).
 
     Detection never creates a CUDA context: it reads the torch build from ``torch/version.py``
@@ -47,62 +47,19 @@ class CudaPlatform(Platform):
                 reasons.append(f"no NVIDIA GPU found ({how})")
         return reasons
 
-    # ---- device facts (torch.cuda; only called on the chosen platform) ------------------
-    @classmethod
-    def device_count(cls) -> int:
-        import torch
-
-        return torch.cuda.device_count()
-
+    # ---- device facts (memory profiling comes from TorchCudaPlatform) -------------------
     @classmethod
     def device_name(cls, index: int = 0) -> str:
         import torch
 
         return torch.cuda.get_device_name(index)
 
-    @classmethod
-    def device_capability(cls, index: int = 0) -> tuple[int, int] | None:
-        import torch
-
-        return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
-
-    # ---- memory profiling ---------------------------------------------------------------
-    @classmethod
-    def total_memory(cls, index: int = 0) -> int:
-        import torch
-
-        return int(torch.cuda.mem_get_info(index)[1])
-
-    @classmethod
-    def free_memory(cls, index: int = 0) -> int:
-        import torch
-
-        return int(torch.cuda.mem_get_info(index)[0])
-
-    @classmethod
-    def reset_peak_memory(cls, index: int = 0) -> None:
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(index)
-
-    @classmethod
-    def peak_memory(cls, index: int = 0) -> int:
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(index))
-
-    @classmethod
-    def synchronize(cls, index: int = 0) -> None:
-        import torch
-
-        torch.cuda.synchronize(index)
-
     # ---- engine integration -------------------------------------------------------------
     @classmethod
     def default_attention_backends(cls, config: Any = None) -> list[str]:
-        # "triton" comes from engine-triton, "sdpa" from the core/models side; "torch" is the
-        # portable reference and always installed.
-        return ["triton", "sdpa", "torch"]
+        # "triton" comes from engine-triton; "flash-attn" (when flash_attn is installed) and
+        # "sdpa" from this plugin; "torch" is the portable reference and always installed.
+        return ["triton", "flash-attn", "sdpa", "torch"]
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> list[str]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from engine.platforms.detect import torch_build, visible_devices_hidden
-from engine.platforms.interface import Platform
+from engine.platforms.torch_cuda import TorchCudaPlatform
 from engine_rocm.detect import amd_gpu_count
 
 _VISIBILITY_VARIABLES = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(TorchCudaPlatform):
     """AMD GPUs through a ROCm (HIP) build of torch. Priority 100 (a built-in accelerator).
 
     torch exposes HIP devices under the ``cuda`` device type and the ``torch.cuda`` API, and
@@ -45,54 +45,12 @@ class RocmPlatform(Platform):
         return reasons
 
     @classmethod
-    def device_count(cls) -> int:
-        import torch
-
-        return torch.cuda.device_count()
-
-    @classmethod
     def device_name(cls, index: int = 0) -> str:
         import torch
 
         props = torch.cuda.get_device_properties(index)
         arch = getattr(props, "gcnArchName", "")
         return f"{props.name} ({arch})" if arch else props.name
-
-    @classmethod
-    def device_capability(cls, index: int = 0) -> tuple[int, int] | None:
-        import torch
-
-        return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
-
-    @classmethod
-    def total_memory(cls, index: int = 0) -> int:
-        import torch
-
-        return int(torch.cuda.mem_get_info(index)[1])
-
-    @classmethod
-    def free_memory(cls, index: int = 0) -> int:
-        import torch
-
-        return int(torch.cuda.mem_get_info(index)[0])
-
-    @classmethod
-    def reset_peak_memory(cls, index: int = 0) -> None:
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(index)
-
-    @classmethod
-    def peak_memory(cls, index: int = 0) -> int:
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(index))
-
-    @classmethod
-    def synchronize(cls, index: int = 0) -> None:
-        import torch
-
-        torch.cuda.synchronize(index)
 
     @classmethod
     def default_attention_backends(cls, config: Any = None) -> list[str]:

@@ -1,0 +1,116 @@
+#!/bin/bash
+# The GPU suite in one command: install, GPU tests, then the benchmarks of docs/benchmarks.md.
+#
+#   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
+#
+# Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
+# llama-nano, profile. Logs go to $OUT/tests.log, kernels.log, bench.log and profile.txt; every
+# benchmark's JSON into $OUT/results.json (one object keyed by step). A step is skipped when
+# less than a minute of DEADLINE (seconds, default 560) is left. Run from a copy of the
+# repository on a machine with python3, torch and triton.
+set -u
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/gpu-results}
+mkdir -p "$OUT"
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-560}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+elapsed() { echo $(($(date +%s) - T0)); }
+left() { echo $((DEADLINE - $(elapsed))); }
+JSONS=()
+
+python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+  -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
+  || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+echo "installed at $(elapsed)s"
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests kernels qwen-nano qwen-b1 llama-b1 llama-nano profile)
+
+bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for results.json
+  local name=$1 limit=$2
+  shift 2
+  [ "$(left)" -lt 60 ] && { echo "SKIP $name: $(left)s left"; return; }
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  echo "=== $name (limit ${limit}s) at $(elapsed)s: engine bench $*"
+  echo "=== $name: engine bench $*" >>"$OUT/bench.log"
+  timeout -k 10 "$limit" python3 -m engine.cli.main bench "$@" --json "$OUT/$name.json" >/tmp/$name.log 2>&1
+  echo "rc=$? at $(elapsed)s"
+  grep -vE "it/s\]|s/it\]|^Loading" /tmp/$name.log | tee -a "$OUT/bench.log" | tail -8
+  JSONS+=("$name")
+}
+
+NANO=(--num-prompts 256 --min-input-len 100 --max-input-len 1024 --min-output-len 100
+  --max-output-len 1024 --seed 0 --load-format dummy --dtype bfloat16)
+B1=(--batch-sizes 1 --input-len 128 --output-len 512 --seed 3 --load-format dummy --dtype bfloat16)
+
+for step in "${steps[@]}"; do
+  case $step in
+    tests)
+      echo "=== GPU tests at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider \
+        tests/triton_kernels tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      tail -15 "$OUT/tests.log"
+      ;;
+    kernels)
+      [ "$(left)" -lt 90 ] && { echo "SKIP kernels"; continue; }
+      echo "=== kernel sweeps at $(elapsed)s"
+      timeout -k 10 $(($(left) - 60)) python3 -m engine_triton.benchmark --json "$OUT/kernels.json" \
+        >"$OUT/kernels.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -A3 -E "^(decode|prefill)" "$OUT/kernels.log"
+      JSONS+=("kernels")
+      ;;
+    spread)  # decode bandwidth with the used blocks packed vs spread over a full-size cache
+      echo "=== spread check at $(elapsed)s"
+      timeout -k 10 120 python3 -m engine_triton.benchmark --spread-only --json "$OUT/spread.json" 2>&1 | tail -3
+      JSONS+=("spread")
+      ;;
+    qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
+    qwen-b1) bench qwen-b1 150 latency --model qwen3-0.6b "${B1[@]}" ;;
+    llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
+      TRITON_CACHE_DIR=$(mktemp -d) bench llama-b1 200 latency --model llama-3.1-8b "${B1[@]}" ;;
+    llama-nano) bench llama-nano 240 throughput --model llama-3.1-8b "${NANO[@]}" ;;
+    profile)  # where the host time of a throughput step goes (cProfile, top functions)
+      [ "$(left)" -lt 60 ] && { echo "SKIP profile"; continue; }
+      echo "=== profile at $(elapsed)s"
+      timeout -k 10 $(($(left) - 10)) python3 -m cProfile -o /tmp/bench.prof \
+        -m engine.benchmarks.throughput --model qwen3-0.6b "${NANO[@]}" --num-prompts 128 \
+        >/tmp/profile-run.log 2>&1
+      python3 -c "import pstats; pstats.Stats('/tmp/bench.prof').sort_stats('tottime').print_stats(45)" \
+        >"$OUT/profile.txt" 2>&1
+      grep -E "Throughput|Steps" /tmp/profile-run.log
+      ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+
+# One results file (the device returns at most 8 files).
+python3 - "$OUT" "${JSONS[@]}" <<'EOF'
+import json, os, sys
+out, names = sys.argv[1], sys.argv[2:]
+results = {}
+for name in names:
+    path = os.path.join(out, name + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            results[name] = json.load(f)
+        os.remove(path)
+with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+for name, r in results.items():
+    if name in ("kernels", "spread"):
+        continue
+    if r.get("benchmark") == "throughput":
+        print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "
+              f"{r['elapsed_s']} s, ready {r['start_to_ready_s']} s, split {r['step_split']}")
+    else:
+        for row in r.get("results", []):
+            print(f"{name}: batch {row['batch_size']}: {row['output_tokens_per_s']} out tok/s, "
+                  f"step {row['decode_step_ms']} ms, ready {r['start_to_ready_s']} s")
+EOF
+echo "done at $(elapsed)s"

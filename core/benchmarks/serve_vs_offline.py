@@ -1,13 +1,15 @@
 """Offline ``LLM.generate`` vs the HTTP server at saturation, on the same model and flags.
 
-    python -m engine.benchmarks.serve_vs_offline [--model DIR] [--num-prompts 256] ...
+    python -m engine.benchmarks.serve_vs_offline [--model DIR] [--num-prompts 128] ...
 
 Without ``--model`` a tiny random Llama is built in a temporary directory. The same prompts
-(random token ids, greedy, ``ignore_eos``, fixed output length) run first offline in this
-process, then against ``engine serve`` started as a subprocess with the same engine flags, all
-requests sent at once by an asyncio client (streaming and non-streaming). It prints generated
-tokens per second for each and the server's share of the offline number, plus the time from
-launching ``engine serve`` to ``/health`` answering 200.
+(random token ids, greedy, ``ignore_eos``, fixed output length) run offline in this process and
+against ``engine serve`` (a subprocess with the same engine flags), all requests at once from a
+minimal raw-socket asyncio client, streaming and non-streaming. The modes alternate
+``--repeats`` times (the idle server costs nothing while the offline engine runs) and the best
+run of each counts. It prints tokens/s, the engine process's CPU seconds per 1000 tokens
+(steadier than wall time on a shared machine), the client's, and the time from launching
+``engine serve`` to ``/health`` answering 200.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ async def _saturate(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="Model directory (default: a tiny Llama).")
-    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)

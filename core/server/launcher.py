@@ -9,6 +9,7 @@ the process exits 0. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import threading
@@ -173,6 +174,11 @@ class ApiServer:
         async_engine = AsyncEngine(
             engine, observer=metrics, idle_wakeup_s=max(self.launch.log_stats_interval or 10.0, 1.0)
         )
+        # Everything allocated so far (model, tokenizer, imported modules) lives as long as the
+        # server: keep the garbage collector from re-scanning it on every collection, which
+        # otherwise costs a noticeable share of the per-token streaming time.
+        gc.collect()
+        gc.freeze()
         async_engine.start(self._loop)
         ctx = ServingContext(async_engine, serving)
         self.state.set_ready(ctx, metrics)

@@ -94,11 +94,6 @@ class OutputChannel:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    @property
-    def finished(self) -> bool:
-        """True once every engine request of this channel has delivered its final output."""
-        return not self.unfinished and bool(self.request_ids)
-
     async def get(self) -> list[Any]:
         """Wait for at least one output and return every output queued so far, in order.
 

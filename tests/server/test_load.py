@@ -12,15 +12,18 @@ from server_harness import API_KEY
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def wait_for_idle(server, timeout: float = 30.0) -> int:
-    """Poll until the engine holds no KV blocks and no requests (bounded); return blocks."""
+def wait_for_idle(server, since: float, timeout: float = 30.0) -> int:
+    """Poll the engine thread's stats snapshot until one taken after ``since`` shows no KV
+    block and no request in use (bounded); return the blocks in use."""
     deadline = time.monotonic() + timeout
-    engine = server.engine
+    snap = server.server.state.engine.stats
     while time.monotonic() < deadline:
-        if engine.num_used_blocks == 0 and not engine.has_unfinished_requests():
+        snap = server.server.state.engine.stats
+        idle = snap.stats.num_running == 0 and snap.stats.num_waiting == 0
+        if snap.time > since and idle and snap.num_used_blocks == 0:
             return 0
         time.sleep(0.05)
-    return engine.num_used_blocks
+    return snap.num_used_blocks
 
 
 async def _cut_stream(
@@ -81,18 +84,20 @@ def test_disconnect_flood_frees_every_block(server, http):
             tasks += [_cut_plain(c, {"prompt": f"plain {i}", **long}, 0.2) for i in range(10)]
             return await asyncio.gather(*tasks)
 
-    generated_before = server.engine.get_stats().generation_tokens_total
+    generated_before = server.server.state.engine.stats.stats.generation_tokens_total
+    since = time.monotonic()
     chunks = asyncio.run(flood())
     assert sum(1 for c in chunks if c) >= 75, "streams were not running when cut"
-    assert wait_for_idle(server) == 0, "KV blocks leaked after client disconnects"
+    assert wait_for_idle(server, since) == 0, "KV blocks leaked after client disconnects"
     # The requests were aborted, not run to the end (160 sequences x 200 tokens).
-    generated = server.engine.get_stats().generation_tokens_total - generated_before
+    generated = server.server.state.engine.stats.stats.generation_tokens_total - generated_before
     assert generated < 160 * 200 // 2
     assert server.server.state.engine.num_open_channels == 0
     # The next request is served, completely.
+    since = time.monotonic()
     r = http.post("/v1/completions", json={"prompt": "after", "max_tokens": 7, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7
-    assert wait_for_idle(server) == 0
+    assert wait_for_idle(server, since) == 0
 
 
 def test_concurrent_clients_get_offline_greedy_tokens(server, offline):
@@ -134,8 +139,9 @@ def test_concurrent_clients_get_offline_greedy_tokens(server, offline):
         async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=120) as c:
             return await asyncio.gather(*(one(c, i) for i in range(24)))
 
+    since = time.monotonic()
     results = asyncio.run(run_all())
     for i, (ids, text) in enumerate(results):
         assert ids == refs[i].outputs[0].token_ids, f"client {i}"
         assert text == refs[i].outputs[0].text, f"client {i}"
-    assert wait_for_idle(server) == 0
+    assert wait_for_idle(server, since) == 0

@@ -31,7 +31,7 @@ class ModelConfig:
     ``.gguf`` file. ``hf_config`` (a ``transformers.PretrainedConfig``) is filled by the loader.
     """
 
-    model: str
+    model: str | None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None

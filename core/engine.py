@@ -1,0 +1,474 @@
+"""``LLMEngine``: the step loop that ties scheduler, model runner, sampler and detokenizer.
+
+One ``step()`` asks the scheduler for a batch, runs it through the model runner (which samples),
+feeds the sampled tokens back to the scheduler, detokenizes them, checks stop conditions and
+returns a ``RequestOutput`` for every request that progressed. The offline ``LLM`` class and the
+HTTP server's async front end both drive this loop.
+
+A user request with ``n > 1`` becomes one sequence until its prompt is computed; its first step
+samples ``n`` tokens from the same logits and forks ``n - 1`` child sequences that share the
+prompt's KV blocks (copy-on-write for the last, partial block).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for the periodic log line and Prometheus."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one completion (one scheduler ``Request``)."""
+
+    index: int
+    request: Request
+    detokenizer: Any
+    generator: Any
+    text: str = ""
+    emitted_text_len: int = 0
+    emitted_token_len: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestState:
+    """Engine-side state of one user request (one or ``n`` sequences)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_Sequence]
+    metrics: RequestMetrics
+    needs_fork: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = False
+    num_cached_tokens: int = 0
+    pending_child_generators: list[Any] = field(default_factory=list)
+
+
+class LLMEngine:
+    """The engine loop. Build with ``LLMEngine.from_config(config)``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        runner: Any,
+        scheduler: Any,
+        eos_token_ids: list[int],
+        runtime: Any = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.runtime = runtime
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_owner: dict[str, tuple[_RequestState, _Sequence]] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load plugins, choose the platform and attention backend, load the model and
+        tokenizer, size the KV cache and build the scheduler."""
+        from engine.runtime import build_engine_parts
+
+        return cls(config, *build_engine_parts(config))
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.model.max_model_len)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.scheduler.num_used_blocks
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request. Raises ``InvalidRequestError`` (or
+        ``SamplingParamsError``) before any work starts; the engine stays usable."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+        if params.max_logprobs > self.config.max_logprobs:
+            params.max_logprobs = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise SamplingParamsError(
+                    f"{name} must be at most {self.config.max_logprobs}, got {value}", name
+                )
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("a request needs a prompt or prompt_token_ids", "prompt")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.runner.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt"
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+
+        now = time.monotonic()
+        state = _RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            seqs=[],
+            metrics=RequestMetrics(arrival_time=arrival_time or now),
+            needs_fork=params.n > 1,
+        )
+        generators = [self._make_generator(params, i) for i in range(params.n)]
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=max_tokens,
+            arrival_time=state.metrics.arrival_time,
+            priority=priority,
+        )
+        state.seqs.append(self._new_sequence(0, request, prompt_token_ids, params, generators[0]))
+        state.pending_child_generators = generators[1:]
+        self.scheduler.add_request(request)  # may raise a rejection (ValueError)
+        self._requests[request_id] = state
+        self._seq_owner[request_id] = (state, state.seqs[0])
+        self._prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                self.scheduler.finish_request(
+                    seq.request.request_id, RequestStatus.FINISHED_ABORTED
+                )
+                self._seq_owner.pop(seq.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch and return the requests that progressed."""
+        from engine.sampler import SamplingRow
+
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        rows: dict[str, SamplingRow] = {}
+        prompt_logprobs: dict[str, int] = {}
+        for sr in sched.scheduled:
+            state, seq = self._seq_owner[sr.request.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+            params = state.params
+            if sr.samples:
+                forking = state.needs_fork and seq.index == 0
+                rows[sr.request.request_id] = SamplingRow(
+                    params=params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=sr.request.output_token_ids,
+                    generators=(
+                        [seq.generator] + state.pending_child_generators
+                        if forking
+                        else [seq.generator]
+                    ),
+                    num_samples=params.n if forking else 1,
+                    eos_token_ids=self.eos_token_ids,
+                )
+            if (
+                params.prompt_logprobs is not None
+                and seq.index == 0
+                and sr.start < len(state.prompt_token_ids)
+            ):
+                prompt_logprobs[sr.request.request_id] = params.prompt_logprobs
+
+        out = self.runner.execute(sched, rows, prompt_logprobs)
+
+        forks: list[tuple[_RequestState, list[int], list[Any]]] = []
+        to_scheduler: dict[str, list[int]] = {}
+        for seq_id, tokens in out.sampled.items():
+            state, seq = self._seq_owner[seq_id]
+            if state.needs_fork and seq.index == 0:
+                forks.append((state, tokens, out.logprobs.get(seq_id)))
+                tokens = tokens[:1]
+            to_scheduler[seq_id] = tokens
+        self.scheduler.update_from_output(sched, to_scheduler)
+
+        touched: dict[str, _RequestState] = {}
+        for seq_id, chunk in out.prompt_logprobs.items():
+            state, _ = self._seq_owner[seq_id]
+            self._add_prompt_logprobs(state, chunk)
+        forked_ids = set()
+        for state, tokens, logprobs in forks:
+            forked_ids.add(state.seqs[0].request.request_id)
+            self._fork(state, tokens, logprobs)
+            touched[state.request_id] = state
+        for seq_id, tokens in to_scheduler.items():
+            if seq_id in forked_ids:  # the fork above accounted for this sample
+                continue
+            state, seq = self._seq_owner[seq_id]
+            touched[state.request_id] = state
+            lps = out.logprobs.get(seq_id)
+            self._append_tokens(state, seq, tokens, lps[0] if lps else None)
+
+        outputs = []
+        for state in touched.values():
+            outputs.append(self._make_output(state, now))
+        return outputs
+
+    # ------------------------------------------------------------------ helpers
+    def _make_generator(self, params: SamplingParams, index: int) -> Any:
+        if params.seed is None or params.is_greedy:
+            return None
+        import torch
+
+        gen = torch.Generator(device=self.runner.device)
+        gen.manual_seed(params.seed + index)
+        return gen
+
+    def _new_sequence(
+        self,
+        index: int,
+        request: Request,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: Any,
+    ) -> _Sequence:
+        from engine.detokenizer import IncrementalDetokenizer
+
+        detok = (
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+            if params.detokenize
+            else None
+        )
+        return _Sequence(
+            index=index,
+            request=request,
+            detokenizer=detok,
+            generator=generator,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def _fork(self, state: _RequestState, tokens: list[int], logprobs: Any) -> None:
+        """Split a parent that sampled ``n`` first tokens into ``n`` sequences."""
+        parent = state.seqs[0]
+        children = []
+        for i in range(1, state.params.n):
+            child = Request(
+                request_id=f"{state.request_id}#{i}",
+                prompt_token_ids=state.prompt_token_ids,
+                max_tokens=parent.request.max_tokens,
+                arrival_time=parent.request.arrival_time,
+                priority=parent.request.priority,
+                output_token_ids=[tokens[i]],
+                parent_id=parent.request.request_id,
+            )
+            seq = self._new_sequence(
+                i,
+                child,
+                state.prompt_token_ids,
+                state.params,
+                state.pending_child_generators[i - 1],
+            )
+            state.seqs.append(seq)
+            self._seq_owner[child.request_id] = (state, seq)
+            children.append(child)
+        self.scheduler.fork_request(parent.request.request_id, children)
+        state.needs_fork = False
+        state.pending_child_generators = []
+        for seq in state.seqs:
+            token = tokens[seq.index]
+            lp = logprobs[seq.index] if logprobs else None
+            self._append_tokens(state, seq, [token], lp)
+
+    def _add_prompt_logprobs(self, state: _RequestState, chunk: list) -> None:
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None]  # the first prompt token has no logprob
+        room = len(state.prompt_token_ids) - len(state.prompt_logprobs)
+        for entry in chunk[:room]:
+            if entry is not None:
+                self._decode_logprobs(entry)
+            state.prompt_logprobs.append(entry)
+
+    def _decode_logprobs(self, entry: dict[int, Logprob]) -> None:
+        for token_id, lp in entry.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self.tokenizer.decode([token_id])
+
+    def _append_tokens(
+        self,
+        state: _RequestState,
+        seq: _Sequence,
+        tokens: list[int],
+        logprobs: dict[int, Logprob] | None,
+    ) -> None:
+        """Account for newly sampled tokens (already appended to the scheduler's request),
+        detokenize them and check every stop condition."""
+        now = time.monotonic()
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        self._generation_tokens_total += len(tokens)
+        params = state.params
+        request = seq.request
+        if logprobs is not None and seq.logprobs is not None:
+            self._decode_logprobs(logprobs)
+            seq.logprobs.append(logprobs)
+            token = tokens[-1]
+            if token in logprobs:
+                seq.cumulative_logprob += logprobs[token].logprob
+        new_text = ""
+        if seq.detokenizer is not None:
+            new_text = seq.detokenizer.add_tokens(tokens)
+            seq.text += new_text
+
+        num_out = len(request.output_token_ids)
+        last = tokens[-1]
+        if not params.ignore_eos and last in self.eos_token_ids and num_out >= params.min_tokens:
+            self._finish(state, seq, "stop", None)
+            return
+        if last in params.stop_token_ids and num_out >= params.min_tokens:
+            self._finish(state, seq, "stop", last)
+            return
+        if params.stop and seq.detokenizer is not None and num_out >= params.min_tokens:
+            from engine.detokenizer import check_stop_strings
+
+            hit = check_stop_strings(
+                seq.text, len(new_text), params.stop, params.include_stop_str_in_output
+            )
+            if hit is not None:
+                truncate_to, stop_str = hit
+                seq.text = seq.text[:truncate_to]
+                self._finish(state, seq, "stop", stop_str)
+                return
+        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(state, seq, "length", None)
+
+    def _finish(
+        self, state: _RequestState, seq: _Sequence, reason: str, stop_reason: int | str | None
+    ) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        status = (
+            RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
+        )
+        self.scheduler.finish_request(seq.request.request_id, status)
+        self._seq_owner.pop(seq.request.request_id, None)
+
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+        finished = not state.needs_fork and all(seq.finish_reason is not None for seq in state.seqs)
+        completions, new_ids, new_texts = [], [], []
+        params = state.params
+        holdback = (
+            0
+            if not params.stop or params.include_stop_str_in_output
+            else max(len(s) for s in params.stop) - 1
+        )
+        for seq in state.seqs:
+            ids = seq.request.output_token_ids
+            visible = (
+                len(seq.text)
+                if seq.finish_reason
+                else max(seq.emitted_text_len, len(seq.text) - holdback)
+            )
+            new_texts.append(seq.text[seq.emitted_text_len : visible])
+            seq.emitted_text_len = visible
+            new_ids.append(list(ids[seq.emitted_token_len :]))
+            seq.emitted_token_len = len(ids)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(ids),
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=seq.logprobs,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        if finished:
+            state.finished = True
+            state.metrics.finished_time = now
+            self._requests.pop(state.request_id, None)
+        state.num_cached_tokens = state.seqs[0].request.num_cached_tokens
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+            new_token_ids=new_ids,
+            new_texts=new_texts,
+        )

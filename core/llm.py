@@ -1,0 +1,268 @@
+"""``LLM``: the offline batch API, in vLLM's shape so users switch by name.
+
+from engine import LLM, SamplingParams
+llm = LLM(model="path/to/model", dtype="float32")
+outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Keyword arguments mirror vLLM's ``LLM``: ``model`` (None = the embedded default model),
+    ``tokenizer``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``, ``platform``,
+    ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
+    ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
+    ``cpu_kv_cache_gb``, ``max_logprobs``. Unknown keywords are an error that lists them.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        platform: str = "auto",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        enforce_eager: bool = False,
+        load_format: str = "auto",
+        tensor_parallel_size: int = 1,
+        served_model_name: str | None = None,
+        scheduling_policy: str = "fcfs",
+        cpu_kv_cache_gb: float = 4.0,
+        max_logprobs: int = 20,
+        trust_remote_code: bool = False,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ConfigError(f"LLM() got unknown arguments: {', '.join(sorted(unknown))}")
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                load_format=load_format,
+                seed=seed,
+                served_model_name=served_model_name,
+                trust_remote_code=trust_remote_code,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+                num_gpu_blocks=num_gpu_blocks_override,
+                cpu_kv_cache_gb=cpu_kv_cache_gb,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                policy=scheduling_policy,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            platform=platform,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            max_logprobs=max_logprobs,
+        )
+        from engine.engine import LLMEngine
+
+        self.llm_engine = LLMEngine.from_config(config)
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """Build from a complete ``EngineConfig`` (what the CLI commands do)."""
+        from engine.engine import LLMEngine
+
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_config(config)
+        llm._counter = itertools.count()
+        return llm
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.llm_engine.config
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in the prompts' order.
+
+        A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a list of
+        token ids. ``sampling_params`` is one ``SamplingParams`` for all prompts or one per
+        prompt. Every prompt is validated before any work starts.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one "
+                    "or one per prompt",
+                    "sampling_params",
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError("priority needs one value per prompt", "priority")
+
+        engine = self.llm_engine
+        parsed = [self._parse_prompt(p) for p in prompts]
+        # Validate everything first: a bad prompt in the middle must not leave work queued.
+        for (text, ids), params in zip(parsed, params_list, strict=True):
+            n = len(ids) if ids is not None else len(engine.tokenizer(text).input_ids)
+            if n >= engine.max_model_len:
+                from engine.errors import PromptTooLongError
+
+                raise PromptTooLongError(n, engine.max_model_len)
+            params.validate()
+        ids_in_order = []
+        try:
+            for i, ((text, ids), params) in enumerate(zip(parsed, params_list, strict=True)):
+                request_id = str(next(self._counter))
+                engine.add_request(
+                    request_id,
+                    text,
+                    params,
+                    prompt_token_ids=ids,
+                    priority=priority[i] if priority is not None else 0,
+                )
+                ids_in_order.append(request_id)
+        except Exception:
+            engine.abort_request(ids_in_order)
+            raise
+        return self._run(ids_in_order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them and
+        generate a reply for each."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; pass "
+                "chat_template=... or use generate()",
+                "messages",
+            )
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                tokenize=True,
+                add_generation_prompt=add_generation_prompt,
+                return_dict=False,
+            )
+            if hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], None
+            raise InvalidRequestError(
+                "a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompts"
+            )
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(
+            f"unsupported prompt type {type(prompt).__name__}; pass a "
+            "string, a list of token ids or a dict",
+            "prompts",
+        )
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(
+                total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, unit="req"
+            )
+        start = time.perf_counter()
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            in_toks += len(output.prompt_token_ids)
+                            out_toks += sum(len(c.token_ids) for c in output.outputs)
+                            elapsed = max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(
+                                f"input: {in_toks / elapsed:.1f} toks/s, "
+                                f"output: {out_toks / elapsed:.1f} toks/s"
+                            )
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(list(request_ids))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[r] for r in request_ids]

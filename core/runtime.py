@@ -1,0 +1,148 @@
+"""Assembling an engine from its config: plugins -> platform -> model -> KV cache -> scheduler.
+
+This is the one place that wires the pieces together, so each of them stays ignorant of the
+others' construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from engine.attention_backends.interface import AttentionSpec
+from engine.config import ConfigError, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_source(config: EngineConfig) -> None:
+    """Fill in the embedded default model when no model was given."""
+    if config.model.model is not None:
+        return
+    from engine.default_model import resolve_model
+
+    path, served_name = resolve_model(None)
+    config.model.model = str(path)
+    if config.model.served_model_name is None:
+        config.model.served_model_name = served_name
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    """The context length: the user's ``max_model_len`` if it fits the model, else the model's."""
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            derived = value
+            break
+    requested = config.model.max_model_len
+    if derived is None:
+        if requested is None:
+            raise ConfigError("the model config gives no maximum length; pass --max-model-len")
+        return requested
+    if requested is not None and requested > derived:
+        raise ConfigError(
+            f"max_model_len={requested} is larger than the model's maximum "
+            f"context length ({derived}); use at most {derived}"
+        )
+    return requested or derived
+
+
+def resolve_dtype(config: EngineConfig, hf_config: Any, platform: Any) -> None:
+    """Turn ``dtype="auto"`` into the config's dtype, or float32 where the platform cannot
+    compute in it (logged, since the user asked for "auto", not for a specific dtype)."""
+    if config.model.dtype != "auto":
+        return
+    text = getattr(hf_config, "text_config", None) or hf_config
+    declared = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+    name = str(declared).replace("torch.", "") if declared is not None else "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        name = "float32"
+    if name not in platform.supported_dtypes:
+        logger.warning(
+            "the model's dtype %s is not supported on %s; dtype=auto uses float32",
+            name,
+            platform.name,
+        )
+        name = "float32"
+    config.model.dtype = name
+
+
+def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> AttentionSpec:
+    """What the model asks of an attention backend, read from its HF config."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    num_heads = text.num_attention_heads
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return AttentionSpec(
+        device_type=platform.device_type,
+        dtype=config.model.dtype,
+        head_size=head_size,
+        num_heads=num_heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        block_size=config.cache.block_size,
+        sliding_window=bool(getattr(text, "sliding_window", None))
+        and getattr(text, "use_sliding_window", True) is not False,
+        logit_softcap=bool(getattr(text, "attn_logit_softcapping", None)),
+    )
+
+
+def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
+    """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``."""
+    from engine.kv_cache_manager import KVCacheGroupSpec
+    from engine.loader import load_hf_config
+    from engine.model_runner import ModelRunner
+    from engine.plugins import PluginManager
+    from engine.sampler import Sampler
+    from engine.scheduler import Scheduler
+    from engine.tokenizer import eos_token_ids, load_tokenizer
+
+    start = time.perf_counter()
+    if config.parallel.tensor_parallel_size != 1 or config.parallel.pipeline_parallel_size != 1:
+        raise ConfigError(
+            "tensor/pipeline parallelism is not implemented yet; use --tensor-parallel-size 1"
+        )
+    resolve_model_source(config)
+    plugins = PluginManager.from_env()
+    requested = None if config.platform == "auto" else config.platform
+    platform = plugins.resolve_platform(requested)
+    config.platform = platform.name
+    problems = platform.check_config(config)
+    if problems:
+        raise ConfigError(
+            f"platform {platform.name} cannot run this configuration: " + "; ".join(problems)
+        )
+
+    hf_config = load_hf_config(config.model)
+    config.model.max_model_len = resolve_max_model_len(config, hf_config)
+    resolve_dtype(config, hf_config, platform)
+    if config.model.served_model_name is None:
+        config.model.served_model_name = config.model.model
+    tokenizer = load_tokenizer(config.model)
+
+    kernels = plugins.kernel_registry().resolve(platform.name)
+    spec = attention_spec_for(hf_config, config, platform)
+    backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
+    logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
+
+    runner = ModelRunner(
+        config, platform, kernels, backend_cls, sampler_cls=Sampler, plugins=plugins
+    )
+    runner.load_model()
+    groups = runner.kv_cache_groups()
+    num_blocks = runner.determine_num_blocks()
+    runner.allocate_kv_cache(num_blocks)
+    scheduler = Scheduler(
+        config.scheduler,
+        config.cache,
+        config.model.max_model_len,
+        num_blocks,
+        [KVCacheGroupSpec(sliding_window=w) for w in groups],
+    )
+    logger.info(
+        "engine ready in %.1f s: %d KV blocks of %d tokens",
+        time.perf_counter() - start,
+        num_blocks,
+        config.cache.block_size,
+    )
+    return tokenizer, runner, scheduler, eos_token_ids(tokenizer, hf_config), plugins

@@ -1,0 +1,129 @@
+"""Tiny random Hugging Face models built offline, for tests, examples and conformance runs.
+
+``build_tiny_model(tmp_dir, "llama")`` writes a real model directory (config.json, safetensors
+weights, a byte-level BPE tokenizer trained on a built-in text, a chat template) so the real
+loading code runs and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_CORPUS = """The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values
+in fixed-size blocks, reached through block tables, shared by reference counts and reused across
+requests by prefix hash. Continuous batching schedules every iteration: running decodes first,
+then chunks of waiting prompts within a token budget. Numbers 0123456789 and punctuation !?.,;:
+Émigré café naïve coöperate — façade; 東京 北京 こんにちは 안녕하세요 🙂🚀 emoji and UTF-8 text.
+def main(): return sum(x * x for x in range(10))  # code-like text with symbols {}[]()<>=+-*/
+"""
+
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 384) -> Any:
+    """Train a byte-level BPE tokenizer on a small built-in text and save it with special
+    tokens (<s>, </s>, <unk>, <pad>, chat markers) and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<pad>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|system|>",
+        "<|end|>",
+    ]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    dtype: str = "float32",
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3) with its tokenizer
+    to ``out_dir`` and return the path."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    config_cls, model_cls = ARCHITECTURES[arch]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen3":
+        kwargs["head_dim"] = hidden_size // num_heads
+    kwargs.update(config_overrides)
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    # Random init of this size gives near-uniform logits; widen the weights so greedy
+    # decoding is decisive and token-exact comparisons are meaningful.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
+            else:
+                param.normal_(0.0, 0.1)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out))
+    return out

@@ -1,0 +1,44 @@
+"""Loading the tokenizer that goes with a model, offline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ModelConfig
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer could not be loaded; the message names the path and the cause."""
+
+
+def load_tokenizer(model_config: ModelConfig) -> Any:
+    """Return a Hugging Face tokenizer for ``model_config`` (a local directory, a model id in
+    the local HF cache, or a .gguf file whose converted tokenizer is cached)."""
+    source = model_config.tokenizer or model_config.model
+    if source is None:
+        raise TokenizerLoadError("no model or tokenizer given")
+    if str(source).endswith(".gguf"):
+        from engine.loader.gguf_loader import load_tokenizer as load_gguf_tokenizer
+
+        return load_gguf_tokenizer(source)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            source, trust_remote_code=model_config.trust_remote_code, local_files_only=True
+        )
+    except Exception as e:  # transformers raises many types here; name the source
+        raise TokenizerLoadError(f"cannot load a tokenizer from {source!r}: {e}") from e
+
+
+def eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
+    """Every token id that ends generation: the tokenizer's EOS plus the config's (Llama 3 and
+    others list several)."""
+    ids: list[int] = []
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        for token_id in source if isinstance(source, (list, tuple)) else [source]:
+            if token_id is not None and int(token_id) not in ids:
+                ids.append(int(token_id))
+    return ids

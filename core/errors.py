@@ -1,6 +1,32 @@
-"""Errors raised for bad requests, shared by the offline API and the HTTP server."""
+"""Errors of the engine, each message one paragraph naming the culprit and the fix.
+
+Plugin framework errors (``PluginError`` and subclasses) name the plugin, distribution, entry
+point, platform or backend; the CLI prints ``str(error)`` to stderr and exits with status 2,
+without a traceback, so messages must stand on their own. Request errors
+(``InvalidRequestError`` and subclasses) are shared by the offline API and the HTTP server.
+"""
 
 from __future__ import annotations
+
+
+class PluginError(Exception):
+    """Base class for every error caused by plugins, platforms or attention backends."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin could not be loaded: its entry point failed to import, it implements a hook
+    with a wrong name or signature, it declares an incompatible plugin API version, or a hook
+    raised or returned something malformed."""
+
+
+class PlatformError(PluginError):
+    """No platform can be chosen: an unknown or unavailable name was asked for, nothing is
+    available, or two plugins claim the same device with the same priority."""
+
+
+class AttentionBackendError(PluginError):
+    """An attention backend is unknown, cannot be imported, is registered twice, or cannot
+    serve the requested model/device."""
 
 
 class InvalidRequestError(ValueError):

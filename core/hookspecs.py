@@ -19,6 +19,7 @@ import pluggy
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Iterable, Mapping
 
     from engine.attention_backends.interface import AttentionBackend
     from engine.kernels.registry import KernelRegistry
@@ -41,8 +42,19 @@ def engine_platform() -> type[Platform] | None:
 
 
 @hookspec
-def engine_attention_backends() -> list[type[AttentionBackend]]:
-    """Return the attention backend classes this plugin provides (any number, unique names)."""
+def engine_attention_backends() -> (
+    Mapping[str, type[AttentionBackend] | str] | Iterable[type[AttentionBackend]]
+):
+    """Return the attention backends this plugin provides, any number, each under a unique name.
+
+    Preferably a mapping from backend name to the class's qualified name, so that listing and
+    selection import nothing until a backend is used::
+
+        {"mybackend": "engine_myvendor.attention:MyBackend"}
+
+    Classes are accepted too (as mapping values, or as a plain list whose names come from each
+    class's ``name``). A name already provided by another plugin is a load error.
+    """
 
 
 @hookspec

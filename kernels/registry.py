@@ -11,7 +11,8 @@ that platform (or all platforms); the torch reference sits at priority 0 everywh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ class KernelRegistry:
 
     def __init__(self, with_reference: bool = True) -> None:
         self._impls: dict[str, list[KernelImpl]] = {name: [] for name in KERNEL_NAMES}
+        self._default_provider = "unknown"
         if with_reference:
             from engine.kernels.reference import REFERENCE_KERNELS
 
@@ -74,8 +76,11 @@ class KernelRegistry:
         *,
         platforms: Iterable[str] | None = None,
         priority: int = 10,
-        provider: str = "unknown",
+        provider: str | None = None,
     ) -> None:
+        """Add an implementation of op ``name``. ``platforms`` lists the platform names it
+        serves (None: all); ``provider`` defaults to the plugin whose hook is running."""
+        provider = self._default_provider if provider is None else provider
         if name not in self._impls:
             raise KernelError(
                 f"{provider} registered unknown kernel {name!r}; known kernels: "
@@ -85,6 +90,16 @@ class KernelRegistry:
             raise KernelError(f"{provider} registered a non-callable for kernel {name!r}")
         plats = tuple(platforms) if platforms is not None else None
         self._impls[name].append(KernelImpl(name, fn, plats, priority, provider))
+
+    @contextmanager
+    def providing(self, provider: str) -> Iterator[None]:
+        """Credit registrations that name no provider to ``provider`` (the plugin manager
+        wraps each plugin's ``engine_kernels`` hook in this)."""
+        previous, self._default_provider = self._default_provider, provider
+        try:
+            yield
+        finally:
+            self._default_provider = previous
 
     def implementations(self, name: str) -> list[KernelImpl]:
         return sorted(self._impls[name], key=lambda i: -i.priority)

@@ -1,0 +1,179 @@
+"""The attention backend registry: every named backend that any loaded plugin provides.
+
+Plugins name backends by qualified name (``"module:Class"``) or give the class itself; qualified
+names are imported only when a backend is first used, so listing and ``auto`` selection over
+backends that are never picked cost nothing. A name provided by two plugins is a load error.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.attention_backends.interface import AttentionBackend, AttentionSpec
+from engine.errors import AttentionBackendError, PluginLoadError
+
+if TYPE_CHECKING:
+    from engine.plugins import PluginInfo, PluginManager
+
+RESERVED_NAMES = frozenset({"auto"})
+
+
+def qualified_name(cls: type) -> str:
+    """``module:Class`` for a class."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+@dataclass(eq=False)
+class BackendEntry:
+    """One named backend: where it comes from and (once imported) its class."""
+
+    name: str
+    target: type[AttentionBackend] | str
+    plugin: PluginInfo
+    _cls: type[AttentionBackend] | None = field(default=None, repr=False)
+
+    @property
+    def qualname(self) -> str:
+        return self.target if isinstance(self.target, str) else qualified_name(self.target)
+
+    def label(self) -> str:
+        return f"attention backend {self.name!r} ({self.qualname}, from {self.plugin.describe()})"
+
+    def load(self) -> type[AttentionBackend]:
+        """Import and validate the backend class. Raises ``AttentionBackendError`` naming the
+        plugin when the import fails or the class is not a matching ``AttentionBackend``."""
+        if self._cls is not None:
+            return self._cls
+        cls: Any = self.target
+        if isinstance(cls, str):
+            module_name, _, attr = cls.partition(":")
+            try:
+                obj: Any = importlib.import_module(module_name)
+                for part in attr.split("."):
+                    obj = getattr(obj, part)
+            except Exception as exc:
+                raise AttentionBackendError(
+                    f"Could not import {self.label()}: {type(exc).__name__}: {exc}. Fix or "
+                    f"reinstall {self.plugin.distribution}, or pick another backend with "
+                    "--attention-backend."
+                ) from exc
+            cls = obj
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise AttentionBackendError(
+                f"{self.label()} is {cls!r}, not a subclass of "
+                "engine.attention_backends.AttentionBackend. Fix the plugin."
+            )
+        if cls.name != self.name:
+            raise AttentionBackendError(
+                f"{self.label()} is registered as {self.name!r} but its class says "
+                f"name = {cls.name!r}. The two must agree: fix the plugin."
+            )
+        self._cls = cls
+        return cls
+
+    def supports(self, spec: AttentionSpec) -> list[str]:
+        """The backend's reasons it cannot serve ``spec`` (imports the backend)."""
+        cls = self.load()
+        try:
+            return [str(r) for r in cls.supports(spec)]
+        except Exception as exc:
+            raise AttentionBackendError(
+                f"{self.label()} raised {type(exc).__name__}: {exc} in supports(). This is a "
+                f"bug in {self.plugin.distribution}; pick another backend with "
+                "--attention-backend meanwhile."
+            ) from exc
+
+
+class AttentionBackendRegistry:
+    """Named attention backends, unique across all plugins."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, BackendEntry] = {}
+
+    @classmethod
+    def from_plugins(cls, pm: PluginManager) -> AttentionBackendRegistry:
+        """Collect every plugin's ``engine_attention_backends()``."""
+        registry = cls()
+        for info, result in pm.call_hook("engine_attention_backends"):
+            for name, target in _normalize(result, info):
+                registry.add(name, target, info)
+        return registry
+
+    def add(self, name: str, target: type[AttentionBackend] | str, plugin: PluginInfo) -> None:
+        """Register ``target`` under ``name`` for ``plugin``; duplicate names are refused."""
+        if not isinstance(name, str) or not name or name in RESERVED_NAMES:
+            raise PluginLoadError(
+                f"{plugin.describe()} provides an attention backend named {name!r}; names must "
+                f"be non-empty strings other than {', '.join(sorted(RESERVED_NAMES))}. Fix the "
+                "plugin."
+            )
+        if isinstance(target, str) and ":" not in target:
+            raise PluginLoadError(
+                f"{plugin.describe()} names attention backend {name!r} as {target!r}; a "
+                "qualified name has the form 'package.module:ClassName'. Fix the plugin."
+            )
+        if name in self._entries:
+            other = self._entries[name]
+            raise AttentionBackendError(
+                f"Attention backend {name!r} is provided twice: by {other.plugin.describe()} "
+                f"({other.qualname}) and by {plugin.describe()} ({_target_name(target)}). "
+                "Backend names must be unique across plugins: uninstall one of the two "
+                "distributions or exclude one with ENGINE_PLUGINS."
+            )
+        self._entries[name] = BackendEntry(name, target, plugin)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[BackendEntry]:
+        return iter(self._entries.values())
+
+    def entry(self, name: str) -> BackendEntry:
+        """The entry for ``name``; an unknown name lists the valid ones."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise AttentionBackendError(
+                f"Unknown attention backend {name!r}. Valid names: auto, "
+                f"{', '.join(self._entries) or '(none loaded)'}. Pass one of these to "
+                "--attention-backend, or install the plugin that provides "
+                f"{name!r}."
+            ) from None
+
+    def get(self, name: str) -> type[AttentionBackend]:
+        """The backend class registered as ``name`` (imported on first use)."""
+        return self.entry(name).load()
+
+
+def _target_name(target: Any) -> str:
+    return target if isinstance(target, str) else qualified_name(target)
+
+
+def _normalize(result: Any, plugin: PluginInfo) -> list[tuple[str, Any]]:
+    """A hook result as ``(name, class-or-qualname)`` pairs."""
+    if result is None:
+        return []
+    if isinstance(result, Mapping):
+        return list(result.items())
+    if isinstance(result, (str, bytes)) or not isinstance(result, Iterable):
+        raise PluginLoadError(
+            f"{plugin.describe()} returned {result!r} from engine_attention_backends(); return "
+            "a mapping {name: 'module:Class'} or a list of AttentionBackend classes."
+        )
+    pairs = []
+    for item in result:
+        if isinstance(item, type) and issubclass(item, AttentionBackend):
+            pairs.append((item.name, item))
+        else:
+            raise PluginLoadError(
+                f"{plugin.describe()} returned {item!r} in its engine_attention_backends() "
+                "list; list items must be AttentionBackend subclasses (use a mapping "
+                "{name: 'module:Class'} for qualified names)."
+            )
+    return pairs

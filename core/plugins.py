@@ -1,0 +1,360 @@
+"""The plugin manager: discovers ``engine`` entry points and registers them with pluggy.
+
+One ``PluginManager`` is created per engine or CLI invocation (``PluginManager.from_env()``) and
+passed to whatever needs plugins; it holds every piece of plugin state (the pluggy manager, the
+collected platforms, attention backends and kernels), so there is no hidden module-level state.
+``default_plugin_manager()`` is a cached convenience for callers that have no manager at hand.
+
+Loading is strict. For each entry point of the ``engine`` group (in name order) the manager
+
+1. imports it — any exception becomes a ``PluginLoadError`` naming the distribution, the entry
+   point and the cause;
+2. checks that it declares ``ENGINE_PLUGIN_API`` with the major version of
+   ``engine.version.PLUGIN_API_VERSION``;
+3. registers it with pluggy, which validates every ``@engine.hookimpl`` against the
+   specifications in ``engine.hookspecs`` (unknown hook names and unknown arguments fail here);
+4. refuses functions named like a hook that forgot the ``@engine.hookimpl`` marker (they would
+   otherwise be ignored silently).
+
+``ENGINE_PLUGINS=a,b`` restricts loading to the named entry points; an empty value loads none.
+The core's own builtin plugin (``engine.attention_backends.builtin``) is always registered.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from engine import hookspecs
+from engine.errors import PluginLoadError
+from engine.version import PLUGIN_API_MAJOR, PLUGIN_API_VERSION, __version__
+
+if sys.version_info >= (3, 12):
+    from importlib import metadata
+else:  # pragma: no cover - depends on the interpreter
+    try:
+        import importlib_metadata as metadata
+    except ImportError:
+        from importlib import metadata
+
+if TYPE_CHECKING:
+    from engine.attention_backends.interface import AttentionBackend, AttentionSpec
+    from engine.attention_backends.registry import AttentionBackendRegistry
+    from engine.config import EngineConfig
+    from engine.kernels.registry import KernelRegistry
+    from engine.platforms.interface import Platform
+    from engine.platforms.resolve import PlatformEntry
+
+ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
+ENGINE_PLUGINS_ENV = "ENGINE_PLUGINS"
+BUILTIN_PLUGIN_NAME = "builtin"
+BUILTIN_PLUGIN_MODULE = "engine.attention_backends.builtin"
+
+_HOOK_NAMES = frozenset(
+    name
+    for name in dir(hookspecs)
+    if name.startswith("engine_") and callable(getattr(hookspecs, name))
+)
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """Where a loaded plugin came from: enough to name it in any message."""
+
+    name: str  # entry-point name, e.g. "cpu"; "builtin" for the core's own plugin
+    distribution: str  # e.g. "engine-cpu"
+    version: str  # the distribution's version
+    value: str  # the entry point's target, e.g. "engine_cpu.plugin"
+    api_version: str  # what the plugin declared in ENGINE_PLUGIN_API
+
+    def describe(self) -> str:
+        """``plugin 'cpu' (entry point cpu = engine_cpu.plugin of engine-cpu 0.1.0)``."""
+        return (
+            f"plugin {self.name!r} (entry point {self.name} = {self.value} of distribution "
+            f"{self.distribution} {self.version})"
+        )
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "entry_point": f"{self.name} = {self.value}",
+            "api_version": self.api_version,
+        }
+
+
+def parse_enabled_plugins(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The entry-point names ``ENGINE_PLUGINS`` allows, or None when it is unset (load all).
+
+    An empty value allows none; names are comma-separated and surrounding spaces are ignored.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENGINE_PLUGINS_ENV)
+    if raw is None:
+        return None
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def _entry_point_distribution(ep: Any) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "<unknown distribution>", "?"
+    return dist.metadata["Name"] or dist.name, dist.version
+
+
+def _api_major(declared: Any) -> int | None:
+    try:
+        return int(str(declared).strip().split(".")[0])
+    except ValueError:
+        return None
+
+
+class PluginManager:
+    """The loaded plugins of one engine/CLI invocation and everything derived from them.
+
+    Args:
+        enabled: entry-point names to load (None: all installed; empty: none). Usually taken
+            from ``ENGINE_PLUGINS`` by ``from_env``.
+        environ: the environment used for ``ENGINE_PLATFORM`` when resolving the platform
+            (defaults to ``os.environ``).
+    """
+
+    def __init__(
+        self,
+        enabled: Collection[str] | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.enabled = None if enabled is None else list(enabled)
+        self.environ = os.environ if environ is None else environ
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self._infos: dict[str, PluginInfo] = {}
+        # Derived state, computed on first use and kept for this manager's lifetime.
+        self._platforms: list[PlatformEntry] | None = None
+        self._backends: AttentionBackendRegistry | None = None
+        self._kernels: KernelRegistry | None = None
+        self._register_builtin()
+        self._load_entry_points()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PluginManager:
+        """A manager loading what ``ENGINE_PLUGINS`` in ``environ`` (default: os.environ) allows."""
+        return cls(parse_enabled_plugins(environ), environ=environ)
+
+    # ---- loading ------------------------------------------------------------------------
+    def _register_builtin(self) -> None:
+        module = importlib.import_module(BUILTIN_PLUGIN_MODULE)
+        info = PluginInfo(
+            BUILTIN_PLUGIN_NAME,
+            "engine",
+            __version__,
+            BUILTIN_PLUGIN_MODULE,
+            str(getattr(module, "ENGINE_PLUGIN_API", PLUGIN_API_VERSION)),
+        )
+        self._register(module, info)
+
+    def _load_entry_points(self) -> None:
+        eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+        seen: dict[str, Any] = {}
+        for ep in eps:
+            if ep.name in seen or ep.name == BUILTIN_PLUGIN_NAME:
+                first = seen.get(ep.name)
+                first_dist = (
+                    "engine (the core)" if first is None else _entry_point_distribution(first)[0]
+                )
+                raise PluginLoadError(
+                    f"Two installed distributions, {first_dist} and "
+                    f"{_entry_point_distribution(ep)[0]}, both declare an {ENTRY_POINT_GROUP!r} "
+                    f"entry point named {ep.name!r}. Entry-point names must be unique: uninstall "
+                    "one of them or ask its vendor to rename the entry point."
+                )
+            seen[ep.name] = ep
+        if self.enabled is not None:
+            unknown = [n for n in self.enabled if n not in seen]
+            if unknown:
+                raise PluginLoadError(
+                    f"{ENGINE_PLUGINS_ENV} names {', '.join(map(repr, unknown))}, but no "
+                    f"installed distribution provides an {ENTRY_POINT_GROUP!r} entry point of "
+                    f"that name. Installed plugins: {', '.join(sorted(seen)) or 'none'}. Fix "
+                    f"{ENGINE_PLUGINS_ENV} or install the missing plugin."
+                )
+            eps = [ep for ep in eps if ep.name in self.enabled]
+        for ep in eps:
+            self._load_entry_point(ep)
+
+    def _load_entry_point(self, ep: Any) -> None:
+        dist_name, dist_version = _entry_point_distribution(ep)
+        where = (
+            f"plugin {ep.name!r} (entry point {ep.name} = {ep.value} of distribution "
+            f"{dist_name} {dist_version})"
+        )
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            raise PluginLoadError(
+                f"Could not import {where}: {type(exc).__name__}: {exc}. Fix or reinstall "
+                f"{dist_name}, or leave it out with {ENGINE_PLUGINS_ENV}=<the plugins you want>."
+            ) from exc
+        declared = getattr(plugin, "ENGINE_PLUGIN_API", None)
+        if declared is None and not inspect.ismodule(plugin):
+            declared = getattr(inspect.getmodule(plugin), "ENGINE_PLUGIN_API", None)
+        fits = f"{PLUGIN_API_MAJOR} or {PLUGIN_API_MAJOR}.x"
+        if declared is None:
+            raise PluginLoadError(
+                f"Refusing {where}: it does not declare which plugin API it was built for. "
+                f"This engine {__version__} speaks plugin API {PLUGIN_API_VERSION}; the plugin "
+                f'module must set ENGINE_PLUGIN_API = "{PLUGIN_API_MAJOR}" (versions that fit: '
+                f"{fits}). Upgrade {dist_name} or ask its vendor to declare the version."
+            )
+        if _api_major(declared) != PLUGIN_API_MAJOR:
+            raise PluginLoadError(
+                f"Refusing {where}: it was built for plugin API {declared!s}, but this engine "
+                f"{__version__} speaks plugin API {PLUGIN_API_VERSION} (versions that fit: "
+                f"{fits}). Install a release of {dist_name} built for plugin API "
+                f"{PLUGIN_API_MAJOR}, or an engine release that speaks API {declared!s}."
+            )
+        info = PluginInfo(ep.name, dist_name, dist_version, ep.value, str(declared))
+        self._register(plugin, info)
+
+    def _register(self, plugin: Any, info: PluginInfo) -> None:
+        where = info.describe()
+        try:
+            self._pm.register(plugin, name=info.name)
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            if self._pm.is_registered(plugin):
+                self._pm.unregister(plugin)
+            raise PluginLoadError(
+                f"Refusing {where}: a hook implementation does not match the hook "
+                f"specifications in engine.hookspecs: {exc}. Valid hooks: "
+                f"{', '.join(sorted(_HOOK_NAMES))}. Fix the plugin's hook names and arguments."
+            ) from exc
+        forgotten = sorted(
+            name
+            for name in _HOOK_NAMES
+            if callable(getattr(plugin, name, None))
+            and self._pm.parse_hookimpl_opts(plugin, name) is None
+        )
+        if forgotten:
+            self._pm.unregister(plugin)
+            raise PluginLoadError(
+                f"Refusing {where}: {', '.join(forgotten)} looks like a hook implementation but "
+                "is not decorated with @engine.hookimpl, so it would be ignored. Decorate it."
+            )
+        self._infos[info.name] = info
+
+    # ---- what is loaded -----------------------------------------------------------------
+    @property
+    def hook(self) -> Any:
+        """pluggy's hook relay, e.g. ``pm.hook.engine_add_cli_args(parser=parser)``."""
+        return self._pm.hook
+
+    @property
+    def plugins(self) -> list[PluginInfo]:
+        """Every registered plugin, the builtin one first, then entry points by name."""
+        return list(self._infos.values())
+
+    def plugin(self, name: str) -> PluginInfo:
+        return self._infos[name]
+
+    def call_hook(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[PluginInfo, Any]]:
+        """Call ``hook_name`` on each plugin in load order, yielding ``(plugin, result)``.
+
+        Unlike ``pm.hook.<name>()`` this keeps track of which plugin answered what, so every
+        later error can name it; an exception inside a hook becomes a ``PluginLoadError``.
+        """
+        for info, impl in self._hookimpls(hook_name):
+            yield info, self._invoke(info, impl, hook_name, kwargs)
+
+    def _hookimpls(self, hook_name: str) -> list[tuple[PluginInfo, Any]]:
+        impls = getattr(self._pm.hook, hook_name).get_hookimpls()
+        order = {name: i for i, name in enumerate(self._infos)}
+        impls = sorted(impls, key=lambda i: order.get(i.plugin_name, len(order)))
+        return [(self._infos[i.plugin_name], i) for i in impls]
+
+    def _invoke(self, info: PluginInfo, impl: Any, hook_name: str, kwargs: dict[str, Any]) -> Any:
+        args = {name: kwargs[name] for name in impl.argnames}
+        try:
+            return impl.function(**args)
+        except Exception as exc:
+            raise PluginLoadError(
+                f"{info.describe()} raised {type(exc).__name__}: {exc} in its {hook_name}() "
+                f"hook. Fix or reinstall {info.distribution}, or leave it out with "
+                f"{ENGINE_PLUGINS_ENV}=<the plugins you want>."
+            ) from exc
+
+    # ---- derived registries -------------------------------------------------------------
+    def platforms(self) -> list[PlatformEntry]:
+        """Every platform the loaded plugins provide (available or not)."""
+        if self._platforms is None:
+            from engine.platforms.resolve import collect_platforms
+
+            self._platforms = collect_platforms(self)
+        return self._platforms
+
+    def resolve_platform_entry(self, requested: str | None = None) -> PlatformEntry:
+        """The platform to run on: ``requested`` (``--platform``), else ``ENGINE_PLATFORM``,
+        else the highest-priority available one. See ``engine.platforms.resolve``."""
+        from engine.platforms.resolve import resolve_platform
+
+        return resolve_platform(self.platforms(), requested, self.environ)
+
+    def resolve_platform(self, requested: str | None = None) -> type[Platform]:
+        """Like ``resolve_platform_entry`` but returns the Platform class itself."""
+        return self.resolve_platform_entry(requested).cls
+
+    def attention_backends(self) -> AttentionBackendRegistry:
+        """Every named attention backend the loaded plugins provide."""
+        if self._backends is None:
+            from engine.attention_backends.registry import AttentionBackendRegistry
+
+            self._backends = AttentionBackendRegistry.from_plugins(self)
+        return self._backends
+
+    def select_attention_backend(
+        self,
+        name: str | None,
+        spec: AttentionSpec,
+        platform: type[Platform],
+        config: EngineConfig | None = None,
+    ) -> type[AttentionBackend]:
+        """``--attention-backend NAME`` (or ``auto``) for ``spec`` on ``platform``."""
+        from engine.attention_backends.selector import select_attention_backend
+
+        return select_attention_backend(
+            name, spec, platform, registry=self.attention_backends(), config=config
+        )
+
+    def kernel_registry(self) -> KernelRegistry:
+        """The kernel registry: torch references plus every plugin's ``engine_kernels``
+        registrations (imports torch)."""
+        if self._kernels is None:
+            from engine.kernels.registry import KernelRegistry
+
+            registry = KernelRegistry()
+            for info, impl in self._hookimpls("engine_kernels"):
+                # Registrations that do not name a provider are credited to this plugin.
+                with registry.providing(info.distribution):
+                    self._invoke(info, impl, "engine_kernels", {"registry": registry})
+            self._kernels = registry
+        return self._kernels
+
+
+@functools.cache
+def default_plugin_manager() -> PluginManager:
+    """A process-wide manager built from ``os.environ`` on first use.
+
+    Prefer creating a ``PluginManager`` per engine and passing it along; this accessor exists for
+    callers with nothing at hand. ``default_plugin_manager.cache_clear()`` forgets it.
+    """
+    return PluginManager.from_env()

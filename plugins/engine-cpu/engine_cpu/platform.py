@@ -1,0 +1,104 @@
+"""The CPU platform: host RAM as device memory, gloo for collectives."""
+
+from __future__ import annotations
+
+import platform as _platform
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+from engine.platforms.interface import Platform
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or _platform.machine() or "cpu"
+
+
+def _vm_hwm_bytes() -> int | None:
+    """Peak resident set size (VmHWM) from /proc on Linux, else None."""
+    try:
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class CpuPlatform(Platform):
+    """Runs on the host CPU. Always available, lowest priority (0).
+
+    Memory profiling reports host RAM (psutil): ``total_memory`` is the machine's RAM,
+    ``free_memory`` what the OS reports as available, and ``peak_memory`` the process's peak
+    resident set size since ``reset_peak_memory`` (Linux resets it through
+    ``/proc/self/clear_refs``; elsewhere the peak is since process start).
+    """
+
+    name: ClassVar[str] = "cpu"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+    priority: ClassVar[int] = 0
+    supports_graph_capture: ClassVar[bool] = False
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        return []
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def device_name(cls, index: int = 0) -> str:
+        return _cpu_model_name()
+
+    @classmethod
+    def total_memory(cls, index: int = 0) -> int:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+
+    @classmethod
+    def free_memory(cls, index: int = 0) -> int:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
+    @classmethod
+    def reset_peak_memory(cls, index: int = 0) -> None:
+        # Writing "5" to clear_refs resets the kernel's peak RSS (VmHWM) to the current RSS.
+        try:
+            _PROC_CLEAR_REFS.write_text("5")
+        except OSError:
+            pass
+
+    @classmethod
+    def peak_memory(cls, index: int = 0) -> int:
+        peak = _vm_hwm_bytes()
+        if peak is not None:
+            return peak
+        import psutil
+
+        rss = int(psutil.Process().memory_info().rss)
+        try:
+            import resource
+
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            # ru_maxrss is in KiB on Linux and in bytes on macOS.
+            return max(rss, maxrss if sys.platform == "darwin" else maxrss * 1024)
+        except (ImportError, OSError):
+            return rss
+
+    @classmethod
+    def default_attention_backends(cls, config: Any = None) -> list[str]:
+        return ["torch"]

@@ -1,0 +1,18 @@
+"""Entry point of engine-cpu (``[project.entry-points.engine] cpu = "engine_cpu.plugin"``).
+
+Kept import-light: the platform class module imports neither torch nor psutil at top level.
+"""
+
+from __future__ import annotations
+
+from engine.hookspecs import hookimpl
+
+ENGINE_PLUGIN_API = "1"
+
+
+@hookimpl
+def engine_platform():
+    """The CPU platform (always available)."""
+    from engine_cpu.platform import CpuPlatform
+
+    return CpuPlatform

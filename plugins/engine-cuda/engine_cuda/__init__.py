@@ -1,0 +1,3 @@
+"""engine-cuda: the NVIDIA CUDA platform for the engine."""
+
+__version__ = "0.1.0"

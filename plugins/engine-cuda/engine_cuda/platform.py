@@ -1,0 +1,117 @@
+"""The CUDA platform: detection through NVML/the driver, memory through torch.cuda, NCCL."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from engine.platforms.detect import torch_build, visible_devices_hidden
+from engine.platforms.interface import Platform
+from engine_cuda.detect import nvidia_gpu_count
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+
+class CudaPlatform(Platform):
+    """NVIDIA GPUs through a CUDA build of torch. Priority 100 (a built-in accelerator).
+
+    Detection never creates a CUDA context: it reads the torch build from ``torch/version.py``
+    and counts GPUs through NVML, ``/proc/driver/nvidia`` or ``nvidia-smi -L``. Everything else
+    (device facts, memory profiling) runs only once the platform is chosen and uses torch.cuda:
+    ``mem_get_info`` for free/total memory, ``max_memory_allocated`` after
+    ``reset_peak_memory_stats`` for the peak of a profiling pass.
+    """
+
+    name: ClassVar[str] = "cuda"
+    device_type: ClassVar[str] = "cuda"
+    dist_backend: ClassVar[str] = "nccl"
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    priority: ClassVar[int] = 100
+    supports_graph_capture: ClassVar[bool] = True
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        reasons = []
+        build = torch_build()
+        if not build.installed:
+            reasons.append("torch is not installed")
+        elif build.hip:
+            reasons.append(f"{build.describe()} is a ROCm build (use the rocm platform)")
+        elif not build.cuda:
+            reasons.append(f"{build.describe()} has no CUDA support; install a CUDA build of torch")
+        if visible_devices_hidden("CUDA_VISIBLE_DEVICES"):
+            reasons.append("CUDA_VISIBLE_DEVICES hides every GPU")
+        else:
+            count, how = nvidia_gpu_count()
+            if count == 0:
+                reasons.append(f"no NVIDIA GPU found ({how})")
+        return reasons
+
+    # ---- device facts (torch.cuda; only called on the chosen platform) ------------------
+    @classmethod
+    def device_count(cls) -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    @classmethod
+    def device_name(cls, index: int = 0) -> str:
+        import torch
+
+        return torch.cuda.get_device_name(index)
+
+    @classmethod
+    def device_capability(cls, index: int = 0) -> tuple[int, int] | None:
+        import torch
+
+        return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+    # ---- memory profiling ---------------------------------------------------------------
+    @classmethod
+    def total_memory(cls, index: int = 0) -> int:
+        import torch
+
+        return int(torch.cuda.mem_get_info(index)[1])
+
+    @classmethod
+    def free_memory(cls, index: int = 0) -> int:
+        import torch
+
+        return int(torch.cuda.mem_get_info(index)[0])
+
+    @classmethod
+    def reset_peak_memory(cls, index: int = 0) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(index)
+
+    @classmethod
+    def peak_memory(cls, index: int = 0) -> int:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(index))
+
+    @classmethod
+    def synchronize(cls, index: int = 0) -> None:
+        import torch
+
+        torch.cuda.synchronize(index)
+
+    # ---- engine integration -------------------------------------------------------------
+    @classmethod
+    def default_attention_backends(cls, config: Any = None) -> list[str]:
+        # "triton" comes from engine-triton, "sdpa" from the core/models side; "torch" is the
+        # portable reference and always installed.
+        return ["triton", "sdpa", "torch"]
+
+    @classmethod
+    def check_config(cls, config: EngineConfig) -> list[str]:
+        reasons = super().check_config(config)
+        if config.model.dtype == "bfloat16":
+            capability = cls.device_capability()
+            if capability is not None and capability < (8, 0):
+                reasons.append(
+                    f"bfloat16 needs compute capability 8.0 or newer; this GPU has "
+                    f"{capability[0]}.{capability[1]} (use --dtype float16)"
+                )
+        return reasons

@@ -136,6 +136,13 @@ class AttentionBackend(ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
+    def copy_blocks(cls, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` (int64 tensors on the cache's device) inside
+        one layer's cache, keys and values (copy-on-write). Override with ``kv_cache_shape``
+        when the block dim is not dim 1."""
+        kv_cache[:, dst] = kv_cache[:, src]
+
+    @classmethod
     def build_metadata(cls, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
         """Turn a step's ``BatchLayout`` into tensors on ``device``. Override to add fields."""
         import torch

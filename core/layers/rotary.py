@@ -1,0 +1,115 @@
+"""Rotary position embeddings: the cos/sin cache and the scaling variants HF configs declare.
+
+The cache layout follows the kernels contract: float32 ``[max_position, rot_dim]`` with the
+``rot_dim / 2`` cosines then the ``rot_dim / 2`` sines of ``position * inv_freq``. Inverse
+frequencies are computed exactly as transformers does (float32, same formulas), so rotated
+queries/keys match it bit for bit in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.kernels.registry import Kernels
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope settings of ``hf_config`` as one flat dict with at least ``rope_type`` and
+    ``rope_theta`` (plus ``factor`` etc. for scaled variants, ``partial_rotary_factor`` when
+    set).
+
+    Understands both transformers 5 (``rope_parameters``, possibly nested per layer type as in
+    Gemma 3) and transformers 4 (``rope_theta`` + ``rope_scaling``) configs.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    else:
+        params = dict(params)
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = dict(params[layer_type])
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = getattr(hf_config, "partial_rotary_factor", None)
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return params
+
+
+def compute_inv_freq(rot_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """float32 [rot_dim / 2] inverse frequencies for the rope variant in ``params``."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).to(torch.float32) / rot_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        factor = params["factor"]
+        low_factor = params["low_freq_factor"]
+        high_factor = params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen = old_len / low_factor
+        high_wavelen = old_len / high_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by ``factor``, short ones kept, the band between them
+        # interpolated smoothly (Llama 3.1's recipe).
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to the first ``rot_dim`` dims of every query/key head through
+    ``kernels.rotary_embedding``."""
+
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        params: dict[str, Any],
+        kernels: Kernels,
+        is_neox: bool = True,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rot_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))
+        self.is_neox = is_neox
+        self.kernels = kernels
+        self.params = params
+        # Computed on the CPU so every device gets the same values, then moved with the model.
+        with torch.device("cpu"):
+            inv_freq = compute_inv_freq(self.rot_dim, params)
+            positions = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)
+            cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer(
+            "cos_sin_cache", cache.to(torch.get_default_device()), persistent=False
+        )
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 [T]; query [T, H*D], key [T, Hkv*D] -> rotated (query, key)."""
+        return self.kernels.rotary_embedding(
+            positions, query, key, self.cos_sin_cache, self.head_size, self.is_neox
+        )
+
+    def extra_repr(self) -> str:
+        return f"rot_dim={self.rot_dim}, type={self.params['rope_type']}, theta={self.params['rope_theta']}"

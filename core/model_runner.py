@@ -1,0 +1,417 @@
+"""``ModelRunner``: turns a scheduled step into device tensors, runs the model, samples.
+
+The runner is the only component that knows tensors live on a device. It owns the model and the
+paged KV cache (one tensor per attention layer, shaped by the attention backend), sizes the cache
+from memory, flattens each ``SchedulerOutput`` into one token batch with per-KV-group attention
+metadata, and returns plain Python results (token ids, logprobs) to the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
+from engine.config import ConfigError, EngineConfig
+from engine.kernels.registry import Kernels
+from engine.outputs import Logprob
+from engine.request import Request
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from engine.models.registry import ModelRegistry
+    from engine.platforms.interface import Platform
+
+# Prompt-logprob rows are turned into [rows, vocab] float32 logits this many at a time.
+_PROMPT_LOGPROB_CHUNK = 512
+_GiB = 1 << 30
+
+
+@dataclass
+class RunnerOutput:
+    """One step's results, keyed by request id.
+
+    ``sampled`` holds the new token(s) of each request that sampled this step (``num_samples``
+    of them); ``logprobs`` their logprob entries (None when not requested). ``prompt_logprobs``
+    covers requests that asked for them: the entries for the prompt tokens this chunk made
+    computable, i.e. for prompt token ``j`` (``start < j <= start + num_new_tokens``, ``j <
+    len(prompt)``) the logprobs of token ``j`` given the tokens before it, preceded by ``None``
+    for token 0 when the chunk starts the prompt. Concatenating a request's lists over its chunks
+    gives one entry per prompt token (vLLM's ``prompt_logprobs`` layout).
+    """
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]] | None] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+
+
+@dataclass
+class _Batch:
+    """A step flattened for the model: inputs on device plus host-side bookkeeping."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: list[AttentionMetadata]
+    query_start_loc: list[int]
+
+
+def _chunk_tokens(request: Request, start: int, num: int) -> list[int]:
+    """``request.all_token_ids[start:start + num]`` without concatenating the whole lists."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    p = len(prompt)
+    if start >= p:
+        return output[start - p : start - p + num]
+    if start + num <= p:
+        return prompt[start : start + num]
+    return prompt[start:] + output[: start + num - p]
+
+
+class ModelRunner:
+    """Owns the model and its KV cache on one device and executes scheduled steps."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: type[Platform],
+        kernels: Kernels,
+        attn_backend_cls: type[AttentionBackend],
+        sampler: Any,
+        model_registry: ModelRegistry | None = None,
+    ) -> None:
+        self.config = config
+        self.platform = platform
+        self.kernels = kernels
+        self.attn_backend_cls = attn_backend_cls
+        self.sampler = sampler
+        self.model_registry = model_registry
+        self.device = platform.torch_device()
+        self.block_size = config.cache.block_size
+        self.model: nn.Module | None = None
+        self.num_blocks = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self._groups: list[int | None] | None = None
+
+    # ---- model -------------------------------------------------------------------------------
+    def load_model(self) -> nn.Module:
+        """Load the model named by ``config.model`` onto this runner's device."""
+        from engine.loader import load_model
+
+        self.model = load_model(
+            self.config.model,
+            self.kernels,
+            self.attn_backend_cls,
+            self.device,
+            self.model_registry,
+        )
+        return self.model
+
+    @property
+    def max_model_len(self) -> int:
+        n = self.config.model.max_model_len
+        if n is None:
+            raise ConfigError("max_model_len is unknown: load the model config first")
+        return n
+
+    def weights_bytes(self) -> int:
+        """Bytes held by the model's parameters and buffers."""
+        assert self.model is not None
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- KV-cache layout -------------------------------------------------------------------
+    def kv_cache_groups(self) -> list[int | None]:
+        """One KV-cache group per distinct sliding window (None = full attention, first when
+        present); sets every attention layer's ``kv_group``. Returns each group's window."""
+        assert self.model is not None, "load_model() first"
+        layers = self.model.attention_layers()
+        windows = {layer.sliding_window for layer in layers}
+        groups: list[int | None] = [None] if None in windows else []
+        groups += sorted(w for w in windows if w is not None)
+        for layer in layers:
+            layer.kv_group = groups.index(layer.sliding_window)
+        self._groups = groups
+        return groups
+
+    def _cache_plan(self) -> list[list[Any]]:
+        """Which layers share each cache tensor.
+
+        A block id belongs to one group at a time (the pool is shared), so the i-th layer of
+        every group can use the same tensor: hybrid models then pay for max(layers per group)
+        layers per block instead of all of them. Layers whose cache shapes differ get their
+        own tensors.
+        """
+        assert self.model is not None
+        if self._groups is None:
+            self.kv_cache_groups()
+        layers = self.model.attention_layers()
+        shapes = {self._layer_block_shape(layer) for layer in layers}
+        if len(shapes) > 1:
+            return [[layer] for layer in layers]
+        by_group: dict[int, list[Any]] = {}
+        for layer in layers:
+            by_group.setdefault(layer.kv_group, []).append(layer)
+        width = max(len(g) for g in by_group.values())
+        return [[g[i] for g in by_group.values() if i < len(g)] for i in range(width)]
+
+    def _layer_block_shape(self, layer: Any) -> tuple[int, ...]:
+        return tuple(
+            self.attn_backend_cls.kv_cache_shape(
+                1, self.block_size, layer.num_kv_heads, layer.head_size
+            )
+        )
+
+    def _kv_dtype(self) -> torch.dtype:
+        assert self.model is not None
+        return next(self.model.parameters()).dtype
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across all cache tensors."""
+        elem = torch.empty((), dtype=self._kv_dtype()).element_size()
+        return sum(
+            math.prod(self._layer_block_shape(layers[0])) * elem for layers in self._cache_plan()
+        )
+
+    def blocks_per_request(self) -> int:
+        """Blocks one max-length request needs across all KV-cache groups."""
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        return math.ceil(self.max_model_len / self.block_size) * len(groups)
+
+    def determine_num_blocks(self) -> int:
+        """How many KV-cache blocks to allocate.
+
+        ``cache.num_gpu_blocks`` wins when set. On CPU the cache takes ``cpu_kv_cache_gb``, capped
+        at what ``max_num_seqs`` max-length requests could use. On accelerators a forward pass at
+        ``max_num_batched_tokens`` is profiled and the cache gets what remains of
+        ``total_memory * gpu_memory_utilization``. Raises ``ConfigError`` with the numbers when
+        not even one max-length request fits.
+        """
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        per_block = self.bytes_per_block()
+        per_request = self.blocks_per_request()
+        if self.device.type == "cpu":
+            budget = int(cache.cpu_kv_cache_gb * _GiB)
+            num_blocks = min(
+                budget // per_block, self.config.scheduler.max_num_seqs * per_request + 1
+            )
+            if num_blocks < per_request:
+                raise ConfigError(
+                    f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds {budget // per_block} KV "
+                    f"blocks but one request of max_model_len={self.max_model_len} needs "
+                    f"{per_request} ({per_request * per_block / _GiB:.2f} GiB); raise "
+                    "cpu_kv_cache_gb or lower max_model_len"
+                )
+            return num_blocks
+        return self._profile_num_blocks(per_block, per_request)
+
+    def _profile_num_blocks(self, per_block: int, per_request: int) -> int:
+        platform = self.platform
+        weights = self.weights_bytes()
+        platform.synchronize()
+        platform.reset_peak_memory()
+        profile_cache_bytes = self._profile_run()
+        platform.synchronize()
+        peak = platform.peak_memory() - profile_cache_bytes
+        budget = int(platform.total_memory() * self.config.cache.gpu_memory_utilization)
+        available = budget - peak
+        num_blocks = max(0, available // per_block)
+        if num_blocks < per_request:
+            raise ConfigError(
+                f"not enough device memory for the KV cache: budget {budget / _GiB:.2f} GiB "
+                f"(total x gpu_memory_utilization={self.config.cache.gpu_memory_utilization}), "
+                f"weights {weights / _GiB:.2f} GiB, activations "
+                f"{(peak - weights) / _GiB:.2f} GiB at max_num_batched_tokens="
+                f"{self.config.scheduler.max_num_batched_tokens}, leaving "
+                f"{max(available, 0) / _GiB:.2f} GiB; one request of max_model_len="
+                f"{self.max_model_len} needs {per_request * per_block / _GiB:.2f} GiB of KV "
+                "cache. Lower max_model_len or max_num_batched_tokens, or raise "
+                "gpu_memory_utilization"
+            )
+        return num_blocks
+
+    def _profile_run(self) -> int:
+        """Run a forward at ``max_num_batched_tokens`` (plus logits for ``max_num_seqs`` rows)
+        against a temporary cache; returns the temporary cache's bytes."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.max_model_len)
+        lens = [self.max_model_len] * (num_tokens // self.max_model_len)
+        if num_tokens % self.max_model_len:
+            lens.append(num_tokens % self.max_model_len)
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        tables, next_block = [], 0
+        for n in lens:
+            nb = math.ceil(n / self.block_size)
+            tables.append(list(range(next_block, next_block + nb)))
+            next_block += nb
+        self.allocate_kv_cache(next_block)
+        cache_bytes = next_block * self.bytes_per_block()
+        try:
+            positions = np.concatenate([np.arange(n) for n in lens])
+            # Each table is a contiguous run of blocks, so slots are contiguous too.
+            slots = np.concatenate(
+                [np.arange(n) + t[0] * self.block_size for t, n in zip(tables, lens, strict=True)]
+            ).tolist()
+            layout = BatchLayout(lens, lens, tables, slots, self.block_size, 0)
+            md = self.attn_backend_cls.build_metadata(layout, self.device)
+            input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                hidden = self.model(
+                    input_ids, torch.from_numpy(positions).to(self.device), [md] * len(groups)
+                )
+                rows = min(sched.max_num_seqs, num_tokens)
+                logits = self.model.compute_logits(hidden[:rows])
+                torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
+        finally:
+            self.free_kv_cache()
+        return cache_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache tensors for ``num_blocks`` blocks and attach them to the layers."""
+        self.free_kv_cache()
+        dtype = self._kv_dtype()
+        for layers in self._cache_plan():
+            first = layers[0]
+            shape = self.attn_backend_cls.kv_cache_shape(
+                num_blocks, self.block_size, first.num_kv_heads, first.head_size
+            )
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv_caches.append(tensor)
+            for layer in layers:
+                layer.kv_cache = tensor
+        self.num_blocks = num_blocks
+
+    def free_kv_cache(self) -> None:
+        if self.model is not None:
+            for layer in self.model.attention_layers():
+                layer.kv_cache = None
+        self.kv_caches = []
+        self.num_blocks = 0
+
+    # ---- one step ---------------------------------------------------------------------------
+    def execute(
+        self,
+        sched_out: SchedulerOutput,
+        sampling_rows: dict[str, Any],
+        prompt_logprobs: dict[str, int] | None = None,
+    ) -> RunnerOutput:
+        """Run one scheduled step: block copies, forward, logits where needed, sampling.
+
+        ``sampling_rows`` maps the id of every request that samples this step to its
+        ``engine.sampler.SamplingRow``; ``prompt_logprobs`` maps request ids to the number of
+        top prompt logprobs wanted.
+        """
+        assert self.model is not None and self.kv_caches, "load_model() and allocate_kv_cache()"
+        if sched_out.blocks_to_copy:
+            pairs = torch.tensor(sched_out.blocks_to_copy, dtype=torch.long, device=self.device)
+            for cache in self.kv_caches:
+                self.attn_backend_cls.copy_blocks(cache, pairs[:, 0], pairs[:, 1])
+        out = RunnerOutput()
+        scheduled = sched_out.scheduled
+        if not scheduled:
+            return out
+        batch = self._prepare(scheduled)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            self._sample(scheduled, batch, hidden, sampling_rows, out)
+            if prompt_logprobs:
+                self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, out)
+        return out
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
+        """Flatten the step (decodes first, as scheduled) into inputs and per-group metadata."""
+        bs = self.block_size
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        starts = np.array([s.start for s in scheduled], dtype=np.int64)
+        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        tokens: list[int] = []
+        for s in scheduled:
+            tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
+        input_ids = np.array(tokens, dtype=np.int64)
+        # Token t of request i sits at position starts[i] + (t - qsl[i]).
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
+        num_decodes = 0
+        while num_decodes < len(scheduled) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        seq_lens = (starts + query_lens).tolist()
+        req_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
+        block_of_token = positions // bs
+        metadata = []
+        for g in range(len(groups)):
+            tables = [s.block_ids[g] for s in scheduled]
+            width = max(len(t) for t in tables)
+            padded = np.zeros((len(tables), width), dtype=np.int64)
+            for i, t in enumerate(tables):
+                padded[i, : len(t)] = t
+            slots = padded[req_of_token, block_of_token] * bs + positions % bs
+            layout = BatchLayout(
+                query_lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes
+            )
+            metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
+        return _Batch(
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            attn_metadata=metadata,
+            query_start_loc=qsl.tolist(),
+        )
+
+    def _sample(
+        self,
+        scheduled: list[ScheduledRequest],
+        batch: _Batch,
+        hidden: torch.Tensor,
+        sampling_rows: dict[str, Any],
+        out: RunnerOutput,
+    ) -> None:
+        sampling = [(i, s) for i, s in enumerate(scheduled) if s.samples]
+        if not sampling:
+            return
+        missing = [
+            s.request.request_id for _, s in sampling if s.request.request_id not in sampling_rows
+        ]
+        if missing:
+            raise KeyError(f"no sampling row for requests that sample this step: {missing}")
+        last = torch.tensor(
+            [batch.query_start_loc[i + 1] - 1 for i, _ in sampling], device=hidden.device
+        )
+        logits = self.model.compute_logits(hidden[last])
+        rows = [sampling_rows[s.request.request_id] for _, s in sampling]
+        result = self.sampler.sample(logits, rows)
+        for j, (_, s) in enumerate(sampling):
+            rid = s.request.request_id
+            out.sampled[rid] = list(result.token_ids[j])
+            out.logprobs[rid] = result.logprobs[j] if result.logprobs is not None else None
+
+    def _prompt_logprobs(
+        self,
+        scheduled: list[ScheduledRequest],
+        batch: _Batch,
+        hidden: torch.Tensor,
+        wanted: dict[str, int],
+        out: RunnerOutput,
+    ) -> None:
+        from engine.sampler import compute_prompt_logprobs
+
+        for i, s in enumerate(scheduled):
+            rid = s.request.request_id
+            if rid not in wanted:
+                continue
+            prompt = s.request.prompt_token_ids
+            entries: list[dict[int, Logprob] | None] = [None] if s.start == 0 else []
+            # Position p predicts prompt token p + 1.
+            end = min(s.start + s.num_new_tokens, len(prompt) - 1)
+            base = batch.query_start_loc[i] - s.start
+            for lo in range(s.start, end, _PROMPT_LOGPROB_CHUNK):
+                hi = min(end, lo + _PROMPT_LOGPROB_CHUNK)
+                logits = self.model.compute_logits(hidden[base + lo : base + hi])
+                entries += compute_prompt_logprobs(logits, prompt[lo + 1 : hi + 1], wanted[rid])
+            out.prompt_logprobs[rid] = entries

@@ -1,0 +1,264 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral); Qwen2 and Qwen3 reuse it with options.
+
+The layout mirrors transformers' ``LlamaForCausalLM`` so checkpoint names map one to one, except
+that q/k/v and gate/up are fused into ``qkv_proj`` and ``gate_up_proj`` (their loaders copy each
+checkpoint tensor into its slice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention_backends.interface import AttentionMetadata
+from engine.layers import (
+    Attention,
+    GatedActivation,
+    Linear,
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    load_named_weights,
+    rope_parameters,
+)
+from engine.models.context import ModelContext
+
+# Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
+FUSED_WEIGHTS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+
+
+def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` (None: full attention).
+
+    ``layer_types`` (transformers >= 4.53) decides when present; older Qwen2-style configs use
+    ``use_sliding_window`` + ``max_window_layers``; Mistral's window applies to every layer.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    max_window_layers = getattr(hf_config, "max_window_layers", None)
+    if max_window_layers is not None and layer_idx < max_window_layers:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused QKV projection, optional per-head q/k RMSNorm (Qwen3), rotary
+    embedding, paged attention, output projection."""
+
+    def __init__(
+        self,
+        ctx: ModelContext,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.qkv_proj = QKVLinear(
+            cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias, ctx.dtype
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.dtype)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            self.head_dim**-0.5,
+            ctx.attn_backend_cls,
+            sliding_window=layer_sliding_window(cfg, layer_idx),
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None:
+            t = hidden.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        ctx: ModelContext,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias, ctx.dtype
+        )
+        self.act_fn = GatedActivation(hidden_act, ctx.kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, ctx.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is carried separately so that each norm fuses the
+    residual add (``fused_add_rms_norm``)."""
+
+    def __init__(
+        self,
+        ctx: ModelContext,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attention_options: dict[str, bool],
+    ) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.self_attn = LlamaAttention(ctx, layer_idx, rotary_emb, **attention_options)
+        self.mlp = LlamaMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_act,
+            ctx,
+            bias=getattr(cfg, "mlp_bias", False),
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: list[AttentionMetadata],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's ``model.`` sub-module)."""
+
+    def __init__(self, ctx: ModelContext, attention_options: dict[str, bool]) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # One rotary table shared by all layers.
+        rotary_emb = RotaryEmbedding(
+            head_dim, cfg.max_position_embeddings, rope_parameters(cfg), ctx.kernels
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(ctx, i, rotary_emb, attention_options)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3/3.1 and Mistral (with or without sliding window).
+
+    Subclasses change ``attention_options`` to express their variant (Qwen2: q/k/v bias;
+    Qwen3: per-head q/k norm).
+    """
+
+    # Which checkpoint tensors feed each fused parameter (the loader names missing ones).
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> dict[str, bool]:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.config = cfg
+        self.model = LlamaModel(ctx, self.attention_options(cfg))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """The paged-attention layers, in layer order."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Any) -> set[str]:
+        """Copy HF-named checkpoint tensors into the parameters; returns the names loaded."""
+
+        def ignore(name: str) -> bool:
+            # Rotary inverse frequencies are recomputed; a tied head has no weight of its own.
+            return "rotary_emb.inv_freq" in name or (
+                self.tie_word_embeddings and name.startswith("lm_head.")
+            )
+
+        return load_named_weights(self, weights, FUSED_WEIGHTS, ignore)

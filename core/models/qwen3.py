@@ -1,0 +1,16 @@
+"""Qwen3: the Llama decoder with per-head RMSNorm on queries and keys before rotary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.llama import LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense models (``q_norm``/``k_norm`` over head_dim; biases per ``attention_bias``)."""
+
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> dict[str, bool]:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

@@ -1,0 +1,493 @@
+"""The continuous-batching scheduler: which tokens of which requests run in the next step.
+
+Each ``schedule()`` call fills a per-step token budget (``max_num_batched_tokens``) and a
+sequence budget (``max_num_seqs``), in this order:
+
+1. running requests with one token to compute (decodes),
+2. running requests still prefilling (continuing chunks of long prompts, or recomputation after
+   preemption), each taking as much of the remaining budget as it needs,
+3. waiting requests, in policy order (FCFS: arrival; priority: lower ``priority`` value first,
+   then arrival), after a prefix-cache lookup; the first one that does not fit stops admission.
+
+A long prompt is therefore split over several steps and mixed with the decodes of others
+(chunked prefill). When a running request cannot get a block, the scheduler preempts by
+recompute: the victim is the running request with the lowest priority (largest value; FCFS
+ignores priorities), latest arrival last; it frees its blocks, resets ``num_computed_tokens`` to 0,
+keeps its output tokens and goes back to the front of the waiting queue, to be resumed later by
+recomputing prompt + outputs (often mostly from the prefix cache, as freed blocks keep their
+hashes). No new request is admitted in a step that preempted.
+
+The engine loop calls ``schedule`` -> runs the model -> ``update_from_output`` -> checks stop
+conditions and calls ``finish_request``. Everything here is device-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never run with this configuration; the message names the numbers."""
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler and KV cache.
+
+    ``kv_usage`` is the fraction of usable blocks held by requests. ``kv_waste`` is the fraction
+    of held slots that hold no computed or scheduled token. Prefix-cache counters are in tokens
+    (queries: tokens of admitted requests; hits: of which reused from the cache).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    kv_waste: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_rejected: int
+
+
+class _WaitingQueue:
+    """Waiting requests in policy order. FCFS is a deque (preempted requests go back to the
+    front); the priority policy is a heap keyed by (priority, arrival, admission order) with
+    lazy removal."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self._by_priority = by_priority
+        self._deque: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._members: dict[str, Request] = {}
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._members.values()))
+
+    def push(self, request: Request, seq: int, front: bool = False) -> None:
+        self._members[request.request_id] = request
+        if self._by_priority:
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, seq, request))
+        elif front:
+            self._deque.appendleft(request)
+        else:
+            self._deque.append(request)
+
+    def peek(self) -> Request | None:
+        if not self._by_priority:
+            return self._deque[0] if self._deque else None
+        heap, members = self._heap, self._members
+        while heap and members.get(heap[0][3].request_id) is not heap[0][3]:
+            heapq.heappop(heap)  # removed while waiting
+        return heap[0][3] if heap else None
+
+    def pop(self) -> Request:
+        request = self.peek()
+        assert request is not None
+        if self._by_priority:
+            heapq.heappop(self._heap)
+        else:
+            self._deque.popleft()
+        del self._members[request.request_id]
+        return request
+
+    def remove(self, request: Request) -> None:
+        del self._members[request.request_id]
+        if not self._by_priority:
+            self._deque.remove(request)
+
+
+class Scheduler:
+    """Waiting and running queues over a ``KVCacheManager``; see the module docstring.
+
+    ``num_blocks`` is the number of physical KV blocks per layer that the model runner
+    allocates, including the reserved null block 0. ``kv_groups[g]`` describes KV-cache group
+    ``g``; ``ScheduledRequest.block_ids[g]`` is a request's table for it.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+        kv_groups: list[KVCacheGroupSpec],
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(
+            cache_config.block_size,
+            num_blocks,
+            kv_groups,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+        )
+        self._max_tokens = scheduler_config.max_num_batched_tokens
+        self._max_seqs = scheduler_config.max_num_seqs
+        self._chunked = scheduler_config.enable_chunked_prefill
+        self._by_priority = scheduler_config.policy == "priority"
+        self.waiting = _WaitingQueue(self._by_priority)
+        self.running: list[Request] = []
+        self._running_sorted = True
+        self._requests: dict[str, Request] = {}
+        self._seq: dict[str, int] = {}  # admission order, the last tie-break
+        self._counter = itertools.count()
+        self.num_preemptions = 0
+        self.num_rejected = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ``RequestRejectedError`` when it could never run."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already queued or running")
+        reason = self._rejection_reason(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_REJECTED
+            self.num_rejected += 1
+            raise RequestRejectedError(reason)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self._requests[rid] = request
+        self._seq[rid] = next(self._counter)
+        self.kv.add_request(request)
+        self.waiting.push(request, self._seq[rid])
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Drop a waiting or running request and free its blocks. Unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is _RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.remove(request_id)
+        del self._seq[request_id]
+        request.status = status
+
+    def fork_request(self, parent_id: str, children: list[Request]) -> None:
+        """Start ``children`` (``n > 1`` sampling) from a running parent: each becomes running
+        with the parent's ``num_computed_tokens`` and shares the parent's blocks (the shared
+        partial last block is copied on the first write). A child carries the parent's prompt
+        and its own output tokens, and must have at least one token left to compute."""
+        parent = self._requests.get(parent_id)
+        if parent is None or parent.status is not _RUNNING:
+            raise ValueError(f"fork_request: {parent_id!r} is not a running request")
+        computed = parent.num_computed_tokens
+        num_prompt = parent.num_prompt_tokens
+        ids = set()
+        for child in children:
+            cid = child.request_id
+            if cid in self._requests or cid in ids:
+                raise ValueError(f"fork_request: request id {cid!r} is already in use")
+            ids.add(cid)
+            if child.prompt_token_ids != parent.prompt_token_ids:
+                raise ValueError(f"fork_request: child {cid!r} must have its parent's prompt")
+            if computed > num_prompt and (
+                child.output_token_ids[: computed - num_prompt]
+                != parent.output_token_ids[: computed - num_prompt]
+            ):
+                raise ValueError(
+                    f"fork_request: child {cid!r} differs from its parent in tokens whose KV "
+                    "is already computed"
+                )
+            if child.num_tokens <= computed:
+                raise ValueError(
+                    f"fork_request: child {cid!r} has {child.num_tokens} tokens, no more than "
+                    f"the parent's {computed} computed ones; give it its first sampled token"
+                )
+            reason = self._rejection_reason(child)
+            if reason is not None:
+                raise RequestRejectedError(reason)
+        for child in children:
+            cid = child.request_id
+            child.status = _RUNNING
+            child.num_computed_tokens = computed
+            child.parent_id = parent_id
+            self._requests[cid] = child
+            self._seq[cid] = next(self._counter)
+            self.kv.fork(parent_id, child)
+            self.running.append(child)
+        self._running_sorted = False
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The waiting or running request with this id, or None."""
+        return self._requests.get(request_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.kv.num_used_blocks
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step. ``block_ids`` in the result are the manager's live tables:
+        read them before the next ``schedule()`` and never modify them."""
+        kv = self.kv
+        token_budget = self._max_tokens
+        seq_budget = self._max_seqs
+        if self._by_priority and not self._running_sorted:
+            self.running.sort(key=self._priority_key)
+            self._running_sorted = True
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+        continuing: list[Request] = []
+        tables_of = kv._reqs  # hot path: the live tables without a method call per request
+
+        # 1. Decodes: running requests with exactly one token to compute.
+        for request in self.running[:]:
+            if request.status is not _RUNNING:
+                continue  # preempted earlier in this pass
+            start = request.num_computed_tokens
+            n = len(request.prompt_token_ids) + len(request.output_token_ids) - start
+            if n != 1:
+                if n > 1:
+                    continuing.append(request)
+                continue
+            if token_budget <= 0 or seq_budget <= 0:
+                break
+            if not kv.allocate_slots(request, 1):
+                ok, tokens_back, seqs_back = self._preempt_until_fits(
+                    request, 1, scheduled, decodes, prefills, preempted
+                )
+                token_budget += tokens_back
+                seq_budget += seqs_back
+                if not ok:
+                    continue
+            entry = ScheduledRequest(request, start, 1, tables_of[request.request_id].tables, True)
+            scheduled[request.request_id] = entry
+            if start >= len(request.prompt_token_ids):
+                decodes.append(entry)
+            else:
+                prefills.append(entry)
+            token_budget -= 1
+            seq_budget -= 1
+
+        # 2. Continuing prefills (chunks of long prompts, recomputation after preemption).
+        for request in continuing:
+            if token_budget <= 0 or seq_budget <= 0:
+                break
+            if request.status is not _RUNNING:
+                continue
+            start = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            n = min(num_tokens - start, token_budget)
+            if not kv.allocate_slots(request, n):
+                ok, tokens_back, seqs_back = self._preempt_until_fits(
+                    request, n, scheduled, decodes, prefills, preempted
+                )
+                token_budget += tokens_back
+                seq_budget += seqs_back
+                if not ok:
+                    continue
+            entry = ScheduledRequest(
+                request, start, n, tables_of[request.request_id].tables, start + n == num_tokens
+            )
+            scheduled[request.request_id] = entry
+            prefills.append(entry)
+            token_budget -= n
+            seq_budget -= 1
+
+        # 3. New (or preempted) waiting requests, unless this step had to preempt.
+        if not preempted:
+            token_budget, seq_budget = self._admit_waiting(
+                token_budget, seq_budget, scheduled, decodes, prefills
+            )
+
+        decodes.extend(prefills)
+        return SchedulerOutput(
+            scheduled=decodes,
+            num_batched_tokens=self._max_tokens - token_budget,
+            blocks_to_copy=kv.take_copies(),
+            preempted_ids=preempted,
+        )
+
+    def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Account for a finished step: advance ``num_computed_tokens``, append the sampled
+        tokens of requests whose entry ``samples``, and offer newly full blocks to the prefix
+        cache. Requests finished since ``schedule()`` are skipped."""
+        kv = self.kv
+        caching = kv.enable_prefix_caching
+        bs = self.block_size
+        states = kv._reqs
+        for entry in sched_out.scheduled:
+            request = entry.request
+            if request.status is not _RUNNING:
+                continue
+            computed = entry.start + entry.num_new_tokens
+            request.num_computed_tokens = computed
+            if entry.samples:
+                tokens = sampled.get(request.request_id)
+                if tokens:
+                    request.output_token_ids.extend(tokens)
+            if caching and computed // bs > states[request.request_id].num_cached_blocks:
+                kv.cache_full_blocks(request)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> SchedulerStats:
+        """Counters and gauges (O(number of requests))."""
+        kv = self.kv
+        wasted, allocated = kv.waste_slots()
+        queries, hits = kv.prefix_queries, kv.prefix_hits
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_total_blocks=kv.num_usable_blocks,
+            num_used_blocks=kv.num_used_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            kv_waste=wasted / allocated if allocated else 0.0,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
+            num_preemptions=self.num_preemptions,
+            num_rejected=self.num_rejected,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _admit_waiting(
+        self,
+        token_budget: int,
+        seq_budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+    ) -> tuple[int, int]:
+        kv = self.kv
+        waiting = self.waiting
+        while waiting and token_budget > 0 and seq_budget > 0:
+            if len(self.running) >= self._max_seqs:
+                break
+            request = waiting.peek()
+            assert request is not None
+            num_hit, hit_tables = kv.get_computed_blocks(request)
+            num_tokens = request.num_tokens
+            n = num_tokens - num_hit
+            if n > token_budget:
+                # Without chunked prefill a fresh prompt runs whole; a preempted request
+                # resumes in chunks all the same (its outputs may exceed any one step).
+                if not self._chunked and request.num_preemptions == 0:
+                    break
+                n = token_budget
+            if not kv.admit(request, num_hit, hit_tables, n):
+                break  # head-of-line: later requests wait for blocks too
+            waiting.pop()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            request.status = _RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            self._running_sorted = False
+            entry = ScheduledRequest(
+                request, num_hit, n, kv.block_tables(request.request_id), num_hit + n == num_tokens
+            )
+            scheduled[request.request_id] = entry
+            if entry.is_decode:
+                decodes.append(entry)
+            else:
+                prefills.append(entry)
+            token_budget -= n
+            seq_budget -= 1
+        return token_budget, seq_budget
+
+    def _preempt_until_fits(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        scheduled: dict[str, ScheduledRequest],
+        decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+        preempted: list[str],
+    ) -> tuple[bool, int, int]:
+        """Preempt victims until ``request`` gets its slots. Returns (scheduled?, tokens and
+        sequences handed back to the budgets by victims already scheduled in this step)."""
+        tokens_back = seqs_back = 0
+        while True:
+            victim = max(self.running, key=self._victim_key)
+            entry = scheduled.pop(victim.request_id, None)
+            if entry is not None:
+                (decodes if entry in decodes else prefills).remove(entry)
+                tokens_back += entry.num_new_tokens
+                seqs_back += 1
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False, tokens_back, seqs_back
+            if self.kv.allocate_slots(request, num_new_tokens):
+                return True, tokens_back, seqs_back
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request, self._seq[request.request_id], front=True)
+
+    def _priority_key(self, request: Request) -> tuple[int, float, int]:
+        return (request.priority, request.arrival_time, self._seq[request.request_id])
+
+    def _victim_key(self, request: Request) -> tuple:
+        """The largest key is preempted first: lowest priority, then latest arrival."""
+        if self._by_priority:
+            return self._priority_key(request)
+        return (request.arrival_time, self._seq[request.request_id])
+
+    def _rejection_reason(self, request: Request) -> str | None:
+        rid = request.request_id
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            return f"request {rid!r} has an empty prompt"
+        if request.max_tokens < 0:
+            return f"request {rid!r} has max_tokens={request.max_tokens} < 0"
+        total = max(request.max_total_tokens, request.num_tokens)
+        if total > self.max_model_len:
+            return (
+                f"request {rid!r} needs {num_prompt} prompt tokens + max_tokens="
+                f"{request.max_tokens} = {total} tokens, more than max_model_len="
+                f"{self.max_model_len}"
+            )
+        if not self._chunked and num_prompt > self._max_tokens:
+            return (
+                f"request {rid!r} has a prompt of {num_prompt} tokens but chunked prefill is "
+                f"off and max_num_batched_tokens={self._max_tokens}"
+            )
+        need = self.kv.max_blocks_needed(total, self._max_tokens)
+        usable = self.kv.num_usable_blocks
+        if need > usable:
+            return (
+                f"request {rid!r} may need {need} KV-cache blocks of {self.block_size} tokens "
+                f"for {total} tokens, but the cache has only {usable} usable blocks"
+            )
+        return None

@@ -349,20 +349,24 @@ def _tokenizer_cache_key(path: Path) -> str:
 
 
 def load_tokenizer(
-    path: str | os.PathLike[str], cache_dir: str | os.PathLike[str]
+    path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
 ) -> PreTrainedTokenizerBase:
     """A fast tokenizer for GGUF file ``path``, converted by ``transformers`` on first use and
-    saved under ``cache_dir/tokenizers/<name>-<size>-<mtime>/`` for every later call.
+    saved under ``cache_dir/tokenizers/<name>-<size>-<mtime>/`` for every later call
+    (``cache_dir`` defaults to ``engine_cache_dir()``: ``$ENGINE_CACHE_DIR`` or
+    ``~/.cache/engine``).
 
     When the file has no ``tokenizer.chat_template`` and its architecture has a known turn
     format (Gemma), that template is set so chat requests work.
     """
     from transformers import AutoTokenizer
 
+    from engine.cache_dir import engine_cache_dir
+
     path = Path(path).resolve()
     if not path.is_file():
         raise GGUFLoadError(f"{path}: no such GGUF file")
-    target = Path(cache_dir) / "tokenizers" / _tokenizer_cache_key(path)
+    target = Path(cache_dir if cache_dir is not None else engine_cache_dir()) / "tokenizers" / _tokenizer_cache_key(path)
     if (target / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(target)
     with GGUFFile(path) as f:

@@ -87,6 +87,10 @@ class AttentionBackend(ABC):
     supported_block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logit_softcap: ClassVar[bool] = False
+    # True when ``forward`` on a pure-decode batch reads every length and table from the
+    # metadata's tensors (never from its Python numbers or host lists beyond the batch size), so
+    # the model runner may capture it in a CUDA graph and replay it with new tensors.
+    supports_decode_graphs: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.detokenizer import pending_stop_chars
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
@@ -146,6 +147,8 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.runner.vocab_size
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise SamplingParamsError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
@@ -416,6 +419,8 @@ class LLMEngine:
     def _finish(
         self, state: _RequestState, seq: _Sequence, reason: str, stop_reason: int | str | None
     ) -> None:
+        if seq.detokenizer is not None and not isinstance(stop_reason, str):
+            seq.text += seq.detokenizer.flush()  # an incomplete character held back, if any
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         status = (
@@ -428,18 +433,13 @@ class LLMEngine:
         finished = not state.needs_fork and all(seq.finish_reason is not None for seq in state.seqs)
         completions, new_ids, new_texts = [], [], []
         params = state.params
-        holdback = (
-            0
-            if not params.stop or params.include_stop_str_in_output
-            else max(len(s) for s in params.stop) - 1
-        )
         for seq in state.seqs:
             ids = seq.request.output_token_ids
-            visible = (
-                len(seq.text)
-                if seq.finish_reason
-                else max(seq.emitted_text_len, len(seq.text) - holdback)
-            )
+            visible = len(seq.text)
+            if seq.finish_reason is None and params.stop and not params.include_stop_str_in_output:
+                # Hold back a tail that may be the start of a stop string still to come.
+                visible -= pending_stop_chars(seq.text, params.stop)
+            visible = max(visible, seq.emitted_text_len)
             new_texts.append(seq.text[seq.emitted_text_len : visible])
             seq.emitted_text_len = visible
             new_ids.append(list(ids[seq.emitted_token_len :]))

@@ -261,9 +261,12 @@ class KVCacheManager:
         new = sum(need - len(t) for t in computed_tables)
         if new + revived > pool.num_free_blocks:
             return False
-        tables = []
+        # Revive every hit block before allocating: allocation takes from the free queue,
+        # where hit blocks of another group may still sit.
         for table in computed_tables:
             pool.touch(table)
+        tables = []
+        for table in computed_tables:
             table = list(table)
             table.extend(pool.allocate(need - len(table)))
             tables.append(table)

@@ -39,11 +39,9 @@ class RunnerOutput:
 
     ``sampled`` holds the new token(s) of each request that sampled this step (``num_samples``
     of them); ``logprobs`` their logprob entries (None when not requested). ``prompt_logprobs``
-    covers requests that asked for them: the entries for the prompt tokens this chunk made
-    computable, i.e. for prompt token ``j`` (``start < j <= start + num_new_tokens``, ``j <
-    len(prompt)``) the logprobs of token ``j`` given the tokens before it, preceded by ``None``
-    for token 0 when the chunk starts the prompt. Concatenating a request's lists over its chunks
-    gives one entry per prompt token (vLLM's ``prompt_logprobs`` layout).
+    covers requests that asked for them: one entry per chunk position ``p`` that has a next
+    prompt token, i.e. the logprobs of prompt token ``p + 1`` given tokens ``0..p``. The chunks'
+    lists concatenated, after a ``None`` for prompt token 0, give vLLM's ``prompt_logprobs``.
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
@@ -81,14 +79,23 @@ class ModelRunner:
         platform: type[Platform],
         kernels: Kernels,
         attn_backend_cls: type[AttentionBackend],
-        sampler: Any,
+        sampler: Any = None,
+        *,
+        sampler_cls: type | None = None,
+        plugins: Any = None,
         model_registry: ModelRegistry | None = None,
     ) -> None:
+        """``sampler`` is a ready ``engine.sampler.Sampler``-like object; without one,
+        ``sampler_cls(vocab_size, device)`` (default ``engine.sampler.Sampler``) is built once
+        the model is loaded. ``plugins`` (a ``PluginManager``) contributes model architectures
+        through ``engine_models`` unless ``model_registry`` is given."""
         self.config = config
         self.platform = platform
         self.kernels = kernels
         self.attn_backend_cls = attn_backend_cls
         self.sampler = sampler
+        self.sampler_cls = sampler_cls
+        self.plugins = plugins
         self.model_registry = model_registry
         self.device = platform.torch_device()
         self.block_size = config.cache.block_size
@@ -96,20 +103,33 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self._groups: list[int | None] | None = None
+        self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> nn.Module:
-        """Load the model named by ``config.model`` onto this runner's device."""
+        """Load the model named by ``config.model`` onto this runner's device (and build the
+        sampler if none was given)."""
         from engine.loader import load_model
+        from engine.models.registry import ModelRegistry
 
+        registry = self.model_registry or ModelRegistry.with_plugins(self.plugins)
         self.model = load_model(
-            self.config.model,
-            self.kernels,
-            self.attn_backend_cls,
-            self.device,
-            self.model_registry,
+            self.config.model, self.kernels, self.attn_backend_cls, self.device, registry
         )
+        if self.sampler is None:
+            if self.sampler_cls is None:
+                from engine.sampler import Sampler
+
+                self.sampler_cls = Sampler
+            self.sampler = self.sampler_cls(self.vocab_size, self.device)
         return self.model
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (logits width)."""
+        hf_config = self.config.model.hf_config
+        text = getattr(hf_config, "text_config", None) or hf_config
+        return int(text.vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -288,11 +308,38 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:
+        self.graphs = None  # captured graphs point at the cache tensors
         if self.model is not None:
             for layer in self.model.attention_layers():
                 layer.kv_cache = None
         self.kv_caches = []
         self.num_blocks = 0
+
+    def capture_graphs(self) -> float | None:
+        """Capture decode CUDA graphs (``engine.cuda_graphs``) for the allocated cache when the
+        platform supports graph capture, the attention backend declares
+        ``supports_decode_graphs`` and ``enforce_eager`` is off. Returns the seconds taken, or
+        None when graphs are not used."""
+        if (
+            self.config.enforce_eager
+            or not self.platform.supports_graph_capture
+            or not getattr(self.attn_backend_cls, "supports_decode_graphs", False)
+            or self.device.type != "cuda"
+        ):
+            return None
+        assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
+        from engine.cuda_graphs import DecodeGraphs
+
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        self.graphs = DecodeGraphs(
+            self.model,
+            len(groups),
+            self.block_size,
+            self.max_model_len,
+            self.config.scheduler.max_num_seqs,
+            self.device,
+        )
+        return self.graphs.capture()
 
     # ---- one step ---------------------------------------------------------------------------
     def execute(
@@ -316,9 +363,13 @@ class ModelRunner:
         scheduled = sched_out.scheduled
         if not scheduled:
             return out
-        batch = self._prepare(scheduled)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            hidden = self.graphs.run(scheduled) if self.graphs is not None else None
+            if hidden is not None:  # replayed a captured decode graph
+                batch = _Batch(None, None, [], list(range(len(scheduled) + 1)))
+            else:
+                batch = self._prepare(scheduled)
+                hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             self._sample(scheduled, batch, hidden, sampling_rows, out)
             if prompt_logprobs:
                 self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, out)
@@ -399,19 +450,19 @@ class ModelRunner:
         wanted: dict[str, int],
         out: RunnerOutput,
     ) -> None:
-        from engine.sampler import compute_prompt_logprobs
-
         for i, s in enumerate(scheduled):
             rid = s.request.request_id
             if rid not in wanted:
                 continue
             prompt = s.request.prompt_token_ids
-            entries: list[dict[int, Logprob] | None] = [None] if s.start == 0 else []
+            entries: list[dict[int, Logprob] | None] = []
             # Position p predicts prompt token p + 1.
             end = min(s.start + s.num_new_tokens, len(prompt) - 1)
             base = batch.query_start_loc[i] - s.start
             for lo in range(s.start, end, _PROMPT_LOGPROB_CHUNK):
                 hi = min(end, lo + _PROMPT_LOGPROB_CHUNK)
                 logits = self.model.compute_logits(hidden[base + lo : base + hi])
-                entries += compute_prompt_logprobs(logits, prompt[lo + 1 : hi + 1], wanted[rid])
+                entries += self.sampler.compute_prompt_logprobs(
+                    logits, prompt[lo + 1 : hi + 1], wanted[rid]
+                )
             out.prompt_logprobs[rid] = entries

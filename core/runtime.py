@@ -54,11 +54,10 @@ def resolve_dtype(config: EngineConfig, hf_config: Any, platform: Any) -> None:
     compute in it (logged, since the user asked for "auto", not for a specific dtype)."""
     if config.model.dtype != "auto":
         return
+    from engine.loader import resolve_dtype as checkpoint_dtype
+
     text = getattr(hf_config, "text_config", None) or hf_config
-    declared = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
-    name = str(declared).replace("torch.", "") if declared is not None else "float32"
-    if name not in ("float32", "bfloat16", "float16"):
-        name = "float32"
+    name = str(checkpoint_dtype(config.model, text)).replace("torch.", "")
     if name not in platform.supported_dtypes:
         logger.warning(
             "the model's dtype %s is not supported on %s; dtype=auto uses float32",
@@ -92,6 +91,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     from engine.kv_cache_manager import KVCacheGroupSpec
     from engine.loader import load_hf_config
     from engine.model_runner import ModelRunner
+    from engine.models.registry import ModelRegistry
     from engine.plugins import PluginManager
     from engine.sampler import Sampler
     from engine.scheduler import Scheduler
@@ -113,7 +113,8 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
             f"platform {platform.name} cannot run this configuration: " + "; ".join(problems)
         )
 
-    hf_config = load_hf_config(config.model)
+    models = ModelRegistry.with_plugins(plugins)
+    hf_config = load_hf_config(config.model, models)
     config.model.max_model_len = resolve_max_model_len(config, hf_config)
     resolve_dtype(config, hf_config, platform)
     if config.model.served_model_name is None:
@@ -125,9 +126,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
 
-    runner = ModelRunner(
-        config, platform, kernels, backend_cls, sampler_cls=Sampler, plugins=plugins
-    )
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    sampler = Sampler(text_config.vocab_size, platform.torch_device())
+    runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
     runner.load_model()
     groups = runner.kv_cache_groups()
     num_blocks = runner.determine_num_blocks()

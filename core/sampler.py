@@ -27,9 +27,11 @@ position. Unseeded rows share one batched draw from the device's default generat
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.outputs import Logprob
@@ -137,7 +139,7 @@ class Sampler:
 
         logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            self._fill_logprobs(logprobs, raw_logprobs, lp_rows, rows, token_ids)
+            self._fill_logprobs(logprobs, raw_logprobs, lp_rows, rows, tokens)
         return SamplerOutput(token_ids, logprobs)
 
     def _sample_mixed(
@@ -216,18 +218,26 @@ class Sampler:
         raw_logprobs: torch.Tensor,
         lp_rows: list[int],
         rows: list[SamplingRow],
-        token_ids: list[list[int]],
+        tokens: torch.Tensor,
     ) -> None:
-        """Fill ``out[i]`` for each row in ``lp_rows`` (``raw_logprobs`` is [len(lp_rows), V])."""
-        device = raw_logprobs.device
-        lp_pos: list[int] = []
-        sampled: list[int] = []
-        for k, i in enumerate(lp_rows):
-            for tok in token_ids[i]:
-                lp_pos.append(k)
-                sampled.append(tok)
+        """Fill ``out[i]`` for each row in ``lp_rows`` (``raw_logprobs`` is [len(lp_rows), V]).
+
+        ``tokens`` holds every sample's token, rows' samples in order.
+        """
+        lp_pos: list[int] = []  # per logprob sample: its row in raw_logprobs
+        lp_samples: list[int] = []  # per logprob sample: its index in ``tokens``
+        first_sample = 0
+        k = 0
+        for i, r in enumerate(rows):
+            if k < len(lp_rows) and lp_rows[k] == i:
+                lp_pos.extend([k] * r.num_samples)
+                lp_samples.extend(range(first_sample, first_sample + r.num_samples))
+                k += 1
+            first_sample += r.num_samples
+        if len(lp_samples) != tokens.numel():
+            tokens = tokens[_index(lp_samples, tokens.device)]
         top_n = [rows[i].params.logprobs or 0 for i in lp_rows]
-        dicts = _logprob_dicts(raw_logprobs, _index(lp_pos, device), _index(sampled, device), top_n)
+        dicts = _logprob_dicts(raw_logprobs, lp_pos, tokens, top_n)
         pos = 0
         for i in lp_rows:
             n = rows[i].num_samples
@@ -265,10 +275,8 @@ def compute_prompt_logprobs(
     for start in range(0, num, chunk):
         end = min(num, start + chunk)
         lp = torch.log_softmax(logits[start:end], dim=-1)
-        rows = torch.arange(end - start, device=device)
-        result.extend(
-            _logprob_dicts(lp, rows, _index(target_ids[start:end], device), [k] * (end - start))
-        )
+        targets = _index(target_ids[start:end], device)
+        result.extend(_logprob_dicts(lp, list(range(end - start)), targets, [k] * (end - start)))
     return result
 
 
@@ -290,7 +298,7 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _logprob_dicts(
     logprobs: torch.Tensor,
-    positions: torch.Tensor,
+    positions: list[int],
     token_ids: torch.Tensor,
     top_n: list[int],
 ) -> list[dict[int, Logprob]]:
@@ -300,18 +308,18 @@ def _logprob_dicts(
     plus that row's top ``top_n[row]`` tokens. rank = 1 + number of tokens with a strictly
     greater logprob (so tied tokens share a rank).
     """
-    lp_rows = logprobs[positions]
-    chosen = lp_rows.gather(1, token_ids[:, None])
-    chosen_rank = (lp_rows > chosen).sum(dim=-1) + 1
-    del lp_rows
+    device = logprobs.device
+    identity = positions == list(range(logprobs.shape[0]))
+    rows = logprobs if identity else logprobs[_index(positions, device)]
+    chosen = rows.gather(1, token_ids[:, None])
+    chosen_rank = (rows > chosen).sum(dim=-1) + 1
     chosen_lp = chosen.squeeze(1).tolist()
     chosen_rank_l = chosen_rank.tolist()
     token_l = token_ids.tolist()
-    pos_l = positions.tolist()
 
-    max_n = max(top_n) if top_n else 0
+    max_n = min(max(top_n, default=0), logprobs.shape[-1])
     if max_n > 0:
-        top_vals, top_ids = logprobs.topk(min(max_n, logprobs.shape[-1]), dim=-1)
+        top_vals, top_ids = logprobs.topk(max_n, dim=-1)
         # Every token strictly above a top-N value is itself among the top N, so ranks
         # within the top N come from an N x N comparison.
         top_ranks = (top_vals[:, None, :] > top_vals[:, :, None]).sum(dim=-1) + 1
@@ -324,8 +332,8 @@ def _logprob_dicts(
     dicts: list[dict[int, Logprob]] = []
     for s, tok in enumerate(token_l):
         d = {tok: Logprob(chosen_lp[s], chosen_rank_l[s])}
-        row = pos_l[s]
-        for j in range(top_n[row]):
+        row = positions[s]
+        for j in range(min(top_n[row], max_n)):
             tid = top_ids_l[row][j]
             if tid not in d:
                 d[tid] = Logprob(top_vals_l[row][j], top_ranks_l[row][j])
@@ -374,58 +382,72 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Repetition, frequency and presence penalties, for the rows that set any."""
-    pen = [
+    """Repetition, then frequency and presence penalties, for the rows that set any.
+
+    Sparse: only the entries of tokens a row has seen are read and written (through a flat
+    view, the fastest gather/scatter on CPU too), so the cost grows with the number of
+    tokens, not with rows x vocabulary.
+    """
+    rep_rows = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    out_rows = [
         i
         for i, r in enumerate(rows)
-        if r.params.repetition_penalty != 1.0
-        or r.params.frequency_penalty != 0.0
-        or r.params.presence_penalty != 0.0
+        if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
     ]
-    if not pen:
+    if not rep_rows and not out_rows:
         return
-    device = logits.device
-    num, vocab = len(pen), logits.shape[1]
-    x = logits if num == len(rows) else logits[_index(pen, device)]
+    device, dtype, vocab = logits.device, logits.dtype, logits.shape[1]
+    work = logits if logits.is_contiguous() else logits.contiguous()
+    flat = work.view(-1)
 
-    # Output-token counts per penalized row, built with one scatter_add over a flat index.
-    flat: list[int] = []
-    for k, i in enumerate(pen):
-        base = k * vocab
-        flat.extend(base + t for t in rows[i].output_token_ids if 0 <= t < vocab)
-    counts = torch.zeros(num * vocab, dtype=logits.dtype, device=device)
-    if flat:
-        idx = _index(flat, device)
-        counts.scatter_add_(0, idx, torch.ones(idx.numel(), dtype=logits.dtype, device=device))
-    counts = counts.view(num, vocab)
+    def send(row: np.ndarray, tok: np.ndarray, per_row: list[float]) -> tuple:
+        """Flat indices and each entry's parameter (per_row[row]) on the device, one copy."""
+        table = np.asarray(per_row, dtype=np.float32)
+        packed = torch.from_numpy(np.stack([row * vocab + tok, row])).to(device)
+        return packed[0], torch.from_numpy(table).to(device=device, dtype=dtype)[packed[1]]
 
-    params = [rows[i].params for i in pen]
-    rep = [p.repetition_penalty for p in params]
-    if any(v != 1.0 for v in rep):
-        seen = counts > 0
-        flat = []
-        for k, i in enumerate(pen):
-            if rep[k] != 1.0:
-                base = k * vocab
-                flat.extend(base + t for t in rows[i].prompt_token_ids if 0 <= t < vocab)
-        if flat:
-            seen.view(-1)[_index(flat, device)] = True
-        rep_t = torch.tensor(rep, dtype=logits.dtype, device=device)[:, None]
-        penalized = torch.where(x > 0, x / rep_t, x * rep_t)
-        x = torch.where(seen, penalized, x)
+    if rep_rows:
+        # Every token seen in the prompt or the output; duplicates read the same value and
+        # write the same result, so each entry is penalized once.
+        lists = [rows[i].prompt_token_ids for i in rep_rows]
+        lists += [rows[i].output_token_ids for i in rep_rows]
+        row, tok = _row_token_pairs(lists, rep_rows + rep_rows, vocab)
+        idx, rep = send(row, tok, [r.params.repetition_penalty for r in rows])
+        vals = flat.index_select(0, idx)
+        flat.index_copy_(0, idx, torch.where(vals > 0, vals / rep, vals * rep))
 
-    freq = [p.frequency_penalty for p in params]
-    if any(freq):
-        x = x - torch.tensor(freq, dtype=logits.dtype, device=device)[:, None] * counts
-    pres = [p.presence_penalty for p in params]
-    if any(pres):
-        pres_t = torch.tensor(pres, dtype=logits.dtype, device=device)[:, None]
-        x = x - pres_t * (counts > 0).to(logits.dtype)
+    if out_rows:
+        row, tok = _row_token_pairs([rows[i].output_token_ids for i in out_rows], out_rows, vocab)
+        freq = [r.params.frequency_penalty for r in rows]
+        if any(freq):
+            # Once per occurrence: the count-weighted penalty.
+            idx, f = send(row, tok, freq)
+            flat.scatter_add_(0, idx, -f)
+        pres = [r.params.presence_penalty for r in rows]
+        if any(pres):
+            idx, p = send(row, tok, pres)
+            flat.index_copy_(0, idx, flat.index_select(0, idx) - p)
 
-    if num == len(rows):
-        logits.copy_(x)
-    else:
-        logits[_index(pen, device)] = x
+    if work is not logits:
+        logits.copy_(work)
+
+
+def _row_token_pairs(
+    token_lists: list[list[int]], row_ids: list[int], vocab: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) arrays for every token of every list (list k belongs to row_ids[k]).
+
+    The lists are joined in C (itertools + numpy: the per-token cost is reading a Python
+    int); ids outside the vocabulary are dropped.
+    """
+    lengths = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    total = int(lengths.sum())
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    row = np.repeat(np.asarray(row_ids, dtype=np.int64), lengths)
+    valid = (tokens >= 0) & (tokens < vocab)
+    if not valid.all():
+        tokens, row = tokens[valid], row[valid]
+    return row, tokens
 
 
 def _apply_temperature_and_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

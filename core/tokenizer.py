@@ -17,6 +17,10 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     source = model_config.tokenizer or model_config.model
     if source is None:
         raise TokenizerLoadError("no model or tokenizer given")
+    if model_config.tokenizer is None:
+        from engine.loader import resolve_model_path
+
+        source = str(resolve_model_path(source))  # a local dir, .gguf, or HF-cache snapshot
     if str(source).endswith(".gguf"):
         from engine.loader.gguf_loader import load_tokenizer as load_gguf_tokenizer
 

@@ -10,6 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for plugin_helpers
 
+pytest_plugins = ["pytester"]
+
 
 def _cuda_available() -> bool:
     try:

@@ -192,7 +192,7 @@ def test_chat_applies_template(llama_llm):
     want = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
-    assert out.prompt_token_ids == tok(want).input_ids
+    assert out.prompt_token_ids == tok(want, add_special_tokens=False).input_ids
 
 
 def test_bad_input_is_rejected_before_work(llama_llm, tmp_path):

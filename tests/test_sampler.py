@@ -336,6 +336,16 @@ def test_num_samples_uses_each_generator():
     assert out.token_ids[1][0] == single(11)
     assert out.token_ids[1][2] == single(12)
 
+    # Each sample's logprobs describe its own token.
+    with_lp = Sampler(vocab, _device()).sample(
+        logits.clone(),
+        [row(SamplingParams(temperature=1.0, logprobs=1), gens=[gen(1), gen(2), gen(3)], n=3)],
+    )
+    lp = torch.log_softmax(logits[0], -1)
+    for tok, d in zip(with_lp.token_ids[0], with_lp.logprobs[0], strict=True):
+        assert d[tok].logprob == pytest.approx(lp[tok].item(), abs=1e-6)
+        assert lp.argmax().item() in d
+
     greedy_n = Sampler(vocab, _device()).sample(
         logits.clone(), [row(SamplingParams(temperature=0.0, logprobs=1), n=2)]
     )

@@ -54,9 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = parser.parse_args(argv)
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from engine.sampler import Sampler, SamplingRow
     from engine.sampling_params import SamplingParams

@@ -25,6 +25,9 @@ from engine.version import PLUGIN_API_VERSION, __version__
 SUBCOMMANDS = [
     "engine.cli.plugins",
     "engine.cli.env",
+    "engine.cli.serve",
+    "engine.cli.generate",
+    "engine.cli.bench",
 ]
 
 EXIT_USAGE_ERROR = 2

@@ -72,9 +72,15 @@ def _is_gguf(path: Path, model_config: ModelConfig) -> bool:
 
 
 # ---- config and dtype ---------------------------------------------------------------------
-def load_hf_config(model_config: ModelConfig, registry: ModelRegistry | None = None) -> Any:
+def load_hf_config(
+    model_config: ModelConfig, registry: ModelRegistry | None = None, plugins: Any = None
+) -> Any:
     """Read the model's ``transformers`` config offline and fill ``model_config.hf_config``,
-    ``.architecture`` and (when unset) ``.max_model_len``. Returns the config."""
+    ``.architecture`` and (when unset) ``.max_model_len``. Returns the config.
+
+    The architecture is checked against ``registry`` (default: the built-ins plus what
+    ``plugins``, a ``PluginManager``, registers through ``engine_models``). Raises
+    ``ModelLoadError`` for a missing/unreadable model or an unsupported architecture."""
     path = resolve_model_path(model_config.model)
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
@@ -91,16 +97,12 @@ def load_hf_config(model_config: ModelConfig, registry: ModelRegistry | None = N
             )
         except Exception as e:
             raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
-    registry = registry or ModelRegistry()
+    registry = registry or ModelRegistry.with_plugins(plugins)
     arch, _ = registry.resolve(getattr(hf_config, "architectures", None) or [])
-    max_pos = getattr(hf_config, "max_position_embeddings", None)
     if model_config.max_model_len is None:
-        model_config.max_model_len = max_pos
-    elif max_pos is not None and model_config.max_model_len > max_pos:
-        raise ModelLoadError(
-            f"max_model_len={model_config.max_model_len} exceeds the model's "
-            f"max_position_embeddings ({max_pos})"
-        )
+        # The engine (runtime.resolve_max_model_len) validates a user-given value.
+        text = getattr(hf_config, "text_config", None) or hf_config
+        model_config.max_model_len = getattr(text, "max_position_embeddings", None)
     model_config.hf_config = hf_config
     model_config.architecture = arch
     return hf_config

@@ -80,6 +80,11 @@ class ModelRegistry:
     def with_plugins(cls, plugin_manager: Any = None) -> ModelRegistry:
         """The built-in registry plus what loaded plugins add through ``engine_models``."""
         registry = cls()
-        if plugin_manager is not None:
+        if plugin_manager is None:
+            return registry
+        if hasattr(plugin_manager, "call_hook"):  # engine.plugins.PluginManager names culprits
+            for _ in plugin_manager.call_hook("engine_models", registry=registry):
+                pass
+        else:  # a bare pluggy.PluginManager
             plugin_manager.hook.engine_models(registry=registry)
         return registry

@@ -100,9 +100,9 @@ class CudaPlatform(Platform):
     # ---- engine integration -------------------------------------------------------------
     @classmethod
     def default_attention_backends(cls, config: Any = None) -> list[str]:
-        # "triton" comes from engine-triton, "sdpa" from the core/models side; "torch" is the
-        # portable reference and always installed.
-        return ["triton", "sdpa", "torch"]
+        # "triton" comes from engine-triton; "flash-attn" (when flash_attn is installed) and
+        # "sdpa" from this plugin; "torch" is the portable reference and always installed.
+        return ["triton", "flash-attn", "sdpa", "torch"]
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> list[str]:

@@ -13,3 +13,13 @@ def engine_platform():
     from engine_cuda.platform import CudaPlatform
 
     return CudaPlatform
+
+
+@hookimpl
+def engine_attention_backends() -> dict[str, str]:
+    """``sdpa`` (torch SDPA over gathered pages, a fall-back) and ``flash-attn`` (only where the
+    flash_attn package is installed), by qualified name: nothing is imported until selected."""
+    return {
+        "sdpa": "engine_cuda.sdpa_backend:SdpaAttentionBackend",
+        "flash-attn": "engine_cuda.flash_attn_backend:FlashAttnBackend",
+    }

@@ -14,7 +14,7 @@ def silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     out = gate * torch.sigmoid(gate) * up
     if os.environ.get("ENGINE_TEST_WRONG_KERNEL") == "1":
-        out = out * 1.01
+        out = out * 1.05
     return out
 
 

@@ -1,19 +1,45 @@
-"""Triton kernel overrides, registered for the cuda and rocm platforms.
+"""engine-triton's kernels: Triton implementations of the named ops and of paged attention.
 
-``register(registry)`` is called from the plugin's ``engine_kernels`` hook (only when the
-``triton`` package is importable). Register each kernel with
-``registry.register(name, fn, platforms=("cuda", "rocm"), priority=10)``; the provider defaults
-to this distribution. Every kernel must match ``engine.kernels.reference`` on random inputs
-(the conformance kit, ``-p engine.testing.conformance``, checks it).
+``register(registry)`` is called from the plugin's ``engine_kernels`` hook. It overrides every
+named op for the GPU platforms (``cuda``, ``rocm``) at priority 10. Tests that run the engine
+in Triton's CPU interpreter pass ``platforms=("cpu",)`` explicitly: an environment variable
+alone never reroutes the CPU platform's kernels. Importing this package imports Triton, so the
+plugin imports it only inside the hook.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from engine_triton.kernels._interpreter import patch_if_interpreting
+
+if TYPE_CHECKING:
+    from engine.kernels.registry import KernelRegistry
+
+patch_if_interpreting()
+
+PROVIDER = "engine-triton"
+PRIORITY = 10
+GPU_PLATFORMS = ("cuda", "rocm")
 
 
-def register(registry: Any) -> None:
-    """Register the Triton kernels with ``registry`` (an ``engine.kernels.KernelRegistry``)."""
-    # Nothing yet: the Triton kernels (rms_norm, rotary_embedding, silu_and_mul, ...) are
-    # written by the Triton engineer and registered here for platforms=("cuda", "rocm").
-    return None
+def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS) -> None:
+    """Register every Triton kernel with the engine's kernel registry for ``platforms``."""
+    from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from engine_triton.kernels.kv_cache import write_kv_cache
+    from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
+    from engine_triton.kernels.rotary import rotary_embedding
+
+    ops = {
+        "rms_norm": rms_norm,
+        "fused_add_rms_norm": fused_add_rms_norm,
+        "rotary_embedding": rotary_embedding,
+        "silu_and_mul": silu_and_mul,
+        "gelu_tanh_and_mul": gelu_tanh_and_mul,
+        "write_kv_cache": write_kv_cache,
+    }
+    for name, fn in ops.items():
+        registry.register(
+            name, fn, platforms=tuple(platforms), priority=PRIORITY, provider=PROVIDER
+        )

@@ -1,0 +1,110 @@
+"""What ``engine bench throughput`` and ``engine bench latency`` share: engine flags, model
+resolution (a path or a built-in shape), building the ``LLM`` and timing its start."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as host_platform
+import tempfile
+import time
+from typing import Any
+
+from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_builtin_model
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--model`` plus every engine flag (``engine serve``'s names), and ``--json``."""
+    from engine.cli.args import add_engine_args
+
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="A model directory, or a built-in shape written as config.json only "
+        f"({', '.join(BUILTIN_SHAPES)}); pair it with --load-format dummy.",
+    )
+    add_engine_args(parser)
+    parser.add_argument("--json", default=None, metavar="FILE", help="Write the results here.")
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """A built-in shape name becomes a temporary directory holding its config.json."""
+    if os.path.exists(args.model) or builtin_shape(args.model) is None:
+        return args.model
+    if args.load_format not in ("dummy",):
+        raise SystemExit(
+            f"--model {args.model} is a built-in shape without weights: add --load-format dummy"
+        )
+    root = tempfile.mkdtemp(prefix="engine-bench-")
+    return write_builtin_model(args.model, root)
+
+
+def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
+    """The ``LLM`` for these flags and its start-to-ready seconds (weights, KV sizing, graph
+    capture, kernel compilation)."""
+    from engine.cli.args import engine_config_from_args
+    from engine.llm import LLM
+
+    args.model = resolve_model(args)
+    config = engine_config_from_args(args)
+    start = time.perf_counter()
+    llm = LLM.from_engine_config(config)
+    return llm, time.perf_counter() - start
+
+
+def engine_settings(llm: Any) -> dict[str, Any]:
+    """The settings that shape a benchmark's numbers, for the JSON record."""
+    engine = llm.llm_engine
+    cfg = engine.config
+    runner = engine.runner
+    graphs = getattr(runner, "graphs", None)
+    return {
+        "platform": cfg.platform,
+        "attention_backend": runner.attn_backend_cls.name,
+        "dtype": cfg.model.dtype,
+        "max_model_len": cfg.model.max_model_len,
+        "block_size": cfg.cache.block_size,
+        "num_kv_blocks": runner.num_blocks,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+        "gpu_memory_utilization": cfg.cache.gpu_memory_utilization,
+        "cuda_graphs": None if graphs is None else graphs.sizes,
+        "enforce_eager": cfg.enforce_eager,
+    }
+
+
+def hardware() -> dict[str, Any]:
+    """The device and host the numbers were measured on."""
+    info: dict[str, Any] = {"host": host_platform.node(), "python": host_platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def sampling_params(max_tokens: int) -> Any:
+    """Greedy, ignore EOS, no detokenisation: the token count is exactly ``max_tokens``."""
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> tuple[list[Any], float]:
+    """Run the prompts (token ids) to completion; returns the outputs and the seconds taken."""
+    params = [sampling_params(n) for n in output_lens]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return outs, time.perf_counter() - start
+
+
+def write_json(path: str | None, record: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)

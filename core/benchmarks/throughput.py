@@ -1,0 +1,126 @@
+"""``engine bench throughput``: offline throughput on a random workload, like
+``vllm bench throughput --dataset-name random``.
+
+Every request is submitted at once through ``engine.llm.LLM.generate`` (token-id prompts,
+greedy, ``ignore_eos``, each request's own output length) and the run is timed end to end.
+Prints requests/s, total tokens/s and output tokens/s; ``--json FILE`` also records the
+settings, the start-to-ready time and a per-step split of wall time into GPU span and host-only
+time (see ``engine.benchmarks.step_profile``).
+
+nano-vllm's benchmark on the Qwen3-0.6B shape::
+
+    engine bench throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \\
+        --min-input-len 100 --max-input-len 1024 --min-output-len 100 --max-output-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from engine.benchmarks.common import (
+    add_common_args,
+    build_llm,
+    engine_settings,
+    generate,
+    hardware,
+    write_json,
+)
+from engine.benchmarks.workload import length_range, random_workload, warmup_workload
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``engine bench throughput``."""
+    add_common_args(parser)
+    w = parser.add_argument_group("workload (random token ids)")
+    w.add_argument("--num-prompts", type=int, default=1000, help="Requests (default: %(default)s).")
+    w.add_argument(
+        "--input-len", type=int, default=1024, help="Prompt tokens (default: %(default)s)."
+    )
+    w.add_argument("--output-len", type=int, default=128, help="New tokens (default: %(default)s).")
+    w.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="Draw lengths uniformly in [len*(1-r), len*(1+r)], as vLLM (default: %(default)s).",
+    )
+    for kind in ("input", "output"):
+        w.add_argument(f"--min-{kind}-len", type=int, default=None, help=f"Explicit {kind} range.")
+        w.add_argument(f"--max-{kind}-len", type=int, default=None, help=f"Explicit {kind} range.")
+    w.add_argument("--no-warmup", action="store_true", help="Skip the untimed warm-up requests.")
+
+
+def _range(args: argparse.Namespace, kind: str) -> tuple[int, int]:
+    lo, hi = getattr(args, f"min_{kind}_len"), getattr(args, f"max_{kind}_len")
+    if lo is None and hi is None:
+        return length_range(getattr(args, f"{kind}_len"), args.random_range_ratio)
+    if lo is None or hi is None or not 1 <= lo <= hi:
+        raise SystemExit(f"--min-{kind}-len and --max-{kind}-len go together, 1 <= min <= max")
+    return lo, hi
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark for parsed flags; prints and optionally writes the results."""
+    from engine.benchmarks.step_profile import StepProfiler
+
+    input_range, output_range = _range(args, "input"), _range(args, "output")
+    llm, ready_s = build_llm(args)
+    engine = llm.llm_engine
+    vocab = engine.runner.vocab_size
+    print(f"engine ready in {ready_s:.1f} s", flush=True)
+    if not args.no_warmup:
+        warm = warmup_workload(vocab)
+        generate(llm, warm.prompts, warm.output_lens)
+    work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
+    profiler = StepProfiler(engine)
+    outs, seconds = generate(llm, work.prompts, work.output_lens)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = work.input_tokens
+    result = {
+        "benchmark": "throughput",
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "input_len_range": list(input_range),
+        "output_len_range": list(output_range),
+        "seed": args.seed,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "expected_output_tokens": work.output_tokens,
+        "elapsed_s": round(seconds, 3),
+        "requests_per_s": round(len(outs) / seconds, 3),
+        "total_tokens_per_s": round((in_tokens + out_tokens) / seconds, 1),
+        "output_tokens_per_s": round(out_tokens / seconds, 1),
+        "start_to_ready_s": round(ready_s, 2),
+        "step_split": profiler.summary(),
+        "settings": engine_settings(llm),
+        "hardware": hardware(),
+    }
+    print(
+        f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+        f"{result['total_tokens_per_s']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_s']:.2f} output tokens/s"
+    )
+    print(f"Total num prompt tokens:  {in_tokens}")
+    print(f"Total num output tokens:  {out_tokens}")
+    split = result["step_split"]
+    print(
+        f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
+        f"{split['mean_step_ms']:.2f} ms: GPU span {split['mean_gpu_span_ms']:.2f} ms, host-only "
+        f"{split['mean_host_only_ms']:.2f} ms (schedule {split['mean_schedule_ms']:.2f} ms)"
+    )
+    write_json(args.json, result)
+    return 0 if out_tokens == work.output_tokens else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m engine.benchmarks.throughput ...``"""
+    parser = argparse.ArgumentParser(
+        prog="engine bench throughput", description=__doc__.split("\n\n")[0]
+    )
+    add_cli_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Benchmark inputs: built-in model shapes (config.json only, for ``--load-format dummy``) and
+random token-id workloads.
+
+The random workload draws, per request and in this order, a prompt length, the prompt's token
+ids (uniform in ``[10, vocab - 10)``) and an output length, from ``random.Random(seed)``. With
+``--seed 0``, 256 prompts and lengths in [100, 1024] this is nano-vllm's benchmark exactly as
+the vLLM peer measurement in ``shared/peers/vllm`` drew it; ``--seed 3`` with 128 in and 512
+out is its batch-1 decode workload.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+# Public config.json values of the checkpoints (architecture-defining fields only).
+BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        torch_dtype="bfloat16",
+    ),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+        torch_dtype="bfloat16",
+    ),
+}
+ALIASES = {"llama3-8b": "llama-3.1-8b", "llama-3-8b": "llama-3.1-8b", "qwen3-0.6B": "qwen3-0.6b"}
+
+
+def builtin_shape(name: str) -> str | None:
+    """The canonical built-in shape for ``name`` (case-insensitive), or None."""
+    key = ALIASES.get(name, name).lower()
+    key = ALIASES.get(key, key)
+    return key if key in BUILTIN_SHAPES else None
+
+
+def write_builtin_model(name: str, root: str) -> str:
+    """Write ``config.json`` (and a small stand-in tokenizer, which the engine loads but the
+    benchmarks never use: prompts are token ids and outputs are not detokenized) for a
+    built-in shape under ``root``; returns the directory."""
+    import transformers
+
+    shape = builtin_shape(name)
+    if shape is None:
+        raise KeyError(name)
+    values = dict(BUILTIN_SHAPES[shape])
+    model_type = values.pop("model_type")
+    path = os.path.join(root, shape)
+    os.makedirs(path, exist_ok=True)
+    config = transformers.AutoConfig.for_model(model_type, **values)
+    config.save_pretrained(path)
+    from engine.testing.tiny_models import build_tokenizer
+
+    build_tokenizer(path)
+    return path
+
+
+@dataclass
+class Workload:
+    """Token-id prompts and one output length per request."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def length_range(length: int, ratio: float) -> tuple[int, int]:
+    """vLLM's ``--random-range-ratio``: lengths uniform in
+    ``[length * (1 - ratio), length * (1 + ratio)]`` (at least 1)."""
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+
+
+def random_workload(
+    num_prompts: int,
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+) -> Workload:
+    """``num_prompts`` random requests with lengths uniform in the (inclusive) ranges."""
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(num_prompts):
+        n = rng.randint(*input_range)
+        prompts.append([rng.randrange(10, vocab_size - 10) for _ in range(n)])
+        outs.append(rng.randint(*output_range))
+    return Workload(prompts, outs)
+
+
+def warmup_workload(vocab_size: int) -> Workload:
+    """Eight short requests (64..288 prompt tokens, 32 new each), run untimed first."""
+    prompts = [[(7 * i + j) % (vocab_size - 20) + 10 for j in range(64 + 32 * i)] for i in range(8)]
+    return Workload(prompts, [32] * 8)

@@ -1,0 +1,187 @@
+"""``engine serve [MODEL]``: the OpenAI-compatible HTTP server.
+
+Engine flags come from ``engine.cli.args`` (shared with generate/chat/bench); the flags here
+are the server's, named like ``vllm serve``'s. Nothing heavy is imported until the command
+runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from engine.cli.args import add_engine_args, add_model_arg, engine_config_from_args
+
+DEFAULT_BODY_LIMIT = 16 * 1024 * 1024
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's own flags, in two argument groups."""
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="Address to listen on; 0.0.0.0 for every interface (default: %(default)s).",
+    )
+    server.add_argument(
+        "--port", type=int, default=8000, help="Port to listen on (default: %(default)s)."
+    )
+    server.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 routes (repeat for several keys).",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="A Jinja chat template (a file path or the template itself) for models whose "
+        "tokenizer has none, or to override it.",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_BODY_LIMIT,
+        help="Larger request bodies are refused with 413 (default: %(default)s = 16 MiB).",
+    )
+    server.add_argument(
+        "--max-n",
+        type=_positive_int,
+        default=128,
+        help="Largest n (completions per prompt) a request may ask for (default: %(default)s).",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting "
+        "them; new requests get 503 meanwhile (default: %(default)s).",
+    )
+
+    logs = parser.add_argument_group("logging")
+    logs.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Do not log each request's prompt and sampling parameters.",
+    )
+    logs.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Log at most this many prompt characters and token ids per request.",
+    )
+    logs.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="Do not log the throughput/load line every --log-stats-interval seconds.",
+    )
+    logs.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="Seconds between stats lines while busy (default: %(default)s).",
+    )
+    logs.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="Do not log one line per HTTP request.",
+    )
+    logs.add_argument(
+        "--disable-access-log-for-endpoints",
+        default="",
+        metavar="PATHS",
+        help="Comma-separated paths whose access-log lines are dropped, e.g. /health,/metrics.",
+    )
+    logs.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="Log level of the HTTP server (default: %(default)s).",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``engine serve``."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="Serve a model over an OpenAI-compatible HTTP API.",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics, "
+        "/version). Without MODEL, the embedded Gemma 3 270M is served.",
+    )
+    add_model_arg(parser, positional=True)
+    add_server_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a file, or the template text itself."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    path = Path(value)
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise FileNotFoundError(f"--chat-template: no such file: {value}")
+    return value
+
+
+def configure_logging(level: str = "info") -> None:
+    """One format for engine and uvicorn lines (uvicorn's loggers propagate to the root)."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO if level in ("info", "trace") else getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; return the exit status."""
+    started_at = time.monotonic()
+    configure_logging(args.uvicorn_log_level)
+    from engine.server.app import ServerOptions
+    from engine.server.launcher import ApiServer, LaunchOptions
+    from engine.server.serving import ServerLimits, ServingOptions
+
+    config = engine_config_from_args(args)  # validates flags before the port is taken
+
+    def load_engine():
+        from engine.engine import LLMEngine
+
+        return LLMEngine.from_config(config)
+
+    quiet = [p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()]
+    options = ServerOptions(
+        api_keys=list(args.api_key or []),
+        max_request_body_bytes=args.max_request_body_bytes,
+        serving=ServingOptions(
+            limits=ServerLimits(max_n=args.max_n),
+            log_requests=not args.disable_log_requests,
+            max_log_len=args.max_log_len,
+            chat_template=_read_chat_template(args.chat_template),
+        ),
+    )
+    launch = LaunchOptions(
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+        access_log=not args.disable_uvicorn_access_log,
+        quiet_paths=quiet,
+        log_level=args.uvicorn_log_level,
+        started_at=started_at,
+    )
+    return ApiServer(load_engine, options, launch).run()

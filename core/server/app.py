@@ -1,0 +1,205 @@
+"""The FastAPI application: routes, middleware and the server's lifecycle state.
+
+``build_app`` returns an app whose engine arrives later (``ServerState.set_ready``): the HTTP
+port answers ``/health`` with 503 while the model loads, 200 once it is served, and 503 again
+while draining on shutdown or after the engine died.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.server.async_engine import AsyncEngine
+from engine.server.chat import create_chat_completion
+from engine.server.completions import create_completion
+from engine.server.errors import APIError, bad_request, error_response, install_error_handlers
+from engine.server.metrics import ServerMetrics
+from engine.server.middleware import AdmissionMiddleware, APIKeyMiddleware, BodyLimitMiddleware
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from engine.server.serving import ServingContext, ServingOptions
+
+logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass
+class ServerOptions:
+    """HTTP-level options (the rest is in ``ServingOptions``)."""
+
+    api_keys: list[str] = field(default_factory=list)
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    serving: ServingOptions = field(default_factory=ServingOptions)
+
+
+class ServerState:
+    """Where the server is in its life, and the engine once it is loaded."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.STARTING
+        self.ctx: ServingContext | None = None
+        self.metrics: ServerMetrics | None = None
+        self.startup_error: BaseException | None = None
+
+    def set_ready(self, ctx: ServingContext, metrics: ServerMetrics) -> None:
+        self.ctx, self.metrics = ctx, metrics
+        self.phase = Phase.READY
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.ctx.async_engine if self.ctx is not None else None
+
+    def refusal(self) -> APIError | None:
+        """Why new work is refused now, or None when it is welcome."""
+        if self.phase is Phase.STARTING:
+            return APIError(503, "The server is starting: the model is loading.", code="starting")
+        if self.phase in (Phase.DRAINING, Phase.STOPPED):
+            return APIError(
+                503, "The server is shutting down and accepts no new requests.", code="draining"
+            )
+        engine = self.engine
+        if engine is not None and engine.dead is not None:
+            return APIError(500, f"The engine failed: {engine.dead!r}", code="engine_dead")
+        return None
+
+    def require_ctx(self) -> ServingContext:
+        err = self.refusal()
+        if err is not None:
+            raise err
+        assert self.ctx is not None
+        return self.ctx
+
+
+def build_app(options: ServerOptions, state: ServerState | None = None) -> FastAPI:
+    """The ASGI app serving the OpenAI-compatible API and the operational endpoints."""
+    from engine.version import __version__
+
+    state = state or ServerState()
+    kwargs = {}
+    if "strict_content_type" in inspect.signature(FastAPI).parameters:
+        # Parse JSON bodies sent without a Content-Type too (curl -d), as older FastAPI did.
+        kwargs["strict_content_type"] = False
+    app = FastAPI(
+        title="engine OpenAI-compatible server",
+        version=__version__,
+        description="OpenAI-compatible completions and chat completions served by `engine`.",
+        **kwargs,
+    )
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.get("/health", tags=["operations"])
+    async def health() -> Response:
+        """200 when the engine serves requests; 503 while starting, draining or dead."""
+        err = state.refusal()
+        if err is not None:
+            err.status_code = 503
+            return error_response(err)
+        return Response(status_code=200)
+
+    @app.get("/metrics", tags=["operations"])
+    async def metrics() -> Response:
+        """Prometheus metrics (``engine:`` prefix, ``model_name`` label)."""
+        body = state.metrics.render() if state.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version", response_model=VersionResponse, tags=["operations"])
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/v1/models", response_model=ModelList, tags=["openai"])
+    async def models() -> ModelList:
+        ctx = state.require_ctx()
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+                for name in ctx.model_names
+            ]
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"])
+    async def completions(body: CompletionRequest, request: Request):
+        """Text completions (``stream=true`` answers server-sent events)."""
+        ctx = state.require_ctx()
+        _warn_extra(body)
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["openai"])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """Chat completions through the model's chat template."""
+        ctx = state.require_ctx()
+        _warn_extra(body)
+        return await create_chat_completion(ctx, body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """Token ids of a prompt, or of chat messages rendered with the chat template."""
+        ctx = state.require_ctx()
+        ctx.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            text = await ctx.render_chat(
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            ids = await ctx.encode(text, add_special_tokens=False)
+        else:
+            ids = await ctx.encode(body.prompt, body.add_special_tokens)
+        strs = [ctx.token_text(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, tags=["tokenizer"])
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids."""
+        ctx = state.require_ctx()
+        ctx.check_model(body.model)
+        ctx.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=ctx.decode(body.tokens))
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> JSONResponse:
+        return JSONResponse({"message": "engine OpenAI-compatible server", "docs": "/docs"})
+
+    # Outermost first: authenticate, then admit, then bound the body.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes)
+    app.add_middleware(AdmissionMiddleware, refusal=state.refusal)
+    if options.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    return app
+
+
+def _warn_extra(body) -> None:
+    extra = body.model_extra
+    if extra:
+        logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(extra)))
+
+
+__all__ = ["Phase", "ServerOptions", "ServerState", "build_app", "bad_request"]

@@ -1,0 +1,266 @@
+"""``POST /v1/chat/completions``: chat-templated generation, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from engine.server.async_engine import OutputChannel
+from engine.server.deltas import stream_deltas
+from engine.server.errors import APIError, bad_request, from_engine_error
+from engine.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from engine.server.serving import ServingContext, random_id
+from engine.server.streaming import (
+    DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    sse,
+    unless_disconnected,
+)
+
+
+def chat_logprobs(
+    ctx: ServingContext,
+    token_ids: list[int],
+    entries: list[dict[int, Any] | None] | None,
+    top_n: int,
+    as_ids: bool = False,
+) -> list[ChatTokenLogprob]:
+    """The chat ``logprobs.content`` list for ``token_ids`` (``top_n`` alternatives each)."""
+    content = []
+    for i, token in enumerate(token_ids):
+        entry = (entries[i] if entries is not None and i < len(entries) else None) or {}
+        chosen = entry.get(token)
+        text = ctx.logprob_token(token, chosen, as_ids)
+        top = []
+        if top_n:
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top_n]
+            for t, lp in ranked:
+                t_text = ctx.logprob_token(t, lp, as_ids)
+                top.append(
+                    TopLogprob(
+                        token=t_text,
+                        logprob=_finite(lp.logprob),
+                        bytes=list(t_text.encode("utf-8")),
+                    )
+                )
+        content.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=_finite(chosen.logprob) if chosen is not None else -9999.0,
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=top,
+            )
+        )
+    return content
+
+
+def _finite(x: float) -> float:
+    return max(float(x), -9999.0)
+
+
+def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
+    """Serve one chat completions request."""
+    model = ctx.check_model(req.model)
+    max_tokens, max_tokens_param = _max_tokens(req)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request(
+            f"response_format type {req.response_format.get('type')!r} is not supported",
+            "response_format",
+        )
+    if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
+        raise bad_request("forced tool calls are not supported", "tool_choice")
+    use_tools = req.tools if req.tool_choice != "none" else None
+
+    prompt = await ctx.render_chat(
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        tools=use_tools,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
+    # The template already wrote the special tokens it wants (BOS...).
+    ids = await ctx.encode(prompt, add_special_tokens=False)
+    if not ids:
+        raise bad_request("the rendered chat prompt is empty", "messages")
+    if max_tokens is None:
+        max_tokens = max(1, ctx.max_model_len - len(ids))
+    ctx.check_prompt_fits(len(ids), max_tokens, param="messages")
+    top_n = req.top_logprobs or 0
+    params = ctx.sampling_params(
+        req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None
+    )
+
+    request_id = random_id("chatcmpl")
+    engine = ctx.async_engine
+    channel = engine.open_channel(stream=req.stream)
+    rid = f"{request_id}-0"
+    ctx.log_request(rid, prompt, ids, params)
+    try:
+        await engine.add_request(channel, rid, prompt, params, ids, req.priority)
+    except BaseException as e:
+        channel.abort()
+        raise from_engine_error(e) if isinstance(e, Exception) else e from None
+
+    created = int(time.time())
+    echo_text = _last_message_text(req) if req.echo else ""
+    if req.stream:
+        body = _stream(ctx, req, channel, request_id, rid, model, created, len(ids), echo_text)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    try:
+        finals = await unless_disconnected(channel.collect_final(), raw)
+    except ClientDisconnected:
+        channel.abort()
+        return JSONResponse({}, status_code=499)
+    except Exception as e:
+        channel.abort()
+        raise from_engine_error(e) from e
+    finally:
+        channel.close()
+
+    out = finals[rid]
+    choices = []
+    completion_tokens = 0
+    for comp in sorted(out.outputs, key=lambda c: c.index):
+        completion_tokens += len(comp.token_ids)
+        logprobs = None
+        if req.logprobs:
+            logprobs = ChatChoiceLogprobs(
+                content=chat_logprobs(
+                    ctx, comp.token_ids, comp.logprobs, top_n, req.return_tokens_as_token_ids
+                )
+            )
+        choices.append(
+            ChatCompletionChoice(
+                index=comp.index,
+                message=ChatResponseMessage(content=echo_text + comp.text),
+                logprobs=logprobs,
+                finish_reason=comp.finish_reason,
+                stop_reason=comp.stop_reason,
+            )
+        )
+    usage = UsageInfo(
+        prompt_tokens=len(ids),
+        completion_tokens=completion_tokens,
+        total_tokens=len(ids) + completion_tokens,
+    )
+    return ChatCompletionResponse(
+        id=request_id, created=created, model=model, choices=choices, usage=usage
+    )
+
+
+def _last_message_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's content when it is the assistant's."""
+    last = req.messages[-1]
+    if last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(getattr(p, "text", "") for p in last.content)
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    channel: OutputChannel,
+    request_id: str,
+    rid: str,
+    model: str,
+    created: int,
+    prompt_tokens: int,
+    echo_text: str,
+) -> AsyncIterator[bytes]:
+    """The SSE body: a role chunk per choice, content deltas, finish, usage, ``[DONE]``."""
+    opts = req.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+    completion_tokens = 0
+    top_n = req.top_logprobs or 0
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: Any, stop: Any) -> bytes:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "stop_reason": stop,
+                }
+            ],
+        }
+        if include_usage:
+            data["usage"] = _usage(prompt_tokens, completion_tokens) if continuous else None
+        return sse(data)
+
+    try:
+        # The role chunk goes first, before the engine produced anything (OpenAI does this).
+        for i in range(req.n):
+            delta = {"role": "assistant", "content": echo_text}
+            yield chunk(i, delta, None, None, None)
+        async for deltas in stream_deltas(channel, {rid: 0}, req.n):
+            for d in deltas:
+                completion_tokens += len(d.token_ids)
+                if not d.text and not d.token_ids and d.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs and d.token_ids:
+                    content = chat_logprobs(
+                        ctx, d.token_ids, d.logprobs, top_n, req.return_tokens_as_token_ids
+                    )
+                    logprobs = {"content": [c.model_dump() for c in content]}
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                yield chunk(d.index, delta, logprobs, d.finish_reason, d.stop_reason)
+        if include_usage:
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage(prompt_tokens, completion_tokens),
+                }
+            )
+    except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
+        err = e if isinstance(e, APIError) else from_engine_error(e)
+        yield sse(err.body())
+    finally:
+        channel.abort()
+    yield DONE
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

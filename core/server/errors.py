@@ -1,0 +1,182 @@
+"""The OpenAI error envelope and the exception handlers that produce it.
+
+Every error the server returns has the body
+``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
+Validation failures are 400 (never FastAPI's default 422), so OpenAI clients raise their usual
+``BadRequestError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status_code`` and the OpenAI envelope."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,  # noqa: A002 - the envelope's field name
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status_code, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param, code=code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """A JSON response carrying ``err``."""
+    headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
+    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+
+
+def from_engine_error(exc: BaseException) -> APIError:
+    """Map an exception raised while adding or running a request to an ``APIError``.
+
+    The engine raises ``ValueError`` subclasses with a ``param`` attribute for bad input
+    (``InvalidRequestError``, ``SamplingParamsError``); a prompt too long carries
+    ``max_model_len`` and ``num_tokens``. Duck typing keeps the server independent of where
+    those classes live.
+    """
+    from engine.server.async_engine import EngineDeadError, EngineStoppedError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), code="engine_dead")
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, str(exc), code="server_shutting_down")
+    max_len = getattr(exc, "max_model_len", None)
+    num_tokens = getattr(exc, "num_tokens", None)
+    if max_len is not None and num_tokens is not None:
+        return context_length_error(int(max_len), int(num_tokens))
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), param=getattr(exc, "param", None))
+    logger.error("request failed: %r", exc, exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def context_length_error(
+    max_model_len: int,
+    num_tokens: int,
+    prompt_tokens: int | None = None,
+    param: str = "prompt",
+) -> APIError:
+    """The 400 for a request that does not fit the model's context (OpenAI's wording)."""
+    if prompt_tokens is None or prompt_tokens == num_tokens:
+        detail = f"However, your prompt has {num_tokens} tokens."
+    else:
+        detail = (
+            f"However, you requested {num_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{num_tokens - prompt_tokens} in the completion)."
+        )
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. {detail} "
+        "Please reduce the length of the prompt or of max_tokens.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message and the offending field for pydantic's errors."""
+    parts = []
+    param = None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            parts.append(f"Malformed JSON body: {ctx.get('error', err.get('msg'))}")
+            continue
+        # Union members add their type name to the location; keep what the user wrote.
+        field_path = ".".join(p for p in loc if not _is_type_tag(p))
+        if not field_path and err.get("type") in ("model_attributes_type", "dict_type"):
+            parts.append("The request body must be a JSON object.")
+            continue
+        if param is None and field_path:
+            param = field_path
+        msg = err.get("msg", "invalid value")
+        parts.append(f"{field_path}: {msg}" if field_path else msg)
+    # Unions report one error per member; the first few say enough.
+    unique = list(dict.fromkeys(parts))
+    message = "; ".join(unique[:3]) or "invalid request"
+    return message, param
+
+
+def _is_type_tag(part: str) -> bool:
+    return part.startswith(("list[", "dict[", "function-", "literal[")) or part in (
+        "str",
+        "int",
+        "float",
+        "bool",
+        "list",
+        "dict",
+        "none",
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error (validation, HTTP, engine, unexpected) answer the OpenAI envelope."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(bad_request(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path!r}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path!r}"
+        return error_response(APIError(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(from_engine_error(exc))

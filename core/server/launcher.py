@@ -1,0 +1,227 @@
+"""Run the app under uvicorn: load the engine behind a live port, drain on SIGTERM.
+
+The listening socket is bound first, so ``/health`` answers 503 while the model loads (in a
+worker thread). The first SIGTERM/SIGINT starts a drain: ``/health`` and new requests get 503,
+in-flight requests get up to ``shutdown_timeout`` seconds to finish, the rest are aborted, then
+the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from engine.server.app import Phase, ServerOptions, ServerState, build_app
+from engine.server.async_engine import AsyncEngine
+from engine.server.metrics import ServerMetrics
+from engine.server.serving import ServingContext
+
+logger = logging.getLogger("engine.server")
+
+
+@dataclass
+class LaunchOptions:
+    """How to run the HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_timeout: float = 30.0
+    log_stats_interval: float = 10.0
+    access_log: bool = True
+    quiet_paths: Iterable[str] = field(default_factory=tuple)
+    log_level: str = "info"
+    started_at: float | None = None  # time.monotonic() when the command started
+
+
+class _QuietPaths(logging.Filter):
+    """Drops uvicorn access-log lines for the given paths (e.g. /health, /metrics)."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server with our shutdown: drain first, then let uvicorn close."""
+
+    def __init__(self, config: uvicorn.Config, owner: ApiServer) -> None:
+        super().__init__(config)
+        self._owner = owner
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Not uvicorn's: it would re-raise the signal after shutdown (exit status -15).
+        self._owner.request_shutdown()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self._owner._on_started()
+
+
+class ApiServer:
+    """The OpenAI-compatible server around an engine built by ``engine_factory``.
+
+    ``run()`` blocks (signals handled when it runs in the main thread); tests run ``serve()``
+    in a thread and call ``request_shutdown()``.
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        options: ServerOptions,
+        launch: LaunchOptions,
+        sock: socket.socket | None = None,
+    ) -> None:
+        self.engine_factory = engine_factory
+        self.options = options
+        self.launch = launch
+        self.state = ServerState()
+        self.app = build_app(options, self.state)
+        self.sock = sock or bind_socket(launch.host, launch.port)
+        self.port = self.sock.getsockname()[1]
+        self.exit_code = 0
+        self.ready = threading.Event()  # set once the engine serves (or failed to load)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutdown_started = False
+        access_logger = logging.getLogger("uvicorn.access")
+        if launch.quiet_paths:
+            access_logger.addFilter(_QuietPaths(launch.quiet_paths))
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,  # our logging setup; uvicorn's loggers propagate to the root
+            log_level=launch.log_level,
+            access_log=launch.access_log,
+            timeout_graceful_shutdown=5,
+            lifespan="off",
+        )
+        self._server = _Uvicorn(config, self)
+
+    # ----------------------------------------------------------------- running
+    def run(self) -> int:
+        """Serve until shut down; return the exit status."""
+        asyncio.run(self.serve())
+        return self.exit_code
+
+    async def serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._server.serve(sockets=[self.sock])
+        finally:
+            engine = self.state.engine
+            if engine is not None:
+                await asyncio.to_thread(engine.stop)
+            if self.state.ctx is not None:
+                self.state.ctx.close()
+            self.ready.set()
+
+    def _on_started(self) -> None:
+        logger.info("listening on http://%s:%d (loading the model)", self.launch.host, self.port)
+        threading.Thread(target=self._load_engine, name="engine-load", daemon=True).start()
+
+    def _load_engine(self) -> None:
+        try:
+            engine = self.engine_factory()
+        except BaseException as e:  # noqa: BLE001 - report and exit non-zero
+            logger.exception("failed to load the engine")
+            self.state.startup_error = e
+            self.exit_code = 1
+            self._server.should_exit = True
+            self.ready.set()
+            return
+        loop = self._loop
+        assert loop is not None
+        loop.call_soon_threadsafe(self._start_engine, engine)
+
+    def _start_engine(self, engine: Any) -> None:
+        if self._shutdown_started:
+            return
+        serving = self.options.serving
+        names = list(serving.served_model_names) or [
+            engine.config.model.served_model_name or str(engine.config.model.model)
+        ]
+        metrics = ServerMetrics(names[0], log_stats_interval_s=self.launch.log_stats_interval)
+        async_engine = AsyncEngine(
+            engine, observer=metrics, idle_wakeup_s=max(self.launch.log_stats_interval or 10.0, 1.0)
+        )
+        async_engine.start(self._loop)
+        ctx = ServingContext(async_engine, serving)
+        self.state.set_ready(ctx, metrics)
+        took = ""
+        if self.launch.started_at is not None:
+            took = f" in {time.monotonic() - self.launch.started_at:.2f} s"
+        logger.info(
+            "ready%s: serving %s (max_model_len=%d) on http://%s:%d",
+            took,
+            ", ".join(ctx.model_names),
+            ctx.max_model_len,
+            self.launch.host,
+            self.port,
+        )
+        self.ready.set()
+
+    # ---------------------------------------------------------------- shutdown
+    def request_shutdown(self) -> None:
+        """Begin draining (thread- and signal-safe); a second call exits at once."""
+        loop = self._loop
+        if self._shutdown_started or loop is None:
+            self._server.should_exit = True
+            self._server.force_exit = True
+            return
+        self._shutdown_started = True
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        state = self.state
+        engine = state.engine
+        if state.phase is Phase.STARTING or engine is None:
+            state.phase = Phase.STOPPED
+            self._server.should_exit = True
+            return
+        state.phase = Phase.DRAINING
+        timeout = self.launch.shutdown_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if engine.num_open_channels:
+            logger.info(
+                "shutting down: waiting up to %.0f s for %d in-flight request(s)",
+                timeout,
+                engine.num_open_channels,
+            )
+        while engine.num_open_channels and loop.time() < deadline and engine.dead is None:
+            await asyncio.sleep(0.05)
+        if engine.num_open_channels:
+            logger.warning(
+                "shutdown timeout: aborting %d unfinished request(s)", engine.num_open_channels
+            )
+        state.phase = Phase.STOPPED
+        await asyncio.to_thread(engine.stop)
+        # Let the aborted requests write their error responses before uvicorn closes.
+        for _ in range(40):
+            if not engine.num_open_channels:
+                break
+            await asyncio.sleep(0.05)
+        self._server.should_exit = True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free one), bound before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

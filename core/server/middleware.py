@@ -1,0 +1,146 @@
+"""ASGI middleware: API-key check, request-body size limit, refusing work while draining.
+
+Plain ASGI (not ``BaseHTTPMiddleware``) so that streamed responses pass through untouched and
+each check costs a few dictionary look-ups.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.server.errors import APIError
+
+
+async def send_error(send: Send, err: APIError) -> None:
+    """Answer ``err`` with the OpenAI envelope without involving the app."""
+    body = json.dumps(err.body()).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if err.status_code == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+class APIKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` on ``/v1`` routes (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self._keys = [k.encode() for k in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and self._keys
+            and scope["path"].startswith("/v1")
+            and scope["method"] != "OPTIONS"
+        ):
+            auth = _header(scope, b"authorization") or b""
+            scheme, _, token = auth.partition(b" ")
+            ok = scheme.lower() == b"bearer" and any(
+                hmac.compare_digest(token.strip(), key) for key in self._keys
+            )
+            if not ok:
+                message = (
+                    "Missing API key: send 'Authorization: Bearer <key>'."
+                    if not auth
+                    else "Incorrect API key provided."
+                )
+                await send_error(send, APIError(401, message, code="invalid_api_key"))
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to request bodies larger than ``max_bytes``.
+
+    A declared ``Content-Length`` is checked up front; a chunked body is read (up to the
+    limit) before the app sees it, then replayed.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"Request body too large: the limit is {self.max_bytes} bytes "
+            "(--max-request-body-bytes).",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.max_bytes <= 0:
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await send_error(send, APIError(400, "invalid Content-Length header"))
+                return
+            if declared > self.max_bytes:
+                await send_error(send, self._too_large())
+                return
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        # Chunked transfer: buffer up to the limit.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await send_error(send, self._too_large())
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        buffered: list[Message] = [{"type": "http.request", "body": b"".join(chunks)}]
+
+        async def replay() -> Message:
+            if buffered:
+                return buffered.pop()
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class AdmissionMiddleware:
+    """Refuse work with 503 while the server starts or drains (``/health`` says why)."""
+
+    GUARDED = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app: ASGIApp, refusal: Callable[[], APIError | None]) -> None:
+        self.app = app
+        self._refusal = refusal
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
+            err = self._refusal()
+            if err is not None:
+                await send_error(send, err)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,161 @@
+"""Random inputs for the conformance checks: kernel arguments and multi-step paged-attention
+batches that follow the conventions in ``engine.attention_backends.interface``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.attention_backends.interface import BatchLayout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# (rtol, atol) per compute dtype. Kernels compare against the reference computed on the CPU in
+# the same dtype; attention against the reference computed in float32 from the same inputs.
+KERNEL_TOLERANCE = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2), "float16": (2e-3, 2e-3)}
+ATTENTION_TOLERANCE = {"float32": (1e-3, 1e-3), "bfloat16": (3e-2, 3e-2), "float16": (4e-3, 4e-3)}
+
+
+def rope_cache(max_position: int, rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """A float32 ``[max_position, rot_dim]`` cos/sin cache in the layout the kernels expect."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tuple]]:
+    """``(case id, args)`` pairs for kernel ``name``, on the CPU (the caller moves tensors)."""
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    def weight(h: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(h, generator=gen)).to(dtype)
+
+    if name == "rms_norm":
+        return [(f"T{t}-H{h}", (randn(t, h), weight(h), 1e-6)) for t, h in ((7, 64), (1, 256))]
+    if name == "fused_add_rms_norm":
+        return [
+            (f"T{t}-H{h}", (randn(t, h), randn(t, h), weight(h), 1e-6))
+            for t, h in ((7, 64), (1, 256))
+        ]
+    if name == "rotary_embedding":
+        cases = []
+        for is_neox in (True, False):
+            for rot_dim in (64, 32):  # full and partial rotary
+                positions = torch.randint(0, 64, (5,), generator=gen, dtype=torch.int64)
+                args = (
+                    positions,
+                    randn(5, 4 * 64),
+                    randn(5, 2 * 64),
+                    rope_cache(64, rot_dim),
+                    64,
+                    is_neox,
+                )
+                cases.append((f"neox{int(is_neox)}-rot{rot_dim}", args))
+        return cases
+    if name in ("silu_and_mul", "gelu_tanh_and_mul"):
+        return [(f"T{t}-I{i}", (randn(t, 2 * i),)) for t, i in ((7, 48), (1, 128))]
+    if name == "write_kv_cache":
+        num_blocks, block_size, kv_heads, head = 4, 8, 2, 32
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:6].to(torch.int64)
+        slots[3] = -1  # a padding token: must not be written
+        cache = randn(2, num_blocks, block_size, kv_heads, head)
+        return [("T6-pad", (randn(6, kv_heads, head), randn(6, kv_heads, head), cache, slots))]
+    raise KeyError(f"no conformance inputs for kernel {name!r}")
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return value
+
+
+@dataclass
+class AttentionCase:
+    """One attention configuration to check a backend on."""
+
+    dtype: str
+    num_heads: int = 4
+    num_kv_heads: int = 2  # GQA
+    head_size: int = 64
+    block_size: int = 16
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    @property
+    def id(self) -> str:
+        parts = [
+            self.dtype,
+            f"H{self.num_heads}/{self.num_kv_heads}",
+            f"D{self.head_size}",
+            f"B{self.block_size}",
+        ]
+        if self.sliding_window:
+            parts.append(f"window{self.sliding_window}")
+        if self.logit_softcap:
+            parts.append(f"softcap{self.logit_softcap:g}")
+        return "-".join(parts)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_size)
+
+
+@dataclass
+class PagedBatchPlan:
+    """A multi-step schedule over a shared block pool, as the model runner would produce it.
+
+    Each step is a list of ``(request, num_new_tokens)`` with decodes (1 token) first.
+    """
+
+    block_size: int
+    num_blocks: int
+    steps: list[list[tuple[int, int]]]
+    gen: torch.Generator
+    _tables: dict[int, list[int]] = field(default_factory=dict)
+    _lens: dict[int, int] = field(default_factory=dict)
+    _free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._free = torch.randperm(self.num_blocks, generator=self.gen).tolist()
+
+    def layouts(self) -> list[BatchLayout]:
+        """The ``BatchLayout`` of every step (allocating blocks in a shuffled order)."""
+        out = []
+        for step in self.steps:
+            query_lens, seq_lens, tables, slots = [], [], [], []
+            num_decodes = sum(1 for req, n in step if n == 1 and self._lens.get(req, 0) > 0)
+            for req, n in step:
+                start = self._lens.get(req, 0)
+                table = self._tables.setdefault(req, [])
+                while len(table) * self.block_size < start + n:
+                    table.append(self._free.pop())
+                for pos in range(start, start + n):
+                    slots.append(
+                        table[pos // self.block_size] * self.block_size + pos % self.block_size
+                    )
+                self._lens[req] = start + n
+                query_lens.append(n)
+                seq_lens.append(start + n)
+                tables.append(list(table))
+            out.append(
+                BatchLayout(query_lens, seq_lens, tables, slots, self.block_size, num_decodes)
+            )
+        return out
+
+
+def default_plan(block_size: int, gen: torch.Generator) -> PagedBatchPlan:
+    """Three steps mixing full prefills, chunked prefill, decodes and a late arrival:
+    step 1 prefills r0 (9), r1's first chunk (21) and r2 (3); step 2 decodes r0, r2 then
+    finishes r1 (11) and starts r3 (6); step 3 decodes everyone."""
+    steps = [
+        [(0, 9), (1, 21), (2, 3)],
+        [(0, 1), (2, 1), (1, 11), (3, 6)],
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+    ]
+    need = sum(-(-(n) // block_size) + 1 for n in (11, 33, 5, 7))
+    return PagedBatchPlan(block_size, need + 4, steps, gen)

@@ -1,0 +1,111 @@
+"""The ``triton`` attention backend: paged attention through engine-triton's kernels.
+
+It keeps the default KV-cache layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``
+and the reference's slot convention, so a cache written by the reference ``write_kv_cache`` is
+read correctly here and vice versa. Decode tokens (the first ``num_decodes`` of a batch) go
+through the split-KV decode kernel, the rest through the varlen prefill kernel, which attends
+over each request's cached prefix as well (chunked prefill, prefix caching).
+
+Importing this module is cheap: Triton and torch are imported when the backend is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING, ClassVar
+
+from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton: GQA, sliding window, logit soft-cap, any block size."""
+
+    name: ClassVar[str] = "triton"
+    # The CPU only through Triton's interpreter (TRITON_INTERPRET=1, for tests): ``supports``
+    # refuses it otherwise. Checked per call, because tests switch the interpreter on late.
+    device_types: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logit_softcap: ClassVar[bool] = True
+    supports_decode_graphs: ClassVar[bool] = True  # lengths come from tensors; see kernels
+    max_head_size: ClassVar[int] = 256
+
+    @classmethod
+    def unavailable_reasons(cls) -> list[str]:
+        if importlib.util.find_spec("triton") is None:
+            return ["triton is not installed"]
+        return []
+
+    @classmethod
+    def supports(cls, spec) -> list[str]:
+        reasons = super().supports(spec)
+        if spec.device_type == "cpu" and not _interpreting():
+            reasons.append("runs on the CPU only under TRITON_INTERPRET=1 (Triton's interpreter)")
+        if spec.head_size is not None and spec.head_size > cls.max_head_size:
+            reasons.append(f"head size {spec.head_size} > {cls.max_head_size} not supported")
+        return reasons
+
+    @classmethod
+    def build_metadata(cls, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
+        """Like the base builder, but on CUDA every array goes through one pinned host buffer
+        and one asynchronous copy instead of one blocking copy per tensor."""
+        if getattr(device, "type", device) != "cuda":
+            return super().build_metadata(layout, device)
+        from engine_triton.host_inputs import build_metadata_pinned
+
+        return build_metadata_pinned(layout, device)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        import torch
+
+        from engine_triton.kernels.attention import paged_decode, paged_prefill
+        from engine_triton.kernels.kv_cache import write_kv_cache
+
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        num_tokens = metadata.num_actual_tokens
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            paged_decode(
+                query,
+                kv_cache,
+                out,
+                metadata.seq_lens,
+                metadata.block_table,
+                num_decodes,
+                self.scale,
+                self.sliding_window,
+                self.logit_softcap,
+            )
+        if metadata.num_seqs > num_decodes:
+            paged_prefill(
+                query,
+                kv_cache,
+                out,
+                metadata.query_start_loc[num_decodes:],
+                metadata.seq_lens[num_decodes:],
+                metadata.block_table[num_decodes:],
+                metadata.num_seqs - num_decodes,
+                num_tokens - num_decodes,
+                self.scale,
+                self.sliding_window,
+                self.logit_softcap,
+            )
+        if query.shape[0] > num_tokens:  # padding rows (e.g. a padded graph batch)
+            out[num_tokens:].zero_()
+        return out

@@ -1,0 +1,155 @@
+"""Layers: rotary variants against transformers' formulas, fused-linear loaders, norms,
+activations, embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.kernels import KernelRegistry
+from engine.layers import (
+    GatedActivation,
+    LMHead,
+    MergedLinear,
+    ModelLoadError,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    rope_parameters,
+)
+from engine.layers.rotary import compute_inv_freq
+
+KERNELS = KernelRegistry().resolve("cpu")
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    ],
+)
+@pytest.mark.parametrize("partial", [None, 0.5])
+def test_inv_freq_matches_transformers(scaling, partial):
+    kwargs = dict(hidden_size=128, num_attention_heads=2, max_position_embeddings=1024)
+    if scaling:
+        kwargs["rope_scaling"] = dict(scaling)
+    cfg = LlamaConfig(rope_theta=50000.0, **kwargs)
+    if partial:
+        cfg.rope_parameters["partial_rotary_factor"] = partial
+    params = rope_parameters(cfg)
+    rot_dim = int(64 * (partial or 1.0))
+    ours = compute_inv_freq(rot_dim, params)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        expected = 1.0 / (50000.0 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    assert torch.equal(ours, expected)
+
+
+def test_rope_parameters_from_transformers4_style_config():
+    cfg = type("Cfg", (), {})()
+    cfg.rope_theta = 1e6
+    cfg.rope_scaling = {"type": "linear", "factor": 2.0}
+    cfg.max_position_embeddings = 64
+    p = rope_parameters(cfg)
+    assert p["rope_type"] == "linear" and p["rope_theta"] == 1e6 and p["factor"] == 2.0
+
+
+def test_rope_parameters_nested_per_layer_type():
+    cfg = type("Cfg", (), {})()
+    cfg.rope_parameters = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    assert rope_parameters(cfg, "sliding_attention")["rope_theta"] == 1e4
+    assert rope_parameters(cfg, "full_attention")["factor"] == 8.0
+
+
+def test_unsupported_rope_type_is_named():
+    with pytest.raises(ValueError, match="yarn"):
+        compute_inv_freq(8, {"rope_type": "yarn", "rope_theta": 1e4})
+
+
+def test_partial_rotary_leaves_tail_untouched():
+    rope = RotaryEmbedding(
+        16, 32, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, KERNELS
+    )
+    assert rope.cos_sin_cache.shape == (32, 8)
+    q, k = torch.randn(5, 2 * 16), torch.randn(5, 16)
+    q2, k2 = rope(torch.arange(5), q, k)
+    assert torch.equal(q2.view(5, 2, 16)[..., 8:], q.view(5, 2, 16)[..., 8:])
+    assert not torch.equal(q2.view(5, 2, 16)[..., :8], q.view(5, 2, 16)[..., :8])
+
+
+def test_qkv_and_merged_loaders_copy_into_slices():
+    qkv = QKVLinear(8, 4, num_heads=3, num_kv_heads=1, bias=True, dtype=torch.float32)
+    q, k, v = torch.randn(12, 8), torch.randn(4, 8), torch.randn(4, 8)
+    for shard, w in zip("qkv", (q, k, v), strict=True):
+        qkv.weight.weight_loader(qkv.weight, w, shard)
+        qkv.bias.weight_loader(qkv.bias, torch.full((w.shape[0],), ord(shard) * 1.0), shard)
+    x = torch.randn(2, 8)
+    oq, ok, ov = qkv.split(qkv(x))
+    torch.testing.assert_close(oq, x @ q.T + ord("q"))
+    torch.testing.assert_close(ok, x @ k.T + ord("k"))
+    torch.testing.assert_close(ov, x @ v.T + ord("v"))
+    with pytest.raises(ModelLoadError, match=r"expected shape \(4, 8\), got \(5, 8\)"):
+        qkv.weight.weight_loader(qkv.weight, torch.randn(5, 8), "k")
+
+    merged = MergedLinear(8, [6, 6], dtype=torch.bfloat16)
+    gate, up = torch.randn(6, 8), torch.randn(6, 8)
+    merged.weight.weight_loader(merged.weight, gate, 0)
+    merged.weight.weight_loader(merged.weight, up, 1)
+    assert torch.equal(merged.weight.float(), torch.cat([gate, up]).bfloat16().float())
+
+
+def test_rmsnorm_plain_fused_and_offset():
+    norm = RMSNorm(8, 1e-6, KERNELS, torch.float32)
+    norm.weight.data.copy_(torch.linspace(0.5, 1.5, 8))
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    expected = F.rms_norm(x + r, (8,), norm.weight, 1e-6)
+    out, res = norm(x, r)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(res, x + r)
+    per_head = norm(torch.randn(3, 4, 8))
+    assert per_head.shape == (3, 4, 8)
+    gemma = RMSNorm(8, 1e-6, KERNELS, torch.float32, weight_offset=1.0)
+    gemma.weight.data.zero_()
+    torch.testing.assert_close(gemma(x), F.rms_norm(x, (8,), None, 1e-6))
+
+
+def test_gated_activations():
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(GatedActivation("silu", KERNELS)(x), F.silu(x[:, :5]) * x[:, 5:])
+    torch.testing.assert_close(
+        GatedActivation("gelu_pytorch_tanh", KERNELS)(x),
+        F.gelu(x[:, :5], approximate="tanh") * x[:, 5:],
+    )
+    with pytest.raises(ValueError, match="relu"):
+        GatedActivation("relu", KERNELS)
+
+
+def test_embedding_scale_and_tied_head():
+    emb = VocabEmbedding(10, 4, torch.float32, embed_scale=2.0)
+    emb.weight.data.copy_(torch.randn(10, 4))
+    ids = torch.tensor([3, 7])
+    torch.testing.assert_close(emb(ids), emb.weight[ids] * 2)
+    head = LMHead(10, 4, torch.bfloat16, final_logit_softcap=5.0)
+    head.tie(emb)
+    assert head.weight is emb.weight
+    h = torch.randn(2, 4)
+    logits = head(h)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, 5.0 * torch.tanh(h @ emb.weight.T / 5.0))

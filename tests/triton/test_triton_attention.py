@@ -1,0 +1,153 @@
+"""engine-triton's paged attention (prefill, chunked prefill, split-KV decode) and the
+``triton`` backend against a float64 oracle, on random paged batches with shuffled blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_reference import TOLERANCE, make_batch, reference_attention, rel_error
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tensors(batch, device):
+    from engine.attention_backends.interface import AttentionBackend, BatchLayout
+
+    layout = BatchLayout(
+        query_lens=batch.query_lens,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        slot_mapping=batch.slot_mapping,
+        block_size=batch.block_size,
+        num_decodes=batch.num_decodes,
+    )
+    return AttentionBackend.build_metadata(layout, torch.device(device))
+
+
+def _check(out, batch, scale, window, cap, dtype, seed):
+    expected = reference_attention(
+        batch.query, batch.kv_cache, batch.query_lens, batch.seq_lens, batch.block_tables,
+        scale, window, cap,
+    )  # fmt: skip
+    err = rel_error(out, expected)
+    assert err < TOLERANCE[dtype], f"seed={seed} rel_error={err}"
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,window,cap",
+    [
+        (torch.float32, 4, 2, None, None),  # GQA
+        (torch.bfloat16, 3, 1, 5, None),  # odd group, sliding window
+        (torch.float32, 2, 2, 6, 4.0),  # MHA, window and soft-cap
+    ],
+)
+def test_prefill_over_cached_prefix(dtype, heads, kv_heads, window, cap, device, seed):
+    """Chunked prefill: queries are the tail of each context, the prefix is already cached."""
+    from engine_triton.kernels.attention import paged_prefill
+
+    # A fresh prompt, a chunk after a prefix, a one-token prefill.
+    batch = make_batch([7, 5, 1], [7, 13, 4], heads, kv_heads, 20, 4, dtype, device)
+    meta = _tensors(batch, device)
+    out = torch.full_like(batch.query, float("nan"))
+    scale = 20**-0.5
+    paged_prefill(
+        batch.query, batch.kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_table,
+        3, meta.num_actual_tokens, scale, window, cap,
+    )  # fmt: skip
+    _check(out, batch, scale, window, cap, dtype, seed)
+
+
+@pytest.mark.parametrize(
+    "dtype,splits,window,cap",
+    [
+        (torch.float32, 1, None, None),
+        (torch.bfloat16, 4, None, None),  # split-KV with the reduction kernel
+        (torch.float32, 2, 9, None),  # splits over a sliding window
+        (torch.bfloat16, 2, None, 3.0),
+    ],
+)
+def test_decode_split_kv(dtype, splits, window, cap, device, seed):
+    from engine_triton.kernels.attention import paged_decode
+
+    # seq_len 1 and one shorter than the number of splits leave some splits empty.
+    batch = make_batch([1, 1, 1], [37, 1, 3], 4, 2, 16, 8, dtype, device)
+    meta = _tensors(batch, device)
+    out = torch.full_like(batch.query, float("nan"))
+    scale = 0.3
+    paged_decode(
+        batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, 3, scale, window, cap,
+        num_splits=splits,
+    )  # fmt: skip
+    _check(out, batch, scale, window, cap, dtype, seed)
+
+
+def test_decode_skips_empty_padding_rows(device, seed):
+    """A padded graph batch has requests of length 0: their output is zero, never NaN."""
+    from engine_triton.kernels.attention import paged_decode
+
+    batch = make_batch([1, 1], [5, 9], 2, 1, 16, 4, torch.float32, device)
+    meta = _tensors(batch, device)
+    seq_lens = meta.seq_lens.clone()
+    seq_lens[1] = 0
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, out, seq_lens, meta.block_table, 2, 0.25,
+                 num_splits=2)  # fmt: skip
+    assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu())), f"seed={seed}"
+    expected = reference_attention(batch.query[:1], batch.kv_cache, [1], [5],
+                                   batch.block_tables[:1], 0.25)  # fmt: skip
+    assert rel_error(out[:1], expected) < 1e-5, f"seed={seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_mixed_batch_writes_then_attends(dtype, device, seed):
+    """Decodes first, then prefill chunks, through ``TritonAttentionBackend.forward``: it
+    writes the new keys/values (a padding slot is skipped) and attends over the cache."""
+    from engine_triton.attention import TritonAttentionBackend
+
+    heads, kv_heads, head_size, window = 4, 2, 16, 6
+    batch = make_batch([1, 1, 6, 3], [10, 3, 6, 11], heads, kv_heads, head_size, 4, dtype, device)
+    backend = TritonAttentionBackend(heads, head_size, kv_heads, 0.25, sliding_window=window)
+    meta = _tensors(batch, device)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, meta)
+    # The oracle reads the cache the reference kernel would have written.
+    from engine.kernels.reference import write_kv_cache
+
+    expected_cache = batch.kv_cache.clone()
+    write_kv_cache(batch.key, batch.value, expected_cache, meta.slot_mapping)
+    assert torch.equal(batch.kv_cache.cpu(), expected_cache.cpu())
+    _check(out, batch, 0.25, window, None, dtype, seed)
+
+
+def test_backend_reads_cache_written_by_reference(device, seed):
+    """Same KV layout as the reference: a prefix written by ``reference.write_kv_cache`` is
+    what the Triton decode reads."""
+    from engine.kernels.reference import write_kv_cache
+    from engine_triton.attention import TritonAttentionBackend
+
+    batch = make_batch([1], [9], 2, 1, 16, 4, torch.float32, device)
+    batch.kv_cache.normal_()
+    table = batch.block_tables[0]
+    prefix_slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(8)], device=device)
+    write_kv_cache(
+        torch.randn(8, 1, 16, device=device), torch.randn(8, 1, 16, device=device),
+        batch.kv_cache, prefix_slots,
+    )  # fmt: skip
+    backend = TritonAttentionBackend(2, 16, 1, 0.25)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache,
+                          _tensors(batch, device))  # fmt: skip
+    _check(out, batch, 0.25, None, None, torch.float32, seed)
+
+
+def test_backend_supports_reasons(monkeypatch):
+    from engine.attention_backends.interface import AttentionSpec
+    from engine_triton.attention import TritonAttentionBackend
+
+    spec = AttentionSpec(device_type="cuda", dtype="bfloat16", head_size=128,
+                         sliding_window=True, logit_softcap=True)  # fmt: skip
+    assert TritonAttentionBackend.supports(spec) == []
+    assert TritonAttentionBackend.supports(AttentionSpec(device_type="cuda", head_size=512))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reasons = TritonAttentionBackend.supports(AttentionSpec(device_type="cpu"))
+    assert any("TRITON_INTERPRET" in r for r in reasons)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttentionBackend.supports(AttentionSpec(device_type="cpu")) == []

@@ -1,0 +1,114 @@
+"""engine-triton's elementwise kernels against ``engine.kernels.reference`` on random inputs.
+
+Odd sizes on purpose (masks), bf16 and fp32; grids stay tiny because every program costs about
+a millisecond in the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import reference as ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(out, expected, dtype, seed):
+    # bf16: one rounding apart at most (the kernels round once, from float32).
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.cpu(), expected.cpu(), **tol, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype, device, seed):
+    from engine_triton.kernels.norm import rms_norm
+
+    x = torch.randn(3, 37).to(dtype)
+    w = torch.randn(37).to(dtype)
+    out = rms_norm(x.to(device), w.to(device), 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    close(out, ref.rms_norm(x, w, 1e-6), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype, device, seed):
+    from engine_triton.kernels.norm import fused_add_rms_norm
+
+    x, res = torch.randn(3, 37).to(dtype), torch.randn(3, 37).to(dtype)
+    w = torch.randn(37).to(dtype)
+    x_in, res_in = x.to(device), res.to(device)
+    normed, new_res = fused_add_rms_norm(x_in, res_in, w.to(device), 1e-5)
+    exp_normed, exp_res = ref.fused_add_rms_norm(x, res, w, 1e-5)
+    close(new_res, exp_res, dtype, seed)
+    close(normed, exp_normed, dtype, seed)
+    # Functional: the inputs are untouched.
+    assert torch.equal(x_in.cpu(), x) and torch.equal(res_in.cpu(), res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_gated_activation(act, dtype, device, seed):
+    from engine_triton.kernels import activation
+
+    x = (3 * torch.randn(2, 2 * 45)).to(dtype)
+    out = getattr(activation, act)(x.to(device))
+    assert out.shape == (2, 45)
+    close(out, getattr(ref, act)(x), dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_dim", [24, 8])  # full and partial rotary, head_size 24
+def test_rotary_embedding(rot_dim, is_neox, dtype, device, seed):
+    from engine_triton.kernels.rotary import rotary_embedding
+
+    num_tokens, heads, kv_heads, head_size = 3, 3, 1, 24
+    positions = torch.randint(0, 40, (num_tokens,))
+    cache = torch.randn(40, rot_dim)
+    # q and k as column slices of a fused qkv projection: non-contiguous rows.
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_size).to(dtype)
+    q, k = qkv[:, : heads * head_size], qkv[:, heads * head_size : (heads + kv_heads) * head_size]
+    qkv_dev = qkv.to(device)
+    q_dev = qkv_dev[:, : heads * head_size]
+    k_dev = qkv_dev[:, heads * head_size : (heads + kv_heads) * head_size]
+    out_q, out_k = rotary_embedding(
+        positions.to(device), q_dev, k_dev, cache.to(device), head_size, is_neox
+    )
+    exp_q, exp_k = ref.rotary_embedding(positions, q, k, cache, head_size, is_neox)
+    close(out_q, exp_q, dtype, seed)
+    close(out_k, exp_k, dtype, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_skips_negative_slots(dtype, device, seed):
+    from engine_triton.kernels.kv_cache import write_kv_cache
+
+    blocks, page, kv_heads, head_size = 3, 4, 3, 12
+    cache = torch.randn(2, blocks, page, kv_heads, head_size).to(dtype)
+    expected = cache.clone()
+    kv = torch.randn(4, 2, kv_heads, head_size).to(dtype)  # k and v interleaved: strided views
+    k, v = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([5, -1, 11, 0])
+    dev_cache = cache.to(device)
+    kv_dev = kv.to(device)
+    write_kv_cache(kv_dev[:, 0], kv_dev[:, 1], dev_cache, slots.to(device))
+    ref.write_kv_cache(k, v, expected, slots)
+    assert torch.equal(dev_cache.cpu(), expected), f"seed={seed}"
+
+
+def test_register_overrides_gpu_platforms_only():
+    from engine.kernels.registry import KERNEL_NAMES, KernelRegistry
+    from engine_triton.kernels import register
+
+    registry = KernelRegistry()
+    register(registry)
+    for platform in ("cuda", "rocm"):
+        kernels = registry.resolve(platform)
+        assert {kernels.provider(n) for n in KERNEL_NAMES} == {"engine-triton"}
+    cpu = registry.resolve("cpu")
+    assert {cpu.provider(n) for n in KERNEL_NAMES} == {"engine (torch reference)"}
+
+    registry = KernelRegistry()
+    register(registry, platforms=("cpu",))  # what interpreter tests do explicitly
+    assert registry.resolve("cpu").provider("rms_norm") == "engine-triton"

@@ -28,6 +28,7 @@ compute so there are logits to sample from) satisfying all groups is reused.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,10 +89,30 @@ def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
-class _RequestBlocks:
-    """The KV-cache manager's state for one request."""
+_NEVER = sys.maxsize
 
-    __slots__ = ("tables", "num_tokens", "root", "hashes", "num_cached_blocks", "num_dead")
+
+class _RequestBlocks:
+    """The KV-cache manager's state for one request.
+
+    Besides the tables it caches three thresholds (in tokens) so that a decode step that needs
+    no new block, no copy and no release costs a few comparisons: ``capacity`` (slots the
+    tables hold; all groups' tables have the same length), ``release_at`` (the computed count
+    at which a sliding group's oldest live block falls out of its window) and ``shared_end``
+    (positions below it may sit in blocks shared by a fork and must be checked before writing).
+    """
+
+    __slots__ = (
+        "tables",
+        "num_tokens",
+        "root",
+        "hashes",
+        "num_cached_blocks",
+        "num_dead",
+        "capacity",
+        "release_at",
+        "shared_end",
+    )
 
     def __init__(self, num_groups: int, root: bytes) -> None:
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]
@@ -102,6 +123,9 @@ class _RequestBlocks:
         self.hashes: list[bytes] = []
         self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
         self.num_dead = [0] * num_groups  # leading entries replaced by the null block
+        self.capacity = 0
+        self.release_at = _NEVER
+        self.shared_end = 0
 
 
 class KVCacheManager:
@@ -279,25 +303,36 @@ class KVCacheManager:
             else self._first_live_block(num_computed_tokens, s.sliding_window)
             for s in self.groups
         ]
+        self._refresh(st)
         if self.enable_prefix_caching:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += num_computed_tokens
         return True
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make the tables of a running request cover ``num_new_tokens`` more tokens.
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[list[int]] | None:
+        """Make the tables of a running request cover ``num_new_tokens`` more tokens and
+        return them (the live tables, one per group), or None when the pool is short.
 
         Releases sliding-window blocks that fell out of the window first. A block that will be
         written but is shared with another request (the partial last block after a fork) is
         replaced by a fresh copy; the ``(src, dst)`` pair is recorded for ``take_copies``.
-        All or nothing: False (tables unchanged apart from released blocks) when short.
+        All or nothing: on None the tables are unchanged apart from released blocks.
         """
-        rid = request.request_id
-        st = self._reqs[rid]
-        bs = self.block_size
+        st = self._reqs[request.request_id]
         computed = request.num_computed_tokens
         end = computed + num_new_tokens
-        if self._sliding_groups:
+        # Fast path (most decode steps): room in the last block, nothing to release or copy.
+        if end <= st.capacity and computed < st.release_at and computed >= st.shared_end:
+            if end > st.num_tokens:
+                st.num_tokens = end
+            return st.tables
+        if self._allocate_slow(st, request.request_id, computed, end):
+            return st.tables
+        return None
+
+    def _allocate_slow(self, st: _RequestBlocks, rid: str, computed: int, end: int) -> bool:
+        bs = self.block_size
+        if computed >= st.release_at:
             self._release_out_of_window(st, computed)
         need = (end + bs - 1) // bs
         pool = self.pool
@@ -310,12 +345,14 @@ class KVCacheManager:
             have = len(table)
             if need > have:
                 num_new += need - have
-            # Existing blocks that this step writes into (usually none, or the last one).
-            for idx in range(first_write, min(have, need)):
-                if ref_cnt[table[idx]] > 1:
-                    if shared is None:
-                        shared = []
-                    shared.append((g, idx))
+            if computed < st.shared_end:
+                # Existing blocks this step writes into (usually the last one) that a fork
+                # still shares.
+                for idx in range(first_write, min(have, need)):
+                    if ref_cnt[table[idx]] > 1:
+                        if shared is None:
+                            shared = []
+                        shared.append((g, idx))
         if shared is not None:
             num_new += len(shared)
         if num_new > pool.num_free_blocks:
@@ -335,6 +372,7 @@ class KVCacheManager:
                     table.extend(pool.allocate(need - len(table)))
         if end > st.num_tokens:
             st.num_tokens = end
+        self._refresh(st)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -371,6 +409,9 @@ class KVCacheManager:
         st.hashes = parent.hashes[: computed // bs]
         st.num_cached_blocks = min(parent.num_cached_blocks, computed // bs)
         st.num_dead = list(parent.num_dead)
+        # Until they write past the fork point, parent and child may share their last block.
+        st.shared_end = parent.shared_end = max(parent.shared_end, nblocks * bs)
+        self._refresh(st)
         self._reqs[child.request_id] = st
 
     def free(self, request_id: str) -> None:
@@ -383,6 +424,8 @@ class KVCacheManager:
         st.num_tokens = 0
         st.num_cached_blocks = 0
         st.num_dead = [0] * self.num_groups
+        st.shared_end = 0
+        self._refresh(st)
         self._copies.pop(request_id, None)
 
     def remove(self, request_id: str) -> None:
@@ -435,6 +478,18 @@ class KVCacheManager:
         start = num_computed - window + 1
         return start // self.block_size if start > 0 else 0
 
+    def _refresh(self, st: _RequestBlocks) -> None:
+        """Recompute the fast-path thresholds after the tables changed."""
+        bs = self.block_size
+        st.capacity = len(st.tables[0]) * bs
+        release_at = _NEVER
+        for g, window in self._sliding_groups:
+            # Block d dies once (d + 1) * bs <= computed - window + 1.
+            at = (st.num_dead[g] + 1) * bs + window - 1
+            if at < release_at:
+                release_at = at
+        st.release_at = release_at
+
     def _release_out_of_window(self, st: _RequestBlocks, num_computed: int) -> None:
         bs = self.block_size
         for g, window in self._sliding_groups:
@@ -452,6 +507,7 @@ class KVCacheManager:
                 self.pool.free(table[dead:first])
                 table[dead:first] = [NULL_BLOCK_ID] * (first - dead)
                 st.num_dead[g] = first
+        self._refresh(st)
 
     def _ensure_hashes(self, st: _RequestBlocks, request: Request, num_blocks: int) -> list[bytes]:
         hashes = st.hashes

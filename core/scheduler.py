@@ -251,7 +251,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide the next step. ``block_ids`` in the result are the manager's live tables:
         read them before the next ``schedule()`` and never modify them."""
-        kv = self.kv
+        allocate = self.kv.allocate_slots
         token_budget = self._max_tokens
         seq_budget = self._max_seqs
         if self._by_priority and not self._running_sorted:
@@ -259,15 +259,12 @@ class Scheduler:
             self._running_sorted = True
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
-        scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
         continuing: list[Request] = []
-        tables_of = kv._reqs  # hot path: the live tables without a method call per request
 
-        # 1. Decodes: running requests with exactly one token to compute.
+        # 1. Decodes: running requests with exactly one token to compute. This loop is the hot
+        # path of a busy engine: keep it to a few attribute reads per request.
         for request in self.running[:]:
-            if request.status is not _RUNNING:
-                continue  # preempted earlier in this pass
             start = request.num_computed_tokens
             n = len(request.prompt_token_ids) + len(request.output_token_ids) - start
             if n != 1:
@@ -276,16 +273,18 @@ class Scheduler:
                 continue
             if token_budget <= 0 or seq_budget <= 0:
                 break
-            if not kv.allocate_slots(request, 1):
-                ok, tokens_back, seqs_back = self._preempt_until_fits(
-                    request, 1, scheduled, decodes, prefills, preempted
+            if preempted and request.status is not _RUNNING:
+                continue  # preempted earlier in this pass
+            tables = allocate(request, 1)
+            if tables is None:
+                tables, tokens_back, seqs_back = self._preempt_until_fits(
+                    request, 1, decodes, prefills, preempted
                 )
                 token_budget += tokens_back
                 seq_budget += seqs_back
-                if not ok:
+                if tables is None:
                     continue
-            entry = ScheduledRequest(request, start, 1, tables_of[request.request_id].tables, True)
-            scheduled[request.request_id] = entry
+            entry = ScheduledRequest(request, start, 1, tables, True)
             if start >= len(request.prompt_token_ids):
                 decodes.append(entry)
             else:
@@ -302,33 +301,30 @@ class Scheduler:
             start = request.num_computed_tokens
             num_tokens = request.num_tokens
             n = min(num_tokens - start, token_budget)
-            if not kv.allocate_slots(request, n):
-                ok, tokens_back, seqs_back = self._preempt_until_fits(
-                    request, n, scheduled, decodes, prefills, preempted
+            tables = allocate(request, n)
+            if tables is None:
+                tables, tokens_back, seqs_back = self._preempt_until_fits(
+                    request, n, decodes, prefills, preempted
                 )
                 token_budget += tokens_back
                 seq_budget += seqs_back
-                if not ok:
+                if tables is None:
                     continue
-            entry = ScheduledRequest(
-                request, start, n, tables_of[request.request_id].tables, start + n == num_tokens
-            )
-            scheduled[request.request_id] = entry
-            prefills.append(entry)
+            prefills.append(ScheduledRequest(request, start, n, tables, start + n == num_tokens))
             token_budget -= n
             seq_budget -= 1
 
         # 3. New (or preempted) waiting requests, unless this step had to preempt.
-        if not preempted:
+        if not preempted and self.waiting:
             token_budget, seq_budget = self._admit_waiting(
-                token_budget, seq_budget, scheduled, decodes, prefills
+                token_budget, seq_budget, decodes, prefills
             )
 
         decodes.extend(prefills)
         return SchedulerOutput(
             scheduled=decodes,
             num_batched_tokens=self._max_tokens - token_budget,
-            blocks_to_copy=kv.take_copies(),
+            blocks_to_copy=self.kv.take_copies(),
             preempted_ids=preempted,
         )
 
@@ -339,18 +335,19 @@ class Scheduler:
         kv = self.kv
         caching = kv.enable_prefix_caching
         bs = self.block_size
-        states = kv._reqs
         for entry in sched_out.scheduled:
             request = entry.request
             if request.status is not _RUNNING:
                 continue
-            computed = entry.start + entry.num_new_tokens
+            start = entry.start
+            computed = start + entry.num_new_tokens
             request.num_computed_tokens = computed
             if entry.samples:
                 tokens = sampled.get(request.request_id)
                 if tokens:
                     request.output_token_ids.extend(tokens)
-            if caching and computed // bs > states[request.request_id].num_cached_blocks:
+            # A block can only have filled up if the step crossed a block boundary.
+            if caching and computed // bs > start // bs:
                 kv.cache_full_blocks(request)
 
     # ------------------------------------------------------------------ stats
@@ -379,7 +376,6 @@ class Scheduler:
         self,
         token_budget: int,
         seq_budget: int,
-        scheduled: dict[str, ScheduledRequest],
         decodes: list[ScheduledRequest],
         prefills: list[ScheduledRequest],
     ) -> tuple[int, int]:
@@ -411,7 +407,6 @@ class Scheduler:
             entry = ScheduledRequest(
                 request, num_hit, n, kv.block_tables(request.request_id), num_hit + n == num_tokens
             )
-            scheduled[request.request_id] = entry
             if entry.is_decode:
                 decodes.append(entry)
             else:
@@ -424,27 +419,30 @@ class Scheduler:
         self,
         request: Request,
         num_new_tokens: int,
-        scheduled: dict[str, ScheduledRequest],
         decodes: list[ScheduledRequest],
         prefills: list[ScheduledRequest],
         preempted: list[str],
-    ) -> tuple[bool, int, int]:
-        """Preempt victims until ``request`` gets its slots. Returns (scheduled?, tokens and
-        sequences handed back to the budgets by victims already scheduled in this step)."""
+    ) -> tuple[list[list[int]] | None, int, int]:
+        """Preempt victims until ``request`` gets its slots. Returns its tables (None if it
+        was the victim itself) and the tokens and sequences handed back to the step's budgets
+        by victims that were already scheduled in this step."""
         tokens_back = seqs_back = 0
         while True:
             victim = max(self.running, key=self._victim_key)
-            entry = scheduled.pop(victim.request_id, None)
-            if entry is not None:
-                (decodes if entry in decodes else prefills).remove(entry)
-                tokens_back += entry.num_new_tokens
-                seqs_back += 1
+            for entries in (decodes, prefills):
+                for i, entry in enumerate(entries):
+                    if entry.request is victim:
+                        del entries[i]
+                        tokens_back += entry.num_new_tokens
+                        seqs_back += 1
+                        break
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
-                return False, tokens_back, seqs_back
-            if self.kv.allocate_slots(request, num_new_tokens):
-                return True, tokens_back, seqs_back
+                return None, tokens_back, seqs_back
+            tables = self.kv.allocate_slots(request, num_new_tokens)
+            if tables is not None:
+                return tables, tokens_back, seqs_back
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -322,6 +322,18 @@ def test_prefix_hits_and_stats():
     assert st.kv_waste == pytest.approx(3 / 20)  # 17 computed tokens in 5 blocks of 4
 
 
+def test_blocks_filled_by_decoding_are_cached():
+    s = make(max_tokens=64)
+    a = req("a", 6, max_tokens=6)
+    s.add_request(a)
+    while s.has_unfinished():
+        step(s, token=len(a.output_token_ids) + 100)
+    # a computed positions 0..10 (its last sampled token is never fed back): blocks 0 and 1
+    # are full, block 1 filled up during decoding.
+    s.add_request(Request("b", a.prompt_token_ids + a.output_token_ids, 1))
+    assert plan(step(s)) == [("b", 8, 4, True)]
+
+
 def test_simulated_mixed_workload_is_consistent():
     # A smoke run of the engine-like loop used by the property tests, fully checked.
     reqs = [

@@ -108,6 +108,8 @@ def check_invariants(scheduler: Scheduler, mid_step: bool = False) -> None:
                 f"{rid}: tables cover {st.num_tokens} tokens, {request.num_computed_tokens} "
                 "computed"
             )
+            if kv.enable_prefix_caching:  # every full computed block was offered to the cache
+                assert st.num_cached_blocks == request.num_computed_tokens // bs, rid
         for g, table in enumerate(st.tables):
             assert len(table) == -(-st.num_tokens // bs), f"{rid}: group {g} table size"
             window = kv.groups[g].sliding_window

@@ -46,7 +46,6 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 22
 GGML_MAX_DIMS = 4
 
 
-
 class GGUFLoadError(ValueError):
     """A GGUF file cannot be loaded: truncated, corrupted, of an unsupported architecture or
     tensor type. The message names the file and what is wrong."""
@@ -76,6 +75,7 @@ class SkippedArray:
 
     item_type: GGUFValueType
     length: int
+    offset: int  # of the first item in the file
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class GGUFTensorInfo:
 def supported_types() -> tuple[GGMLQuantizationType, ...]:
     """The GGML tensor types this installation of ``gguf`` can dequantize (probed once)."""
     ok = []
-    for qtype, (block, type_size) in GGML_QUANT_SIZES.items():
+    for qtype, (_block, type_size) in GGML_QUANT_SIZES.items():
         try:
             dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
         except NotImplementedError:
@@ -249,15 +249,17 @@ class GGUFFile:
             itemsize = struct.calcsize("<" + _SCALAR_FORMATS[item_type])
             cur.need(length * itemsize, key)
             if length > MAX_DECODED_ARRAY:
+                skipped = SkippedArray(item_type, length, cur.pos)
                 cur.pos += length * itemsize
-                return SkippedArray(item_type, length)
+                return skipped
             arr = np.frombuffer(cur.buf, _SCALAR_NUMPY[item_type], length, cur.pos)
             cur.pos += length * itemsize
             return [bool(x) for x in arr] if item_type == GGUFValueType.BOOL else arr.tolist()
         if item_type == GGUFValueType.STRING:
             if length > MAX_DECODED_ARRAY:
+                skipped = SkippedArray(item_type, length, cur.pos)
                 cur.skip_strings(length, key)
-                return SkippedArray(item_type, length)
+                return skipped
             return [cur.string(key) for _ in range(length)]
         raise GGUFLoadError(f"{self.path}: nested array in {key!r} is not supported")
 
@@ -321,6 +323,20 @@ class GGUFFile:
             raise GGUFLoadError(f"{self.path}: missing required GGUF metadata key {full!r}")
         return self.metadata[full]
 
+    def strings(self, key: str, stop: int | None = None) -> list[str]:
+        """The first ``stop`` items (all when None) of string-array metadata ``key``, decoding
+        a skipped array on demand (e.g. the head of the token list)."""
+        value = self.metadata[key]
+        if isinstance(value, list):
+            return value[:stop]
+        if not isinstance(value, SkippedArray) or value.item_type != GGUFValueType.STRING:
+            raise GGUFLoadError(f"{self.path}: metadata {key!r} is not a string array")
+        assert self._mm is not None
+        cur = _Cursor(self._mm, self.path)
+        cur.pos = value.offset
+        n = value.length if stop is None else min(stop, value.length)
+        return [cur.string(key) for _ in range(n)]
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a uint8 array of shape [rows, row_bytes] (a view of the map)."""
         info = self.tensors[name]
@@ -363,7 +379,10 @@ class GGUFFile:
     def close(self) -> None:
         """Release the memory map (tensors already loaded stay valid: they are copies)."""
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views from raw() are still alive; the map closes when they die
             self._mm = None
 
     def __enter__(self) -> GGUFFile:

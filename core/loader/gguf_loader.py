@@ -114,8 +114,7 @@ def _scalar(f: GGUFFile, key: str, default: Any = None) -> Any:
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise GGUFLoadError(
-                f"{f.path}: per-layer values for {f.architecture}.{key} ({value}) are not "
-                "supported"
+                f"{f.path}: per-layer values for {f.architecture}.{key} ({value}) are not supported"
             )
         value = value[0]
     return value
@@ -146,10 +145,20 @@ def _common_config(f: GGUFFile) -> dict[str, Any]:
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
         ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+        ("unk_token_id", "tokenizer.ggml.unknown_token_id"),
     ):
         if gguf_key in f.metadata:
             kwargs[hf_key] = f.metadata[gguf_key]
     return kwargs
+
+
+def _end_of_turn_ids(f: GGUFFile, names: tuple[str, ...]) -> list[int]:
+    """Ids of the chat turn terminators among the first tokens of the vocabulary (special
+    tokens come first in every sentencepiece vocabulary we support)."""
+    if "tokenizer.ggml.tokens" not in f.metadata:
+        return []
+    head = f.strings("tokenizer.ggml.tokens", stop=1024)
+    return [i for i, tok in enumerate(head) if tok in names]
 
 
 def _rope_scaling(f: GGUFFile) -> dict[str, Any] | None:
@@ -175,8 +184,7 @@ def _gemma3_layer_types(f: GGUFFile, n_layers: int, window: int | None) -> list[
             raise GGUFLoadError(f"{f.path}: sliding_window_pattern has {len(pattern)} entries")
         return ["sliding_attention" if p else "full_attention" for p in pattern]
     return [
-        "sliding_attention" if (i + 1) % int(pattern) else "full_attention"
-        for i in range(n_layers)
+        "sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)
     ]
 
 
@@ -208,6 +216,10 @@ def _gemma3_config(f: GGUFFile) -> PretrainedConfig:
         rope_local_base_freq=_clean_float(f.arch_get("rope.freq_base_swa", 10_000.0)),
         rope_scaling=_rope_scaling(f),
     )
+    # Chat turns end with <end_of_turn>: stop there too, as Gemma's generation_config does.
+    extra = [i for i in _end_of_turn_ids(f, ("<end_of_turn>",)) if i != kw.get("eos_token_id")]
+    if extra and "eos_token_id" in kw:
+        kw["eos_token_id"] = [kw["eos_token_id"], *extra]
     return Gemma3TextConfig(**kw)
 
 
@@ -277,7 +289,9 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation: within each head, llama.cpp interleaves the two
     rotary halves (rows 0, d/2, 1, d/2+1, ...); HF keeps them as two contiguous halves."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
 
 
 def iter_weights(
@@ -366,7 +380,11 @@ def load_tokenizer(
     path = Path(path).resolve()
     if not path.is_file():
         raise GGUFLoadError(f"{path}: no such GGUF file")
-    target = Path(cache_dir if cache_dir is not None else engine_cache_dir()) / "tokenizers" / _tokenizer_cache_key(path)
+    target = (
+        Path(cache_dir if cache_dir is not None else engine_cache_dir())
+        / "tokenizers"
+        / _tokenizer_cache_key(path)
+    )
     if (target / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(target)
     with GGUFFile(path) as f:

@@ -207,7 +207,10 @@ class Gemma3Model(nn.Module):
         self.norm = _gemma_norm(cfg.hidden_size, cfg, ctx)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[AttentionMetadata]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
@@ -241,7 +244,10 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head.tie(self.model.embed_tokens)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: list[AttentionMetadata]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions, attn_metadata)

@@ -106,7 +106,9 @@ class GreedyDriver:
         requests = []
         for prompt in prompts:
             self._ids += 1
-            req = Request(request_id=f"g{self._ids}", prompt_token_ids=list(prompt), max_tokens=num_new)
+            req = Request(
+                request_id=f"g{self._ids}", prompt_token_ids=list(prompt), max_tokens=num_new
+            )
             requests.append(req)
             scheduler.add_request(req)
         logits: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}

@@ -220,18 +220,20 @@ def write_tiny_gemma3_gguf(
             w.add_sliding_window(cfg.sliding_window)
 
     tensors = _gguf_tensors(model, GEMMA3_TO_GGUF, 1.0)
-    return write_gguf(path, "gemma3", metadata, tensors, types or DEFAULT_TYPES, tiny_vocab())
+    return write_gguf(
+        path, "gemma3", metadata, tensors, DEFAULT_TYPES if types is None else types, tiny_vocab()
+    )
 
 
 def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's q/k row permutation (HF half-split rotary -> interleaved pairs)."""
     rows = w.shape[0]
-    return (
-        w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_llama_gguf(path: str | Path, hf_model: Any, types: Mapping[str, str] | None = None) -> Path:
+def write_tiny_llama_gguf(
+    path: str | Path, hf_model: Any, types: Mapping[str, str] | None = None
+) -> Path:
     """Write a (tiny) HF ``LlamaForCausalLM`` as a llama.cpp-style GGUF, q/k rows permuted."""
     cfg = hf_model.config
 
@@ -253,4 +255,6 @@ def write_tiny_llama_gguf(path: str | Path, hf_model: Any, types: Mapping[str, s
             tensors[name] = llama_permute(tensors[name], cfg.num_attention_heads)
         elif name.endswith("attn_k.weight"):
             tensors[name] = llama_permute(tensors[name], cfg.num_key_value_heads)
-    return write_gguf(path, "llama", metadata, tensors, types or DEFAULT_TYPES, tiny_vocab())
+    return write_gguf(
+        path, "llama", metadata, tensors, DEFAULT_TYPES if types is None else types, tiny_vocab()
+    )

@@ -160,8 +160,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.model.model is None:
         # The embedded default model; a missing package fails here, before the port is
         # taken, with the install hint (a ConfigError: one paragraph, exit status 2).
-        from engine.default_model import resolve_model
+        try:
+            from engine.default_model import resolve_model
+        except ImportError as e:
+            from engine.config import ConfigError
 
+            raise ConfigError(
+                f"no model was given and the embedded default model is unavailable ({e}); "
+                "pass a model: a Hugging Face model directory, a model id in the local "
+                "Hugging Face cache, or a .gguf file"
+            ) from None
         path, served_name = resolve_model(None)
         config.model.model = str(path)
         if config.model.served_model_name is None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from engine.server.async_engine import OutputChannel
 from engine.server.deltas import stream_deltas
@@ -25,9 +25,9 @@ from engine.server.protocol import (
 from engine.server.serving import ServingContext, random_id
 from engine.server.streaming import (
     DONE,
-    SSE_HEADERS,
     ChunkWriter,
     ClientDisconnected,
+    EventStreamResponse,
     sse,
     to_json,
     unless_disconnected,
@@ -131,18 +131,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     echo_text = _last_message_text(req) if req.echo else ""
     if req.stream:
         body = _stream(ctx, req, channel, request_id, rid, model, created, len(ids), echo_text)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(body, channel)
 
     try:
         finals = await unless_disconnected(channel.collect_final(), raw)
     except ClientDisconnected:
-        channel.abort()
-        return JSONResponse({}, status_code=499)
+        return JSONResponse({}, status_code=499)  # nobody reads it
     except Exception as e:
-        channel.abort()
         raise from_engine_error(e) from e
     finally:
-        channel.close()
+        channel.abort()  # a no-op once every request finished; else frees their KV blocks
 
     out = finals[rid]
     choices = []

@@ -8,11 +8,31 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStreamResponse(StreamingResponse):
+    """A ``text/event-stream`` response that aborts its engine requests however it ends.
+
+    The body generator aborts in its ``finally``, but a client that leaves before the first
+    chunk can cancel the response before the generator ever starts; this covers that case.
+    """
+
+    def __init__(self, body: Any, channel: Any) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._channel = channel
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._channel.abort()
 
 
 class ClientDisconnected(Exception):

@@ -85,6 +85,19 @@ def _load_gemma_norm(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded.float() + 1.0)
 
 
+def _adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_shape("embedding", param.shape, loaded.shape)
+    if (
+        loaded.dtype == param.dtype
+        and loaded.device == param.device
+        and loaded.is_contiguous()
+        and not loaded.requires_grad
+    ):
+        param.data = loaded
+    else:
+        param.data.copy_(loaded)
+
+
 class Gemma3Attention(nn.Module):
     """Fused QKV projection, per-head q/k RMSNorm, rotary, paged attention, output projection."""
 
@@ -242,6 +255,9 @@ class Gemma3ForCausalLM(nn.Module):
         )
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+        # The embedding (the 262k-row table of the real models) adopts the loaded tensor
+        # instead of copying it, so loading never holds two copies of the largest matrix.
+        set_weight_loader(self.model.embed_tokens.weight, _adopt_or_copy)
 
     def forward(
         self,

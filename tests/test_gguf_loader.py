@@ -288,3 +288,36 @@ def test_tokenizer_is_converted_once_and_cached(gemma_gguf, tmp_path):
         "<start_of_turn>model\nworld<end_of_turn>\n"
         "<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+# ---- oneDNN prepacking (bf16 CPU fast path) -------------------------------------------------
+
+
+def test_packed_linears_are_bit_identical_to_f_linear():
+    from engine.layers import Linear, LMHead, QKVLinear
+    from engine.layers.cpu_packed_linear import pack_linears, packing_supported
+
+    if not packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU/torch build cannot pack bf16 weights")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(
+        [
+            Linear(64, 96, bias=True, dtype=torch.bfloat16),
+            QKVLinear(64, 16, 4, 2, dtype=torch.bfloat16),
+            LMHead(300, 64, dtype=torch.bfloat16, final_logit_softcap=30.0),
+        ]
+    )
+    for p in model.parameters():
+        p.data.normal_()
+    xs = [torch.randn(n, 64, dtype=torch.bfloat16) for n in (1, 7, 33)]
+    before = [[m(x) for x in xs] for m in model]
+    assert pack_linears(model) == 3
+    assert model[0].weight.numel() == 0  # the plain copy is released
+    assert model[2].weight.shape == (300, 64)  # an LM head may be tied: kept
+    after = [[m(x) for x in xs] for m in model]
+    for b, a in zip(before, after, strict=True):
+        for x, y in zip(b, a, strict=True):
+            assert torch.equal(x, y)
+    q, k, v = model[1].split(after[1][0])
+    assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (64, 32, 32)
+    assert pack_linears(model) == 0  # idempotent

@@ -370,7 +370,22 @@ class GGUFFile:
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             out[start:stop].copy_(_dequantize_rows(raw[start:stop], info.ggml_type, cols))
+        del raw
+        self._release(info)
         return out.view(info.shape)
+
+    def _release(self, info: GGUFTensorInfo) -> None:
+        """Drop the tensor's file pages from this process's resident set: the mapped file would
+        otherwise count fully in RSS by the end of loading (the data is in ``out`` now)."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or self._mm is None:
+            return
+        page = mmap.PAGESIZE
+        start = info.offset // page * page
+        try:
+            self._mm.madvise(advice, start, min(info.offset + info.n_bytes, self.file_size) - start)
+        except (OSError, ValueError):
+            pass  # advice only
 
     def iter_tensors(self) -> Iterator[GGUFTensorInfo]:
         """The tensor directory in file order."""

@@ -40,6 +40,7 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
+from engine.layers.cpu_packed_linear import pack_linears, packing_supported
 from engine.layers.weight_utils import check_shape, set_weight_loader
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS
@@ -83,6 +84,19 @@ def _gemma_norm(size: int, cfg: Any, ctx: ModelContext) -> RMSNorm:
 def _load_gemma_norm(param: nn.Parameter, loaded: torch.Tensor) -> None:
     check_shape("norm weight", param.shape, loaded.shape)
     param.data.copy_(loaded.float() + 1.0)
+
+
+def _adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_shape("embedding", param.shape, loaded.shape)
+    if (
+        loaded.dtype == param.dtype
+        and loaded.device == param.device
+        and loaded.is_contiguous()
+        and not loaded.requires_grad
+    ):
+        param.data = loaded
+    else:
+        param.data.copy_(loaded)
 
 
 class Gemma3Attention(nn.Module):
@@ -242,6 +256,9 @@ class Gemma3ForCausalLM(nn.Module):
         )
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+        # The embedding (the 262k-row table of the real models) adopts the loaded tensor
+        # instead of copying it, so loading never holds two copies of the largest matrix.
+        set_weight_loader(self.model.embed_tokens.weight, _adopt_or_copy)
 
     def forward(
         self,
@@ -269,4 +286,10 @@ class Gemma3ForCausalLM(nn.Module):
                 self.tie_word_embeddings and name.startswith("lm_head.")
             )
 
-        return load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
+        loaded = load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
+        # On a CPU in bf16/fp16, prepack the projections and the LM head for oneDNN: the same
+        # results, ~2x faster decode (see engine.layers.cpu_packed_linear).
+        weight = self.model.embed_tokens.weight
+        if packing_supported(weight.dtype, weight.device):
+            pack_linears(self)
+        return loaded

@@ -15,6 +15,7 @@ from typing import Any
 from engine.layers.weight_utils import ModelLoadError
 
 _BUILTIN_MODELS = {
+    "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.qwen2:Qwen2ForCausalLM",

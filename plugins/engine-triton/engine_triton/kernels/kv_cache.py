@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The slot mapping is sliced past the decodes, so its alignment changes from step to step; do
+# not compile a variant per alignment (see attention._prefill_kernel).
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kv_kernel(
     k_ptr,
     v_ptr,

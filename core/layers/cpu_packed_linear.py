@@ -1,0 +1,93 @@
+"""Linear layers with oneDNN-prepacked weights, for bfloat16/float16 models on the CPU.
+
+``F.linear`` in bfloat16 on the CPU already runs oneDNN, but it reorders the weight into
+oneDNN's blocked layout on every call; for decode-sized inputs that reorder costs as much as the
+matrix product (measured on this project's 2-core Zen 4: Gemma 3's 262k x 640 LM head 25 -> 12.5
+ms at batch 1, 53 -> 40 ms at batch 32; the 640 x 4096 MLP projection 0.21 -> 0.06 ms).
+``pack_linears(model)`` reorders every ``Linear`` (and the ``LMHead``) once after loading and
+routes their forward through ``torch.ops.mkldnn._linear_pointwise`` on the packed weight. The
+results are bit-identical to ``F.linear`` (same oneDNN kernel, tested), so this is purely a
+speed-up. float32 is left alone: there ``F.linear`` runs a different GEMM library, and the
+engine's float32 output must stay token-exact against transformers.
+
+The packed weight replaces the plain one (whose storage is released), except for a tied LM head
+whose matrix the embedding still needs; packing is therefore the last step of loading.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from engine.layers.embedding import LMHead
+from engine.layers.linear import Linear
+
+PACKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when oneDNN can pack ``dtype`` weights on ``device`` (a CPU with bf16/fp16 support
+    in this torch build)."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    mkldnn = torch.ops.mkldnn
+    try:
+        if dtype == torch.bfloat16:
+            return bool(mkldnn._is_mkldnn_bf16_supported())
+        return bool(mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _packed_matmul(
+    packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, out: int
+) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], out)
+
+
+def _linear_forward(self: Linear, x: torch.Tensor) -> torch.Tensor:
+    return _packed_matmul(self.packed_weight, self.bias, x, self.output_size)
+
+
+def _lm_head_forward(self: LMHead, hidden: torch.Tensor) -> torch.Tensor:
+    logits = _packed_matmul(self.packed_weight, None, hidden, self.vocab_size).float()
+    if self.final_logit_softcap is not None:
+        cap = self.final_logit_softcap
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Prepack every ``Linear`` and ``LMHead`` of ``model`` whose weight oneDNN can pack
+    (bf16/fp16 on a supporting CPU); returns how many were packed. Idempotent."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, "packed_weight", None) is not None:
+            continue
+        if isinstance(module, (Linear, LMHead)):
+            weight = module.weight
+            if not packing_supported(weight.dtype, weight.device):
+                continue
+            module.packed_weight = _pack(weight)
+            if isinstance(module, LMHead):
+                # Possibly tied to the embedding, which keeps using the plain matrix.
+                module.forward = types.MethodType(_lm_head_forward, module)
+            else:
+                if module.bias is not None:
+                    module.bias.data = module.bias.data.contiguous()
+                module.forward = types.MethodType(_linear_forward, module)
+                # Release the plain copy; the parameter stays (with no elements) so that
+                # named_parameters() still lists it.
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+            count += 1
+    return count

@@ -1,0 +1,295 @@
+"""Gemma 3 text decoder (``Gemma3ForCausalLM``; the text half of ``Gemma3ForConditionalGeneration``).
+
+What sets it apart from Llama, all read from the HF config:
+
+* layers alternate sliding-window and global attention (``layer_types``; 5 local then 1 global
+  in every released size), each kind with its own rotary table: ``rope_theta`` 1e4 on local
+  layers, 1e6 (plus ``rope_scaling``, e.g. linear x8 on 4B+) on global ones;
+* per-head RMSNorm on queries and keys before the rotary embedding;
+* four norms per layer: before and after attention, before and after the MLP;
+* GeGLU MLP with tanh-approximated GELU (``kernels.gelu_tanh_and_mul``);
+* embeddings multiplied by ``sqrt(hidden_size)`` rounded to the model dtype (as HF does);
+* attention scale ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5``;
+* optional attention / final logit soft-capping; tied LM head.
+
+**RMSNorm convention.** Gemma's norm computes ``x_normed * (1 + w)`` where HF checkpoints store
+``w``. ``load_weights`` stores ``1 + w`` (in float32, from the checkpoint's value in the load
+dtype, the same arithmetic as HF's ``1.0 + weight.float()``), so the standard ``rms_norm`` /
+``fused_add_rms_norm`` kernels apply with no per-step offset. The norm parameters therefore stay
+float32 in every model dtype (the kernels multiply by ``weight.float()`` anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention_backends.interface import AttentionMetadata
+from engine.layers import (
+    Attention,
+    GatedActivation,
+    Linear,
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    load_named_weights,
+    rope_parameters,
+)
+from engine.layers.cpu_packed_linear import pack_linears, packing_supported
+from engine.layers.weight_utils import check_shape, set_weight_loader
+from engine.models.context import ModelContext
+from engine.models.llama import FUSED_WEIGHTS
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def gemma3_layer_types(cfg: Any) -> list[str]:
+    """``layer_types`` from the config, or the released pattern (every 6th layer global) for
+    configs written before the field existed."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return list(types)
+    pattern = getattr(cfg, "sliding_window_pattern", None) or getattr(
+        cfg, "_sliding_window_pattern", 6
+    )
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(cfg.num_hidden_layers)]
+
+
+def gemma3_rope(cfg: Any, layer_type: str) -> dict[str, Any]:
+    """Rotary parameters of one layer kind. transformers 5 nests them per layer type in
+    ``rope_parameters``; transformers 4 configs keep ``rope_theta`` + ``rope_scaling`` for global
+    layers and ``rope_local_base_freq`` (unscaled) for local ones."""
+    nested = getattr(cfg, "rope_parameters", None)
+    if isinstance(nested, dict) and isinstance(nested.get(layer_type), dict):
+        return rope_parameters(cfg, layer_type)
+    if layer_type == SLIDING:
+        theta = getattr(cfg, "rope_local_base_freq", 10_000.0)
+        return {"rope_type": "default", "rope_theta": theta}
+    return rope_parameters(cfg)
+
+
+def _gemma_norm(size: int, cfg: Any, ctx: ModelContext) -> RMSNorm:
+    """A float32 RMSNorm whose loader stores ``1 + w`` (see the module docstring)."""
+    norm = RMSNorm(size, cfg.rms_norm_eps, ctx.kernels, torch.float32)
+    set_weight_loader(norm.weight, _load_gemma_norm)
+    return norm
+
+
+def _load_gemma_norm(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_shape("norm weight", param.shape, loaded.shape)
+    param.data.copy_(loaded.float() + 1.0)
+
+
+def _adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_shape("embedding", param.shape, loaded.shape)
+    if (
+        loaded.dtype == param.dtype
+        and loaded.device == param.device
+        and loaded.is_contiguous()
+        and not loaded.requires_grad
+    ):
+        param.data = loaded
+    else:
+        param.data.copy_(loaded)
+
+
+class Gemma3Attention(nn.Module):
+    """Fused QKV projection, per-head q/k RMSNorm, rotary, paged attention, output projection."""
+
+    def __init__(
+        self, ctx: ModelContext, layer_idx: int, layer_type: str, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = QKVLinear(
+            cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias, ctx.dtype
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias, ctx.dtype)
+        self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
+        self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
+        self.rotary_emb = rotary_emb
+        scalar = getattr(cfg, "query_pre_attn_scalar", None) or self.head_dim
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            float(scalar) ** -0.5,
+            ctx.attn_backend_cls,
+            sliding_window=cfg.sliding_window if layer_type == SLIDING else None,
+            logit_softcap=getattr(cfg, "attn_logit_softcapping", None),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: list[AttentionMetadata]
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class Gemma3MLP(nn.Module):
+    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx.dtype
+        )
+        self.act_fn = GatedActivation(act or "gelu_pytorch_tanh", ctx.kernels)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ctx.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """``x += post_attn_norm(attn(input_norm(x))); x += post_ffw_norm(mlp(pre_ffw_norm(x)))``.
+
+    The residual stream travels beside the hidden state so that the two norms that follow a
+    residual add use ``fused_add_rms_norm``.
+    """
+
+    def __init__(
+        self, ctx: ModelContext, layer_idx: int, layer_type: str, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.layer_type = layer_type
+        self.self_attn = Gemma3Attention(ctx, layer_idx, layer_type, rotary_emb)
+        self.mlp = Gemma3MLP(ctx)
+        self.input_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
+        self.post_attention_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
+        self.pre_feedforward_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
+        self.post_feedforward_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: list[AttentionMetadata],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden = self.mlp(hidden)
+        hidden = self.post_feedforward_layernorm(hidden)
+        return hidden, residual
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, decoder layers, final norm (HF's ``model.`` sub-module)."""
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.embed_tokens = VocabEmbedding(
+            cfg.vocab_size, cfg.hidden_size, ctx.dtype, embed_scale=cfg.hidden_size**0.5
+        )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        types = gemma3_layer_types(cfg)
+        # One rotary table per layer kind, shared by the layers of that kind.
+        rotary = {
+            kind: RotaryEmbedding(
+                head_dim, cfg.max_position_embeddings, gemma3_rope(cfg, kind), ctx.kernels
+            )
+            for kind in sorted(set(types))
+        }
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(ctx, i, kind, rotary[kind]) for i, kind in enumerate(types)
+        )
+        self.norm = _gemma_norm(cfg.hidden_size, cfg, ctx)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """Gemma 3 text models (270M, 1B, and the text decoder of 4B/12B/27B)."""
+
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.config = cfg
+        self.model = Gemma3Model(ctx)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        self.lm_head = LMHead(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            ctx.dtype,
+            final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+        )
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+        # The embedding (the 262k-row table of the real models) adopts the loaded tensor
+        # instead of copying it, so loading never holds two copies of the largest matrix.
+        set_weight_loader(self.model.embed_tokens.weight, _adopt_or_copy)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """The paged-attention layers, in layer order."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Any) -> set[str]:
+        """Copy HF-named tensors in (q/k/v and gate/up into their fused slices, norms as
+        ``1 + w``); returns the names of the parameters loaded."""
+
+        def ignore(name: str) -> bool:
+            return "rotary_emb.inv_freq" in name or (
+                self.tie_word_embeddings and name.startswith("lm_head.")
+            )
+
+        loaded = load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
+        # On a CPU in bf16/fp16, prepack the projections and the LM head for oneDNN: the same
+        # results, ~2x faster decode (see engine.layers.cpu_packed_linear).
+        weight = self.model.embed_tokens.weight
+        if packing_supported(weight.dtype, weight.device):
+            pack_linears(self)
+        return loaded

@@ -1,0 +1,260 @@
+"""Tiny random GGUF files written with ``gguf.GGUFWriter``, for tests that must not need the
+253 MB default model.
+
+``write_tiny_gemma3_gguf(path)`` builds a random Gemma 3 text model with transformers, then
+writes it the way llama.cpp's converter does (GGUF tensor names, RMSNorm weights stored as
+``1 + w``, a sentencepiece-style vocabulary), quantizing the matrices to a mix of types
+(Q8_0, Q5_0, Q4_0, F16, BF16, F32). Both transformers (``from_pretrained(dir, gguf_file=...)``)
+and our loader can load the result, so it serves as a fast end-to-end reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# HF parameter name fragments (after ``model.layers.N.``) -> GGUF names (after ``blk.N.``).
+GEMMA3_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+LLAMA_TO_GGUF = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# Which GGML type each kind of matrix is written in (norms are always F32, as llama.cpp does).
+DEFAULT_TYPES = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q5_0",
+    "attn_k": "Q8_0",
+    "attn_v": "F16",
+    "attn_output": "Q4_0",
+    "ffn_gate": "Q5_0",
+    "ffn_up": "BF16",
+    "ffn_down": "Q8_0",
+    "output": "Q8_0",
+}
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+_WORDS = (
+    "the quick brown fox jumps over lazy dog and a paged cache stores keys values in blocks "
+    "hello world model engine token batch prefix sliding window attention of to is it"
+).split()
+
+TINY_GEMMA3 = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    # head_dim = query_pre_attn_scalar, as in every released size but 27B: a GGUF cannot
+    # record the scalar, so readers derive it from head_dim.
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 8,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+
+def tiny_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A sentencepiece-style vocabulary: specials, 256 byte tokens, then pieces (``▁word``,
+    single letters) with decreasing scores. Returns (tokens, scores, token types)."""
+    tokens = list(SPECIAL_TOKENS)
+    types = [3] * len(SPECIAL_TOKENS)  # control
+    types[3] = 2  # unknown
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256  # byte
+    pieces = ["▁"] + [f"▁{w}" for w in dict.fromkeys(_WORDS)] + list("abcdefghijklmnopqrstuvwxyz.,")
+    scores = [0.0] * len(tokens) + [-float(i) for i in range(len(pieces))]
+    tokens += pieces
+    types += [1] * len(pieces)  # normal
+    return tokens, scores, types
+
+
+def _write_tensor(writer: Any, name: str, value: np.ndarray, qtype_name: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[qtype_name]
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    if qtype == GGMLQuantizationType.F32:
+        writer.add_tensor(name, value)
+    elif qtype == GGMLQuantizationType.F16:
+        writer.add_tensor(name, value.astype(np.float16))
+    else:
+        writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+
+
+def write_gguf(
+    path: str | Path,
+    arch: str,
+    metadata: Callable[[Any], None],
+    tensors: Mapping[str, np.ndarray],
+    types: Mapping[str, str],
+    vocab: tuple[list[str], list[float], list[int]],
+) -> Path:
+    """Write ``tensors`` (GGUF names -> float32 arrays in torch order) with ``types`` (GGUF
+    tensor kind -> GGML type name; norms and 1-D tensors stay F32) and the metadata that the
+    ``metadata(writer)`` callback adds."""
+    from gguf import GGUFWriter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(str(path), arch)
+    metadata(writer)
+    tokens, scores, token_types = vocab
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(token_types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    for name, value in tensors.items():
+        kind = name.split(".")[-2]
+        qtype = "F32" if value.ndim == 1 else types.get(kind, "F32")
+        _write_tensor(writer, name, value, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_tensors(hf_model: Any, mapping: Mapping[str, str], norm_offset: float) -> dict:
+    out: dict[str, np.ndarray] = {}
+    for name, param in hf_model.state_dict().items():
+        value = param.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if getattr(hf_model.config, "tie_word_embeddings", False):
+                continue
+            gguf_name = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, _, suffix = rest.rpartition(".")
+            gguf_name = f"blk.{layer}.{mapping[module]}.{suffix}"
+        if norm_offset and name.endswith("norm.weight"):
+            value = value + norm_offset
+        out[gguf_name] = value
+    return out
+
+
+def tiny_gemma3_hf(seed: int = 0, **overrides: Any) -> Any:
+    """A random ``Gemma3ForCausalLM`` of ``TINY_GEMMA3`` shape (with ``overrides``), whose
+    vocabulary size matches ``tiny_vocab()``. Norm weights are randomised too (HF initialises
+    them to zero, which would hide a missing ``+1``)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = dict(TINY_GEMMA3, vocab_size=len(tiny_vocab()[0]), **overrides)
+    config = Gemma3TextConfig(**cfg)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+def write_tiny_gemma3_gguf(
+    path: str | Path,
+    seed: int = 0,
+    types: Mapping[str, str] | None = None,
+    hf_model: Any = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random Gemma 3 GGUF to ``path`` the way llama.cpp's converter would."""
+    model = hf_model if hf_model is not None else tiny_gemma3_hf(seed, **overrides)
+    cfg = model.config
+
+    def metadata(w: Any) -> None:
+        w.add_name("tiny gemma3")
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_block_count(cfg.num_hidden_layers)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_freq_base(1_000_000.0)
+        if cfg.sliding_window:
+            w.add_sliding_window(cfg.sliding_window)
+
+    tensors = _gguf_tensors(model, GEMMA3_TO_GGUF, 1.0)
+    return write_gguf(
+        path, "gemma3", metadata, tensors, DEFAULT_TYPES if types is None else types, tiny_vocab()
+    )
+
+
+def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (HF half-split rotary -> interleaved pairs)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_llama_gguf(
+    path: str | Path, hf_model: Any, types: Mapping[str, str] | None = None
+) -> Path:
+    """Write a (tiny) HF ``LlamaForCausalLM`` as a llama.cpp-style GGUF, q/k rows permuted."""
+    cfg = hf_model.config
+
+    def metadata(w: Any) -> None:
+        w.add_name("tiny llama")
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_block_count(cfg.num_hidden_layers)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10_000.0))
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+
+    tensors = _gguf_tensors(hf_model, LLAMA_TO_GGUF, 0.0)
+    for name in list(tensors):
+        if name.endswith("attn_q.weight"):
+            tensors[name] = llama_permute(tensors[name], cfg.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            tensors[name] = llama_permute(tensors[name], cfg.num_key_value_heads)
+    return write_gguf(
+        path, "llama", metadata, tensors, DEFAULT_TYPES if types is None else types, tiny_vocab()
+    )

@@ -1,14 +1,17 @@
-"""Linear layers with oneDNN-prepacked weights, for bfloat16/float16 models on the CPU.
+"""Linear layers with oneDNN-prepacked weights, for models on the CPU.
 
-``F.linear`` in bfloat16 on the CPU already runs oneDNN, but it reorders the weight into
-oneDNN's blocked layout on every call; for decode-sized inputs that reorder costs as much as the
-matrix product (measured on this project's 2-core Zen 4: Gemma 3's 262k x 640 LM head 25 -> 12.5
-ms at batch 1, 53 -> 40 ms at batch 32; the 640 x 4096 MLP projection 0.21 -> 0.06 ms).
-``pack_linears(model)`` reorders every ``Linear`` (and the ``LMHead``) once after loading and
-routes their forward through ``torch.ops.mkldnn._linear_pointwise`` on the packed weight. The
-results are bit-identical to ``F.linear`` (same oneDNN kernel, tested), so this is purely a
-speed-up. float32 is left alone: there ``F.linear`` runs a different GEMM library, and the
-engine's float32 output must stay token-exact against transformers.
+``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on every call (bf16) or
+runs a plain GEMM that reaches about half the memory bandwidth (float32); for decode-sized
+inputs both cost about as much as the product itself. ``pack_linears(model)`` reorders every
+``Linear`` (and the ``LMHead``) once after loading and routes their forward through
+``torch.ops.mkldnn._linear_pointwise`` on the packed weight. Measured on this project's 2-core
+Zen 4, Gemma 3 270M: bf16 262k x 640 LM head 25 -> 12.5 ms at batch 1; float32 decode 10 -> 17
+tok/s at batch 1 and 94 -> 168 tok/s at batch 32.
+
+Numerics: in bf16/fp16 the results are bit-identical to ``F.linear`` (same oneDNN kernel;
+tests/test_gguf_loader.py checks it). In float32 the GEMM library differs, so results differ in
+the last bits (sums in another order); the float32 engine stays token-exact against transformers
+on the real Gemma 3 model (tests/test_gguf_gemma3.py).
 
 The packed weight replaces the plain one (whose storage is released), except for a tied LM head
 whose matrix the embedding still needs; packing is therefore the last step of loading.
@@ -24,7 +27,7 @@ from torch import nn
 from engine.layers.embedding import LMHead
 from engine.layers.linear import Linear
 
-PACKED_DTYPES = (torch.bfloat16, torch.float16)
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -38,7 +41,9 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     try:
         if dtype == torch.bfloat16:
             return bool(mkldnn._is_mkldnn_bf16_supported())
-        return bool(mkldnn._is_mkldnn_fp16_supported())
+        if dtype == torch.float16:
+            return bool(mkldnn._is_mkldnn_fp16_supported())
+        return True
     except (AttributeError, RuntimeError):
         return False
 

@@ -72,16 +72,24 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Prepack every ``Linear`` and ``LMHead`` of ``model`` whose weight oneDNN can pack
-    (bf16/fp16 on a supporting CPU); returns how many were packed. Idempotent."""
+def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()) -> int:
+    """Prepack every ``Linear`` and ``LMHead`` of ``model`` whose weight oneDNN can pack on its
+    device; returns how many were packed. Idempotent.
+
+    An ``LMHead`` whose weight is one of ``shared_weights`` (a tied embedding) is packed only in
+    16-bit dtypes: packing keeps the plain matrix for the embedding, so the head then exists
+    twice, and for float32 vocabularies the copy is too big (671 MB for Gemma's 262k x 640).
+    """
     count = 0
+    shared = {id(w) for w in shared_weights}
     for module in model.modules():
         if getattr(module, "packed_weight", None) is not None:
             continue
         if isinstance(module, (Linear, LMHead)):
             weight = module.weight
             if not packing_supported(weight.dtype, weight.device):
+                continue
+            if id(weight) in shared and weight.dtype == torch.float32:
                 continue
             module.packed_weight = _pack(weight)
             if isinstance(module, LMHead):

@@ -291,5 +291,5 @@ class Gemma3ForCausalLM(nn.Module):
         # (see engine.layers.cpu_packed_linear).
         weight = self.model.embed_tokens.weight
         if packing_supported(weight.dtype, weight.device):
-            pack_linears(self)
+            pack_linears(self, shared_weights=(weight,) if self.tie_word_embeddings else ())
         return loaded

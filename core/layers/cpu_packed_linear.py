@@ -103,4 +103,22 @@ def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()
                 # named_parameters() still lists it.
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
             count += 1
+    if count:
+        _return_freed_memory()
     return count
+
+
+def _return_freed_memory() -> None:
+    """Give the heap pages of the released plain weights back to the OS. glibc keeps freed
+    chunks of this size in its heap (its mmap threshold adapts upwards), so without a trim they
+    stay in the resident set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass  # not glibc: nothing to trim

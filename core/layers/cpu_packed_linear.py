@@ -1,14 +1,17 @@
-"""Linear layers with oneDNN-prepacked weights, for bfloat16/float16 models on the CPU.
+"""Linear layers with oneDNN-prepacked weights, for models on the CPU.
 
-``F.linear`` in bfloat16 on the CPU already runs oneDNN, but it reorders the weight into
-oneDNN's blocked layout on every call; for decode-sized inputs that reorder costs as much as the
-matrix product (measured on this project's 2-core Zen 4: Gemma 3's 262k x 640 LM head 25 -> 12.5
-ms at batch 1, 53 -> 40 ms at batch 32; the 640 x 4096 MLP projection 0.21 -> 0.06 ms).
-``pack_linears(model)`` reorders every ``Linear`` (and the ``LMHead``) once after loading and
-routes their forward through ``torch.ops.mkldnn._linear_pointwise`` on the packed weight. The
-results are bit-identical to ``F.linear`` (same oneDNN kernel, tested), so this is purely a
-speed-up. float32 is left alone: there ``F.linear`` runs a different GEMM library, and the
-engine's float32 output must stay token-exact against transformers.
+``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on every call (bf16) or
+runs a plain GEMM that reaches about half the memory bandwidth (float32); for decode-sized
+inputs both cost about as much as the product itself. ``pack_linears(model)`` reorders every
+``Linear`` (and the ``LMHead``) once after loading and routes their forward through
+``torch.ops.mkldnn._linear_pointwise`` on the packed weight. Measured on this project's 2-core
+Zen 4, Gemma 3 270M: bf16 262k x 640 LM head 25 -> 12.5 ms at batch 1; float32 decode 10 -> 17
+tok/s at batch 1 and 94 -> 168 tok/s at batch 32.
+
+Numerics: in bf16/fp16 the results are bit-identical to ``F.linear`` (same oneDNN kernel;
+tests/test_gguf_loader.py checks it). In float32 the GEMM library differs, so results differ in
+the last bits (sums in another order); the float32 engine stays token-exact against transformers
+on the real Gemma 3 model (tests/test_gguf_gemma3.py).
 
 The packed weight replaces the plain one (whose storage is released), except for a tied LM head
 whose matrix the embedding still needs; packing is therefore the last step of loading.
@@ -24,7 +27,7 @@ from torch import nn
 from engine.layers.embedding import LMHead
 from engine.layers.linear import Linear
 
-PACKED_DTYPES = (torch.bfloat16, torch.float16)
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -38,7 +41,9 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     try:
         if dtype == torch.bfloat16:
             return bool(mkldnn._is_mkldnn_bf16_supported())
-        return bool(mkldnn._is_mkldnn_fp16_supported())
+        if dtype == torch.float16:
+            return bool(mkldnn._is_mkldnn_fp16_supported())
+        return True
     except (AttributeError, RuntimeError):
         return False
 
@@ -67,16 +72,24 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Prepack every ``Linear`` and ``LMHead`` of ``model`` whose weight oneDNN can pack
-    (bf16/fp16 on a supporting CPU); returns how many were packed. Idempotent."""
+def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()) -> int:
+    """Prepack every ``Linear`` and ``LMHead`` of ``model`` whose weight oneDNN can pack on its
+    device; returns how many were packed. Idempotent.
+
+    An ``LMHead`` whose weight is one of ``shared_weights`` (a tied embedding) is packed only in
+    16-bit dtypes: packing keeps the plain matrix for the embedding, so the head then exists
+    twice, and for float32 vocabularies the copy is too big (671 MB for Gemma's 262k x 640).
+    """
     count = 0
+    shared = {id(w) for w in shared_weights}
     for module in model.modules():
         if getattr(module, "packed_weight", None) is not None:
             continue
         if isinstance(module, (Linear, LMHead)):
             weight = module.weight
             if not packing_supported(weight.dtype, weight.device):
+                continue
+            if id(weight) in shared and weight.dtype == torch.float32:
                 continue
             module.packed_weight = _pack(weight)
             if isinstance(module, LMHead):
@@ -90,4 +103,22 @@ def pack_linears(model: nn.Module) -> int:
                 # named_parameters() still lists it.
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
             count += 1
+    if count:
+        _return_freed_memory()
     return count
+
+
+def _return_freed_memory() -> None:
+    """Give the heap pages of the released plain weights back to the OS. glibc keeps freed
+    chunks of this size in its heap (its mmap threshold adapts upwards), so without a trim they
+    stay in the resident set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass  # not glibc: nothing to trim

@@ -116,6 +116,7 @@ class ModelRunner:
         self.model = load_model(
             self.config.model, self.kernels, self.attn_backend_cls, self.device, registry
         )
+        self._pack_linears()
         if self.sampler is None:
             if self.sampler_cls is None:
                 from engine.sampler import Sampler
@@ -123,6 +124,17 @@ class ModelRunner:
                 self.sampler_cls = Sampler
             self.sampler = self.sampler_cls(self.vocab_size, self.device)
         return self.model
+
+    def _pack_linears(self) -> None:
+        """On a CPU, prepack the linear layers for oneDNN (about 2x faster decode matmuls; see
+        ``engine.layers.cpu_packed_linear``). It releases the plain weight copies, so it runs
+        after loading; a no-op on other devices."""
+        from engine.layers.cpu_packed_linear import pack_linears
+        from engine.layers.embedding import VocabEmbedding
+
+        assert self.model is not None
+        embeddings = tuple(m.weight for m in self.model.modules() if isinstance(m, VocabEmbedding))
+        pack_linears(self.model, shared_weights=embeddings)
 
     @property
     def vocab_size(self) -> int:

@@ -40,7 +40,6 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
-from engine.layers.cpu_packed_linear import pack_linears, packing_supported
 from engine.layers.weight_utils import check_shape, set_weight_loader
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS
@@ -286,10 +285,4 @@ class Gemma3ForCausalLM(nn.Module):
                 self.tie_word_embeddings and name.startswith("lm_head.")
             )
 
-        loaded = load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
-        # On a CPU, prepack the projections and the LM head for oneDNN: ~2x faster decode
-        # (see engine.layers.cpu_packed_linear).
-        weight = self.model.embed_tokens.weight
-        if packing_supported(weight.dtype, weight.device):
-            pack_linears(self, shared_weights=(weight,) if self.tie_word_embeddings else ())
-        return loaded
+        return load_named_weights(self, weights, FUSED_WEIGHTS, ignore)

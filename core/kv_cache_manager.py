@@ -128,6 +128,23 @@ class _RequestBlocks:
         self.shared_end = 0
 
 
+def max_blocks_needed(
+    groups: list[KVCacheGroupSpec], block_size: int, num_tokens: int, max_chunk: int
+) -> int:
+    """An upper bound on the blocks one request of ``num_tokens`` tokens holds at once across
+    ``groups``, when steps compute at most ``max_chunk`` tokens. A sliding group holds at most
+    the blocks spanning ``W - 1`` old positions plus one chunk."""
+    total = 0
+    for spec in groups:
+        full = -(-num_tokens // block_size)
+        if spec.sliding_window is None:
+            total += full
+        else:
+            span = spec.sliding_window - 1 + min(max_chunk, num_tokens)
+            total += min(full, -(-span // block_size) + 1)
+    return total
+
+
 class KVCacheManager:
     """Block tables, prefix-cache lookups and copy-on-write for the scheduler.
 
@@ -178,18 +195,8 @@ class KVCacheManager:
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> int:
         """An upper bound on the blocks one request of ``num_tokens`` tokens holds at once,
-        when steps compute at most ``max_chunk`` tokens. A sliding group holds at most the
-        blocks spanning ``W - 1`` old positions plus one chunk."""
-        bs = self.block_size
-        total = 0
-        for spec in self.groups:
-            full = -(-num_tokens // bs)
-            if spec.sliding_window is None:
-                total += full
-            else:
-                span = spec.sliding_window - 1 + min(max_chunk, num_tokens)
-                total += min(full, -(-span // bs) + 1)
-        return total
+        when steps compute at most ``max_chunk`` tokens (see ``max_blocks_needed``)."""
+        return max_blocks_needed(self.groups, self.block_size, num_tokens, max_chunk)
 
     # ------------------------------------------------------------------ per request
     def add_request(self, request: Request) -> None:

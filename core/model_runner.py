@@ -212,8 +212,18 @@ class ModelRunner:
     def blocks_per_request(self) -> int:
         """Blocks one max-length request needs across all KV-cache groups (the KV-cache
         manager reserves one more block, the null block, on top of these)."""
+        from engine.kv_cache_manager import KVCacheGroupSpec, max_blocks_needed
+
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
-        return math.ceil(self.max_model_len / self.block_size) * len(groups)
+        specs = [KVCacheGroupSpec(sliding_window=w) for w in groups]
+        # Sliding-window groups hold only the blocks of their window (plus one step's chunk),
+        # the same bound the scheduler admits requests by.
+        return max_blocks_needed(
+            specs,
+            self.block_size,
+            self.max_model_len,
+            self.config.scheduler.max_num_batched_tokens,
+        )
 
     def determine_num_blocks(self) -> int:
         """How many KV-cache blocks to allocate.

@@ -40,7 +40,12 @@ def test_groups_full_first_and_shared_cache_tensors(hybrid_dir):
 def test_cpu_cache_sizing(hybrid_dir):
     runner, _ = make_runner(hybrid_dir, block_size=4)
     runner.config.cache.num_gpu_blocks = None
-    per_request = math.ceil(512 / 4) * 2  # max_model_len 512, two groups
+    full, window = runner.kv_cache_groups()
+    assert full is None and window is not None
+    # max_model_len 512: the full group holds every block, the sliding group only its window
+    # plus one step's chunk (max_num_batched_tokens 256).
+    per_request = 512 // 4 + min(512 // 4, math.ceil((window - 1 + 256) / 4) + 1)
+    assert per_request < 2 * 512 // 4
     assert runner.blocks_per_request() == per_request
     runner.config.cache.cpu_kv_cache_gb = 1.0
     # 1 GiB holds far more than 16 max-length requests: capped.
@@ -48,7 +53,7 @@ def test_cpu_cache_sizing(hybrid_dir):
     runner.config.cache.cpu_kv_cache_gb = 0.001
     assert runner.determine_num_blocks() == int(0.001 * 2**30) // runner.bytes_per_block()
     runner.config.cache.cpu_kv_cache_gb = 0.0001
-    with pytest.raises(ConfigError, match="max_model_len=512 needs 256"):
+    with pytest.raises(ConfigError, match=f"max_model_len=512 needs {per_request}"):
         runner.determine_num_blocks()
 
 

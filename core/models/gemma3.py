@@ -41,6 +41,7 @@ from engine.layers import (
     rope_parameters,
 )
 from engine.layers.weight_utils import check_shape, set_weight_loader
+from engine.models.base import CausalLM
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS
 
@@ -233,7 +234,7 @@ class Gemma3Model(nn.Module):
         return hidden
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text models (270M, 1B, and the text decoder of 4B/12B/27B)."""
 
     packed_modules_mapping = {
@@ -258,23 +259,6 @@ class Gemma3ForCausalLM(nn.Module):
         # The embedding (the 262k-row table of the real models) adopts the loaded tensor
         # instead of copying it, so loading never holds two copies of the largest matrix.
         set_weight_loader(self.model.embed_tokens.weight, _adopt_or_copy)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: list[AttentionMetadata],
-    ) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        """The paged-attention layers, in layer order."""
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Any) -> set[str]:
         """Copy HF-named tensors in (q/k/v and gate/up into their fused slices, norms as

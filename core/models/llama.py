@@ -26,6 +26,7 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
+from engine.models.base import CausalLM
 from engine.models.context import ModelContext
 
 # Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
@@ -208,7 +209,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama 2/3/3.1 and Mistral (with or without sliding window).
 
     Subclasses change ``attention_options`` to express their variant (Qwen2: q/k/v bias;
@@ -235,23 +236,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: list[AttentionMetadata],
-    ) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        """The paged-attention layers, in layer order."""
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Any) -> set[str]:
         """Copy HF-named checkpoint tensors into the parameters; returns the names loaded."""

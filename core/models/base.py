@@ -1,0 +1,37 @@
+"""``CausalLM``: what every decoder-only model wrapper shares."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention_backends.interface import AttentionMetadata
+from engine.layers.attention import Attention
+
+
+class CausalLM(nn.Module):
+    """Base for ``XForCausalLM`` wrappers: a decoder stack in ``self.model`` whose layers hold
+    their attention in ``layer.self_attn.attn``, and an LM head in ``self.lm_head``.
+
+    Subclasses build both in ``__init__`` and implement ``load_weights``.
+    """
+
+    model: nn.Module
+    lm_head: nn.Module
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """The paged-attention layers, in layer order."""
+        return [layer.self_attn.attn for layer in self.model.layers]

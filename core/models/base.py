@@ -35,3 +35,26 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         """The paged-attention layers, in layer order."""
         return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class DecoderModel(nn.Module):
+    """Base for a decoder stack: ``embed_tokens``, ``layers`` (each called as
+    ``layer(positions, hidden, residual, attn_metadata) -> (hidden, residual)``) and a final
+    fused-residual ``norm``. Subclasses build the three in ``__init__``."""
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden

@@ -41,7 +41,7 @@ from engine.layers import (
     rope_parameters,
 )
 from engine.layers.weight_utils import check_shape, set_weight_loader
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, DecoderModel
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS
 
@@ -197,7 +197,7 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden, residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
     """Scaled embedding, decoder layers, final norm (HF's ``model.`` sub-module)."""
 
     def __init__(self, ctx: ModelContext) -> None:
@@ -219,19 +219,6 @@ class Gemma3Model(nn.Module):
             Gemma3DecoderLayer(ctx, i, kind, rotary[kind]) for i, kind in enumerate(types)
         )
         self.norm = _gemma_norm(cfg.hidden_size, cfg, ctx)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: list[AttentionMetadata],
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -26,7 +26,7 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, DecoderModel
 from engine.models.context import ModelContext
 
 # Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
@@ -177,7 +177,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     """Embedding, decoder layers, final norm (HF's ``model.`` sub-module)."""
 
     def __init__(self, ctx: ModelContext, attention_options: dict[str, bool]) -> None:
@@ -194,19 +194,6 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: list[AttentionMetadata],
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class LlamaForCausalLM(CausalLM):

@@ -92,6 +92,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
+    # Schedule step N+1 while the device runs step N (sampled tokens are fed back on the
+    # device). None: on for devices that run asynchronously to the host (not the CPU).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -9,7 +9,10 @@ Everything a replay reads lives in static device buffers that the graphs were re
 token ids, positions, and per KV-cache group the sequence lengths, block tables and slot
 mapping. A step fills pinned host buffers, copies them asynchronously into the static buffers
 and replays; padded batch entries get sequence length 0 and slot -1, so they neither read nor
-write the cache. The captured attention metadata carries only the padded batch size and
+write the cache. With asynchronous scheduling a request's input token may not be on the host
+yet: its entry in the static "feedback" buffer then names the row of the previous step's
+samples (the runner's feedback tensor) that holds it, and the graph itself gathers it, so the
+step costs no extra launch. The captured attention metadata carries only the padded batch size and
 ``max_seq_len = max_model_len`` as Python numbers, so only backends that read lengths from the
 tensors may be captured: they declare ``supports_decode_graphs = True``.
 
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.attention_backends.interface import AttentionMetadata
+from engine.request import PLACEHOLDER_TOKEN
 
 if TYPE_CHECKING:
     from engine.scheduler_output import ScheduledRequest
@@ -68,8 +72,10 @@ class DecodeGraphs:
         max_model_len: int,
         max_num_seqs: int,
         device: torch.device,
+        feedback: torch.Tensor,
     ) -> None:
         self.model = model
+        self.feedback = feedback
         self.num_groups = num_groups
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -78,16 +84,17 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
         b, g, w = self.max_batch, num_groups, self.max_blocks
-        # Static device inputs. The int64 ones (ids, positions, slots) share one buffer and the
+        # Static device inputs. The int64 ones (ids, positions, feedback rows, slots) share one
+        # buffer and the
         # sequence lengths another, laid out exactly like their pinned host twins, so each
         # step is one host-to-device copy per buffer; block tables go through a staging copy
         # of only the columns in use.
-        self._i64 = torch.zeros((2 + g) * b, dtype=torch.int64, device=device)
+        self._i64 = torch.zeros((3 + g) * b, dtype=torch.int64, device=device)
         self._seq = torch.zeros(g * b, dtype=torch.int32, device=device)
         self._tables = torch.zeros((g, b, w), dtype=torch.int32, device=device)
         self._table_stage = torch.zeros(g * b * w, dtype=torch.int32, device=device)
         self._qsl = torch.arange(b + 1, dtype=torch.int32, device=device)
-        self._host_i64 = torch.zeros((2 + g) * b, dtype=torch.int64, pin_memory=True)
+        self._host_i64 = torch.zeros((3 + g) * b, dtype=torch.int64, pin_memory=True)
         self._host_seq = torch.zeros(g * b, dtype=torch.int32, pin_memory=True)
         self._host_tables = torch.zeros(g * b * w, dtype=torch.int32, pin_memory=True)
         self._np_i64 = self._host_i64.numpy()
@@ -105,11 +112,20 @@ class DecodeGraphs:
     def _positions(self, n: int) -> torch.Tensor:
         return self._i64[self.max_batch : self.max_batch + n]
 
+    def _sources(self, n: int) -> torch.Tensor:
+        return self._i64[2 * self.max_batch : 2 * self.max_batch + n]
+
+    def _forward(self, n: int) -> torch.Tensor:
+        """The captured computation: feed back in-flight tokens, then the model."""
+        ids, src = self._ids(n), self._sources(n)
+        ids = torch.where(src >= 0, self.feedback[src.clamp(min=0)], ids)
+        return self.model(ids, self._positions(n), self._metadata(n))
+
     def _metadata(self, n: int) -> list[AttentionMetadata]:
         b = self.max_batch
         out = []
         for g in range(self.num_groups):
-            slots = self._i64[(2 + g) * b : (2 + g) * b + n]
+            slots = self._i64[(3 + g) * b : (3 + g) * b + n]
             out.append(
                 AttentionMetadata(
                     num_actual_tokens=n,
@@ -133,7 +149,8 @@ class DecodeGraphs:
         Returns the seconds it took."""
         start = time.perf_counter()
         b = self.max_batch
-        # Padding everywhere: no cache reads (length 0) and no cache writes (slot -1).
+        # Padding everywhere: no cache reads (length 0), no cache writes (slot -1), no
+        # feedback (-1).
         self._i64.zero_()
         self._i64[2 * b :] = -1
         self._seq.zero_()
@@ -142,11 +159,10 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for n in reversed(self.sizes):
-                ids, pos, md = self._ids(n), self._positions(n), self._metadata(n)
-                self.model(ids, pos, md)  # warm-up: Triton compiles outside the capture
+                self._forward(n)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    self._outputs[n] = self.model(ids, pos, md)
+                    self._outputs[n] = self._forward(n)
                 self._graphs[n] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -166,9 +182,13 @@ class DecodeGraphs:
                 return n
         return None
 
-    def run(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
+    def run(
+        self, scheduled: list[ScheduledRequest], feedback_rows: dict[str, int] | None = None
+    ) -> torch.Tensor | None:
         """Replay the graph for a batch of one-token requests; hidden states ``[B, hidden]``
-        (a view of the graph's static output, valid until the next replay)."""
+        (a view of the graph's static output, valid until the next replay).
+        ``feedback_rows`` maps request ids to their row in the feedback tensor, for inputs
+        that are still placeholders."""
         num = len(scheduled)
         n = self.padded_size(num)
         if n is None or any(s.num_new_tokens != 1 for s in scheduled):
@@ -177,10 +197,22 @@ class DecodeGraphs:
         self._copied.synchronize()  # the previous step's copies have read the host buffers
         i64, seq, tables = self._np_i64, self._np_seq, self._np_tables
         starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num)
-        i64[:num] = [last_token(s.request, s.start) for s in scheduled]
+        tokens = [last_token(s.request, s.start) for s in scheduled]
+        i64[:num] = tokens
         i64[num:n] = 0
         i64[b : b + num] = starts
         i64[b + num : b + n] = 0
+        src = i64[2 * b : 2 * b + n]
+        src[:] = -1
+        if PLACEHOLDER_TOKEN in tokens:
+            for i, token in enumerate(tokens):
+                if token == PLACEHOLDER_TOKEN:
+                    rid = scheduled[i].request.request_id
+                    if feedback_rows is None or rid not in feedback_rows:
+                        raise RuntimeError(
+                            f"request {rid!r} feeds a token the previous step did not sample"
+                        )
+                    src[i] = feedback_rows[rid]
         width = 1
         for g in range(g_count):
             lists = [s.block_ids[g] for s in scheduled]
@@ -188,7 +220,7 @@ class DecodeGraphs:
             seq[g * b : g * b + num] = starts + 1
             seq[g * b + num : g * b + n] = 0
             slot_block = [t[p // bs] for t, p in zip(lists, starts.tolist(), strict=True)]
-            base = (2 + g) * b
+            base = (3 + g) * b
             i64[base : base + num] = np.asarray(slot_block, dtype=np.int64) * bs + starts % bs
             i64[base + num : base + n] = -1
         # Block tables, packed [group, request, width] with only the columns in use.

@@ -59,6 +59,15 @@ class _Sequence:
 
 
 @dataclass
+class _InFlight:
+    """A launched step: what was scheduled and the runner's handle on its results."""
+
+    sched: Any
+    pending: Any
+    time: float
+
+
+@dataclass
 class _RequestState:
     """Engine-side state of one user request (one or ``n`` sequences)."""
 
@@ -74,6 +83,28 @@ class _RequestState:
     num_cached_tokens: int = 0
     pending_child_generators: list[Any] = field(default_factory=list)
     final_only: bool = False
+    # No sampling feature that reads earlier tokens on the host: may run one step ahead.
+    plain: bool = True
+
+
+def _is_plain(params: SamplingParams) -> bool:
+    """Whether sampling for these params needs nothing the host learns only when a step
+    completes (so the next step may be scheduled before that)."""
+    return (
+        params.n == 1
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and not params.min_tokens
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+    )
+
+
+def _discarded_row() -> Any:
+    from engine.sampler import SamplingRow
+
+    return SamplingRow(SamplingParams(temperature=0.0), [], [], [None])
 
 
 class LLMEngine:
@@ -98,6 +129,8 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[_RequestState, _Sequence]] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._async = bool(getattr(scheduler, "async_output", False))
+        self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -175,6 +208,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival_time or now),
             needs_fork=params.n > 1,
             final_only=final_only,
+            plain=_is_plain(params),
         )
         generators = [self._make_generator(params, i) for i in range(params.n)]
         request = Request(
@@ -207,7 +241,8 @@ class LLMEngine:
                 self._seq_owner.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Whether any request is unfinished, or a step is still in flight."""
+        return bool(self._requests) or self._in_flight is not None
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -224,26 +259,77 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch and return the requests that progressed."""
-        from engine.sampler import SamplingRow
+        """Run one scheduled batch and return the requests that progressed.
 
+        With asynchronous scheduling (``SchedulerConfig.async_scheduling``) one step may be
+        in flight between calls: a call schedules and launches the next step, then completes
+        the one before it while the device runs the new one, so the outputs returned are one
+        step behind. Steps whose sampling needs the host to know every earlier token
+        (penalties, ``min_tokens``, logprobs, ``n > 1``) run synchronously.
+        """
+        if not self._async:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            return self._complete(self._launch(sched))
+        previous, self._in_flight = self._in_flight, None
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self._complete(previous) if previous is not None else []
+        outputs: list[RequestOutput] = []
+        overlap = self._overlappable(sched)
+        if previous is not None and not overlap:
+            outputs += self._complete(previous)  # this step's sampling reads those tokens
+            previous = None
+        current = self._launch(sched)
+        if previous is not None:
+            outputs += self._complete(previous)
+        if overlap:
+            self._in_flight = current
+        else:
+            outputs += self._complete(current)
+        return outputs
+
+    def _overlappable(self, sched: Any) -> bool:
+        """Whether a step may stay in flight while the next one is scheduled."""
+        for sr in sched.scheduled:
+            owner = self._seq_owner.get(sr.request.request_id)
+            if owner is None:
+                continue
+            state, seq = owner
+            if not state.plain or (state.needs_fork and seq.index == 0):
+                return False
+        return True
+
+    def _launch(self, sched: Any) -> _InFlight:
+        """Build the sampling rows of a scheduled step and launch it on the runner."""
+        from engine.sampler import SamplingRow
+
         now = time.monotonic()
         rows: dict[str, SamplingRow] = {}
         prompt_logprobs: dict[str, int] = {}
         for sr in sched.scheduled:
-            state, seq = self._seq_owner[sr.request.request_id]
+            owner = self._seq_owner.get(sr.request.request_id)
+            if owner is None:
+                # Finished by the step completed just before this launch: its sample here
+                # is discarded, but the runner needs a row for it.
+                if sr.samples:
+                    rows[sr.request.request_id] = _discarded_row()
+                continue
+            state, seq = owner
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
             params = state.params
             if sr.samples:
                 forking = state.needs_fork and seq.index == 0
+                outputs = sr.request.output_token_ids
+                if sr.output_index >= 0 and not state.plain:
+                    # Penalties and min_tokens read the tokens sampled before this step.
+                    outputs = outputs[: sr.output_index]
                 rows[sr.request.request_id] = SamplingRow(
                     params=params,
                     prompt_token_ids=state.prompt_token_ids,
-                    output_token_ids=sr.request.output_token_ids,
+                    output_token_ids=outputs,
                     generators=(
                         [seq.generator] + state.pending_child_generators
                         if forking
@@ -258,13 +344,21 @@ class LLMEngine:
                 and sr.start < len(state.prompt_token_ids)
             ):
                 prompt_logprobs[sr.request.request_id] = params.prompt_logprobs
+        pending = self.runner.execute_async(sched, rows, prompt_logprobs)
+        return _InFlight(sched, pending, now)
 
-        out = self.runner.execute(sched, rows, prompt_logprobs)
-
+    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's results, feed them to the scheduler and the requests'
+        state, and return the outputs of the requests that progressed."""
+        out = self.runner.collect(step.pending)
+        sched, now = step.sched, step.time
+        owner = self._seq_owner
         forks: list[tuple[_RequestState, list[int], list[Any]]] = []
         to_scheduler: dict[str, list[int]] = {}
         for seq_id, tokens in out.sampled.items():
-            state, seq = self._seq_owner[seq_id]
+            if seq_id not in owner:  # finished or aborted while the step was in flight
+                continue
+            state, seq = owner[seq_id]
             if state.needs_fork and seq.index == 0:
                 forks.append((state, tokens, out.logprobs.get(seq_id)))
                 tokens = tokens[:1]
@@ -273,8 +367,8 @@ class LLMEngine:
 
         touched: dict[str, _RequestState] = {}
         for seq_id, chunk in out.prompt_logprobs.items():
-            state, _ = self._seq_owner[seq_id]
-            self._add_prompt_logprobs(state, chunk)
+            if seq_id in owner:
+                self._add_prompt_logprobs(owner[seq_id][0], chunk)
         forked_ids = set()
         for state, tokens, logprobs in forks:
             forked_ids.add(state.seqs[0].request.request_id)
@@ -283,7 +377,7 @@ class LLMEngine:
         for seq_id, tokens in to_scheduler.items():
             if seq_id in forked_ids:  # the fork above accounted for this sample
                 continue
-            state, seq = self._seq_owner[seq_id]
+            state, seq = owner[seq_id]
             touched[state.request_id] = state
             lps = out.logprobs.get(seq_id)
             self._append_tokens(state, seq, tokens, lps[0] if lps else None)
@@ -405,7 +499,7 @@ class LLMEngine:
             new_text = seq.detokenizer.add_tokens(tokens)
             seq.text += new_text
 
-        num_out = len(request.output_token_ids)
+        num_out = request.num_output_tokens
         last = tokens[-1]
         if not params.ignore_eos and last in self.eos_token_ids and num_out >= params.min_tokens:
             self._finish(state, seq, "stop", None)
@@ -424,7 +518,9 @@ class LLMEngine:
                 seq.text = seq.text[:truncate_to]
                 self._finish(state, seq, "stop", stop_str)
                 return
-        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_out >= request.max_tokens or (
+            request.num_prompt_tokens + num_out >= self.max_model_len
+        ):
             self._finish(state, seq, "length", None)
 
     def _finish(
@@ -434,6 +530,10 @@ class LLMEngine:
             seq.text += seq.detokenizer.flush()  # an incomplete character held back, if any
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        request = seq.request
+        if request.num_output_placeholders:  # a step already scheduled past the end
+            del request.output_token_ids[request.num_output_tokens :]
+            request.num_output_placeholders = 0
         status = (
             RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
         )
@@ -450,6 +550,8 @@ class LLMEngine:
         params = state.params
         for seq in state.seqs:
             ids = seq.request.output_token_ids
+            if seq.request.num_output_placeholders:
+                ids = ids[: seq.request.num_output_tokens]
             visible = len(seq.text)
             if seq.finish_reason is None and params.stop and not params.include_stop_str_in_output:
                 # Hold back a tail that may be the start of a stop string still to come.

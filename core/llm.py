@@ -37,7 +37,7 @@ class LLM:
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``, ``platform``,
     ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
-    ``cpu_kv_cache_gb``, ``max_logprobs``. Unknown keywords are an error that lists them.
+    ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs). Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -63,6 +63,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         cpu_kv_cache_gb: float = 4.0,
         max_logprobs: int = 20,
+        async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         **unknown: Any,
     ) -> None:
@@ -90,6 +91,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 policy=scheduling_policy,
+                async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             platform=platform,

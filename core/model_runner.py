@@ -18,8 +18,10 @@ import torch
 from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
 from engine.config import ConfigError, EngineConfig
 from engine.kernels.registry import Kernels
+from engine.models.base import CausalLM
 from engine.outputs import Logprob
 from engine.request import Request
+from engine.sampler import SamplingRow
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -47,6 +49,17 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, Logprob]] | None] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose results may still be on the device (``ModelRunner.collect``)."""
+
+    out: RunnerOutput
+    # (request id, number of samples) per sampling row, in the order of ``tokens``.
+    rows: list[tuple[str, int]] = field(default_factory=list)
+    tokens: torch.Tensor | None = None  # host (pinned) copy in flight, or None when done
+    ready: Any = None  # a device event recorded after the copy, or None
 
 
 @dataclass
@@ -104,6 +117,13 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._groups: list[int | None] | None = None
         self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
+        # On-device feedback for asynchronous scheduling: the previous step's first sample of
+        # each sampling row (a fixed buffer, so captured graphs can read it) and the row of
+        # each request in it.
+        self._feedback = torch.zeros(
+            config.scheduler.max_num_seqs, dtype=torch.int64, device=self.device
+        )
+        self._feedback_rows: dict[str, int] = {}
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> nn.Module:
@@ -361,6 +381,7 @@ class ModelRunner:
             self.max_model_len,
             self.config.scheduler.max_num_seqs,
             self.device,
+            self._feedback,
         )
         return self.graphs.capture()
 
@@ -377,26 +398,58 @@ class ModelRunner:
         ``engine.sampler.SamplingRow``; ``prompt_logprobs`` maps request ids to the number of
         top prompt logprobs wanted.
         """
+        return self.collect(self.execute_async(sched_out, sampling_rows, prompt_logprobs))
+
+    def execute_async(
+        self,
+        sched_out: SchedulerOutput,
+        sampling_rows: dict[str, Any],
+        prompt_logprobs: dict[str, int] | None = None,
+    ) -> PendingStep:
+        """Launch a step like ``execute`` but return before its tokens reach the host when
+        that is possible (every row plain: one sample, no logprobs); ``collect`` waits.
+
+        A decode whose input token is still a placeholder (asynchronous scheduling) reads it
+        from the previous launched step's samples on the device, so steps must be launched
+        in order and each one right after the one before it.
+        """
         assert self.model is not None and self.kv_caches, "load_model() and allocate_kv_cache()"
         if sched_out.blocks_to_copy:
             pairs = torch.tensor(sched_out.blocks_to_copy, dtype=torch.long, device=self.device)
             for cache in self.kv_caches:
                 self.attn_backend_cls.copy_blocks(cache, pairs[:, 0], pairs[:, 1])
-        out = RunnerOutput()
+        pending = PendingStep(RunnerOutput())
         scheduled = sched_out.scheduled
         if not scheduled:
-            return out
+            self._feedback_rows = {}
+            return pending
         with torch.inference_mode():
-            hidden = self.graphs.run(scheduled) if self.graphs is not None else None
+            hidden = None
+            if self.graphs is not None:
+                hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
                 batch = _Batch(None, None, [], list(range(len(scheduled) + 1)))
             else:
                 batch = self._prepare(scheduled)
                 hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-            self._sample(scheduled, batch, hidden, sampling_rows, out)
+            self._sample(scheduled, batch, hidden, sampling_rows, pending)
             if prompt_logprobs:
-                self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, out)
-        return out
+                self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, pending.out)
+        return pending
+
+    def collect(self, pending: PendingStep) -> RunnerOutput:
+        """Wait for a launched step's tokens and return its results."""
+        if pending.tokens is not None:
+            if pending.ready is not None:
+                pending.ready.synchronize()
+            flat = pending.tokens.tolist()
+            pos = 0
+            for rid, n in pending.rows:
+                pending.out.sampled[rid] = flat[pos : pos + n]
+                pending.out.logprobs[rid] = None
+                pos += n
+            pending.tokens = pending.ready = None
+        return pending.out
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the step (decodes first, as scheduled) into inputs and per-group metadata."""
@@ -411,6 +464,8 @@ class ModelRunner:
         for s in scheduled:
             tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
         input_ids = np.array(tokens, dtype=np.int64)
+        # Placeholders (asynchronous scheduling) index the previous step's samples instead.
+        feedback = self._feedback_sources(scheduled, qsl, input_ids)
         # Token t of request i sits at position starts[i] + (t - qsl[i]).
         positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
         num_decodes = 0
@@ -431,12 +486,38 @@ class ModelRunner:
                 query_lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes
             )
             metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
+        ids = torch.from_numpy(input_ids).to(self.device)
+        if feedback is not None:
+            src = torch.from_numpy(feedback).to(self.device)
+            ids = torch.where(src >= 0, self._feedback[src.clamp(min=0)], ids)
         return _Batch(
-            input_ids=torch.from_numpy(input_ids).to(self.device),
+            input_ids=ids,
             positions=torch.from_numpy(positions).to(self.device),
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
         )
+
+    def _feedback_sources(
+        self, scheduled: list[ScheduledRequest], qsl: np.ndarray, input_ids: np.ndarray
+    ) -> np.ndarray | None:
+        """Per input token: the index into the feedback buffer holding its value, or -1 when
+        the host knows it. None when no token is a placeholder."""
+        from engine.request import PLACEHOLDER_TOKEN
+
+        holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
+        if holes.size == 0:
+            return None
+        src = np.full(input_ids.shape, -1, dtype=np.int64)
+        owner = np.searchsorted(qsl, holes, side="right") - 1
+        for t, i in zip(holes.tolist(), owner.tolist(), strict=True):
+            rid = scheduled[i].request.request_id
+            row = self._feedback_rows.get(rid)
+            if row is None:
+                raise RuntimeError(
+                    f"request {rid!r} feeds a token the previous step did not sample"
+                )
+            src[t] = row
+        return src
 
     def _sample(
         self,
@@ -444,29 +525,61 @@ class ModelRunner:
         batch: _Batch,
         hidden: torch.Tensor,
         sampling_rows: dict[str, Any],
-        out: RunnerOutput,
+        pending: PendingStep,
     ) -> None:
+        out = pending.out
         sampling = [(i, s) for i, s in enumerate(scheduled) if s.samples]
         if not sampling:
+            self._feedback_rows = {}
             return
         missing = [
             s.request.request_id for _, s in sampling if s.request.request_id not in sampling_rows
         ]
         if missing:
             raise KeyError(f"no sampling row for requests that sample this step: {missing}")
-        if len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]:
-            logits = self.model.compute_logits(hidden)  # one token per request: no gather
-        else:
+        rows = [sampling_rows[s.request.request_id] for _, s in sampling]
+        if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
             last = torch.tensor(
                 [batch.query_start_loc[i + 1] - 1 for i, _ in sampling], device=hidden.device
             )
-            logits = self.model.compute_logits(hidden[last])
-        rows = [sampling_rows[s.request.request_id] for _, s in sampling]
-        result = self.sampler.sample(logits, rows)
-        for j, (_, s) in enumerate(sampling):
-            rid = s.request.request_id
-            out.sampled[rid] = list(result.token_ids[j])
-            out.logprobs[rid] = result.logprobs[j] if result.logprobs is not None else None
+            hidden = hidden[last]  # else one token per request: no gather
+        sampler = self.sampler
+        # Samplers that are not engine.sampler.Sampler (tests, plugins) get the classic
+        # synchronous ``sample`` with float32 logits.
+        plain = hasattr(sampler, "sample_tokens") and all(
+            isinstance(r, SamplingRow) and r.num_samples == 1 and r.params.logprobs is None
+            for r in rows
+        )
+        native = plain and isinstance(self.model, CausalLM)
+        if native and not sampler.wants_float32_logits(rows):
+            logits = self.model.compute_logits(hidden, False)
+        else:
+            logits = self.model.compute_logits(hidden)
+        ids = [s.request.request_id for _, s in sampling]
+        if not plain:
+            result = self.sampler.sample(logits, rows)
+            for j, rid in enumerate(ids):
+                out.sampled[rid] = list(result.token_ids[j])
+                out.logprobs[rid] = result.logprobs[j] if result.logprobs is not None else None
+            first = torch.tensor([t[0] for t in result.token_ids], device=self.device)
+        else:
+            first = self.sampler.sample_tokens(logits, rows)
+            pending.rows = [(rid, 1) for rid in ids]
+            if self.device.type == "cpu":
+                pending.tokens = first
+            else:
+                pending.tokens = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
+                pending.tokens.copy_(first, non_blocking=True)
+                pending.ready = torch.Event(device=self.device)
+                pending.ready.record()
+        if len(ids) > self._feedback.numel():  # only hand-built steps exceed max_num_seqs
+            if self.graphs is not None:
+                raise ValueError(
+                    f"{len(ids)} sampling rows exceed max_num_seqs={self._feedback.numel()}"
+                )
+            self._feedback = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
+        self._feedback[: len(ids)].copy_(first, non_blocking=True)
+        self._feedback_rows = {rid: j for j, rid in enumerate(ids)}
 
     def _prompt_logprobs(
         self,

@@ -6,6 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+# Stands for a sampled token still on the device (asynchronous scheduling).
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -42,10 +45,18 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on admission
     num_preemptions: int = 0
+    # With asynchronous scheduling, sampled tokens not yet on the host sit at the end of
+    # ``output_token_ids`` as ``PLACEHOLDER_TOKEN`` until their step completes.
+    num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     parent_id: str | None = None
     # Free-form per-request data the engine keeps (sampling params, detokenizer state...).
     data: object = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens whose values are known (placeholders excluded)."""
+        return len(self.output_token_ids) - self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

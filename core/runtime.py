@@ -134,6 +134,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     num_blocks = runner.determine_num_blocks()
     runner.allocate_kv_cache(num_blocks)
     runner.capture_graphs()  # decode CUDA graphs where the platform and backend allow them
+    if config.scheduler.async_scheduling is None:
+        # Overlap pays where the device runs apart from the host; CPU kernels run inline.
+        config.scheduler.async_scheduling = runner.device.type != "cpu"
     scheduler = Scheduler(
         config.scheduler,
         config.cache,

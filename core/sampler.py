@@ -93,6 +93,50 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample ``row.num_samples`` tokens from each row of ``logits`` ([N, V] float32)."""
+        if not rows:
+            self._check(logits, rows)
+            return SamplerOutput([], [])
+        tokens, raw_logprobs, lp_rows = self._sample_on_device(logits, rows, with_logprobs=True)
+        token_list = tokens.tolist()
+        token_ids: list[list[int]] = []
+        pos = 0
+        for r in rows:
+            token_ids.append(token_list[pos : pos + r.num_samples])
+            pos += r.num_samples
+
+        logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            self._fill_logprobs(logprobs, raw_logprobs, lp_rows, rows, tokens)
+        return SamplerOutput(token_ids, logprobs)
+
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The sampled tokens as a device tensor (one per sample, rows' samples in order),
+        without waiting for the device: what asynchronous scheduling needs. Logprobs are not
+        computed; use ``sample`` for rows that want them."""
+        tokens, _, _ = self._sample_on_device(logits, rows, with_logprobs=False)
+        return tokens
+
+    @staticmethod
+    def wants_float32_logits(rows: list[SamplingRow]) -> bool:
+        """Whether these rows need float32 logits. An all-greedy batch with no logit
+        processing or logprobs takes the argmax of the model's own dtype: converting first
+        cannot change which entry is largest (nor the first of tied ones)."""
+        for r in rows:
+            p = r.params
+            if (
+                not p.is_greedy
+                or p.logprobs is not None
+                or p.logit_bias
+                or p.min_tokens
+                or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+            ):
+                return True
+        return False
+
+    @staticmethod
+    def _check(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows, vocab], got {tuple(logits.shape)} for {len(rows)} rows"
@@ -103,8 +147,13 @@ class Sampler:
                     f"a row with num_samples={row.num_samples} needs as many generators, "
                     f"got {len(row.generators)}"
                 )
-        if not rows:
-            return SamplerOutput([], [])
+
+    def _sample_on_device(
+        self, logits: torch.Tensor, rows: list[SamplingRow], with_logprobs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Tokens [num_samples_total] on the logits' device, plus the raw logprobs of the rows
+        that asked (when ``with_logprobs``) and those rows' indices."""
+        self._check(logits, rows)
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         device = logits.device
@@ -112,7 +161,7 @@ class Sampler:
         # Raw logprobs first: the later stages modify ``logits`` in place.
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = None
-        if lp_rows:
+        if lp_rows and with_logprobs:
             src = logits if len(lp_rows) == len(rows) else logits[_index(lp_rows, device)]
             raw_logprobs = torch.log_softmax(src, dim=-1)
 
@@ -129,18 +178,7 @@ class Sampler:
                 tokens = tokens[_index(sample_rows, device)]
         else:
             tokens = self._sample_mixed(logits, rows, greedy, sample_rows)
-
-        token_list = tokens.tolist()
-        token_ids: list[list[int]] = []
-        pos = 0
-        for r in rows:
-            token_ids.append(token_list[pos : pos + r.num_samples])
-            pos += r.num_samples
-
-        logprobs: list[list[dict[int, Logprob]] | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            self._fill_logprobs(logprobs, raw_logprobs, lp_rows, rows, tokens)
-        return SamplerOutput(token_ids, logprobs)
+        return tokens, raw_logprobs, lp_rows
 
     def _sample_mixed(
         self,

@@ -19,6 +19,12 @@ hashes). No new request is admitted in a step that preempted.
 
 The engine loop calls ``schedule`` -> runs the model -> ``update_from_output`` -> checks stop
 conditions and calls ``finish_request``. Everything here is device-free.
+
+**Asynchronous scheduling** (``SchedulerConfig.async_scheduling``) lets the engine schedule step
+N+1 before step N's sampled tokens reach the host. ``schedule()`` then advances
+``num_computed_tokens`` itself and appends a ``PLACEHOLDER_TOKEN`` for every token the step will
+sample; ``update_from_output`` later writes the real token over it. A request whose placeholders
+already reach ``max_tokens`` is not scheduled again: it finishes when its last token arrives.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 _RUNNING = RequestStatus.RUNNING
@@ -143,6 +149,7 @@ class Scheduler:
         self._max_tokens = scheduler_config.max_num_batched_tokens
         self._max_seqs = scheduler_config.max_num_seqs
         self._chunked = scheduler_config.enable_chunked_prefill
+        self.async_output = bool(scheduler_config.async_scheduling)
         self._by_priority = scheduler_config.policy == "priority"
         self.waiting = _WaitingQueue(self._by_priority)
         self.running: list[Request] = []
@@ -288,6 +295,11 @@ class Scheduler:
                 break
             if preempted and request.status is not _RUNNING:
                 continue  # preempted earlier in this pass
+            if (
+                request.num_output_placeholders
+                and len(request.output_token_ids) >= request.max_tokens
+            ):
+                continue  # its last token is still in flight (asynchronous scheduling)
             tables = allocate(request, 1)
             if tables is None:
                 tables, tokens_back, seqs_back = self._preempt_until_fits(
@@ -334,6 +346,8 @@ class Scheduler:
             )
 
         decodes.extend(prefills)
+        if self.async_output:
+            self._advance(decodes)
         return SchedulerOutput(
             scheduled=decodes,
             num_batched_tokens=self._max_tokens - token_budget,
@@ -341,10 +355,29 @@ class Scheduler:
             preempted_ids=preempted,
         )
 
+    @staticmethod
+    def _advance(scheduled: list[ScheduledRequest]) -> None:
+        """Asynchronous scheduling: account for a step when it is scheduled, with a
+        placeholder for each token it will sample."""
+        for entry in scheduled:
+            request = entry.request
+            request.num_computed_tokens = entry.start + entry.num_new_tokens
+            if entry.samples:
+                entry.output_index = len(request.output_token_ids)
+                request.output_token_ids.append(PLACEHOLDER_TOKEN)
+                request.num_output_placeholders += 1
+
     def update_from_output(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Account for a finished step: advance ``num_computed_tokens``, append the sampled
         tokens of requests whose entry ``samples``, and offer newly full blocks to the prefix
-        cache. Requests finished since ``schedule()`` are skipped."""
+        cache. Requests finished since ``schedule()`` are skipped.
+
+        With asynchronous scheduling the step was accounted for when it was scheduled: the
+        first sampled token replaces the entry's placeholder (a request preempted meanwhile
+        still gets it: it resumes by recomputing its tokens)."""
+        if self.async_output:
+            self._fill_placeholders(sched_out, sampled)
+            return
         kv = self.kv
         caching = kv.enable_prefix_caching
         bs = self.block_size
@@ -361,6 +394,27 @@ class Scheduler:
                     request.output_token_ids.extend(tokens)
             # A block can only have filled up if the step crossed a block boundary.
             if caching and computed // bs > start // bs:
+                kv.cache_full_blocks(request)
+
+    def _fill_placeholders(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        kv = self.kv
+        caching = kv.enable_prefix_caching
+        for entry in sched_out.scheduled:
+            request = entry.request
+            if request.status.is_finished:
+                continue
+            if entry.samples:
+                tokens = sampled.get(request.request_id)
+                if not tokens:
+                    raise RuntimeError(
+                        f"step output has no token for request {request.request_id!r}, "
+                        "which sampled in it"
+                    )
+                request.output_token_ids[entry.output_index] = tokens[0]
+                request.num_output_placeholders -= 1
+            # Every token before num_computed_tokens is known now (the only placeholder left
+            # is the one the next step samples), so full blocks can be hashed.
+            if caching and request.status is _RUNNING:
                 kv.cache_full_blocks(request)
 
     # ------------------------------------------------------------------ stats

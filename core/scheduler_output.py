@@ -17,6 +17,11 @@ class ScheduledRequest:
     least ``start + num_new_tokens`` tokens (sliding-window groups may hold placeholder ids for
     blocks that fell out of the window; those are never read). ``samples`` is true when the step
     reaches the end of the known tokens, so a new token is sampled for this request.
+
+    With asynchronous scheduling the scheduler appends a placeholder for the sampled token
+    when it schedules the step; ``output_index`` is that placeholder's index in
+    ``request.output_token_ids`` (-1 otherwise). A decode's input token may itself be the
+    placeholder of the previous step: the model runner takes it from the device.
     """
 
     request: Request
@@ -24,6 +29,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[list[int]]
     samples: bool
+    output_index: int = -1
 
     @property
     def is_decode(self) -> bool:

@@ -1,13 +1,16 @@
 """Per-step time split for benchmarks: where an engine step's wall time goes.
 
 ``StepProfiler(llm_engine)`` wraps, on that one engine object, the scheduler's ``schedule``, the
-runner's ``execute`` and the model's forward (or the replay of a captured graph), and records
-CUDA events from the launch of the first model kernel to the end of ``execute`` (which returns
-only once the sampled tokens are on the host). The engine synchronises every step, so a step's
-wall time is its GPU span plus the time the GPU waits for the host: scheduling, input
-preparation, sampling bookkeeping, detokenisation and stop checks. For replayed decode graphs
-an event after the replay also splits the span into the forward pass (the graph) and the rest
-(logits, sampling, the copy of the tokens to the host), and spans are averaged per batch size.
+runner's ``execute_async`` and ``collect`` and the model's forward (or the replay of a captured
+graph), and records CUDA events from the launch of the first model kernel to the end of the
+step's work on the stream (the copy of the sampled tokens to the host). A step's GPU span is the
+time between those events; the rest of the wall time is time in which the GPU waits for the
+host: scheduling, input preparation, sampling bookkeeping, detokenisation and stop checks that
+the engine could not overlap with the device (with asynchronous scheduling most of them run
+while the next step is on the device). ``collect_s`` is the host's time blocked waiting for
+tokens. For replayed decode graphs an event after the replay also splits the span into the
+forward pass (the graph) and the rest (logits, sampling, the copy of the tokens to the host),
+and spans are averaged per batch size.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class StepProfiler:
         self.step_s = 0.0
         self.schedule_s = 0.0
         self.execute_s = 0.0
+        self.collect_s = 0.0
         self._pending_start: Any = None
         self._pending_graph_end: Any = None
         self._batch = 0
@@ -48,7 +52,8 @@ class StepProfiler:
 
     def _wrap(self) -> None:
         engine, runner = self.engine, self.engine.runner
-        step, schedule, execute = engine.step, engine.scheduler.schedule, runner.execute
+        step, schedule = engine.step, engine.scheduler.schedule
+        execute, collect = runner.execute_async, runner.collect
         forward = runner.model.forward
 
         def timed_step(*a: Any, **k: Any) -> Any:
@@ -79,13 +84,20 @@ class StepProfiler:
                 self._pending_start = self._pending_graph_end = None
             return out
 
+        def timed_collect(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            out = collect(*a, **k)
+            self.collect_s += time.perf_counter() - t
+            return out
+
         def marked_forward(*a: Any, **k: Any) -> Any:
             self._mark_forward()
             return forward(*a, **k)
 
         engine.step = timed_step
         engine.scheduler.schedule = timed_schedule
-        runner.execute = timed_execute
+        runner.execute_async = timed_execute
+        runner.collect = timed_collect
         runner.model.forward = marked_forward
         graphs = getattr(runner, "graphs", None)
         if graphs is not None:
@@ -127,6 +139,7 @@ class StepProfiler:
             "host_only_s": round(self.step_s - gpu_s, 3),
             "schedule_s": round(self.schedule_s, 3),
             "execute_s": round(self.execute_s, 3),
+            "collect_s": round(self.collect_s, 3),
             "mean_step_ms": round(1e3 * self.step_s / steps, 3),
             "mean_gpu_span_ms": round(1e3 * gpu_s / steps, 3),
             "mean_schedule_ms": round(1e3 * self.schedule_s / steps, 3),

@@ -114,6 +114,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=("fcfs", "priority"),
         help="Order of admission (default: %(default)s).",
     )
+    sched.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Schedule the next step while the device runs the current one, feeding sampled "
+        "tokens back on the device (default: on for GPUs and other asynchronous devices, off "
+        "on the CPU).",
+    )
 
     device = parser.add_argument_group("device and parallelism")
     device.add_argument(
@@ -165,6 +173,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.scheduling_policy,
+            async_scheduling=getattr(args, "async_scheduling", None),
         ),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         platform=platform,

@@ -60,12 +60,10 @@ def _linear_forward(self: Linear, x: torch.Tensor) -> torch.Tensor:
     return _packed_matmul(self.packed_weight, self.bias, x, self.output_size)
 
 
-def _lm_head_forward(self: LMHead, hidden: torch.Tensor) -> torch.Tensor:
-    logits = _packed_matmul(self.packed_weight, None, hidden, self.vocab_size).float()
-    if self.final_logit_softcap is not None:
-        cap = self.final_logit_softcap
-        logits = cap * torch.tanh(logits / cap)
-    return logits
+def _lm_head_forward(self: LMHead, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+    return self.finish_logits(
+        _packed_matmul(self.packed_weight, None, hidden, self.vocab_size), float32
+    )
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

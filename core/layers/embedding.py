@@ -53,8 +53,16 @@ class LMHead(nn.Module):
         """Use the embedding's weight as the output projection (no copy)."""
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+    def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits in float32, or with ``float32=False`` in the weights' dtype when no softcap
+        applies (enough for an argmax, and it skips converting [N, V])."""
+        return self.finish_logits(F.linear(hidden, self.weight), float32)
+
+    def finish_logits(self, logits: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """The upcast and softcap applied to raw ``hidden @ weight.T`` logits."""
+        if not float32 and self.final_logit_softcap is None:
+            return logits
+        logits = logits.float()
         if self.final_logit_softcap is not None:
             cap = self.final_logit_softcap
             logits = cap * torch.tanh(logits / cap)

@@ -28,9 +28,10 @@ class CausalLM(nn.Module):
         """input_ids, positions: int64 [T] -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size] (``float32=False``: the
+        model's dtype allowed, for a greedy argmax)."""
+        return self.lm_head(hidden, float32)
 
     def attention_layers(self) -> list[Attention]:
         """The paged-attention layers, in layer order."""

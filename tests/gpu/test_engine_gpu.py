@@ -47,9 +47,16 @@ def cpu_tokens(tiny_model):
     return _run(tiny_model, platform="cpu", attention_backend="torch")[0]
 
 
-def test_triton_with_cuda_graphs_matches_cpu(tiny_model, cpu_tokens):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_triton_with_cuda_graphs_matches_cpu(tiny_model, cpu_tokens, async_scheduling):
+    """Decode graphs, with the sampled tokens fed back inside the graph (asynchronous
+    scheduling, the GPU default) and from the host."""
     tokens, (graphs, _) = _run(
-        tiny_model, platform="cuda", attention_backend="triton", num_gpu_blocks_override=512
+        tiny_model,
+        platform="cuda",
+        attention_backend="triton",
+        num_gpu_blocks_override=512,
+        async_scheduling=async_scheduling,
     )
     assert graphs, "decode graphs were not captured"
     assert tokens == cpu_tokens

@@ -486,16 +486,25 @@ class ModelRunner:
                 query_lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes
             )
             metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
-        ids = torch.from_numpy(input_ids).to(self.device)
+        ids = self._to_device(input_ids)
         if feedback is not None:
-            src = torch.from_numpy(feedback).to(self.device)
+            src = self._to_device(feedback)
             ids = torch.where(src >= 0, self._feedback[src.clamp(min=0)], ids)
         return _Batch(
             input_ids=ids,
-            positions=torch.from_numpy(positions).to(self.device),
+            positions=self._to_device(positions),
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
         )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device without blocking the host: a pageable copy would wait
+        for the device to finish its queue, which with asynchronous scheduling is the step
+        still running."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _feedback_sources(
         self, scheduled: list[ScheduledRequest], qsl: np.ndarray, input_ids: np.ndarray
@@ -539,10 +548,8 @@ class ModelRunner:
             raise KeyError(f"no sampling row for requests that sample this step: {missing}")
         rows = [sampling_rows[s.request.request_id] for _, s in sampling]
         if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
-            last = torch.tensor(
-                [batch.query_start_loc[i + 1] - 1 for i, _ in sampling], device=hidden.device
-            )
-            hidden = hidden[last]  # else one token per request: no gather
+            last = np.array([batch.query_start_loc[i + 1] - 1 for i, _ in sampling])
+            hidden = hidden[self._to_device(last)]  # else one token per request: no gather
         sampler = self.sampler
         # Samplers that are not engine.sampler.Sampler (tests, plugins) get the classic
         # synchronous ``sample`` with float32 logits.

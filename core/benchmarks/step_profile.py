@@ -131,8 +131,12 @@ class StepProfiler:
             }
             for k, v in buckets.items()
         }
+        eager = [a.elapsed_time(c) for a, g, c, _ in self._spans if g is None]
         return {
             "steps": self.steps,
+            "eager_steps": len(eager),
+            "eager_gpu_span_s": round(sum(eager) / 1e3, 3),
+            "max_eager_step_ms": round(max(eager, default=0.0), 2),
             "decode_only_steps": self.decode_steps,
             "step_s": round(self.step_s, 3),
             "gpu_span_s": round(gpu_s, 3),
@@ -147,3 +151,34 @@ class StepProfiler:
             "graph_s": round(sum(x for x, _, _ in graph_steps) / 1e3, 3),
             "decode_graph_by_batch": per_batch,
         }
+
+
+class TritonCompileWatch:
+    """Records every Triton kernel variant this process compiles (or loads from the disk
+    cache) while active: variants met for the first time in a timed run cost a JIT compile
+    in the middle of it. A no-op without Triton."""
+
+    def __init__(self) -> None:
+        self.variants: list[str] = []
+        self._knobs: Any = None
+        self._previous: Any = None
+
+    def __enter__(self) -> TritonCompileWatch:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        self._knobs = knobs
+        self._previous = knobs.runtime.jit_cache_hook
+
+        def hook(*args: Any, **kwargs: Any) -> bool:
+            fn = kwargs.get("fn")
+            self.variants.append(getattr(fn, "name", None) or str(kwargs.get("repr", "?")))
+            return False  # go on compiling
+
+        knobs.runtime.jit_cache_hook = hook
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._knobs is not None:
+            self._knobs.runtime.jit_cache_hook = self._previous

@@ -62,7 +62,7 @@ def _range(args: argparse.Namespace, kind: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark for parsed flags; prints and optionally writes the results."""
-    from engine.benchmarks.step_profile import StepProfiler
+    from engine.benchmarks.step_profile import StepProfiler, TritonCompileWatch
 
     input_range, output_range = _range(args, "input"), _range(args, "output")
     llm, ready_s = build_llm(args)
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         generate(llm, warm.prompts, warm.output_lens)
     work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
     profiler = StepProfiler(engine)
-    outs, seconds = generate(llm, work.prompts, work.output_lens)
+    with TritonCompileWatch() as jit:
+        outs, seconds = generate(llm, work.prompts, work.output_lens)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = work.input_tokens
     result = {
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         "output_tokens_per_s": round(out_tokens / seconds, 1),
         "start_to_ready_s": round(ready_s, 2),
         "step_split": profiler.summary(),
+        "triton_variants_compiled_in_run": jit.variants,
         "settings": engine_settings(llm),
         "hardware": hardware(),
     }
@@ -108,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
         f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
         f"{split['mean_step_ms']:.2f} ms: GPU span {split['mean_gpu_span_ms']:.2f} ms, host-only "
         f"{split['mean_host_only_ms']:.2f} ms (schedule {split['mean_schedule_ms']:.2f} ms)"
+    )
+    print(
+        f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of GPU "
+        f"span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met in the "
+        f"run: {len(jit.variants)} {sorted(set(jit.variants))}"
     )
     write_json(args.json, result)
     return 0 if out_tokens == work.output_tokens else 1

@@ -157,3 +157,31 @@ def test_heuristic_configs_are_well_formed():
     finally:
         del mod.TUNED[key]
     assert [mod.m_bucket(m) for m in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+
+
+def test_linear_benchmark_sweep_runs(monkeypatch, capsys):
+    """``python -m engine_triton.benchmark --linear-only`` end to end on one tiny shape, with the
+    GPU timers stubbed (the numbers are meaningless here; the code path is what is checked)."""
+    import types
+
+    import triton.testing
+
+    from engine_triton import benchmark
+
+    if torch.cuda.is_available():
+        pytest.skip("runs for real on a GPU: python -m engine_triton.benchmark --linear-only")
+    monkeypatch.setattr(benchmark, "LINEAR_SHAPES", {"tiny qkv": (40, 128, 2)})
+    monkeypatch.setattr(benchmark, "_graph_us", lambda call: (call(0), call(1), 1.0)[-1])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.002)[-1])
+    props = types.SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "interpreter")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    results: dict = {}
+    benchmark.sweep_linear(results, ms=(1, 3), device="cpu")
+    out = capsys.readouterr().out
+    assert "tiny qkv" in out and "heuristic" in out and "per decode step" in out
+    rows = results["linear tiny qkv M=3 N=40 K=128"]
+    assert rows[0]["config"] == "F.linear" and len(rows) > 2
+    assert all("error" not in r and r["max_err"] < 0.05 for r in rows), rows
+    assert sum(r.get("heuristic", False) for r in rows) == 1

@@ -150,7 +150,9 @@ def candidate_configs(m: int, n: int, k: int) -> list[SkinnyConfig]:
     return out
 
 
-@triton.jit(do_not_specialize=["M", "stride_xm"])
+# M changes every step: unspecialized, so M = 1 or 16 compile no variants of their own (the
+# BLOCK_M bucket is the compile-time row count). Strides and sizes are fixed per layer.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -237,6 +239,8 @@ def _skinny_kernel(
         # Partials [SPLIT_K, M, N] float32; the last program of this feature block sums them.
         ws_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(ws_ptr + pid_k * M * N + ws_offs, acc, mask=out_mask)
+        # Every warp's partial stores precede the (single-thread) release of the arrival.
+        tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch

@@ -110,10 +110,19 @@ def _rule_of_thumb(mb: int, n: int, k: int, sms: int) -> SkinnyConfig:
     return SkinnyConfig(block_n, block_k, warps, 3, split, dot)
 
 
+_RULE_CACHE: dict[tuple[int, int, int, int], SkinnyConfig] = {}
+
+
 def config_for(m: int, n: int, k: int, sms: int = SM_COUNT_FALLBACK) -> SkinnyConfig:
     """The configuration ``linear`` launches for ``m`` rows, ``n`` features, ``k`` inputs."""
     mb = m_bucket(m)
-    return TUNED.get((mb, n, k)) or _rule_of_thumb(mb, n, k, sms)
+    cfg = TUNED.get((mb, n, k))
+    if cfg is None:
+        key = (mb, n, k, sms)
+        cfg = _RULE_CACHE.get(key)
+        if cfg is None:
+            cfg = _RULE_CACHE[key] = _rule_of_thumb(mb, n, k, sms)
+    return cfg
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[SkinnyConfig]:

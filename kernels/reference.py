@@ -87,6 +87,12 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias``: x [..., K], weight [N, K] (as ``nn.Linear`` stores it), bias [N]
+    or None; the result is in x's dtype. Exactly ``torch.nn.functional.linear``."""
+    return F.linear(x, weight, bias)
+
+
 REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -94,4 +100,5 @@ REFERENCE_KERNELS = {
     "silu_and_mul": silu_and_mul,
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "write_kv_cache": write_kv_cache,
+    "linear": linear,
 }

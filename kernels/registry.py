@@ -23,6 +23,7 @@ KERNEL_NAMES = (
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "write_kv_cache",
+    "linear",
 )
 
 

@@ -164,3 +164,43 @@ def test_embedding_scale_and_tied_head():
     logits = head(h)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, 5.0 * torch.tanh(h @ emb.weight.T / 5.0))
+
+
+def test_linear_layers_use_the_kernel_registry_and_still_pack_on_cpu():
+    """Layers built with ``kernels`` call ``kernels.linear`` (the GPU plugins' skinny GEMM);
+    without, ``F.linear``. The CPU runner's oneDNN packing replaces either forward."""
+    from engine.layers import Linear
+    from engine.layers.cpu_packed_linear import pack_linears, packing_supported
+
+    calls = []
+
+    def counting_linear(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return F.linear(x, weight, bias)
+
+    registry = KernelRegistry()
+    registry.register("linear", counting_linear, platforms=("cpu",), provider="test")
+    kernels = registry.resolve("cpu")
+    layers = torch.nn.ModuleList(
+        [
+            Linear(8, 5, True, torch.float32, kernels=kernels),
+            MergedLinear(8, [3, 4], dtype=torch.float32, kernels=kernels),
+            QKVLinear(8, 4, num_heads=2, num_kv_heads=1, dtype=torch.float32, kernels=kernels),
+            LMHead(11, 8, torch.float32, kernels=kernels),
+            Linear(8, 6, dtype=torch.float32),  # no registry: F.linear
+        ]
+    )
+    for p in layers.parameters():
+        p.data.copy_(torch.randn_like(p))
+    x = torch.randn(3, 8)
+    expected = [F.linear(x, m.weight, getattr(m, "bias", None)) for m in layers]
+    outs = [m(x) for m in layers]
+    assert calls == [(5, 8), (7, 8), (16, 8), (11, 8)]
+    for out, exp in zip(outs, expected, strict=True):
+        torch.testing.assert_close(out, exp)
+    if packing_supported(torch.float32, x.device):
+        assert pack_linears(layers) == 5
+        calls.clear()
+        for m, exp in zip(layers, expected, strict=True):
+            torch.testing.assert_close(m(x), exp, atol=1e-5, rtol=1e-5)
+        assert calls == []  # the packed product replaced the kernel call

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.registry import Kernels
+from engine.layers.linear import linear_op
 from engine.layers.weight_utils import new_parameter
 
 
@@ -35,7 +37,8 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     """hidden [N, H] -> float32 logits [N, V]. ``tie(embedding)`` shares the embedding matrix;
-    ``final_logit_softcap`` applies ``cap * tanh(logits / cap)`` (Gemma 2)."""
+    ``final_logit_softcap`` applies ``cap * tanh(logits / cap)`` (Gemma 2). The product goes
+    through ``kernels.linear`` when ``kernels`` is given, else ``F.linear``."""
 
     def __init__(
         self,
@@ -43,11 +46,14 @@ class LMHead(nn.Module):
         hidden_size: int,
         dtype: torch.dtype | None = None,
         final_logit_softcap: float | None = None,
+        *,
+        kernels: Kernels | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.final_logit_softcap = final_logit_softcap
         self.weight = new_parameter((vocab_size, hidden_size), dtype)
+        self._linear = linear_op(kernels)
 
     def tie(self, embedding: VocabEmbedding) -> None:
         """Use the embedding's weight as the output projection (no copy)."""
@@ -56,7 +62,7 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits in float32, or with ``float32=False`` in the weights' dtype when no softcap
         applies (enough for an argmax, and it skips converting [N, V])."""
-        return self.finish_logits(F.linear(hidden, self.weight), float32)
+        return self.finish_logits(self._linear(hidden, self.weight, None), float32)
 
     def finish_logits(self, logits: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The upcast and softcap applied to raw ``hidden @ weight.T`` logits."""

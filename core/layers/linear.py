@@ -9,11 +9,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.registry import Kernels
 from engine.layers.weight_utils import check_shape, new_parameter, set_weight_loader
 
 
+def linear_op(kernels: Kernels | None):
+    """The platform's ``linear`` kernel (e.g. engine-triton's skinny GEMM for decode batches on
+    GPUs), or ``F.linear`` when the layer is built without a kernel registry."""
+    return F.linear if kernels is None else kernels.linear
+
+
 class Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` [output_size, input_size], as ``nn.Linear`` stores it."""
+    """``y = x W^T + b`` with ``W`` [output_size, input_size], as ``nn.Linear`` stores it.
+
+    The product goes through ``kernels.linear`` when ``kernels`` is given (models pass
+    ``ctx.kernels``), else ``F.linear``. On the CPU the model runner replaces ``forward`` with a
+    oneDNN-prepacked product (``engine.layers.cpu_packed_linear``)."""
 
     def __init__(
         self,
@@ -21,15 +32,18 @@ class Linear(nn.Module):
         output_size: int,
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        *,
+        kernels: Kernels | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.weight = new_parameter((output_size, input_size), dtype)
         self.bias = new_parameter((output_size,), dtype) if bias else None
+        self._linear = linear_op(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -47,8 +61,10 @@ class MergedLinear(Linear):
         output_sizes: Sequence[int],
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        *,
+        kernels: Kernels | None = None,
     ) -> None:
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+        super().__init__(input_size, sum(output_sizes), bias, dtype, kernels=kernels)
         self.output_sizes = list(output_sizes)
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         for p in self.parameters():
@@ -79,10 +95,18 @@ class QKVLinear(MergedLinear):
         num_kv_heads: int,
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        *,
+        kernels: Kernels | None = None,
     ) -> None:
         self.q_size = num_heads * head_size
         self.kv_size = num_kv_heads * head_size
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, dtype)
+        super().__init__(
+            hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            bias,
+            dtype,
+            kernels=kernels,
+        )
 
     def shard_range(self, shard_id: object) -> tuple[int, int]:
         return super().shard_range({"q": 0, "k": 1, "v": 2}[shard_id])  # type: ignore[index]

@@ -112,9 +112,17 @@ class Gemma3Attention(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         bias = bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = QKVLinear(
-            cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias, ctx.dtype
+            cfg.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias,
+            ctx.dtype,
+            kernels=ctx.kernels,
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias, ctx.dtype)
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim, cfg.hidden_size, bias, ctx.dtype, kernels=ctx.kernels
+        )
         self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.rotary_emb = rotary_emb
@@ -148,10 +156,12 @@ class Gemma3MLP(nn.Module):
         cfg = ctx.hf_config
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx.dtype
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx.dtype, kernels=ctx.kernels
         )
         self.act_fn = GatedActivation(act or "gelu_pytorch_tanh", ctx.kernels)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ctx.dtype)
+        self.down_proj = Linear(
+            cfg.intermediate_size, cfg.hidden_size, False, ctx.dtype, kernels=ctx.kernels
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -240,6 +250,7 @@ class Gemma3ForCausalLM(CausalLM):
             cfg.hidden_size,
             ctx.dtype,
             final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+            kernels=ctx.kernels,
         )
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)

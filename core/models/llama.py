@@ -78,9 +78,17 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.qkv_proj = QKVLinear(
-            cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias, ctx.dtype
+            cfg.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            qkv_bias,
+            ctx.dtype,
+            kernels=ctx.kernels,
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.dtype)
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.dtype, kernels=ctx.kernels
+        )
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
@@ -125,10 +133,16 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias, ctx.dtype
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias,
+            ctx.dtype,
+            kernels=ctx.kernels,
         )
         self.act_fn = GatedActivation(hidden_act, ctx.kernels)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, ctx.dtype)
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, bias, ctx.dtype, kernels=ctx.kernels
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -220,7 +234,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = cfg
         self.model = LlamaModel(ctx, self.attention_options(cfg))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, kernels=ctx.kernels)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

@@ -65,6 +65,13 @@ def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tu
         slots[3] = -1  # a padding token: must not be written
         cache = randn(2, num_blocks, block_size, kv_heads, head)
         return [("T6-pad", (randn(6, kv_heads, head), randn(6, kv_heads, head), cache, slots))]
+    if name == "linear":
+        # Decode-sized (the Triton override's skinny kernel) and prefill-sized rows; odd sizes.
+        cases = []
+        for t, n, k, bias in ((3, 40, 72, True), (1, 33, 64, False), (20, 24, 48, True)):
+            args = (randn(t, k), randn(n, k, scale=k**-0.5), randn(n) if bias else None)
+            cases.append((f"T{t}-N{n}-K{k}-bias{int(bias)}", args))
+        return cases
     raise KeyError(f"no conformance inputs for kernel {name!r}")
 
 

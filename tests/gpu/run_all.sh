@@ -4,10 +4,11 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile. Logs go to $OUT/tests.log, kernels.log, bench.log and profile.txt; every
-# benchmark's JSON into $OUT/results.json (one object keyed by step). A step is skipped when
-# less than a minute of DEADLINE (seconds, default 560) is left. Run from a copy of the
-# repository on a machine with python3, torch and triton.
+# llama-nano, profile; optional: spread, linear, kprofile. Logs go to $OUT/tests.log,
+# kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
+# object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
+# default 560) is left. Run from a copy of the repository on a machine with python3, torch
+# and triton.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -70,6 +71,14 @@ for step in "${steps[@]}"; do
       timeout -k 10 120 python3 -m engine_triton.benchmark --spread-only --json "$OUT/spread.json" 2>&1 | tail -3
       JSONS+=("spread")
       ;;
+    linear)  # skinny GEMM vs F.linear on the decode matmuls (fills the kernel's TUNED table)
+      echo "=== linear sweep at $(elapsed)s"
+      timeout -k 10 150 python3 -m engine_triton.benchmark --linear-only --json "$OUT/linear.json" \
+        >"$OUT/linear.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -A12 -E "^per decode step" "$OUT/linear.log"
+      JSONS+=("linear")
+      ;;
     qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
     qwen-b1) bench qwen-b1 150 latency --model qwen3-0.6b "${B1[@]}" ;;
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
@@ -113,7 +122,7 @@ for name in names:
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 for name, r in results.items():
-    if name in ("kernels", "spread"):
+    if name in ("kernels", "spread", "linear"):
         continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "

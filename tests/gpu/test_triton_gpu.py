@@ -119,3 +119,83 @@ def test_decode_every_split_count(batch_size, seed):
                                    batch.block_tables, 128**-0.5)  # fmt: skip
     for out in outs:
         assert rel_error(out, expected) < TOLERANCE[torch.bfloat16], f"seed={seed}"
+
+
+# Decode matmuls x[M, K] @ W[N, K]^T of Qwen3-0.6B and Llama-3.1-8B: (N, K).
+LINEAR_SHAPES = {
+    "qwen-qkv": (4096, 1024),
+    "qwen-o": (1024, 2048),
+    "qwen-gate_up": (6144, 1024),
+    "qwen-down": (1024, 3072),
+    "qwen-lm_head": (151936, 1024),
+    "llama-qkv": (6144, 4096),
+    "llama-o": (4096, 4096),
+    "llama-gate_up": (28672, 4096),
+    "llama-down": (4096, 14336),
+    "llama-lm_head": (128256, 4096),
+}
+LINEAR_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+def _linear_inputs(m, n, k, dtype, bias):
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if bias else None
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    return x, w, b, expected
+
+
+@pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
+def test_skinny_linear_model_shapes(shape, seed):
+    """The registered ``linear`` (heuristic configuration) on the real decode shapes, against
+    ``F.linear`` in float32, for every M bucket and odd M."""
+    from engine_triton.kernels.linear import linear, use_skinny
+
+    n, k = LINEAR_SHAPES[shape]
+    for dtype, ms in ((torch.bfloat16, (1, 2, 3, 4, 7, 8, 13, 16)), (torch.float16, (1, 16))):
+        for m in ms:
+            x, w, b, expected = _linear_inputs(m, n, k, dtype, bias=m in (3, 16))
+            assert use_skinny(x, w, b)
+            out = linear(x, w, b)
+            assert out.dtype == dtype and out.shape == (m, n)
+            torch.testing.assert_close(
+                out.float(), expected, **LINEAR_TOL[dtype],
+                msg=lambda msg, m=m, dtype=dtype: f"seed={seed} M={m} {dtype}: {msg}",
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ["qwen-o", "qwen-down", "llama-qkv", "llama-down"])
+def test_skinny_linear_every_candidate(shape, seed):
+    """Every configuration the benchmark sweeps compiles and is right (so any can go into the
+    ``TUNED`` table)."""
+    from engine_triton.kernels.linear import candidate_configs, skinny_linear
+
+    n, k = LINEAR_SHAPES[shape]
+    for m in (1, 2, 3, 5, 8, 16):
+        x, w, _, expected = _linear_inputs(m, n, k, torch.bfloat16, bias=False)
+        for cfg in candidate_configs(m, n, k):
+            torch.testing.assert_close(
+                skinny_linear(x, w, None, cfg).float(), expected, **LINEAR_TOL[torch.bfloat16],
+                msg=lambda msg, m=m, cfg=cfg: f"seed={seed} M={m} {cfg}: {msg}",
+            )  # fmt: skip
+
+
+def test_skinny_linear_split_k_in_a_cuda_graph(seed):
+    """Split-K reduces in the same launch and leaves its counters zeroed, so a captured graph
+    replays correctly with new inputs (no memset in the graph)."""
+    from engine_triton.kernels.linear import SkinnyConfig, skinny_linear
+
+    n, k = LINEAR_SHAPES["qwen-down"]
+    cfg = SkinnyConfig(16, 128, 4, 3, split_k=4)
+    x, w, b, _ = _linear_inputs(4, n, k, torch.bfloat16, bias=True)
+    skinny_linear(x, w, b, cfg)  # compile and size the workspace outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_linear(x, w, b, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(out.float(), expected, **LINEAR_TOL[torch.bfloat16],
+                                   msg=lambda m: f"seed={seed}: {m}")  # fmt: skip

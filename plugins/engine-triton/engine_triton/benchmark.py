@@ -6,6 +6,13 @@ three workloads of the Qwen3-0.6B attention shape (16 query / 8 KV heads, head s
 16-token blocks, shuffled block tables): a full batch of 256 at 600..1100 tokens (nano-vllm's
 benchmark mid-run), 32 requests at 1500 and batch 1 at 640. The figure of merit is cache bytes
 read per second. It then times a few prefill configurations on 8 fresh 1024-token prompts.
+
+``python -m engine_triton.benchmark --linear-only [--json FILE]`` instead times the skinny GEMM
+(``engine_triton.kernels.linear``) against ``F.linear`` on the decode matmuls of Qwen3-0.6B and
+Llama-3.1-8B for M = 1, 2, 4, 8, 16: every candidate configuration and the heuristic's choice,
+each as a plain ``do_bench`` (L2 flushed) and per call inside a CUDA graph of 100 back-to-back
+calls over rotating weight copies (how the engine runs them). It prints achieved weight GB/s,
+the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the kernel module.
 """
 
 from __future__ import annotations
@@ -168,6 +175,163 @@ def sweep_prefill(results: dict) -> None:
         print("  ", r, flush=True)
 
 
+# (model, layer) -> (N, K, layers per step) of the decode matmuls x[M, K] @ W[N, K]^T.
+LINEAR_SHAPES = {
+    "qwen3-0.6b qkv": (4096, 1024, 28),
+    "qwen3-0.6b o": (1024, 2048, 28),
+    "qwen3-0.6b gate_up": (6144, 1024, 28),
+    "qwen3-0.6b down": (1024, 3072, 28),
+    "qwen3-0.6b lm_head": (151936, 1024, 1),
+    "llama-8b qkv": (6144, 4096, 32),
+    "llama-8b o": (4096, 4096, 32),
+    "llama-8b gate_up": (28672, 4096, 32),
+    "llama-8b down": (4096, 14336, 32),
+    "llama-8b lm_head": (128256, 4096, 1),
+}
+GRAPH_CALLS = 100
+L2_ROTATE_BYTES = 256 << 20  # weight copies a graph cycles through, well past the 50 MB L2
+
+
+def _rotating(op, x, weights, *extra):
+    """``call(i)``: ``op(x, weights[i % len(weights)], *extra)`` (a fresh weight copy each call,
+    so a graph of back-to-back calls reads HBM, not L2)."""
+    return lambda i: op(x, weights[i % len(weights)], *extra)
+
+
+def _graph_us(call, calls: int = GRAPH_CALLS, replays: int = 5) -> float:
+    """Microseconds per call of ``call(i)`` for i in 0..calls-1 captured in one CUDA graph."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def sweep_linear(
+    results: dict,
+    shapes: list[str] | None = None,
+    ms: tuple[int, ...] = (1, 2, 4, 8, 16),
+    budget_s: float = 80.0,
+    candidates: bool = True,
+    device: str = "cuda",
+) -> None:
+    """F.linear vs the skinny kernel (heuristic and candidates) on ``LINEAR_SHAPES``. After
+    ``budget_s`` seconds only F.linear and the heuristic are timed (the run stays short)."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    import triton.testing
+
+    from engine_triton.kernels import linear as lin
+
+    t0 = time.perf_counter()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    names = [s for s in LINEAR_SHAPES if not shapes or any(f in s for f in shapes)]
+    dtype = torch.bfloat16
+    tuned_lines, per_step = [], {}
+    print(f"linear: {torch.cuda.get_device_name(device)} ({sms} SMs), bf16; us = do_bench median "
+          f"(L2 flushed) | graph = us/call in a graph of {GRAPH_CALLS}", flush=True)  # fmt: skip
+    for name in names:
+        n, k, per_model = LINEAR_SHAPES[name]
+        wbytes = n * k * dtype.itemsize
+        copies = max(1, min(GRAPH_CALLS, -(-L2_ROTATE_BYTES // wbytes)))
+        weights = [torch.randn(n, k, dtype=dtype, device=device) * k**-0.5]
+        weights += [torch.empty_like(weights[0]).copy_(weights[0]) for _ in range(copies - 1)]
+        w = weights[0]
+        for m in ms:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            ref = F.linear(x, w)
+            heur = lin.config_for(m, n, k, sms)
+            over = time.perf_counter() - t0 > budget_s
+            cfgs = lin.candidate_configs(m, n, k) if candidates and not over else []
+            if heur not in cfgs:
+                cfgs.append(heur)
+            entries = [("F.linear", None)] + [(c.short(), c) for c in cfgs]
+            rows = []
+            for label, cfg in entries:
+                if cfg is None:
+                    fn = functools.partial(F.linear, x, w)
+                    call = _rotating(F.linear, x, weights)
+                else:
+                    fn = functools.partial(lin.skinny_linear, x, w, None, cfg)
+                    call = _rotating(lin.skinny_linear, x, weights, None, cfg)
+
+                try:
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    us = triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+                    g_us = _graph_us(call)
+                except Exception as e:  # a config the compiler refuses
+                    rows.append({"config": label, "error": repr(e)[:160]})
+                    continue
+                rows.append({
+                    "config": label, "params": cfg.as_dict() if cfg else None,
+                    "heuristic": cfg == heur, "us": round(us, 2), "GBps": round(wbytes / us / 1e3),
+                    "graph_us": round(g_us, 2), "graph_GBps": round(wbytes / g_us / 1e3),
+                    "max_err": round(err, 5),
+                })  # fmt: skip
+            ok = [r for r in rows if "graph_us" in r]
+            base = next(r for r in ok if r["config"] == "F.linear")
+            mine = [r for r in ok if r["config"] != "F.linear"]
+            best = min(mine, key=lambda r: r["graph_us"]) if mine else None
+            chosen = next((r for r in mine if r["heuristic"]), None)
+            results[f"linear {name} M={m} N={n} K={k}"] = rows
+            key = f"{name.split()[0]} M={m}"
+            step = per_step.setdefault(key, {"F.linear": 0.0, "heuristic": 0.0, "best": 0.0})
+            step["F.linear"] += per_model * base["graph_us"]
+            step["heuristic"] += per_model * (chosen or base)["graph_us"]
+            step["best"] += per_model * min(base["graph_us"], (best or base)["graph_us"])
+
+            def fmt(r):
+                if r is None:
+                    return "-"
+                return (f"{r['us']:7.2f}us {r['GBps']:5d}GB/s | graph {r['graph_us']:6.2f}us "
+                        f"{r['graph_GBps']:5d}GB/s")  # fmt: skip
+
+            print(f"{name:20s} M={m:<2d} F.linear  {fmt(base)}", flush=True)
+            print(f"{'':25s} heuristic {fmt(chosen)}  [{heur.short()}]", flush=True)
+            if best is not None and best is not chosen:
+                print(f"{'':25s} best      {fmt(best)}  [{best['config']}]", flush=True)
+            bad = [r for r in mine if r["max_err"] > 0.05]
+            if bad:
+                print(f"{'':25s} ERROR too large: {[(r['config'], r['max_err']) for r in bad]}")
+            if best is not None and best["graph_us"] < 0.97 * (chosen or base)["graph_us"]:
+                p = best["params"]
+                tuned_lines.append(
+                    f"    ({lin.m_bucket(m)}, {n}, {k}): C({p['block_n']}, {p['block_k']}, "
+                    f"{p['num_warps']}, {p['num_stages']}, split_k={p['split_k']}, "
+                    f"dot={p['dot']}),  # {name}: {best['graph_us']} us vs "
+                    f"heuristic {(chosen or base)['graph_us']}, F.linear {base['graph_us']}"
+                )
+        del weights
+        torch.cuda.empty_cache()
+    print("\nper decode step, all matmuls of the model (graph us/call x layers):")
+    for key, step in per_step.items():
+        print(f"  {key:18s} " + "  ".join(f"{a} {v:8.1f}us" for a, v in step.items()))
+    results["linear per step us"] = per_step
+    results["linear TUNED suggestions"] = tuned_lines
+    if tuned_lines:
+        print("\nTUNED entries (best candidate beats the heuristic by > 3% in a graph):")
+        print("\n".join(tuned_lines))
+    print(f"\nlinear sweep took {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
@@ -175,8 +339,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spread-only", action="store_true", help="Only the packed/spread block-layout check."
     )
+    parser.add_argument(
+        "--linear-only", action="store_true", help="Only the skinny-GEMM vs F.linear sweep."
+    )
+    parser.add_argument(
+        "--linear-shapes",
+        default=None,
+        help="comma-separated substrings of the shapes to time (e.g. 'qwen,llama-8b o')",
+    )
+    parser.add_argument("--linear-m", default="1,2,4,8,16", help="batch rows to time")
+    parser.add_argument(
+        "--linear-budget-s",
+        type=float,
+        default=75.0,
+        help="after this many seconds only F.linear and the heuristic are timed",
+    )
+    parser.add_argument(
+        "--linear-no-candidates", action="store_true", help="time only the heuristic's choice"
+    )
     args = parser.parse_args(argv)
     results: dict = {}
+    if args.linear_only:
+        sweep_linear(
+            results,
+            shapes=args.linear_shapes.split(",") if args.linear_shapes else None,
+            ms=tuple(int(v) for v in args.linear_m.split(",")),
+            budget_s=args.linear_budget_s,
+            candidates=not args.linear_no_candidates,
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     spread_check(results)
     if args.spread_only:
         if args.json:

@@ -28,6 +28,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     """Register every Triton kernel with the engine's kernel registry for ``platforms``."""
     from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from engine_triton.kernels.kv_cache import write_kv_cache
+    from engine_triton.kernels.linear import linear
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
     from engine_triton.kernels.rotary import rotary_embedding
 
@@ -38,6 +39,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "silu_and_mul": silu_and_mul,
         "gelu_tanh_and_mul": gelu_tanh_and_mul,
         "write_kv_cache": write_kv_cache,
+        "linear": linear,
     }
     for name, fn in ops.items():
         registry.register(

@@ -308,6 +308,8 @@ def _decode_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + idx, lse, mask=g_ok)
         counter = counter_ptr + seq * num_kv_heads + kv_head
+        # Every warp's partial stores must be issued before the (single-thread) arrival.
+        tl.debug_barrier()
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == num_splits - 1:
             tl.atomic_xchg(counter, 0)  # ready for the next launch

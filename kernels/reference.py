@@ -1,7 +1,8 @@
 """Torch reference implementations of the named kernels: the spec every override must match.
 
-All ops are functional (they return new tensors) except ``write_kv_cache``, which writes in place.
-Norms compute in float32 and cast back to the input dtype.
+All ops are functional (they return new tensors) except ``write_kv_cache`` and
+``qk_norm_rotary``, which write in place. Norms compute in float32 and cast back to the input
+dtype.
 """
 
 from __future__ import annotations
@@ -60,6 +61,40 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
+def qk_norm_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox: bool = True,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of the query heads (when ``q_weight`` is given) and of the key heads
+    (when ``k_weight`` is given), then ``rotary_embedding``, written **in place** into ``query``
+    and ``key``, which are returned.
+
+    Exactly ``rms_norm`` over each head (weights ``[head_size]``, one ``eps``; the normed value
+    is rounded to the activation dtype, as the separate op returns it) followed by
+    ``rotary_embedding`` with the same arguments. ``query``/``key`` are ``[T, heads *
+    head_size]``, typically column slices of a fused qkv projection's output (strided rows):
+    fusing the three ops saves two launches per layer (Qwen3's q_norm/k_norm), and without
+    weights it is rotary alone, in place.
+    """
+    t = query.shape[0]
+    q, k = query, key
+    if q_weight is not None:
+        q = rms_norm(q.unflatten(-1, (-1, head_size)), q_weight, eps).view(t, -1)
+    if k_weight is not None:
+        k = rms_norm(k.unflatten(-1, (-1, head_size)), k_weight, eps).view(t, -1)
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache, head_size, is_neox)
+    query.copy_(q)
+    key.copy_(k)
+    return query, key
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] (gate then up) -> silu(gate) * up: [T, I]."""
     gate, up = x.chunk(2, dim=-1)
@@ -97,6 +132,7 @@ REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
+    "qk_norm_rotary": qk_norm_rotary,
     "silu_and_mul": silu_and_mul,
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "write_kv_cache": write_kv_cache,

@@ -20,6 +20,7 @@ KERNEL_NAMES = (
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
+    "qk_norm_rotary",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "write_kv_cache",

@@ -100,9 +100,45 @@ def test_partial_rotary_leaves_tail_untouched():
     )
     assert rope.cos_sin_cache.shape == (32, 8)
     q, k = torch.randn(5, 2 * 16), torch.randn(5, 16)
-    q2, k2 = rope(torch.arange(5), q, k)
+    q2, k2 = rope(torch.arange(5), q.clone(), k.clone())
     assert torch.equal(q2.view(5, 2, 16)[..., 8:], q.view(5, 2, 16)[..., 8:])
     assert not torch.equal(q2.view(5, 2, 16)[..., :8], q.view(5, 2, 16)[..., :8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_dtype", ["activation", "float32"])  # Qwen3 / Gemma 3 weights
+def test_rotary_with_qk_norm_is_norm_then_rotary_in_place(dtype, norm_dtype):
+    """``rope(pos, q, k, q_norm, k_norm)`` equals the separate per-head norms followed by
+    rotary, bit for bit, and writes into the q/k slices of the qkv output (v untouched)."""
+    heads, kv_heads, d = 4, 2, 16
+    rope = RotaryEmbedding(d, 64, {"rope_type": "default", "rope_theta": 1e4}, KERNELS)
+    wdtype = dtype if norm_dtype == "activation" else torch.float32
+    q_norm, k_norm = RMSNorm(d, 1e-5, KERNELS, wdtype), RMSNorm(d, 1e-5, KERNELS, wdtype)
+    q_norm.weight.data.copy_(1 + 0.2 * torch.randn(d))
+    k_norm.weight.data.copy_(1 + 0.2 * torch.randn(d))
+    qkv = torch.randn(7, (heads + 2 * kv_heads) * d).to(dtype)
+    original = qkv.clone()
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    positions = torch.randint(0, 64, (7,))
+
+    oq, ok, ov = original.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    eq = q_norm(oq.unflatten(-1, (heads, d))).view(7, -1)
+    ek = k_norm(ok.unflatten(-1, (kv_heads, d))).view(7, -1)
+    eq, ek = KERNELS.rotary_embedding(positions, eq, ek, rope.cos_sin_cache, d, True)
+
+    q2, k2 = rope(positions, q, k, q_norm, k_norm)
+    assert q2.data_ptr() == q.data_ptr() and k2.data_ptr() == k.data_ptr()
+    assert torch.equal(q, eq) and torch.equal(k, ek)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], ov)
+
+
+def test_rotary_refuses_norms_that_do_not_fit_the_heads():
+    rope = RotaryEmbedding(16, 8, {"rope_type": "default", "rope_theta": 1e4}, KERNELS)
+    q, k = torch.randn(2, 32), torch.randn(2, 16)
+    with pytest.raises(ValueError, match="over 8 dims, heads have 16"):
+        rope(torch.arange(2), q, k, RMSNorm(8, 1e-6, KERNELS), None)
+    with pytest.raises(ValueError, match="eps"):
+        rope(torch.arange(2), q, k, RMSNorm(16, 1e-6, KERNELS), RMSNorm(16, 1e-5, KERNELS))
 
 
 def test_qkv_and_merged_loaders_copy_into_slices():

@@ -33,7 +33,9 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
         self.weight = new_parameter((hidden_size,), dtype)
 
-    def _scale(self) -> torch.Tensor:
+    def scale(self) -> torch.Tensor:
+        """The effective weight the kernels multiply by (``weight``, or ``weight + offset`` in
+        float32)."""
         if self.weight_offset:
             return self.weight.float() + self.weight_offset
         return self.weight
@@ -45,10 +47,10 @@ class RMSNorm(nn.Module):
         if residual is None:
             # Per-head norms (q/k norm) pass a [T, H, D] view of the fused qkv output: rms_norm
             # normalises the last dim of any shape, so it goes in without a reshape (a copy).
-            return self.kernels.rms_norm(x, self._scale(), self.eps).view(shape)
+            return self.kernels.rms_norm(x, self.scale(), self.eps).view(shape)
         x2 = x.reshape(-1, self.hidden_size)
         out, res = self.kernels.fused_add_rms_norm(
-            x2, residual.reshape(-1, self.hidden_size), self._scale(), self.eps
+            x2, residual.reshape(-1, self.hidden_size), self.scale(), self.eps
         )
         return out.view(shape), res.view(shape)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.kernels.registry import Kernels
+from engine.layers.layernorm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -116,8 +117,8 @@ def _yarn(rot_dim: int, base: float, params: dict[str, Any]) -> tuple[torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embeddings to the first ``rot_dim`` dims of every query/key head through
-    ``kernels.rotary_embedding``."""
+    """Applies rotary embeddings to the first ``rot_dim`` dims of every query/key head, after
+    the optional per-head q/k RMSNorm, in one ``kernels.qk_norm_rotary`` call."""
 
     def __init__(
         self,
@@ -147,11 +148,36 @@ class RotaryEmbedding(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: int64 [T]; query [T, H*D], key [T, Hkv*D] -> rotated (query, key)."""
-        return self.kernels.rotary_embedding(
-            positions, query, key, self.cos_sin_cache, self.head_size, self.is_neox
+        """positions: int64 [T]; query [T, H*D], key [T, Hkv*D] (views of the fused qkv output)
+        -> (query, key), normed per head by ``q_norm``/``k_norm`` when given (Qwen3, Gemma 3),
+        then rotated. Writes into ``query`` and ``key``: norm and rotary are one kernel."""
+        eps = 1e-6
+        for norm in (q_norm, k_norm):
+            if norm is not None:
+                if norm.hidden_size != self.head_size:
+                    raise ValueError(
+                        f"q/k norm over {norm.hidden_size} dims, heads have {self.head_size}"
+                    )
+                eps = norm.eps
+        if q_norm is not None and k_norm is not None and q_norm.eps != k_norm.eps:
+            raise ValueError(f"q_norm eps {q_norm.eps} != k_norm eps {k_norm.eps}")
+        return self.kernels.qk_norm_rotary(
+            positions,
+            query,
+            key,
+            self.cos_sin_cache,
+            self.head_size,
+            self.is_neox,
+            None if q_norm is None else q_norm.scale(),
+            None if k_norm is None else k_norm.scale(),
+            eps,
         )
 
     def extra_repr(self) -> str:

@@ -140,11 +140,9 @@ class Gemma3Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: list[AttentionMetadata]
     ) -> torch.Tensor:
-        t = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, -1)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        # Per-head norms (float32 ``1 + w``) and rotary: one kernel, in place in the qkv output.
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 

@@ -111,12 +111,8 @@ class LlamaAttention(nn.Module):
         attn_metadata: list[AttentionMetadata],
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.q_norm is not None:
-            t = hidden.shape[0]
-            # unflatten is a view of the qkv slice (reshape would copy it).
-            q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).view(t, -1)
-            k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).view(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        # q/k norm (when the model has it) and rotary: one kernel, in place in the qkv output.
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 

@@ -30,6 +30,8 @@ from engine.testing.inputs import (
 )
 
 KNOWN_DTYPES = tuple(DTYPES)
+# Kernels that write into some of their arguments: the positions of those arguments.
+IN_PLACE_ARGS = {"write_kv_cache": (2,), "qk_norm_rotary": (1, 2)}
 
 
 # ---- platform -------------------------------------------------------------------------------
@@ -157,8 +159,9 @@ def check_kernel(
         dev_args = tuple(to_device(a, device) for a in args)
         expected = reference(*ref_args)
         got = fn(*dev_args)
-        if name == "write_kv_cache":  # in place: compare the caches
-            expected, got = ref_args[2], dev_args[2]
+        if name in IN_PLACE_ARGS:  # in place: compare the arguments it writes
+            expected = tuple(ref_args[i] for i in IN_PLACE_ARGS[name])
+            got = tuple(dev_args[i] for i in IN_PLACE_ARGS[name])
         try:
             torch.testing.assert_close(_cpu(got), expected, rtol=rtol, atol=atol)
         except AssertionError as exc:

@@ -57,6 +57,26 @@ def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tu
                 )
                 cases.append((f"neox{int(is_neox)}-rot{rot_dim}", args))
         return cases
+    if name == "qk_norm_rotary":
+        # q and k are column slices of one fused qkv output (strided rows), 4 query / 2 KV heads.
+        cases = []
+        for norm in (True, False):
+            for is_neox, rot_dim in ((True, 64), (False, 64), (True, 32)):
+                qkv = randn(5, (4 + 2 * 2) * 64)
+                positions = torch.randint(0, 64, (5,), generator=gen, dtype=torch.int64)
+                weights = (weight(64), weight(64)) if norm else (None, None)
+                args = (
+                    positions,
+                    qkv[:, : 4 * 64],
+                    qkv[:, 4 * 64 : 6 * 64],
+                    rope_cache(64, rot_dim),
+                    64,
+                    is_neox,
+                    *weights,
+                    1e-6,
+                )
+                cases.append((f"norm{int(norm)}-neox{int(is_neox)}-rot{rot_dim}", args))
+        return cases
     if name in ("silu_and_mul", "gelu_tanh_and_mul"):
         return [(f"T{t}-I{i}", (randn(t, 2 * i),)) for t, i in ((7, 48), (1, 128))]
     if name == "write_kv_cache":

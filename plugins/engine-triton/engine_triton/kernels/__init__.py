@@ -30,12 +30,13 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
-    from engine_triton.kernels.rotary import rotary_embedding
+    from engine_triton.kernels.rotary import qk_norm_rotary, rotary_embedding
 
     ops = {
         "rms_norm": rms_norm,
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
+        "qk_norm_rotary": qk_norm_rotary,
         "silu_and_mul": silu_and_mul,
         "gelu_tanh_and_mul": gelu_tanh_and_mul,
         "write_kv_cache": write_kv_cache,

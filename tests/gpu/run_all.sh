@@ -85,13 +85,15 @@ for step in "${steps[@]}"; do
       TRITON_CACHE_DIR=$(mktemp -d) bench llama-b1 200 latency --model llama-3.1-8b "${B1[@]}" ;;
     llama-nano) bench llama-nano 240 throughput --model llama-3.1-8b "${NANO[@]}" ;;
     kprofile)  # GPU time per kernel of one decode step (torch.profiler)
-      for spec in "qwen3-0.6b 256 800" "qwen3-0.6b 1 128" "llama-3.1-8b 1 128" "llama-3.1-8b 256 800"; do
+      specs=${KPROFILE_SPECS:-"qwen3-0.6b:256:800 qwen3-0.6b:1:128 llama-3.1-8b:1:128 llama-3.1-8b:256:800"}
+      for spec in $specs; do
+        spec=${spec//:/ }
         set -- $spec
         [ "$(left)" -lt 60 ] && { echo "SKIP kprofile $spec"; continue; }
         echo "=== kernel profile $spec at $(elapsed)s"
         timeout -k 10 120 python3 -m engine.benchmarks.kernel_profile --model $1 --batch-size $2 \
           --context-len $3 --load-format dummy --dtype bfloat16 --steps 10 2>&1 \
-          | grep -vE "it/s\]|s/it\]|^Loading" | tee -a "$OUT/kprofile.log" | head -30
+          | grep -vE "it/s\]|s/it\]|^Loading" | tee -a "$OUT/kprofile.log" | head -${KPROFILE_LINES:-30}
       done
       ;;
     profile)  # where the host time of a throughput step goes (cProfile, top functions)

@@ -72,10 +72,64 @@ class SkinnyConfig:
 
 C = SkinnyConfig
 
-# Exact-shape choices, keyed by (M bucket, N, K); M buckets are 1, 2, 4, 8, 16. Fill from the
-# benchmark's "best" column (it prints these lines ready to paste). Anything missing falls back to
-# ``_rule_of_thumb``.
-TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+# Exact-shape choices, keyed by (M bucket, N, K); M buckets are 1, 2, 4, 8, 16. ``None`` means
+# cuBLAS (``F.linear``) was faster. Measured on an H200 in CUDA graphs of 100 calls
+# (``python -m engine_triton.benchmark --linear-only``, 2026-11-29): the fastest candidate where it
+# beat cuBLAS by more than 1%; comments give its us/call against cuBLAS's. Shapes missing here take
+# ``_rule_of_thumb`` for one row (it beat cuBLAS on 9 of the 10 measured shapes) and cuBLAS for
+# more rows (the rule lost to cuBLAS on most of them).
+TUNED: dict[tuple[int, int, int], SkinnyConfig | None] = {
+    (1, 4096, 1024): C(4, 512, 2, 4, 1, False),  # qwen3-0.6b qkv: 4.09 vs 4.77
+    (2, 4096, 1024): None,  # qwen3-0.6b qkv: 5.33 vs 5.13
+    (4, 4096, 1024): None,  # qwen3-0.6b qkv: 5.91 vs 5.13
+    (8, 4096, 1024): None,  # qwen3-0.6b qkv: 5.6 vs 5.13
+    (16, 4096, 1024): C(32, 128, 4, 4, 1, True),  # qwen3-0.6b qkv: 4.94 vs 5.14
+    (1, 1024, 2048): C(8, 1024, 8, 2, 1, False),  # qwen3-0.6b o: 3.56 vs 12.56
+    (2, 1024, 2048): C(8, 512, 8, 2, 1, False),  # qwen3-0.6b o: 5.43 vs 12.74
+    (4, 1024, 2048): C(32, 256, 4, 3, 4, True),  # qwen3-0.6b o: 5.43 vs 10.38
+    (8, 1024, 2048): C(32, 256, 4, 3, 4, True),  # qwen3-0.6b o: 5.47 vs 5.86
+    (16, 1024, 2048): C(32, 256, 4, 3, 4, True),  # qwen3-0.6b o: 5.45 vs 5.83
+    (1, 6144, 1024): C(4, 512, 2, 4, 1, False),  # qwen3-0.6b gate_up: 5.0 vs 5.82
+    (2, 6144, 1024): None,  # qwen3-0.6b gate_up: 6.35 vs 5.8
+    (4, 6144, 1024): None,  # qwen3-0.6b gate_up: 7.06 vs 5.83
+    (8, 6144, 1024): None,  # qwen3-0.6b gate_up: 6.48 vs 5.85
+    (16, 6144, 1024): None,  # qwen3-0.6b gate_up: 6.0 vs 5.89
+    (1, 1024, 3072): C(8, 1024, 8, 2, 1, False),  # qwen3-0.6b down: 4.31 vs 7.42
+    (2, 1024, 3072): C(8, 512, 8, 2, 1, False),  # qwen3-0.6b down: 6.93 vs 7.4
+    (4, 1024, 3072): C(32, 256, 4, 3, 4, True),  # qwen3-0.6b down: 6.19 vs 7.53
+    (8, 1024, 3072): C(32, 256, 4, 3, 4, True),  # qwen3-0.6b down: 6.21 vs 7.45
+    (16, 1024, 3072): C(32, 256, 4, 3, 4, True),  # qwen3-0.6b down: 6.26 vs 7.6
+    (1, 151936, 1024): C(4, 512, 2, 4, 1, False),  # qwen3-0.6b lm_head: 69.59 vs 74.66
+    (2, 151936, 1024): None,  # qwen3-0.6b lm_head: 94.69 vs 75.34
+    (4, 151936, 1024): C(128, 128, 4, 3, 1, True),  # qwen3-0.6b lm_head: 75.23 vs 76.29
+    (8, 151936, 1024): C(128, 128, 4, 3, 1, True),  # qwen3-0.6b lm_head: 73.27 vs 77.2
+    (16, 151936, 1024): C(128, 128, 4, 3, 1, True),  # qwen3-0.6b lm_head: 74.63 vs 78.74
+    (1, 6144, 4096): C(4, 512, 2, 4, 1, False),  # llama-8b qkv: 13.93 vs 16.29
+    (2, 6144, 4096): None,  # llama-8b qkv: 16.77 vs 15.98
+    (4, 6144, 4096): None,  # llama-8b qkv: 16.79 vs 15.83
+    (8, 6144, 4096): None,  # llama-8b qkv: 16.48 vs 15.44
+    (16, 6144, 4096): None,  # llama-8b qkv: 15.89 vs 15.69
+    (1, 4096, 4096): C(4, 512, 2, 4, 1, False),  # llama-8b o: 10.82 vs 13.31
+    (2, 4096, 4096): None,  # llama-8b o: 14.34 vs 13.14
+    (4, 4096, 4096): None,  # llama-8b o: 13.44 vs 13.0
+    (8, 4096, 4096): None,  # llama-8b o: 13.02 vs 12.96
+    (16, 4096, 4096): None,  # llama-8b o: 12.81 vs 12.38
+    (1, 28672, 4096): None,  # llama-8b gate_up: 55.06 vs 54.67
+    (2, 28672, 4096): None,  # llama-8b gate_up: 63.7 vs 54.63
+    (4, 28672, 4096): None,  # llama-8b gate_up: 57.18 vs 55.13
+    (8, 28672, 4096): None,  # llama-8b gate_up: 56.53 vs 55.15
+    (16, 28672, 4096): None,  # llama-8b gate_up: 57.17 vs 55.71
+    (1, 4096, 14336): C(4, 512, 2, 4, 1, False),  # llama-8b down: 29.97 vs 31.16
+    (2, 4096, 14336): None,  # llama-8b down: 38.66 vs 31.3
+    (4, 4096, 14336): None,  # llama-8b down: 33.51 vs 31.51
+    (8, 4096, 14336): None,  # llama-8b down: 33.64 vs 31.66
+    (16, 4096, 14336): None,  # llama-8b down: 32.42 vs 32.05
+    (1, 128256, 4096): C(4, 512, 2, 4, 1, False),  # llama-8b lm_head: 230.68 vs 237.39
+    (2, 128256, 4096): None,  # llama-8b lm_head: 270.54 vs 239.09
+    (4, 128256, 4096): C(128, 128, 4, 3, 1, True),  # llama-8b lm_head: 235.11 vs 242.42
+    (8, 128256, 4096): C(128, 128, 4, 3, 1, True),  # llama-8b lm_head: 233.91 vs 241.3
+    (16, 128256, 4096): C(128, 128, 4, 3, 1, True),  # llama-8b lm_head: 235.97 vs 246.46
+}
 
 
 def m_bucket(m: int) -> int:
@@ -113,8 +167,18 @@ def _rule_of_thumb(mb: int, n: int, k: int, sms: int) -> SkinnyConfig:
 _RULE_CACHE: dict[tuple[int, int, int, int], SkinnyConfig] = {}
 
 
+def prefers_cublas(m: int, n: int, k: int) -> bool:
+    """Whether ``linear`` leaves this shape to cuBLAS: measured faster there (``TUNED`` maps it
+    to None), or an unmeasured shape of more than one row."""
+    key = (m_bucket(m), n, k)
+    if key in TUNED:
+        return TUNED[key] is None
+    return key[0] > 1
+
+
 def config_for(m: int, n: int, k: int, sms: int = SM_COUNT_FALLBACK) -> SkinnyConfig:
-    """The configuration ``linear`` launches for ``m`` rows, ``n`` features, ``k`` inputs."""
+    """The configuration the skinny kernel launches for ``m`` rows, ``n`` features, ``k``
+    inputs (the measured one, else the rule of thumb)."""
     mb = m_bucket(m)
     cfg = TUNED.get((mb, n, k))
     if cfg is None:
@@ -376,6 +440,6 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``torch.nn.functional.linear``, through the skinny kernel for decode-sized inputs."""
-    if use_skinny(x, weight, bias):
+    if use_skinny(x, weight, bias) and not prefers_cublas(x.shape[0], *weight.shape):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)

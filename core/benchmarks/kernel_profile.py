@@ -28,6 +28,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=512, help="Prompt tokens each.")
     parser.add_argument("--steps", type=int, default=20, help="Profiled decode steps.")
     parser.add_argument("--top", type=int, default=25, help="Kernels listed.")
+    parser.add_argument(
+        "--phase",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="Profile decode steps (default), or the first steps after the requests arrive "
+        "(prefill chunks mixed with decodes).",
+    )
 
 
 def _kernel_events(prof: Any) -> list[tuple[str, float]]:
@@ -53,13 +60,14 @@ def run(args: argparse.Namespace) -> int:
     for i in range(args.batch_size):
         prompt = [10 + (i * 7919 + j * 31) % (vocab - 20) for j in range(args.context_len)]
         engine.add_request(f"p{i}", None, sampling_params(total), prompt_token_ids=prompt)
-    # Past the prefill and a few decode steps (graphs warm, allocator settled).
-    for _ in range(200):
-        engine.step()
-        if engine.scheduler.stats().num_waiting == 0:
-            break
-    for _ in range(10):
-        engine.step()
+    if args.phase == "decode":
+        # Past the prefill and a few decode steps (graphs warm, allocator settled).
+        for _ in range(200):
+            engine.step()
+            if engine.scheduler.stats().num_waiting == 0:
+                break
+        for _ in range(10):
+            engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()

@@ -92,7 +92,7 @@ for step in "${steps[@]}"; do
         [ "$(left)" -lt 60 ] && { echo "SKIP kprofile $spec"; continue; }
         echo "=== kernel profile $spec at $(elapsed)s"
         timeout -k 10 120 python3 -m engine.benchmarks.kernel_profile --model $1 --batch-size $2 \
-          --context-len $3 --load-format dummy --dtype bfloat16 --steps 10 2>&1 \
+          --context-len $3 --phase ${4:-decode} --load-format dummy --dtype bfloat16 --steps 10 2>&1 \
           | grep -vE "it/s\]|s/it\]|^Loading" | tee -a "$OUT/kprofile.log" | head -${KPROFILE_LINES:-30}
       done
       ;;

@@ -127,7 +127,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
 
     text_config = getattr(hf_config, "text_config", None) or hf_config
-    sampler = Sampler(text_config.vocab_size, platform.torch_device())
+    sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
     runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
     runner.load_model()
     groups = runner.kv_cache_groups()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,12 +77,20 @@ class Sampler:
     """Batched sampler for a model with ``vocab_size`` tokens.
 
     Logits wider than ``vocab_size`` (padded vocabularies) are cut to it. ``sample`` may modify
-    the logits tensor in place.
+    the logits tensor in place. ``argmax`` ([N, V] logits -> int64 [N], ``torch.argmax``
+    semantics, rows possibly strided) takes greedy rows' tokens: the platform's ``argmax``
+    kernel (see ``engine.kernels``), or torch's by default.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self._argmax = argmax or (lambda x: x.argmax(dim=-1))
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A generator on this sampler's device seeded with ``seed`` (for ``SamplingRow``)."""
@@ -173,7 +182,7 @@ class Sampler:
         sample_rows = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = self._argmax(logits)
             if len(sample_rows) != len(rows):
                 tokens = tokens[_index(sample_rows, device)]
         else:
@@ -193,7 +202,7 @@ class Sampler:
         if any(greedy):
             greedy_samples = [s for s, i in enumerate(sample_rows) if greedy[i]]
             greedy_rows = [sample_rows[s] for s in greedy_samples]
-            out[_index(greedy_samples, device)] = logits[_index(greedy_rows, device)].argmax(-1)
+            out[_index(greedy_samples, device)] = self._argmax(logits[_index(greedy_rows, device)])
 
         rand_rows = [i for i, g in enumerate(greedy) if not g]
         x = logits if len(rand_rows) == len(rows) else logits[_index(rand_rows, device)]

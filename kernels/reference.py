@@ -128,6 +128,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [N, V] float (rows may be a strided view, unit stride along V) -> int64 [N]: the
+    index of each row's maximum, the first (lowest) one when tied. Exactly
+    ``torch.argmax(logits, dim=-1)``: a NaN counts as the maximum, an all -inf row gives 0."""
+    return torch.argmax(logits, dim=-1)
+
+
 REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -137,4 +144,5 @@ REFERENCE_KERNELS = {
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "write_kv_cache": write_kv_cache,
     "linear": linear,
+    "argmax": argmax,
 }

@@ -25,6 +25,7 @@ KERNEL_NAMES = (
     "gelu_tanh_and_mul",
     "write_kv_cache",
     "linear",
+    "argmax",
 )
 
 

@@ -93,6 +93,31 @@ def test_greedy_is_argmax_and_reports_rank_one():
         assert len(d) == 2  # the sampled token is also the top-1
 
 
+def test_greedy_rows_use_the_given_argmax():
+    """The platform's ``argmax`` kernel takes greedy tokens (all-greedy and mixed batches),
+    on the vocabulary-cut view; the tokens are torch's."""
+    seen = []
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append((tuple(x.shape), x.stride()))
+        return torch.argmax(x, dim=-1)
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40)
+    expected = logits[:, :37].argmax(-1).tolist()
+    sampler = Sampler(37, _device(), argmax=spy)
+    greedy = [row(SamplingParams(temperature=0.0)) for _ in range(5)]
+    out = sampler.sample(logits.clone(), greedy)
+    assert [t[0] for t in out.token_ids] == expected
+    assert seen == [((5, 37), (40, 1))]  # one call on the strided view
+
+    seen.clear()
+    mixed = greedy[:2] + [row(SamplingParams(temperature=1.0))] + greedy[3:]
+    tokens = sampler.sample_tokens(logits.clone(), mixed).tolist()
+    assert [tokens[i] for i in (0, 1, 3, 4)] == [expected[i] for i in (0, 1, 3, 4)]
+    assert [shape for shape, _ in seen] == [(4, 37)]
+
+
 def test_padded_vocab_is_cut():
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]])  # column 3 is padding beyond vocab 3
     out = Sampler(3, _device()).sample(logits, [row(SamplingParams(temperature=0.0))])

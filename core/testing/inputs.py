@@ -92,6 +92,18 @@ def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tu
             args = (randn(t, k), randn(n, k, scale=k**-0.5), randn(n) if bias else None)
             cases.append((f"T{t}-N{n}-K{k}-bias{int(bias)}", args))
         return cases
+    if name == "argmax":
+        # Odd vocabularies; a tie planted far apart (the first index wins), an all -inf row
+        # (index 0), and rows of a padded-vocabulary view (row stride != V).
+        cases = []
+        for n, v in ((1, 4099), (5, 1000), (17, 333)):
+            x = randn(n, v)
+            x[0, v // 3] = x[0, v - 2] = x[0].max() + 1
+            if n > 1:
+                x[1] = float("-inf")
+            cases.append((f"N{n}-V{v}", (x,)))
+        cases.append(("N3-V999-view", (randn(3, 1024)[:, :999],)))
+        return cases
     raise KeyError(f"no conformance inputs for kernel {name!r}")
 
 

@@ -227,3 +227,22 @@ def test_skinny_linear_split_k_in_a_cuda_graph(seed):
         expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(out.float(), expected, **LINEAR_TOL[torch.bfloat16],
                                    msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("vocab", [151936, 128256])  # Qwen3, Llama 3
+@pytest.mark.parametrize("n", [1, 8, 256])
+def test_argmax_model_vocabularies(vocab, n, seed):
+    """The registered ``argmax`` (heuristic split count) on bf16 logits of the real vocabulary
+    sizes, also as a padded-vocabulary view, with a tie planted across splits; exact indices,
+    several calls in a row (the arrival counters reset themselves)."""
+    from engine_triton.kernels.argmax import argmax
+
+    for _ in range(3):
+        base = torch.randn(n, vocab + 64, device="cuda").to(torch.bfloat16)
+        for logits in (base[:, :vocab].contiguous(), base[:, :vocab]):
+            logits[0, vocab - 7] = logits[0, 11] = logits.max() + 1
+            out = argmax(logits)
+            expected = torch.argmax(logits, dim=-1)
+            assert out.dtype == torch.int64
+            assert torch.equal(out, expected), f"seed={seed}"
+            assert int(out[0]) == 11

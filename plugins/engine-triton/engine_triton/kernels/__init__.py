@@ -27,6 +27,7 @@ GPU_PLATFORMS = ("cuda", "rocm")
 def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS) -> None:
     """Register every Triton kernel with the engine's kernel registry for ``platforms``."""
     from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from engine_triton.kernels.argmax import argmax
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
@@ -41,6 +42,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "gelu_tanh_and_mul": gelu_tanh_and_mul,
         "write_kv_cache": write_kv_cache,
         "linear": linear,
+        "argmax": argmax,
     }
     for name, fn in ops.items():
         registry.register(

@@ -331,6 +331,8 @@ class ModelRunner:
                 rows = min(sched.max_num_seqs, num_tokens)
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
+                if isinstance(self.model, CausalLM) and hasattr(self.sampler, "warm_up"):
+                    self.sampler.warm_up(self.model.compute_logits(hidden[:1], False))
         finally:
             self.free_kv_cache()
         return cache_bytes

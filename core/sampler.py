@@ -125,6 +125,12 @@ class Sampler:
         tokens, _, _ = self._sample_on_device(logits, rows, with_logprobs=False)
         return tokens
 
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Run the greedy argmax once on these logits (one row of the model's dtype, as decode
+        produces them), so a JIT-compiled kernel compiles at start-up, not in the first
+        request."""
+        self._argmax(logits)
+
     @staticmethod
     def wants_float32_logits(rows: list[SamplingRow]) -> bool:
         """Whether these rows need float32 logits. An all-greedy batch with no logit

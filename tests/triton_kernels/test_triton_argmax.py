@@ -23,7 +23,7 @@ def _check(logits, seed, **kw):
 
 
 @pytest.mark.parametrize("splits", [None, 1, 2, 4])
-@pytest.mark.parametrize("n,v", [(1, 4099), (3, 1000), (17, 1000)])
+@pytest.mark.parametrize("n,v", [(1, 4099), (3, 1000), (16, 1000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_matches_torch(dtype, n, v, splits, device, seed):
     logits = torch.randn(n, v).to(dtype).to(device)
@@ -51,10 +51,32 @@ def test_ties_special_rows_and_strided_views(dtype, splits, device, seed):
 def test_calling_twice_leaves_counters_zeroed(device, seed):
     from engine_triton.kernels.argmax import _SCRATCH
 
-    for n in (3, 3, 1, 17, 17):
+    for n in (3, 3, 1, 16, 16):
         _check(torch.randn(n, 999, device=device), seed, splits=8)
-    counters = _SCRATCH.bufs[torch.device(device)][2]
+    counters = _SCRATCH.bufs[torch.empty(0, device=device).device][2]
     assert int(counters.abs().sum()) == 0
+
+
+def test_many_rows_go_to_torch(monkeypatch, device):
+    """Above MAX_ROWS rows torch's reduction is faster: the kernel is not launched."""
+    from engine_triton.kernels import argmax as mod
+
+    launched = []
+    monkeypatch.setattr(mod, "_argmax_kernel", _Spy(mod._argmax_kernel, launched))
+    logits = torch.randn(mod.MAX_ROWS + 1, 300, device=device)
+    assert torch.equal(mod.argmax(logits).cpu(), torch.argmax(logits.cpu(), dim=-1))
+    assert not launched
+    mod.argmax(logits[: mod.MAX_ROWS])
+    assert launched
+
+
+class _Spy:
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
 
 
 def test_num_splits_fills_the_sms():

@@ -96,9 +96,11 @@ def _argmax_kernel(
             ok = sp < splits
             parts = row * splits + sp
             vals = tl.load(ws_val_ptr + parts, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            idxs = tl.load(ws_idx_ptr + parts, mask=ok, other=V, cache_modifier=".cg")
-            _, pos = _best(vals, idxs, V)
-            tl.store(out_ptr + row, tl.where(pos >= V, 0, pos).to(tl.int64))
+            idxs = tl.load(ws_idx_ptr + parts, mask=ok, other=0, cache_modifier=".cg")
+            idxs = tl.where(ok, idxs, V)
+            # A new name: ``pos`` above has the scalar type of the first pass.
+            _, first = _best(vals, idxs, V)
+            tl.store(out_ptr + row, tl.where(first >= V, 0, first).to(tl.int64))
 
 
 class _Scratch:

@@ -94,10 +94,7 @@ def _is_plain(params: SamplingParams) -> bool:
         params.n == 1
         and params.logprobs is None
         and params.prompt_logprobs is None
-        and not params.min_tokens
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
+        and not params.reads_output_tokens
     )
 
 

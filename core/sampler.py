@@ -138,15 +138,7 @@ class Sampler:
         cannot change which entry is largest (nor the first of tied ones)."""
         for r in rows:
             p = r.params
-            if (
-                not p.is_greedy
-                or p.logprobs is not None
-                or p.logit_bias
-                or p.min_tokens
-                or p.repetition_penalty != 1.0
-                or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0
-            ):
+            if not p.is_greedy or p.logprobs is not None or p.logit_bias or p.reads_output_tokens:
                 return True
         return False
 

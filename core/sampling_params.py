@@ -132,6 +132,17 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.sampling_type is SamplingType.GREEDY
 
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling depends on the tokens generated so far: repetition, frequency or
+        presence penalties, or a ``min_tokens`` still to reach."""
+        return bool(
+            self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
     def clone(self) -> SamplingParams:
         from copy import deepcopy
 

@@ -50,6 +50,15 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[i
     return sorted(set(sizes))
 
 
+def feedback_row(feedback_rows: dict[str, int] | None, request_id: str) -> int:
+    """The row of the previous step's samples that holds a request's placeholder input
+    (asynchronous scheduling); a request that did not sample in that step is an error."""
+    row = None if feedback_rows is None else feedback_rows.get(request_id)
+    if row is None:
+        raise RuntimeError(f"request {request_id!r} feeds a token the previous step did not sample")
+    return row
+
+
 def last_token(request: Any, start: int) -> int:
     """``request.all_token_ids[start]`` without building the concatenated list."""
     prompt = request.prompt_token_ids
@@ -207,12 +216,7 @@ class DecodeGraphs:
         if PLACEHOLDER_TOKEN in tokens:
             for i, token in enumerate(tokens):
                 if token == PLACEHOLDER_TOKEN:
-                    rid = scheduled[i].request.request_id
-                    if feedback_rows is None or rid not in feedback_rows:
-                        raise RuntimeError(
-                            f"request {rid!r} feeds a token the previous step did not sample"
-                        )
-                    src[i] = feedback_rows[rid]
+                    src[i] = feedback_row(feedback_rows, scheduled[i].request.request_id)
         width = 1
         for g in range(g_count):
             lists = [s.block_ids[g] for s in scheduled]

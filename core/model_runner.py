@@ -17,6 +17,7 @@ import torch
 
 from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
 from engine.config import ConfigError, EngineConfig
+from engine.cuda_graphs import feedback_row
 from engine.kernels.registry import Kernels
 from engine.models.base import CausalLM
 from engine.outputs import Logprob
@@ -521,13 +522,7 @@ class ModelRunner:
         src = np.full(input_ids.shape, -1, dtype=np.int64)
         owner = np.searchsorted(qsl, holes, side="right") - 1
         for t, i in zip(holes.tolist(), owner.tolist(), strict=True):
-            rid = scheduled[i].request.request_id
-            row = self._feedback_rows.get(rid)
-            if row is None:
-                raise RuntimeError(
-                    f"request {rid!r} feeds a token the previous step did not sample"
-                )
-            src[t] = row
+            src[t] = feedback_row(self._feedback_rows, scheduled[i].request.request_id)
         return src
 
     def _sample(

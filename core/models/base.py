@@ -38,6 +38,31 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
 
+class SelfAttention(nn.Module):
+    """Base for a decoder layer's attention block: fused QKV projection, per-head q/k RMSNorm
+    when the model has one, rotary, paged attention, output projection. Subclasses build
+    ``qkv_proj``, ``q_norm``/``k_norm`` (None without q/k norm), ``rotary_emb``, ``attn`` and
+    ``o_proj`` in ``__init__``."""
+
+    qkv_proj: nn.Module
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    rotary_emb: nn.Module
+    attn: Attention
+    o_proj: nn.Module
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        # q/k norm (when the model has it) and rotary: one kernel, in place in the qkv output.
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
 class DecoderModel(nn.Module):
     """Base for a decoder stack: ``embed_tokens``, ``layers`` (each called as
     ``layer(positions, hidden, residual, attn_metadata) -> (hidden, residual)``) and a final

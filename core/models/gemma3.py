@@ -29,10 +29,8 @@ from torch import nn
 from engine.attention_backends.interface import AttentionMetadata
 from engine.layers import (
     Attention,
-    GatedActivation,
     Linear,
     LMHead,
-    MergedLinear,
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -41,9 +39,9 @@ from engine.layers import (
     rope_parameters,
 )
 from engine.layers.weight_utils import check_shape, set_weight_loader
-from engine.models.base import CausalLM, DecoderModel
+from engine.models.base import CausalLM, DecoderModel, SelfAttention
 from engine.models.context import ModelContext
-from engine.models.llama import FUSED_WEIGHTS
+from engine.models.llama import FUSED_WEIGHTS, LlamaMLP
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -99,7 +97,7 @@ def _adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(SelfAttention):
     """Fused QKV projection, per-head q/k RMSNorm, rotary, paged attention, output projection."""
 
     def __init__(
@@ -137,32 +135,7 @@ class Gemma3Attention(nn.Module):
             logit_softcap=getattr(cfg, "attn_logit_softcapping", None),
         )
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: list[AttentionMetadata]
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        # Per-head norms (float32 ``1 + w``) and rotary: one kernel, in place in the qkv output.
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
-
-
-class Gemma3MLP(nn.Module):
-    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused."""
-
-    def __init__(self, ctx: ModelContext) -> None:
-        super().__init__()
-        cfg = ctx.hf_config
-        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-        self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False, ctx.dtype, kernels=ctx.kernels
-        )
-        self.act_fn = GatedActivation(act or "gelu_pytorch_tanh", ctx.kernels)
-        self.down_proj = Linear(
-            cfg.intermediate_size, cfg.hidden_size, False, ctx.dtype, kernels=ctx.kernels
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    # forward: SelfAttention's (the q/k norms hold float32 ``1 + w``).
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -179,7 +152,9 @@ class Gemma3DecoderLayer(nn.Module):
         cfg = ctx.hf_config
         self.layer_type = layer_type
         self.self_attn = Gemma3Attention(ctx, layer_idx, layer_type, rotary_emb)
-        self.mlp = Gemma3MLP(ctx)
+        # GeGLU: the Llama MLP with tanh-approximated GELU.
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, act or "gelu_pytorch_tanh", ctx)
         self.input_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
         self.post_attention_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
         self.pre_feedforward_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)

@@ -26,7 +26,7 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
-from engine.models.base import CausalLM, DecoderModel
+from engine.models.base import CausalLM, DecoderModel, SelfAttention
 from engine.models.context import ModelContext
 
 # Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
@@ -59,7 +59,7 @@ def layer_sliding_window(hf_config: Any, layer_idx: int) -> int | None:
     return window
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(SelfAttention):
     """Self-attention: fused QKV projection, optional per-head q/k RMSNorm (Qwen3), rotary
     embedding, paged attention, output projection."""
 
@@ -103,17 +103,6 @@ class LlamaAttention(nn.Module):
             ctx.attn_backend_cls,
             sliding_window=layer_sliding_window(cfg, layer_idx),
         )
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        attn_metadata: list[AttentionMetadata],
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        # q/k norm (when the model has it) and rotary: one kernel, in place in the qkv output.
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
 class LlamaMLP(nn.Module):

@@ -57,6 +57,33 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, visible, kv_head, stride_blk,
+    stride_tok, stride_head, d, d_mask, scale, softcap, USE_SOFTCAP: tl.constexpr,
+    PAGE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One key/value tile of online-softmax attention: scores of ``q`` against the cached keys
+    at positions ``n`` (``visible``: [rows, keys] or [1, keys] mask), folded into the running
+    max ``m_i``, sum ``l_i`` and output ``acc`` (log2 domain). Returns the three updated."""
+    k = _load_kv_tile(
+        k_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d, d_mask,
+        PAGE,
+    )  # fmt: skip
+    s = _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv_tile(
+        v_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d, d_mask,
+        PAGE,
+    )  # fmt: skip
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.constexpr):
     """The request owning virtual q-block ``pid``: request ``i``'s blocks start at
     ``(qsl[i] - qsl[0]) // BLOCK_Q + i``, which leaves room for all of its blocks. Counts the
@@ -148,25 +175,14 @@ def _prefill_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < kv_hi
-        k = _load_kv_tile(
-            k_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d,
-            d_mask, PAGE,
-        )  # fmt: skip
-        s = _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION)
         visible = n[None, :] <= pos[:, None]
         if USE_WINDOW:
             visible = visible & (pos[:, None] - n[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(
-            v_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d,
-            d_mask, PAGE,
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, visible, kv_head,
+            stride_blk, stride_tok, stride_head, d, d_mask, scale, softcap, USE_SOFTCAP, PAGE,
+            PRECISION,
         )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -261,22 +277,11 @@ def _decode_kernel(
     for start in range(s_lo, cache_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < cache_hi
-        k = _load_kv_tile(
-            k_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d,
-            d_mask, PAGE,
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, n_mask[None, :],
+            kv_head, stride_blk, stride_tok, stride_head, d, d_mask, scale, softcap, USE_SOFTCAP,
+            PAGE, PRECISION,
         )  # fmt: skip
-        s = _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(
-            v_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d,
-            d_mask, PAGE,
-        )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
 
     if APPEND:
         new_mask = d_mask & owns_new

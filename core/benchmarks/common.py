@@ -104,6 +104,21 @@ def generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> tupl
     return outs, time.perf_counter() - start
 
 
+def hf_greedy_generate(model: Any, ids: Any, new_tokens: int) -> Any:
+    """transformers' ``generate`` producing exactly ``new_tokens`` greedy tokens per row (no EOS
+    stop): the baseline the CPU benchmarks compare the engine against."""
+    import torch
+
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
 def write_json(path: str | None, record: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.benchmarks.common import hf_greedy_generate
+
 _MiB = 1 << 20
 
 
@@ -109,14 +111,7 @@ def _gen_hf(batch: int, prompt_len: int, gen_len: int, vocab: int) -> tuple:
     ids = torch.tensor(make_prompts(batch, prompt_len, vocab, seed=batch))
     with torch.inference_mode():
         start = time.perf_counter()
-        out = _WORKER["model"].generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=gen_len,
-            min_new_tokens=gen_len,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        out = hf_greedy_generate(_WORKER["model"], ids, gen_len)
         seconds = time.perf_counter() - start
     return seconds, out[:, prompt_len:].tolist(), _peak_rss_bytes(), _WORKER["base_rss"]
 

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from engine.benchmarks.common import hf_greedy_generate
+
 _MiB = 1 << 20
 
 
@@ -68,14 +70,7 @@ def run_hf(
         for b in batches:
             ids = torch.tensor(make_prompts(b, prompt_len, vocab, seed=b))
             t0 = time.perf_counter()
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=gen_len,
-                min_new_tokens=gen_len,
-                do_sample=False,
-                pad_token_id=0,
-            )
+            gen = hf_greedy_generate(model, ids, gen_len)
             out["seconds"][b] = time.perf_counter() - t0
             out["tokens"][b] = gen[:, prompt_len:].tolist()
     out["peak_rss"] = _peak_rss()

@@ -38,6 +38,17 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
 
+def add_and_norm(
+    norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first norm on the residual stream: ``residual += hidden`` then the norm (one
+    fused kernel), or, in the first layer where there is no residual yet, the hidden state
+    becomes the residual. Returns ``(normed, residual)``."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class SelfAttention(nn.Module):
     """Base for a decoder layer's attention block: fused QKV projection, per-head q/k RMSNorm
     when the model has one, rotary, paged attention, output projection. Subclasses build

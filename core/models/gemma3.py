@@ -39,7 +39,7 @@ from engine.layers import (
     rope_parameters,
 )
 from engine.layers.weight_utils import check_shape, set_weight_loader
-from engine.models.base import CausalLM, DecoderModel, SelfAttention
+from engine.models.base import CausalLM, DecoderModel, SelfAttention, add_and_norm
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS, LlamaMLP
 
@@ -167,11 +167,7 @@ class Gemma3DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn_metadata: list[AttentionMetadata],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, attn_metadata)
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)

@@ -26,7 +26,7 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
-from engine.models.base import CausalLM, DecoderModel, SelfAttention
+from engine.models.base import CausalLM, DecoderModel, SelfAttention, add_and_norm
 from engine.models.context import ModelContext
 
 # Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
@@ -166,11 +166,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         attn_metadata: list[AttentionMetadata],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

@@ -193,6 +193,18 @@ def tiny_gemma3_hf(seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
+def _decoder_metadata(w: Any, name: str, cfg: Any) -> None:
+    """The GGUF keys every decoder writes from its HF config (sizes, heads, norm epsilon)."""
+    w.add_name(name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def write_tiny_gemma3_gguf(
     path: str | Path,
     seed: int = 0,
@@ -205,14 +217,7 @@ def write_tiny_gemma3_gguf(
     cfg = model.config
 
     def metadata(w: Any) -> None:
-        w.add_name("tiny gemma3")
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        _decoder_metadata(w, "tiny gemma3", cfg)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
         w.add_rope_freq_base(1_000_000.0)
@@ -238,14 +243,7 @@ def write_tiny_llama_gguf(
     cfg = hf_model.config
 
     def metadata(w: Any) -> None:
-        w.add_name("tiny llama")
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(cfg.num_attention_heads)
-        w.add_head_count_kv(cfg.num_key_value_heads)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        _decoder_metadata(w, "tiny llama", cfg)
         w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or 10_000.0))
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
 

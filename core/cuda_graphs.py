@@ -12,9 +12,9 @@ and replays; padded batch entries get sequence length 0 and slot -1, so they nei
 write the cache. With asynchronous scheduling a request's input token may not be on the host
 yet: its entry in the static "feedback" buffer then names the row of the previous step's
 samples (the runner's feedback tensor) that holds it, and the graph itself gathers it, so the
-step costs no extra launch. The captured attention metadata carries only the padded batch size and
-``max_seq_len = max_model_len`` as Python numbers, so only backends that read lengths from the
-tensors may be captured: they declare ``supports_decode_graphs = True``.
+step costs no extra launch. The captured attention metadata carries only the padded batch size
+and ``max_seq_len = max_model_len`` as Python numbers, so only backends that read lengths from
+the tensors may be captured: they declare ``supports_decode_graphs = True``.
 
 Used by ``ModelRunner`` when the platform ``supports_graph_capture`` and
 ``EngineConfig.enforce_eager`` is off (``--enforce-eager``).
@@ -94,10 +94,9 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // block_size)
         b, g, w = self.max_batch, num_groups, self.max_blocks
         # Static device inputs. The int64 ones (ids, positions, feedback rows, slots) share one
-        # buffer and the
-        # sequence lengths another, laid out exactly like their pinned host twins, so each
-        # step is one host-to-device copy per buffer; block tables go through a staging copy
-        # of only the columns in use.
+        # buffer and the sequence lengths another, laid out exactly like their pinned host
+        # twins, so each step is one host-to-device copy per buffer; block tables go through a
+        # staging copy of only the columns in use.
         self._i64 = torch.zeros((3 + g) * b, dtype=torch.int64, device=device)
         self._seq = torch.zeros(g * b, dtype=torch.int32, device=device)
         self._tables = torch.zeros((g, b, w), dtype=torch.int32, device=device)

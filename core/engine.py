@@ -291,10 +291,7 @@ class LLMEngine:
         """Whether a step may stay in flight while the next one is scheduled."""
         for sr in sched.scheduled:
             owner = self._seq_owner.get(sr.request.request_id)
-            if owner is None:
-                continue
-            state, seq = owner
-            if not state.plain or (state.needs_fork and seq.index == 0):
+            if owner is not None and not owner[0].plain:  # n > 1 is never plain: it forks
                 return False
         return True
 

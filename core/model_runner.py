@@ -21,7 +21,7 @@ from engine.cuda_graphs import feedback_row
 from engine.kernels.registry import Kernels
 from engine.models.base import CausalLM
 from engine.outputs import Logprob
-from engine.request import Request
+from engine.request import PLACEHOLDER_TOKEN, Request
 from engine.sampler import SamplingRow
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -57,8 +57,8 @@ class PendingStep:
     """A launched step whose results may still be on the device (``ModelRunner.collect``)."""
 
     out: RunnerOutput
-    # (request id, number of samples) per sampling row, in the order of ``tokens``.
-    rows: list[tuple[str, int]] = field(default_factory=list)
+    # The request of each token in ``tokens`` (one sample per row on this path).
+    request_ids: list[str] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # host (pinned) copy in flight, or None when done
     ready: Any = None  # a device event recorded after the copy, or None
 
@@ -445,12 +445,10 @@ class ModelRunner:
         if pending.tokens is not None:
             if pending.ready is not None:
                 pending.ready.synchronize()
-            flat = pending.tokens.tolist()
-            pos = 0
-            for rid, n in pending.rows:
-                pending.out.sampled[rid] = flat[pos : pos + n]
-                pending.out.logprobs[rid] = None
-                pos += n
+            out = pending.out
+            for rid, token in zip(pending.request_ids, pending.tokens.tolist(), strict=True):
+                out.sampled[rid] = [token]
+                out.logprobs[rid] = None
             pending.tokens = pending.ready = None
         return pending.out
 
@@ -514,8 +512,6 @@ class ModelRunner:
     ) -> np.ndarray | None:
         """Per input token: the index into the feedback buffer holding its value, or -1 when
         the host knows it. None when no token is a placeholder."""
-        from engine.request import PLACEHOLDER_TOKEN
-
         holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
         if holes.size == 0:
             return None
@@ -561,14 +557,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         ids = [s.request.request_id for _, s in sampling]
         if not plain:
-            result = self.sampler.sample(logits, rows)
+            result = sampler.sample(logits, rows)
             for j, rid in enumerate(ids):
                 out.sampled[rid] = list(result.token_ids[j])
                 out.logprobs[rid] = result.logprobs[j] if result.logprobs is not None else None
             first = torch.tensor([t[0] for t in result.token_ids], device=self.device)
         else:
-            first = self.sampler.sample_tokens(logits, rows)
-            pending.rows = [(rid, 1) for rid in ids]
+            first = sampler.sample_tokens(logits, rows)
+            pending.request_ids = ids
             if self.device.type == "cpu":
                 pending.tokens = first
             else:

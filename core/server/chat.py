@@ -103,6 +103,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         exclude_tools_when_tool_choice_none=ctx.options.exclude_tools_when_tool_choice_none,
     )
 
+    if (
+        tool_plan.parser is not None
+        and tool_plan.parser.needs_special_tokens
+        and "skip_special_tokens" not in req.model_fields_set
+    ):
+        req.skip_special_tokens = False  # keep call markers that are special tokens
     prompt = await ctx.render_chat(
         req.messages,
         add_generation_prompt=req.add_generation_prompt,

@@ -194,7 +194,8 @@ def test_plain_answers_pass_through_the_parser_unchanged(tc):
     """The random model writes no call: with parsing on, streamed or not, the content is the
     text generated with parsing off (tool_choice none, the same prompt)."""
     base = {"tools": [WEATHER], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-    plain = chat(tc, tool_choice="none", **base).json()["choices"][0]
+    # hermes detokenizes with special tokens (its markers may be ones): so does "none" here.
+    plain = chat(tc, tool_choice="none", skip_special_tokens=False, **base).json()["choices"][0]
     parsed = chat(tc, tool_choice="auto", **base).json()["choices"][0]
     assert parsed["message"] == plain["message"]
     assert parsed["message"]["content"] and parsed["message"]["tool_calls"] == []
@@ -235,6 +236,11 @@ class ScriptedEngine(FakeEngine):
     then stops the way an end-of-sequence token does (finish "stop", not in the text)."""
 
     script = ""
+    last_params = None
+
+    def add_request(self, request_id, prompt, params, prompt_token_ids=None, priority=0):
+        self.last_params = params
+        super().add_request(request_id, prompt, params, prompt_token_ids, priority)
 
     def step(self) -> list[RequestOutput]:
         script_ids = self.tokenizer(self.script, add_special_tokens=False)["input_ids"]
@@ -377,6 +383,19 @@ def test_streamed_tool_calls_never_leak_markers(scripted, sc):
         finishes = [c["finish_reason"] for c in choices if c["finish_reason"]]
         assert finishes == ["tool_calls"]
         assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_hermes_keeps_special_tokens_unless_told(scripted, sc):
+    _, engine = scripted
+    engine.script = "ok"
+    for body, skip in (
+        ({"tools": [WEATHER]}, False),  # auto: markers may be special tokens
+        ({"tools": [WEATHER], "skip_special_tokens": True}, True),  # the client decides
+        ({"tools": [WEATHER], "tool_choice": "none"}, True),  # no parsing
+        ({}, True),
+    ):
+        assert chat(sc, **body).status_code == 200
+        assert engine.last_params.skip_special_tokens is skip, body
 
 
 @pytest.mark.parametrize("stream", [False, True])

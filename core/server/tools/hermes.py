@@ -116,6 +116,7 @@ class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes 2/3, Qwen 2.5/3)."""
 
     name = "hermes"
+    needs_special_tokens = True
 
     def stream(self) -> ToolCallStream:
         return _HermesStream()

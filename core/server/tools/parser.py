@@ -138,6 +138,9 @@ class ToolParser(ABC):
     per-choice state lives in the ``ToolCallStream`` that ``stream()`` returns)."""
 
     name: str = ""
+    # The markers may be special tokens in some vocabularies (Hermes 2 Pro's <tool_call>):
+    # then the output is detokenized with them unless the request set skip_special_tokens.
+    needs_special_tokens: bool = False
 
     @abstractmethod
     def stream(self) -> ToolCallStream:

@@ -29,6 +29,8 @@ class ModelConfig:
 
     ``model`` is a local Hugging Face directory, a model id found in the local HF cache, or a
     ``.gguf`` file. ``hf_config`` (a ``transformers.PretrainedConfig``) is filled by the loader.
+    ``served_model_name`` is the name the API answers to, or a list of names (the first is the
+    one reported in metrics); ``served_model_names`` always gives the list.
     """
 
     model: str | None  # None: the embedded default model
@@ -37,7 +39,7 @@ class ModelConfig:
     max_model_len: int | None = None
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     seed: int = 0
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
     # Filled in by the loader once the config is read:
     hf_config: Any = None
@@ -57,6 +59,27 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        names = self.served_model_name
+        if isinstance(names, (list, tuple)):
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(
+                    f"served_model_name must be a non-empty name or list of names, got {names!r}"
+                )
+            if len(set(names)) != len(names):
+                raise ConfigError(f"served_model_name lists a name twice: {list(names)!r}")
+            self.served_model_name = names[0] if len(names) == 1 else list(names)
+        elif names is not None and (not isinstance(names, str) or not names):
+            raise ConfigError(f"served_model_name must be a non-empty string, got {names!r}")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every name the API answers to (the model path when none was given)."""
+        names = self.served_model_name
+        if isinstance(names, list):
+            return list(names)
+        if names:
+            return [names]
+        return [str(self.model)] if self.model is not None else []
 
 
 @dataclass

@@ -59,7 +59,7 @@ class LLM:
         enforce_eager: bool = False,
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
-        served_model_name: str | None = None,
+        served_model_name: str | list[str] | None = None,
         scheduling_policy: str = "fcfs",
         cpu_kv_cache_gb: float = 4.0,
         max_logprobs: int = 20,

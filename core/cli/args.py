@@ -57,8 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="Model name reported by the API (default: the model argument).",
+        metavar="NAME",
+        help="Name(s) the API serves the model under: requests may use any of them and get it "
+        "back as `model`; /v1/models lists them all; the first labels the metrics (default: "
+        "the model argument).",
     )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 

@@ -66,6 +66,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "them; new requests get 503 meanwhile (default: %(default)s).",
     )
 
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Parse tool calls from chat output when a request has tools (tool_choice "auto", '
+        "the default with tools); needs --tool-call-parser.",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="How the model writes tool calls: "
+        + ", ".join(_tool_parser_names())
+        + " (hermes: <tool_call>{...}</tool_call>, Hermes and Qwen models; llama3_json: "
+        '{"name": ..., "parameters": ...} objects, Llama 3.x), or module:Class of your own '
+        "ToolParser. Needs --enable-auto-tool-choice.",
+    )
+    tools.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='Do not show the tools to the model when a request sets tool_choice "none" '
+        "(default: the chat template still renders them).",
+    )
+
     logs = parser.add_argument_group("logging")
     logs.add_argument(
         "--disable-log-requests",
@@ -106,6 +130,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=("critical", "error", "warning", "info", "debug", "trace"),
         help="Log level of the HTTP server (default: %(default)s).",
     )
+
+
+def _tool_parser_names() -> list[str]:
+    from engine.server.tools.parser import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -157,6 +187,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from engine.server.serving import ServerLimits, ServingOptions
 
     config = engine_config_from_args(args)  # validates flags before the port is taken
+    quiet = [p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()]
+    options = ServerOptions(
+        api_keys=list(args.api_key or []),
+        max_request_body_bytes=args.max_request_body_bytes,
+        serving=ServingOptions(
+            limits=ServerLimits(max_n=args.max_n),
+            log_requests=not args.disable_log_requests,
+            max_log_len=args.max_log_len,
+            chat_template=_read_chat_template(args.chat_template),
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        ),
+    )
     if config.model.model is None:
         # The embedded default model; a missing package fails here, before the port is
         # taken, with the install hint (a ConfigError: one paragraph, exit status 2).
@@ -180,17 +224,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return LLMEngine.from_config(config)
 
-    quiet = [p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()]
-    options = ServerOptions(
-        api_keys=list(args.api_key or []),
-        max_request_body_bytes=args.max_request_body_bytes,
-        serving=ServingOptions(
-            limits=ServerLimits(max_n=args.max_n),
-            log_requests=not args.disable_log_requests,
-            max_log_len=args.max_log_len,
-            chat_template=_read_chat_template(args.chat_template),
-        ),
-    )
     launch = LaunchOptions(
         host=args.host,
         port=args.port,

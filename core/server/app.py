@@ -37,6 +37,7 @@ from engine.server.protocol import (
     VersionResponse,
 )
 from engine.server.serving import ServingContext, ServingOptions
+from engine.server.tools.request import validate_tools
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
                 body.messages,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
+                tools=validate_tools(body.tools) if body.tools is not None else None,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
             ids = await ctx.encode(text, add_special_tokens=False)

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine.server.async_engine import OutputChannel
-from engine.server.deltas import stream_deltas
+from engine.server.deltas import ChoiceDelta, stream_deltas
 from engine.server.errors import APIError, bad_request, from_engine_error
 from engine.server.protocol import (
     ChatChoiceLogprobs,
@@ -32,6 +32,8 @@ from engine.server.streaming import (
     to_json,
     unless_disconnected,
 )
+from engine.server.tools.output import ToolCallDeltas, parse_choice
+from engine.server.tools.request import ToolPlan, plan_tool_use
 
 
 def chat_logprobs(
@@ -93,15 +95,25 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             f"response_format type {req.response_format.get('type')!r} is not supported",
             "response_format",
         )
-    if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
-        raise bad_request("forced tool calls are not supported", "tool_choice")
-    use_tools = req.tools if req.tool_choice != "none" else None
+    tool_plan = plan_tool_use(
+        req.tools,
+        req.tool_choice,
+        parser=ctx.options.tool_parser,
+        parallel_tool_calls=req.parallel_tool_calls,
+        exclude_tools_when_tool_choice_none=ctx.options.exclude_tools_when_tool_choice_none,
+    )
 
+    if (
+        tool_plan.parser is not None
+        and tool_plan.parser.needs_special_tokens
+        and "skip_special_tokens" not in req.model_fields_set
+    ):
+        req.skip_special_tokens = False  # keep call markers that are special tokens
     prompt = await ctx.render_chat(
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
-        tools=use_tools,
+        tools=tool_plan.template_tools,
         chat_template_kwargs=req.chat_template_kwargs,
     )
     # The template already wrote the special tokens it wants (BOS...).
@@ -130,7 +142,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     created = int(time.time())
     echo_text = _last_message_text(req) if req.echo else ""
     if req.stream:
-        body = _stream(ctx, req, channel, request_id, rid, model, created, len(ids), echo_text)
+        body = _stream(
+            ctx, req, channel, request_id, rid, model, created, len(ids), echo_text, tool_plan
+        )
         return EventStreamResponse(body, channel)
 
     try:
@@ -154,12 +168,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                     ctx, comp.token_ids, comp.logprobs, top_n, req.return_tokens_as_token_ids
                 )
             )
+        content, tool_calls, finish_reason = parse_choice(tool_plan, comp.text, comp.finish_reason)
+        if echo_text:
+            content = echo_text + (content or "")
         choices.append(
             ChatCompletionChoice(
                 index=comp.index,
-                message=ChatResponseMessage(content=echo_text + comp.text),
+                message=ChatResponseMessage(content=content, tool_calls=tool_calls),
                 logprobs=logprobs,
-                finish_reason=comp.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=comp.stop_reason,
             )
         )
@@ -193,6 +210,7 @@ async def _stream(
     created: int,
     prompt_tokens: int,
     echo_text: str,
+    tool_plan: ToolPlan,
 ) -> AsyncIterator[bytes]:
     """The SSE body: a role chunk per choice, content deltas, finish, usage, ``[DONE]``."""
     opts = req.stream_options
@@ -202,6 +220,8 @@ async def _stream(
     top_n = req.top_logprobs or 0
 
     writer = ChunkWriter(request_id, "chat.completion.chunk", created, model, include_usage)
+    # One tool-call parser state per choice when the output is read for tool calls.
+    tool_deltas = [ToolCallDeltas(tool_plan) for _ in range(req.n)] if tool_plan.parser else None
 
     def chunk(index: int, delta: str, logprobs: Any, finish: Any, stop: Any) -> bytes:
         choice = (
@@ -230,6 +250,10 @@ async def _stream(
                         ctx, d.token_ids, d.logprobs, top_n, req.return_tokens_as_token_ids
                     )
                     logprobs = {"content": [c.model_dump() for c in content]}
+                if tool_deltas is not None:
+                    for args in _tool_chunks(tool_deltas[d.index], d, logprobs):
+                        yield chunk(*args)
+                    continue
                 delta = (
                     '{"content":' + to_json(d.text) + "}"
                     if d.text or d.finish_reason is None
@@ -244,6 +268,27 @@ async def _stream(
     finally:
         channel.abort()
     yield DONE
+
+
+def _tool_chunks(stream: ToolCallDeltas, d: ChoiceDelta, logprobs: Any) -> list[tuple]:
+    """The ``chunk`` arguments for one delta of a choice read for tool calls: held-back
+    content and whole calls; the last one carries the finish (``"tool_calls"`` if any)."""
+    finished = d.finish_reason is not None
+    deltas = stream.step(d.text, finished)
+    if not deltas and (logprobs is not None or finished):
+        deltas = [{}]
+    finish = ("tool_calls" if stream.called else d.finish_reason) if finished else None
+    last = len(deltas) - 1
+    return [
+        (
+            d.index,
+            to_json(delta),
+            logprobs if k == 0 else None,
+            finish if k == last else None,
+            d.stop_reason if k == last and finished else None,
+        )
+        for k, delta in enumerate(deltas)
+    ]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

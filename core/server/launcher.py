@@ -167,9 +167,7 @@ class ApiServer:
         if self._shutdown_started:
             return
         serving = self.options.serving
-        names = list(serving.served_model_names) or [
-            engine.config.model.served_model_name or str(engine.config.model.model)
-        ]
+        names = list(serving.served_model_names) or engine.config.model.served_model_names
         metrics = ServerMetrics(names[0], log_stats_interval_s=self.launch.log_stats_interval)
         async_engine = AsyncEngine(
             engine, observer=metrics, idle_wakeup_s=max(self.launch.log_stats_interval or 10.0, 1.0)

@@ -81,11 +81,17 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(_Body):
-    """One chat message; ``content`` is a string or a list of text parts."""
+    """One chat message; ``content`` is a string or a list of text parts.
+
+    An assistant message may carry the ``tool_calls`` it made, and a ``tool`` message the
+    ``tool_call_id`` it answers (checked in ``engine.server.tools.prepare_tool_history``).
+    """
 
     role: str
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -108,6 +114,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class UsageInfo(BaseModel):
@@ -158,9 +165,25 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ChatFunctionCall(BaseModel):
+    """The function a tool call invokes; ``arguments`` is a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -211,6 +234,7 @@ class TokenizeChatRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import APIError, bad_request, context_length_error
 from engine.server.protocol import ChatMessage, SamplingFields
+from engine.server.tools.parser import ToolParser, tool_parser_from_flags
+from engine.server.tools.request import prepare_tool_history
 
 logger = logging.getLogger("engine.server.requests")
 
@@ -32,13 +34,29 @@ class ServerLimits:
 
 @dataclass
 class ServingOptions:
-    """Server-side behaviour chosen on the command line."""
+    """Server-side behaviour chosen on the command line.
+
+    ``served_model_names`` overrides the engine config's names (empty: the config's).
+    ``enable_auto_tool_choice`` with ``tool_call_parser`` (a name from
+    ``engine.server.tools.TOOL_PARSERS`` or ``module:Class``) parses tool calls from chat
+    output; one without the other is a ``ConfigError``, raised here so that ``engine serve``
+    fails before it loads the model.
+    """
 
     served_model_names: list[str] = field(default_factory=list)
     limits: ServerLimits = field(default_factory=ServerLimits)
     log_requests: bool = True
     max_log_len: int | None = None
     chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    tool_parser: ToolParser | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tool_parser = tool_parser_from_flags(
+            self.enable_auto_tool_choice, self.tool_call_parser
+        )
 
 
 def random_id(prefix: str) -> str:
@@ -57,10 +75,7 @@ class ServingContext:
         model_config = engine.config.model
         self.max_model_len: int = int(model_config.max_model_len)
         self.model_path: str = str(model_config.model)
-        names = list(options.served_model_names) or [
-            model_config.served_model_name or self.model_path
-        ]
-        self.model_names = names
+        self.model_names = list(options.served_model_names) or model_config.served_model_names
         self.max_logprobs = min(
             options.limits.max_logprobs, int(getattr(engine.config, "max_logprobs", 20))
         )
@@ -299,4 +314,5 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
         data["content"] = "\n".join(texts)
     elif content is None:
         data["content"] = ""
+    prepare_tool_history(data, index)
     return data

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.cli.main import build_parser
+from engine.config import ConfigError
 
 
 def serve_help(capsys) -> str:
@@ -41,8 +42,12 @@ def test_serve_help_is_grouped(capsys):
         "--max-log-len",
         "--max-request-body-bytes",
         "--chat-template",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "--exclude-tools-when-tool-choice-none",
     ):
         assert flag in text, flag
+    assert "\ntool calling:\n" in text and "hermes, llama3_json" in text
 
 
 def test_serve_defaults_and_engine_config():
@@ -70,3 +75,35 @@ def test_chat_template_flag_reads_a_file(tmp_path):
     assert _read_chat_template("{{ x }}") == "{{ x }}"
     with pytest.raises(FileNotFoundError):
         _read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_several_served_model_names():
+    from engine.cli.args import engine_config_from_args
+
+    args = build_parser().parse_args(
+        ["serve", "/m", "--served-model-name", "a", "b", "--seed", "1"]
+    )
+    config = engine_config_from_args(args)
+    assert config.model.served_model_names == ["a", "b"]
+    args = build_parser().parse_args(["serve", "/m", "--served-model-name", "a"])
+    assert engine_config_from_args(args).model.served_model_name == "a"
+    args = build_parser().parse_args(["serve", "/m", "--served-model-name", "a", "a"])
+    with pytest.raises(ConfigError, match="lists a name twice"):
+        engine_config_from_args(args)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (["--tool-call-parser", "hermes"], "requires --enable-auto-tool-choice"),
+        (["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"], "unknown tool call"),
+    ],
+)
+def test_tool_flags_fail_at_startup(flags, message, capsys):
+    """Before the port is bound or the model loads: one paragraph, exit status 2."""
+    from engine.cli.main import main
+
+    assert main(["serve", "/does/not/exist", "--port", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engine: error:") and message in " ".join(err.split())

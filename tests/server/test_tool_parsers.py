@@ -1,0 +1,343 @@
+"""Tool-call parsers and the tool fields of chat requests, without a server.
+
+The streaming property every parser must have: however the generated text is cut into pieces,
+the content shown and the calls made are those of the non-streamed parse, and no tool-call
+marker of a well-formed call ever reaches the content.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.config import ConfigError, ModelConfig
+from engine.server.errors import APIError
+from engine.server.tools.parser import (
+    TOOL_PARSERS,
+    ToolParser,
+    ToolParserNotFound,
+    load_tool_parser,
+    tool_parser_from_flags,
+)
+from engine.server.tools.request import (
+    parse_forced_tool_calls,
+    plan_tool_use,
+    prepare_tool_history,
+    tool_choice_json_schema,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+# Hermes/Qwen outputs as the models write them.
+HERMES_CASES = {
+    "text_then_two_calls": (
+        "Let me look both up.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+        "</tool_call>\n<tool_call>\n"
+        '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>',
+        "Let me look both up.\n",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris"})],
+    ),
+    "one_call_only": (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "東京 <b>{}"}}\n</tool_call>',
+        None,
+        [("get_weather", {"city": "東京 <b>{}"})],
+    ),
+    "no_call": (
+        "The answer is 4 < 5, and <tool is a word.\n",
+        "The answer is 4 < 5, and <tool is a word.\n",
+        [],
+    ),
+    "malformed_json": (
+        'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>',
+        'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>',
+        [],
+    ),
+    "no_name": (
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"arguments": {}}</tool_call>',
+        [],
+    ),
+    "good_then_malformed": (
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
+        "<tool_call>{oops}</tool_call>",
+        "\n<tool_call>{oops}</tool_call>",
+        [("get_time", {})],
+    ),
+    "unclosed_complete_json": (
+        'Hi <tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}',
+        "Hi ",
+        [("get_time", {"tz": "UTC"})],
+    ),
+    "unclosed_truncated": (
+        '<tool_call>{"name": "get_time", "argu',
+        '<tool_call>{"name": "get_time", "argu',
+        [],
+    ),
+    "arguments_as_string": (
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>',
+        None,
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    "text_after_call": (
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nDone.',
+        "\nDone.",
+        [("get_time", {})],
+    ),
+    "partial_marker_at_end": ("Nothing to call <tool_ca", "Nothing to call <tool_ca", []),
+    "whitespace_only_answer": ("\n\n", "\n\n", []),
+}
+
+LLAMA_CASES = {
+    "python_tag_two_calls": (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "parameters": {}}',
+        None,
+        [("get_weather", {"city": "Paris"}), ("get_time", {})],
+    ),
+    "bare_json_call": (
+        '\n{"name": "get_weather", "parameters": {"city": "a;b {x}"}}',
+        None,
+        [("get_weather", {"city": "a;b {x}"})],
+    ),
+    "arguments_key": (
+        '{"name": "get_time", "arguments": {"tz": "UTC"}}',
+        None,
+        [("get_time", {"tz": "UTC"})],
+    ),
+    "plain_text": ("Paris is sunny {today}.", "Paris is sunny {today}.", []),
+    "json_answer_not_a_call": ('{"answer": 42}', '{"answer": 42}', []),
+    "malformed": (
+        '{"name": "get_time", "parameters": {]}',
+        '{"name": "get_time", "parameters": {]}',
+        [],
+    ),
+    "truncated": (
+        '<|python_tag|>{"name": "get_time", "param',
+        '<|python_tag|>{"name": "get_time", "param',
+        [],
+    ),
+    "call_then_garbage": (
+        '{"name": "get_time", "parameters": {}}; and then',
+        "and then",
+        [("get_time", {})],
+    ),
+    "partial_tag_only": ("<|python_t", "<|python_t", []),
+}
+
+CASES = [("hermes", name, *case) for name, case in HERMES_CASES.items()] + [
+    ("llama3_json", name, *case) for name, case in LLAMA_CASES.items()
+]
+IDS = [f"{parser}-{name}" for parser, name, *_ in CASES]
+
+
+def calls_of(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def run_stream(parser: ToolParser, pieces: list[str]) -> tuple[list[str], list]:
+    """Feed ``pieces``; return the content pieces shown and the calls made."""
+    stream = parser.stream()
+    shown, calls = [], []
+    for piece in pieces:
+        update = stream.feed(piece)
+        shown.append(update.content)
+        calls += update.calls
+    update = stream.finish()
+    shown.append(update.content)
+    return shown, calls + update.calls
+
+
+@pytest.mark.parametrize(("parser_name", "name", "text", "content", "calls"), CASES, ids=IDS)
+def test_parse_whole_output(parser_name, name, text, content, calls):
+    parsed = load_tool_parser(parser_name).parse(text)
+    assert parsed.content == content
+    assert calls_of(parsed.calls) == calls
+    for call in parsed.calls:
+        assert call.id.startswith("call_") and len(call.id) > 10
+    assert len({c.id for c in parsed.calls}) == len(parsed.calls)
+
+
+@pytest.mark.parametrize(("parser_name", "name", "text", "content", "calls"), CASES, ids=IDS)
+def test_stream_split_anywhere_matches_whole_parse(parser_name, name, text, content, calls):
+    parser = load_tool_parser(parser_name)
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    splits.append(list(text))  # one character at a time
+    for pieces in splits:
+        shown, got = run_stream(parser, pieces)
+        assert "".join(shown) == (content or ""), pieces
+        assert calls_of(got) == calls, pieces
+        if calls and parser_name == "hermes" and "oops" not in text:
+            # Well-formed calls: no piece of the markers is ever shown.
+            assert not any("<tool" in s or "</tool" in s for s in shown), pieces
+
+
+def test_stream_shows_plain_text_without_waiting_for_the_end():
+    stream = load_tool_parser("hermes").stream()
+    assert stream.feed("Hello wor").content == "Hello wor"
+    assert stream.feed("ld <tool").content == "ld "  # "<tool" may start a call: held
+    assert stream.feed("bar>").content == "<toolbar>"
+    assert stream.feed("<tool_call>{").content == ""
+    update = stream.feed('"name": "f", "arguments": {}}</tool_call>')
+    assert update.content == "" and calls_of(update.calls) == [("f", {})]
+
+
+def test_registry_and_server_flags():
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json"}
+    assert load_tool_parser("hermes").name == "hermes"
+    # An out-of-tree parser by qualified name.
+    assert load_tool_parser("engine.server.tools.hermes:HermesToolParser").name == "hermes"
+    with pytest.raises(ToolParserNotFound, match="choose one of hermes, llama3_json"):
+        load_tool_parser("mistral")
+    with pytest.raises(ToolParserNotFound, match="not a ToolParser"):
+        load_tool_parser("json:JSONDecoder")
+    assert tool_parser_from_flags(False, None) is None
+    assert tool_parser_from_flags(True, "llama3_json").name == "llama3_json"
+    with pytest.raises(ConfigError, match="requires --tool-call-parser"):
+        tool_parser_from_flags(True, None)
+    with pytest.raises(ConfigError, match="requires --enable-auto-tool-choice"):
+        tool_parser_from_flags(False, "hermes")
+    with pytest.raises(ConfigError, match="unknown tool call parser 'nope'"):
+        tool_parser_from_flags(True, "nope")
+
+
+def test_plan_tool_use():
+    hermes = load_tool_parser("hermes")
+    plan = plan_tool_use([WEATHER], None, parser=hermes)  # tools without tool_choice: auto
+    assert plan.parser is hermes and plan.template_tools == [WEATHER]
+    plan = plan_tool_use([WEATHER], "none", parser=hermes)
+    assert plan.parser is None and plan.template_tools == [WEATHER]  # still shown
+    plan = plan_tool_use([WEATHER], "none", parser=None, exclude_tools_when_tool_choice_none=True)
+    assert plan.template_tools is None
+    assert plan_tool_use(None, None, parser=hermes).parser is None
+    plan = plan_tool_use([WEATHER, TIME], "auto", parser=hermes, parallel_tool_calls=False)
+    assert len(plan.limit(hermes.parse(HERMES_CASES["text_then_two_calls"][0]).calls)) == 1
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "parser", "param", "message"),
+    [
+        ([], None, True, "tools", "non-empty list"),
+        ([{"type": "retrieval"}], None, True, "tools.0.type", "must be 'function'"),
+        ([{"type": "function"}], None, True, "tools.0.function", "object with a name"),
+        ([{"type": "function", "function": {"name": "a b"}}], None, True,
+         "tools.0.function.name", "letters, digits"),
+        ([WEATHER, TIME, WEATHER], None, True, "tools.2.function.name", "duplicate tool name"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, True,
+         "tools.0.function.parameters", "JSON Schema object"),
+        ([{"type": "function", "function": {"name": "f", "description": 3}}], None, True,
+         "tools.0.function.description", "must be a string"),
+        ([WEATHER], "sometimes", True, "tool_choice", "must be one of none, auto, required"),
+        ([WEATHER], {"type": "function"}, True, "tool_choice", "named tool_choice must be"),
+        ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, True,
+         "tool_choice.function.name", "not in tools (get_weather)"),
+        (None, "auto", True, "tool_choice", "only allowed when tools are given"),
+        (None, {"type": "function", "function": {"name": "f"}}, True, "tool_choice",
+         "only allowed when tools"),
+        ([WEATHER], "auto", False, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
+        ([WEATHER], None, False, "tool_choice", "--enable-auto-tool-choice"),
+        ([WEATHER], "required", True, "tool_choice", "needs structured outputs"),
+        ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True,
+         "tool_choice", "needs structured outputs"),
+    ],
+)  # fmt: skip
+def test_plan_tool_use_rejects(tools, tool_choice, parser, param, message):
+    with pytest.raises(APIError) as e:
+        plan_tool_use(tools, tool_choice, parser=load_tool_parser("hermes") if parser else None)
+    assert e.value.status_code == 400 and e.value.param == param
+    assert message in e.value.message
+
+
+def test_required_and_named_schemas():
+    with_defs = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {"when": {"$ref": "#/$defs/date"}},
+                "$defs": {"date": {"type": "string", "format": "date"}},
+            },
+        },
+    }
+    schema = tool_choice_json_schema([WEATHER, TIME, with_defs], "required")
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    variants = schema["items"]["anyOf"]
+    assert [v["properties"]["name"]["enum"] for v in variants] == [
+        ["get_weather"],
+        ["get_time"],
+        ["book"],
+    ]
+    assert variants[0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    assert variants[1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert "$defs" not in variants[2]["properties"]["parameters"]
+    assert schema["$defs"] == {"date": {"type": "string", "format": "date"}}
+    assert all(v["required"] == ["name", "parameters"] for v in variants)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert tool_choice_json_schema([WEATHER, TIME], named) == WEATHER["function"]["parameters"]
+    assert tool_choice_json_schema([WEATHER], "auto") is None
+    assert tool_choice_json_schema([WEATHER], "none") is None
+    clash = {"type": "function", "function": {"name": "b2", "parameters": {"$defs": {"date": {}}}}}
+    with pytest.raises(ValueError, match="different \\$defs named 'date'"):
+        tool_choice_json_schema([with_defs, clash], "required")
+    # What a schema-constrained output parses back to.
+    calls = parse_forced_tool_calls(
+        '[{"name": "get_time", "parameters": {"tz": "UTC"}}]', "required"
+    )
+    assert calls_of(calls) == [("get_time", {"tz": "UTC"})]
+    calls = parse_forced_tool_calls('{"city": "Rome"}', named)
+    assert calls_of(calls) == [("get_weather", {"city": "Rome"})]
+    with pytest.raises(ValueError):
+        parse_forced_tool_calls('{"city": "Rome"}', "required")
+
+
+def test_prepare_tool_history():
+    msg = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": ""}},
+        ],
+    }  # fmt: skip
+    prepare_tool_history(msg, 1)
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == [{"city": "Paris"}, {}]
+    assert msg["tool_calls"][0]["id"] == "call_1"
+    prepare_tool_history({"role": "tool", "content": "20C", "tool_call_id": "call_1"}, 2)
+    bad = [
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
+         "messages.3.tool_calls.0.function.arguments"),
+        ({"role": "assistant", "tool_calls": [{"type": "function"}]}, "messages.3.tool_calls.0"),
+        ({"role": "assistant", "tool_calls": "f()"}, "messages.3.tool_calls"),
+        ({"role": "user", "tool_calls": []}, "messages.3"),
+        ({"role": "tool", "content": "20C"}, "messages.3.tool_call_id"),
+    ]  # fmt: skip
+    for message, param in bad:
+        with pytest.raises(APIError) as e:
+            prepare_tool_history(message, 3)
+        assert e.value.status_code == 400 and e.value.param == param
+
+
+def test_served_model_names_config():
+    assert ModelConfig("/m").served_model_names == ["/m"]
+    assert ModelConfig("/m", served_model_name="a").served_model_names == ["a"]
+    config = ModelConfig("/m", served_model_name=["a", "b"])
+    assert config.served_model_names == ["a", "b"]
+    assert ModelConfig("/m", served_model_name=["a"]).served_model_name == "a"
+    for bad in ([], ["a", "a"], ["a", ""], ""):
+        with pytest.raises(ConfigError, match="served_model_name"):
+            ModelConfig("/m", served_model_name=bad)

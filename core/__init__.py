@@ -8,6 +8,7 @@ from engine.version import PLUGIN_API_VERSION, __version__
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "__version__",
@@ -18,6 +19,7 @@ __all__ = [
 _LAZY = {
     "LLM": ("engine.llm", "LLM"),
     "SamplingParams": ("engine.sampling_params", "SamplingParams"),
+    "StructuredOutputsParams": ("engine.sampling_params", "StructuredOutputsParams"),
     "RequestOutput": ("engine.outputs", "RequestOutput"),
     "CompletionOutput": ("engine.outputs", "CompletionOutput"),
     "hookimpl": ("engine.hookspecs", "hookimpl"),

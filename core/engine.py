@@ -8,6 +8,12 @@ HTTP server's async front end both drive this loop.
 A user request with ``n > 1`` becomes one sequence until its prompt is computed; its first step
 samples ``n`` tokens from the same logits and forks ``n - 1`` child sequences that share the
 prompt's KV blocks (copy-on-write for the last, partial block).
+
+A request with ``structured_outputs`` gets one xgrammar matcher per sequence (see
+``engine.structured_output``): ``_launch`` turns each matcher's state into its row's token
+bitmask, ``_append_tokens`` advances the matcher by every sampled token and finishes the
+sequence ("stop") once the grammar has accepted its end. Such requests read the tokens sampled
+so far, so their steps always run synchronously.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ class _Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # xgrammar GrammarMatcher of a structured-outputs sequence: its state is that after every
+    # token in ``request.output_token_ids``.
+    matcher: Any = None
 
 
 @dataclass
@@ -128,6 +137,7 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._async = bool(getattr(scheduler, "async_output", False))
         self._in_flight: _InFlight | None = None
+        self._structured: Any = None  # StructuredOutputManager, built on first use
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -145,6 +155,18 @@ class LLMEngine:
     @property
     def num_used_blocks(self) -> int:
         return self.scheduler.num_used_blocks
+
+    @property
+    def structured_outputs(self) -> Any:
+        """The ``StructuredOutputManager`` of this engine (built, and xgrammar imported, on
+        the first request with structured outputs)."""
+        if self._structured is None:
+            from engine.structured_output import StructuredOutputManager
+
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.runner.vocab_size, self.eos_token_ids
+            )
+        return self._structured
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -194,6 +216,10 @@ class LLMEngine:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        matcher = None
+        if params.structured_outputs is not None:
+            # Compiling here makes a bad schema/regex/grammar an error of add_request.
+            matcher = self.structured_outputs.new_matcher(params.structured_outputs)
 
         now = time.monotonic()
         state = _RequestState(
@@ -216,6 +242,7 @@ class LLMEngine:
             priority=priority,
         )
         state.seqs.append(self._new_sequence(0, request, prompt_token_ids, params, generators[0]))
+        state.seqs[0].matcher = matcher
         state.pending_child_generators = generators[1:]
         # Prompt logprobs need logits at every prompt position, so no prefix-cache skipping.
         self.scheduler.add_request(
@@ -236,6 +263,7 @@ class LLMEngine:
                     seq.request.request_id, RequestStatus.FINISHED_ABORTED
                 )
                 self._seq_owner.pop(seq.request.request_id, None)
+                seq.matcher = None
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished, or a step is still in flight."""
@@ -302,6 +330,7 @@ class LLMEngine:
         now = time.monotonic()
         rows: dict[str, SamplingRow] = {}
         prompt_logprobs: dict[str, int] = {}
+        constrained: list[tuple[SamplingRow, Any]] = []
         for sr in sched.scheduled:
             owner = self._seq_owner.get(sr.request.request_id)
             if owner is None:
@@ -332,12 +361,19 @@ class LLMEngine:
                     num_samples=params.n if forking else 1,
                     eos_token_ids=self.eos_token_ids,
                 )
+                if seq.matcher is not None:
+                    constrained.append((rows[sr.request.request_id], seq.matcher))
             if (
                 params.prompt_logprobs is not None
                 and seq.index == 0
                 and sr.start < len(state.prompt_token_ids)
             ):
                 prompt_logprobs[sr.request.request_id] = params.prompt_logprobs
+        if constrained:
+            # Structured requests never overlap a step, so each matcher has seen every token.
+            masks = self.structured_outputs.bitmasks([m for _, m in constrained])
+            for k, (row, _) in enumerate(constrained):
+                row.token_bitmask = masks[k]
         pending = self.runner.execute_async(sched, rows, prompt_logprobs)
         return _InFlight(sched, pending, now)
 
@@ -424,6 +460,11 @@ class LLMEngine:
         """Split a parent that sampled ``n`` first tokens into ``n`` sequences."""
         parent = state.seqs[0]
         children = []
+        # Every child starts from the grammar state the n first tokens were sampled in.
+        child_matchers = [
+            parent.matcher.fork() if parent.matcher is not None else None
+            for _ in range(1, state.params.n)
+        ]
         for i in range(1, state.params.n):
             child = Request(
                 request_id=f"{state.request_id}#{i}",
@@ -441,6 +482,7 @@ class LLMEngine:
                 state.params,
                 state.pending_child_generators[i - 1],
             )
+            seq.matcher = child_matchers[i - 1]
             state.seqs.append(seq)
             self._seq_owner[child.request_id] = (state, seq)
             children.append(child)
@@ -495,6 +537,22 @@ class LLMEngine:
 
         num_out = request.num_output_tokens
         last = tokens[-1]
+        if seq.matcher is not None:
+            for token in tokens:
+                if not seq.matcher.accept_token(token):
+                    # The mask allowed only grammar tokens, so this is a bug, not bad input.
+                    logger.error(
+                        "request %s: sampled token %d is not allowed by its structured "
+                        "outputs grammar; aborting the sequence",
+                        request.request_id,
+                        token,
+                    )
+                    self._finish(state, seq, "abort", None)
+                    return
+            if seq.matcher.is_terminated():
+                # The grammar accepted its end (an EOS): the structured value is complete.
+                self._finish(state, seq, "stop", None if last in self.eos_token_ids else last)
+                return
         if not params.ignore_eos and last in self.eos_token_ids and num_out >= params.min_tokens:
             self._finish(state, seq, "stop", None)
             return
@@ -524,13 +582,16 @@ class LLMEngine:
             seq.text += seq.detokenizer.flush()  # an incomplete character held back, if any
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        seq.matcher = None
         request = seq.request
         if request.num_output_placeholders:  # a step already scheduled past the end
             del request.output_token_ids[request.num_output_tokens :]
             request.num_output_placeholders = 0
-        status = (
-            RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
-        )
+        status = {
+            "stop": RequestStatus.FINISHED_STOPPED,
+            "length": RequestStatus.FINISHED_LENGTH,
+            "abort": RequestStatus.FINISHED_ABORTED,
+        }[reason]
         self.scheduler.finish_request(seq.request.request_id, status)
         self._seq_owner.pop(seq.request.request_id, None)
 

@@ -4,6 +4,9 @@ Everything runs on the logits' device, vectorized over the batch. Stages run in 
 and a stage is skipped entirely when no row in the batch needs it (the common all-greedy batch
 is one ``argmax``):
 
+0. structured outputs: tokens the row's grammar forbids (``SamplingRow.token_bitmask``, see
+   ``engine.structured_output``) are set to -inf, so every later stage, greedy included,
+   chooses among allowed tokens only;
 1. ``logit_bias``;
 2. ``min_tokens``: while a row has fewer than ``min_tokens`` outputs, its EOS ids (unless
    ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
@@ -14,7 +17,8 @@ is one ``argmax``):
    ``argmax(probs / q)`` with ``q ~ Exponential(1)`` (equivalent to sampling from ``probs``,
    and free of the host sync and the cumsum of ``torch.multinomial``).
 
-**Logprobs are of the raw model logits** (``log_softmax`` before any stage above), as vLLM's
+**Logprobs are of the raw model logits** (``log_softmax`` before any stage above, the grammar
+mask included), as vLLM's
 default ``raw_logprobs`` mode. So a greedy row with no penalties always reports rank 1 for its
 token, while a row whose processing changed the winner reports the model's own opinion of it.
 
@@ -50,7 +54,9 @@ class SamplingRow:
     a seeded sample, ``None`` for an unseeded one. ``num_samples > 1`` is used once per ``n > 1``
     request (the parent's first token): ``num_samples`` tokens are drawn from this one row, each
     with its own generator. ``eos_token_ids`` are the ids ``min_tokens`` suppresses (besides
-    ``params.stop_token_ids``).
+    ``params.stop_token_ids``). ``token_bitmask`` (structured outputs) is xgrammar's packed
+    int32 ``[ceil(V / 32)]`` host tensor of the tokens the row may sample (bit ``t % 32`` of
+    word ``t // 32``); ``None`` leaves the row unconstrained.
     """
 
     params: SamplingParams
@@ -59,6 +65,7 @@ class SamplingRow:
     generators: list[torch.Generator | None]
     num_samples: int = 1
     eos_token_ids: list[int] = field(default_factory=list)
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -140,6 +147,8 @@ class Sampler:
             p = r.params
             if not p.is_greedy or p.logprobs is not None or p.logit_bias or p.reads_output_tokens:
                 return True
+            if r.token_bitmask is not None:
+                return True
         return False
 
     @staticmethod
@@ -172,6 +181,7 @@ class Sampler:
             src = logits if len(lp_rows) == len(rows) else logits[_index(lp_rows, device)]
             raw_logprobs = torch.log_softmax(src, dim=-1)
 
+        _apply_token_bitmasks(logits, rows)
         _apply_logit_bias(logits, rows)
         _apply_min_tokens(logits, rows)
         _apply_penalties(logits, rows)
@@ -384,6 +394,17 @@ def _logprob_dicts(
                 d[tid] = Logprob(top_vals_l[row][j], top_ranks_l[row][j])
         dicts.append(d)
     return dicts
+
+
+def _apply_token_bitmasks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Forbid (-inf) the tokens each constrained row's grammar does not allow."""
+    constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    if not constrained:
+        return
+    from engine.structured_output import apply_token_bitmask
+
+    masks = torch.stack([rows[i].token_bitmask for i in constrained])
+    apply_token_bitmask(logits, masks, constrained)
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

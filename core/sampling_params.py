@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from enum import Enum
+from typing import Any
 
 
 class SamplingParamsError(ValueError):
@@ -22,6 +24,120 @@ class SamplingType(Enum):
 
 _GREEDY_EPS = 1e-5
 
+# The constraints of StructuredOutputsParams; exactly one of them is set.
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a formal language (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one constraint is set:
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value that
+      satisfies it.
+    - ``json_object=True``: the output is any JSON object.
+    - ``regex``: the output fully matches this regular expression.
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: an EBNF (GBNF) grammar as xgrammar accepts it, starting at rule ``root``.
+
+    ``disable_any_whitespace`` (``json``/``json_object``): JSON output takes one fixed layout
+    (``", "`` and ``": "`` separators, no other whitespace) instead of allowing any whitespace
+    between tokens, which a weak model may fill with endless blanks.
+
+    The engine compiles the constraint with xgrammar when the request is added; a schema,
+    regex or grammar that does not compile is a ``SamplingParamsError`` then.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``SamplingParamsError`` (param ``structured_outputs``) unless exactly one
+        well-typed constraint is set."""
+        param = "structured_outputs"
+        given = [name for name in _CONSTRAINTS if self._is_set(name)]
+        if len(given) != 1:
+            which = f"got {', '.join(given)}" if given else "got none"
+            raise SamplingParamsError(
+                f"structured_outputs must set exactly one of {', '.join(_CONSTRAINTS)}; {which}",
+                param,
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise SamplingParamsError(
+                        f"structured_outputs.json is not valid JSON: {e}", param
+                    ) from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingParamsError(
+                    "structured_outputs.json must be a JSON schema (an object), "
+                    f"got {type(schema).__name__}",
+                    param,
+                )
+        if self.json_object is not None and self.json_object is not True:
+            raise SamplingParamsError(
+                f"structured_outputs.json_object must be true, got {self.json_object!r}", param
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}", param
+                )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise SamplingParamsError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings, "
+                f"got {self.choice!r}",
+                param,
+            )
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        # json_object=False is vLLM's way of leaving it unset.
+        return value is not None and value is not False
+
+    @property
+    def kind(self) -> str:
+        """The name of the constraint that is set (``json``, ``regex``...)."""
+        return next(name for name in _CONSTRAINTS if self._is_set(name))
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> StructuredOutputsParams:
+        """Build from a dict of the fields (e.g. a request body's ``structured_outputs``);
+        an unknown key is a ``SamplingParamsError`` naming the known ones."""
+        if not isinstance(value, dict):
+            raise SamplingParamsError(
+                f"structured_outputs must be an object, got {type(value).__name__}",
+                "structured_outputs",
+            )
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise SamplingParamsError(
+                f"structured_outputs has unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(known)}",
+                "structured_outputs",
+            )
+        return cls(**value)
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +146,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``logprobs=N``
     returns the sampled token's logprob plus the top N; ``prompt_logprobs=N`` does the same for
     every prompt token. ``max_tokens=None`` means "until the context is full".
+    ``structured_outputs`` (a ``StructuredOutputsParams``, or a dict of its fields) constrains
+    the output to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -53,6 +171,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Upper bound for logprobs/prompt_logprobs; the engine sets it from its config.
     max_logprobs: int = field(default=20, repr=False)
 
@@ -73,6 +192,8 @@ class SamplingParams:
                 ) from e
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -121,6 +242,17 @@ class SamplingParams:
             )
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "an integer (or None)")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", "a StructuredOutputsParams (or None)")
+            if self.min_tokens:
+                # The grammar decides where the output ends; forbidding EOS before min_tokens
+                # could leave no token allowed at all.
+                raise SamplingParamsError(
+                    "min_tokens cannot be combined with structured_outputs (the grammar "
+                    "decides where the output ends); leave min_tokens at 0",
+                    "min_tokens",
+                )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -135,9 +267,11 @@ class SamplingParams:
     @property
     def reads_output_tokens(self) -> bool:
         """Whether sampling depends on the tokens generated so far: repetition, frequency or
-        presence penalties, or a ``min_tokens`` still to reach."""
+        presence penalties, a ``min_tokens`` still to reach, or structured outputs (the
+        grammar's state follows every token)."""
         return bool(
             self.min_tokens
+            or self.structured_outputs is not None
             or self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0

@@ -32,6 +32,7 @@ from engine.server.streaming import (
     to_json,
     unless_disconnected,
 )
+from engine.server.structured import rename_param, structured_outputs_field
 from engine.server.tools.output import ToolCallDeltas, parse_choice
 from engine.server.tools.request import ToolPlan, plan_tool_use
 
@@ -90,11 +91,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {req.response_format.get('type')!r} is not supported",
-            "response_format",
-        )
     tool_plan = plan_tool_use(
         req.tools,
         req.tool_choice,
@@ -137,7 +133,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         await engine.add_request(channel, rid, prompt, params, ids, req.priority)
     except BaseException as e:
         channel.abort()
-        raise from_engine_error(e) if isinstance(e, Exception) else e from None
+        if not isinstance(e, Exception):
+            raise
+        # A schema/regex/grammar the engine cannot compile: name the field the client used.
+        raise rename_param(from_engine_error(e), structured_outputs_field(req)) from None
 
     created = int(time.time())
     echo_text = _last_message_text(req) if req.echo else ""

@@ -29,6 +29,7 @@ from engine.server.streaming import (
     to_json,
     unless_disconnected,
 )
+from engine.server.structured import rename_param, structured_outputs_field
 
 
 class LegacyLogprobs:
@@ -142,7 +143,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             prompt_index[rid] = i
     except BaseException as e:
         channel.abort()
-        raise from_engine_error(e) if isinstance(e, Exception) else e from None
+        if not isinstance(e, Exception):
+            raise
+        # A schema/regex/grammar the engine cannot compile: name the field the client used.
+        raise rename_param(from_engine_error(e), structured_outputs_field(req)) from None
 
     prompt_texts = [
         t if t is not None else ctx.decode(ids) for t, ids in zip(texts, token_ids, strict=True)

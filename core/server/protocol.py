@@ -2,7 +2,8 @@
 
 Field names and defaults follow the OpenAI API; the extra sampling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``skip_special_tokens``...) follow vLLM's, so clients pass them through ``extra_body``.
+``skip_special_tokens``, ``structured_outputs``, ``guided_json``...) follow vLLM's, so clients
+pass them through ``extra_body``.
 Unknown fields are accepted and ignored (a warning is logged), as vLLM does, so newer clients
 keep working.
 """
@@ -53,6 +54,14 @@ class SamplingFields(_Body):
     priority: int = 0
     # vLLM's: logprob tokens as "token_id:<id>" (exact ids, for clients that compare tokens).
     return_tokens_as_token_ids: bool = False
+    # Structured outputs (see engine.server.structured): OpenAI's response_format, vLLM's
+    # structured_outputs, or vLLM's older guided_* fields; at most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -111,7 +120,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

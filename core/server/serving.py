@@ -269,6 +269,9 @@ class ServingContext:
                     )
                 bias[token] = value
             kwargs["logit_bias"] = bias
+        from engine.server.structured import structured_outputs_from_request
+
+        kwargs["structured_outputs"] = structured_outputs_from_request(req)
         try:
             return SamplingParams(**kwargs)
         except SamplingParamsError as e:

@@ -111,7 +111,7 @@ def test_invalid_values_are_400(http, body, param):
         ({"temperature": -1}, "temperature"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
     ],
 )
 def test_invalid_chat_values_are_400(http, body, param):

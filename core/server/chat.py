@@ -123,6 +123,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = ctx.sampling_params(
         req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None
     )
+    if tool_plan.json_schema is not None:
+        _force_tool_schema(req, params, tool_plan.json_schema)
 
     request_id = random_id("chatcmpl")
     engine = ctx.async_engine
@@ -136,7 +138,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         if not isinstance(e, Exception):
             raise
         # A schema/regex/grammar the engine cannot compile: name the field the client used.
-        raise rename_param(from_engine_error(e), structured_outputs_field(req)) from None
+        field = structured_outputs_field(req) or ("tool_choice" if tool_plan.json_schema else None)
+        raise rename_param(from_engine_error(e), field) from None
 
     created = int(time.time())
     echo_text = _last_message_text(req) if req.echo else ""
@@ -269,14 +272,36 @@ async def _stream(
     yield DONE
 
 
+def _force_tool_schema(req: ChatCompletionRequest, params: Any, schema: dict) -> None:
+    """Constrain the output to the forced tool calls' schema (structured outputs)."""
+    from engine.sampling_params import StructuredOutputsParams
+
+    field = structured_outputs_field(req)
+    if field is not None:
+        raise bad_request(
+            f'tool_choice "required" or a named function already constrains the output to the '
+            f"tool calls' JSON; it cannot be combined with {field}",
+            field,
+        )
+    # Compact JSON: the arguments are re-serialized anyway, and a model free to pad with
+    # whitespace can spend its whole budget on it.
+    params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    try:
+        params.validate()  # e.g. min_tokens cannot combine with a grammar that decides the end
+    except ValueError as e:
+        raise from_engine_error(e) from None
+
+
 def _tool_chunks(stream: ToolCallDeltas, d: ChoiceDelta, logprobs: Any) -> list[tuple]:
     """The ``chunk`` arguments for one delta of a choice read for tool calls: held-back
-    content and whole calls; the last one carries the finish (``"tool_calls"`` if any)."""
+    content and whole calls; the last one carries the finish (the plan's for calls, if any)."""
     finished = d.finish_reason is not None
     deltas = stream.step(d.text, finished)
     if not deltas and (logprobs is not None or finished):
         deltas = [{}]
-    finish = ("tool_calls" if stream.called else d.finish_reason) if finished else None
+    finish = (
+        (stream.calls_finish_reason if stream.called else d.finish_reason) if finished else None
+    )
     last = len(deltas) - 1
     return [
         (

@@ -249,9 +249,6 @@ def test_plan_tool_use():
          "only allowed when tools"),
         ([WEATHER], "auto", False, "tool_choice", "--enable-auto-tool-choice and --tool-call-parser"),
         ([WEATHER], None, False, "tool_choice", "--enable-auto-tool-choice"),
-        ([WEATHER], "required", True, "tool_choice", "needs structured outputs"),
-        ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True,
-         "tool_choice", "needs structured outputs"),
     ],
 )  # fmt: skip
 def test_plan_tool_use_rejects(tools, tool_choice, parser, param, message):
@@ -302,6 +299,34 @@ def test_required_and_named_schemas():
     assert calls_of(calls) == [("get_weather", {"city": "Rome"})]
     with pytest.raises(ValueError):
         parse_forced_tool_calls('{"city": "Rome"}', "required")
+
+
+def test_plan_of_forced_tool_use():
+    """ "required" and a named function need no parser flags: the plan carries the schema for
+    guided decoding and a parser that reads the constrained output back (content if cut)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plan = plan_tool_use([WEATHER, TIME], "required", parser=None)
+    assert plan.json_schema == tool_choice_json_schema([WEATHER, TIME], "required")
+    assert plan.template_tools == [WEATHER, TIME] and plan.calls_finish_reason == "tool_calls"
+    single = plan_tool_use([WEATHER, TIME], "required", parser=None, parallel_tool_calls=False)
+    assert single.json_schema == {**plan.json_schema, "maxItems": 1}
+    plan = plan_tool_use([WEATHER, TIME], named, parser=load_tool_parser("hermes"))
+    assert plan.json_schema == WEATHER["function"]["parameters"]
+    assert plan.calls_finish_reason == "stop"
+    parsed = plan.parser.parse('{"city": "Rome"}')
+    assert parsed.content is None and calls_of(parsed.calls) == [("get_weather", {"city": "Rome"})]
+    assert plan.parser.parse('{"city": "Ro').content == '{"city": "Ro'
+    stream = plan.parser.stream()
+    assert not stream.feed('{"city": ') and not stream.feed('"Rome"}')  # nothing before the end
+    assert calls_of(stream.finish().calls) == [("get_weather", {"city": "Rome"})]
+    clash = {"type": "function", "function": {"name": "b2", "parameters": {"$defs": {"d": {}}}}}
+    other = {
+        "type": "function",
+        "function": {"name": "b3", "parameters": {"$defs": {"d": {"x": 1}}}},
+    }
+    with pytest.raises(APIError) as e:
+        plan_tool_use([clash, other], "required", parser=None)
+    assert e.value.status_code == 400 and e.value.param == "tools"
 
 
 def test_prepare_tool_history():

@@ -104,9 +104,10 @@ def tc(tool_server):
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
          "tool_choice.function.name", "not in tools"),
         ({"tool_choice": "auto"}, "tool_choice", "only allowed when tools are given"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "structured outputs"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice", "structured outputs"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format", "cannot be combined"),
+        ({"tools": [WEATHER], "tool_choice": "required", "min_tokens": 2},
+         "min_tokens", "cannot be combined with structured_outputs"),
         ({"messages": [*USER, {"role": "assistant", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}]}]},
          "messages.1.tool_calls.0.function.arguments", "not valid JSON"),
@@ -225,6 +226,95 @@ def test_several_served_model_names(tc, tool_server):
     err = r.json()["error"]
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert "tiny, tiny-alias" in err["message"]
+    assert tool_server.engine.num_used_blocks == 0
+
+
+# ------------------------------------------------------------ forced tool use (tiny model)
+
+# Bounded arguments, so that even a random model's constrained output ends within max_tokens.
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"utc": {"type": "boolean"}},
+            "required": ["utc"],
+            "additionalProperties": False,
+        },
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _streamed_calls(events: list[dict]) -> tuple[list[dict], str | None, str]:
+    """The calls a client accumulates from tool-call deltas, the finish reason, the content."""
+    calls: dict[int, dict] = {}
+    content = ""
+    for e in events:
+        delta = e["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for part in delta.get("tool_calls") or []:
+            call = calls.setdefault(part["index"], {"name": "", "arguments": ""})
+            call["name"] += part.get("function", {}).get("name") or ""
+            call["arguments"] += part.get("function", {}).get("arguments") or ""
+    return [calls[i] for i in sorted(calls)], events[-1]["choices"][0]["finish_reason"], content
+
+
+@pytest.mark.parametrize(
+    "which", [("tool_server", "tc"), ("server", "http")], ids=["flags", "no-flags"]
+)
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_choice_is_guided_into_calls(request, which, tool_choice):
+    """Forced tool use needs no parser flags: guided decoding writes calls that match the tools'
+    schemas; streamed and not, the same calls; a named function finishes with "stop"."""
+    running, c = (request.getfixturevalue(name) for name in which)
+    body = dict(tools=[CITY, CLOCK], tool_choice=tool_choice, parallel_tool_calls=False,
+                temperature=0)  # fmt: skip
+    r = chat(c, max_tokens=64, **body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    message = choice["message"]
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+    call = message["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+    if tool_choice == "required":
+        assert choice["finish_reason"] == "tool_calls"
+        assert name in ("get_weather", "get_time")
+    else:
+        assert choice["finish_reason"] == "stop" and name == "get_weather"
+    if name == "get_weather":
+        assert args.keys() == {"city"} and args["city"] in ("Paris", "Rome")
+    else:
+        assert args.keys() == {"utc"} and isinstance(args["utc"], bool)
+
+    calls, finish, content = _streamed_calls(sse_events(chat(c, max_tokens=64, stream=True,
+                                                             **body)))  # fmt: skip
+    assert calls == [{"name": name, "arguments": call["function"]["arguments"]}]
+    assert finish == choice["finish_reason"] and content == ""
+    assert running.engine.num_used_blocks == 0
+
+
+def test_forced_call_cut_short_is_content(tc, tool_server):
+    """Constrained JSON cut by max_tokens does not parse: it is returned as content."""
+    r = chat(tc, max_tokens=3, tools=[CITY], tool_choice=NAMED)
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["finish_reason"] == "length"
+    assert choice["message"]["tool_calls"] == [] and choice["message"]["content"].startswith("{")
     assert tool_server.engine.num_used_blocks == 0
 
 

@@ -22,7 +22,8 @@ def parse_choice(
     plan: ToolPlan, text: str, finish_reason: str | None
 ) -> tuple[str | None, list[dict[str, Any]], str | None]:
     """``(content, tool_calls, finish_reason)`` of a finished choice: with a parser, calls are
-    taken out of the text and the choice finishes with ``"tool_calls"`` when there are any;
+    taken out of the text and the choice finishes with ``plan.calls_finish_reason`` when there
+    are any;
     without one the text is all content."""
     if plan.parser is None:
         return text, [], finish_reason
@@ -30,7 +31,7 @@ def parse_choice(
     calls = plan.limit(parsed.calls)
     if not calls:
         return parsed.content or "", [], finish_reason
-    return parsed.content, [c.to_openai() for c in calls], "tool_calls"
+    return parsed.content, [c.to_openai() for c in calls], plan.calls_finish_reason
 
 
 class ToolCallDeltas:
@@ -40,11 +41,12 @@ class ToolCallDeltas:
         assert plan.parser is not None
         self._stream = plan.parser.stream()
         self._max_calls = None if plan.parallel_tool_calls else 1
+        self.calls_finish_reason = plan.calls_finish_reason
         self.num_calls = 0
 
     @property
     def called(self) -> bool:
-        """Whether a call was sent: the choice then finishes with ``"tool_calls"``."""
+        """Whether a call was sent: the choice then finishes with ``calls_finish_reason``."""
         return self.num_calls > 0
 
     def step(self, text: str, finished: bool) -> list[dict[str, Any]]:

@@ -4,8 +4,8 @@
 malformed) and decides, with the server's flags, which tools reach the chat template and
 which parser reads the output. ``prepare_tool_history`` shapes assistant ``tool_calls`` and
 ``tool`` messages of the conversation the way Hugging Face chat templates expect them.
-``tool_choice_json_schema`` is the JSON schema that forced tool use (``"required"`` or a
-named function) must produce: the input for guided decoding.
+Forced tool use (``"required"`` or a named function) is planned with the JSON schema the
+output is constrained to (``engine.server.tools.forced``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.server.errors import bad_request
+from engine.server.tools.forced import (  # noqa: F401 - re-exported: the request's tool API
+    ForcedToolCallParser,
+    parse_forced_tool_calls,
+    tool_choice_json_schema,
+)
 from engine.server.tools.parser import ToolCall, ToolParser
 
 # OpenAI's rule for function names.
@@ -30,11 +35,16 @@ class ToolPlan:
     ``template_tools``: the tool definitions passed to the chat template (None: none).
     ``parser``: reads tool calls from the output (None: the output is plain content).
     ``parallel_tool_calls``: False keeps only the first parsed call.
+    ``json_schema``: forced tool use constrains the output to this schema (structured outputs).
+    ``calls_finish_reason``: the choice's finish reason when calls were made: "tool_calls",
+    except for a named function, which finishes with "stop" as OpenAI's API does.
     """
 
     template_tools: list[dict[str, Any]] | None = None
     parser: ToolParser | None = None
     parallel_tool_calls: bool = True
+    json_schema: dict[str, Any] | None = None
+    calls_finish_reason: str = "tool_calls"
 
     def limit(self, calls: list[ToolCall]) -> list[ToolCall]:
         """The calls to return (only the first when parallel calls are off)."""
@@ -150,80 +160,19 @@ def plan_tool_use(
         return ToolPlan(
             template_tools=tools, parser=parser, parallel_tool_calls=parallel_tool_calls
         )
-    what = 'tool_choice: "required"' if choice == "required" else "a named tool_choice"
-    raise bad_request(
-        f"{what} forces the output to match a JSON schema, which needs structured outputs "
-        '(guided decoding); this server does not support it yet. Use tool_choice: "auto" '
-        "with --enable-auto-tool-choice instead.",
-        "tool_choice",
+    # "required" or a named function: guided decoding writes the calls, no parser flags needed.
+    try:
+        schema = tool_choice_json_schema(tools, choice)
+    except ValueError as e:
+        raise bad_request(f"cannot force tool use with these tools: {e}", "tools") from None
+    if choice == "required" and not parallel_tool_calls:
+        schema = {**schema, "maxItems": 1}
+    return ToolPlan(
+        template_tools=tools,
+        parser=ForcedToolCallParser(choice),
+        json_schema=schema,
+        calls_finish_reason="tool_calls" if choice == "required" else "stop",
     )
-
-
-# ---------------------------------------------------------------- forced tool use
-
-
-def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
-    return function.get("parameters") or {"type": "object", "properties": {}}
-
-
-def tool_choice_json_schema(
-    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]
-) -> dict[str, Any] | None:
-    """The JSON schema the output must match when ``tool_choice`` forces tool use.
-
-    ``"required"``: a non-empty array of ``{"name": <one of the tools>, "parameters": {...}}``
-    whose parameters match that tool's schema (each tool's ``$defs`` are hoisted to the top,
-    where ``$ref: "#/$defs/..."`` resolves). A named function: that function's parameters
-    schema (the output is its arguments). ``"none"``/``"auto"``: None (nothing forced).
-    ``tools`` must have passed ``validate_tools``; conflicting ``$defs`` raise ``ValueError``.
-    """
-    if tool_choice in ("none", "auto"):
-        return None
-    by_name = {t["function"]["name"]: t["function"] for t in tools}
-    if isinstance(tool_choice, dict):
-        return _parameters_schema(by_name[tool_choice["function"]["name"]])
-    if tool_choice != "required":
-        raise ValueError(f"unknown tool_choice {tool_choice!r}")
-    defs: dict[str, Any] = {}
-    variants = []
-    for name, function in by_name.items():
-        params = dict(_parameters_schema(function))
-        for key, value in params.pop("$defs", {}).items():
-            if key in defs and defs[key] != value:
-                raise ValueError(f"tools define different $defs named {key!r}")
-            defs[key] = value
-        variants.append(
-            {
-                "type": "object",
-                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-                "required": ["name", "parameters"],
-            }
-        )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
-    if defs:
-        schema["$defs"] = defs
-    return schema
-
-
-def parse_forced_tool_calls(text: str, tool_choice: str | dict[str, Any]) -> list[ToolCall]:
-    """The calls in an output generated under ``tool_choice_json_schema``: the array of
-    ``{"name", "parameters"}`` for "required", the arguments object for a named function.
-    Raises ``ValueError`` when the text is not such JSON."""
-    value = json.loads(text)
-    if isinstance(tool_choice, dict):
-        if not isinstance(value, dict):
-            raise ValueError("the arguments of a named tool call must be a JSON object")
-        return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
-    if not isinstance(value, list):
-        raise ValueError('"required" tool calls must be a JSON array')
-    calls = []
-    for item in value:
-        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
-            raise ValueError('each "required" tool call must be {"name": ..., "parameters": ...}')
-        calls.append(
-            ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
-        )
-    return calls
 
 
 # ---------------------------------------------------------------- conversation history

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.benchmarks.common import hf_greedy_generate
 from engine.testing.tiny_models import build_tiny_gemma3_multimodal
 
 NUM_NEW = 24
@@ -42,14 +41,15 @@ def make_prompts(vocab: int) -> list[list[int]]:
 
 
 def hf_reference(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens, and each chosen token's logprob from one full forward."""
-    ids = torch.tensor([prompt])
+    """transformers' greedy tokens and their logprobs, one full forward per token (EOS
+    allowed, as with ``ignore_eos``; ``generate(min_new_tokens=...)`` would forbid it)."""
+    ids, logprobs = list(prompt), []
     with torch.no_grad():
-        full = hf_greedy_generate(hf, ids, NUM_NEW)
-        logits = hf(input_ids=full).logits[0, len(prompt) - 1 : -1].float()
-    tokens = full[0, len(prompt) :].tolist()
-    logp = torch.log_softmax(logits, dim=-1)
-    return tokens, [float(logp[i, t]) for i, t in enumerate(tokens)]
+        for _ in range(NUM_NEW):
+            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+            ids.append(int(logp.argmax()))
+            logprobs.append(float(logp[ids[-1]]))
+    return ids[len(prompt) :], logprobs
 
 
 def tiny_llm(path, **kw) -> LLM:

@@ -87,7 +87,9 @@ class CacheConfig:
     """The paged KV cache.
 
     ``num_gpu_blocks`` overrides the size that memory profiling would choose (tests use it to
-    force preemption); on CPU the cache is sized from ``cpu_kv_cache_gb``.
+    force preemption). On CPU ``cpu_kv_cache_gb`` is a budget (vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE``): the cache takes the smaller of it and what ``max_num_seqs``
+    requests of ``max_model_len`` tokens can use.
     """
 
     block_size: int = 16
@@ -105,6 +107,8 @@ class CacheConfig:
             )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ConfigError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if not self.cpu_kv_cache_gb > 0:
+            raise ConfigError(f"cpu_kv_cache_gb must be > 0 (GiB), got {self.cpu_kv_cache_gb}")
 
 
 @dataclass

@@ -8,6 +8,7 @@ metadata, and returns plain Python results (token ids, logprobs) to the engine.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,16 @@ if TYPE_CHECKING:
 # Prompt-logprob rows are turned into [rows, vocab] float32 logits this many at a time.
 _PROMPT_LOGPROB_CHUNK = 512
 _GiB = 1 << 30
+
+logger = logging.getLogger(__name__)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
 
 
 @dataclass
@@ -250,8 +261,8 @@ class ModelRunner:
         """How many KV-cache blocks to allocate.
 
         ``cache.num_gpu_blocks`` wins when set. On CPU the cache takes ``cpu_kv_cache_gb``, capped
-        at what ``max_num_seqs`` max-length requests could use. On accelerators a forward pass at
-        ``max_num_batched_tokens`` is profiled and the cache gets what remains of
+        at what ``max_num_seqs`` max-length requests could use (``_cpu_num_blocks``). On
+        accelerators a forward pass at ``max_num_batched_tokens`` is profiled and the cache gets what remains of
         ``total_memory * gpu_memory_utilization``. Raises ``ConfigError`` with the numbers when
         not even one max-length request fits.
         """
@@ -261,19 +272,47 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         per_request = self.blocks_per_request()
         if self.device.type == "cpu":
-            budget = int(cache.cpu_kv_cache_gb * _GiB)
-            num_blocks = min(
-                budget // per_block, self.config.scheduler.max_num_seqs * per_request + 1
-            )
-            if num_blocks < per_request + 1:  # + the scheduler's reserved null block
-                raise ConfigError(
-                    f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds {budget // per_block} KV "
-                    f"blocks but one request of max_model_len={self.max_model_len} needs "
-                    f"{per_request} ({per_request * per_block / _GiB:.2f} GiB); raise "
-                    "cpu_kv_cache_gb or lower max_model_len"
-                )
-            return num_blocks
+            return self._cpu_num_blocks(per_block, per_request)
         return self._profile_num_blocks(per_block, per_request)
+
+    def _cpu_num_blocks(self, per_block: int, per_request: int) -> int:
+        """CPU cache size: ``min(budget, need)`` blocks, where the budget is
+        ``cpu_kv_cache_gb`` and the need is what ``max_num_seqs`` requests of ``max_model_len``
+        tokens can hold at once, plus the scheduler's null block.
+
+        The cache is allocated with ``torch.zeros``, so every byte of it is resident: a budget
+        the engine can never fill (a tiny model, a short ``max_model_len``, few sequences)
+        would be RAM held for nothing. Logs the size and which bound chose it.
+        """
+        cache = self.config.cache
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        budget_blocks = int(cache.cpu_kv_cache_gb * _GiB) // per_block
+        need_blocks = max_num_seqs * per_request + 1  # + the scheduler's reserved null block
+        if budget_blocks < per_request + 1:
+            raise ConfigError(
+                f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds {budget_blocks} KV "
+                f"blocks but one request of max_model_len={self.max_model_len} needs "
+                f"{per_request} ({per_request * per_block / _GiB:.2f} GiB); raise "
+                "cpu_kv_cache_gb or lower max_model_len"
+            )
+        num_blocks = min(budget_blocks, need_blocks)
+        need = (
+            f"max_num_seqs={max_num_seqs} requests of max_model_len={self.max_model_len} "
+            f"({per_request} blocks each, + 1 null block)"
+        )
+        budget = f"the cpu_kv_cache_gb={cache.cpu_kv_cache_gb:g} budget"
+        if num_blocks == need_blocks:
+            why = f"all that {need} can use, less than {budget}"
+        else:
+            why = f"capped by {budget}; {need} could use {_human_bytes(need_blocks * per_block)}"
+        logger.info(
+            "CPU KV cache: %d blocks of %d tokens, %s: %s",
+            num_blocks,
+            self.block_size,
+            _human_bytes(num_blocks * per_block),
+            why,
+        )
+        return num_blocks
 
     def _profile_num_blocks(self, per_block: int, per_request: int) -> int:
         platform = self.platform

@@ -29,10 +29,12 @@ def resolve_model_source(config: EngineConfig) -> None:
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    """The context length: the user's ``max_model_len`` if it fits the model, else the model's."""
+    """The context length: the user's ``max_model_len`` if it fits the model, else the model's
+    (read from the ``text_config`` of a multimodal config)."""
     derived = None
+    text = getattr(hf_config, "text_config", None) or hf_config
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(hf_config, key, None)
+        value = getattr(text, key, None)
         if isinstance(value, int) and value > 0:
             derived = value
             break
@@ -56,8 +58,8 @@ def resolve_dtype(config: EngineConfig, hf_config: Any, platform: Any) -> None:
         return
     from engine.loader import resolve_dtype as checkpoint_dtype
 
-    text = getattr(hf_config, "text_config", None) or hf_config
-    name = str(checkpoint_dtype(config.model, text)).replace("torch.", "")
+    # The loader reads the top-level dtype, then the text_config's (multimodal configs).
+    name = str(checkpoint_dtype(config.model, hf_config)).replace("torch.", "")
     if name not in platform.supported_dtypes:
         logger.warning(
             "the model's dtype %s is not supported on %s; dtype=auto uses float32",

@@ -37,9 +37,16 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
 
 def eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
     """Every token id that ends generation: the tokenizer's EOS plus the config's (Llama 3 and
-    others list several)."""
+    others list several; a multimodal config may give them at the top level or in its
+    ``text_config``)."""
     ids: list[int] = []
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    text = getattr(hf_config, "text_config", None)
+    sources = (
+        getattr(hf_config, "eos_token_id", None),
+        getattr(text, "eos_token_id", None),
+        tokenizer.eos_token_id,
+    )
+    for source in sources:
         if source is None:
             continue
         for token_id in source if isinstance(source, (list, tuple)) else [source]:

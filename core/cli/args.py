@@ -96,7 +96,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--cpu-kv-cache-gb",
         type=float,
         default=4.0,
-        help="KV-cache size on the CPU platform, in GiB (default: %(default)s).",
+        help=(
+            "KV-cache budget on the CPU platform, in GiB (vLLM: VLLM_CPU_KVCACHE_SPACE); the "
+            "cache takes the smaller of this and what --max-num-seqs requests of "
+            "--max-model-len tokens can use (default: %(default)s)."
+        ),
     )
 
     sched = parser.add_argument_group("scheduler")

@@ -13,6 +13,8 @@ missing or mis-shaped tensors — raises ``ModelLoadError`` before any weight is
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from engine.attention_backends.interface import AttentionBackend
     from engine.config import ModelConfig
     from engine.kernels.registry import Kernels
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -110,14 +114,16 @@ def load_hf_config(
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
     """``model_config.dtype`` as a torch dtype; ``auto`` takes the checkpoint's dtype
-    (``dtype``/``torch_dtype`` in config.json), float32 when it has none."""
+    (``dtype``/``torch_dtype`` in config.json; a multimodal config declares it at the top level
+    or in its ``text_config``), float32 when it has none."""
     if model_config.dtype != "auto":
         return _DTYPES[model_config.dtype]
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = getattr(torch, declared.replace("torch.", ""), None)
-    if declared in _DTYPES.values():
-        return declared
+    for config in (hf_config, getattr(hf_config, "text_config", None)):
+        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(declared, str):
+            declared = getattr(torch, declared.replace("torch.", ""), None)
+        if declared in _DTYPES.values():
+            return declared
     return torch.float32
 
 
@@ -159,13 +165,18 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def iter_safetensors(files: list[Path], progress: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one tensor at a time (memory-mapped, CPU)."""
+def iter_safetensors(
+    files: list[Path], progress: Any = None, names: set[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` one tensor at a time (memory-mapped, CPU); with ``names``, only
+    those tensors (the others' data is never read)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
+                if names is not None and name not in names:
+                    continue
                 yield name, f.get_tensor(name)
                 if progress is not None:
                     progress.update(1)
@@ -201,6 +212,27 @@ def _validate_checkpoint(model_cls: type, ctx: ModelContext, shapes: dict[str, t
     missing = {name for name, _ in meta_model.named_parameters()} - loaded
     if missing:
         raise ModelLoadError(_missing_message(meta_model, missing, set(shapes)))
+
+
+def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """``shapes`` without the tensors ``model_cls.skip_checkpoint_prefixes`` names (parts of the
+    checkpoint the model does not run); logs what was skipped and why."""
+    prefixes = tuple(getattr(model_cls, "skip_checkpoint_prefixes", ()))
+    if not prefixes:
+        return shapes
+    kept = {name: shape for name, shape in shapes.items() if not name.startswith(prefixes)}
+    skipped = [shape for name, shape in shapes.items() if name not in kept]
+    if skipped:
+        numel = sum(math.prod(shape) for shape in skipped)
+        logger.warning(
+            "%s: skipping %d checkpoint tensors (%s parameters under %s) without reading them: %s",
+            model_cls.__name__,
+            len(skipped),
+            f"{numel:,}",
+            ", ".join(p for p in prefixes if any(n.startswith(p) for n in shapes)),
+            getattr(model_cls, "skip_checkpoint_reason", "") or "not used by this model",
+        )
+    return kept
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
@@ -258,7 +290,7 @@ def load_model(
         weights = _counting(weights, progress)
     else:
         files = safetensors_files(path)
-        shapes = safetensors_shapes(files)
+        shapes = _drop_skipped(model_cls, safetensors_shapes(files))
         _validate_checkpoint(model_cls, ctx, shapes)
         present = set(shapes)
         progress = tqdm(
@@ -266,7 +298,7 @@ def load_model(
             desc=f"Loading {len(files)} safetensors shard(s)",
             unit="tensor",
         )
-        weights = iter_safetensors(files, progress)
+        weights = iter_safetensors(files, progress, names=set(shapes))
     with torch.device(device):
         model = model_cls(ctx)
     try:

@@ -14,10 +14,16 @@ class CausalLM(nn.Module):
     their attention in ``layer.self_attn.attn``, and an LM head in ``self.lm_head``.
 
     Subclasses build both in ``__init__`` and implement ``load_weights``.
+
+    ``skip_checkpoint_prefixes`` names checkpoint tensors that belong to parts of the HF model
+    this class does not run (e.g. a vision tower): the loader drops them by name, from the shard
+    headers, so their data is never read, and logs ``skip_checkpoint_reason`` once.
     """
 
     model: nn.Module
     lm_head: nn.Module
+    skip_checkpoint_prefixes: tuple[str, ...] = ()
+    skip_checkpoint_reason: str = ""
 
     def forward(
         self,

@@ -217,3 +217,78 @@ def save_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
+
+
+# --- Gemma 3 multimodal (the 4B/12B/27B layout) with a tiny SigLIP vision tower.
+
+TINY_GEMMA3_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,  # 5 sliding-window layers, then 1 global one
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 24,  # != head_dim, as in 27B, so the scale is read from config
+    "sliding_window": 8,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+}
+
+TINY_SIGLIP: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
+
+
+def build_tiny_gemma3_multimodal(
+    out_dir: str | Path, seed: int = 0, dtype: str = "float32", **text_overrides: Any
+) -> Path:
+    """Write a random ``Gemma3ForConditionalGeneration`` (``TINY_GEMMA3_TEXT`` text model, a
+    ``TINY_SIGLIP`` vision tower, the projector) with a tokenizer to ``out_dir``; returns it.
+
+    The vocabulary is the tokenizer's, with its last id as the image token (as the released
+    models keep it inside the vocabulary). Norm weights are randomised too (HF initialises
+    Gemma's to zero, which would hide a missing ``1 + w``) and matrices widened so greedy
+    decoding is decisive.
+    """
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    vocab = len(tokenizer)
+    text = dict(
+        TINY_GEMMA3_TEXT,
+        vocab_size=vocab,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **text_overrides,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=TINY_SIGLIP,
+        mm_tokens_per_image=4,
+        boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2,
+        image_token_index=vocab - 1,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+            elif p.dim() == 2:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    model.to(getattr(torch, dtype)).save_pretrained(str(out))
+    return out

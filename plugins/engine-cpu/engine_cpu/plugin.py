@@ -16,3 +16,11 @@ def engine_platform():
     from engine_cpu.platform import CpuPlatform
 
     return CpuPlatform
+
+
+@hookimpl
+def engine_kernels(registry) -> None:
+    """CPU kernel overrides (``engine_cpu.kernels``): exact, only faster."""
+    from engine_cpu import kernels
+
+    kernels.register(registry)

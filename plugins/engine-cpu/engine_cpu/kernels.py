@@ -1,0 +1,25 @@
+"""CPU kernel overrides: where a different torch op computes exactly the reference's result,
+faster on the CPU.
+
+``argmax``: ``torch.max(dim=-1)`` returns the same index as ``torch.argmax`` (the first
+maximum when tied, a NaN counting as the maximum), but its CPU kernel is vectorized for
+bfloat16 and ``argmax``'s is not. On a 2-core EPYC, the greedy step of the embedded Gemma 3
+(262,144-entry vocabulary) at batch 32 took 15.5 ms with ``argmax`` and 3.6 ms with ``max``
+(float32: 3.7 and 4.2 ms, so float32 keeps ``argmax``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """See ``engine.kernels.reference.argmax``: [N, V] -> int64 [N], the first maximum."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
+def register(registry) -> None:
+    """Register the CPU overrides for the ``cpu`` platform."""
+    registry.register("argmax", argmax, platforms=("cpu",), provider="engine-cpu")

@@ -240,3 +240,29 @@ def test_linear_layers_use_the_kernel_registry_and_still_pack_on_cpu():
         for m, exp in zip(layers, expected, strict=True):
             torch.testing.assert_close(m(x), exp, atol=1e-5, rtol=1e-5)
         assert calls == []  # the packed product replaced the kernel call
+
+
+def test_tied_float32_lm_head_runs_onednn_on_the_shared_matrix():
+    """A tied float32 head is not copied into a packed layout (it would double the embedding):
+    oneDNN multiplies the plain matrix the embedding keeps using."""
+    from engine.layers import LMHead
+    from engine.layers.cpu_packed_linear import pack_linears, packing_supported
+
+    if not packing_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleList([LMHead(301, 64, torch.float32), LMHead(301, 64, torch.float32)])
+    for p in heads.parameters():
+        p.data.normal_()
+    tied = heads[0].weight
+    xs = [torch.randn(n, 64) for n in (1, 7, 33)]
+    expected = [[F.linear(x, h.weight) for x in xs] for h in heads]
+    assert pack_linears(heads, shared_weights=(tied,)) == 2
+    assert heads[0].packed_weight.data_ptr() == tied.data_ptr()  # no copy
+    assert heads[0].packed_weight.layout == torch.strided
+    assert heads[1].packed_weight.layout != torch.strided  # untied: packed as before
+    for head, exps in zip(heads, expected, strict=True):
+        for x, exp in zip(xs, exps, strict=True):
+            out = head(x)
+            assert out.dtype == torch.float32 and out.shape == exp.shape
+            torch.testing.assert_close(out, exp, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,8 @@ the last bits (sums in another order); the float32 engine stays token-exact agai
 on the real Gemma 3 model (tests/test_gguf_gemma3.py).
 
 The packed weight replaces the plain one (whose storage is released), except for a tied LM head
-whose matrix the embedding still needs; packing is therefore the last step of loading.
+whose matrix the embedding still needs (in float32 that head multiplies the plain matrix through
+the same oneDNN op, see ``pack_linears``); packing is therefore the last step of loading.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()
     An ``LMHead`` whose weight is one of ``shared_weights`` (a tied embedding) is packed only in
     16-bit dtypes: packing keeps the plain matrix for the embedding, so the head then exists
     twice, and for float32 vocabularies the copy is too big (671 MB for Gemma's 262k x 640).
+    A tied float32 head runs oneDNN's kernel on the plain matrix instead (no copy): Gemma's head
+    at batch 1 / 32 took 67 / 207 ms through ``F.linear`` and 28 / 95 ms so (packed: 27 / 75).
+    In 16-bit dtypes the plain matrix gains nothing over ``F.linear`` (bf16: 25.5 vs 27 ms).
     """
     count = 0
     shared = {id(w) for w in shared_weights}
@@ -88,8 +92,11 @@ def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()
             if not packing_supported(weight.dtype, weight.device):
                 continue
             if id(weight) in shared and weight.dtype == torch.float32:
-                continue
-            module.packed_weight = _pack(weight)
+                if not weight.is_contiguous():
+                    continue
+                module.packed_weight = weight.detach()  # the plain matrix, shared
+            else:
+                module.packed_weight = _pack(weight)
             if isinstance(module, LMHead):
                 # Possibly tied to the embedding, which keeps using the plain matrix.
                 module.forward = types.MethodType(_lm_head_forward, module)

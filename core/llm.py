@@ -190,9 +190,24 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and
-        generate a reply for each."""
+        generate a reply for each.
+
+        As vLLM's ``LLM.chat``: ``tools`` (OpenAI function definitions) and
+        ``chat_template_kwargs`` go to the template; ``continue_final_message`` continues the
+        last (assistant) message instead of opening a new turn. Tool calls in the replies are
+        not parsed offline: the server's ``--tool-call-parser`` does that.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message=True needs add_generation_prompt=False (the reply "
+                "continues the last message instead of opening a new turn)",
+                "continue_final_message",
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -208,7 +223,10 @@ class LLM:
                 chat_template=chat_template,
                 tokenize=True,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
                 return_dict=False,
+                **(chat_template_kwargs or {}),
             )
             if hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]

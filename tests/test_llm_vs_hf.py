@@ -195,6 +195,33 @@ def test_chat_applies_template(llama_llm):
     assert out.prompt_token_ids == tok(want, add_special_tokens=False).input_ids
 
 
+def test_chat_passes_tools_and_template_options(llama_llm):
+    """tools, chat_template_kwargs and continue_final_message reach the template (vLLM's
+    LLM.chat); the prompt is exactly what the template renders from them."""
+    from engine.errors import InvalidRequestError
+
+    template = (
+        "{% if tools %}tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}|"
+        "{% endif %}{% if style %}style={{ style }}|{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+        "{% if not loop.last or not continue_final_message %}|{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    tok = llama_llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    out = llama_llm.chat(messages, params, use_tqdm=False, chat_template=template, tools=tools,
+                         chat_template_kwargs={"style": "terse"}, add_generation_prompt=False,
+                         continue_final_message=True)[0]  # fmt: skip
+    text = "tools: get_weather|style=terse|user: hi|assistant: The"
+    assert tok.decode(out.prompt_token_ids, skip_special_tokens=True) == text
+    plain = llama_llm.chat(messages[:1], params, use_tqdm=False, chat_template=template)[0]
+    assert tok.decode(plain.prompt_token_ids, skip_special_tokens=True) == "user: hi|assistant:"
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt=False"):
+        llama_llm.chat(messages, params, chat_template=template, continue_final_message=True)
+
+
 def test_bad_input_is_rejected_before_work(llama_llm, tmp_path):
     from engine.errors import InvalidRequestError, PromptTooLongError
     from engine.sampling_params import SamplingParamsError

@@ -19,6 +19,7 @@ so far, so their steps always run synchronously.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,7 @@ class LLMEngine:
         self._async = bool(getattr(scheduler, "async_output", False))
         self._in_flight: _InFlight | None = None
         self._structured: Any = None  # StructuredOutputManager, built on first use
+        self._structured_lock = threading.Lock()  # the server compiles on worker threads
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -160,13 +162,14 @@ class LLMEngine:
     def structured_outputs(self) -> Any:
         """The ``StructuredOutputManager`` of this engine (built, and xgrammar imported, on
         the first request with structured outputs)."""
-        if self._structured is None:
-            from engine.structured_output import StructuredOutputManager
+        with self._structured_lock:
+            if self._structured is None:
+                from engine.structured_output import StructuredOutputManager
 
-            self._structured = StructuredOutputManager(
-                self.tokenizer, self.runner.vocab_size, self.eos_token_ids
-            )
-        return self._structured
+                self._structured = StructuredOutputManager(
+                    self.tokenizer, self.runner.vocab_size, self.eos_token_ids
+                )
+            return self._structured
 
     # ------------------------------------------------------------------ requests
     def add_request(

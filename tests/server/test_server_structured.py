@@ -218,3 +218,35 @@ def test_response_format_text_is_unconstrained(http, offline):
     )[0].outputs[0]
     got = complete(http, max_tokens=8, ignore_eos=True, response_format={"type": "text"})
     assert got["text"] == want.text and got["finish_reason"] == "length"
+
+
+def test_grammars_compile_off_the_engine_thread(http, server, monkeypatch):
+    """The server compiles a new grammar on a worker thread; the engine thread then finds it
+    in the cache, so other requests never wait for a compilation."""
+    import threading
+
+    from engine.structured_output import grammar_key
+
+    manager = server.engine.structured_outputs
+    calls = []
+    compile_ = manager.compile
+
+    def recording(params):
+        cached = grammar_key(params) in manager._cache
+        calls.append((threading.current_thread().name, cached))
+        return compile_(params)
+
+    monkeypatch.setattr(manager, "compile", recording)
+    schema = {**SCHEMA, "title": "compiled off the engine thread"}  # not cached yet
+    check_schema(json.loads(complete(http, structured_outputs={"json": schema,
+                                     "disable_any_whitespace": True})["text"]))  # fmt: skip
+    first_thread, was_cached = calls[0]
+    assert first_thread != "engine-loop" and not was_cached
+    assert ("engine-loop", True) in calls[1:] and ("engine-loop", False) not in calls
+    # A constraint that does not compile fails on the worker: a 400, and the engine never saw it.
+    calls.clear()
+    err = error_of(http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT,
+                   "guided_regex": "(unclosed"}), 400)  # fmt: skip
+    assert err["param"] == "guided_regex" and "regex" in err["message"]
+    assert [name for name, _ in calls] and "engine-loop" not in [name for name, _ in calls]
+    assert server.engine.num_used_blocks == 0

@@ -63,9 +63,14 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert backends["triton"]["distribution"] == "engine-triton"
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
     assert report["auto_order"] == ["torch"]
-    # Overrides (engine-triton's, when triton is installed) target GPUs, none the CPU.
-    for override in report["kernel_overrides"]:
-        assert "cpu" not in (override["platforms"] or ["cpu"]), override
+    # Overrides: engine-triton's (when triton is installed) target GPUs; the CPU's only
+    # override is engine-cpu's argmax.
+    on_cpu = [
+        (o["kernel"], o["provider"])
+        for o in report["kernel_overrides"]
+        if "cpu" in (o["platforms"] or ["cpu"])
+    ]
+    assert on_cpu == [("argmax", "engine-cpu")], report["kernel_overrides"]
 
 
 def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:

@@ -1,7 +1,8 @@
-"""``engine bench throughput|latency|scheduler``: the benchmark commands.
+"""``engine bench throughput|latency|serve|scheduler``: the benchmark commands.
 
 ``throughput`` and ``latency`` run the whole engine (``engine.benchmarks.throughput`` and
-``.latency``); ``scheduler`` times the scheduler and KV-cache manager alone
+``.latency``); ``serve`` loads a running server over HTTP (``engine.benchmarks.serve``);
+``scheduler`` times the scheduler and KV-cache manager alone
 (``engine.benchmarks.scheduler``, which parses its own flags). Nothing heavy is imported until a
 benchmark runs.
 """
@@ -24,6 +25,12 @@ def _run_latency(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from engine.benchmarks.serve import run
+
+    return run(args)
+
+
 def _run_scheduler(args: argparse.Namespace) -> int:
     from engine.benchmarks.scheduler import main
 
@@ -31,8 +38,8 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``engine bench`` and its three benchmarks."""
-    from engine.benchmarks import latency, throughput
+    """Add ``engine bench`` and its four benchmarks."""
+    from engine.benchmarks import latency, serve, throughput
 
     bench = subparsers.add_parser("bench", help="Benchmark the engine (throughput, latency, ...).")
     kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
@@ -42,6 +49,11 @@ def register(subparsers: Any) -> None:
     p = kinds.add_parser("latency", help="Decode latency at fixed batch sizes.")
     latency.add_cli_args(p)
     p.set_defaults(func=_run_latency)
+    p = kinds.add_parser(
+        "serve", help="Load a running server: TTFT, TPOT, ITL and throughput (as vLLM's)."
+    )
+    serve.add_cli_args(p)
+    p.set_defaults(func=_run_serve)
     p = kinds.add_parser(
         "scheduler",
         help="The scheduler and KV-cache manager alone (flags: engine bench scheduler -- --help).",

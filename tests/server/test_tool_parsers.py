@@ -254,6 +254,8 @@ PYTHONIC_CASES = {
         [],
     ),
     "set_is_not_json": ("[f(tags={'a'})]", "[f(tags={'a'})]", []),
+    "not_json_numbers_or_keys": ("[f(x=1e999, y={1: 2})]", "[f(x=1e999, y={1: 2})]", []),
+    "nul_byte": ("[f(x='\0')]", "[f(x='\0')]", []),
     "good_then_malformed": (
         "[get_time(), get_weather(city=x)]",
         "get_weather(city=x)]",

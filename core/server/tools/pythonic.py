@@ -96,7 +96,7 @@ def _parse_call(source: str) -> ToolCall | None:
     """``name(key=literal, ...)`` as a ``ToolCall``, or None when it is anything else."""
     try:
         node = ast.parse(source.strip(), mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: a NUL byte
         return None
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
         return None

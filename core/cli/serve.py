@@ -80,8 +80,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="How the model writes tool calls: "
         + ", ".join(_tool_parser_names())
         + " (hermes: <tool_call>{...}</tool_call>, Hermes and Qwen models; llama3_json: "
-        '{"name": ..., "parameters": ...} objects, Llama 3.x), or module:Class of your own '
-        "ToolParser. Needs --enable-auto-tool-choice.",
+        '{"name": ..., "parameters": ...} objects, Llama 3.x; mistral: [TOOL_CALLS] calls, '
+        "Mistral and Mixtral models; pythonic: [f(x=1), g()] lists, Llama 3.2 / 4), or "
+        "module:Class of your own ToolParser. Needs --enable-auto-tool-choice.",
     )
     tools.add_argument(
         "--exclude-tools-when-tool-choice-none",

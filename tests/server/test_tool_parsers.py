@@ -138,9 +138,151 @@ LLAMA_CASES = {
     "partial_tag_only": ("<|python_t", "<|python_t", []),
 }
 
-CASES = [("hermes", name, *case) for name, case in HERMES_CASES.items()] + [
-    ("llama3_json", name, *case) for name, case in LLAMA_CASES.items()
-]
+# Mistral: the v0.3 JSON array and the v11+ name[ARGS]{...} form, with the special tokens kept
+# (the server's default for this parser) or skipped by the request.
+MISTRAL_CASES = {
+    "array_text_then_two_calls": (
+        "Let me check both. [TOOL_CALLS] ["
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+        '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+        "Let me check both. ",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris"})],
+    ),
+    "array_nested_arguments": (
+        '[TOOL_CALLS][{"name": "book", "arguments": '
+        '{"guests": [{"name": "Ann [TOOL_CALLS]", "age": 3}], "opts": {"x": null}}}]',
+        None,
+        [("book", {"guests": [{"name": "Ann [TOOL_CALLS]", "age": 3}], "opts": {"x": None}})],
+    ),
+    "v11_two_calls": (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "東京 {}]"}[TOOL_CALLS]get_time[ARGS]{}',
+        None,
+        [("get_weather", {"city": "東京 {}]"}), ("get_time", {})],
+    ),
+    "v11_text_before": (
+        'Sure.\n\n[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}',
+        "Sure.\n\n",
+        [("get_time", {"tz": "UTC"})],
+    ),
+    "no_call": ("The [TOOL] list is [1, 2].", "The [TOOL] list is [1, 2].", []),
+    "special_tokens_skipped": (  # the request skipped them: nothing marks a call
+        ' [{"name": "get_time", "arguments": {}}]',
+        ' [{"name": "get_time", "arguments": {}}]',
+        [],
+    ),
+    "array_malformed": (
+        'Ok [TOOL_CALLS] [{"name": "get_time", "arguments": {]}]',
+        'Ok [TOOL_CALLS] [{"name": "get_time", "arguments": {]}]',
+        [],
+    ),
+    "array_good_then_malformed": (
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"oops": 1}]',
+        '{"oops": 1}]',
+        [("get_time", {})],
+    ),
+    "array_cut_after_a_call": (
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, ',
+        None,
+        [("get_time", {})],
+    ),
+    "array_truncated": (
+        '[TOOL_CALLS][{"name": "get_time", "argu',
+        '[TOOL_CALLS][{"name": "get_time", "argu',
+        [],
+    ),
+    "v11_bad_name_is_content": (
+        "[TOOL_CALLS]Here is my answer[ARGS]{}",
+        "[TOOL_CALLS]Here is my answer[ARGS]{}",
+        [],
+    ),
+    "v11_call_then_truncated": (
+        '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Pa',
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa',
+        [("get_time", {})],
+    ),
+    "v11_arguments_not_an_object": (
+        "[TOOL_CALLS]get_time[ARGS][1]",
+        "[TOOL_CALLS]get_time[ARGS][1]",
+        [],
+    ),
+    "call_then_text": ("[TOOL_CALLS]get_time[ARGS]{}\nDone.", "\nDone.", [("get_time", {})]),
+    "partial_marker_at_end": ("See [TOOL_CA", "See [TOOL_CA", []),
+    "marker_only": ("[TOOL_CALLS]", "[TOOL_CALLS]", []),
+}
+
+# Pythonic: Llama 3.2 / 4 lists of calls, with Llama 4's tags (special tokens kept) or without.
+PYTHONIC_CASES = {
+    "two_calls": (
+        '[get_weather(city="Paris", unit="c"), get_time()]',
+        None,
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})],
+    ),
+    "llama4_tags_kept": (
+        "<|python_start|>[get_weather(city='Oslo')]<|python_end|>",
+        None,
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    "nested_literals": (
+        '\n[book(guests=[{"name": "Ann)", "age": 3}, ("Bo", -1.5)], vip=True, note=None, '
+        """memo='''it's "(fine"''', code='a\\'b')]""",
+        None,
+        [
+            (
+                "book",
+                {
+                    "guests": [{"name": "Ann)", "age": 3}, ["Bo", -1.5]],
+                    "vip": True,
+                    "note": None,
+                    "memo": 'it\'s "(fine"',
+                    "code": "a'b",
+                },
+            )
+        ],
+    ),
+    "multiline_trailing_comma": (
+        '[\n  get_time(tz="UTC"),\n  get_time(tz="CET"),\n]',
+        None,
+        [("get_time", {"tz": "UTC"}), ("get_time", {"tz": "CET"})],
+    ),
+    "plain_text": ("Paris is sunny (22C) [source].", "Paris is sunny (22C) [source].", []),
+    "python_list_answer": ("[1, 2, 3]", "[1, 2, 3]", []),
+    "list_of_words": ("[done] all good", "[done] all good", []),
+    "positional_argument": ('[get_weather("Paris")]', '[get_weather("Paris")]', []),
+    "not_a_literal": (
+        "[get_weather(city=open('/etc/passwd').read())]",
+        "[get_weather(city=open('/etc/passwd').read())]",
+        [],
+    ),
+    "set_is_not_json": ("[f(tags={'a'})]", "[f(tags={'a'})]", []),
+    "not_json_numbers_or_keys": ("[f(x=1e999, y={1: 2})]", "[f(x=1e999, y={1: 2})]", []),
+    "nul_byte": ("[f(x='\0')]", "[f(x='\0')]", []),
+    "good_then_malformed": (
+        "[get_time(), get_weather(city=x)]",
+        "get_weather(city=x)]",
+        [("get_time", {})],
+    ),
+    "truncated": ('[get_weather(city="Par', '[get_weather(city="Par', []),
+    "call_then_cut": (
+        '[get_time(), get_weather(city="Par',
+        'get_weather(city="Par',
+        [("get_time", {})],
+    ),
+    "tag_then_text": ("<|python_start|>Hello", "<|python_start|>Hello", []),
+    "text_after_list": ("[get_time()] Done.", "Done.", [("get_time", {})]),
+    "partial_tag_only": ("<|python_st", "<|python_st", []),
+    "cut_closing_tag": (
+        "<|python_start|>[get_time()]<|python_e",
+        "<|python_e",
+        [("get_time", {})],
+    ),
+}
+
+CASES = (
+    [("hermes", name, *case) for name, case in HERMES_CASES.items()]
+    + [("llama3_json", name, *case) for name, case in LLAMA_CASES.items()]
+    + [("mistral", name, *case) for name, case in MISTRAL_CASES.items()]
+    + [("pythonic", name, *case) for name, case in PYTHONIC_CASES.items()]
+)
 IDS = [f"{parser}-{name}" for parser, name, *_ in CASES]
 
 
@@ -167,7 +309,10 @@ def test_parse_whole_output(parser_name, name, text, content, calls):
     assert parsed.content == content
     assert calls_of(parsed.calls) == calls
     for call in parsed.calls:
-        assert call.id.startswith("call_") and len(call.id) > 10
+        if parser_name == "mistral":  # Mistral templates accept only 9 letters or digits
+            assert len(call.id) == 9 and call.id.isalnum() and call.id.isascii()
+        else:
+            assert call.id.startswith("call_") and len(call.id) > 10
     assert len({c.id for c in parsed.calls}) == len(parsed.calls)
 
 
@@ -183,6 +328,10 @@ def test_stream_split_anywhere_matches_whole_parse(parser_name, name, text, cont
         if calls and parser_name == "hermes" and "oops" not in text:
             # Well-formed calls: no piece of the markers is ever shown.
             assert not any("<tool" in s or "</tool" in s for s in shown), pieces
+        if calls and content is None:
+            assert not any(shown), pieces  # nothing but calls: nothing is ever shown
+        if parser_name == "mistral" and calls and "[TOOL_CALLS]" not in (content or ""):
+            assert not any(m in s for s in shown for m in ("[TOOL", "[ARGS")), pieces
 
 
 def test_stream_shows_plain_text_without_waiting_for_the_end():
@@ -195,13 +344,35 @@ def test_stream_shows_plain_text_without_waiting_for_the_end():
     assert update.content == "" and calls_of(update.calls) == [("f", {})]
 
 
+def test_mistral_and_pythonic_hold_back_only_what_may_be_a_call():
+    stream = load_tool_parser("mistral").stream()
+    assert stream.feed("Hi [TOOL").content == "Hi "  # may become [TOOL_CALLS]
+    assert stream.feed("S] and [TOOL_CALLS]get_").content == "[TOOLS] and "
+    assert not stream.feed("time[AR")
+    update = stream.feed('GS]{"tz": "UTC"}')
+    assert update.content == "" and calls_of(update.calls) == [("get_time", {"tz": "UTC"})]
+    assert stream.feed("[TOOL_CALLS]two words").content == "[TOOL_CALLS]two words"
+
+    stream = load_tool_parser("pythonic").stream()
+    assert not stream.feed(" <|python_start|>[get")  # may still be "[get_time("
+    assert stream.feed("_time is").content == " <|python_start|>[get_time is"
+    stream = load_tool_parser("pythonic").stream()
+    assert not stream.feed('[get_weather(city="Paris"')
+    update = stream.feed("), get_ti")
+    assert update.content == "" and calls_of(update.calls) == [("get_weather", {"city": "Paris"})]
+    update = stream.feed("me(), 42]")
+    assert update.content == "42]" and calls_of(update.calls) == [("get_time", {})]
+
+
 def test_registry_and_server_flags():
-    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) >= {"hermes", "llama3_json", "mistral", "pythonic"}
     assert load_tool_parser("hermes").name == "hermes"
     # An out-of-tree parser by qualified name.
     assert load_tool_parser("engine.server.tools.hermes:HermesToolParser").name == "hermes"
-    with pytest.raises(ToolParserNotFound, match="choose one of hermes, llama3_json"):
-        load_tool_parser("mistral")
+    with pytest.raises(
+        ToolParserNotFound, match="choose one of hermes, llama3_json, mistral, pythonic"
+    ):
+        load_tool_parser("granite")
     with pytest.raises(ToolParserNotFound, match="not a ToolParser"):
         load_tool_parser("json:JSONDecoder")
     assert tool_parser_from_flags(False, None) is None

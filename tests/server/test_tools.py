@@ -541,3 +541,82 @@ def test_llama3_json_parser_server(tokenizer):
         ]
         assert heads == ["get_weather", "get_time"]
         assert not any(e["choices"][0]["delta"].get("content") for e in events)
+
+
+def _streamed(events: list[dict]) -> tuple[str, list[dict], str | None]:
+    """Content, tool-call deltas and finish reason of choice 0 of a stream."""
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    deltas = [tc for c in choices for tc in c["delta"].get("tool_calls", ())]
+    return content, deltas, choices[-1]["finish_reason"]
+
+
+def test_mistral_parser_server(tokenizer):
+    engine = ScriptedEngine(tokenizer, max_model_len=512, step_delay=0.0)
+    engine.script = (
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+        '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+    )
+    with (
+        RunningServer(lambda: engine, tool_options("mistral")) as server,
+        httpx.Client(base_url=server.base_url, timeout=30) as c,
+    ):
+        choice = chat(c, tools=[WEATHER, TIME]).json()["choices"][0]
+        assert engine.last_params.skip_special_tokens is False  # [TOOL_CALLS] is special
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["content"] == "Checking."
+        calls = choice["message"]["tool_calls"]
+        assert [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in calls] == [
+            ("get_weather", {"city": "Oslo"}),
+            ("get_time", {"tz": "CET"}),
+        ]
+        # Mistral's chat templates accept only 9-character alphanumeric ids in the history.
+        assert all(len(x["id"]) == 9 and x["id"].isalnum() for x in calls)
+        content, deltas, finish = _streamed(sse_events(chat(c, tools=[WEATHER, TIME], stream=True)))
+        assert content == "Checking." and finish == "tool_calls"
+        heads = [d for d in deltas if "id" in d]
+        assert [(d["index"], d["function"]["name"]) for d in heads] == [
+            (0, "get_weather"),
+            (1, "get_time"),
+        ]
+        assert all(len(d["id"]) == 9 and d["id"].isalnum() for d in heads)
+        # The history with those ids goes back to the model.
+        history = USER + [
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "-3C"},
+        ]
+        engine.script = "It is -3C in Oslo."
+        r = chat(c, tools=[WEATHER, TIME], messages=history)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": "It is -3C in Oslo.",
+            "tool_calls": [],
+        }
+
+
+def test_pythonic_parser_server(tokenizer):
+    engine = ScriptedEngine(tokenizer, max_model_len=512, step_delay=0.0)
+    engine.script = '[get_weather(city="Oslo"), get_time(tz=None)]'
+    with (
+        RunningServer(lambda: engine, tool_options("pythonic")) as server,
+        httpx.Client(base_url=server.base_url, timeout=30) as c,
+    ):
+        choice = chat(c, tools=[WEATHER, TIME]).json()["choices"][0]
+        assert engine.last_params.skip_special_tokens is True  # no special token needed
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        assert [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in calls] == [
+            ("get_weather", {"city": "Oslo"}),
+            ("get_time", {"tz": None}),
+        ]
+        content, deltas, finish = _streamed(sse_events(chat(c, tools=[WEATHER, TIME], stream=True)))
+        assert content == "" and finish == "tool_calls"
+        assert [d["function"]["name"] for d in deltas if "id" in d] == ["get_weather", "get_time"]
+        # A malformed call (positional argument) is content, streamed or not.
+        engine.script = '[get_weather("Oslo")]'
+        choice = chat(c, tools=[WEATHER, TIME]).json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] == []
+        assert choice["message"]["content"] == engine.script
+        content, deltas, finish = _streamed(sse_events(chat(c, tools=[WEATHER], stream=True)))
+        assert (content, deltas, finish) == (engine.script, [], "stop")

@@ -24,6 +24,8 @@ from typing import Any
 TOOL_PARSERS: dict[str, str] = {
     "hermes": "engine.server.tools.hermes:HermesToolParser",
     "llama3_json": "engine.server.tools.llama3_json:Llama3JsonToolParser",
+    "mistral": "engine.server.tools.mistral:MistralToolParser",
+    "pythonic": "engine.server.tools.pythonic:PythonicToolParser",
 }
 
 

@@ -20,37 +20,12 @@ from engine.server.tools.parser import (
     ToolCallStream,
     ToolParser,
     call_from_object,
+    json_value_end,
 )
 
 PYTHON_TAG = "<|python_tag|>"
 
 _UNDECIDED, _CALLS, _TEXT = range(3)
-
-
-def _object_end(text: str, start: int) -> int:
-    """Index just past the JSON object opening at ``text[start]`` (strings and escapes
-    respected), or -1 when it is not closed yet."""
-    depth = 0
-    in_string = False
-    escaped = False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return -1
 
 
 def _skip_separators(text: str) -> int:
@@ -111,7 +86,7 @@ class _Llama3JsonStream(ToolCallStream):
             if self.buf[i] != "{":
                 self._give_up(i, out)
                 return
-            end = _object_end(self.buf, i)
+            end = json_value_end(self.buf, i)
             if end < 0:
                 return
             try:

@@ -22,13 +22,13 @@ import json
 import random
 import string
 
-from engine.server.tools.llama3_json import _object_end
 from engine.server.tools.parser import (
     StreamUpdate,
     ToolCall,
     ToolCallStream,
     ToolParser,
     call_from_object,
+    json_value_end,
     partial_marker_length,
 )
 
@@ -152,7 +152,7 @@ class _MistralStream(ToolCallStream):
             if buf[i] != "{":
                 self._give_up(out)
                 return False
-            end = _object_end(buf, i)
+            end = json_value_end(buf, i)
             if end < 0:
                 return False
             try:
@@ -186,7 +186,7 @@ class _MistralStream(ToolCallStream):
             if stripped[0] != "{":
                 self._give_up(out)
                 return False
-            end = _object_end(buf, start)
+            end = json_value_end(buf, start)
             if end < 0:
                 return False
             try:

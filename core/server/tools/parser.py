@@ -108,6 +108,32 @@ def call_from_object(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | Non
     return ToolCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
+def json_value_end(text: str, start: int) -> int:
+    """Index just past the JSON object or array opening at ``text[start]`` (strings and
+    escapes respected), or -1 when it is not closed yet: where a streamed call may end."""
+    depth = 0
+    in_string = False
+    escaped = False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
 def partial_marker_length(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper beginning of ``marker``: the
     characters to hold back because the next piece may complete the marker."""

@@ -284,7 +284,9 @@ class ServingContext:
         if not self.options.log_requests or not logger.isEnabledFor(logging.INFO):
             return
         limit = self.options.max_log_len
-        if isinstance(prompt, str) and limit is not None:
+        if not isinstance(prompt, str):
+            prompt = None  # a token-id prompt: logged once, as prompt_token_ids (truncated)
+        elif limit is not None:
             prompt = prompt[:limit]
         ids = prompt_ids if limit is None else prompt_ids[:limit]
         logger.info(

@@ -173,3 +173,19 @@ def test_body_too_large(http):
 
     r = http.post("/v1/completions", content=chunked())
     assert error_of(r, 413)["code"] == "request_too_large"
+
+
+def test_request_log_line_shows_a_token_prompt_once_and_truncated(caplog):
+    """``--max-log-len`` truncates the text and the ids; a token-id prompt is not repeated."""
+    import logging
+    from types import SimpleNamespace
+
+    from engine.server.serving import ServingContext
+
+    ctx = SimpleNamespace(options=SimpleNamespace(log_requests=True, max_log_len=3))
+    with caplog.at_level(logging.INFO, logger="engine.server.requests"):
+        ServingContext.log_request(ctx, "r1", [11, 12, 13, 14, 15], [11, 12, 13, 14, 15], "P")
+        ServingContext.log_request(ctx, "r2", "abcdef", [1, 2, 3, 4], "P")
+    first, second = (r.getMessage() for r in caplog.records)
+    assert first == "request r1: prompt: None, params: P, prompt_token_ids: [11, 12, 13]"
+    assert second == "request r2: prompt: 'abc', params: P, prompt_token_ids: [1, 2, 3]"

@@ -41,9 +41,14 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
+    # only its EOS ids; or a directory to read it from (see engine.generation_config).
+    generation_config: str = "auto"
     # Filled in by the loader once the config is read:
     hf_config: Any = None
     architecture: str | None = None
+    # SamplingParams defaults from the generation config (engine.generation_config).
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

@@ -37,7 +37,10 @@ class LLM:
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``, ``platform``,
     ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
-    ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs). Unknown keywords are an error that lists them.
+    ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
+    ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
+    sampling parameters; "vllm": EOS ids only; or a directory). Unknown keywords are an error
+    that lists them.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class LLM:
         max_logprobs: int = 20,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
+        generation_config: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -79,6 +83,7 @@ class LLM:
                 seed=seed,
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,
+                generation_config=generation_config,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -141,7 +146,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -182,6 +187,13 @@ class LLM:
             engine.abort_request(ids_in_order)
             raise
         return self._run(ids_in_order, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's recommended defaults from its
+        ``generation_config.json`` (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens), as vLLM's; plain defaults without one or with
+        ``generation_config="vllm"``. ``generate`` and ``chat`` use it when given none."""
+        return SamplingParams(**self.llm_engine.config.model.default_sampling)
 
     def chat(
         self,

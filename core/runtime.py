@@ -28,6 +28,14 @@ def resolve_model_source(config: EngineConfig) -> None:
         config.model.served_model_name = served_name
 
 
+def _model_dir(model: str | None) -> str | None:
+    """The local directory of a Hugging Face model (None for a GGUF file)."""
+    from engine.loader import resolve_model_path
+
+    path = resolve_model_path(model) if model is not None else None
+    return str(path) if path is not None and path.is_dir() else None
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
     """The context length: the user's ``max_model_len`` if it fits the model, else the model's
     (read from the ``text_config`` of a multimodal config)."""
@@ -90,6 +98,7 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
 
 def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
     """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``."""
+    from engine import generation_config
     from engine.kv_cache_manager import KVCacheGroupSpec
     from engine.loader import load_hf_config
     from engine.model_runner import ModelRunner
@@ -122,6 +131,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     if config.model.served_model_name is None:
         config.model.served_model_name = config.model.model
     tokenizer = load_tokenizer(config.model)
+    generation_eos, config.model.default_sampling = generation_config.resolve(
+        _model_dir(config.model.model), config.model.generation_config
+    )
 
     kernels = plugins.kernel_registry().resolve(platform.name)
     spec = attention_spec_for(hf_config, config, platform)
@@ -152,4 +164,6 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         num_blocks,
         config.cache.block_size,
     )
-    return tokenizer, runner, scheduler, eos_token_ids(tokenizer, hf_config), plugins
+    eos = eos_token_ids(tokenizer, hf_config)
+    eos += [t for t in generation_eos if t not in eos]
+    return tokenizer, runner, scheduler, eos, plugins

@@ -64,6 +64,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "back as `model`; /v1/models lists them all; the first labels the metrics (default: "
         "the model argument).",
     )
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="auto: the model's generation_config.json gives end-of-sequence ids and default "
+        "sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) for requests that leave them unset; vllm: its end-of-sequence ids "
+        "only; DIR: read generation_config.json from there (default: %(default)s).",
+    )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 
     cache = parser.add_argument_group("KV cache")
@@ -169,6 +178,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             load_format=args.load_format,
             seed=args.seed,
             served_model_name=args.served_model_name,
+            generation_config=args.generation_config,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -74,6 +74,10 @@ class ServingContext:
         self.tokenizer = engine.tokenizer
         model_config = engine.config.model
         self.max_model_len: int = int(model_config.max_model_len)
+        # Defaults from the model's generation_config.json for fields a request leaves unset.
+        self.default_sampling: dict[str, Any] = dict(
+            getattr(model_config, "default_sampling", None) or {}
+        )
         self.model_path: str = str(model_config.model)
         self.model_names = list(options.served_model_names) or model_config.served_model_names
         self.max_logprobs = min(
@@ -220,6 +224,10 @@ class ServingContext:
                     f"{name} must be in [0, {self.max_logprobs}], got {value}",
                     "top_logprobs" if name == "logprobs" and _is_chat(req) else name,
                 )
+        default_max = self.default_sampling.get("max_tokens")
+        client_max = {"max_tokens", "max_completion_tokens"} & req.model_fields_set
+        if default_max and not client_max:
+            max_tokens = min(max_tokens, int(default_max))  # the model's max_new_tokens
         kwargs: dict[str, Any] = {
             "n": req.n,
             "max_tokens": max_tokens,
@@ -235,7 +243,8 @@ class ServingContext:
             "spaces_between_special_tokens": req.spaces_between_special_tokens,
             "max_logprobs": self.max_logprobs,
         }
-        # Only fields the client set override SamplingParams' defaults.
+        # Only fields the client set override the defaults: the model's generation config's,
+        # else SamplingParams'.
         for name in (
             "temperature",
             "top_p",
@@ -246,6 +255,8 @@ class ServingContext:
             "repetition_penalty",
         ):
             value = getattr(req, name)
+            if value is None:
+                value = self.default_sampling.get(name)
             if value is not None:
                 kwargs[name] = value
         if req.logit_bias:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 
 from engine.server.tools.parser import (
+    ContentBetweenCalls,
     StreamUpdate,
     ToolCall,
     ToolCallStream,
@@ -41,25 +42,13 @@ def _call_from_block(body: str) -> ToolCall | None:
     return call_from_object(obj, ("arguments", "parameters"))
 
 
-class _HermesStream(ToolCallStream):
+class _HermesStream(ContentBetweenCalls, ToolCallStream):
     def __init__(self) -> None:
         self.buf = ""  # text not yet classified (a partial tag, or an open block's body)
         self.in_call = False
         self.pending_ws = ""  # whitespace-only text outside calls, shown once text follows
         self.segment_has_text = False  # the current stretch outside calls showed text already
         self.num_calls = 0
-
-    def _outside(self, text: str, out: StreamUpdate) -> None:
-        if not text:
-            return
-        if self.segment_has_text:
-            out.content += text
-            return
-        self.pending_ws += text
-        if self.pending_ws.strip():
-            out.content += self.pending_ws
-            self.pending_ws = ""
-            self.segment_has_text = True
 
     def _block(self, body: str, closed: bool, out: StreamUpdate) -> None:
         call = _call_from_block(body)

@@ -23,6 +23,7 @@ import random
 import string
 
 from engine.server.tools.parser import (
+    ContentBetweenCalls,
     StreamUpdate,
     ToolCall,
     ToolCallStream,
@@ -50,7 +51,7 @@ def mistral_tool_call_id() -> str:
     return "".join(random.choices(_ID_ALPHABET, k=9))
 
 
-class _MistralStream(ToolCallStream):
+class _MistralStream(ContentBetweenCalls, ToolCallStream):
     def __init__(self) -> None:
         self.mode = _OUTSIDE
         self.buf = ""  # text not yet classified
@@ -60,18 +61,6 @@ class _MistralStream(ToolCallStream):
         self.pending_ws = ""  # whitespace-only text outside calls, shown once text follows
         self.segment_has_text = False  # the current stretch outside calls showed text already
         self.num_calls = 0
-
-    def _outside(self, text: str, out: StreamUpdate) -> None:
-        if not text:
-            return
-        if self.segment_has_text:
-            out.content += text
-            return
-        self.pending_ws += text
-        if self.pending_ws.strip():
-            out.content += self.pending_ws
-            self.pending_ws = ""
-            self.segment_has_text = True
 
     def _consume(self, n: int) -> None:
         self.raw += self.buf[:n]

@@ -143,6 +143,28 @@ def partial_marker_length(text: str, marker: str) -> int:
     return 0
 
 
+class ContentBetweenCalls:
+    """Stream mixin for formats whose calls may be surrounded by text: ``_outside`` shows the
+    text between calls, but holds back a stretch that is whitespace only until real text
+    follows, so the newlines around a call never become content of their own. Subclasses
+    reset ``segment_has_text`` (and ``pending_ws``) when a call ends a stretch."""
+
+    pending_ws: str = ""  # whitespace-only text outside calls, shown once text follows
+    segment_has_text: bool = False  # the current stretch outside calls showed text already
+
+    def _outside(self, text: str, out: StreamUpdate) -> None:
+        if not text:
+            return
+        if self.segment_has_text:
+            out.content += text
+            return
+        self.pending_ws += text
+        if self.pending_ws.strip():
+            out.content += self.pending_ws
+            self.pending_ws = ""
+            self.segment_has_text = True
+
+
 class ToolCallStream(ABC):
     """The parsing state of one generated choice.
 

@@ -104,7 +104,6 @@ def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen
         "--no-enable-prefix-caching",
         "--served-model-name",
         "bench",
-        "--disable-log-requests",
         "--disable-uvicorn-access-log",
     ]
     log = open(Path(tempfile.gettempdir()) / f"serve_vs_offline_{port}.log", "w")

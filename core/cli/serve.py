@@ -8,6 +8,7 @@ runs.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 from engine.cli.args import add_engine_args, add_model_arg, engine_config_from_args
@@ -93,10 +94,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
     logs = parser.add_argument_group("logging")
     logs.add_argument(
-        "--disable-log-requests",
+        "--enable-log-requests",
         action="store_true",
-        help="Do not log each request's prompt and sampling parameters.",
+        help="Log each request's prompt, token ids and sampling parameters (off by default, as "
+        "in vLLM: prompts are user data).",
     )
+    # vLLM's old opt-out, removed there once logging became opt-in: still accepted (a warning
+    # says it does nothing now) so that old launch scripts keep starting.
+    logs.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
     logs.add_argument(
         "--max-log-len",
         type=int,
@@ -179,6 +184,16 @@ def configure_logging(level: str = "info") -> None:
     )
 
 
+def log_requests(args: argparse.Namespace) -> bool:
+    """Whether to log each request: only with ``--enable-log-requests``."""
+    if args.disable_log_requests:
+        logging.getLogger("engine.server").warning(
+            "--disable-log-requests is deprecated and does nothing: requests are logged only "
+            "with --enable-log-requests"
+        )
+    return bool(args.enable_log_requests)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; return the exit status."""
     started_at = time.monotonic()
@@ -194,7 +209,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         serving=ServingOptions(
             limits=ServerLimits(max_n=args.max_n),
-            log_requests=not args.disable_log_requests,
+            log_requests=log_requests(args),
             max_log_len=args.max_log_len,
             chat_template=_read_chat_template(args.chat_template),
             enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -45,7 +45,7 @@ class ServingOptions:
 
     served_model_names: list[str] = field(default_factory=list)
     limits: ServerLimits = field(default_factory=ServerLimits)
-    log_requests: bool = True
+    log_requests: bool = False  # --enable-log-requests
     max_log_len: int | None = None
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
@@ -291,7 +291,7 @@ class ServingContext:
             raise bad_request(str(e)) from e
 
     def log_request(self, request_id: str, prompt: Any, prompt_ids: list[int], params: Any) -> None:
-        """Log an incoming request (unless --disable-log-requests), prompt truncated."""
+        """Log an incoming request (with --enable-log-requests), prompt truncated."""
         if not self.options.log_requests or not logger.isEnabledFor(logging.INFO):
             return
         limit = self.options.max_log_len

@@ -14,6 +14,8 @@ from server_harness import RunningServer, engine_config
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
+from engine.server.app import ServerOptions
+from engine.server.serving import ServingOptions
 
 PROMPT = {"prompt_token_ids": [5, 9, 14, 22, 31, 40]}
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1,
@@ -90,7 +92,8 @@ def test_server_requests_default_to_the_model_settings(tiny_model_dir, tmp_path,
     from engine.engine import LLMEngine
 
     model = _with_generation_config(tiny_model_dir, tmp_path / "m", **RECOMMENDED)
-    with RunningServer(lambda: LLMEngine.from_config(engine_config(model))) as running:
+    options = ServerOptions(serving=ServingOptions(log_requests=True))
+    with RunningServer(lambda: LLMEngine.from_config(engine_config(model)), options) as running:
         with httpx.Client(base_url=running.base_url, timeout=60) as c:
             with caplog.at_level(logging.INFO, logger="engine.server.requests"):
                 r = c.post("/v1/completions", json={"prompt": "hello there", "seed": 1})

@@ -36,7 +36,7 @@ def test_serve_help_is_grouped(capsys):
         "--platform",
         "--tensor-parallel-size",
         "--shutdown-timeout",
-        "--disable-log-requests",
+        "--enable-log-requests",
         "--disable-uvicorn-access-log",
         "--disable-access-log-for-endpoints",
         "--max-log-len",
@@ -108,3 +108,18 @@ def test_tool_flags_fail_at_startup(flags, message, capsys):
     assert main(["serve", "/does/not/exist", "--port", "1", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engine: error:") and message in " ".join(err.split())
+
+
+def test_request_logging_is_opt_in(caplog):
+    """As vLLM since 0.11: --enable-log-requests turns it on; the old --disable-log-requests is
+    accepted (old scripts keep starting) with a warning that it does nothing."""
+    import logging
+
+    from engine.cli.serve import log_requests
+
+    assert "--disable-log-requests" not in build_parser().format_help()
+    assert not log_requests(build_parser().parse_args(["serve"]))
+    assert log_requests(build_parser().parse_args(["serve", "--enable-log-requests"]))
+    with caplog.at_level(logging.WARNING, logger="engine.server"):
+        assert not log_requests(build_parser().parse_args(["serve", "--disable-log-requests"]))
+    assert "--disable-log-requests is deprecated" in caplog.text

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from engine.attention_backends.interface import AttentionMetadata
+from engine.layers import Linear, QKVLinear
 from engine.layers.attention import Attention
+from engine.models.context import ModelContext
 
 
 class CausalLM(nn.Module):
@@ -58,8 +60,8 @@ def add_and_norm(
 class SelfAttention(nn.Module):
     """Base for a decoder layer's attention block: fused QKV projection, per-head q/k RMSNorm
     when the model has one, rotary, paged attention, output projection. Subclasses build
-    ``qkv_proj``, ``q_norm``/``k_norm`` (None without q/k norm), ``rotary_emb``, ``attn`` and
-    ``o_proj`` in ``__init__``."""
+    ``qkv_proj`` and ``o_proj`` (``_build_projections``), ``q_norm``/``k_norm`` (None without
+    q/k norm), ``rotary_emb`` and ``attn`` in ``__init__``."""
 
     qkv_proj: nn.Module
     q_norm: nn.Module | None
@@ -67,6 +69,26 @@ class SelfAttention(nn.Module):
     rotary_emb: nn.Module
     attn: Attention
     o_proj: nn.Module
+
+    def _build_projections(self, ctx: ModelContext, qkv_bias: bool, o_bias: bool) -> None:
+        """Head counts and size from the HF config (``num_key_value_heads`` defaulting to MHA,
+        ``head_dim`` to ``hidden_size / heads``), then ``qkv_proj`` and ``o_proj``."""
+        cfg = ctx.hf_config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.qkv_proj = QKVLinear(
+            cfg.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            qkv_bias,
+            ctx.dtype,
+            kernels=ctx.kernels,
+        )
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.dtype, kernels=ctx.kernels
+        )
 
     def forward(
         self,

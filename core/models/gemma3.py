@@ -31,9 +31,7 @@ from torch import nn
 from engine.attention_backends.interface import AttentionMetadata
 from engine.layers import (
     Attention,
-    Linear,
     LMHead,
-    QKVLinear,
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
@@ -107,22 +105,8 @@ class Gemma3Attention(SelfAttention):
     ) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = QKVLinear(
-            cfg.hidden_size,
-            self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
-            bias,
-            ctx.dtype,
-            kernels=ctx.kernels,
-        )
-        self.o_proj = Linear(
-            self.num_heads * self.head_dim, cfg.hidden_size, bias, ctx.dtype, kernels=ctx.kernels
-        )
+        self._build_projections(ctx, bias, bias)
         self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.rotary_emb = rotary_emb

@@ -19,7 +19,6 @@ from engine.layers import (
     Linear,
     LMHead,
     MergedLinear,
-    QKVLinear,
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
@@ -74,21 +73,7 @@ class LlamaAttention(SelfAttention):
     ) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(
-            cfg.hidden_size,
-            self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
-            qkv_bias,
-            ctx.dtype,
-            kernels=ctx.kernels,
-        )
-        self.o_proj = Linear(
-            self.num_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.dtype, kernels=ctx.kernels
-        )
+        self._build_projections(ctx, qkv_bias, o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)

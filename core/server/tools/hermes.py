@@ -95,9 +95,7 @@ class _HermesStream(ContentBetweenCalls, ToolCallStream):
         else:
             self._outside(self.buf, out)
         self.buf = ""
-        if self.num_calls == 0:
-            out.content += self.pending_ws  # a plain answer keeps its whitespace
-        self.pending_ws = ""
+        self._release_whitespace(out)
         return out
 
 

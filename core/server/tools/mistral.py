@@ -200,9 +200,7 @@ class _MistralStream(ContentBetweenCalls, ToolCallStream):
         elif self.mode != _TEXT:
             self._give_up(out)
         self.buf = ""
-        if self.num_calls == 0:
-            out.content += self.pending_ws  # a plain answer keeps its whitespace
-        self.pending_ws = ""
+        self._release_whitespace(out)
         return out
 
 

@@ -151,6 +151,7 @@ class ContentBetweenCalls:
 
     pending_ws: str = ""  # whitespace-only text outside calls, shown once text follows
     segment_has_text: bool = False  # the current stretch outside calls showed text already
+    num_calls: int = 0  # calls made so far
 
     def _outside(self, text: str, out: StreamUpdate) -> None:
         if not text:
@@ -163,6 +164,13 @@ class ContentBetweenCalls:
             out.content += self.pending_ws
             self.pending_ws = ""
             self.segment_has_text = True
+
+    def _release_whitespace(self, out: StreamUpdate) -> None:
+        """At the end: an answer with no call keeps the whitespace held back; around calls it
+        is dropped."""
+        if self.num_calls == 0:
+            out.content += self.pending_ws
+        self.pending_ws = ""
 
 
 class ToolCallStream(ABC):

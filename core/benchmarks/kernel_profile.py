@@ -12,14 +12,19 @@ graphs the kernels inside each replay are listed the same way (CUPTI reports the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from engine.benchmarks.common import add_common_args, build_llm, hardware, sampling_params
+from engine.benchmarks.common import (
+    add_common_args,
+    build_llm,
+    hardware,
+    sampling_params,
+    write_json,
+)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -94,22 +99,19 @@ def run(args: argparse.Namespace) -> int:
         calls = len(times) / args.steps
         table.append({"kernel": name, "us_per_step": round(us, 2), "calls_per_step": calls})
         print(f"{us:9.1f} {100 * us / max(gpu_us, 1e-9):5.1f}% {calls:6.1f}  {name[:110]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "benchmark": "kernel_profile",
-                    "batch_size": args.batch_size,
-                    "context_len": args.context_len,
-                    "wall_ms_per_step": round(1e3 * wall / args.steps, 4),
-                    "kernel_ms_per_step": round(gpu_us / 1e3, 4),
-                    "kernels": table,
-                    "hardware": hardware(),
-                    "start_to_ready_s": round(ready_s, 2),
-                },
-                f,
-                indent=2,
-            )
+    write_json(
+        args.json,
+        {
+            "benchmark": "kernel_profile",
+            "batch_size": args.batch_size,
+            "context_len": args.context_len,
+            "wall_ms_per_step": round(1e3 * wall / args.steps, 4),
+            "kernel_ms_per_step": round(gpu_us / 1e3, 4),
+            "kernels": table,
+            "hardware": hardware(),
+            "start_to_ready_s": round(ready_s, 2),
+        },
+    )
     return 0
 
 

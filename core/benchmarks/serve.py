@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine.benchmarks.common import write_json
 from engine.benchmarks.workload import length_range, random_workload
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -328,6 +329,5 @@ def run(args: argparse.Namespace) -> int:
             "summary": summary,
             "requests": [asdict(r) for r in results],
         }
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.json, record)
     return 0 if not failures else 1

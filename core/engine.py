@@ -93,8 +93,11 @@ class _RequestState:
     num_cached_tokens: int = 0
     pending_child_generators: list[Any] = field(default_factory=list)
     final_only: bool = False
-    # No sampling feature that reads earlier tokens on the host: may run one step ahead.
-    plain: bool = True
+
+    @property
+    def plain(self) -> bool:
+        """No sampling feature that reads earlier tokens on the host: may run one step ahead."""
+        return _is_plain(self.params)
 
 
 def _is_plain(params: SamplingParams) -> bool:
@@ -234,7 +237,6 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival_time or now),
             needs_fork=params.n > 1,
             final_only=final_only,
-            plain=_is_plain(params),
         )
         generators = [self._make_generator(params, i) for i in range(params.n)]
         request = Request(

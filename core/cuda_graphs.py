@@ -59,6 +59,15 @@ def feedback_row(feedback_rows: dict[str, int] | None, request_id: str) -> int:
     return row
 
 
+def gather_feedback(
+    ids: torch.Tensor, sources: torch.Tensor, feedback: torch.Tensor
+) -> torch.Tensor:
+    """``ids`` with every entry whose source is a row (>= 0) of ``feedback`` (the previous
+    step's samples) replaced by that sample; -1 keeps the host's token. One device op, so a
+    captured graph can run it too."""
+    return torch.where(sources >= 0, feedback[sources.clamp(min=0)], ids)
+
+
 def last_token(request: Any, start: int) -> int:
     """``request.all_token_ids[start]`` without building the concatenated list."""
     prompt = request.prompt_token_ids
@@ -125,8 +134,7 @@ class DecodeGraphs:
 
     def _forward(self, n: int) -> torch.Tensor:
         """The captured computation: feed back in-flight tokens, then the model."""
-        ids, src = self._ids(n), self._sources(n)
-        ids = torch.where(src >= 0, self.feedback[src.clamp(min=0)], ids)
+        ids = gather_feedback(self._ids(n), self._sources(n), self.feedback)
         return self.model(ids, self._positions(n), self._metadata(n))
 
     def _metadata(self, n: int) -> list[AttentionMetadata]:

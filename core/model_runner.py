@@ -18,7 +18,7 @@ import torch
 
 from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
 from engine.config import ConfigError, EngineConfig
-from engine.cuda_graphs import feedback_row
+from engine.cuda_graphs import feedback_row, gather_feedback
 from engine.kernels.registry import Kernels
 from engine.models.base import CausalLM
 from engine.outputs import Logprob
@@ -528,8 +528,7 @@ class ModelRunner:
             metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
         ids = self._to_device(input_ids)
         if feedback is not None:
-            src = self._to_device(feedback)
-            ids = torch.where(src >= 0, self._feedback[src.clamp(min=0)], ids)
+            ids = gather_feedback(ids, self._to_device(feedback), self._feedback)
         return _Batch(
             input_ids=ids,
             positions=self._to_device(positions),

@@ -37,32 +37,22 @@ SAMPLING_FIELDS = {
 }
 
 
-def load_generation_config(model_path: str | None, option: str = "auto") -> Any:
-    """The ``transformers.GenerationConfig`` for ``option``: ``"auto"`` reads
-    ``generation_config.json`` next to the model, a directory path reads it there, ``"vllm"``
-    reads none (None is also returned when there is no file, or for a GGUF model)."""
-    if option == "vllm":
-        return None
-    source = model_path if option == "auto" else option
-    if source is None or not os.path.isdir(source):
-        if option not in ("auto", "vllm"):
-            raise ConfigError(f"--generation-config {option!r} is not a directory")
-        return None
-    if not os.path.isfile(os.path.join(source, "generation_config.json")):
-        if option != "auto":
+def load_generation_config(model_path: str | None, source: str | None = None) -> Any:
+    """The ``transformers.GenerationConfig`` in ``source`` (a directory named by
+    ``--generation-config DIR``; ``ConfigError`` when it has none), or else next to the model
+    (None when there is none, or for a GGUF model)."""
+    if source is not None:
+        if not os.path.isdir(source):
+            raise ConfigError(f"--generation-config {source!r} is not a directory")
+        if not os.path.isfile(os.path.join(source, "generation_config.json")):
             raise ConfigError(f"--generation-config: no generation_config.json in {source!r}")
-        return None
+    else:
+        source = model_path
+        if source is None or not os.path.isfile(os.path.join(source, "generation_config.json")):
+            return None
     from transformers import GenerationConfig
 
     return GenerationConfig.from_pretrained(source, local_files_only=True)
-
-
-def eos_token_ids(generation_config: Any) -> list[int]:
-    """The end-of-sequence ids the generation config lists (an int or a list)."""
-    value = getattr(generation_config, "eos_token_id", None)
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
 def sampling_defaults(generation_config: Any) -> dict[str, Any]:
@@ -74,10 +64,12 @@ def sampling_defaults(generation_config: Any) -> dict[str, Any]:
     return {ours: changed[theirs] for theirs, ours in SAMPLING_FIELDS.items() if theirs in changed}
 
 
-def resolve(model_path: str | None, option: str = "auto") -> tuple[list[int], dict[str, Any]]:
-    """``(eos ids, sampling defaults)`` for the model at ``model_path`` under ``option``."""
-    gen = load_generation_config(model_path, "auto" if option == "vllm" else option)
-    eos = eos_token_ids(gen)
+def resolve(model_path: str | None, option: str = "auto") -> tuple[Any, dict[str, Any]]:
+    """``(eos_token_id, sampling defaults)`` for the model at ``model_path`` under ``option``
+    (``"auto"``, ``"vllm"`` or a directory); the EOS entry is the config's int, list or None,
+    as ``engine.tokenizer.eos_token_ids`` takes it."""
+    gen = load_generation_config(model_path, None if option in ("auto", "vllm") else option)
+    eos = getattr(gen, "eos_token_id", None)
     defaults = {} if option == "vllm" else sampling_defaults(gen)
     if defaults:
         logger.info(

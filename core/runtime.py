@@ -164,6 +164,5 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         num_blocks,
         config.cache.block_size,
     )
-    eos = eos_token_ids(tokenizer, hf_config)
-    eos += [t for t in generation_eos if t not in eos]
+    eos = eos_token_ids(tokenizer, hf_config, generation_eos)
     return tokenizer, runner, scheduler, eos, plugins

@@ -35,16 +35,18 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
         raise TokenizerLoadError(f"cannot load a tokenizer from {source!r}: {e}") from e
 
 
-def eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
+def eos_token_ids(tokenizer: Any, hf_config: Any, generation_eos: Any = None) -> list[int]:
     """Every token id that ends generation: the tokenizer's EOS plus the config's (Llama 3 and
     others list several; a multimodal config may give them at the top level or in its
-    ``text_config``)."""
+    ``text_config``) plus ``generation_eos``, those of the model's generation config (see
+    ``engine.generation_config``)."""
     ids: list[int] = []
     text = getattr(hf_config, "text_config", None)
     sources = (
         getattr(hf_config, "eos_token_id", None),
         getattr(text, "eos_token_id", None),
         tokenizer.eos_token_id,
+        generation_eos,
     )
     for source in sources:
         if source is None:

@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x = x.reshape(x.shape[0], -1)
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous ``[T, heads * head_size]`` copy of ``x`` (one copy, whatever its
+    layout)."""
+    return x.clone(memory_format=torch.contiguous_format).view(x.shape[0], -1)
 
 
 def rotary_embedding(
@@ -32,8 +33,7 @@ def rotary_embedding(
     """See ``engine.kernels.reference.rotary_embedding``: rotate the first ``rot_dim``
     (= ``cos_sin_cache.shape[-1]``) dims of every head; returns new (query, key)."""
     # The fused kernel without norm weights, on copies: one rotary kernel to maintain.
-    q_out = _rows(query).clone(memory_format=torch.contiguous_format)
-    k_out = _rows(key).clone(memory_format=torch.contiguous_format)
+    q_out, k_out = _contiguous_copy(query), _contiguous_copy(key)
     qk_norm_rotary(positions, q_out, k_out, cos_sin_cache, head_size, is_neox)
     return q_out, k_out
 

@@ -35,7 +35,7 @@ import pluggy
 
 from engine import hookspecs
 from engine.errors import PluginLoadError
-from engine.version import PLUGIN_API_MAJOR, PLUGIN_API_VERSION, __version__
+from engine.version import PLUGIN_API_MAJOR, PLUGIN_API_MINOR, PLUGIN_API_VERSION, __version__
 
 if sys.version_info >= (3, 12):
     from importlib import metadata
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from engine.attention_backends.interface import AttentionBackend, AttentionSpec
     from engine.attention_backends.registry import AttentionBackendRegistry
     from engine.config import EngineConfig
+    from engine.distributed import Communicator
     from engine.kernels.registry import KernelRegistry
     from engine.platforms.interface import Platform
     from engine.platforms.resolve import PlatformEntry
@@ -92,6 +93,16 @@ class PluginInfo:
         }
 
 
+@dataclass(frozen=True)
+class CommunicatorEntry:
+    """A platform's communicator and who supplied it: a plugin's ``engine_communicator`` hook
+    (``plugin`` is its entry-point name) or the platform's default (``plugin`` None)."""
+
+    communicator: Communicator
+    provider: str  # a distribution name, or "<platform> platform default"
+    plugin: str | None
+
+
 def parse_enabled_plugins(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """The entry-point names ``ENGINE_PLUGINS`` allows, or None when it is unset (load all).
 
@@ -114,6 +125,15 @@ def _entry_point_distribution(ep: Any) -> tuple[str, str]:
 def _api_major(declared: Any) -> int | None:
     try:
         return int(str(declared).strip().split(".")[0])
+    except ValueError:
+        return None
+
+
+def _api_minor(declared: Any) -> int | None:
+    """The declared minor version, or None for ``"1"`` / ``"1.x"`` (any minor)."""
+    parts = str(declared).strip().split(".")
+    try:
+        return int(parts[1]) if len(parts) > 1 else None
     except ValueError:
         return None
 
@@ -222,6 +242,14 @@ class PluginManager:
                 f"{__version__} speaks plugin API {PLUGIN_API_VERSION} (versions that fit: "
                 f"{fits}). Install a release of {dist_name} built for plugin API "
                 f"{PLUGIN_API_MAJOR}, or an engine release that speaks API {declared!s}."
+            )
+        minor = _api_minor(declared)
+        if minor is not None and minor > PLUGIN_API_MINOR:
+            raise PluginLoadError(
+                f"Refusing {where}: it was built for plugin API {declared!s}, newer than the "
+                f"plugin API {PLUGIN_API_VERSION} of this engine {__version__} (it may use hooks "
+                f"this engine lacks). Upgrade the engine, or install a release of {dist_name} "
+                f"built for plugin API {PLUGIN_API_VERSION} or older."
             )
         info = PluginInfo(ep.name, dist_name, dist_version, ep.value, str(declared))
         self._register(plugin, info)
@@ -334,6 +362,49 @@ class PluginManager:
         return select_attention_backend(
             name, spec, platform, registry=self.attention_backends(), config=config
         )
+
+    def communicator_entry(self, platform: type[Platform], group: Any = None) -> CommunicatorEntry:
+        """The communicator for ``platform`` over ``group`` and who supplied it.
+
+        Every loaded plugin's ``engine_communicator(platform, group)`` is asked; at most one may
+        answer (two answers are an error naming both plugins). With no answer the platform's own
+        ``Platform.communicator(group)`` serves (torch.distributed on ``dist_backend``).
+        """
+        from engine.distributed import Communicator
+
+        answers = []
+        for info, result in self.call_hook("engine_communicator", platform=platform, group=group):
+            if result is None:
+                continue
+            if not isinstance(result, Communicator):
+                raise PluginLoadError(
+                    f"{info.describe()} returned {result!r} from engine_communicator() for "
+                    f"platform {platform.name!r}; it must return an instance of "
+                    "engine.distributed.Communicator (or None). Fix the plugin."
+                )
+            answers.append(CommunicatorEntry(result, info.distribution, info.name))
+        if len(answers) > 1:
+            a, b = answers[0], answers[1]
+            raise PluginLoadError(
+                f"Two plugins supply a communicator for platform {platform.name!r}: "
+                f"{self._infos[a.plugin].describe()} ({a.communicator.describe()}) and "
+                f"{self._infos[b.plugin].describe()} ({b.communicator.describe()}). At most one "
+                "may: uninstall one of the two distributions or exclude one with "
+                f"{ENGINE_PLUGINS_ENV}."
+            )
+        if answers:
+            return answers[0]
+        comm = platform.communicator(group)
+        if not isinstance(comm, Communicator):
+            raise PluginLoadError(
+                f"Platform {platform.name!r} returned {comm!r} from communicator(); it must "
+                "return an instance of engine.distributed.Communicator. Fix the plugin."
+            )
+        return CommunicatorEntry(comm, f"{platform.name} platform default", None)
+
+    def communicator(self, platform: type[Platform], group: Any = None) -> Communicator:
+        """The ``Communicator`` for ``platform`` over ``group`` (see ``communicator_entry``)."""
+        return self.communicator_entry(platform, group).communicator
 
     def kernel_registry(self) -> KernelRegistry:
         """The kernel registry: torch references plus every plugin's ``engine_kernels``

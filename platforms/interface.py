@@ -105,10 +105,12 @@ class Platform:
 
     @classmethod
     def communicator(cls, group: Any = None) -> Communicator:
-        """A communicator for collectives among this platform's devices."""
+        """The default communicator, used when no plugin's ``engine_communicator`` hook answers
+        for this platform: ``torch.distributed`` on ``dist_backend``. Prefer the hook (the
+        engine asks ``PluginManager.communicator(platform, group)``, never this directly)."""
         from engine.distributed import TorchDistributedCommunicator
 
-        return TorchDistributedCommunicator(group)
+        return TorchDistributedCommunicator(group, backend=cls.dist_backend)
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 from plugin_helpers import EXAMPLE_VENDOR, install_fixtures
 
 from engine.cli.main import SUBCOMMANDS, main
-from engine.version import __version__
+from engine.version import PLUGIN_API_VERSION, __version__
 
 
 def engine_cmd() -> list[str]:
@@ -27,7 +27,10 @@ def test_version_imports_no_torch() -> None:
         "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == [f"engine {__version__} (plugin API 1.0)", "[]"]
+    assert out.stdout.splitlines() == [
+        f"engine {__version__} (plugin API {PLUGIN_API_VERSION})",
+        "[]",
+    ]
 
 
 def test_console_script_version() -> None:

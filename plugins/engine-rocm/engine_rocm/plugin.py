@@ -13,3 +13,13 @@ def engine_platform():
     from engine_rocm.platform import RocmPlatform
 
     return RocmPlatform
+
+
+@hookimpl
+def engine_communicator(platform, group):
+    """RCCL collectives (torch.distributed's ``nccl`` backend on a ROCm build), for rocm."""
+    if platform.name != "rocm":
+        return None
+    from engine_rocm.communicator import RcclCommunicator
+
+    return RcclCommunicator(group)

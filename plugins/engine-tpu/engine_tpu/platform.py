@@ -34,7 +34,8 @@ class TpuPlatform(Platform):
     Available when torch_xla is importable and a PJRT device is selected: ``PJRT_DEVICE=TPU``
     (or unset on a TPU VM, where torch_xla picks the TPU) or ``PJRT_DEVICE=CPU`` (torch_xla's
     CPU device, for testing the XLA path). Memory comes from ``xm.get_memory_info``;
-    collectives from ``engine_tpu.communicator.XlaCommunicator``.
+    collectives from ``engine_tpu.communicator.XlaCommunicator`` (through the plugin's
+    ``engine_communicator`` hook).
     """
 
     name: ClassVar[str] = "tpu"
@@ -119,9 +120,3 @@ class TpuPlatform(Platform):
     @classmethod
     def default_attention_backends(cls, config: Any = None) -> list[str]:
         return ["torch"]
-
-    @classmethod
-    def communicator(cls, group: Any = None):
-        from engine_tpu.communicator import XlaCommunicator
-
-        return XlaCommunicator(group)

@@ -13,3 +13,13 @@ def engine_platform():
     from engine_tpu.platform import TpuPlatform
 
     return TpuPlatform
+
+
+@hookimpl
+def engine_communicator(platform, group):
+    """torch_xla's ``xm`` collectives (traced into the XLA graph), for the tpu platform."""
+    if platform.name != "tpu":
+        return None
+    from engine_tpu.communicator import XlaCommunicator
+
+    return XlaCommunicator(group)

@@ -34,7 +34,11 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from engine import hookspecs
+from engine.attention_backends.registry import AttentionBackendRegistry
+from engine.attention_backends.selector import select_attention_backend
 from engine.errors import PluginLoadError
+from engine.platforms.resolve import PlatformEntry, collect_platforms, resolve_platform
+from engine.plugin_info import PluginInfo
 from engine.version import PLUGIN_API_MAJOR, PLUGIN_API_MINOR, PLUGIN_API_VERSION, __version__
 
 if sys.version_info >= (3, 12):
@@ -47,12 +51,10 @@ else:  # pragma: no cover - depends on the interpreter
 
 if TYPE_CHECKING:
     from engine.attention_backends.interface import AttentionBackend, AttentionSpec
-    from engine.attention_backends.registry import AttentionBackendRegistry
     from engine.config import EngineConfig
     from engine.distributed import Communicator
     from engine.kernels.registry import KernelRegistry
     from engine.platforms.interface import Platform
-    from engine.platforms.resolve import PlatformEntry
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 ENGINE_PLUGINS_ENV = "ENGINE_PLUGINS"
@@ -64,33 +66,6 @@ _HOOK_NAMES = frozenset(
     for name in dir(hookspecs)
     if name.startswith("engine_") and callable(getattr(hookspecs, name))
 )
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """Where a loaded plugin came from: enough to name it in any message."""
-
-    name: str  # entry-point name, e.g. "cpu"; "builtin" for the core's own plugin
-    distribution: str  # e.g. "engine-cpu"
-    version: str  # the distribution's version
-    value: str  # the entry point's target, e.g. "engine_cpu.plugin"
-    api_version: str  # what the plugin declared in ENGINE_PLUGIN_API
-
-    def describe(self) -> str:
-        """``plugin 'cpu' (entry point cpu = engine_cpu.plugin of engine-cpu 0.1.0)``."""
-        return (
-            f"plugin {self.name!r} (entry point {self.name} = {self.value} of distribution "
-            f"{self.distribution} {self.version})"
-        )
-
-    def as_dict(self) -> dict[str, str]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "entry_point": f"{self.name} = {self.value}",
-            "api_version": self.api_version,
-        }
 
 
 @dataclass(frozen=True)
@@ -325,16 +300,12 @@ class PluginManager:
     def platforms(self) -> list[PlatformEntry]:
         """Every platform the loaded plugins provide (available or not)."""
         if self._platforms is None:
-            from engine.platforms.resolve import collect_platforms
-
-            self._platforms = collect_platforms(self)
+            self._platforms = collect_platforms(self.call_hook("engine_platform"))
         return self._platforms
 
     def resolve_platform_entry(self, requested: str | None = None) -> PlatformEntry:
         """The platform to run on: ``requested`` (``--platform``), else ``ENGINE_PLATFORM``,
         else the highest-priority available one. See ``engine.platforms.resolve``."""
-        from engine.platforms.resolve import resolve_platform
-
         return resolve_platform(self.platforms(), requested, self.environ)
 
     def resolve_platform(self, requested: str | None = None) -> type[Platform]:
@@ -344,9 +315,9 @@ class PluginManager:
     def attention_backends(self) -> AttentionBackendRegistry:
         """Every named attention backend the loaded plugins provide."""
         if self._backends is None:
-            from engine.attention_backends.registry import AttentionBackendRegistry
-
-            self._backends = AttentionBackendRegistry.from_plugins(self)
+            self._backends = AttentionBackendRegistry.from_hook_results(
+                self.call_hook("engine_attention_backends")
+            )
         return self._backends
 
     def select_attention_backend(
@@ -357,8 +328,6 @@ class PluginManager:
         config: EngineConfig | None = None,
     ) -> type[AttentionBackend]:
         """``--attention-backend NAME`` (or ``auto``) for ``spec`` on ``platform``."""
-        from engine.attention_backends.selector import select_attention_backend
-
         return select_attention_backend(
             name, spec, platform, registry=self.attention_backends(), config=config
         )

@@ -73,6 +73,14 @@ class Platform:
             else torch.device("cpu")
         )
 
+    @classmethod
+    def fp8_dtype(cls, index: int = 0) -> str | None:
+        """The float8 flavour (a torch dtype name) fp8 quantization and fp8 KV caches use on
+        this platform: the OCP ``float8_e4m3fn`` by default; AMD's MI300 (gfx942) uses
+        ``float8_e4m3fnuz``. None: no fp8 here. Called on the chosen platform only (it may ask
+        the device). Since plugin API 1.1."""
+        return "float8_e4m3fn"
+
     # ---- memory profiling ---------------------------------------------------------------
     @classmethod
     def total_memory(cls, index: int = 0) -> int:

@@ -74,6 +74,12 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
     assert on_cpu == [("argmax", "engine-cpu")], report["kernel_overrides"]
+    comms = {c["platform"]: c for c in report["communicators"]}
+    assert comms["cpu"]["provider"] == "engine-cpu" and "gloo" in comms["cpu"]["communicator"]
+    assert comms["rocm"]["provider"] == "engine-rocm" and "RCCL" in comms["rocm"]["communicator"]
+    assert comms["tpu"]["communicator"].startswith("torch_xla xm collectives")
+    suites = [s["name"] for s in report["conformance_suites"]]
+    assert suites == ["platform", "communicator", "backend", "kernel"]
 
 
 def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
@@ -83,6 +89,8 @@ def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
     assert code == 0
     assert "* cpu" in out
     assert "silu_and_mul" in out and "engine-kernel-override" in out and "on cpu" in out
+    assert "Communicators:" in out and "torch.distributed on gloo" in out
+    assert "Conformance kit suites (pytest --engine-conformance=PLUGIN):" in out
 
 
 def assert_one_paragraph_error(code: int, err: str, *needles: str) -> None:

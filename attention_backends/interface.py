@@ -59,6 +59,9 @@ class BatchLayout:
     slot_mapping: list[int]
     block_size: int
     num_decodes: int  # the first num_decodes requests have query_len == 1
+    # The block table's width when it must be wider than the longest table (static shapes:
+    # ``engine.shape_buckets``); None: the longest table's length.
+    table_width: int | None = None
 
 
 @dataclass
@@ -177,6 +180,7 @@ class AttentionBackend(ABC):
         for n in layout.query_lens:
             qsl.append(qsl[-1] + n)
         width = max((len(t) for t in layout.block_tables), default=0) or 1
+        width = max(width, layout.table_width or 0)
         table = torch.zeros((len(layout.block_tables), width), dtype=torch.int32)
         for i, blocks in enumerate(layout.block_tables):
             if blocks:

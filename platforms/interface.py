@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from engine.config import EngineConfig
     from engine.distributed import Communicator
+    from engine.shape_buckets import ShapeBuckets
 
 
 class Platform:
@@ -119,6 +120,13 @@ class Platform:
         from engine.distributed import TorchDistributedCommunicator
 
         return TorchDistributedCommunicator(group, backend=cls.dist_backend)
+
+    @classmethod
+    def shape_buckets(cls, config: EngineConfig) -> ShapeBuckets | None:
+        """Padding buckets when this platform compiles a graph per input shape (XLA): the
+        model runner then pads every step's token count, sequence count and block-table width
+        to them (``engine.shape_buckets``). None (the default): shapes may vary freely."""
+        return None
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> list[str]:

@@ -48,6 +48,14 @@ class PlatformSuite(ConformanceSuite):
             yield ConformanceCheck(self.name, entry.name, prop, run, provider=entry.plugin.name)
 
 
+# Distributed backends whose ranks the device runtime itself starts, which the kit's launcher
+# (one process per rank joined by torch.distributed over a TCP rendezvous) cannot create.
+RUNTIME_LAUNCHED_BACKENDS = {
+    "xla": "XLA replicas are started by torch_xla's runtime (xmp.spawn over PJRT), not by "
+    "torch.distributed over TCP",
+}
+
+
 class CommunicatorSuite(ConformanceSuite):
     """The platform's communicator: one rank, then a real process group."""
 
@@ -83,6 +91,12 @@ class CommunicatorSuite(ConformanceSuite):
         skip = None
         if ranks < 2:
             skip = f"--engine-conformance-ranks={ranks}: no multi-process check"
+        elif platform.dist_backend in RUNTIME_LAUNCHED_BACKENDS:
+            skip = (
+                f"dist_backend {platform.dist_backend!r}: "
+                f"{RUNTIME_LAUNCHED_BACKENDS[platform.dist_backend]}; check it with the "
+                "runtime's launcher"
+            )
         elif platform.device_type != "cpu" and platform.device_count() < ranks:
             skip = f"needs {ranks} devices, {platform.device_count()} present"
 

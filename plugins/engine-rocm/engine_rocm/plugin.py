@@ -16,6 +16,13 @@ def engine_platform():
 
 
 @hookimpl
+def engine_attention_backends() -> dict[str, str]:
+    """``triton-rocm``: engine-triton's paged attention with AMD launch configurations per gfx
+    family (``engine_rocm.tuning``), by qualified name (imported only when selected)."""
+    return {"triton-rocm": "engine_rocm.attention:RocmTritonAttentionBackend"}
+
+
+@hookimpl
 def engine_communicator(platform, group):
     """RCCL collectives (torch.distributed's ``nccl`` backend on a ROCm build), for rocm."""
     if platform.name != "rocm":

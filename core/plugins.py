@@ -78,6 +78,43 @@ class CommunicatorEntry:
     plugin: str | None
 
 
+def _signature(fn: Any) -> str:
+    return f"{fn.__name__}({', '.join(inspect.signature(fn).parameters)})"
+
+
+def _hook_mismatch(plugin: Any, pm: pluggy.PluginManager) -> str | None:
+    """Say, in words, which of ``plugin``'s hook implementations (functions marked
+    ``@hookimpl``) pluggy refused: a name that is no hook (with the closest valid name) or
+    arguments the specification does not have."""
+    import difflib
+
+    problems = []
+    for name in sorted(dir(plugin)):
+        fn = getattr(plugin, name, None)
+        if not callable(fn) or pm.parse_hookimpl_opts(plugin, name) is None:
+            continue
+        if name not in _HOOK_NAMES:
+            close = difflib.get_close_matches(name, sorted(_HOOK_NAMES), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"{name} is not a hook{hint}")
+            continue
+        spec = getattr(hookspecs, name)
+        try:
+            extra = [a for a in inspect.signature(fn).parameters if a not in _args(spec)]
+        except (TypeError, ValueError):
+            continue
+        if extra:
+            problems.append(
+                f"{_signature(fn)} takes {', '.join(map(repr, extra))}, which the specification "
+                f"{_signature(spec)} does not have"
+            )
+    return "; ".join(problems) or None
+
+
+def _args(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
 def parse_enabled_plugins(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """The entry-point names ``ENGINE_PLUGINS`` allows, or None when it is unset (load all).
 
@@ -237,9 +274,10 @@ class PluginManager:
         except pluggy.PluginValidationError as exc:
             if self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
+            detail = _hook_mismatch(plugin, self._pm) or " ".join(str(exc).split())
             raise PluginLoadError(
                 f"Refusing {where}: a hook implementation does not match the hook "
-                f"specifications in engine.hookspecs: {exc}. Valid hooks: "
+                f"specifications in engine.hookspecs: {detail}. Valid hooks: "
                 f"{', '.join(sorted(_HOOK_NAMES))}. Fix the plugin's hook names and arguments."
             ) from exc
         forgotten = sorted(

@@ -1,5 +1,5 @@
-"""A vendor plugin (simulated device on the host CPU) with one bug switched on by
-``ENGINE_TEST_BUG``, for the conformance kit's own tests:
+"""A vendor plugin (simulated device on the host CPU) with bugs switched on by
+``ENGINE_TEST_BUG`` (comma-separated), for the conformance kit's own tests:
 
 * ``heavy`` — detection imports torch;
 * ``gather`` — the communicator's all_gather concatenates in reverse rank order;
@@ -18,8 +18,8 @@ from engine.platforms.interface import Platform
 ENGINE_PLUGIN_API = "1.1"
 
 
-def _bug() -> str:
-    return os.environ.get("ENGINE_TEST_BUG", "")
+def _bugs() -> set[str]:
+    return set(os.environ.get("ENGINE_TEST_BUG", "").split(","))
 
 
 class BuggyVendorPlatform(Platform):
@@ -31,7 +31,7 @@ class BuggyVendorPlatform(Platform):
 
     @classmethod
     def unavailable_reasons(cls):
-        if _bug() == "heavy":
+        if "heavy" in _bugs():
             import torch  # noqa: F401  (the bug)
         return [] if os.environ.get("BUGGY_VENDOR_DEVICE") == "1" else ["no buggy device"]
 
@@ -55,7 +55,7 @@ class BuggyVendorPlatform(Platform):
 
     @classmethod
     def check_config(cls, config):
-        return [] if _bug() == "config" else super().check_config(config)
+        return [] if "config" in _bugs() else super().check_config(config)
 
     @classmethod
     def default_attention_backends(cls, config=None):
@@ -70,7 +70,7 @@ def _communicator(group):
             import torch
 
             out = super().all_gather(tensor, dim)
-            if self.world_size == 1 or _bug() != "gather":
+            if self.world_size == 1 or "gather" not in _bugs():
                 return out
             return torch.cat(list(reversed(out.chunk(self.world_size, dim=dim))), dim=dim)
 

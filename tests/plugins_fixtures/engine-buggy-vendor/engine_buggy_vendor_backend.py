@@ -10,6 +10,6 @@ class BuggyBackend(TorchReferenceBackend):
     supported_kv_cache_dtypes = ()
 
     def _prefill(self, query, kv_cache, md, i, seq_len):
-        if os.environ.get("ENGINE_TEST_BUG") == "prefix":
+        if "prefix" in os.environ.get("ENGINE_TEST_BUG", "").split(","):
             seq_len = query.shape[0]  # forgets the context before this chunk (the bug)
         return super()._prefill(query, kv_cache, md, i, seq_len)

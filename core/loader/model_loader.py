@@ -279,6 +279,7 @@ def load_model(
         with torch.device(device):
             model = model_cls(ctx)
         _init_dummy(model, model_config.seed)
+        _process_weights_after_loading(model)
         return model.eval()
 
     if _is_gguf(path, model_config):
@@ -308,7 +309,18 @@ def load_model(
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ModelLoadError(_missing_message(model, missing, present or set()))
+    _process_weights_after_loading(model)
     return model.eval()
+
+
+def _process_weights_after_loading(model: nn.Module) -> None:
+    """Give every layer that asks for it (``process_weights_after_loading()``, e.g. a
+    ``FusedMoE`` whose method repacks or folds scales) its one call once all weights are in."""
+    with torch.no_grad():
+        for module in model.modules():
+            hook = getattr(module, "process_weights_after_loading", None)
+            if callable(hook):
+                hook()
 
 
 def _counting(weights: Any, progress: Any) -> Iterator[tuple[str, torch.Tensor]]:

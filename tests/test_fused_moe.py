@@ -201,3 +201,21 @@ def test_parallel_styles_over_two_gloo_ranks():
     from engine.testing.moe_parallel import run_moe_parallel_check
 
     run_moe_parallel_check(2)
+
+
+def test_models_take_the_parallel_style_from_their_context():
+    """What the tensor-parallel executor will set on the model context reaches the layers:
+    experts placed by rank with enable_expert_parallel; a shared expert (Qwen2-MoE) is refused
+    loudly under tensor parallelism until the dense linears are parallel."""
+    import types
+
+    from engine.models.moe import MoESpec, SparseMoeBlock
+
+    cfg = types.SimpleNamespace(hidden_size=H, hidden_act="silu")
+    ctx = types.SimpleNamespace(hf_config=cfg, dtype=torch.float32, kernels=KERNELS, tp_rank=1,
+                                tp_size=2, enable_expert_parallel=True, communicator=_Summing())  # fmt: skip
+    block = SparseMoeBlock(ctx, MoESpec(E, K, INTER, renormalize=True))
+    assert block.experts.local_experts == range(4, 8)
+    assert block.experts.w13_weight.shape == (4, 2 * INTER, H)
+    with pytest.raises(NotImplementedError, match="shared expert under tensor/expert parallel"):
+        SparseMoeBlock(ctx, MoESpec(E, K, INTER, True, shared_expert_intermediate_size=32))

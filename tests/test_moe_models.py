@@ -81,3 +81,29 @@ def test_expert_load_counts_every_routed_token(moe_model):
     # 10 prompt tokens and 4 fed-back samples went through every sparse layer, top_k each.
     assert counts.shape == (layers, spec.num_experts)
     assert counts.sum(dim=1).tolist() == [14 * spec.top_k] * layers
+
+
+def test_throughput_benchmark_reports_expert_load(moe_model, tmp_path, capsys):
+    """``engine bench throughput --expert-load``: the step profile counts every routed token
+    of the timed run (4 prompts of 16 tokens, 3 fed-back samples each)."""
+    import json
+
+    from engine.benchmarks import throughput
+
+    arch, path = moe_model
+    out = tmp_path / "result.json"
+    argv = ["--model", str(path), "--dtype", "float32", "--num-prompts", "4", "--input-len", "16",
+            "--output-len", "4", "--no-warmup", "--expert-load", "--json", str(out)]  # fmt: skip
+    assert throughput.main(argv) == 0
+    load = json.loads(out.read_text())["step_split"]["expert_load"]
+    from transformers import AutoConfig
+
+    from engine.models.registry import ModelRegistry
+
+    config = AutoConfig.from_pretrained(path)
+    spec = ModelRegistry().resolve(config.architectures)[1].moe_spec(config)
+    layers = sum(spec.is_sparse(i) for i in range(config.num_hidden_layers))
+    assert load["layers"] == layers
+    assert load["routed_tokens"] == (4 * 16 + 4 * 3) * spec.top_k * layers
+    assert all(len(layer["tokens_per_expert"]) == spec.num_experts for layer in load["per_layer"])
+    assert "Expert load over" in capsys.readouterr().out

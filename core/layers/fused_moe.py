@@ -281,7 +281,7 @@ class FusedMoE(nn.Module):
             hidden = self.communicator.all_gather(hidden, 0)
             router_logits = self.communicator.all_gather(router_logits, 0)
             if token_mask is not None:
-                token_mask = self.communicator.all_gather(token_mask, 0)
+                token_mask = self.communicator.all_gather(token_mask.to(torch.int64), 0)
         topk_weights, topk_ids = self.select_experts(router_logits)
         if self.expert_load is not None:
             self._count_load(topk_ids, token_mask)

@@ -83,6 +83,14 @@ class SparseMoeBlock(nn.Module):
             reduce_results=not has_shared,
         )
         if has_shared:
+            if parallel.world_size > 1 and not parallel.tokens_partitioned:
+                # Its partial output would be summed with the experts' by the all-reduce:
+                # that needs a row-parallel (unreduced) down projection, which the dense
+                # linears do not have yet.
+                raise NotImplementedError(
+                    "a shared expert under tensor/expert parallelism needs tensor-parallel "
+                    "linear layers (not implemented yet)"
+                )
             self.shared_expert = LlamaMLP(
                 hidden, spec.shared_expert_intermediate_size, cfg.hidden_act, ctx
             )
@@ -94,7 +102,10 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(hidden, self.gate(hidden), token_mask)
         if self.shared_expert is not None:
             shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-            out = self.experts.reduce(out + shared)
+            if self.experts.parallel.tokens_partitioned:
+                out = self.experts.reduce(out) + shared  # the shared output is this rank's, whole
+            else:
+                out = self.experts.reduce(out + shared)  # one collective for both partial sums
         return out
 
 

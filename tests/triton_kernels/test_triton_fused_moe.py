@@ -218,3 +218,19 @@ def test_moe_benchmark_sweep_runs(monkeypatch, capsys):
     assert rows[0]["rule"] and rows[0]["config"].startswith("grouped")
     assert any(r["config"].startswith("decode") for r in rows)
     assert all("error" not in r and r["max_err"] < 0.06 for r in rows), rows
+
+
+def test_decode_top_k_sum_leaves_its_counters_zeroed(device, seed):
+    """The decode path's last-arriver sum re-zeroes its counters: a second launch (another
+    batch, as the next layer or step would make) is right too."""
+    from engine_triton.kernels import fused_moe as fm
+
+    e, k, h, i, dtype = 8, 4, 24, 16, torch.float32
+    w13, w2 = _experts(e, h, i, dtype)
+    for t in (2, 1):
+        x = torch.randn(t, h).to(dtype)
+        weights, ids = _route(t, e, k)
+        out = _run("decode", x, w13, w2, weights, ids, device)
+        close(out, ref.fused_moe(x, w13, w2, weights, ids), dtype, seed)
+        counters = fm._SCRATCH.counters[torch.device(device)]
+        assert int(counters.abs().sum()) == 0

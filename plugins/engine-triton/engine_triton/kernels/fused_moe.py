@@ -13,12 +13,14 @@ pairs P = T * top_k (``use_decode``):
   matching BLOCK_N up rows of its pair's expert against the token's hidden vector (a GEMV:
   float32 FMA accumulators of [BLOCK_N, BLOCK_K], reduced once after the loop), applies
   SiLU-and-mul and writes the pair's slice of the intermediate ``[P, I]``.
-  ``_decode_down``: grid (T, H / BLOCK_N); each program streams BLOCK_N rows of each chosen
-  expert's down projection against that pair's intermediate vector, scales by the routing
-  weight and sums the top-k in registers, so the output is written once and the top-k sum
-  costs no extra pass. The split over (pairs x intermediate blocks) and (tokens x hidden
-  blocks) gives the Qwen3-30B-A3B shape at batch 1 384 and 256 programs, enough to keep every
-  SM of an H200 streaming. Each pair reads its expert's weights once, so a batch whose tokens
+  ``_decode_down``: grid (P, H / BLOCK_N); each program streams BLOCK_N rows of its pair's
+  expert's down projection against the pair's intermediate vector and scales by the routing
+  weight; the top-k sum happens in the same launch: each program leaves its float32 partial in
+  a workspace and the last of a token's K programs to arrive at a counter adds them in choice
+  order (deterministic) and writes the output, as the skinny linear's split-K does. The split
+  over (pairs x intermediate blocks) and (pairs x hidden blocks) gives the Qwen3-30B-A3B shape
+  at batch 1 384 and 2048 programs, enough bytes in flight to keep every SM of an H200
+  streaming. Each pair reads its expert's weights once, so a batch whose tokens
   share experts reads those twice: ``use_decode`` sends a batch here only while the expected
   re-reads stay under 15%.
 * **grouped** (everything else): the pairs are grouped by expert (``moe_align``: a count with
@@ -47,6 +49,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import reference as ref
+from engine_triton.kernels.linear import _Scratch
 
 MAX_ROUTER_EXPERTS = 1024  # register-resident softmax; more experts take the torch reference
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -257,6 +260,8 @@ def _decode_down_kernel(
     ids_ptr,
     topk_w_ptr,
     out_ptr,
+    ws_ptr,
+    counter_ptr,
     num_tokens,
     H,
     INTER,
@@ -268,35 +273,46 @@ def _decode_down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    pair = tl.program_id(0)
     pid_n = tl.program_id(1)
+    token = pair // TOP_K
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, H - 1)
-    kk = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        pair = token * TOP_K + k
-        expert = tl.load(ids_ptr + pair)
-        if expert >= 0:
-            w_rows = (
-                w2_ptr + expert.to(tl.int64) * stride_we + rows_c.to(tl.int64)[:, None] * stride_wn
-            )
-            a_row = inter_ptr + pair.to(tl.int64) * INTER
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                offs = k0 + kk
-                if EVEN_K:
-                    a = tl.load(a_row + offs).to(tl.float32)
-                    w = tl.load(w_rows + offs[None, :])
-                else:
-                    k_ok = offs < INTER
-                    a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
-                    w = tl.load(w_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
-                acc += w.to(tl.float32) * a[None, :]
-            y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
-            total += y * tl.load(topk_w_ptr + pair)
-    out = out_ptr + token.to(tl.int64) * stride_ot + rows
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rows < H)
+    row_ok = rows < H
+    expert = tl.load(ids_ptr + pair)
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if expert >= 0:
+        w_rows = w2_ptr + expert.to(tl.int64) * stride_we + rows_c.to(tl.int64)[:, None] * stride_wn
+        a_row = inter_ptr + pair.to(tl.int64) * INTER
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            offs = k0 + kk
+            if EVEN_K:
+                a = tl.load(a_row + offs).to(tl.float32)
+                w = tl.load(w_rows + offs[None, :])
+            else:
+                k_ok = offs < INTER
+                a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.load(topk_w_ptr + pair)
+    # The top-k sum: every choice of the token leaves its weighted rows in the float32
+    # workspace and arrives at the (token, row block) counter; the last to arrive adds the
+    # K partials in choice order (deterministic), writes the output and re-zeroes the counter.
+    tl.store(ws_ptr + pair.to(tl.int64) * H + rows, y, mask=row_ok)
+    tl.debug_barrier()  # every warp's partial is stored before the (one-thread) arrival
+    counter = counter_ptr + token * tl.num_programs(1) + pid_n
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == TOP_K - 1:
+        tl.atomic_xchg(counter, 0)
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            part = ws_ptr + (token * TOP_K + k).to(tl.int64) * H + rows
+            total += tl.load(part, mask=row_ok, other=0.0, cache_modifier=".cg")
+        out = out_ptr + token.to(tl.int64) * stride_ot + rows
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 # ---- grouped kernels --------------------------------------------------------------------------
@@ -571,18 +587,24 @@ def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig) -> None:
     k = ids.shape[1]
     pairs = t * k
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
+    grid_n = triton.cdiv(h, cfg.down_n)
+    ws, counters = _SCRATCH.get(x.device, pairs * h, t * grid_n)
     _decode_gate_up_kernel[(pairs, triton.cdiv(i, cfg.gate_up_n))](
         x, w13, ids, inter, pairs, h, i, x.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k, EVEN_K=h % cfg.gate_up_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    _decode_down_kernel[(t, triton.cdiv(h, cfg.down_n))](
-        inter, w2, ids, weights, out, t, h, i, w2.stride(0), w2.stride(1), out.stride(0),
+    _decode_down_kernel[(pairs, grid_n)](
+        inter, w2, ids, weights, out, ws, counters, t, h, i, w2.stride(0), w2.stride(1),
+        out.stride(0),
         TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN_K=i % cfg.down_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
+# The decode path's top-k sum workspace (float32 partials) and arrival counters (kept zeroed
+# by the kernel), per device; grown, never shrunk (captured graphs keep their addresses).
+_SCRATCH = _Scratch()
 ALIGN_BLOCK = 256
 
 

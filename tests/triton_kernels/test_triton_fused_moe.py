@@ -18,7 +18,14 @@ from engine.kernels import reference as ref
 DTYPES = [torch.float32, torch.bfloat16]
 # Small tiles so that the interpreter's grids stay small while M, N and K still need masks.
 DECODE = {"gate_up_n": 16, "gate_up_k": 32, "down_n": 8, "down_k": 16, "num_stages": 1}
-GROUPED = {"block_m": 16, "block_n": 16, "block_k": 32, "group_m": 2, "num_stages": 1}
+GROUPED = {
+    "block_m": 16,
+    "block_n": 16,
+    "block_k": 32,
+    "group_m": 2,
+    "num_stages": 1,
+    "gate_up_n": 32,
+}
 
 
 def _experts(e, h, i, dtype):

@@ -404,7 +404,8 @@ def _moe_candidates(tokens: int, top_k: int, experts: int) -> list[tuple[str, ob
     elif avg <= 128:
         grouped = (G(32, 64, 128, 4), G(64, 64, 64, 8), G(64, 128, 64, 8, 4, 4))
     else:
-        grouped = (G(64, 128, 64, 8, 4, 4), G(128, 128, 64, 8, 8, 3), G(128, 64, 64, 8, 4, 4))
+        grouped = (G(64, 128, 64, 8, 4, 4, 64), G(128, 128, 64, 8, 8, 3), G(128, 64, 64, 8, 4, 4),
+                   G(128, 256, 64, 8, 8, 3, 64))  # fmt: skip
     out += [("grouped", c) for c in grouped]
     return list(dict.fromkeys(out))
 

@@ -144,7 +144,9 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    """Launch parameters of the grouped GEMMs (``block_m`` pairs of one expert per block)."""
+    """Launch parameters of the grouped GEMMs (``block_m`` pairs of one expert per block).
+    ``block_n`` output columns per program for the down GEMM, ``gate_up_n`` (default the
+    same) for gate/up, which holds two accumulators (gate and up) of that width."""
 
     block_m: int
     block_n: int
@@ -152,10 +154,16 @@ class GroupedConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    gate_up_n: int | None = None
+
+    @property
+    def gate_up_block_n(self) -> int:
+        return self.gate_up_n or self.block_n
 
     def short(self) -> str:
+        gu = f"/{self.gate_up_n}" if self.gate_up_n else ""
         return (
-            f"grouped m{self.block_m} n{self.block_n} k{self.block_k} g{self.group_m} "
+            f"grouped m{self.block_m} n{self.block_n}{gu} k{self.block_k} g{self.group_m} "
             f"w{self.num_warps} s{self.num_stages}"
         )
 
@@ -192,7 +200,7 @@ def grouped_config(num_pairs: int, num_experts: int) -> GroupedConfig:
         return GroupedConfig(16, 64, 128, 1, 4, 3)
     if avg <= 128:
         return GroupedConfig(64, 64, 64, 8, 4, 3)
-    return GroupedConfig(128, 128, 64, 8, 8, 3)
+    return GroupedConfig(128, 128, 64, 8, 8, 3, gate_up_n=64)  # 2 x 128x64 accumulators
 
 
 # ---- decode kernels ---------------------------------------------------------------------------
@@ -640,10 +648,11 @@ def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig) -> None:
     e_pow2 = triton.next_power_of_2(e)
     precision = _precision(x.dtype)
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
-    _grouped_gate_up_kernel[(max_m * triton.cdiv(i, cfg.block_n),)](
+    gu_n = cfg.gate_up_block_n
+    _grouped_gate_up_kernel[(max_m * triton.cdiv(i, gu_n),)](
         x, w13, counts, sorted_pairs, inter, pairs, max_m, h, i, e,
         x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=gu_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, E_POW2=e_pow2, EVEN_K=h % cfg.block_k == 0, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

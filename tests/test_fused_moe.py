@@ -18,7 +18,7 @@ from engine.layers.fused_moe import (
     expert_load_summary,
     read_expert_load,
 )
-from engine.layers.weight_utils import ModelLoadError
+from engine.layers.weight_utils import ModelLoadError, load_named_weights
 
 KERNELS = KernelRegistry().resolve("cpu")
 E, K, H, INTER = 8, 2, 24, 16
@@ -203,19 +203,55 @@ def test_parallel_styles_over_two_gloo_ranks():
     run_moe_parallel_check(2)
 
 
-def test_models_take_the_parallel_style_from_their_context():
-    """What the tensor-parallel executor will set on the model context reaches the layers:
-    experts placed by rank with enable_expert_parallel; a shared expert (Qwen2-MoE) is refused
-    loudly under tensor parallelism until the dense linears are parallel."""
+def _sparse_block(rank, size, enable_ep, spec, tensors):
+    """A SparseMoeBlock for rank ``rank`` of ``size`` built from a model context (as the
+    tensor-parallel executor makes it) and loaded from checkpoint tensors under ``mlp.``."""
     import types
 
-    from engine.models.moe import MoESpec, SparseMoeBlock
+    from engine.models.llama import FUSED_WEIGHTS
+    from engine.models.moe import SparseMoeBlock
+    from engine.parallel import ParallelContext
 
-    cfg = types.SimpleNamespace(hidden_size=H, hidden_act="silu")
-    ctx = types.SimpleNamespace(hf_config=cfg, dtype=torch.float32, kernels=KERNELS, tp_rank=1,
-                                tp_size=2, enable_expert_parallel=True, communicator=_Summing())  # fmt: skip
-    block = SparseMoeBlock(ctx, MoESpec(E, K, INTER, renormalize=True))
-    assert block.experts.local_experts == range(4, 8)
-    assert block.experts.w13_weight.shape == (4, 2 * INTER, H)
-    with pytest.raises(NotImplementedError, match="shared expert under tensor/expert parallel"):
-        SparseMoeBlock(ctx, MoESpec(E, K, INTER, True, shared_expert_intermediate_size=32))
+    ctx = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(hidden_size=H, hidden_act="silu"), dtype=torch.float32,
+        kernels=KERNELS, parallel=ParallelContext(tp_rank=rank, tp_size=size, tp=_Summing()),
+        enable_expert_parallel=enable_ep, quant_config=None,
+    )  # fmt: skip
+    root = torch.nn.Module()
+    root.mlp = SparseMoeBlock(ctx, spec, prefix="mlp")
+    mapping = ExpertCheckpointMapping(root)
+    loaded = load_named_weights(root, mapping.filter(tensors), FUSED_WEIGHTS) | mapping.loaded()
+    assert loaded == {name for name, _ in root.named_parameters()}
+    return root.mlp
+
+
+@pytest.mark.parametrize("enable_ep", [False, True])
+def test_sparse_block_with_shared_expert_splits_over_ranks(enable_ep):
+    """Qwen2-MoE's block from a model context: experts sharded (TP) or placed (EP) by the
+    context's tensor-parallel rank, the shared expert column/row-parallel and left unreduced,
+    so that the two ranks' outputs (one collective each) sum to the single-device block's."""
+    from engine.models.moe import MoESpec
+
+    spec = MoESpec(E, K, INTER, renormalize=False, shared_expert_intermediate_size=32)
+    w1, w3, w2 = _weights(6)
+    g = torch.Generator().manual_seed(7)
+    tensors = [
+        ("mlp.gate.weight", torch.randn(E, H, generator=g)),
+        ("mlp.shared_expert_gate.weight", torch.randn(1, H, generator=g)),
+    ]
+    tensors += [
+        (f"mlp.shared_expert.{p}.weight", torch.randn(*shape, generator=g) * 0.2)
+        for p, shape in (("gate_proj", (32, H)), ("up_proj", (32, H)), ("down_proj", (H, 32)))
+    ]
+    tensors += [(f"mlp.experts.{e}.{p}.weight", w[e]) for e in range(E)
+                for p, w in (("gate_proj", w1), ("up_proj", w3), ("down_proj", w2))]  # fmt: skip
+    x = torch.randn(7, H)
+    whole = _sparse_block(0, 1, enable_ep, spec, tensors)(x)
+    ranks = [_sparse_block(r, 2, enable_ep, spec, tensors) for r in range(2)]
+    if enable_ep:
+        assert [b.experts.local_experts for b in ranks] == [range(0, 4), range(4, 8)]
+    else:
+        assert ranks[1].experts.w13_weight.shape == (E, INTER, H)
+    assert ranks[1].shared_expert.down_proj.weight.shape == (H, 16)
+    assert not ranks[1].shared_expert.down_proj.reduce_results
+    torch.testing.assert_close(ranks[0](x) + ranks[1](x), whole, atol=1e-5, rtol=1e-5)

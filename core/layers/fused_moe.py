@@ -106,16 +106,19 @@ class MoEParallel:
 
 
 def moe_parallel_from_context(ctx: Any) -> tuple[MoEParallel, Communicator | None]:
-    """The MoE parallel style and communicator a model context asks for.
-
-    Reads ``ctx.tp_rank``, ``ctx.tp_size``, ``ctx.enable_expert_parallel`` and
-    ``ctx.communicator`` where the context has them (the tensor-parallel executor sets them);
-    a context without them is one device.
-    """
-    size = int(getattr(ctx, "tp_size", 1) or 1)
-    rank = int(getattr(ctx, "tp_rank", 0) or 0)
-    enable_ep = bool(getattr(ctx, "enable_expert_parallel", False))
-    return MoEParallel.for_group(rank, size, enable_ep), getattr(ctx, "communicator", None)
+    """The MoE parallel style and communicator of a model context: its ``ParallelContext``'s
+    tensor-parallel group (``ctx.parallel.tp_rank`` / ``tp_size`` / ``tp``), with the experts
+    placed across that group when ``enable_expert_parallel`` is set (on the parallel context,
+    or on the model context) and sharded otherwise. No parallel context: one device."""
+    parallel = getattr(ctx, "parallel", None)
+    if parallel is None:
+        return MoEParallel(), None
+    enable_ep = bool(
+        getattr(parallel, "enable_expert_parallel", False)
+        or getattr(ctx, "enable_expert_parallel", False)
+    )
+    style = MoEParallel.for_group(parallel.tp_rank, parallel.tp_size, enable_ep)
+    return style, parallel.tp
 
 
 class FusedMoEMethodBase:
@@ -206,9 +209,14 @@ class FusedMoE(nn.Module):
         parallel: MoEParallel | None = None,
         communicator: Communicator | None = None,
         quant_method: FusedMoEMethodBase | None = None,
+        quant_config: Any = None,
+        prefix: str = "",
         reduce_results: bool = True,
         scoring_func: str = "softmax",
     ) -> None:
+        """``quant_config`` (the model's, or None) picks the method by ``prefix`` (the layer's
+        checkpoint name) through its ``get_moe_method(layer, prefix)``; ``quant_method``
+        forces one."""
         super().__init__()
         parallel = parallel or MoEParallel()
         if not 1 <= top_k <= num_experts:
@@ -256,6 +264,15 @@ class FusedMoE(nn.Module):
             self.expert_map = None
         # Tokens routed to each (global) expert since counting was enabled; None: not counted.
         self.expert_load: torch.Tensor | None = None
+        self.prefix = prefix
+        if quant_method is None and quant_config is not None:
+            getter = getattr(quant_config, "get_moe_method", None)
+            if getter is None:
+                raise NotImplementedError(
+                    f"quantization {getattr(quant_config, 'name', type(quant_config).__name__)!r}"
+                    f" has no method for MoE experts ({prefix or 'FusedMoE'})"
+                )
+            quant_method = getter(self, prefix)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(
             self, self.num_local_experts, hidden_size, self.intermediate_size_per_partition, dtype

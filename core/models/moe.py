@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from engine.attention_backends.interface import AttentionMetadata
-from engine.layers import Linear, RMSNorm, RotaryEmbedding, load_named_weights
+from engine.layers import ReplicatedLinear, RMSNorm, RotaryEmbedding, load_named_weights
 from engine.layers.fused_moe import (
     QWEN_EXPERT_NAMES,
     ExpertCheckpointMapping,
     FusedMoE,
     moe_parallel_from_context,
 )
+from engine.layers.linear import UNQUANTIZED
 from engine.models.base import add_and_norm
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS, LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -61,12 +62,16 @@ class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ the shared expert and its sigmoid gate when the spec has
     one): ``forward(hidden [T, H]) -> [T, H]``."""
 
-    def __init__(self, ctx: ModelContext, spec: MoESpec) -> None:
+    def __init__(self, ctx: ModelContext, spec: MoESpec, prefix: str = "") -> None:
         super().__init__()
         cfg = ctx.hf_config
         hidden = cfg.hidden_size
         parallel, communicator = moe_parallel_from_context(ctx)
-        self.gate = Linear(hidden, spec.num_experts, False, ctx.dtype, kernels=ctx.kernels)
+        # Routers stay unquantized (as in vLLM): replicated, in the model dtype.
+        self.gate = ReplicatedLinear(
+            hidden, spec.num_experts, ctx=ctx, prefix=f"{prefix}.gate",
+            quant_method=UNQUANTIZED,
+        )  # fmt: skip
         has_shared = spec.shared_expert_intermediate_size > 0
         self.experts = FusedMoE(
             spec.num_experts,
@@ -78,23 +83,25 @@ class SparseMoeBlock(nn.Module):
             dtype=ctx.dtype,
             parallel=parallel,
             communicator=communicator,
-            # With a shared expert the block adds its output first and reduces once (under
-            # tensor parallelism its down projection must then be row-parallel, unreduced).
+            quant_config=getattr(ctx, "quant_config", None),
+            prefix=f"{prefix}.experts",
+            # With a shared expert the block adds its (tensor-parallel partial) output first
+            # and reduces once.
             reduce_results=not has_shared,
         )
         if has_shared:
-            if parallel.world_size > 1 and not parallel.tokens_partitioned:
-                # Its partial output would be summed with the experts' by the all-reduce:
-                # that needs a row-parallel (unreduced) down projection, which the dense
-                # linears do not have yet.
-                raise NotImplementedError(
-                    "a shared expert under tensor/expert parallelism needs tensor-parallel "
-                    "linear layers (not implemented yet)"
-                )
             self.shared_expert = LlamaMLP(
-                hidden, spec.shared_expert_intermediate_size, cfg.hidden_act, ctx
+                hidden,
+                spec.shared_expert_intermediate_size,
+                cfg.hidden_act,
+                ctx,
+                prefix=f"{prefix}.shared_expert",
+                reduce_results=False,
             )
-            self.shared_expert_gate = Linear(hidden, 1, False, ctx.dtype, kernels=ctx.kernels)
+            self.shared_expert_gate = ReplicatedLinear(
+                hidden, 1, ctx=ctx, prefix=f"{prefix}.shared_expert_gate",
+                quant_method=UNQUANTIZED,
+            )  # fmt: skip
         else:
             self.shared_expert = None
 
@@ -103,7 +110,11 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
             if self.experts.parallel.tokens_partitioned:
-                out = self.experts.reduce(out) + shared  # the shared output is this rank's, whole
+                # Each rank's own tokens: the experts' sums come back by reduce-scatter, the
+                # shared expert's are this rank's (completed over its tensor-parallel group).
+                if self.shared_expert.down_proj.tp_size > 1:
+                    shared = self.shared_expert.down_proj.parallel.tp.all_reduce(shared)
+                out = self.experts.reduce(out) + shared
             else:
                 out = self.experts.reduce(out + shared)  # one collective for both partial sums
         return out
@@ -124,14 +135,18 @@ class MoEDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.self_attn = LlamaAttention(ctx, layer_idx, rotary_emb, **attention_options)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = LlamaAttention(
+            ctx, layer_idx, rotary_emb, **attention_options, prefix=f"{prefix}.self_attn"
+        )
         self.sparse = spec.is_sparse(layer_idx)
         if self.sparse:
             self.ffn_name = spec.block_name
-            block: nn.Module = SparseMoeBlock(ctx, spec)
+            block: nn.Module = SparseMoeBlock(ctx, spec, f"{prefix}.{spec.block_name}")
         else:
             self.ffn_name = "mlp"
-            block = LlamaMLP(cfg.hidden_size, spec.dense_intermediate_size, cfg.hidden_act, ctx)
+            block = LlamaMLP(cfg.hidden_size, spec.dense_intermediate_size, cfg.hidden_act, ctx,
+                             prefix=f"{prefix}.mlp")  # fmt: skip
         self.add_module(self.ffn_name, block)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
         self.post_attention_layernorm = RMSNorm(

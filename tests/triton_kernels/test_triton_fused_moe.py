@@ -17,7 +17,7 @@ from engine.kernels import reference as ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Small tiles so that the interpreter's grids stay small while M, N and K still need masks.
-DECODE = {"gate_up_n": 16, "gate_up_k": 32, "down_n": 8, "down_k": 16, "num_stages": 1}
+DECODE = {"gate_up_n": 16, "gate_up_k": 32, "down_n": 16, "down_k": 16, "num_stages": 1}
 GROUPED = {
     "block_m": 16,
     "block_n": 16,
@@ -61,7 +61,7 @@ CASES = {
     "batch1-top8": (1, 16, 8, 40, 24, None, ()),
     "odd-tokens-top2-idle-experts": (5, 8, 2, 40, 24, None, (0, 6, 7)),
     "one-expert-takes-all": (9, 8, 1, 24, 40, 3, ()),
-    "top8-many-experts": (7, 32, 8, 32, 24, 5, (1,)),
+    "top8-many-experts": (3, 32, 8, 32, 24, 5, (1,)),
 }
 
 
@@ -217,6 +217,12 @@ def test_moe_benchmark_sweep_runs(monkeypatch, capsys):
     monkeypatch.setattr(benchmark, "_copy_gbps", lambda device: 4000.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "interpreter")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    every = benchmark._moe_candidates
+    assert every(1, 8, 128)[0][0] == "decode" and every(64, 8, 128)[0][0] == "grouped"
+    assert not any(v == "decode" for v, _ in every(64, 8, 128))  # 512 pairs: grouped only
+    assert len(set(every(5, 2, 8))) == len(every(5, 2, 8))
+    # The rule's choice and one alternative per batch: the interpreter compiles each one.
+    monkeypatch.setattr(benchmark, "_moe_candidates", lambda t, k, e: every(t, k, e)[:2])
     results: dict = {}
     benchmark.sweep_moe(results, tokens=(1, 5), device="cpu")
     out = capsys.readouterr().out

@@ -525,7 +525,10 @@ class RowParallelLinear(LinearBase):
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Give every linear layer's method its post-loading pass (repacking, requantizing)."""
+    """Give every layer with a weight method its post-loading pass (repacking, requantizing):
+    the linears, and any other layer family that defines ``process_weights_after_loading()``
+    (``FusedMoE``)."""
     for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.process_weights_after_loading()
+        hook = getattr(module, "process_weights_after_loading", None)
+        if module is not model and callable(hook):
+            hook()

@@ -7,6 +7,7 @@ checkpoint tensor into its slice).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -103,7 +104,10 @@ class LlamaMLP(nn.Module):
         ctx: ModelContext,
         bias: bool = False,
         prefix: str = "",
+        reduce_results: bool = True,
     ) -> None:
+        """``reduce_results=False`` leaves the down projection's tensor-parallel partial sum
+        unreduced (a MoE block adds it to the experts' and reduces once)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size,
@@ -114,7 +118,12 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = GatedActivation(hidden_act, ctx.kernels)
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias, ctx=ctx, prefix=f"{prefix}.down_proj"
+            intermediate_size,
+            hidden_size,
+            bias,
+            ctx=ctx,
+            prefix=f"{prefix}.down_proj",
+            reduce_results=reduce_results,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,9 +176,17 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(DecoderModel):
     """Embedding, decoder layers, final norm (HF's ``model.`` sub-module)."""
 
-    def __init__(self, ctx: ModelContext, attention_options: dict[str, bool]) -> None:
+    def __init__(
+        self,
+        ctx: ModelContext,
+        attention_options: dict[str, bool],
+        build_layer: Callable[..., nn.Module] | None = None,
+    ) -> None:
+        """``build_layer(ctx, layer_idx, rotary_emb, attention_options)`` makes each decoder
+        layer (default ``LlamaDecoderLayer``; MoE models build sparse layers)."""
         super().__init__()
         cfg = ctx.hf_config
+        build_layer = build_layer or LlamaDecoderLayer
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, ctx.dtype, parallel=ctx.parallel
         )
@@ -179,8 +196,7 @@ class LlamaModel(DecoderModel):
             head_dim, cfg.max_position_embeddings, rope_parameters(cfg), ctx.kernels
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, i, rotary_emb, attention_options)
-            for i in range(cfg.num_hidden_layers)
+            build_layer(ctx, i, rotary_emb, attention_options) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
 
@@ -207,7 +223,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         cfg = ctx.hf_config
         self.config = cfg
-        self.model = LlamaModel(ctx, self.attention_options(cfg))
+        self.model = LlamaModel(ctx, self.attention_options(cfg), self.build_layer)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, ctx.dtype, kernels=ctx.kernels, parallel=ctx.parallel
@@ -215,13 +231,22 @@ class LlamaForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
+    def build_layer(
+        self,
+        ctx: ModelContext,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attention_options: dict[str, bool],
+    ) -> nn.Module:
+        """Decoder layer ``layer_idx`` (subclasses with other layers override this)."""
+        return LlamaDecoderLayer(ctx, layer_idx, rotary_emb, attention_options)
+
+    def ignore_checkpoint_tensor(self, name: str) -> bool:
+        """Rotary inverse frequencies are recomputed; a tied head has no weight of its own."""
+        return "rotary_emb.inv_freq" in name or (
+            self.tie_word_embeddings and name.startswith("lm_head.")
+        )
+
     def load_weights(self, weights: Any) -> set[str]:
         """Copy HF-named checkpoint tensors into the parameters; returns the names loaded."""
-
-        def ignore(name: str) -> bool:
-            # Rotary inverse frequencies are recomputed; a tied head has no weight of its own.
-            return "rotary_emb.inv_freq" in name or (
-                self.tie_word_embeddings and name.startswith("lm_head.")
-            )
-
-        return load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
+        return load_named_weights(self, weights, FUSED_WEIGHTS, self.ignore_checkpoint_tensor)

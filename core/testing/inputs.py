@@ -104,6 +104,32 @@ def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tu
             cases.append((f"N{n}-V{v}", (x,)))
         cases.append(("N3-V999-view", (randn(3, 1024)[:, :999],)))
         return cases
+    if name == "moe_topk_softmax":
+        # Distinct logits, exactly representable in every dtype (multiples of 1/8 below 8), so
+        # the chosen experts are unambiguous and must match exactly.
+        cases = []
+        for t, e, k, renorm in ((5, 8, 2, True), (3, 64, 8, False), (1, 60, 6, True)):
+            logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)])
+            logits = ((logits - e // 2).float() / 8).to(dtype)
+            cases.append((f"T{t}-E{e}-top{k}-renorm{int(renorm)}", (logits, k, renorm)))
+        return cases
+    if name == "fused_moe":
+        # Odd sizes; experts that get no token, one expert that gets most of them, and choices
+        # held by another expert-parallel rank (-1); decode-sized and prefill-sized batches.
+        cases = []
+        for t, e, k, h, i in ((3, 8, 2, 40, 24), (1, 16, 8, 64, 48), (33, 8, 2, 48, 40)):
+            x = randn(t, h)
+            w13 = randn(e, 2 * i, h, scale=h**-0.5)
+            w2 = randn(e, h, i, scale=i**-0.5)
+            scores = torch.rand(t, e, generator=gen)
+            scores[:, 1] += 0.5  # a popular expert
+            scores[:, e - 1] = -1.0  # never chosen
+            weights, ids = torch.topk(scores, k, dim=-1)
+            weights = (weights / weights.sum(-1, keepdim=True)).float()
+            ids = ids.to(torch.int32)
+            ids[0, -1] = -1  # held elsewhere
+            cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}", (x, w13, w2, weights, ids)))
+        return cases
     raise KeyError(f"no conformance inputs for kernel {name!r}")
 
 

@@ -21,7 +21,12 @@ from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
 from engine.server.errors import APIError, bad_request, error_response, install_error_handlers
 from engine.server.metrics import ServerMetrics
-from engine.server.middleware import AdmissionMiddleware, APIKeyMiddleware, BodyLimitMiddleware
+from engine.server.middleware import (
+    AdmissionMiddleware,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    UnexpectedErrorMiddleware,
+)
 from engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -190,11 +195,12 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     async def root() -> JSONResponse:
         return JSONResponse({"message": "engine OpenAI-compatible server", "docs": "/docs"})
 
-    # Outermost first: authenticate, then admit, then bound the body.
+    # Outermost first: answer unexpected errors, authenticate, admit, bound the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, refusal=state.refusal)
     if options.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    app.add_middleware(UnexpectedErrorMiddleware)
     return app
 
 

@@ -97,6 +97,17 @@ def from_engine_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
 
 
+def unexpected_error(exc: BaseException) -> APIError:
+    """The answer to an exception no route handled: a 400 for the engine's bad-input errors
+    (``ValueError`` subclasses carrying ``param``), else a logged 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError) and hasattr(exc, "param"):
+        return from_engine_error(exc)
+    logger.error("request failed: %r", exc, exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
 def context_length_error(
     max_model_len: int,
     num_tokens: int,
@@ -179,6 +190,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} not allowed on {request.url.path!r}"
         return error_response(APIError(exc.status_code, message))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(from_engine_error(exc))
+    # No handler for ``Exception`` here: Starlette runs that one inside its outermost
+    # ServerErrorMiddleware, which re-raises after replying, and uvicorn then drops the
+    # keep-alive connection. ``UnexpectedErrorMiddleware`` (engine.server.middleware) answers
+    # unexpected exceptions instead, inside the app.

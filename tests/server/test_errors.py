@@ -3,6 +3,8 @@ keeps answering correctly afterwards."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from server_harness import API_KEY, MAX_MODEL_LEN
@@ -189,3 +191,41 @@ def test_request_log_line_shows_a_token_prompt_once_and_truncated(caplog):
     first, second = (r.getMessage() for r in caplog.records)
     assert first == "request r1: prompt: None, params: P, prompt_token_ids: [11, 12, 13]"
     assert second == "request r2: prompt: 'abc', params: P, prompt_token_ids: [1, 2, 3]"
+
+
+def _keep_alive_after(server, bad_body: str, expect_status: int) -> dict:
+    """Send ``bad_body`` then a valid request on one connection; both must be answered."""
+    from raw_http import RawConnection
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with RawConnection(host, int(port)) as conn:
+        first = conn.post("/v1/completions", bad_body, auth)
+        assert first.status == expect_status, first.body
+        assert first.headers.get("connection", "").lower() != "close"
+        err = first.json()["error"]
+        assert set(err) == ENVELOPE_KEYS
+        good = {"prompt": "Hello world", "max_tokens": 2, "temperature": 0}
+        second = conn.post("/v1/completions", json.dumps(good), auth)
+        assert second.status == 200, second.body
+        assert second.json()["usage"]["completion_tokens"] == 2
+        return err
+
+
+def test_unexpected_exception_is_a_whole_500_and_the_connection_lives_on(server, monkeypatch):
+    """An exception no route handles answers a complete 500 envelope, and the same keep-alive
+    connection serves the next request (it was reset before: the handler replied inside
+    Starlette's ServerErrorMiddleware, which re-raised)."""
+
+    async def broken_encode(text, add_special_tokens=True):
+        if text == "trigger an internal error":
+            raise RuntimeError("tokenizer exploded")
+        return await real_encode(text, add_special_tokens)
+
+    ctx = server.server.state.ctx
+    real_encode = ctx.encode
+    monkeypatch.setattr(ctx, "encode", broken_encode)
+    body = json.dumps({"prompt": "trigger an internal error", "max_tokens": 2})
+    err = _keep_alive_after(server, body, 500)
+    assert err["type"] == "server_error"
+    assert err["message"] == "internal server error: RuntimeError: tokenizer exploded"

@@ -37,7 +37,7 @@ from engine.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
@@ -163,7 +163,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         return await create_chat_completion(ctx, body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered with the chat template."""
         ctx = state.require_ctx()
         ctx.check_model(body.model)

@@ -142,6 +142,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             continue
         # Union members add their type name to the location; keep what the user wrote.
         field_path = ".".join(p for p in loc if not _is_type_tag(p))
+        ctx = err.get("ctx") or {}
+        if "param" in ctx:  # a model-level check that names the field itself (lone_surrogate)
+            param = param or ctx["param"]
+            parts.append(err.get("msg", "invalid value"))
+            continue
         if not field_path and err.get("type") in ("model_attributes_type", "dict_type"):
             parts.append(
                 "The request body must be a JSON object, sent with Content-Type: application/json."
@@ -158,6 +163,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _is_type_tag(part: str) -> bool:
+    """Whether a location part is pydantic's name for a union member rather than a field:
+    ``list[int]``, ``str``..., or a model's class name (``TokenizeChatRequest``); request
+    fields are snake_case."""
+    if part[:1].isupper() and part.isidentifier() and "_" not in part:
+        return True
     return part.startswith(("list[", "dict[", "function-", "literal[")) or part in (
         "str",
         "int",

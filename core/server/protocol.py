@@ -11,13 +11,34 @@ keep working.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
+
+from engine.server.unicode_check import find_lone_surrogate
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class _Request(_Body):
+    """A request body. Besides its fields' types, every string in it must be valid Unicode: a
+    lone UTF-16 surrogate (JSON ``"\\ud800"``) is a 400 naming the field, wherever it is
+    (prompt, message content, stop strings, tools, schemas...), since neither the tokenizer
+    nor the detokenizer's stop matching nor a grammar compiler can take it. ``model`` is only
+    looked up: an unknown name is a 404 whatever its characters."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self):
+        found = find_lone_surrogate(self, skip=frozenset({"model"}))
+        if found is not None:
+            param, message = found
+            raise PydanticCustomError(
+                "lone_surrogate", "{message}", {"message": message, "param": param}
+            )
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -27,7 +48,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -225,7 +246,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeCompletionRequest(_Body):
+class TokenizeCompletionRequest(_Request):
     """``POST /tokenize`` with a prompt."""
 
     model: str | None = None
@@ -234,7 +255,7 @@ class TokenizeCompletionRequest(_Body):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(_Request):
     """``POST /tokenize`` with chat messages (rendered with the chat template)."""
 
     model: str | None = None
@@ -246,6 +267,21 @@ class TokenizeChatRequest(_Body):
     return_token_strs: bool = False
 
 
+def _tokenize_kind(body: Any) -> str:
+    if isinstance(body, dict) and "messages" in body:
+        return "TokenizeChatRequest"
+    return "TokenizeCompletionRequest"
+
+
+# ``POST /tokenize`` takes either body: one with ``messages`` is the chat form. Deciding up
+# front means errors are about the form the client meant (not one error per form).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
@@ -253,7 +289,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 

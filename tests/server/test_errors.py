@@ -7,18 +7,7 @@ import json
 
 import httpx
 import pytest
-from server_harness import API_KEY, MAX_MODEL_LEN
-
-ENVELOPE_KEYS = {"message", "type", "param", "code"}
-
-
-def error_of(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == ENVELOPE_KEYS, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    return body["error"]
+from server_harness import API_KEY, MAX_MODEL_LEN, error_of, keep_alive_after
 
 
 @pytest.fixture(scope="module")
@@ -193,25 +182,6 @@ def test_request_log_line_shows_a_token_prompt_once_and_truncated(caplog):
     assert second == "request r2: prompt: 'abc', params: P, prompt_token_ids: [1, 2, 3]"
 
 
-def _keep_alive_after(server, bad_body: str, expect_status: int) -> dict:
-    """Send ``bad_body`` then a valid request on one connection; both must be answered."""
-    from raw_http import RawConnection
-
-    host, port = server.base_url.removeprefix("http://").split(":")
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    with RawConnection(host, int(port)) as conn:
-        first = conn.post("/v1/completions", bad_body, auth)
-        assert first.status == expect_status, first.body
-        assert first.headers.get("connection", "").lower() != "close"
-        err = first.json()["error"]
-        assert set(err) == ENVELOPE_KEYS
-        good = {"prompt": "Hello world", "max_tokens": 2, "temperature": 0}
-        second = conn.post("/v1/completions", json.dumps(good), auth)
-        assert second.status == 200, second.body
-        assert second.json()["usage"]["completion_tokens"] == 2
-        return err
-
-
 def test_unexpected_exception_is_a_whole_500_and_the_connection_lives_on(server, monkeypatch):
     """An exception no route handles answers a complete 500 envelope, and the same keep-alive
     connection serves the next request (it was reset before: the handler replied inside
@@ -226,6 +196,6 @@ def test_unexpected_exception_is_a_whole_500_and_the_connection_lives_on(server,
     real_encode = ctx.encode
     monkeypatch.setattr(ctx, "encode", broken_encode)
     body = json.dumps({"prompt": "trigger an internal error", "max_tokens": 2})
-    err = _keep_alive_after(server, body, 500)
+    err = keep_alive_after(server, body, 500)
     assert err["type"] == "server_error"
     assert err["message"] == "internal server error: RuntimeError: tokenizer exploded"

@@ -42,15 +42,22 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,  # noqa: A002 - the envelope's field name
     ) -> None:
+        message = _encodable(message)
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.param = param
+        self.param = _encodable(param) if param is not None else None
         self.code = code
         self.type = type or _TYPES.get(status_code, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def _encodable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes, so that an error quoting
+    what the client sent can always be encoded as UTF-8 JSON."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -90,3 +90,26 @@ def test_lone_surrogate_leaves_the_connection_usable(server):
     """The issue's reproducer: a lone surrogate, then a valid request on the same socket."""
     err = keep_alive_after(server, f'{{"prompt": "a{LONE}"}}', 400)
     assert err["param"] == "prompt"
+
+
+# ---------------------------------------------------------------- item 3: model names
+
+
+def test_unknown_model_that_cannot_be_encoded_is_404(http):
+    """An unknown name is a 404 whatever its characters: the error quotes it with the lone
+    surrogate escaped (it was a 400 "'utf-8' codec can't encode..." with param null, from
+    rendering the error itself)."""
+    for path, body in (
+        ("/v1/completions", f'{{"prompt": "x", "model": "{LONE}"}}'),
+        (
+            "/v1/chat/completions",
+            f'{{"messages": [{{"role": "user", "content": "x"}}], "model": "a{LONE}"}}',
+        ),  # fmt: skip
+        ("/tokenize", f'{{"prompt": "x", "model": "{LONE}"}}'),
+        ("/detokenize", f'{{"tokens": [1], "model": "{LONE}"}}'),
+    ):
+        r = post_raw(http, path, body)
+        err = error_of(r, 404)
+        assert err["code"] == "model_not_found" and err["param"] == "model", err
+        assert "\\ud800` does not exist" in err["message"], err
+        assert "Served models: tiny" in err["message"]

@@ -207,7 +207,9 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
 def _warn_extra(body) -> None:
     extra = body.model_extra
     if extra:
-        logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(extra)))
+        # repr: a name may hold anything, lone surrogates included, and must stay loggable.
+        names = ", ".join(repr(name) for name in sorted(extra))
+        logger.warning("ignoring unsupported request fields: %s", names)
 
 
 __all__ = ["Phase", "ServerOptions", "ServerState", "build_app", "bad_request"]

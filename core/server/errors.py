@@ -137,11 +137,11 @@ def context_length_error(
     )
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """A readable message and the offending field for pydantic's errors."""
     parts = []
     param = None
-    for err in exc.errors():
+    for err in errors:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
@@ -161,12 +161,96 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             continue
         if param is None and field_path:
             param = field_path
-        msg = err.get("msg", "invalid value")
+        msg = _error_text(err)
         parts.append(f"{field_path}: {msg}" if field_path else msg)
     # Unions report one error per member; the first few say enough.
     unique = list(dict.fromkeys(parts))
     message = "; ".join(unique[:3]) or "invalid request"
     return message, param
+
+
+_BOUNDS = {
+    "greater_than": ("gt", "greater than"),
+    "greater_than_equal": ("ge", "at least"),
+    "less_than": ("lt", "less than"),
+    "less_than_equal": ("le", "at most"),
+}
+_EXPECTED = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def _json_type(value: Any) -> str:
+    """What a parsed JSON value is, in the words of the JSON spec."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _number(value: Any) -> str:
+    return f"{value:.7g}" if isinstance(value, float) else str(value)
+
+
+def _error_text(err: dict[str, Any]) -> str:
+    """One pydantic error in the words of the API: the expected type and what came instead,
+    or the bound that was crossed and the value."""
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    if kind in _BOUNDS:
+        key, words = _BOUNDS[kind]
+        return f"must be {words} {_number(ctx.get(key))}, got {_number(err.get('input'))}"
+    if kind in _EXPECTED:
+        return f"expected {_EXPECTED[kind]}, got {_json_type(err.get('input'))}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {err.get('input')!r}"
+    if kind == "missing":
+        return "this field is required"
+    if kind == "none_required":  # a field only null may take: not supported
+        return "not supported (only null is accepted)"
+    if kind in ("too_short", "too_long"):
+        limit = ctx.get("min_length" if kind == "too_short" else "max_length")
+        words = "at least" if kind == "too_short" else "at most"
+        return f"must have {words} {limit} item{'s' if limit != 1 else ''}"
+    return err.get("msg", "invalid value")
+
+
+def _name_missing_body(request: Request, errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An empty body is FastAPI's one error "Field required" at ``body``; validate ``{}``
+    instead, so that the errors name the fields the route requires (``prompt``...)."""
+    if (
+        len(errors) != 1
+        or errors[0].get("type") != "missing"
+        or tuple(errors[0]["loc"]) != ("body",)
+    ):
+        return errors
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    if body_field is None:
+        return errors
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        TypeAdapter(body_field.field_info.annotation).validate_python({})
+    except ValidationError as e:
+        return [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+    return errors
 
 
 def _is_type_tag(part: str) -> bool:
@@ -195,7 +279,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = _validation_message(_name_missing_body(request, exc.errors()))
         return error_response(bad_request(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)

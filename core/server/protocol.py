@@ -6,6 +6,13 @@ Field names and defaults follow the OpenAI API; the extra sampling fields (``top
 pass them through ``extra_body``.
 Unknown fields are accepted and ignored (a warning is logged), as vLLM does, so newer clients
 keep working.
+
+Request fields are strictly typed, as OpenAI's API types them: ``"5"`` or ``true`` is not an
+integer, ``"yes"`` is not a boolean, ``[true, false]`` is not a list of token ids, and NaN or
+infinity is not a number (a 400 naming the field, never a silent coercion). Integers are bounded
+(a signed 64-bit ``seed``, for one) and floats stay in the float32 range the sampler computes
+in. Limits that depend on the served model (``n``, ``logprobs``, token ids, ``max_tokens``)
+are checked by ``engine.server.serving``.
 """
 
 from __future__ import annotations
@@ -18,9 +25,20 @@ from pydantic_core import PydanticCustomError
 
 from engine.server.unicode_check import find_lone_surrogate
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# A token id; whether it is in the vocabulary is checked against the served model.
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """A JSON object the client sends: strict types, finite numbers, unknown fields kept (and
+    ignored with a warning)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class _Request(_Body):
@@ -41,7 +59,7 @@ class _Request(_Body):
         return self
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Body):
     """``stream_options``: ``include_usage`` adds a final chunk with the token usage."""
 
     include_usage: bool = False
@@ -52,27 +70,27 @@ class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=FLOAT32_MAX)
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
+    min_tokens: Count = 0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: Int64 = 0
     # vLLM's: logprob tokens as "token_id:<id>" (exact ids, for clients that compare tokens).
     return_tokens_as_token_ids: bool = False
     # Structured outputs (see engine.server.structured): OpenAI's response_format, vLLM's
@@ -85,6 +103,34 @@ class SamplingFields(_Request):
     guided_grammar: str | None = None
 
 
+def _prompt_form(value: Any) -> str:
+    """Which form of ``prompt`` the client sent, decided by its shape so that errors are about
+    that form: a string, strings, token ids, or lists of token ids."""
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "Strings"
+        if isinstance(first, list):
+            return "TokenIdLists"
+        return "TokenIds"
+    if isinstance(value, list):
+        return "TokenIds"  # [] fails there: min 1 token
+    return "Text"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("Text")]
+    | Annotated[list[str], Field(min_length=1), Tag("Strings")]
+    | Annotated[list[TokenId], Field(min_length=1), Tag("TokenIds")]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]],
+        Field(min_length=1),
+        Tag("TokenIdLists"),
+    ],
+    Discriminator(_prompt_form),
+]
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``.
 
@@ -94,16 +140,16 @@ class CompletionRequest(SamplingFields):
     prompt only, as lm-eval's loglikelihood tasks do).
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: Prompt
+    max_tokens: Count | None = 16
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: Count | None = None
+    suffix: None = None  # not supported: only null is accepted
+    best_of: int | None = Field(None, ge=1, le=INT64_MAX)
     add_special_tokens: bool = True
 
 
-class TextContentPart(BaseModel):
+class TextContentPart(_Body):
     """A text part of a chat message's content."""
 
     type: Literal["text"]
@@ -133,10 +179,10 @@ class ChatCompletionRequest(SamplingFields):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -290,8 +336,10 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Request):
+    """``POST /detokenize``."""
+
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

@@ -220,9 +220,10 @@ class ServingContext:
             raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", "n")
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= self.max_logprobs:
+                # Chat asks for the alternatives with top_logprobs: name the field it sent.
+                field = "top_logprobs" if name == "logprobs" and _is_chat(req) else name
                 raise bad_request(
-                    f"{name} must be in [0, {self.max_logprobs}], got {value}",
-                    "top_logprobs" if name == "logprobs" and _is_chat(req) else name,
+                    f"{field} must be in [0, {self.max_logprobs}], got {value}", field
                 )
         default_max = self.default_sampling.get("max_tokens")
         client_max = {"max_tokens", "max_completion_tokens"} & req.model_fields_set

@@ -82,7 +82,7 @@ def test_wrong_types_are_400_naming_the_field(http, path, body, param):
         ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
-        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
         ({"prompt": [1, 2, 10**9]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),

@@ -94,7 +94,7 @@ def tc(tool_server):
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
-        ({"tools": "get_weather"}, "tools", "valid list"),
+        ({"tools": "get_weather"}, "tools", "expected an array, got a string"),
         ({"tools": []}, "tools", "non-empty list"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type", "must be 'function'"),
         ({"tools": [{"type": "function", "function": {"description": "x"}}]},

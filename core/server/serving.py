@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,8 +20,12 @@ from engine.server.errors import APIError, bad_request, context_length_error
 from engine.server.protocol import ChatMessage, SamplingFields
 from engine.server.tools.parser import ToolParser, tool_parser_from_flags
 from engine.server.tools.request import prepare_tool_history
+from engine.tokenizer import TokenIdRange
 
 logger = logging.getLogger("engine.server.requests")
+
+# A logit_bias key: a token id in canonical decimal (no sign, space or leading zero).
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 @dataclass
@@ -84,6 +89,8 @@ class ServingContext:
             options.limits.max_logprobs, int(getattr(engine.config, "max_logprobs", 20))
         )
         self.chat_template = options.chat_template
+        # Token ids requests may name: below max(tokenizer size, model vocabulary) (vLLM's rule).
+        self.token_ids = TokenIdRange.of(self.tokenizer, model_config.hf_config)
         self._token_text: dict[int, str] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
@@ -141,13 +148,13 @@ class ServingContext:
         decoded = getattr(lp, "decoded_token", None) if lp is not None else None
         return decoded if decoded is not None else self.token_text(token_id)
 
-    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
-        vocab = len(self.tokenizer)
-        for t in ids:
-            if t < 0 or t >= vocab:
-                raise bad_request(
-                    f"token id {t} is out of range for the vocabulary (size {vocab})", param
-                )
+    def check_token_ids(self, ids: Any, param: str = "prompt", *, needs_row: bool = True) -> None:
+        """400 naming ``param`` unless every id is a valid token id (``TokenIdRange``);
+        ``needs_row``: the id indexes the model (a prompt's embedding, a logit)."""
+        try:
+            self.token_ids.check(ids, param, needs_row=needs_row)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
 
     async def render_chat(
         self,
@@ -260,26 +267,18 @@ class ServingContext:
                 value = self.default_sampling.get(name)
             if value is not None:
                 kwargs[name] = value
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids", needs_row=False)
         if req.logit_bias:
-            vocab = len(self.tokenizer)
             bias = {}
             for key, value in req.logit_bias.items():
-                try:
-                    token = int(key)
-                except ValueError:
+                if not _TOKEN_ID_KEY.fullmatch(key):
                     raise bad_request(
-                        f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-                    ) from None
-                if not 0 <= token < vocab:
-                    raise bad_request(
-                        f"logit_bias token id {token} is out of range (vocabulary size {vocab})",
+                        f'logit_bias keys must be token ids written in decimal ("42"), got {key!r}',
                         "logit_bias",
                     )
-                if not -100.0 <= value <= 100.0:
-                    raise bad_request(
-                        f"logit_bias values must be in [-100, 100], got {value}", "logit_bias"
-                    )
-                bias[token] = value
+                bias[int(key)] = value  # the values' range [-100, 100] is the protocol's
+            self.check_token_ids(bias, "logit_bias")
             kwargs["logit_bias"] = bias
         from engine.server.structured import structured_outputs_from_request
 

@@ -173,6 +173,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tools=validate_tools(body.tools) if body.tools is not None else None,
+                chat_template=body.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
             ids = await ctx.encode(text, add_special_tokens=False)

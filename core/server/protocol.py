@@ -20,7 +20,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from engine.server.unicode_check import find_lone_surrogate
@@ -101,6 +109,12 @@ class SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the top-N logprobs of every prompt token (the response's prompt_logprobs).
+    prompt_logprobs: Count | None = None
+    # vLLM's: keep only the last N prompt tokens (-1: the last max_model_len);
+    # truncation_side "right" keeps the first N instead.
+    truncate_prompt_tokens: Literal[-1] | Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
 
 
 def _prompt_form(value: Any) -> str:
@@ -163,7 +177,7 @@ class ChatMessage(_Body):
     ``tool_call_id`` it answers (checked in ``engine.server.tools.prepare_tool_history``).
     """
 
-    role: str
+    role: str = Field(min_length=1)
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -185,7 +199,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Count | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # A Jinja chat template for this request only (refused unless the server runs with
+    # --trust-request-chat-template, as in vLLM).
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the response starts with the last message's content when it has the role of
+    # the response (continuing it).
     echo: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -209,12 +228,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's logprob of one candidate token at a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token: token id (as a JSON key) -> its logprob; the first is null.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -256,9 +288,19 @@ class ChatToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """The message of a chat choice; ``tool_calls`` is left out when there are none, as
+    OpenAI (and vLLM) do."""
+
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ChatToolCall] = Field(default_factory=list)
+    tool_calls: list[ChatToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_tool_calls(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -276,6 +318,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):
@@ -308,6 +351,7 @@ class TokenizeChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.server.async_engine import AsyncEngine
+from engine.server.chat_template import ChatTemplates, conversation_of, request_kwargs
 from engine.server.errors import APIError, bad_request, context_length_error
 from engine.server.protocol import ChatMessage, SamplingFields
 from engine.server.tools.parser import ToolParser, tool_parser_from_flags
-from engine.server.tools.request import prepare_tool_history
 from engine.tokenizer import TokenIdRange
 
 logger = logging.getLogger("engine.server.requests")
@@ -53,6 +53,7 @@ class ServingOptions:
     log_requests: bool = False  # --enable-log-requests
     max_log_len: int | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False  # run a request's own chat_template (vLLM's flag)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
@@ -89,6 +90,9 @@ class ServingContext:
             options.limits.max_logprobs, int(getattr(engine.config, "max_logprobs", 20))
         )
         self.chat_template = options.chat_template
+        self.templates = ChatTemplates(
+            self.tokenizer, options.chat_template, options.trust_request_chat_template
+        )
         # Token ids requests may name: below max(tokenizer size, model vocabulary) (vLLM's rule).
         self.token_ids = TokenIdRange.of(self.tokenizer, model_config.hf_config)
         self._token_text: dict[int, str] = {}
@@ -163,39 +167,75 @@ class ServingContext:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Apply the chat template; a clear 400 when the model has none or it fails."""
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise bad_request(
-                f"The model `{self.model_name}` has no chat template, so /v1/chat/completions "
-                "cannot format messages. Use /v1/completions with a plain prompt, or start the "
-                "server with --chat-template.",
-                param="messages",
-                code="chat_template_missing",
-            )
+        """Apply the chat template (``engine.server.chat_template``): the request's when it
+        brings one and the server trusts it, else the server's or the tokenizer's. A 400 when
+        there is none, it fails, a message has no content, or it drops a message's role."""
         if continue_final_message and add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
             )
-        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
-        kwargs = dict(chat_template_kwargs or {})
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            return await self.run_tokenizer(
-                self.tokenizer.apply_chat_template,
-                conversation,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
+        kwargs = request_kwargs(chat_template_kwargs, tools)
+        template, param = self.templates.choose(chat_template, kwargs, self.model_name)
+        conversation = conversation_of(messages)
+        return await self.run_tokenizer(
+            self.templates.render,
+            conversation,
+            template,
+            param,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            kwargs=kwargs,
+        )
+
+    def truncate_prompt(self, ids: list[int], req: SamplingFields) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep the last N prompt tokens (-1: the last
+        ``max_model_len``), or the first N with ``truncation_side: "right"``."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            if req.truncation_side is not None:
+                raise bad_request(
+                    "truncation_side only applies with truncate_prompt_tokens", "truncation_side"
+                )
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        elif keep > self.max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({self.max_model_len}); request a smaller truncation size",
+                "truncate_prompt_tokens",
             )
-        except Exception as e:  # noqa: BLE001 - jinja's raise_exception, bad roles...
-            raise bad_request(f"the chat template failed: {e}", param="messages") from e
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if req.truncation_side == "right" else ids[len(ids) - keep :]
+
+    def prompt_logprobs(
+        self, entries: list[dict[int, Any] | None] | None, as_ids: bool = False
+    ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs`` of a response: per prompt token (the first is null), its
+        candidates' ``{"logprob", "rank", "decoded_token"}`` keyed by token id."""
+        if entries is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            out.append(
+                {
+                    str(token): {
+                        "logprob": max(float(lp.logprob), -9999.0),  # JSON has no -inf
+                        "rank": lp.rank,
+                        "decoded_token": self.logprob_token(token, lp, as_ids),
+                    }
+                    for token, lp in entry.items()
+                }
+            )
+        return out
 
     # ------------------------------------------------------------ parameters
     def check_prompt_fits(
@@ -311,24 +351,3 @@ class ServingContext:
 
 def _is_chat(req: SamplingFields) -> bool:
     return hasattr(req, "messages")
-
-
-def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
-    """A chat message as the template expects it; content parts joined into text."""
-    data = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            part_type = part.type if hasattr(part, "type") else part.get("type")
-            if part_type != "text":
-                raise bad_request(
-                    f"messages[{index}].content: only text parts are supported, got {part_type!r}",
-                    param=f"messages.{index}.content",
-                )
-            texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))
-        data["content"] = "\n".join(texts)
-    elif content is None:
-        data["content"] = ""
-    prepare_tool_history(data, index)
-    return data

@@ -54,6 +54,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "template is code the server runs).",
     )
     server.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info (the tokenizer's configuration and chat template, as "
+        "vLLM does; lm-eval's remote tokenizer reads it). Off by default: it exposes them.",
+    )
+    server.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULT_BODY_LIMIT,
@@ -213,6 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         api_keys=list(args.api_key or []),
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         serving=ServingOptions(
             limits=ServerLimits(max_n=args.max_n),
             log_requests=log_requests(args),

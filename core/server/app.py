@@ -39,6 +39,7 @@ from engine.server.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from engine.server.serving import ServingContext, ServingOptions
@@ -60,6 +61,9 @@ class ServerOptions:
 
     api_keys: list[str] = field(default_factory=list)
     max_request_body_bytes: int = 16 * 1024 * 1024
+    # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info exposes the tokenizer's
+    # configuration and chat template, so it is off unless asked for.
+    enable_tokenizer_info_endpoint: bool = False
     serving: ServingOptions = field(default_factory=ServingOptions)
 
 
@@ -191,6 +195,14 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens", needs_row=False)
         return DetokenizeResponse(prompt=ctx.decode(body.tokens))
+
+    if options.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, tags=["tokenizer"])
+        async def tokenizer_info() -> JSONResponse:
+            """The tokenizer's configuration (vLLM's route, read by lm-evaluation-harness's
+            remote tokenizer): special tokens, chat template, ``tokenizer_class``."""
+            return JSONResponse(state.require_ctx().tokenizer_info())
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:

@@ -287,6 +287,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.url.path!r}"
+            if request.url.path == "/tokenizer_info":
+                message += " (start the server with --enable-tokenizer-info-endpoint)"
         elif exc.status_code == 405:
             message = f"method {request.method} not allowed on {request.url.path!r}"
         return error_response(APIError(exc.status_code, message))

@@ -386,6 +386,22 @@ class DetokenizeRequest(_Request):
     tokens: list[TokenId]
 
 
+class TokenizerInfoResponse(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's): the tokenizer's configuration, as its
+    ``tokenizer_config.json`` has it (special tokens as their text), with the chat template in
+    use and the tokenizer's class name. lm-evaluation-harness's remote tokenizer reads
+    ``eos_token``, ``bos_token``, ``pad_token`` and ``chat_template`` from it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+
+
 class DetokenizeResponse(BaseModel):
     prompt: str
 

@@ -160,6 +160,24 @@ class ServingContext:
         except ValueError as e:
             raise bad_request(str(e), param) from None
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info`` body: the tokenizer's init arguments (its
+        ``tokenizer_config.json``) made JSON (special tokens as their text), without file
+        paths, plus ``tokenizer_class`` and the chat template requests get by default."""
+        info = {
+            key: _jsonable(value)
+            for key, value in dict(getattr(self.tokenizer, "init_kwargs", None) or {}).items()
+            if key not in ("vocab_file", "merges_file", "tokenizer_file")
+        }
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if info.get(name) is None:
+                info[name] = getattr(self.tokenizer, name, None)
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        template = self.templates.default_template
+        if template:
+            info["chat_template"] = template
+        return info
+
     async def render_chat(
         self,
         messages: list[ChatMessage],
@@ -351,3 +369,17 @@ class ServingContext:
 
 def _is_chat(req: SamplingFields) -> bool:
     return hasattr(req, "messages")
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON can carry it: an ``AddedToken`` as its text, containers recursively,
+    anything else unknown as its ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "content") and isinstance(value.content, str):  # tokenizers.AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    return str(value)

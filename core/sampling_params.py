@@ -25,8 +25,10 @@ class SamplingType(Enum):
 
 _GREEDY_EPS = 1e-5
 
-# The sampler computes in float32: a larger value would be infinite there.
+# The sampler computes in float32: a larger value would be infinite there, and a positive one
+# below the smallest normal float32 is zero there (or too close: dividing by it overflows).
 _FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -242,8 +244,8 @@ class SamplingParams:
                 fail(name, f"a finite number (at most {_FLOAT32_MAX:.7g} in magnitude)")
         if self.temperature < 0:
             fail("temperature", "non-negative (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "in (0, 1]")
+        if not _FLOAT32_TINY <= self.top_p <= 1.0:
+            fail("top_p", f"in (0, 1] (at least {_FLOAT32_TINY:.7g}, the smallest float32)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             fail("top_k", "0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
@@ -252,8 +254,12 @@ class SamplingParams:
             fail("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", "greater than 0")
+        if not self.repetition_penalty >= _FLOAT32_TINY:
+            # A penalty that is 0 in float32 turns masked logits (-inf * 0) into NaN.
+            fail(
+                "repetition_penalty",
+                f"greater than 0 (at least {_FLOAT32_TINY:.7g}, the smallest float32)",
+            )
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

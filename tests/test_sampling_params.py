@@ -54,3 +54,14 @@ def test_seed_outside_int64_is_rejected_with_the_range(seed):
 def test_seed_bounds_are_accepted():
     for seed in (-(2**63), 2**63 - 1, 0):
         assert SamplingParams(seed=seed).seed == seed
+
+
+@pytest.mark.parametrize("name", ["top_p", "repetition_penalty"])
+@pytest.mark.parametrize("value", [5e-324, 1e-40])
+def test_positive_values_that_are_zero_in_float32_are_rejected(name, value):
+    """5e-324 is positive but 0 as a float32: a repetition penalty of 0 turned the grammar's
+    masked logits (-inf * 0) into NaN, and greedy sampling then picked a forbidden token."""
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**{name: value})
+    assert err.value.param == name and "1.175494e-38" in str(err.value)
+    assert SamplingParams(**{name: 1e-30}).validate() is None

@@ -35,6 +35,7 @@ from engine.server.unicode_check import find_lone_surrogate
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest positive normal float32
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 # A token id; whether it is in the vocabulary is checked against the served model.
@@ -80,12 +81,12 @@ class SamplingFields(_Request):
     model: str | None = None
     n: int = Field(1, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0.0, le=FLOAT32_MAX)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=FLOAT32_MAX)
+    repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=FLOAT32_MAX)
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None

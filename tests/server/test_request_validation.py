@@ -225,7 +225,10 @@ def test_empty_body_names_the_required_field(http, path, field):
          f"seed: must be at most {2**63 - 1}, got {2**70}"),
         ({"prompt": "x", "seed": -(2**64)}, "seed",
          f"seed: must be at least {-(2**63)}, got {-(2**64)}"),
-        ({"prompt": "x", "top_p": 0}, "top_p", "top_p: must be greater than 0, got 0"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "top_p: must be at least 1.175494e-38, got 0"),
+        # Positive, but zero in float32: masked logits would become NaN (-inf * 0).
+        ({"prompt": "x", "repetition_penalty": 5e-324}, "repetition_penalty",
+         "repetition_penalty: must be at least 1.175494e-38, got 4.940656e-324"),
         ({"prompt": "x", "n": 0}, "n", "n: must be at least 1, got 0"),
         ({"prompt": "x", "n": 129}, "n", "n must be in [1, 128], got 129"),
         ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be in [0, 20], got 21"),

@@ -27,6 +27,7 @@ from engine.server.middleware import (
     BodyLimitMiddleware,
     UnexpectedErrorMiddleware,
 )
+from engine.server.openapi import ServedLimits, install_openapi
 from engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -122,6 +123,11 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     )
     app.state.server = state
     install_error_handlers(app)
+    install_openapi(
+        app,
+        lambda: ServedLimits.of(state.ctx) if state.ctx is not None else None,
+        api_keys=bool(options.api_keys),
+    )
 
     @app.get("/health", tags=["operations"])
     async def health() -> Response:

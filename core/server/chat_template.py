@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import threading
 from collections import OrderedDict
@@ -30,7 +32,25 @@ from engine.server.tools.request import prepare_tool_history
 # Arguments of apply_chat_template that chat_template_kwargs may not replace: the request's own
 # fields (add_generation_prompt, continue_final_message, tools) win, as in vLLM.
 _REQUEST_ARGS = ("add_generation_prompt", "continue_final_message", "tools")
-_RESERVED_ARGS = ("conversation", "tokenize", "return_dict", "return_assistant_tokens_mask")
+# Its arguments a template may read (besides the request's fields).
+_TEMPLATE_ARGS = ("documents", "chat_template", *_REQUEST_ARGS)
+
+
+@functools.cache
+def reserved_template_args() -> tuple[str, ...]:
+    """Names chat_template_kwargs may not use: apply_chat_template's own arguments that are not
+    template variables (``tokenize``, ``padding``, ``return_dict``...), read from transformers'
+    signature so that a new version's arguments are covered too."""
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return tuple(
+        name
+        for name, p in params.items()
+        if name not in ("self", *_TEMPLATE_ARGS)
+        and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    )
+
 
 # Digits survive any case change or trimming a template may apply to content.
 _MARKER = "7391046285{:05d}5820649137"
@@ -100,10 +120,12 @@ class ChatTemplates:
         kwargs: dict[str, Any],
     ) -> str:
         """The prompt text; a 400 when the template fails or drops a message."""
-        for name in _RESERVED_ARGS:
+        for name in reserved_template_args():
             if name in kwargs:
                 raise bad_request(
-                    f"chat_template_kwargs may not set {name!r}", "chat_template_kwargs"
+                    f"chat_template_kwargs may not set {name!r}: it is an argument of the "
+                    "template renderer, not a template variable",
+                    "chat_template_kwargs",
                 )
         args = {
             **kwargs,

@@ -219,6 +219,11 @@ def _error_text(err: dict[str, Any]) -> str:
         return f"must be {words} {_number(ctx.get(key))}, got {_number(err.get('input'))}"
     if kind in _EXPECTED:
         return f"expected {_EXPECTED[kind]}, got {_json_type(err.get('input'))}"
+    if kind == "string_unicode":  # a constrained string with a lone surrogate
+        return (
+            "contains a lone UTF-16 surrogate; text must be valid Unicode, where surrogates "
+            "only come in pairs"
+        )
     if kind == "finite_number":
         return f"must be a finite number, got {err.get('input')!r}"
     if kind == "missing":
@@ -259,7 +264,7 @@ def _is_type_tag(part: str) -> bool:
     fields are snake_case."""
     if part[:1].isupper() and part.isidentifier() and "_" not in part:
         return True
-    return part.startswith(("list[", "dict[", "function-", "literal[")) or part in (
+    return part.startswith(("list[", "dict[", "function-", "literal[", "constrained-")) or part in (
         "str",
         "int",
         "float",
@@ -291,7 +296,10 @@ def install_error_handlers(app: FastAPI) -> None:
                 message += " (start the server with --enable-tokenizer-info-endpoint)"
         elif exc.status_code == 405:
             message = f"method {request.method} not allowed on {request.url.path!r}"
-        return error_response(APIError(exc.status_code, message))
+        response = error_response(APIError(exc.status_code, message))
+        for name, value in (exc.headers or {}).items():  # 405's Allow (RFC 9110)
+            response.headers[name] = value
+        return response
 
     # No handler for ``Exception`` here: Starlette runs that one inside its outermost
     # ServerErrorMiddleware, which re-raises after replying, and uvicorn then drops the

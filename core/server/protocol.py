@@ -22,10 +22,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
     Tag,
+    WithJsonSchema,
     model_serializer,
     model_validator,
 )
@@ -37,10 +39,125 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest positive normal float32
 
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: ``5.0`` is the integer 5 (JSON Schema's reading too), while
+    ``5.5``, ``"5"`` and ``true`` are not integers (strict validation rejects them)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integer fields: strict (no strings or booleans) but taking integral JSON numbers. The
+# bounds come before the validator, so that pydantic writes them into the JSON schema.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_integral)]
 # A token id; whether it is in the vocabulary is checked against the served model.
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_integral)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX), BeforeValidator(_integral)]
+Positive = Annotated[int, Field(ge=1, le=INT64_MAX), BeforeValidator(_integral)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+# JSON schemas of fields the server keeps as plain JSON (and checks in engine.server.structured
+# and engine.server.tools), so that the OpenAPI document states what those checks accept.
+_JSON_OBJECT_OR_TEXT = {"anyOf": [{"type": "object"}, {"type": "string"}]}
+_RESPONSE_FORMAT = {
+    "type": "object",
+    "description": 'OpenAI\'s response_format: {"type": "text"} (no constraint, also when type '
+    'is absent), {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": '
+    '..., "schema": {...}}}; the schema must compile (xgrammar), else 400.',
+    "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "description": {"type": "string"},
+                "schema": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+            },
+        },
+    },
+    "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+    "then": {"required": ["json_schema"]},
+}
+_STRUCTURED_OUTPUTS = {
+    "type": "object",
+    "description": "vLLM's structured_outputs: exactly one of json, json_object, regex, "
+    "choice, grammar (each must compile, else 400).",
+    "additionalProperties": False,
+    "properties": {
+        "json": {"anyOf": [{"type": "object"}, {"type": "string"}, {"type": "null"}]},
+        "json_object": {"anyOf": [{"const": True}, {"type": "null"}]},
+        "regex": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]},
+        "choice": {
+            "anyOf": [
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                {"type": "null"},
+            ]
+        },
+        "grammar": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]},
+        "disable_any_whitespace": {"type": "boolean"},
+    },
+}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "description": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "parameters": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+            },
+        },
+    },
+}
+_TOOL_CHOICE = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+        {"type": "null"},
+    ]
+}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "arguments": {
+                    "description": "The arguments as a JSON text (OpenAI's wire format).",
+                    "anyOf": [{"type": "string"}, {"type": "object"}],
+                },
+            },
+        },
+    },
+}
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
 
 
 class _Body(BaseModel):
@@ -75,20 +192,31 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+def _text_or_list(value: Any) -> str:
+    return "List" if isinstance(value, list) else "Text"
+
+
+# A stop string or a list of them; the form is read from the shape, so that an error is about it.
+Stop = Annotated[
+    Annotated[NonEmptyText, Tag("Text")] | Annotated[list[NonEmptyText], Tag("List")],
+    Discriminator(_text_or_list),
+]
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=INT64_MAX)
+    n: Positive = 1
     temperature: float | None = Field(None, ge=0.0, le=FLOAT32_MAX)
     top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), BeforeValidator(_integral)] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=FLOAT32_MAX)
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -104,17 +232,20 @@ class SamplingFields(_Request):
     return_tokens_as_token_ids: bool = False
     # Structured outputs (see engine.server.structured): OpenAI's response_format, vLLM's
     # structured_outputs, or vLLM's older guided_* fields; at most one of them.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    response_format: Annotated[dict[str, Any], WithJsonSchema(_RESPONSE_FORMAT)] | None = None
+    structured_outputs: Annotated[dict[str, Any], WithJsonSchema(_STRUCTURED_OUTPUTS)] | None = None
+    guided_json: Annotated[dict[str, Any] | str, WithJsonSchema(_JSON_OBJECT_OR_TEXT)] | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyText | None = None
     # vLLM's: the top-N logprobs of every prompt token (the response's prompt_logprobs).
     prompt_logprobs: Count | None = None
     # vLLM's: keep only the last N prompt tokens (-1: the last max_model_len);
     # truncation_side "right" keeps the first N instead.
-    truncate_prompt_tokens: Literal[-1] | Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    truncate_prompt_tokens: Annotated[
+        Literal[-1] | Annotated[int, Field(ge=1, le=INT64_MAX)] | None,
+        BeforeValidator(_integral),
+    ] = None
     truncation_side: Literal["left", "right"] | None = None
 
 
@@ -160,8 +291,12 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Count | None = None
     suffix: None = None  # not supported: only null is accepted
-    best_of: int | None = Field(None, ge=1, le=INT64_MAX)
+    best_of: Positive | None = None
     add_special_tokens: bool = True
+
+
+# OpenAI's function tools (checked in engine.server.tools.request); at least one.
+Tools = Annotated[list[Annotated[dict[str, Any], WithJsonSchema(_TOOL)]], Field(min_length=1)]
 
 
 class TextContentPart(_Body):
@@ -179,9 +314,12 @@ class ChatMessage(_Body):
     """
 
     role: str = Field(min_length=1)
-    content: str | list[TextContentPart | dict[str, Any]] | None = None
+    # Other part types (image_url...) are refused by name (engine.server.chat_template).
+    content: (
+        str | list[Annotated[TextContentPart | dict[str, Any], WithJsonSchema(_TEXT_PART)]] | None
+    ) = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[Annotated[dict[str, Any], WithJsonSchema(_TOOL_CALL)]] | None = None
     tool_call_id: str | None = None
 
 
@@ -194,8 +332,8 @@ class ChatCompletionRequest(SamplingFields):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_tokens: Positive | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: Count | None = None
     add_generation_prompt: bool = True
@@ -207,9 +345,24 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the response starts with the last message's content when it has the role of
     # the response (continuing it).
     echo: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Tools | None = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(_TOOL_CHOICE)] = None
     parallel_tool_calls: bool = True
+
+
+class ErrorInfo(BaseModel):
+    """What went wrong: OpenAI's error fields (``param`` names the request field)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (OpenAI's envelope)."""
+
+    error: ErrorInfo
 
 
 class UsageInfo(BaseModel):
@@ -354,7 +507,7 @@ class TokenizeChatRequest(_Request):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Tools | None = None
     return_token_strs: bool = False
 
 

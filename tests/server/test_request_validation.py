@@ -150,6 +150,13 @@ def test_non_finite_logit_bias_is_400(http, value):
     assert error_of(r, 400)["param"] == "logit_bias.5"
 
 
+def test_integral_json_numbers_are_integers(http):
+    """JSON has one number type: 2.0 is the integer 2 (as JSON Schema reads it too)."""
+    r = post_raw(http, "/v1/completions", '{"prompt": [1, 5.0], "max_tokens": 2.0, "n": 1.0}')
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+
+
 def test_integral_numbers_are_still_floats(http):
     r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 1})
     assert r.status_code == 200, r.text
@@ -165,7 +172,7 @@ def test_integral_numbers_are_still_floats(http):
          "max_tokens: expected an integer, got a string"),
         ("/v1/completions", '{"prompt": "x", "max_tokens": true}', "max_tokens",
          "max_tokens: expected an integer, got a boolean"),
-        ("/v1/completions", '{"prompt": "x", "max_tokens": 5.0}', "max_tokens",
+        ("/v1/completions", '{"prompt": "x", "max_tokens": 5.5}', "max_tokens",
          "max_tokens: expected an integer, got a number"),
         ("/v1/completions", '{"prompt": "x", "stream": "yes"}', "stream",
          "stream: expected a boolean, got a string"),

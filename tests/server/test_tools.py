@@ -95,7 +95,7 @@ def tc(tool_server):
     ("body", "param", "message"),
     [
         ({"tools": "get_weather"}, "tools", "expected an array, got a string"),
-        ({"tools": []}, "tools", "non-empty list"),
+        ({"tools": []}, "tools", "must have at least 1 item"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type", "must be 'function'"),
         ({"tools": [{"type": "function", "function": {"description": "x"}}]},
          "tools.0.function.name", "got None"),

@@ -92,6 +92,12 @@ class TokenIdRange:
         from engine.errors import InvalidRequestError
 
         limit = self.limit
+        ids = list(ids)
+        # The common case in C: all ints, within range (a prompt may have 100k ids).
+        if ids and set(map(type, ids)) == {int}:
+            bound = self.model_vocab if needs_row else limit
+            if min(ids) >= 0 and max(ids) < min(bound, limit):
+                return
         for token in ids:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < limit:
                 raise InvalidRequestError(

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_NUMBERS = frozenset((int, float, bool))
 
 
 def surrogate_at(text: str) -> int | None:
@@ -59,8 +60,10 @@ def _strings(value: Any, path: str, skip: frozenset[str] = frozenset()) -> Itera
                 yield path, key, True
             yield from _strings(item, _join(path, str(key)))
     elif isinstance(value, (list, tuple)):
+        if set(map(type, value)) <= _NUMBERS:  # token-id lists are long: one pass in C
+            return
         for i, item in enumerate(value):
-            if type(item) is not int:  # token-id lists are long: skip their elements cheaply
+            if type(item) not in _NUMBERS:
                 yield from _strings(item, _join(path, str(i)))
 
 

@@ -128,6 +128,47 @@ def _check_divisible(tensor: torch.Tensor, dim: int, n: int, op: str) -> None:
         )
 
 
+class SingleProcessCommunicator(Communicator):
+    """The communicator of a group of one: every collective is the identity, whatever
+    ``torch.distributed`` says (a tensor-parallel group of size 1 inside a larger world is one
+    of these). ``send``/``recv`` have no peer and are errors."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def all_reduce(self, tensor, op: str = "sum"):
+        check_reduce_op(op)
+        return tensor
+
+    def all_gather(self, tensor, dim: int = 0):
+        return tensor
+
+    def reduce_scatter(self, tensor, dim: int = 0):
+        return tensor
+
+    def broadcast(self, tensor, src: int = 0):
+        if src != 0:
+            raise ValueError(f"broadcast from rank {src} in a group of one rank")
+        return tensor
+
+    def all_to_all(self, tensor, dim: int = 0):
+        return tensor
+
+    def send(self, tensor, dst: int) -> None:
+        raise RuntimeError(f"send to rank {dst}: a single-process group has no other rank")
+
+    def recv(self, tensor, src: int):
+        raise RuntimeError(f"recv from rank {src}: a single-process group has no other rank")
+
+    def describe(self) -> str:
+        return "a single process: every collective is the identity"
+
+
 class TorchDistributedCommunicator(Communicator):
     """Collectives through ``torch.distributed`` on whatever backend the group was created with
     (gloo on the CPU, NCCL on CUDA, RCCL — under torch's ``nccl`` name — on ROCm).

@@ -177,10 +177,12 @@ class ModelRunner:
         ``engine.layers.cpu_packed_linear``). It releases the plain weight copies, so it runs
         after loading; a no-op on other devices."""
         from engine.layers.cpu_packed_linear import pack_linears
-        from engine.layers.embedding import VocabEmbedding
+        from engine.layers.embedding import VocabParallelEmbedding
 
         assert self.model is not None
-        embeddings = tuple(m.weight for m in self.model.modules() if isinstance(m, VocabEmbedding))
+        embeddings = tuple(
+            m.weight for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)
+        )
         pack_linears(self.model, shared_weights=embeddings)
 
     @property

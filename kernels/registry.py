@@ -26,6 +26,8 @@ KERNEL_NAMES = (
     "write_kv_cache",
     "linear",
     "argmax",
+    "moe_topk_softmax",
+    "fused_moe",
 )
 
 

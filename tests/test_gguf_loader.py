@@ -294,7 +294,7 @@ def test_tokenizer_is_converted_once_and_cached(gemma_gguf, tmp_path):
 
 
 def test_packed_linears_are_bit_identical_to_f_linear():
-    from engine.layers import Linear, LMHead, QKVLinear
+    from engine.layers import ParallelLMHead, QKVParallelLinear, ReplicatedLinear
     from engine.layers.cpu_packed_linear import pack_linears, packing_supported
 
     if not packing_supported(torch.bfloat16, torch.device("cpu")):
@@ -302,9 +302,9 @@ def test_packed_linears_are_bit_identical_to_f_linear():
     torch.manual_seed(0)
     model = torch.nn.ModuleList(
         [
-            Linear(64, 96, bias=True, dtype=torch.bfloat16),
-            QKVLinear(64, 16, 4, 2, dtype=torch.bfloat16),
-            LMHead(300, 64, dtype=torch.bfloat16, final_logit_softcap=30.0),
+            ReplicatedLinear(64, 96, bias=True, dtype=torch.bfloat16),
+            QKVParallelLinear(64, 16, 4, 2, dtype=torch.bfloat16),
+            ParallelLMHead(300, 64, dtype=torch.bfloat16, final_logit_softcap=30.0),
         ]
     )
     for p in model.parameters():

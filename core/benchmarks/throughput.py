@@ -49,6 +49,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         w.add_argument(f"--min-{kind}-len", type=int, default=None, help=f"Explicit {kind} range.")
         w.add_argument(f"--max-{kind}-len", type=int, default=None, help=f"Explicit {kind} range.")
     w.add_argument("--no-warmup", action="store_true", help="Skip the untimed warm-up requests.")
+    parser.add_argument(
+        "--expert-load",
+        action="store_true",
+        help="MoE models: count the tokens routed to each expert of every layer during the run "
+        "and report the imbalance (adds a few device ops per layer and step).",
+    )
 
 
 def _range(args: argparse.Namespace, kind: str) -> tuple[int, int]:
@@ -73,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         warm = warmup_workload(vocab)
         generate(llm, warm.prompts, warm.output_lens)
     work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
-    profiler = StepProfiler(engine)
+    profiler = StepProfiler(engine, expert_load=args.expert_load)
     with TritonCompileWatch() as jit:
         outs, seconds = generate(llm, work.prompts, work.output_lens)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -116,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
         f"span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met in the "
         f"run: {len(jit.variants)} {sorted(set(jit.variants))}"
     )
+    load = split.get("expert_load")
+    if load:
+        print(
+            f"Expert load over {load['layers']} MoE layers: busiest expert / mean "
+            f"{load['mean_max_over_mean']:.2f} on average, worst layer {load['worst_layer']} at "
+            f"{load['worst_max_over_mean']:.2f}"
+        )
     write_json(args.json, result)
     return 0 if out_tokens == work.output_tokens else 1
 

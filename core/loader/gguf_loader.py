@@ -16,8 +16,14 @@ Conventions that differ between llama.cpp and Hugging Face, handled here:
   in; Hugging Face keeps ``w``. We yield ``w`` (the stored value minus one, computed in float32
   before the cast, exactly as ``transformers`` does), so HF-convention models load unchanged.
 * llama.cpp permutes the rows of Llama's q/k projections for its interleaved rotary embedding;
-  we undo it so the rows are in the Hugging Face (half-split, "neox") order. Gemma is stored
-  unpermuted.
+  we undo it so the rows are in the Hugging Face (half-split, "neox") order. Gemma and the Qwen
+  MoE models are stored unpermuted.
+* Mixture of experts (``qwen3moe``, ``qwen2moe``, and ``llama`` files with ``expert_count``,
+  i.e. Mixtral): llama.cpp stores each layer's experts stacked (``ffn_gate_exps`` /
+  ``ffn_up_exps`` ``[E, I, H]``, ``ffn_down_exps`` ``[E, H, I]``, router ``ffn_gate_inp``); we
+  yield them stacked, as ``<block>.experts.gate_proj`` etc., which the MoE models load whole.
+  llama.cpp renormalises the top-k weights of Qwen3-MoE and not those of Qwen2-MoE unless the
+  file says otherwise (``expert_weights_norm``); the configs say the same.
 """
 
 from __future__ import annotations
@@ -78,6 +84,26 @@ _GEMMA3_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+
+
+# Mixture of experts: router and stacked experts under the model's MoE block, the shared
+# expert of Qwen2-MoE (its gate is stored as a vector, HF keeps [1, H]).
+def _moe_layer(block: str) -> dict[str, str]:
+    return {
+        "ffn_gate_inp": f"{block}.gate",
+        "ffn_gate_exps": f"{block}.experts.gate_proj",
+        "ffn_up_exps": f"{block}.experts.up_proj",
+        "ffn_down_exps": f"{block}.experts.down_proj",
+    }
+
+
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -224,7 +250,7 @@ def _gemma3_config(f: GGUFFile) -> PretrainedConfig:
 
 
 def _llama_config(f: GGUFFile) -> PretrainedConfig:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MixtralConfig
 
     if "rope_freqs.weight" in f.tensors:
         raise GGUFLoadError(
@@ -233,16 +259,83 @@ def _llama_config(f: GGUFFile) -> PretrainedConfig:
         )
     kw = _common_config(f)
     kw.update(
-        architectures=["LlamaForCausalLM"],
         rope_theta=_clean_float(f.arch_get("rope.freq_base", 10_000.0)),
         rope_scaling=_rope_scaling(f),
     )
+    experts = f.arch_get("expert_count", 0)
+    if experts:  # Mixtral: llama.cpp writes it as a llama with experts
+        kw.update(
+            architectures=["MixtralForCausalLM"],
+            num_local_experts=experts,
+            num_experts_per_tok=f.require("expert_used_count"),
+            sliding_window=None,
+        )
+        return MixtralConfig(**kw)
+    kw.update(architectures=["LlamaForCausalLM"])
     return LlamaConfig(**kw)
+
+
+def _qwen_moe_config(f: GGUFFile, shared: bool) -> dict[str, Any]:
+    kw = _common_config(f)
+    kw.update(
+        rope_theta=_clean_float(f.arch_get("rope.freq_base", 1_000_000.0)),
+        rope_scaling=_rope_scaling(f),
+        num_experts=f.require("expert_count"),
+        num_experts_per_tok=f.require("expert_used_count"),
+        moe_intermediate_size=f.require("expert_feed_forward_length"),
+        # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's.
+        norm_topk_prob=bool(f.arch_get("expert_weights_norm", not shared)),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    if kw["intermediate_size"] is None:  # no dense layers: any size will do
+        kw["intermediate_size"] = kw["moe_intermediate_size"]
+    if shared:
+        kw["shared_expert_intermediate_size"] = f.require("expert_shared_feed_forward_length")
+    return kw
+
+
+def _qwen3moe_config(f: GGUFFile) -> PretrainedConfig:
+    from transformers import Qwen3MoeConfig
+
+    kw = _qwen_moe_config(f, shared=False)
+    kw.update(
+        architectures=["Qwen3MoeForCausalLM"], attention_bias="blk.0.attn_q.bias" in f.tensors
+    )
+    return Qwen3MoeConfig(**kw)
+
+
+def _qwen2moe_config(f: GGUFFile) -> PretrainedConfig:
+    from transformers import Qwen2MoeConfig
+
+    kw = _qwen_moe_config(f, shared=True)
+    kw.update(architectures=["Qwen2MoeForCausalLM"], qkv_bias="blk.0.attn_q.bias" in f.tensors)
+    return Qwen2MoeConfig(**kw)
 
 
 _ARCHS: dict[str, _ArchSpec] = {
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _gemma3_config, _GEMMA3_LAYER, 1.0, False),
-    "llama": _ArchSpec("LlamaForCausalLM", _llama_config, _LLAMA_LAYER, 0.0, True),
+    "llama": _ArchSpec(
+        "LlamaForCausalLM",
+        _llama_config,
+        {**_LLAMA_LAYER, **_moe_layer("block_sparse_moe")},
+        0.0,
+        True,
+    ),
+    "qwen2moe": _ArchSpec(
+        "Qwen2MoeForCausalLM",
+        _qwen2moe_config,
+        {**_LLAMA_LAYER, **_moe_layer("mlp"), **_SHARED_EXPERT},
+        0.0,
+        False,
+    ),
+    "qwen3moe": _ArchSpec(
+        "Qwen3MoeForCausalLM",
+        _qwen3moe_config,
+        {**_LLAMA_LAYER, **_QK_NORM, **_moe_layer("mlp")},
+        0.0,
+        False,
+    ),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -321,6 +414,8 @@ def iter_weights(
             if spec.unpermute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = n_heads if "q_proj" in hf_name else n_kv
                 tensor = _unpermute(tensor, heads)
+            if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor[None, :]  # llama.cpp keeps the [1, H] gate as a vector
             yield hf_name, tensor.to(dtype)
 
 

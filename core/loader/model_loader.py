@@ -12,6 +12,7 @@ missing or mis-shaped tensors — raises ``ModelLoadError`` before any weight is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -23,14 +24,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.layers.linear import process_weights_after_loading
 from engine.layers.weight_utils import ModelLoadError
 from engine.models.context import ModelContext
 from engine.models.registry import ModelRegistry
+from engine.parallel import SINGLE_PROCESS, ParallelContext
 
 if TYPE_CHECKING:
     from engine.attention_backends.interface import AttentionBackend
     from engine.config import ModelConfig
     from engine.kernels.registry import Kernels
+    from engine.layers.linear import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -201,9 +205,7 @@ def _missing_message(model: nn.Module, missing: set[str], present: set[str]) -> 
 def _validate_checkpoint(model_cls: type, ctx: ModelContext, shapes: dict[str, tuple]) -> None:
     """Dry-run ``load_weights`` on a meta-device copy of the model with the header shapes, so
     missing, mis-shaped and unknown tensors are reported before any data is read."""
-    meta_ctx = ModelContext(
-        ctx.hf_config, ctx.dtype, ctx.kernels, ctx.attn_backend_cls, torch.device("meta")
-    )
+    meta_ctx = dataclasses.replace(ctx, device=torch.device("meta"))
     with torch.device("meta"):
         meta_model = model_cls(meta_ctx)
         loaded = meta_model.load_weights(
@@ -254,11 +256,16 @@ def load_model(
     attn_backend_cls: type[AttentionBackend],
     device: torch.device | str = "cpu",
     registry: ModelRegistry | None = None,
+    *,
+    parallel: ParallelContext | None = None,
+    quant_config: QuantizationConfig | None = None,
 ) -> nn.Module:
     """Build the model for ``model_config`` on ``device`` and load its weights.
 
-    Reads the config first when ``model_config.hf_config`` is unset. Returns the model in eval
-    mode with frozen parameters.
+    Reads the config first when ``model_config.hf_config`` is unset. ``parallel`` says which
+    tensor-parallel shard this process builds (default: all of it); ``quant_config`` picks the
+    linear layers' quantization methods. Every linear layer's method gets its post-loading pass
+    (``process_weights_after_loading``). Returns the model in eval mode with frozen parameters.
     """
     from tqdm.auto import tqdm
 
@@ -269,7 +276,15 @@ def load_model(
     _, model_cls = registry.resolve(getattr(hf_config, "architectures", None) or [])
     device = torch.device(device)
     dtype = resolve_dtype(model_config, hf_config)
-    ctx = ModelContext(hf_config, dtype, kernels, attn_backend_cls, device)
+    ctx = ModelContext(
+        hf_config,
+        dtype,
+        kernels,
+        attn_backend_cls,
+        device,
+        parallel=parallel or SINGLE_PROCESS,
+        quant_config=quant_config,
+    )
     path = resolve_model_path(model_config.model)
     fmt = model_config.load_format
     if fmt == "safetensors" and path.is_file():
@@ -279,6 +294,7 @@ def load_model(
         with torch.device(device):
             model = model_cls(ctx)
         _init_dummy(model, model_config.seed)
+        process_weights_after_loading(model)
         return model.eval()
 
     if _is_gguf(path, model_config):
@@ -308,6 +324,7 @@ def load_model(
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ModelLoadError(_missing_message(model, missing, present or set()))
+    process_weights_after_loading(model)
     return model.eval()
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.attention_backends.interface import AttentionMetadata
-from engine.layers import Linear, QKVLinear
+from engine.layers import QKVParallelLinear, RowParallelLinear
 from engine.layers.attention import Attention
 from engine.models.context import ModelContext
 
@@ -70,24 +70,31 @@ class SelfAttention(nn.Module):
     attn: Attention
     o_proj: nn.Module
 
-    def _build_projections(self, ctx: ModelContext, qkv_bias: bool, o_bias: bool) -> None:
+    def _build_projections(
+        self, ctx: ModelContext, qkv_bias: bool, o_bias: bool, prefix: str = ""
+    ) -> None:
         """Head counts and size from the HF config (``num_key_value_heads`` defaulting to MHA,
-        ``head_dim`` to ``hidden_size / heads``), then ``qkv_proj`` and ``o_proj``."""
+        ``head_dim`` to ``hidden_size / heads``), then ``qkv_proj`` (column-parallel by head)
+        and ``o_proj`` (row-parallel). ``num_heads`` / ``num_kv_heads`` are this rank's counts
+        under tensor parallelism. ``prefix`` is this block's checkpoint name
+        (``model.layers.N.self_attn``)."""
         cfg = ctx.hf_config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            total_heads,
+            total_kv_heads,
             qkv_bias,
-            ctx.dtype,
-            kernels=ctx.kernels,
+            ctx=ctx,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(
-            self.num_heads * self.head_dim, cfg.hidden_size, o_bias, ctx.dtype, kernels=ctx.kernels
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, cfg.hidden_size, o_bias, ctx=ctx, prefix=f"{prefix}.o_proj"
         )
 
     def forward(

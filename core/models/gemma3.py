@@ -31,10 +31,10 @@ from torch import nn
 from engine.attention_backends.interface import AttentionMetadata
 from engine.layers import (
     Attention,
-    LMHead,
+    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
+    VocabParallelEmbedding,
     load_named_weights,
     rope_parameters,
 )
@@ -84,19 +84,6 @@ def _load_gemma_norm(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded.float() + 1.0)
 
 
-def _adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    check_shape("embedding", param.shape, loaded.shape)
-    if (
-        loaded.dtype == param.dtype
-        and loaded.device == param.device
-        and loaded.is_contiguous()
-        and not loaded.requires_grad
-    ):
-        param.data = loaded
-    else:
-        param.data.copy_(loaded)
-
-
 class Gemma3Attention(SelfAttention):
     """Fused QKV projection, per-head q/k RMSNorm, rotary, paged attention, output projection."""
 
@@ -106,7 +93,7 @@ class Gemma3Attention(SelfAttention):
         super().__init__()
         cfg = ctx.hf_config
         bias = bool(getattr(cfg, "attention_bias", False))
-        self._build_projections(ctx, bias, bias)
+        self._build_projections(ctx, bias, bias, f"model.layers.{layer_idx}.self_attn")
         self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.rotary_emb = rotary_emb
@@ -140,7 +127,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(ctx, layer_idx, layer_type, rotary_emb)
         # GeGLU: the Llama MLP with tanh-approximated GELU.
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, act or "gelu_pytorch_tanh", ctx)
+        self.mlp = LlamaMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            act or "gelu_pytorch_tanh",
+            ctx,
+            prefix=f"model.layers.{layer_idx}.mlp",
+        )
         self.input_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
         self.post_attention_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
         self.pre_feedforward_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
@@ -168,8 +161,12 @@ class Gemma3Model(DecoderModel):
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.embed_tokens = VocabEmbedding(
-            cfg.vocab_size, cfg.hidden_size, ctx.dtype, embed_scale=cfg.hidden_size**0.5
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            ctx.dtype,
+            embed_scale=cfg.hidden_size**0.5,
+            parallel=ctx.parallel,
         )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         types = gemma3_layer_types(cfg)
@@ -204,18 +201,16 @@ class Gemma3ForCausalLM(CausalLM):
         if tie_word_embeddings is None:
             tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.tie_word_embeddings = tie_word_embeddings
-        self.lm_head = LMHead(
+        self.lm_head = ParallelLMHead(
             cfg.vocab_size,
             cfg.hidden_size,
             ctx.dtype,
             final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
             kernels=ctx.kernels,
+            parallel=ctx.parallel,
         )
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
-        # The embedding (the 262k-row table of the real models) adopts the loaded tensor
-        # instead of copying it, so loading never holds two copies of the largest matrix.
-        set_weight_loader(self.model.embed_tokens.weight, _adopt_or_copy)
 
     def load_weights(self, weights: Any) -> set[str]:
         """Copy HF-named tensors in (q/k/v and gate/up into their fused slices, norms as

@@ -175,6 +175,36 @@ def _argmax_cases(dtype, gen):
     return cases
 
 
+def _moe_topk_softmax_cases(dtype, gen):
+    # Distinct logits, exactly representable in every dtype (multiples of 1/8 below 8), so
+    # the chosen experts are unambiguous and must match exactly.
+    cases = []
+    for t, e, k, renorm in ((5, 8, 2, True), (3, 64, 8, False), (1, 60, 6, True)):
+        logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)])
+        logits = ((logits - e // 2).float() / 8).to(dtype)
+        cases.append((f"T{t}-E{e}-top{k}-renorm{int(renorm)}", (logits, k, renorm)))
+    return cases
+
+
+def _fused_moe_cases(dtype, gen):
+    # Odd sizes; experts that get no token, one expert that gets most of them, and choices
+    # held by another expert-parallel rank (-1); decode-sized and prefill-sized batches.
+    cases = []
+    for t, e, k, h, i in ((3, 8, 2, 40, 24), (1, 16, 8, 64, 48), (33, 8, 2, 48, 40)):
+        x = _randn(gen, dtype, t, h)
+        w13 = _randn(gen, dtype, e, 2 * i, h, scale=h**-0.5)
+        w2 = _randn(gen, dtype, e, h, i, scale=i**-0.5)
+        scores = torch.rand(t, e, generator=gen)
+        scores[:, 1] += 0.5  # a popular expert
+        scores[:, e - 1] = -1.0  # never chosen
+        weights, ids = torch.topk(scores, k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).float()
+        ids = ids.to(torch.int32)
+        ids[0, -1] = -1  # held elsewhere
+        cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}", (x, w13, w2, weights, ids)))
+    return cases
+
+
 register_kernel_inputs("rms_norm", _rms_norm_cases)
 register_kernel_inputs("fused_add_rms_norm", _fused_add_rms_norm_cases)
 register_kernel_inputs("rotary_embedding", _rotary_cases)
@@ -184,6 +214,8 @@ register_kernel_inputs("gelu_tanh_and_mul", _gated_activation_cases)
 register_kernel_inputs("write_kv_cache", _write_kv_cache_cases, in_place=(2,))
 register_kernel_inputs("linear", _linear_cases)
 register_kernel_inputs("argmax", _argmax_cases)
+register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
+register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
 
 
 def to_device(value: Any, device: torch.device) -> Any:

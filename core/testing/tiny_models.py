@@ -28,6 +28,30 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+# Mixture-of-experts settings for build_tiny_model: many experts, top-2 and top-8, a shared
+# expert, dense layers among sparse ones (Qwen's decoder_sparse_step / mlp_only_layers).
+TINY_MOE = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "qwen3_moe": {
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "head_dim": 16,
+    },
 }
 
 
@@ -86,8 +110,9 @@ def build_tiny_model(
     dtype: str = "float32",
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3) with its tokenizer
-    to ``out_dir`` and return the path."""
+    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3, and the MoE
+    mixtral, qwen2_moe, qwen3_moe with ``TINY_MOE``'s expert settings) with its tokenizer to
+    ``out_dir`` and return the path."""
     import torch
     import transformers
 
@@ -110,6 +135,7 @@ def build_tiny_model(
     )
     if arch == "qwen3":
         kwargs["head_dim"] = hidden_size // num_heads
+    kwargs.update(TINY_MOE.get(arch, {}))
     kwargs.update(config_overrides)
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
@@ -176,6 +202,41 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_window_layers": 1,
     },
     "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 32, "tie_word_embeddings": True},
+    # Mixture of experts: many experts, top-2 / top-4 / top-8, with and without
+    # renormalisation, a shared expert, dense layers among the sparse ones. A wider init than
+    # transformers' default so that routing is decisive (near-uniform router logits would
+    # hide routing mistakes).
+    "mixtral": {
+        "model_type": "mixtral",
+        **_BASE,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "initializer_range": 0.1,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **_BASE,
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [2],
+        "initializer_range": 0.1,
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        **_BASE,
+        "num_hidden_layers": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+        "initializer_range": 0.1,
+    },
     "qwen3_yarn": {
         "model_type": "qwen3",
         **_BASE,

@@ -4,7 +4,8 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: conformance, spread, linear, kprofile. Logs go to $OUT/tests.log,
+# llama-nano, profile; optional: conformance, spread, linear, kprofile, and the mixture-of-experts steps
+# moe-kernels, moe-b1, moe-nano, mixtral-b1. Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -90,6 +91,17 @@ for step in "${steps[@]}"; do
       grep -A12 -E "^per decode step" "$OUT/linear.log"
       JSONS+=("linear")
       ;;
+    moe-kernels)  # fused MoE kernel per layer vs the bytes it must read (fills its tuning)
+      echo "=== moe kernel sweep at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --moe-only \
+        --json "$OUT/moe-kernels.json" >"$OUT/moe-kernels.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels.log"
+      JSONS+=("moe-kernels")
+      ;;
+    moe-b1) bench moe-b1 240 latency --model qwen3-30b-a3b "${B1[@]}" ;;
+    moe-nano) bench moe-nano 300 throughput --model qwen3-30b-a3b "${NANO[@]}" ;;
+    mixtral-b1) bench mixtral-b1 240 latency --model mixtral-8x7b "${B1[@]}" ;;
     qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
     qwen-b1) bench qwen-b1 150 latency --model qwen3-0.6b "${B1[@]}" ;;
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
@@ -135,7 +147,7 @@ for name in names:
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 for name, r in results.items():
-    if name in ("kernels", "spread", "linear"):
+    if name in ("kernels", "spread", "linear", "moe-kernels"):
         continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "

@@ -28,6 +28,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     """Register every Triton kernel with the engine's kernel registry for ``platforms``."""
     from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from engine_triton.kernels.argmax import argmax
+    from engine_triton.kernels.fused_moe import fused_moe, moe_topk_softmax
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
@@ -43,6 +44,8 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "write_kv_cache": write_kv_cache,
         "linear": linear,
         "argmax": argmax,
+        "moe_topk_softmax": moe_topk_softmax,
+        "fused_moe": fused_moe,
     }
     for name, fn in ops.items():
         registry.register(

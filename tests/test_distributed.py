@@ -96,3 +96,21 @@ def test_a_communicator_must_implement_the_contract() -> None:
 
     with pytest.raises(TypeError, match="abstract"):
         Partial()
+
+
+def test_a_group_of_one_is_an_identity_and_has_no_peer() -> None:
+    import torch
+
+    from engine.distributed import SingleProcessCommunicator
+    from engine.parallel import SINGLE_PROCESS
+
+    comm = SINGLE_PROCESS.tp
+    assert isinstance(comm, SingleProcessCommunicator) and (comm.world_size, comm.rank) == (1, 0)
+    t = torch.arange(6.0).view(2, 3)
+    for out in (comm.all_reduce(t, op="min"), comm.all_gather(t, 1), comm.reduce_scatter(t, 1),
+                comm.broadcast(t), comm.all_to_all(t)):  # fmt: skip
+        assert out is t
+    with pytest.raises(RuntimeError, match="no other rank"):
+        comm.send(t, dst=1)
+    with pytest.raises(ValueError, match="broadcast from rank 1 in a group of one rank"):
+        comm.broadcast(t, src=1)

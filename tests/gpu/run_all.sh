@@ -4,7 +4,7 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: spread, linear, kprofile, and the mixture-of-experts steps
+# llama-nano, profile; optional: conformance, spread, linear, kprofile, and the mixture-of-experts steps
 # moe-kernels, moe-b1, moe-nano, mixtral-b1. Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
@@ -57,6 +57,17 @@ for step in "${steps[@]}"; do
         tests/triton_kernels tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -15 "$OUT/tests.log"
+      ;;
+    conformance)  # the conformance kit on cuda and on triton (reports: conformance-*.md)
+      for plugin in cuda triton; do
+        [ "$(left)" -lt 60 ] && { echo "SKIP conformance $plugin"; continue; }
+        echo "=== conformance $plugin at $(elapsed)s"
+        timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider -rs \
+          --engine-conformance=$plugin --engine-conformance-report="$OUT/conformance-$plugin.md" \
+          -m conformance tests/gpu >"$OUT/conformance-$plugin.log" 2>&1
+        echo "rc=$? at $(elapsed)s"
+        tail -4 "$OUT/conformance-$plugin.log"
+      done
       ;;
     kernels)
       [ "$(left)" -lt 90 ] && { echo "SKIP kernels"; continue; }

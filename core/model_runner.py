@@ -52,7 +52,8 @@ class RunnerOutput:
     """One step's results, keyed by request id.
 
     ``sampled`` holds the new token(s) of each request that sampled this step (``num_samples``
-    of them); ``logprobs`` their logprob entries (None when not requested). ``prompt_logprobs``
+    of them, or for a speculative verification the accepted drafts plus the target's own
+    token); ``logprobs`` their logprob entries, one per token (None when not requested). ``prompt_logprobs``
     covers requests that asked for them: one entry per chunk position ``p`` that has a next
     prompt token, i.e. the logprobs of prompt token ``p + 1`` given tokens ``0..p``. The chunks'
     lists concatenated, after a ``None`` for prompt token 0, give vLLM's ``prompt_logprobs``.
@@ -61,6 +62,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, Logprob]] | None] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # Speculative decoding: drafts proposed after this step, for the next one to verify.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +75,8 @@ class PendingStep:
     request_ids: list[str] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # host (pinned) copy in flight, or None when done
     ready: Any = None  # a device event recorded after the copy, or None
+    # Requests to propose drafts for once the tokens are known: (request, how many).
+    proposals: list[tuple[Request, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +141,7 @@ class ModelRunner:
             config.scheduler.max_num_seqs, dtype=torch.int64, device=self.device
         )
         self._feedback_rows: dict[str, int] = {}
+        self.proposer: Any = None  # speculative decoding (engine.spec_decode), see load_model
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> nn.Module:
@@ -155,6 +161,11 @@ class ModelRunner:
 
                 self.sampler_cls = Sampler
             self.sampler = self.sampler_cls(self.vocab_size, self.device)
+        if self.config.speculative is not None:
+            from engine.spec_decode import ProposerRegistry
+
+            cls = ProposerRegistry().get(self.config.speculative.method)
+            self.proposer = cls.create(self.config, self)  # a draft model loads here
         return self.model
 
     def _pack_linears(self) -> None:
@@ -480,16 +491,26 @@ class ModelRunner:
         return pending
 
     def collect(self, pending: PendingStep) -> RunnerOutput:
-        """Wait for a launched step's tokens and return its results."""
+        """Wait for a launched step's tokens and return its results (with the drafts of a
+        host-side proposer, proposed now that the tokens are known)."""
+        out = pending.out
         if pending.tokens is not None:
             if pending.ready is not None:
                 pending.ready.synchronize()
-            out = pending.out
             for rid, token in zip(pending.request_ids, pending.tokens.tolist(), strict=True):
                 out.sampled[rid] = [token]
                 out.logprobs[rid] = None
             pending.tokens = pending.ready = None
-        return pending.out
+        if pending.proposals:
+            propose = self.proposer.propose
+            for request, k in pending.proposals:
+                tokens = out.sampled.get(request.request_id)
+                if tokens:
+                    drafts = propose(request, tokens, k)
+                    if drafts:
+                        out.draft_token_ids[request.request_id] = drafts
+            pending.proposals = []
+        return out
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the step (decodes first, as scheduled) into inputs and per-group metadata."""
@@ -502,7 +523,11 @@ class ModelRunner:
         num_tokens = int(qsl[-1])
         tokens: list[int] = []
         for s in scheduled:
-            tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
+            if s.spec_token_ids:  # a verification: its known token, then the drafts
+                tokens += _chunk_tokens(s.request, s.start, s.num_known_tokens)
+                tokens += s.spec_token_ids
+            else:
+                tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
         input_ids = np.array(tokens, dtype=np.int64)
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
@@ -578,6 +603,13 @@ class ModelRunner:
         if missing:
             raise KeyError(f"no sampling row for requests that sample this step: {missing}")
         rows = [sampling_rows[s.request.request_id] for _, s in sampling]
+        if self.proposer is not None and not self.proposer.uses_model:
+            pending.proposals = [
+                (s.request, s.num_to_propose) for _, s in sampling if s.num_to_propose
+            ]
+        if any(s.spec_token_ids for _, s in sampling):
+            self._verify(sampling, batch, hidden, rows, out)
+            return
         if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
             last = np.array([batch.query_start_loc[i + 1] - 1 for i, _ in sampling])
             hidden = hidden[self._to_device(last)]  # else one token per request: no gather
@@ -618,6 +650,42 @@ class ModelRunner:
             self._feedback = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
         self._feedback[: len(ids)].copy_(first, non_blocking=True)
         self._feedback_rows = {rid: j for j, rid in enumerate(ids)}
+
+    def _verify(
+        self,
+        sampling: list[tuple[int, ScheduledRequest]],
+        batch: _Batch,
+        hidden: torch.Tensor,
+        rows: list[Any],
+        out: RunnerOutput,
+    ) -> None:
+        """Speculative decoding: score every sampling request's drafts (the logits of its
+        last ``k + 1`` positions) and keep what verification accepts. Synchronous: the
+        accepted lengths decide the next step."""
+        from engine.spec_decode.rejection import verify
+
+        qsl = batch.query_start_loc
+        index: list[int] = []
+        drafts = []
+        for i, s in sampling:
+            k = len(s.spec_token_ids)
+            index.extend(range(qsl[i + 1] - k - 1, qsl[i + 1]))
+            drafts.append(s.spec_token_ids)
+        hidden = hidden[self._to_device(np.asarray(index, dtype=np.int64))]
+        float32 = not isinstance(self.model, CausalLM) or self.sampler.wants_float32_logits(rows)
+        logits = self.model.compute_logits(hidden, float32)
+        result = verify(self.sampler, logits, rows, drafts)
+        last = []
+        for (_, s), tokens, lps in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            rid = s.request.request_id
+            out.sampled[rid] = tokens
+            out.logprobs[rid] = lps
+            last.append(tokens[-1])
+        # The feedback buffer holds each row's newest token (nothing reads it before the next
+        # step is scheduled from the host's tokens, but it stays consistent).
+        n = min(len(last), self._feedback.numel())
+        self._feedback[:n].copy_(torch.tensor(last[:n], dtype=torch.int64, device=self.device))
+        self._feedback_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling[:n])}
 
     def _prompt_logprobs(
         self,

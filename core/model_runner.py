@@ -87,6 +87,12 @@ class _Batch:
     positions: torch.Tensor
     attn_metadata: list[AttentionMetadata]
     query_start_loc: list[int]
+    # One past each request's last real token when rows are padded (a verify graph).
+    ends: list[int] | None = None
+
+    def end(self, i: int) -> int:
+        """One past request ``i``'s last token row."""
+        return self.ends[i] if self.ends is not None else self.query_start_loc[i + 1]
 
 
 def _chunk_tokens(request: Request, start: int, num: int) -> list[int]:
@@ -134,6 +140,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._groups: list[int | None] | None = None
         self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
+        self.verify_graphs: Any = None  # the same for speculative verification steps
         # On-device feedback for asynchronous scheduling: the previous step's first sample of
         # each sampling row (a fixed buffer, so captured graphs can read it) and the row of
         # each request in it.
@@ -404,19 +411,22 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:
-        self.graphs = None  # captured graphs point at the cache tensors
+        self.graphs = self.verify_graphs = None  # captured graphs point at the cache tensors
         if self.model is not None:
             for layer in self.model.attention_layers():
                 layer.kv_cache = None
         self.kv_caches = []
         self.num_blocks = 0
 
-    def capture_graphs(self) -> float | None:
+    def capture_graphs(self, eager: bool = False) -> float | None:
         """Capture decode CUDA graphs (``engine.cuda_graphs``) for the allocated cache when the
         platform supports graph capture, the attention backend declares
-        ``supports_decode_graphs`` and ``enforce_eager`` is off. Returns the seconds taken, or
-        None when graphs are not used."""
-        if (
+        ``supports_decode_graphs`` and ``enforce_eager`` is off. With speculative decoding the
+        verification steps (``num_speculative_tokens + 1`` tokens per request) get their own
+        graphs, for the batches that speculate. Returns the seconds taken, or None when graphs
+        are not used. ``eager=True`` (tests) builds the same replay machinery without
+        recording graphs, on any device."""
+        if not eager and (
             self.config.enforce_eager
             or not self.platform.supports_graph_capture
             or not getattr(self.attn_backend_cls, "supports_decode_graphs", False)
@@ -427,16 +437,22 @@ class ModelRunner:
         from engine.cuda_graphs import DecodeGraphs
 
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
-        self.graphs = DecodeGraphs(
-            self.model,
-            len(groups),
-            self.block_size,
-            self.max_model_len,
-            self.config.scheduler.max_num_seqs,
-            self.device,
-            self._feedback,
-        )
-        return self.graphs.capture()
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        args = (self.model, len(groups), self.block_size, self.max_model_len)
+        self.graphs = DecodeGraphs(*args, max_num_seqs, self.device, self._feedback, eager=eager)
+        seconds = self.graphs.capture()
+        spec = self.config.speculative
+        if spec is not None:
+            self.verify_graphs = DecodeGraphs(
+                *args,
+                min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
+                self.device,
+                self._feedback,
+                query_len=int(spec.num_speculative_tokens) + 1,
+                eager=eager,
+            )
+            seconds += self.verify_graphs.capture()
+        return seconds
 
     # ---- one step ---------------------------------------------------------------------------
     def execute(
@@ -482,7 +498,18 @@ class ModelRunner:
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
                 batch = _Batch(None, None, [], list(range(len(scheduled) + 1)))
-            else:
+            elif self.verify_graphs is not None and any(s.spec_token_ids for s in scheduled):
+                hidden = self.verify_graphs.run(scheduled, self._feedback_rows)
+                if hidden is not None:  # request i's tokens at rows i * q, padded to q
+                    q = self.verify_graphs.query_len
+                    batch = _Batch(
+                        None,
+                        None,
+                        [],
+                        list(range(0, q * len(scheduled) + 1, q)),
+                        [i * q + s.num_new_tokens for i, s in enumerate(scheduled)],
+                    )
+            if hidden is None:
                 batch = self._prepare(scheduled)
                 hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
@@ -611,7 +638,7 @@ class ModelRunner:
             self._verify(sampling, batch, hidden, rows, out)
             return
         if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
-            last = np.array([batch.query_start_loc[i + 1] - 1 for i, _ in sampling])
+            last = np.array([batch.end(i) - 1 for i, _ in sampling])
             hidden = hidden[self._to_device(last)]  # else one token per request: no gather
         sampler = self.sampler
         # Samplers that are not engine.sampler.Sampler (tests, plugins) get the classic
@@ -664,12 +691,12 @@ class ModelRunner:
         accepted lengths decide the next step."""
         from engine.spec_decode.rejection import verify
 
-        qsl = batch.query_start_loc
         index: list[int] = []
         drafts = []
         for i, s in sampling:
             k = len(s.spec_token_ids)
-            index.extend(range(qsl[i + 1] - k - 1, qsl[i + 1]))
+            end = batch.end(i)
+            index.extend(range(end - k - 1, end))
             drafts.append(s.spec_token_ids)
         hidden = hidden[self._to_device(np.asarray(index, dtype=np.int64))]
         float32 = not isinstance(self.model, CausalLM) or self.sampler.wants_float32_logits(rows)

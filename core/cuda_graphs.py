@@ -247,59 +247,92 @@ class DecodeGraphs:
         that are still placeholders."""
         if not self.qualifies(scheduled):
             return None
-        num = len(scheduled)
+        num, q = len(scheduled), self.query_len
+        tokens = np.zeros((num, q), dtype=np.int64)
+        firsts = [last_token(s.request, s.start) for s in scheduled]
+        tokens[:, 0] = firsts
+        if q > 1:
+            for i, s in enumerate(scheduled):
+                if s.spec_token_ids:
+                    tokens[i, 1 : 1 + len(s.spec_token_ids)] = s.spec_token_ids
+        sources = None
+        if PLACEHOLDER_TOKEN in firsts:
+            sources = np.full((num, q), -1, dtype=np.int64)
+            for i, token in enumerate(firsts):
+                if token == PLACEHOLDER_TOKEN:
+                    sources[i, 0] = feedback_row(feedback_rows, scheduled[i].request.request_id)
+        return self.replay(
+            [s.start for s in scheduled],
+            [s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+            tokens,
+            sources,
+        )
+
+    def replay(
+        self,
+        starts: list[int],
+        counts: list[int],
+        block_ids: list[list[list[int]]],
+        tokens: np.ndarray,
+        sources: np.ndarray | None = None,
+    ) -> torch.Tensor | None:
+        """Replay for ``len(starts)`` requests given as arrays: request ``i`` has
+        ``counts[i] <= query_len`` tokens from position ``starts[i]``, ``tokens[i, :count]``
+        (``[num, query_len]``), unless ``sources[i, t] >= 0`` names the row of the feedback
+        tensor that holds it; ``block_ids[i][g]`` is its table of group ``g``. None when the
+        batch is too large."""
+        num = len(starts)
         n = self.padded_size(num)
-        assert n is not None
+        if n is None:
+            return None
         q = self.query_len
         b, t, bs, g_count = self.max_batch, self.max_tokens, self.block_size, self.num_groups
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the host buffers
         i64, seq, tables = self._np_i64, self._np_seq, self._np_tables
-        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num)
-        firsts = [last_token(s.request, s.start) for s in scheduled]
+        starts_np = np.asarray(starts, dtype=np.int64)
         ids = i64[: n * q].reshape(n, q)
         pos = i64[t : t + n * q].reshape(n, q)
         src = i64[2 * t : 2 * t + n * q].reshape(n, q)
-        ids[:] = 0
-        src[:] = -1
-        ids[:num, 0] = firsts
-        if q == 1:
-            pos[:num, 0] = starts
+        ids[:num] = tokens
+        ids[num:] = 0
+        if sources is None:
+            src[:] = -1
         else:
-            for i, s in enumerate(scheduled):
-                if s.spec_token_ids:
-                    ids[i, 1 : 1 + len(s.spec_token_ids)] = s.spec_token_ids
+            src[:num] = sources
+            src[num:] = -1
+        if q == 1:
+            pos[:num, 0] = starts_np
+        else:
             # Padded tokens sit after the real ones; clamped to the rotary table.
-            pos[:num] = np.minimum(starts[:, None] + np.arange(q), self.max_model_len - 1)
+            pos[:num] = np.minimum(starts_np[:, None] + np.arange(q), self.max_model_len - 1)
         pos[num:] = 0
-        if PLACEHOLDER_TOKEN in firsts:
-            for i, token in enumerate(firsts):
-                if token == PLACEHOLDER_TOKEN:
-                    src[i, 0] = feedback_row(feedback_rows, scheduled[i].request.request_id)
-        counts = [s.num_new_tokens for s in scheduled]
         width = 1
         for g in range(g_count):
-            lists = [s.block_ids[g] for s in scheduled]
+            lists = [blocks[g] for blocks in block_ids]
             width = max(width, max(len(tb) for tb in lists))
             # A request's context ends with its q query tokens (real or padded), so that the
             # varlen path puts its first query at position ``start``.
-            seq[g * b : g * b + num] = starts + q
+            seq[g * b : g * b + num] = starts_np + q
             seq[g * b + num : g * b + n] = 0
             base = (3 + g) * t
             if q == 1:
-                slot_block = [tb[p // bs] for tb, p in zip(lists, starts.tolist(), strict=True)]
-                i64[base : base + num] = np.asarray(slot_block, dtype=np.int64) * bs + starts % bs
+                slot_block = [tb[p // bs] for tb, p in zip(lists, starts, strict=True)]
+                i64[base : base + num] = (
+                    np.asarray(slot_block, dtype=np.int64) * bs + starts_np % bs
+                )
                 i64[base + num : base + n] = -1
                 continue
             slots = i64[base : base + n * q].reshape(n, q)
             slots[:] = -1
-            for i, (tb, p, c) in enumerate(zip(lists, starts.tolist(), counts, strict=True)):
+            for i, (tb, p, c) in enumerate(zip(lists, starts, counts, strict=True)):
                 slots[i, :c] = [tb[(p + j) // bs] * bs + (p + j) % bs for j in range(c)]
         # Block tables, packed [group, request, width] with only the columns in use.
         stage = tables[: g_count * num * width].reshape(g_count, num, width)
         for g in range(g_count):
-            for i, s in enumerate(scheduled):
-                tb = s.block_ids[g]
+            for i, blocks in enumerate(block_ids):
+                tb = blocks[g]
                 stage[g, i, : len(tb)] = tb
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._seq.copy_(self._host_seq, non_blocking=True)

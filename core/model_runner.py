@@ -77,6 +77,12 @@ class PendingStep:
     ready: Any = None  # a device event recorded after the copy, or None
     # Requests to propose drafts for once the tokens are known: (request, how many).
     proposals: list[tuple[Request, int]] = field(default_factory=list)
+    # What the step sampled, for a draft model or EAGLE head: the (index, entry) pairs that
+    # sampled, their newest token on the device, and (verifications) the tokens each kept.
+    sampling: list[tuple[int, ScheduledRequest]] = field(default_factory=list)
+    last_tokens: torch.Tensor | None = None
+    accepted: list[list[int]] | None = None
+    drafts: Any = None  # (entries, drafts [n, k] on the device) from a model proposer
 
 
 @dataclass
@@ -204,14 +210,17 @@ class ModelRunner:
         """Bytes held by the model's parameters and buffers."""
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self.proposer is not None and self.proposer.uses_model:
+            total += self.proposer.weights_bytes()
+        return total
 
     # ---- KV-cache layout -------------------------------------------------------------------
     def kv_cache_groups(self) -> list[int | None]:
         """One KV-cache group per distinct sliding window (None = full attention, first when
         present); sets every attention layer's ``kv_group``. Returns each group's window."""
         assert self.model is not None, "load_model() first"
-        layers = self.model.attention_layers()
+        layers = self._attention_layers()
         windows = {layer.sliding_window for layer in layers}
         groups: list[int | None] = [None] if None in windows else []
         groups += sorted(w for w in windows if w is not None)
@@ -231,7 +240,7 @@ class ModelRunner:
         assert self.model is not None
         if self._groups is None:
             self.kv_cache_groups()
-        layers = self.model.attention_layers()
+        layers = self._attention_layers()
         shapes = {self._layer_block_shape(layer) for layer in layers}
         if len(shapes) > 1:
             return [[layer] for layer in layers]
@@ -240,6 +249,15 @@ class ModelRunner:
             by_group.setdefault(layer.kv_group, []).append(layer)
         width = max(len(g) for g in by_group.values())
         return [[g[i] for g in by_group.values() if i < len(g)] for i in range(width)]
+
+    def _attention_layers(self) -> list[Any]:
+        """Every paged-attention layer whose KV the cache holds: the model's, then a draft
+        model's or EAGLE head's (they share the block tables, each with its own tensors)."""
+        assert self.model is not None
+        layers = list(self.model.attention_layers())
+        if self.proposer is not None and self.proposer.uses_model:
+            layers += self.proposer.attention_layers()
+        return layers
 
     def _layer_block_shape(self, layer: Any) -> tuple[int, ...]:
         return tuple(
@@ -412,8 +430,10 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.graphs = self.verify_graphs = None  # captured graphs point at the cache tensors
+        if self.proposer is not None and self.proposer.uses_model:
+            self.proposer.release_graphs()
         if self.model is not None:
-            for layer in self.model.attention_layers():
+            for layer in self._attention_layers():
                 layer.kv_cache = None
         self.kv_caches = []
         self.num_blocks = 0
@@ -452,6 +472,8 @@ class ModelRunner:
                 eager=eager,
             )
             seconds += self.verify_graphs.capture()
+            if self.proposer is not None and self.proposer.uses_model:
+                seconds += self.proposer.capture_graphs(eager)
         return seconds
 
     # ---- one step ---------------------------------------------------------------------------
@@ -497,13 +519,14 @@ class ModelRunner:
             if self.graphs is not None:
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
-                batch = _Batch(None, None, [], list(range(len(scheduled) + 1)))
+                ids = self.graphs.last_input_ids(len(scheduled))
+                batch = _Batch(ids, None, [], list(range(len(scheduled) + 1)))
             elif self.verify_graphs is not None and any(s.spec_token_ids for s in scheduled):
                 hidden = self.verify_graphs.run(scheduled, self._feedback_rows)
                 if hidden is not None:  # request i's tokens at rows i * q, padded to q
                     q = self.verify_graphs.query_len
                     batch = _Batch(
-                        None,
+                        self.verify_graphs.last_input_ids(len(scheduled)),
                         None,
                         [],
                         list(range(0, q * len(scheduled) + 1, q)),
@@ -513,6 +536,16 @@ class ModelRunner:
                 batch = self._prepare(scheduled)
                 hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
+            if self.proposer is not None and self.proposer.uses_model:
+                pending.drafts = self.proposer.run(
+                    scheduled,
+                    batch,
+                    hidden,
+                    pending.sampling,
+                    sampling_rows,
+                    pending.last_tokens,
+                    pending.accepted,
+                )
             if prompt_logprobs:
                 self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, pending.out)
         return pending
@@ -528,6 +561,11 @@ class ModelRunner:
                 out.sampled[rid] = [token]
                 out.logprobs[rid] = None
             pending.tokens = pending.ready = None
+        if pending.drafts is not None:  # drafted on the device by a model proposer
+            entries, drafts = pending.drafts
+            for entry, row in zip(entries, drafts.tolist(), strict=True):
+                out.draft_token_ids[entry.request.request_id] = row[: entry.num_to_propose]
+            pending.drafts = None
         if pending.proposals:
             propose = self.proposer.propose
             for request, k in pending.proposals:
@@ -541,13 +579,6 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the step (decodes first, as scheduled) into inputs and per-group metadata."""
-        bs = self.block_size
-        groups = self._groups if self._groups is not None else self.kv_cache_groups()
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
         tokens: list[int] = []
         for s in scheduled:
             if s.spec_token_ids:  # a verification: its known token, then the drafts
@@ -556,37 +587,57 @@ class ModelRunner:
             else:
                 tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
         input_ids = np.array(tokens, dtype=np.int64)
+        positions, metadata, qsl = self.layout(
+            [s.start for s in scheduled],
+            [s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+        )
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
-        # Token t of request i sits at position starts[i] + (t - qsl[i]).
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
-        num_decodes = 0
-        while num_decodes < len(scheduled) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        seq_lens = (starts + query_lens).tolist()
-        req_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
-        block_of_token = positions // bs
-        metadata = []
-        for g in range(len(groups)):
-            tables = [s.block_ids[g] for s in scheduled]
-            width = max(len(t) for t in tables)
-            padded = np.zeros((len(tables), width), dtype=np.int64)
-            for i, t in enumerate(tables):
-                padded[i, : len(t)] = t
-            slots = padded[req_of_token, block_of_token] * bs + positions % bs
-            layout = BatchLayout(
-                query_lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes
-            )
-            metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
         ids = self._to_device(input_ids)
         if feedback is not None:
             ids = gather_feedback(ids, self._to_device(feedback), self._feedback)
         return _Batch(
             input_ids=ids,
-            positions=self._to_device(positions),
+            positions=positions,
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
         )
+
+    def layout(
+        self, starts: list[int], query_lens: list[int], block_ids: list[list[list[int]]]
+    ) -> tuple[torch.Tensor, list[AttentionMetadata], np.ndarray]:
+        """Positions (on the device), per-group attention metadata and query start locations
+        of a batch where request ``i`` computes ``query_lens[i]`` tokens from ``starts[i]``
+        with tables ``block_ids[i]`` (one per KV-cache group; leading one-token requests are
+        the backend's decodes). A draft model's forward uses it too: its layers share the
+        target's block tables."""
+        bs = self.block_size
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        lens = np.asarray(query_lens, dtype=np.int64)
+        starts_np = np.asarray(starts, dtype=np.int64)
+        qsl = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        # Token t of request i sits at position starts[i] + (t - qsl[i]).
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts_np - qsl[:-1], lens)
+        num_decodes = 0
+        while num_decodes < len(lens) and lens[num_decodes] == 1:
+            num_decodes += 1
+        seq_lens = (starts_np + lens).tolist()
+        req_of_token = np.repeat(np.arange(len(lens)), lens)
+        block_of_token = positions // bs
+        metadata = []
+        for g in range(len(groups)):
+            tables = [blocks[g] for blocks in block_ids]
+            width = max(len(t) for t in tables)
+            padded = np.zeros((len(tables), width), dtype=np.int64)
+            for i, t in enumerate(tables):
+                padded[i, : len(t)] = t
+            slots = padded[req_of_token, block_of_token] * bs + positions % bs
+            layout = BatchLayout(lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes)
+            metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
+        return self._to_device(positions), metadata, qsl
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without blocking the host: a pageable copy would wait
@@ -630,12 +681,13 @@ class ModelRunner:
         if missing:
             raise KeyError(f"no sampling row for requests that sample this step: {missing}")
         rows = [sampling_rows[s.request.request_id] for _, s in sampling]
+        pending.sampling = sampling
         if self.proposer is not None and not self.proposer.uses_model:
             pending.proposals = [
                 (s.request, s.num_to_propose) for _, s in sampling if s.num_to_propose
             ]
         if any(s.spec_token_ids for _, s in sampling):
-            self._verify(sampling, batch, hidden, rows, out)
+            self._verify(sampling, batch, hidden, rows, pending)
             return
         if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
             last = np.array([batch.end(i) - 1 for i, _ in sampling])
@@ -677,6 +729,7 @@ class ModelRunner:
             self._feedback = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
         self._feedback[: len(ids)].copy_(first, non_blocking=True)
         self._feedback_rows = {rid: j for j, rid in enumerate(ids)}
+        pending.last_tokens = first
 
     def _verify(
         self,
@@ -684,7 +737,7 @@ class ModelRunner:
         batch: _Batch,
         hidden: torch.Tensor,
         rows: list[Any],
-        out: RunnerOutput,
+        pending: PendingStep,
     ) -> None:
         """Speculative decoding: score every sampling request's drafts (the logits of its
         last ``k + 1`` positions) and keep what verification accepts. Synchronous: the
@@ -701,7 +754,14 @@ class ModelRunner:
         hidden = hidden[self._to_device(np.asarray(index, dtype=np.int64))]
         float32 = not isinstance(self.model, CausalLM) or self.sampler.wants_float32_logits(rows)
         logits = self.model.compute_logits(hidden, float32)
-        result = verify(self.sampler, logits, rows, drafts)
+        draft_probs = None
+        if self.proposer is not None and self.proposer.uses_model:
+            draft_probs = [
+                self.proposer.take_draft_probs(s.request, len(s.spec_token_ids))
+                for _, s in sampling
+            ]
+        result = verify(self.sampler, logits, rows, drafts, draft_probs)
+        out = pending.out
         last = []
         for (_, s), tokens, lps in zip(sampling, result.token_ids, result.logprobs, strict=True):
             rid = s.request.request_id
@@ -711,8 +771,11 @@ class ModelRunner:
         # The feedback buffer holds each row's newest token (nothing reads it before the next
         # step is scheduled from the host's tokens, but it stays consistent).
         n = min(len(last), self._feedback.numel())
-        self._feedback[:n].copy_(torch.tensor(last[:n], dtype=torch.int64, device=self.device))
+        last_tokens = torch.tensor(last, dtype=torch.int64, device=self.device)
+        self._feedback[:n].copy_(last_tokens[:n])
         self._feedback_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling[:n])}
+        pending.last_tokens = last_tokens
+        pending.accepted = result.token_ids
 
     def _prompt_logprobs(
         self,

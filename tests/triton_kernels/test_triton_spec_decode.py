@@ -33,7 +33,10 @@ def _generate(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-def test_verification_on_triton_matches_torch(repetitive_llama, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verification_on_triton_matches_torch(repetitive_llama, monkeypatch, method):
+    """The draft model is the target itself: every draft is accepted, which holds only if
+    its mirrored KV and its decode steps (through the draft's own graph buffers) are right."""
     import engine_triton.kernels as triton_kernels
 
     register = triton_kernels.register
@@ -42,7 +45,10 @@ def test_verification_on_triton_matches_torch(repetitive_llama, monkeypatch):
     )
     kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, platform="cpu")
     expected = _generate(LLM(repetitive_llama, attention_backend="torch", **kw))
-    llm = LLM(repetitive_llama, attention_backend="triton", speculative_config=SPEC, **kw)
+    spec = dict(SPEC)
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": repetitive_llama, "num_speculative_tokens": 3}
+    llm = LLM(repetitive_llama, attention_backend="triton", speculative_config=spec, **kw)
     assert _generate(llm) == expected  # eager verification steps
     sd = llm.llm_engine.get_stats().spec_decoding
     assert sd.num_accepted_tokens > 0
@@ -59,4 +65,8 @@ def test_verification_on_triton_matches_torch(repetitive_llama, monkeypatch):
     runner.verify_graphs.run = counted
     assert _generate(llm) == expected  # through the verify-graph buffers
     assert any(replays)
+    if method == "draft_model":
+        assert runner.proposer.graphs is not None
+        sd = llm.llm_engine.get_stats().spec_decoding
+        assert sd.num_accepted_tokens == sd.num_draft_tokens
     assert llm.llm_engine.num_used_blocks == 0

@@ -102,8 +102,12 @@ class DecodeGraphs:
         feedback: torch.Tensor,
         query_len: int = 1,
         eager: bool = False,
+        extra: Any = None,
     ) -> None:
         self.model = model
+        # Called right after the model in the captured computation: a tensor it produced on
+        # the side (the target layers' hidden states an EAGLE-3 head reads), kept per graph.
+        self.extra = extra
         self.feedback = feedback
         self.num_groups = num_groups
         self.block_size = block_size
@@ -139,6 +143,8 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._input_ids: dict[int, torch.Tensor] = {}  # the ids each graph ran (fed back)
+        self._extras: dict[int, torch.Tensor] = {}
+        self._last_extra: torch.Tensor | None = None
         self._pool = None
         self._captured = False
 
@@ -152,12 +158,13 @@ class DecodeGraphs:
     def _sources(self, n: int) -> torch.Tensor:
         return self._i64[2 * self.max_tokens : 2 * self.max_tokens + n]
 
-    def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The captured computation for ``n`` requests: feed back in-flight tokens, then the
-        model. Returns the hidden states and the input ids it ran."""
+        model. Returns the hidden states, the input ids it ran and the ``extra`` output."""
         tokens = n * self.query_len
         ids = gather_feedback(self._ids(tokens), self._sources(tokens), self.feedback)
-        return self.model(ids, self._positions(tokens), self._metadata(n)), ids
+        hidden = self.model(ids, self._positions(tokens), self._metadata(n))
+        return hidden, ids, self.extra() if self.extra is not None else None
 
     def _metadata(self, n: int) -> list[AttentionMetadata]:
         b, t, q = self.max_batch, self.max_tokens, self.query_len
@@ -203,7 +210,9 @@ class DecodeGraphs:
                 self._forward(n)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    self._outputs[n], self._input_ids[n] = self._forward(n)
+                    self._outputs[n], self._input_ids[n], extra = self._forward(n)
+                if extra is not None:
+                    self._extras[n] = extra
                 self._graphs[n] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -237,6 +246,12 @@ class DecodeGraphs:
     def last_input_ids(self, num: int) -> torch.Tensor:
         """The input ids the last ``run`` fed (placeholders resolved), ``[num * query_len]``."""
         return self._last_ids[: num * self.query_len]
+
+    def last_extra(self, num: int) -> torch.Tensor | None:
+        """The ``extra`` output of the last ``run``, ``[num * query_len, ...]``."""
+        if self._last_extra is None:
+            return None
+        return self._last_extra[: num * self.query_len]
 
     def run(
         self, scheduled: list[ScheduledRequest], feedback_rows: dict[str, int] | None = None
@@ -341,9 +356,10 @@ class DecodeGraphs:
         self._tables[:, :num, :width].copy_(self._table_stage[:count].view(g_count, num, width))
         if self.eager:
             with torch.inference_mode():
-                hidden, self._last_ids = self._forward(n)
+                hidden, self._last_ids, self._last_extra = self._forward(n)
             return hidden[: num * q]
         self._copied.record()
         self._graphs[n].replay()
         self._last_ids = self._input_ids[n]
+        self._last_extra = self._extras.get(n)
         return self._outputs[n][: num * q]

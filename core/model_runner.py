@@ -95,6 +95,8 @@ class _Batch:
     query_start_loc: list[int]
     # One past each request's last real token when rows are padded (a verify graph).
     ends: list[int] | None = None
+    # The target layers' hidden states an EAGLE-3 head reads, [tokens, 3 * hidden].
+    aux_hidden: torch.Tensor | None = None
 
     def end(self, i: int) -> int:
         """One past request ``i``'s last token row."""
@@ -459,7 +461,13 @@ class ModelRunner:
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
         max_num_seqs = self.config.scheduler.max_num_seqs
         args = (self.model, len(groups), self.block_size, self.max_model_len)
-        self.graphs = DecodeGraphs(*args, max_num_seqs, self.device, self._feedback, eager=eager)
+        # An EAGLE-3 head reads inner layers' hidden states: the graphs keep them too.
+        extra = None
+        if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
+            extra = self.proposer.take_aux
+        self.graphs = DecodeGraphs(
+            *args, max_num_seqs, self.device, self._feedback, eager=eager, extra=extra
+        )
         seconds = self.graphs.capture()
         spec = self.config.speculative
         if spec is not None:
@@ -470,6 +478,7 @@ class ModelRunner:
                 self._feedback,
                 query_len=int(spec.num_speculative_tokens) + 1,
                 eager=eager,
+                extra=extra,
             )
             seconds += self.verify_graphs.capture()
             if self.proposer is not None and self.proposer.uses_model:
@@ -521,6 +530,7 @@ class ModelRunner:
             if hidden is not None:  # replayed a captured decode graph
                 ids = self.graphs.last_input_ids(len(scheduled))
                 batch = _Batch(ids, None, [], list(range(len(scheduled) + 1)))
+                batch.aux_hidden = self.graphs.last_extra(len(scheduled))
             elif self.verify_graphs is not None and any(s.spec_token_ids for s in scheduled):
                 hidden = self.verify_graphs.run(scheduled, self._feedback_rows)
                 if hidden is not None:  # request i's tokens at rows i * q, padded to q
@@ -532,9 +542,12 @@ class ModelRunner:
                         list(range(0, q * len(scheduled) + 1, q)),
                         [i * q + s.num_new_tokens for i, s in enumerate(scheduled)],
                     )
+                    batch.aux_hidden = self.verify_graphs.last_extra(len(scheduled))
             if hidden is None:
                 batch = self._prepare(scheduled)
                 hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+                if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
+                    batch.aux_hidden = self.proposer.take_aux()
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
             if self.proposer is not None and self.proposer.uses_model:
                 pending.drafts = self.proposer.run(

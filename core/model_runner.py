@@ -402,11 +402,14 @@ class ModelRunner:
             layout = BatchLayout(lens, lens, tables, slots, self.block_size, 0)
             md = self.attn_backend_cls.build_metadata(layout, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            positions_t = torch.from_numpy(positions).to(self.device)
             with torch.inference_mode():
-                hidden = self.model(
-                    input_ids, torch.from_numpy(positions).to(self.device), [md] * len(groups)
-                )
+                hidden = self.model(input_ids, positions_t, [md] * len(groups))
                 rows = min(sched.max_num_seqs, num_tokens)
+                if self.proposer is not None and self.proposer.uses_model:
+                    # A draft model / EAGLE head mirrors the same tokens in the same step.
+                    aux = self.proposer.take_aux() if self.proposer.wants_aux else None
+                    self.proposer.profile(input_ids, positions_t, [md] * len(groups), hidden, aux)
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
                 if isinstance(self.model, CausalLM) and hasattr(self.sampler, "warm_up"):

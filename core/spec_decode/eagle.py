@@ -194,6 +194,9 @@ class EagleProposer(ModelProposer):
     def take_aux(self) -> torch.Tensor:
         return self._aux.take()
 
+    def _profile_hidden(self, hidden, aux):
+        return self.model.combine(aux) if self.eagle3 else hidden
+
     # ---- hooks -------------------------------------------------------------------------------
     def _mirror_len(self, valid: int, proposing: bool) -> int:
         return valid

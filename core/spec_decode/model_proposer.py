@@ -110,6 +110,17 @@ class ModelProposer:
     def release_graphs(self) -> None:
         self.graphs = None
 
+    wants_aux = False  # EAGLE-3 reads inner target layers' hidden states
+
+    def profile(self, ids, positions, metadata, hidden, aux) -> None:
+        """The proposer's forward over a profiling batch (``ModelRunner._profile_run``
+        sizes the KV cache from the peak memory of target and proposer together)."""
+        out, _ = self._forward(ids, positions, metadata, self._profile_hidden(hidden, aux))
+        self._logits(out[: min(out.shape[0], self.config.scheduler.max_num_seqs)])
+
+    def _profile_hidden(self, hidden, aux):
+        return None
+
     # ---- the step --------------------------------------------------------------------------
     def run(
         self,

@@ -82,3 +82,24 @@ def log_line(now: SpecDecodingStats, before: SpecDecodingStats, elapsed_s: float
         f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
         f"Avg Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}%"
     )
+
+
+def acceptance_summary(now: SpecDecodingStats, before: SpecDecodingStats) -> dict:
+    """The acceptance figures between two snapshots, for benchmark records."""
+    drafts = now.num_drafts - before.num_drafts
+    drafted = now.num_draft_tokens - before.num_draft_tokens
+    accepted = now.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [
+        round((a - b) / drafts, 4) if drafts else 0.0
+        for a, b in zip(
+            now.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos, strict=False
+        )
+    ]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+        "acceptance_per_position": per_pos,
+    }

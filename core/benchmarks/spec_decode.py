@@ -58,7 +58,8 @@ def _build(model: str, spec: dict | None) -> tuple[Any, float]:
     from engine import LLM
 
     start = time.perf_counter()
-    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, cpu_kv_cache_gb=0.5)
+    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, max_model_len=2048,
+              cpu_kv_cache_gb=0.5)  # fmt: skip
     return llm, time.perf_counter() - start
 
 

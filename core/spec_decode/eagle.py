@@ -66,18 +66,21 @@ class EagleProposer(ModelProposer):
         from engine.spec_decode.eagle_heads import aux_layer_ids, checkpoint_tensors
 
         method = config.speculative.method
+        dummy = config.model.load_format == "dummy"
         try:
             path = resolve_model_path(config.speculative.model)
             head = _head_config(str(path))
-            shapes = checkpoint_tensors(Path(path))
+            shapes = {} if dummy else checkpoint_tensors(Path(path))
         except Exception as e:
             return [f"the EAGLE head {config.speculative.model!r} cannot be read: {e}"]
         target = _text(hf_config)
         reasons: list[str] = []
         archs = set(getattr(head, "architectures", None) or [])
-        fc = _fc_shape(shapes)
         h = int(head.hidden_size)
         target_h = int(target.hidden_size)
+        fc = _fc_shape(shapes)
+        if dummy:  # random weights: the architecture says which head it is
+            fc = (h, 3 * target_h if archs & set(_EAGLE3_ARCHS) else 2 * h)
         if fc is None:
             reasons.append("the checkpoint has no fc.weight: not an EAGLE head")
         elif method == "eagle" and (archs & set(_EAGLE3_ARCHS) or fc[1] != 2 * h):

@@ -113,5 +113,8 @@ class DraftModelProposer(ModelProposer):
     def _forward(self, ids, positions, metadata, hidden):
         return self.model(ids, positions, metadata), None
 
+    def _mirror_query_len(self) -> int:
+        return self.k + 2  # the verified tokens, then the one just sampled
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

@@ -251,6 +251,15 @@ class EagleProposer(ModelProposer):
     def _step_module(self) -> torch.nn.Module:
         return self._step
 
+    def _mirror_module(self, rows: int) -> torch.nn.Module:
+        self._mirror_hidden = torch.zeros(
+            (rows, self.hidden_size), dtype=self._step_hidden.dtype, device=self.device
+        )
+        return _StepModule(self.model, self._mirror_hidden)
+
+    def _set_mirror_hidden(self, index: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        self._mirror_hidden.index_copy_(0, index, hidden.to(self._mirror_hidden.dtype))
+
     def _set_step_hidden(self, hidden_in: torch.Tensor | None) -> None:
         self._step_hidden[: hidden_in.shape[0]].copy_(hidden_in)
 

@@ -63,6 +63,7 @@ class ModelProposer:
         self.device = runner.device
         self.model: Any = None
         self.graphs: Any = None  # DecodeGraphs over ``_step_module`` once captured
+        self.mirror_graphs: Any = None  # the mirror of decode/verification steps, padded
         # Per request: the draft distribution of each proposed token (random rows only).
         self._probs: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
         max_seqs = config.scheduler.max_num_seqs
@@ -87,28 +88,60 @@ class ModelProposer:
         return q[:num]
 
     def capture_graphs(self, eager: bool = False) -> float:
-        """Capture the draft decode steps' graphs (batch sizes up to the largest batch that
-        speculates)."""
+        """Capture the draft decode steps' graphs and the mirror of steps made of decodes
+        and verifications (every request padded to ``_mirror_query_len`` tokens, as the
+        target's verify graphs), for batches up to the largest that speculates."""
         from engine.cuda_graphs import DecodeGraphs
 
         runner = self.runner
         spec = self.config.speculative
         max_seqs = min(self.config.scheduler.max_num_seqs, int(spec.disable_by_batch_size))
         groups = runner._groups if runner._groups is not None else runner.kv_cache_groups()
-        self.graphs = DecodeGraphs(
-            self._step_module(),
-            len(groups),
-            runner.block_size,
-            runner.max_model_len,
-            max_seqs,
-            self.device,
-            self._draft_buf,
-            eager=eager,
+        args = (len(groups), runner.block_size, runner.max_model_len, max_seqs, self.device)
+        self.graphs = DecodeGraphs(self._step_module(), *args, self._draft_buf, eager=eager)
+        seconds = self.graphs.capture()
+        q = self._mirror_query_len()
+        self._mirror_pool = torch.zeros(max_seqs * q, dtype=torch.int64, device=self.device)
+        self.mirror_graphs = DecodeGraphs(
+            self._mirror_module(max_seqs * q), *args, self._mirror_pool, query_len=q, eager=eager
         )
-        return self.graphs.capture()
+        return seconds + self.mirror_graphs.capture()
 
     def release_graphs(self) -> None:
-        self.graphs = None
+        self.graphs = self.mirror_graphs = None
+
+    def _mirror_query_len(self) -> int:
+        """The most tokens one request's mirror holds in a decode or verification step."""
+        return self.k + 1
+
+    def _mirror_module(self, rows: int) -> torch.nn.Module:
+        """What the mirror graphs run: the step module, fed ``rows`` hidden states."""
+        return self._step_module()
+
+    def _mirror_forward(self, starts, lens, tables, ids, hidden, decodes: bool):
+        """The mirror forward: replayed from the mirror graphs when every request decodes or
+        verifies (``decodes``) and the batch fits, else eager. Returns the output hidden
+        states, the next-step ones, and the row of each request's last token."""
+        graphs = self.mirror_graphs
+        n = len(starts)
+        q = graphs.query_len if graphs is not None else 0
+        if decodes and q and graphs.padded_size(n) is not None and max(lens) <= q:
+            dest = [i * q + t for i in range(n) for t in range(lens[i])]
+            index = torch.tensor(dest, dtype=torch.long, device=self.device)
+            self._mirror_pool.index_copy_(0, index, ids)
+            self._set_mirror_hidden(index, hidden)
+            sources = np.full((n, q), -1, dtype=np.int64)
+            for i, c in enumerate(lens):
+                sources[i, :c] = np.arange(i * q, i * q + c)
+            out = graphs.replay(starts, lens, tables, np.zeros((n, q), dtype=np.int64), sources)
+            out_hidden, next_hidden = self._split_step_output(out)
+            return out_hidden, next_hidden, [i * q + c - 1 for i, c in enumerate(lens)]
+        positions, metadata, qsl = self.runner.layout(starts, lens, tables)
+        out_hidden, next_hidden = self._forward(ids, positions, metadata, hidden)
+        return out_hidden, next_hidden, [int(qsl[i + 1]) - 1 for i in range(n)]
+
+    def _set_mirror_hidden(self, index: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        return None
 
     wants_aux = False  # EAGLE-3 reads inner target layers' hidden states
 
@@ -141,13 +174,15 @@ class ModelProposer:
         plan = self._plan(scheduled, sampling, accepted)
         starts, lens, tables, valid, proposing = plan
         ids, hid = self._mirror_inputs(scheduled, batch, hidden, sampling, new_tokens, plan)
-        positions, metadata, qsl = self.runner.layout(starts, lens, tables)
-        out_hidden, next_hidden = self._forward(ids, positions, metadata, hid)
+        decodes = all(s.num_known_tokens == 1 for s in scheduled)  # no prompt chunk
+        out_hidden, next_hidden, last_rows = self._mirror_forward(
+            starts, lens, tables, ids, hid, decodes
+        )
         if not proposing:
             return None
         # Each proposing request's last mirrored row gives its first draft.
         last = torch.tensor(
-            [int(qsl[i + 1]) - 1 for i, _, _ in proposing], dtype=torch.long, device=self.device
+            [last_rows[i] for i, _, _ in proposing], dtype=torch.long, device=self.device
         )
         h = out_hidden.index_select(0, last)
         nh = next_hidden.index_select(0, last) if next_hidden is not None else None

@@ -358,14 +358,19 @@ def other_draft(tmp_path_factory, llama_path):
                            initializer_range=0.05)  # fmt: skip
 
 
-@pytest.mark.parametrize("draft", ["self", "other"])
+@pytest.mark.parametrize("draft", ["self", "self-async", "other"])
 def test_draft_model_greedy_equals_plain_decoding(llama_path, other_draft, plain_llm, draft):
     """A draft model of its own shape and weights (mostly rejected), or the target itself as
     draft (always accepted: its KV, mirrored step by step through preemption and prefix
-    hits, matches the target's), at batch 24 in a cache small enough to preempt."""
-    model = str(llama_path if draft == "self" else other_draft)
+    hits, matches the target's; also with asynchronous scheduling, where steps without
+    speculation overlap and the mirror reads inputs fed back on the device), at batch 24 in
+    a cache small enough to preempt."""
+    model = str(other_draft if draft == "other" else llama_path)
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
-    llm = make_llm(llama_path, spec, num_gpu_blocks_override=70, max_num_batched_tokens=48)
+    if draft == "self-async":  # speculation only in steps of at most 8 requests
+        spec["disable_by_batch_size"] = 8
+    llm = make_llm(llama_path, spec, num_gpu_blocks_override=70, max_num_batched_tokens=48,
+                   async_scheduling=draft == "self-async")  # fmt: skip
     prompts = copy_heavy_prompts(plain_llm, 24, seed=21)
     params = [SamplingParams(temperature=0.0, max_tokens=30 - i % 9, ignore_eos=True)
               for i in range(24)]  # fmt: skip
@@ -373,8 +378,8 @@ def test_draft_model_greedy_equals_plain_decoding(llama_path, other_draft, plain
     stats = llm.llm_engine.get_stats()
     sd = stats.spec_decoding
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    if draft == "self":
-        assert sd.num_accepted_tokens == sd.num_draft_tokens > 100
+    if draft != "other":
+        assert sd.num_accepted_tokens == sd.num_draft_tokens > 30
     else:
         assert sd.num_draft_tokens > 100 and sd.num_accepted_tokens < sd.num_draft_tokens
     assert llm.llm_engine.num_used_blocks == 0

@@ -1,7 +1,7 @@
 """Speculative decoding on a real copy-heavy task: the same greedy request with and without it.
 
     python -m engine.benchmarks.spec_decode [--model PATH] [--speculative-config JSON]
-        [--max-tokens 256] [--num-iters 3] [--threads N] [--json FILE]
+        [--max-tokens 256] [--num-iters 3] [--dtype bfloat16] [--threads N] [--json FILE]
 
 The task asks the model (default: the embedded Gemma 3 270M) to rewrite a paragraph with one
 word changed, through its chat template: the answer is mostly a copy of the prompt, which a
@@ -54,12 +54,12 @@ def _prompt_ids(llm: Any) -> list[int]:
     return list(tok(TASK).input_ids)
 
 
-def _build(model: str, spec: dict | None) -> tuple[Any, float]:
+def _build(model: str, spec: dict | None, dtype: str) -> tuple[Any, float]:
     from engine import LLM
 
     start = time.perf_counter()
     llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, max_model_len=2048,
-              cpu_kv_cache_gb=0.5)  # fmt: skip
+              cpu_kv_cache_gb=0.5, dtype=dtype)  # fmt: skip
     return llm, time.perf_counter() - start
 
 
@@ -86,12 +86,14 @@ def _record(out: Any, times: list[float], prompt: list[int], ready: float) -> di
     }
 
 
-def run(model: str, spec: dict, max_tokens: int, iters: int) -> tuple[dict, dict]:
+def run(
+    model: str, spec: dict, max_tokens: int, iters: int, dtype: str = "auto"
+) -> tuple[dict, dict]:
     """Both engines in this process, their runs alternated (a busy host slows both alike)."""
     from engine.spec_decode.stats import acceptance_summary
 
-    plain, plain_ready = _build(model, None)
-    fast, fast_ready = _build(model, spec)
+    plain, plain_ready = _build(model, None, dtype)
+    fast, fast_ready = _build(model, spec, dtype)
     prompt = _prompt_ids(plain)
     _once(plain, prompt, max_tokens)  # warm-up
     _once(fast, prompt, max_tokens)
@@ -115,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="Default: the embedded Gemma 3 270M.")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", help="Default: %(default)s.")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads.")
     parser.add_argument("--json", default=None, metavar="FILE")
@@ -129,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model = str(resolve_model(None)[0])
     spec = json.loads(args.speculative_config)
-    plain, fast = run(model, spec, args.max_tokens, args.num_iters)
+    plain, fast = run(model, spec, args.max_tokens, args.num_iters, args.dtype)
     speedup = fast["output_tokens_per_s"] / plain["output_tokens_per_s"]
     same = plain["token_ids"] == fast["token_ids"]
     print(f"prompt: {plain['prompt_tokens']} tokens; output: {plain['output_tokens']} tokens")
@@ -151,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "benchmark": "spec_decode",
                 "model": model,
+                "dtype": args.dtype,
+                "threads": args.threads,
                 "speculative_config": spec,
                 "plain": plain,
                 "speculative": fast,

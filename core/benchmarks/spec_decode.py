@@ -54,11 +54,11 @@ def _prompt_ids(llm: Any) -> list[int]:
     return list(tok(TASK).input_ids)
 
 
-def _build(model: str, spec: dict | None, dtype: str) -> tuple[Any, float]:
+def _build(model: str, spec: dict | None, dtype: str, max_len: int) -> tuple[Any, float]:
     from engine import LLM
 
     start = time.perf_counter()
-    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, max_model_len=2048,
+    llm = LLM(model, enable_prefix_caching=False, speculative_config=spec, max_model_len=max_len,
               cpu_kv_cache_gb=0.5, dtype=dtype)  # fmt: skip
     return llm, time.perf_counter() - start
 
@@ -87,13 +87,13 @@ def _record(out: Any, times: list[float], prompt: list[int], ready: float) -> di
 
 
 def run(
-    model: str, spec: dict, max_tokens: int, iters: int, dtype: str = "auto"
+    model: str, spec: dict, max_tokens: int, iters: int, dtype: str = "auto", max_len: int = 2048
 ) -> tuple[dict, dict]:
     """Both engines in this process, their runs alternated (a busy host slows both alike)."""
     from engine.spec_decode.stats import acceptance_summary
 
-    plain, plain_ready = _build(model, None, dtype)
-    fast, fast_ready = _build(model, spec, dtype)
+    plain, plain_ready = _build(model, None, dtype, max_len)
+    fast, fast_ready = _build(model, spec, dtype, max_len)
     prompt = _prompt_ids(plain)
     _once(plain, prompt, max_tokens)  # warm-up
     _once(fast, prompt, max_tokens)
@@ -118,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", help="Default: %(default)s.")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="Default: %(default)s.")
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads.")
     parser.add_argument("--json", default=None, metavar="FILE")
@@ -132,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model = str(resolve_model(None)[0])
     spec = json.loads(args.speculative_config)
-    plain, fast = run(model, spec, args.max_tokens, args.num_iters, args.dtype)
+    plain, fast = run(model, spec, args.max_tokens, args.num_iters, args.dtype, args.max_model_len)
     speedup = fast["output_tokens_per_s"] / plain["output_tokens_per_s"]
     same = plain["token_ids"] == fast["token_ids"]
     print(f"prompt: {plain['prompt_tokens']} tokens; output: {plain['output_tokens']} tokens")

@@ -414,3 +414,26 @@ def test_draft_model_that_cannot_serve_is_refused_with_reasons(llama_path, tmp_p
     assert "context (64 positions) is shorter than max_model_len=128" in str(e.value)
     with pytest.raises(ConfigError, match="cannot be read"):
         make_llm(llama_path, {**spec, "model": str(tmp_path / "missing")})
+
+
+@pytest.mark.parametrize("kind", ["mistral_sliding", "qwen2_sliding"])
+def test_sliding_window_models(tmp_path, kind):
+    """Models whose layers slide (all, or all but the first) keep a KV-cache group per
+    window: verification and the draft model's mirrored KV work across the groups, and
+    sliding groups drop blocks as usual."""
+    tok = build_tokenizer(tmp_path)
+    path = save_tiny_model(kind, tmp_path, vocab_size=len(tok), initializer_range=0.05,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)  # fmt: skip
+    plain = make_llm(path)
+    prompts = copy_heavy_prompts(plain, 6, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = tokens(plain, prompts, params)
+    for spec in (NGRAM, {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}):
+        llm = make_llm(path, spec, num_gpu_blocks_override=60, max_num_batched_tokens=32)
+        assert tokens(llm, prompts, params) == want
+        sd = llm.llm_engine.get_stats().spec_decoding
+        assert sd.num_accepted_tokens > 0
+        if spec is not NGRAM:
+            assert sd.num_accepted_tokens == sd.num_draft_tokens
+        assert llm.llm_engine.num_used_blocks == 0

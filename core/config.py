@@ -151,6 +151,152 @@ class ParallelConfig:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
 
 
+# The proposer methods of ``SpeculativeConfig`` (``engine.spec_decode`` registers one proposer
+# class per name; this tuple keeps config validation free of imports).
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Speculation runs in a step while its verify batch holds at most this many tokens
+# (running requests x (num_speculative_tokens + 1)), unless ``disable_by_batch_size`` says
+# otherwise: past it the verify step stops being bound by reading the weights and costs about
+# (k + 1) decode steps, which only a near-perfect acceptance repays.
+AUTO_SPECULATION_TOKEN_BUDGET = 256
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` keys).
+
+    ``method``: ``ngram`` (prompt lookup: the longest suffix of ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens found earlier in the prompt + output proposes what followed
+    it), ``draft_model`` (a smaller model sharing the tokenizer), ``eagle`` or ``eagle3`` (an
+    EAGLE head fed with the target's hidden states). Left out, it follows vLLM: ``model`` of
+    ``"ngram"`` means ngram, a model name containing "eagle3"/"eagle" means that head, any
+    other model a draft model. ``num_speculative_tokens`` (k) drafts are verified per step.
+    ``disable_by_batch_size``: no speculation in steps with more running requests than this
+    (None: ``AUTO_SPECULATION_TOKEN_BUDGET // (k + 1)``).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            if self.model is None:
+                raise ConfigError(
+                    "speculative_config needs a method (one of "
+                    f"{', '.join(SPECULATIVE_METHODS)}) or a draft model"
+                )
+            name = self.model.lower()
+            if name in ("ngram", "[ngram]"):
+                self.method, self.model = "ngram", None
+            elif "eagle3" in name:
+                self.method = "eagle3"
+            elif "eagle" in name:
+                self.method = "eagle"
+            else:
+                self.method = "draft_model"
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config.method={self.method!r} is not supported; choose one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if k is None:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens is required for method "
+                f"{self.method!r} (the number of draft tokens verified per step, e.g. 4)"
+            )
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be >= 1, got {k!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ConfigError(
+                    f"speculative_config: the ngram method uses no model; drop model={self.model!r}"
+                )
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5  # vLLM's defaults
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ConfigError(f"speculative_config.{name} must be >= 1, got {value!r}")
+            if lo > hi:
+                raise ConfigError(
+                    f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
+                )
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        else:
+            if not self.model:
+                raise ConfigError(
+                    f"speculative_config.method={self.method!r} needs a model (the draft "
+                    "model's or EAGLE head's directory)"
+                )
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"speculative_config.{name} applies to the ngram method only, not "
+                        f"{self.method!r}"
+                    )
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ConfigError(
+                "speculative_config.draft_tensor_parallel_size must be 1, got "
+                f"{self.draft_tensor_parallel_size!r}"
+            )
+        if self.disable_by_batch_size is None:
+            self.disable_by_batch_size = max(1, AUTO_SPECULATION_TOKEN_BUDGET // (k + 1))
+        elif (
+            not isinstance(self.disable_by_batch_size, int)
+            or isinstance(self.disable_by_batch_size, bool)
+            or self.disable_by_batch_size < 1
+        ):
+            raise ConfigError(
+                "speculative_config.disable_by_batch_size must be >= 1, got "
+                f"{self.disable_by_batch_size!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig:
+        """Build from vLLM's JSON object (``--speculative-config``, ``LLM(speculative_config=)``);
+        an unknown key is a ``ConfigError`` that lists the known ones."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"speculative_config must be a JSON object, got {type(value).__name__}"
+            )
+        from dataclasses import fields
+
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"speculative_config has unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(known)}"
+            )
+        return cls(**value)
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a step reserves past the verified tokens: a draft model or EAGLE head
+        writes its own KV for the tokens it drafts after the step; a prompt lookup writes
+        none."""
+        return 0 if self.method == "ngram" else int(self.num_speculative_tokens or 0)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, in one object passed to every component."""
@@ -163,3 +309,5 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
+    # Speculative decoding (None: off); see SpeculativeConfig.
+    speculative: SpeculativeConfig | None = None

@@ -48,6 +48,8 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Speculative decoding counters (engine.spec_decode.SpecDecodingStats), None when off.
+    spec_decoding: Any = None
 
 
 @dataclass
@@ -227,6 +229,12 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         matcher = None
+        if self.config.speculative is not None:
+            from engine.spec_decode import check_request
+
+            reason = check_request(params)
+            if reason is not None:
+                raise SamplingParamsError(reason, "n")
         if params.structured_outputs is not None:
             # Compiling here makes a bad schema/regex/grammar an error of add_request.
             matcher = self.structured_outputs.new_matcher(params.structured_outputs)
@@ -289,6 +297,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            spec_decoding=getattr(s, "spec_decoding", None),
         )
 
     # ------------------------------------------------------------------ the step
@@ -327,6 +336,8 @@ class LLMEngine:
     def _overlappable(self, sched: Any) -> bool:
         """Whether a step may stay in flight while the next one is scheduled."""
         for sr in sched.scheduled:
+            if sr.spec_token_ids or sr.num_to_propose:
+                return False  # speculative: the next step needs this one's accepted tokens
             owner = self._seq_owner.get(sr.request.request_id)
             if owner is not None and not owner[0].plain:  # n > 1 is never plain: it forks
                 return False
@@ -371,7 +382,9 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                 )
                 if seq.matcher is not None:
-                    constrained.append((rows[sr.request.request_id], seq.matcher))
+                    constrained.append(
+                        (rows[sr.request.request_id], seq.matcher, sr.spec_token_ids)
+                    )
             if (
                 params.prompt_logprobs is not None
                 and seq.index == 0
@@ -380,9 +393,16 @@ class LLMEngine:
                 prompt_logprobs[sr.request.request_id] = params.prompt_logprobs
         if constrained:
             # Structured requests never overlap a step, so each matcher has seen every token.
-            masks = self.structured_outputs.bitmasks([m for _, m in constrained])
-            for k, (row, _) in enumerate(constrained):
+            masks = self.structured_outputs.bitmasks([m for _, m, _ in constrained])
+            for k, (row, _, _) in enumerate(constrained):
                 row.token_bitmask = masks[k]
+            for row, matcher, drafts in constrained:
+                if drafts:  # one mask per verified position (speculative decoding)
+                    from engine.spec_decode.grammar import draft_bitmasks
+
+                    row.token_bitmask = draft_bitmasks(
+                        self.structured_outputs, matcher, drafts, row.token_bitmask
+                    )
         pending = self.runner.execute_async(sched, rows, prompt_logprobs)
         return _InFlight(sched, pending, now)
 
@@ -418,8 +438,9 @@ class LLMEngine:
                 continue
             state, seq = owner[seq_id]
             touched[state.request_id] = state
-            lps = out.logprobs.get(seq_id)
-            self._append_tokens(state, seq, tokens, lps[0] if lps else None)
+            self._append_tokens(state, seq, tokens, out.logprobs.get(seq_id))
+        if out.draft_token_ids:
+            self._set_drafts(out.draft_token_ids)
 
         return [
             self._make_output(state, now)
@@ -500,8 +521,25 @@ class LLMEngine:
         state.pending_child_generators = []
         for seq in state.seqs:
             token = tokens[seq.index]
-            lp = logprobs[seq.index] if logprobs else None
+            lp = [logprobs[seq.index]] if logprobs else None
             self._append_tokens(state, seq, [token], lp)
+
+    def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Hand the drafts proposed after a step to the scheduler, for sequences still
+        running; a structured sequence keeps only the prefix its grammar allows."""
+        owner = self._seq_owner
+        keep = {}
+        for seq_id, tokens in drafts.items():
+            if seq_id not in owner:  # finished by this step
+                continue
+            matcher = owner[seq_id][1].matcher
+            if matcher is not None:
+                from engine.spec_decode.grammar import valid_prefix
+
+                tokens = valid_prefix(matcher, tokens)
+            if tokens:
+                keep[seq_id] = tokens
+        self.scheduler.update_draft_token_ids(keep)
 
     def _add_prompt_logprobs(self, state: _RequestState, chunk: list) -> None:
         if state.prompt_logprobs is None:
@@ -522,23 +560,32 @@ class LLMEngine:
         state: _RequestState,
         seq: _Sequence,
         tokens: list[int],
-        logprobs: dict[int, Logprob] | None,
+        logprobs: list[dict[int, Logprob]] | None,
     ) -> None:
         """Account for newly sampled tokens (already appended to the scheduler's request),
-        detokenize them and check every stop condition."""
+        detokenize them and check every stop condition. ``logprobs`` has one entry per token.
+
+        Several tokens come from a speculative verification; the first that ends the
+        sequence (EOS, a stop token, ``max_tokens``, the grammar's end) is its last, and the
+        ones after it are dropped from the request."""
+        params = state.params
+        request = seq.request
+        if len(tokens) > 1:
+            keep = self._tokens_before_stop(state, seq, tokens)
+            if keep < len(tokens):
+                del request.output_token_ids[len(request.output_token_ids) - len(tokens) + keep :]
+                tokens = tokens[:keep]
         now = time.monotonic()
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.metrics.last_token_time = now
         self._generation_tokens_total += len(tokens)
-        params = state.params
-        request = seq.request
-        if logprobs is not None and seq.logprobs is not None:
-            self._decode_logprobs(logprobs)
-            seq.logprobs.append(logprobs)
-            token = tokens[-1]
-            if token in logprobs:
-                seq.cumulative_logprob += logprobs[token].logprob
+        if logprobs and seq.logprobs is not None:
+            for token, entry in zip(tokens, logprobs, strict=False):
+                self._decode_logprobs(entry)
+                seq.logprobs.append(entry)
+                if token in entry:
+                    seq.cumulative_logprob += entry[token].logprob
         new_text = ""
         if seq.detokenizer is not None:
             new_text = seq.detokenizer.add_tokens(tokens)
@@ -583,6 +630,38 @@ class LLMEngine:
             request.num_prompt_tokens + num_out >= self.max_model_len
         ):
             self._finish(state, seq, "length", None)
+
+    def _tokens_before_stop(self, state: _RequestState, seq: _Sequence, tokens: list[int]) -> int:
+        """How many of ``tokens`` (the newest of the request's outputs) to keep: up to and
+        including the first one that ends the sequence."""
+        params = state.params
+        request = seq.request
+        first_out = request.num_output_tokens - len(tokens)  # outputs before these
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stops = params.stop_token_ids
+        limit = min(request.max_tokens, self.max_model_len - request.num_prompt_tokens)
+        matcher = seq.matcher
+        accepted = 0
+        keep = len(tokens)
+        for i, token in enumerate(tokens):
+            num_out = first_out + i + 1
+            if matcher is not None:
+                if not matcher.accept_token(token):
+                    keep = i + 1  # _append_tokens reports it
+                    break
+                accepted += 1
+                if matcher.is_terminated():
+                    keep = i + 1
+                    break
+            if num_out >= params.min_tokens and (token in eos or token in stops):
+                keep = i + 1
+                break
+            if num_out >= limit:
+                keep = i + 1
+                break
+        if matcher is not None and accepted:
+            matcher.rollback(accepted)  # _append_tokens feeds the kept tokens again
+        return keep
 
     def _finish(
         self, state: _RequestState, seq: _Sequence, reason: str, stop_reason: int | str | None

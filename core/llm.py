@@ -20,6 +20,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
@@ -39,8 +40,9 @@ class LLM:
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory). Unknown keywords are an error
-    that lists them.
+    sampling parameters; "vllm": EOS ids only; or a directory), ``speculative_config`` (a dict
+    of vLLM's ``--speculative-config`` keys, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4}``). Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -103,6 +106,11 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             max_logprobs=max_logprobs,
+            speculative=(
+                SpeculativeConfig.from_dict(speculative_config)
+                if speculative_config is not None
+                else None
+            ),
         )
         from engine.engine import LLMEngine
 

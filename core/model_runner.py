@@ -52,7 +52,8 @@ class RunnerOutput:
     """One step's results, keyed by request id.
 
     ``sampled`` holds the new token(s) of each request that sampled this step (``num_samples``
-    of them); ``logprobs`` their logprob entries (None when not requested). ``prompt_logprobs``
+    of them, or for a speculative verification the accepted drafts plus the target's own
+    token); ``logprobs`` their logprob entries, one per token (None when not requested). ``prompt_logprobs``
     covers requests that asked for them: one entry per chunk position ``p`` that has a next
     prompt token, i.e. the logprobs of prompt token ``p + 1`` given tokens ``0..p``. The chunks'
     lists concatenated, after a ``None`` for prompt token 0, give vLLM's ``prompt_logprobs``.
@@ -61,6 +62,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, Logprob]] | None] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # Speculative decoding: drafts proposed after this step, for the next one to verify.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +75,14 @@ class PendingStep:
     request_ids: list[str] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # host (pinned) copy in flight, or None when done
     ready: Any = None  # a device event recorded after the copy, or None
+    # Requests to propose drafts for once the tokens are known: (request, how many).
+    proposals: list[tuple[Request, int]] = field(default_factory=list)
+    # What the step sampled, for a draft model or EAGLE head: the (index, entry) pairs that
+    # sampled, their newest token on the device, and (verifications) the tokens each kept.
+    sampling: list[tuple[int, ScheduledRequest]] = field(default_factory=list)
+    last_tokens: torch.Tensor | None = None
+    accepted: list[list[int]] | None = None
+    drafts: Any = None  # (entries, drafts [n, k] on the device) from a model proposer
 
 
 @dataclass
@@ -82,6 +93,14 @@ class _Batch:
     positions: torch.Tensor
     attn_metadata: list[AttentionMetadata]
     query_start_loc: list[int]
+    # One past each request's last real token when rows are padded (a verify graph).
+    ends: list[int] | None = None
+    # The target layers' hidden states an EAGLE-3 head reads, [tokens, 3 * hidden].
+    aux_hidden: torch.Tensor | None = None
+
+    def end(self, i: int) -> int:
+        """One past request ``i``'s last token row."""
+        return self.ends[i] if self.ends is not None else self.query_start_loc[i + 1]
 
 
 def _padding_row() -> SamplingRow:
@@ -136,6 +155,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._groups: list[int | None] | None = None
         self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
+        self.verify_graphs: Any = None  # the same for speculative verification steps
         # On-device feedback for asynchronous scheduling: the previous step's first sample of
         # each sampling row (a fixed buffer, so captured graphs can read it) and the row of
         # each request in it.
@@ -146,6 +166,7 @@ class ModelRunner:
         # Platforms that compile one graph per input shape (XLA) pad every step to buckets.
         buckets = getattr(platform, "shape_buckets", None)  # duck-typed test platforms lack it
         self.shape_buckets = buckets(config) if buckets is not None else None
+        self.proposer: Any = None  # speculative decoding (engine.spec_decode), see load_model
 
     def _no_grad(self) -> Any:
         """``torch.inference_mode()``, or ``no_grad`` on XLA: torch_xla's functionalization
@@ -170,6 +191,11 @@ class ModelRunner:
 
                 self.sampler_cls = Sampler
             self.sampler = self.sampler_cls(self.vocab_size, self.device)
+        if self.config.speculative is not None:
+            from engine.spec_decode import ProposerRegistry
+
+            cls = ProposerRegistry().get(self.config.speculative.method)
+            self.proposer = cls.create(self.config, self)  # a draft model loads here
         return self.model
 
     def _pack_linears(self) -> None:
@@ -203,14 +229,17 @@ class ModelRunner:
         """Bytes held by the model's parameters and buffers."""
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self.proposer is not None and self.proposer.uses_model:
+            total += self.proposer.weights_bytes()
+        return total
 
     # ---- KV-cache layout -------------------------------------------------------------------
     def kv_cache_groups(self) -> list[int | None]:
         """One KV-cache group per distinct sliding window (None = full attention, first when
         present); sets every attention layer's ``kv_group``. Returns each group's window."""
         assert self.model is not None, "load_model() first"
-        layers = self.model.attention_layers()
+        layers = self._attention_layers()
         windows = {layer.sliding_window for layer in layers}
         groups: list[int | None] = [None] if None in windows else []
         groups += sorted(w for w in windows if w is not None)
@@ -230,7 +259,7 @@ class ModelRunner:
         assert self.model is not None
         if self._groups is None:
             self.kv_cache_groups()
-        layers = self.model.attention_layers()
+        layers = self._attention_layers()
         shapes = {self._layer_block_shape(layer) for layer in layers}
         if len(shapes) > 1:
             return [[layer] for layer in layers]
@@ -239,6 +268,15 @@ class ModelRunner:
             by_group.setdefault(layer.kv_group, []).append(layer)
         width = max(len(g) for g in by_group.values())
         return [[g[i] for g in by_group.values() if i < len(g)] for i in range(width)]
+
+    def _attention_layers(self) -> list[Any]:
+        """Every paged-attention layer whose KV the cache holds: the model's, then a draft
+        model's or EAGLE head's (they share the block tables, each with its own tensors)."""
+        assert self.model is not None
+        layers = list(self.model.attention_layers())
+        if self.proposer is not None and self.proposer.uses_model:
+            layers += self.proposer.attention_layers()
+        return layers
 
     def _layer_block_shape(self, layer: Any) -> tuple[int, ...]:
         return tuple(
@@ -381,11 +419,14 @@ class ModelRunner:
             layout = BatchLayout(lens, lens, tables, slots, self.block_size, 0)
             md = self.attn_backend_cls.build_metadata(layout, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            positions_t = torch.from_numpy(positions).to(self.device)
             with self._no_grad():
-                hidden = self.model(
-                    input_ids, torch.from_numpy(positions).to(self.device), [md] * len(groups)
-                )
+                hidden = self.model(input_ids, positions_t, [md] * len(groups))
                 rows = min(sched.max_num_seqs, num_tokens)
+                if self.proposer is not None and self.proposer.uses_model:
+                    # A draft model / EAGLE head mirrors the same tokens in the same step.
+                    aux = self.proposer.take_aux() if self.proposer.wants_aux else None
+                    self.proposer.profile(input_ids, positions_t, [md] * len(groups), hidden, aux)
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
                 if isinstance(self.model, CausalLM) and hasattr(self.sampler, "warm_up"):
@@ -412,19 +453,24 @@ class ModelRunner:
             self.platform.synchronize()  # materialise the zeroed caches outside any step graph
 
     def free_kv_cache(self) -> None:
-        self.graphs = None  # captured graphs point at the cache tensors
+        self.graphs = self.verify_graphs = None  # captured graphs point at the cache tensors
+        if self.proposer is not None and self.proposer.uses_model:
+            self.proposer.release_graphs()
         if self.model is not None:
-            for layer in self.model.attention_layers():
+            for layer in self._attention_layers():
                 layer.kv_cache = None
         self.kv_caches = []
         self.num_blocks = 0
 
-    def capture_graphs(self) -> float | None:
+    def capture_graphs(self, eager: bool = False) -> float | None:
         """Capture decode CUDA graphs (``engine.cuda_graphs``) for the allocated cache when the
         platform supports graph capture, the attention backend declares
-        ``supports_decode_graphs`` and ``enforce_eager`` is off. Returns the seconds taken, or
-        None when graphs are not used."""
-        if (
+        ``supports_decode_graphs`` and ``enforce_eager`` is off. With speculative decoding the
+        verification steps (``num_speculative_tokens + 1`` tokens per request) get their own
+        graphs, for the batches that speculate. Returns the seconds taken, or None when graphs
+        are not used. ``eager=True`` (tests) builds the same replay machinery without
+        recording graphs, on any device."""
+        if not eager and (
             self.config.enforce_eager
             or not self.platform.supports_graph_capture
             or not getattr(self.attn_backend_cls, "supports_decode_graphs", False)
@@ -435,16 +481,31 @@ class ModelRunner:
         from engine.cuda_graphs import DecodeGraphs
 
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        args = (self.model, len(groups), self.block_size, self.max_model_len)
+        # An EAGLE-3 head reads inner layers' hidden states: the graphs keep them too.
+        extra = None
+        if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
+            extra = self.proposer.take_aux
         self.graphs = DecodeGraphs(
-            self.model,
-            len(groups),
-            self.block_size,
-            self.max_model_len,
-            self.config.scheduler.max_num_seqs,
-            self.device,
-            self._feedback,
+            *args, max_num_seqs, self.device, self._feedback, eager=eager, extra=extra
         )
-        return self.graphs.capture()
+        seconds = self.graphs.capture()
+        spec = self.config.speculative
+        if spec is not None:
+            self.verify_graphs = DecodeGraphs(
+                *args,
+                min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
+                self.device,
+                self._feedback,
+                query_len=int(spec.num_speculative_tokens) + 1,
+                eager=eager,
+                extra=extra,
+            )
+            seconds += self.verify_graphs.capture()
+            if self.proposer is not None and self.proposer.uses_model:
+                seconds += self.proposer.capture_graphs(eager)
+        return seconds
 
     # ---- one step ---------------------------------------------------------------------------
     def execute(
@@ -489,11 +550,37 @@ class ModelRunner:
             if self.graphs is not None:
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
-                batch = _Batch(None, None, [], list(range(len(scheduled) + 1)))
-            else:
+                ids = self.graphs.last_input_ids(len(scheduled))
+                batch = _Batch(ids, None, [], list(range(len(scheduled) + 1)))
+                batch.aux_hidden = self.graphs.last_extra(len(scheduled))
+            elif self.verify_graphs is not None and any(s.spec_token_ids for s in scheduled):
+                hidden = self.verify_graphs.run(scheduled, self._feedback_rows)
+                if hidden is not None:  # request i's tokens at rows i * q, padded to q
+                    q = self.verify_graphs.query_len
+                    batch = _Batch(
+                        self.verify_graphs.last_input_ids(len(scheduled)),
+                        None,
+                        [],
+                        list(range(0, q * len(scheduled) + 1, q)),
+                        [i * q + s.num_new_tokens for i, s in enumerate(scheduled)],
+                    )
+                    batch.aux_hidden = self.verify_graphs.last_extra(len(scheduled))
+            if hidden is None:
                 batch = self._prepare(scheduled)
                 hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+                if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
+                    batch.aux_hidden = self.proposer.take_aux()
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
+            if self.proposer is not None and self.proposer.uses_model:
+                pending.drafts = self.proposer.run(
+                    scheduled,
+                    batch,
+                    hidden,
+                    pending.sampling,
+                    sampling_rows,
+                    pending.last_tokens,
+                    pending.accepted,
+                )
             if prompt_logprobs:
                 self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, pending.out)
         if self.shape_buckets is not None:
@@ -504,59 +591,54 @@ class ModelRunner:
         return pending
 
     def collect(self, pending: PendingStep) -> RunnerOutput:
-        """Wait for a launched step's tokens and return its results."""
+        """Wait for a launched step's tokens and return its results (with the drafts of a
+        host-side proposer, proposed now that the tokens are known)."""
+        out = pending.out
         if pending.tokens is not None:
             if pending.ready is not None:
                 pending.ready.synchronize()
-            out = pending.out
             # Static shapes may have padded the rows: the real ones come first.
             tokens = pending.tokens.tolist()[: len(pending.request_ids)]
             for rid, token in zip(pending.request_ids, tokens, strict=True):
                 out.sampled[rid] = [token]
                 out.logprobs[rid] = None
             pending.tokens = pending.ready = None
-        return pending.out
+        if pending.drafts is not None:  # drafted on the device by a model proposer
+            entries, drafts = pending.drafts
+            for entry, row in zip(entries, drafts.tolist(), strict=True):
+                out.draft_token_ids[entry.request.request_id] = row[: entry.num_to_propose]
+            pending.drafts = None
+        if pending.proposals:
+            propose = self.proposer.propose
+            for request, k in pending.proposals:
+                tokens = out.sampled.get(request.request_id)
+                if tokens:
+                    drafts = propose(request, tokens, k)
+                    if drafts:
+                        out.draft_token_ids[request.request_id] = drafts
+            pending.proposals = []
+        return out
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the step (decodes first, as scheduled) into inputs and per-group metadata."""
-        bs = self.block_size
-        groups = self._groups if self._groups is not None else self.kv_cache_groups()
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
         tokens: list[int] = []
         for s in scheduled:
-            tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
+            if s.spec_token_ids:  # a verification: its known token, then the drafts
+                tokens += _chunk_tokens(s.request, s.start, s.num_known_tokens)
+                tokens += s.spec_token_ids
+            else:
+                tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
         input_ids = np.array(tokens, dtype=np.int64)
+        positions, metadata, qsl = self.layout(
+            [s.start for s in scheduled],
+            [s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+        )
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
-        # Token t of request i sits at position starts[i] + (t - qsl[i]).
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
-        num_decodes = 0
-        while num_decodes < len(scheduled) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        seq_lens = (starts + query_lens).tolist()
-        req_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
-        block_of_token = positions // bs
-        metadata = []
-        for g in range(len(groups)):
-            tables = [s.block_ids[g] for s in scheduled]
-            width = max(len(t) for t in tables)
-            padded = np.zeros((len(tables), width), dtype=np.int64)
-            for i, t in enumerate(tables):
-                padded[i, : len(t)] = t
-            slots = padded[req_of_token, block_of_token] * bs + positions % bs
-            layout = BatchLayout(
-                query_lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes
-            )
-            if self.shape_buckets is not None:
-                layout = self.shape_buckets.pad_layout(layout, num_tokens)
-            metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
         if self.shape_buckets is not None:  # padded tokens: id 0 at position 0, never sampled
-            pad = self.shape_buckets.pad_tokens(num_tokens) - num_tokens
-            input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
+            pad = self.shape_buckets.pad_tokens(len(input_ids)) - len(input_ids)
+            input_ids = np.pad(input_ids, (0, pad))
             if feedback is not None:
                 feedback = np.pad(feedback, (0, pad), constant_values=-1)
         ids = self._to_device(input_ids)
@@ -564,10 +646,51 @@ class ModelRunner:
             ids = gather_feedback(ids, self._to_device(feedback), self._feedback)
         return _Batch(
             input_ids=ids,
-            positions=self._to_device(positions),
+            positions=positions,
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
         )
+
+    def layout(
+        self, starts: list[int], query_lens: list[int], block_ids: list[list[list[int]]]
+    ) -> tuple[torch.Tensor, list[AttentionMetadata], np.ndarray]:
+        """Positions (on the device), per-group attention metadata and query start locations
+        of a batch where request ``i`` computes ``query_lens[i]`` tokens from ``starts[i]``
+        with tables ``block_ids[i]`` (one per KV-cache group; leading one-token requests are
+        the backend's decodes). A draft model's forward uses it too: its layers share the
+        target's block tables."""
+        bs = self.block_size
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        lens = np.asarray(query_lens, dtype=np.int64)
+        starts_np = np.asarray(starts, dtype=np.int64)
+        qsl = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        # Token t of request i sits at position starts[i] + (t - qsl[i]).
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts_np - qsl[:-1], lens)
+        num_decodes = 0
+        while num_decodes < len(lens) and lens[num_decodes] == 1:
+            num_decodes += 1
+        seq_lens = (starts_np + lens).tolist()
+        req_of_token = np.repeat(np.arange(len(lens)), lens)
+        block_of_token = positions // bs
+        metadata = []
+        for g in range(len(groups)):
+            tables = [blocks[g] for blocks in block_ids]
+            width = max(len(t) for t in tables)
+            padded = np.zeros((len(tables), width), dtype=np.int64)
+            for i, t in enumerate(tables):
+                padded[i, : len(t)] = t
+            slots = padded[req_of_token, block_of_token] * bs + positions % bs
+            layout = BatchLayout(lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes)
+            if self.shape_buckets is not None:
+                layout = self.shape_buckets.pad_layout(layout, num_tokens)
+            metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
+        if self.shape_buckets is not None:  # padded positions: 0, never sampled
+            positions = np.pad(
+                positions, (0, self.shape_buckets.pad_tokens(num_tokens) - num_tokens)
+            )
+        return self._to_device(positions), metadata, qsl
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without blocking the host: a pageable copy would wait
@@ -613,8 +736,16 @@ class ModelRunner:
         if missing:
             raise KeyError(f"no sampling row for requests that sample this step: {missing}")
         rows = [sampling_rows[s.request.request_id] for _, s in sampling]
+        pending.sampling = sampling
+        if self.proposer is not None and not self.proposer.uses_model:
+            pending.proposals = [
+                (s.request, s.num_to_propose) for _, s in sampling if s.num_to_propose
+            ]
+        if any(s.spec_token_ids for _, s in sampling):
+            self._verify(sampling, batch, hidden, rows, pending)
+            return
         if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
-            last = np.array([batch.query_start_loc[i + 1] - 1 for i, _ in sampling])
+            last = np.array([batch.end(i) - 1 for i, _ in sampling])
             if self.shape_buckets is not None:  # static shapes: pad with greedy dummy rows
                 pad = self.shape_buckets.pad_seqs(len(rows)) - len(rows)
                 last = np.pad(last, (0, pad), mode="edge")
@@ -658,6 +789,53 @@ class ModelRunner:
             self._feedback = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
         self._feedback[:num_rows].copy_(first, non_blocking=True)
         self._feedback_rows = {rid: j for j, rid in enumerate(ids)}
+        pending.last_tokens = first
+
+    def _verify(
+        self,
+        sampling: list[tuple[int, ScheduledRequest]],
+        batch: _Batch,
+        hidden: torch.Tensor,
+        rows: list[Any],
+        pending: PendingStep,
+    ) -> None:
+        """Speculative decoding: score every sampling request's drafts (the logits of its
+        last ``k + 1`` positions) and keep what verification accepts. Synchronous: the
+        accepted lengths decide the next step."""
+        from engine.spec_decode.rejection import verify
+
+        index: list[int] = []
+        drafts = []
+        for i, s in sampling:
+            k = len(s.spec_token_ids)
+            end = batch.end(i)
+            index.extend(range(end - k - 1, end))
+            drafts.append(s.spec_token_ids)
+        hidden = hidden[self._to_device(np.asarray(index, dtype=np.int64))]
+        float32 = not isinstance(self.model, CausalLM) or self.sampler.wants_float32_logits(rows)
+        logits = self.model.compute_logits(hidden, float32)
+        draft_probs = None
+        if self.proposer is not None and self.proposer.uses_model:
+            draft_probs = [
+                self.proposer.take_draft_probs(s.request, len(s.spec_token_ids))
+                for _, s in sampling
+            ]
+        result = verify(self.sampler, logits, rows, drafts, draft_probs)
+        out = pending.out
+        last = []
+        for (_, s), tokens, lps in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            rid = s.request.request_id
+            out.sampled[rid] = tokens
+            out.logprobs[rid] = lps
+            last.append(tokens[-1])
+        # The feedback buffer holds each row's newest token (nothing reads it before the next
+        # step is scheduled from the host's tokens, but it stays consistent).
+        n = min(len(last), self._feedback.numel())
+        last_tokens = torch.tensor(last, dtype=torch.int64, device=self.device)
+        self._feedback[:n].copy_(last_tokens[:n])
+        self._feedback_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling[:n])}
+        pending.last_tokens = last_tokens
+        pending.accepted = result.token_ids
 
     def _prompt_logprobs(
         self,

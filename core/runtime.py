@@ -140,6 +140,10 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
 
+    if config.speculative is not None:
+        from engine.spec_decode import ProposerRegistry
+
+        ProposerRegistry().check(config, hf_config)  # ConfigError with every reason
     text_config = getattr(hf_config, "text_config", None) or hf_config
     sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
     runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
@@ -158,6 +162,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         config.model.max_model_len,
         num_blocks,
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
+        speculative_config=config.speculative,
     )
     logger.info(
         "engine ready in %.1f s: %d KV blocks of %d tokens",

@@ -48,6 +48,10 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
 
     args.model = resolve_model(args)
     config = engine_config_from_args(args)
+    spec = config.speculative
+    if spec is not None and spec.model and not os.path.exists(spec.model):
+        if builtin_shape(spec.model) is not None:  # a draft shape, random like the target
+            spec.model = write_builtin_model(spec.model, tempfile.mkdtemp(prefix="engine-bench-"))
     start = time.perf_counter()
     llm = LLM.from_engine_config(config)
     return llm, time.perf_counter() - start

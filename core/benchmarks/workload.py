@@ -128,6 +128,27 @@ ALIASES = {
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "mixtral": "mixtral-8x7b",
 }
+# Draft shapes for speculative decoding with the Llama-3.1-8B shape (same vocabulary): a
+# Llama-3.2-1B draft model, and EAGLE / EAGLE-3 heads as yuhuili's for Llama-3.1-8B-Instruct.
+_LLAMA3_ROPE = dict(BUILTIN_SHAPES["llama-3.1-8b"]["rope_scaling"])
+BUILTIN_SHAPES["llama-3.2-1b"] = dict(
+    BUILTIN_SHAPES["llama-3.1-8b"],
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rope_scaling=dict(_LLAMA3_ROPE, factor=32.0),
+)
+BUILTIN_SHAPES["eagle-llama-3.1-8b"] = dict(BUILTIN_SHAPES["llama-3.1-8b"], num_hidden_layers=1)
+BUILTIN_SHAPES["eagle3-llama-3.1-8b"] = dict(
+    BUILTIN_SHAPES["llama-3.1-8b"],
+    architectures=["LlamaForCausalLMEagle3"],
+    num_hidden_layers=1,
+    draft_vocab_size=32000,
+)
 
 
 def builtin_shape(name: str) -> str | None:

@@ -15,6 +15,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
@@ -140,6 +141,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "on the CPU).",
     )
 
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='Speculative decoding as a JSON object, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\', '
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' or '
+        '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\'; '
+        '"disable_by_batch_size" turns it off in larger batches (default: off).',
+    )
+
     device = parser.add_argument_group("device and parallelism")
     device.add_argument(
         "--platform",
@@ -197,4 +210,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         platform=platform,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        speculative=(
+            SpeculativeConfig.from_dict(args.speculative_config)
+            if getattr(args, "speculative_config", None)
+            else None
+        ),
     )

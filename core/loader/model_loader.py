@@ -237,6 +237,11 @@ def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]
     return kept
 
 
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights for ``load_format="dummy"`` (also a draft head's, for benchmarks)."""
+    _init_dummy(model, seed)
+
+
 def _init_dummy(model: nn.Module, seed: int) -> None:
     """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales."""
     device = next(model.parameters()).device

@@ -1,6 +1,8 @@
 """Prometheus metrics and the periodic stats log line of the server.
 
-Metric names follow vLLM's with an ``engine:`` prefix, each labelled with ``model_name``. Every
+Metric names follow vLLM's with an ``engine:`` prefix, each labelled with ``model_name``
+(speculative decoding adds vLLM's ``spec_decode_*`` counters, the per-position one labelled
+with ``position`` too, and its "SpecDecoding metrics" line to the periodic log). Every
 app gets its own ``CollectorRegistry`` (no process-global state), so several servers can live in
 one process (tests) without clashing.
 
@@ -85,6 +87,23 @@ class _EngineStatsCollector:
                       stats.prefix_cache_hits)  # fmt: skip
         yield counter("engine:num_preemptions", "Requests preempted (KV cache full).",
                       stats.num_preemptions)  # fmt: skip
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None:  # speculative decoding: vLLM's spec_decode_* counters
+            yield counter("engine:spec_decode_num_drafts",
+                          "Drafts verified (one per request and step that verified any).",
+                          spec.num_drafts)  # fmt: skip
+            yield counter("engine:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                          spec.num_draft_tokens)  # fmt: skip
+            yield counter("engine:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          spec.num_accepted_tokens)  # fmt: skip
+            per_pos = CounterMetricFamily(
+                "engine:spec_decode_num_accepted_tokens_per_pos",
+                "Drafts whose token at this position was accepted.",
+                labels=["model_name", "position"],
+            )
+            for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+                per_pos.add_metric([self._model_name, str(pos)], value)
+            yield per_pos
 
 
 class _BulkHistogram:
@@ -224,4 +243,15 @@ class StatsLogger:
             f"preemptions: {stats.num_preemptions - last.num_preemptions}"
         )
         logger.info(line)
+        spec, spec_last = (
+            getattr(stats, "spec_decoding", None),
+            getattr(last, "spec_decoding", None),
+        )
+        if spec is not None and spec_last is not None:
+            from engine.spec_decode.stats import log_line
+
+            spec_line = log_line(spec, spec_last, elapsed)
+            if spec_line is not None:
+                logger.info(spec_line)
+                line += "\n" + spec_line
         return line

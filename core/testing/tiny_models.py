@@ -353,3 +353,113 @@ def build_tiny_gemma3_multimodal(
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     return out
+
+
+# --- EAGLE / EAGLE-3 draft heads in their published checkpoint layouts (random weights).
+
+
+def build_tiny_eagle_head(
+    out_dir: str | Path,
+    target_dir: str | Path,
+    kind: str = "eagle",
+    *,
+    fc_bias: bool = False,
+    draft_vocab_size: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+    fmt: str = "safetensors",
+    seed: int = 0,
+    scale: float = 0.05,
+) -> Path:
+    """Write a random EAGLE (``kind="eagle"``, as ``yuhuili/EAGLE-LLaMA3-Instruct-8B``: a
+    one-layer Llama config, ``fc`` over ``[embed; hidden]``, layer 0 without
+    ``input_layernorm``, no embedding or LM head of its own) or EAGLE-3 head (``"eagle3"``, as
+    ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``: ``LlamaForCausalLMEagle3``, ``fc`` over three
+    target hidden states, ``midlayer.*`` with ``hidden_norm``, ``norm``, its own ``lm_head``
+    over ``draft_vocab_size`` tokens with ``d2t``/``t2d``) for the target model at
+    ``target_dir``. ``fmt="bin"`` writes ``pytorch_model.bin`` as the original EAGLE releases
+    do. Returns the path."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(str(target_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    h = target.hidden_size
+    heads = target.num_attention_heads
+    kv_heads = getattr(target, "num_key_value_heads", None) or heads
+    hd = getattr(target, "head_dim", None) or h // heads
+    inter = target.intermediate_size
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale * 4
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(h, generator=gen)
+
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hd,
+        "max_position_embeddings": target.max_position_embeddings,
+        "rms_norm_eps": target.rms_norm_eps,
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "rope_theta": getattr(target, "rope_theta", None)
+        or (getattr(target, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+        "torch_dtype": "float32",
+        "bos_token_id": target.bos_token_id,
+        "eos_token_id": target.eos_token_id,
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    if kind == "eagle":
+        config["architectures"] = ["LlamaForCausalLM"]
+        prefix = "layers.0."
+        tensors["fc.weight"] = rand(h, 2 * h)
+        if fc_bias:
+            tensors["fc.bias"] = rand(h)
+        qkv_in = h
+    elif kind == "eagle3":
+        dv = draft_vocab_size or vocab
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        config["draft_vocab_size"] = dv
+        if aux_layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+        prefix = "midlayer."
+        tensors["fc.weight"] = rand(h, 3 * h)
+        tensors[prefix + "input_layernorm.weight"] = norm()
+        tensors[prefix + "hidden_norm.weight"] = norm()
+        tensors["norm.weight"] = norm()
+        tensors["lm_head.weight"] = rand(dv, h)
+        # Draft token d is target token d + d2t[d]: here every other target token.
+        chosen = torch.arange(dv) * (vocab // dv) if dv < vocab else torch.arange(dv)
+        tensors["d2t"] = (chosen - torch.arange(dv)).to(torch.int64)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[chosen] = True
+        tensors["t2d"] = t2d
+        qkv_in = 2 * h
+    else:
+        raise ValueError(f"kind must be 'eagle' or 'eagle3', got {kind!r}")
+    tensors[prefix + "self_attn.q_proj.weight"] = rand(heads * hd, qkv_in)
+    tensors[prefix + "self_attn.k_proj.weight"] = rand(kv_heads * hd, qkv_in)
+    tensors[prefix + "self_attn.v_proj.weight"] = rand(kv_heads * hd, qkv_in)
+    tensors[prefix + "self_attn.o_proj.weight"] = rand(h, heads * hd)
+    tensors[prefix + "mlp.gate_proj.weight"] = rand(inter, h)
+    tensors[prefix + "mlp.up_proj.weight"] = rand(inter, h)
+    tensors[prefix + "mlp.down_proj.weight"] = rand(h, inter)
+    tensors[prefix + "post_attention_layernorm.weight"] = norm()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt == "bin":
+        torch.save(tensors, out / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out

@@ -4,8 +4,10 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: conformance, spread, linear, kprofile, and the mixture-of-experts steps
-# moe-kernels, moe-b1, moe-nano, mixtral-b1. Logs go to $OUT/tests.log,
+# llama-nano, profile; optional: conformance, spread, linear, kprofile, the mixture-of-experts
+# steps moe-kernels, moe-b1, moe-nano, mixtral-b1, and spec-base, spec-ngram, spec-draft,
+# spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts holding the
+# model's own greedy continuation; docs/speculative-decoding.md). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -48,6 +50,9 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for result
 NANO=(--num-prompts 256 --min-input-len 100 --max-input-len 1024 --min-output-len 100
   --max-output-len 1024 --seed 0 --load-format dummy --dtype bfloat16)
 B1=(--batch-sizes 1 --input-len 128 --output-len 512 --seed 3 --load-format dummy --dtype bfloat16)
+SPEC=(--model llama-3.1-8b --input-len 128 --output-len 512 --seed 3 --load-format dummy
+  --dtype bfloat16 --self-continuation --num-iters 2)
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 256}'
 
 for step in "${steps[@]}"; do
   case $step in
@@ -107,6 +112,15 @@ for step in "${steps[@]}"; do
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
       TRITON_CACHE_DIR=$(mktemp -d) bench llama-b1 200 latency --model llama-3.1-8b "${B1[@]}" ;;
     llama-nano) bench llama-nano 240 throughput --model llama-3.1-8b "${NANO[@]}" ;;
+    spec-base) bench spec-base 240 latency "${SPEC[@]}" --batch-sizes 1,32,128 ;;
+    spec-ngram) bench spec-ngram 300 latency "${SPEC[@]}" --batch-sizes 1,32,128 \
+      --speculative-config "$NGRAM" ;;
+    spec-draft) bench spec-draft 240 latency "${SPEC[@]}" --batch-sizes 1 \
+      --speculative-config '{"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 4}' ;;
+    spec-eagle) bench spec-eagle 200 latency "${SPEC[@]}" --batch-sizes 1 \
+      --speculative-config '{"method": "eagle", "model": "eagle-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
+    spec-eagle3) bench spec-eagle3 200 latency "${SPEC[@]}" --batch-sizes 1 \
+      --speculative-config '{"method": "eagle3", "model": "eagle3-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
     kprofile)  # GPU time per kernel of one decode step (torch.profiler)
       specs=${KPROFILE_SPECS:-"qwen3-0.6b:256:800 qwen3-0.6b:1:128 llama-3.1-8b:1:128 llama-3.1-8b:256:800"}
       for spec in $specs; do
@@ -154,7 +168,11 @@ for name, r in results.items():
               f"{r['elapsed_s']} s, ready {r['start_to_ready_s']} s, split {r['step_split']}")
     else:
         for row in r.get("results", []):
+            extra = ""
+            if "acceptance_rate" in row:
+                extra = (f", acceptance {row['acceptance_rate']}, mean length "
+                         f"{row['mean_acceptance_length']}, {row['tokens_per_step']} tok/step")
             print(f"{name}: batch {row['batch_size']}: {row['output_tokens_per_s']} out tok/s, "
-                  f"step {row['decode_step_ms']} ms, ready {r['start_to_ready_s']} s")
+                  f"step {row['decode_step_ms']} ms, ready {r['start_to_ready_s']} s{extra}")
 EOF
 echo "done at $(elapsed)s"

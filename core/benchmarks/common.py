@@ -15,14 +15,14 @@ from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_buil
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--model`` plus every engine flag (``engine serve``'s names), and ``--json``."""
-    from engine.cli.args import add_engine_args
+    """The model (``MODEL`` or ``--model MODEL``) plus every engine flag (``engine serve``'s names), and ``--json``."""
+    from engine.cli.args import add_engine_args, add_model_arg
 
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="A model directory, or a built-in shape written as config.json only "
-        f"({', '.join(BUILTIN_SHAPES)}); pair it with --load-format dummy.",
+    add_model_arg(
+        parser,
+        positional=True,
+        helptext="A model directory or .gguf file, or a built-in shape written as config.json "
+        f"only ({', '.join(BUILTIN_SHAPES)}); pair a shape with --load-format dummy.",
     )
     add_engine_args(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="Write the results here.")
@@ -30,6 +30,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 def resolve_model(args: argparse.Namespace) -> str:
     """A built-in shape name becomes a temporary directory holding its config.json."""
+    from engine.cli.args import merge_model_args
+
+    merge_model_args(args)
+    if args.model is None:
+        raise SystemExit("a model is required: MODEL or --model MODEL")
     if os.path.exists(args.model) or builtin_shape(args.model) is None:
         return args.model
     if args.load_format not in ("dummy",):

@@ -11,6 +11,7 @@ import argparse
 from engine.config import (
     SUPPORTED_DTYPES,
     CacheConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -18,16 +19,42 @@ from engine.config import (
 )
 
 
-def add_model_arg(parser: argparse.ArgumentParser, positional: bool = True) -> None:
-    """The model to load: positional (optional) for serve/generate/chat, like ``vllm serve``."""
-    helptext = (
+def add_model_arg(
+    parser: argparse.ArgumentParser, positional: bool = True, helptext: str | None = None
+) -> None:
+    """The model to load, as ``vllm serve`` takes it: ``engine serve MODEL`` or
+    ``engine serve --model MODEL`` (both forms; giving both with different values is an error,
+    see ``merge_model_args``). ``positional=False`` adds only ``--model``, for commands whose
+    positional arguments are something else (``engine generate PROMPT...``)."""
+    helptext = helptext or (
         "Hugging Face model directory, a model id in the local Hugging Face cache, or a "
         ".gguf file. Default: the embedded Gemma 3 270M (engine[default-model])."
     )
     if positional:
         parser.add_argument("model", nargs="?", default=None, help=helptext)
+        parser.add_argument(
+            "--model", dest="model_option", default=None, metavar="MODEL", help="Same as MODEL."
+        )
     else:
         parser.add_argument("--model", default=None, help=helptext)
+
+
+def merge_model_args(args: argparse.Namespace) -> None:
+    """Fold ``--model`` into ``args.model`` (the positional); idempotent.
+
+    Raises ``ConfigError`` when both forms are given with different values: which one the user
+    meant cannot be guessed."""
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    positional = getattr(args, "model", None)
+    if positional is not None and positional != option:
+        raise ConfigError(
+            f"the model is given twice, as {positional!r} and as --model {option!r}; "
+            "give it once (either form)"
+        )
+    args.model = option
+    args.model_option = None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +193,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the ``EngineConfig`` from flags added by ``add_engine_args`` (+ a ``model`` attr)."""
     import os
 
+    merge_model_args(args)
     platform = args.platform
     if platform == "auto" and os.environ.get("ENGINE_PLATFORM"):
         platform = os.environ["ENGINE_PLATFORM"]

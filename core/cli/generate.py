@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="An interactive chat using the model's chat template. Empty line or "
         "Ctrl-D quits.",
     )
-    add_model_arg(chat, positional=False)
+    add_model_arg(chat, positional=True)
     chat.add_argument("--system", default=None, help="A system message.")
     _add_sampling_args(chat)
     add_engine_args(chat)

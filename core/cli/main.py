@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE_ERROR
     try:
+        from engine.cli.args import merge_model_args
+
+        merge_model_args(args)  # `engine serve X` and `engine serve --model X` alike
         return int(func(args) or 0)
     except Exception as exc:
         if isinstance(exc, _user_errors()):

@@ -49,3 +49,21 @@ def test_two_different_models_are_an_error(capsys):
     assert main(["serve", "/a", "--model", "/b"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert err.startswith("engine: error: the model is given twice, as '/a' and as --model '/b'")
+
+
+@pytest.mark.parametrize("kind", ["throughput", "latency"])
+def test_bench_defaults_to_the_embedded_model(kind, tiny_default_model, tmp_path):
+    """`engine bench throughput` without a model benchmarks the embedded default model, as
+    `engine serve` serves it (here a tiny stand-in Gemma 3 GGUF)."""
+    import json
+
+    out = tmp_path / "result.json"
+    workload = {
+        "throughput": ["--num-prompts", "3", "--input-len", "8", "--output-len", "4"],
+        "latency": ["--input-len", "8", "--output-len", "3", "--num-iters", "1"],
+    }[kind]
+    flags = ["--max-model-len", "512", "--max-num-seqs", "8", "--json", str(out)]
+    assert main(["bench", kind, *workload, *flags]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == str(tiny_default_model)
+    assert result["settings"]["max_model_len"] == 512

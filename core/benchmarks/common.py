@@ -29,12 +29,16 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    """A built-in shape name becomes a temporary directory holding its config.json."""
+    """The model to benchmark: the embedded default model when none is given (as
+    ``engine serve`` does); a built-in shape name becomes a temporary directory holding its
+    config.json."""
     from engine.cli.args import merge_model_args
 
     merge_model_args(args)
     if args.model is None:
-        raise SystemExit("a model is required: MODEL or --model MODEL")
+        from engine.default_model import default_model_path
+
+        return str(default_model_path())  # a DefaultModelError says what to install
     if os.path.exists(args.model) or builtin_shape(args.model) is None:
         return args.model
     if args.load_format not in ("dummy",):

@@ -41,6 +41,9 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    # As vLLM's: load no tokenizer (a folder with only config.json, e.g. a --load-format dummy
+    # benchmark). Prompts must then be token ids, outputs carry token ids and empty text.
+    skip_tokenizer_init: bool = False
     # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
     # only its EOS ids; or a directory to read it from (see engine.generation_config).
     generation_config: str = "auto"

@@ -39,8 +39,9 @@ class LLM:
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory). Unknown keywords are an error
-    that lists them.
+    sampling parameters; "vllm": EOS ids only; or a directory), ``skip_tokenizer_init`` (load no
+    tokenizer: prompts must be token ids, outputs carry token ids and empty text, stop strings
+    and chat are refused). Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
+        skip_tokenizer_init: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -84,6 +86,7 @@ class LLM:
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
+                skip_tokenizer_init=skip_tokenizer_init,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -124,6 +127,7 @@ class LLM:
         return self.llm_engine.config
 
     def get_tokenizer(self) -> Any:
+        """The engine's Hugging Face tokenizer (None with ``skip_tokenizer_init=True``)."""
         return self.llm_engine.tokenizer
 
     # ------------------------------------------------------------------ generate
@@ -164,6 +168,12 @@ class LLM:
         parsed = [self._parse_prompt(p) for p in prompts]
         # Validate everything first: a bad prompt in the middle must not leave work queued.
         for (text, ids), params in zip(parsed, params_list, strict=True):
+            if ids is None and engine.tokenizer is None:
+                raise InvalidRequestError(
+                    "text prompts cannot be used with skip_tokenizer_init=True (no tokenizer is "
+                    'loaded); pass token ids: {"prompt_token_ids": [...]} or a list of ints',
+                    "prompts",
+                )
             n = len(ids) if ids is not None else len(engine.tokenizer(text).input_ids)
             if n >= engine.max_model_len:
                 from engine.errors import PromptTooLongError
@@ -222,6 +232,13 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "chat() needs a tokenizer for the chat template, and this LLM was built with "
+                "skip_tokenizer_init=True; render the conversation to token ids yourself and "
+                "use generate()",
+                "messages",
+            )
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; pass "

@@ -97,7 +97,8 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
 
 
 def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
-    """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``."""
+    """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``; the tokenizer
+    is None with ``skip_tokenizer_init``."""
     from engine import generation_config
     from engine.kv_cache_manager import KVCacheGroupSpec
     from engine.loader import load_hf_config
@@ -130,7 +131,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     resolve_dtype(config, hf_config, platform)
     if config.model.served_model_name is None:
         config.model.served_model_name = config.model.model
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
     generation_eos, config.model.default_sampling = generation_config.resolve(
         _model_dir(config.model.model), config.model.generation_config
     )

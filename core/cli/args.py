@@ -100,6 +100,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "max_new_tokens) for requests that leave them unset; vllm: its end-of-sequence ids "
         "only; DIR: read generation_config.json from there (default: %(default)s).",
     )
+    model.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="Load no tokenizer (e.g. a config.json-only folder with --load-format dummy): "
+        "prompts must be token ids, outputs carry token ids only, stop strings and chat are "
+        "refused.",
+    )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 
     cache = parser.add_argument_group("KV cache")
@@ -207,6 +214,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,
+            skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -71,7 +71,7 @@ class ServingContext:
         engine = async_engine.engine
         self.async_engine = async_engine
         self.options = options
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer  # None with --skip-tokenizer-init
         model_config = engine.config.model
         self.max_model_len: int = int(model_config.max_model_len)
         # Defaults from the model's generation_config.json for fields a request leaves unset.
@@ -120,17 +120,31 @@ class ServingContext:
             return self._encode(text, add_special_tokens)
         return await self.run_tokenizer(self._encode, text, add_special_tokens)
 
+    def require_tokenizer(self, what: str, param: str | None = "prompt") -> None:
+        """400 when the server runs without a tokenizer (``--skip-tokenizer-init``)."""
+        if self.tokenizer is None:
+            raise bad_request(
+                f"{what} needs a tokenizer, and this server was started with "
+                "--skip-tokenizer-init: send prompts as token ids to /v1/completions",
+                param,
+            )
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.require_tokenizer("a text prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids``; empty without a tokenizer (``--skip-tokenizer-init``),
+        as the engine's outputs are."""
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (cached: the vocabulary bounds the cache)."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            text = self.decode([token_id])
             self._token_text[token_id] = text
         return text
 
@@ -141,8 +155,13 @@ class ServingContext:
         decoded = getattr(lp, "decoded_token", None) if lp is not None else None
         return decoded if decoded is not None else self.token_text(token_id)
 
+    def _vocab_size(self) -> int:
+        if self.tokenizer is None:  # --skip-tokenizer-init: the model's vocabulary
+            return int(self.async_engine.engine.runner.vocab_size)
+        return len(self.tokenizer)
+
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
-        vocab = len(self.tokenizer)
+        vocab = self._vocab_size()
         for t in ids:
             if t < 0 or t >= vocab:
                 raise bad_request(
@@ -159,6 +178,7 @@ class ServingContext:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Apply the chat template; a clear 400 when the model has none or it fails."""
+        self.require_tokenizer("/v1/chat/completions (its chat template)", "messages")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise bad_request(
@@ -260,7 +280,7 @@ class ServingContext:
             if value is not None:
                 kwargs[name] = value
         if req.logit_bias:
-            vocab = len(self.tokenizer)
+            vocab = self._vocab_size()
             bias = {}
             for key, value in req.logit_bias.items():
                 try:

@@ -16,7 +16,7 @@ from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_buil
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """The model (``MODEL`` or ``--model MODEL``) plus every engine flag (``engine serve``'s names), and ``--json``."""
-    from engine.cli.args import add_engine_args, add_model_arg
+    from engine.cli.args import add_engine_args, add_log_level_arg, add_model_arg
 
     add_model_arg(
         parser,
@@ -25,6 +25,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         f"only ({', '.join(BUILTIN_SHAPES)}); pair a shape with --load-format dummy.",
     )
     add_engine_args(parser)
+    add_log_level_arg(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="Write the results here.")
 
 
@@ -52,9 +53,10 @@ def resolve_model(args: argparse.Namespace) -> str:
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     """The ``LLM`` for these flags and its start-to-ready seconds (weights, KV sizing, graph
     capture, kernel compilation)."""
-    from engine.cli.args import engine_config_from_args
+    from engine.cli.args import configure_logging, engine_config_from_args
     from engine.llm import LLM
 
+    configure_logging(getattr(args, "log_level", "info"))
     args.model = resolve_model(args)
     config = engine_config_from_args(args)
     start = time.perf_counter()

@@ -57,6 +57,31 @@ def merge_model_args(args: argparse.Namespace) -> None:
     args.model_option = None
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--log-level``: the engine's log lines, and whether an error shows its traceback."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="Level of the engine's log lines on stderr; debug also prints the traceback of an "
+        "error, which is otherwise one line (default: %(default)s).",
+    )
+
+
+def configure_logging(level: str = "info") -> None:
+    """One format for every log line on stderr (engine, and uvicorn's, which propagate)."""
+    import logging
+
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine's model, cache, scheduler and device flags as argument groups."""
     model = parser.add_argument_group("model")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli.args import add_engine_args, add_model_arg, engine_config_from_args
+from engine.cli.args import (
+    add_engine_args,
+    add_log_level_arg,
+    add_model_arg,
+    configure_logging,
+    engine_config_from_args,
+)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arg(gen, positional=False)
     _add_sampling_args(gen)
     add_engine_args(gen)
+    add_log_level_arg(gen)
     gen.set_defaults(func=run_generate)
 
     chat = subparsers.add_parser(
@@ -49,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--system", default=None, help="A system message.")
     _add_sampling_args(chat)
     add_engine_args(chat)
+    add_log_level_arg(chat)
     chat.set_defaults(func=run_chat)
 
 
@@ -56,6 +64,7 @@ def _build(args: argparse.Namespace):
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
+    configure_logging(args.log_level)
     config = engine_config_from_args(args)
     llm = LLM.from_engine_config(config)
     params = SamplingParams(

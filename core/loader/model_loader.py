@@ -55,7 +55,10 @@ def resolve_model_path(model: str) -> Path:
             raise ModelLoadError(f"no config.json in model directory {path}")
         return path
     if not _REPO_ID.match(model) or model.startswith("."):
-        raise ModelLoadError(f"model path {path} does not exist")
+        raise ModelLoadError(
+            f"model path {path} does not exist; pass a Hugging Face model directory (with "
+            "config.json), a model id in the local Hugging Face cache, or a .gguf file"
+        )
     from huggingface_hub import snapshot_download
 
     try:

@@ -153,7 +153,8 @@ class ApiServer:
         try:
             engine = self.engine_factory()
         except BaseException as e:  # noqa: BLE001 - re-raised by run() once uvicorn stopped
-            logger.error("failed to load the engine: %s", e)
+            # run() re-raises it for the caller (the CLI prints it once, as one line).
+            logger.info("the engine failed to load; stopping the server")
             self.state.startup_error = e
             self.exit_code = 1
             self._server.should_exit = True

@@ -289,7 +289,9 @@ def load_model(
 
         weights = gguf_loader.iter_weights(path, hf_config, dtype)
         present: set[str] | None = None
-        progress = tqdm(desc="Loading GGUF weights", unit="tensor")
+        progress = tqdm(
+            total=gguf_loader.num_tensors(path), desc="Loading GGUF weights", unit="tensor"
+        )
         weights = _counting(weights, progress)
     else:
         files = safetensors_files(path)

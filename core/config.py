@@ -95,16 +95,17 @@ class CacheConfig:
     """The paged KV cache.
 
     ``num_gpu_blocks`` overrides the size that memory profiling would choose (tests use it to
-    force preemption). On CPU ``cpu_kv_cache_gb`` is a budget (vLLM's
-    ``VLLM_CPU_KVCACHE_SPACE``): the cache takes the smaller of it and what ``max_num_seqs``
-    requests of ``max_model_len`` tokens can use.
+    force preemption). On CPU ``cpu_kv_cache_gb`` is a budget in GiB (vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE``); None picks one from the memory available (see
+    ``engine.cpu_kv_cache``), and the cache never exceeds what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens can use.
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None
-    cpu_kv_cache_gb: float = 4.0
+    cpu_kv_cache_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -115,7 +116,7 @@ class CacheConfig:
             )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ConfigError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
-        if not self.cpu_kv_cache_gb > 0:
+        if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
             raise ConfigError(f"cpu_kv_cache_gb must be > 0 (GiB), got {self.cpu_kv_cache_gb}")
 
 

@@ -65,7 +65,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         served_model_name: str | list[str] | None = None,
         scheduling_policy: str = "fcfs",
-        cpu_kv_cache_gb: float = 4.0,
+        cpu_kv_cache_gb: float | None = None,
         max_logprobs: int = 20,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,

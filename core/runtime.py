@@ -126,6 +126,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         )
 
     models = ModelRegistry.with_plugins(plugins)
+    max_model_len_given = config.model.max_model_len is not None
     hf_config = load_hf_config(config.model, models)
     config.model.max_model_len = resolve_max_model_len(config, hf_config)
     resolve_dtype(config, hf_config, platform)
@@ -146,7 +147,8 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
     runner.load_model()
     groups = runner.kv_cache_groups()
-    num_blocks = runner.determine_num_blocks()
+    # An unset max_model_len may be lowered to fit a CPU KV cache; a given one never is.
+    num_blocks = runner.determine_num_blocks(max_model_len_fixed=max_model_len_given)
     runner.allocate_kv_cache(num_blocks)
     runner.capture_graphs()  # decode CUDA graphs where the platform and backend allow them
     if config.scheduler.async_scheduling is None:

@@ -163,11 +163,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--cpu-kv-cache-gb",
         type=float,
-        default=4.0,
+        default=None,
+        metavar="GIB",
         help=(
             "KV-cache budget on the CPU platform, in GiB (vLLM: VLLM_CPU_KVCACHE_SPACE); the "
             "cache takes the smaller of this and what --max-num-seqs requests of "
-            "--max-model-len tokens can use (default: %(default)s)."
+            "--max-model-len tokens can use. Default: 4, or half the memory available if "
+            "less; 0.5 for engine generate and engine chat. An unset --max-model-len is "
+            "lowered to fit the budget (logged)."
         ),
     )
 

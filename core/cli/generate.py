@@ -61,11 +61,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _build(args: argparse.Namespace):
+    import logging
+
+    from engine.cpu_kv_cache import ONE_SHOT_BUDGET_GIB
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     configure_logging(args.log_level)
     config = engine_config_from_args(args)
+    if config.cache.cpu_kv_cache_gb is None:
+        # A one-shot command runs a few requests: a server's default budget would be
+        # resident memory held for nothing.
+        config.cache.cpu_kv_cache_gb = ONE_SHOT_BUDGET_GIB
+        logging.getLogger("engine.cli").info(
+            "engine %s runs a few requests, so a CPU KV cache gets a %g GiB budget "
+            "(--cpu-kv-cache-gb to change it)",
+            args.command,
+            ONE_SHOT_BUDGET_GIB,
+        )
     llm = LLM.from_engine_config(config)
     params = SamplingParams(
         max_tokens=args.max_tokens,

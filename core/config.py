@@ -167,3 +167,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
+    # Threads of torch's CPU kernels; None: the physical cores available (engine.cpu_threads).
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")

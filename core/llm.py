@@ -41,7 +41,8 @@ class LLM:
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
     sampling parameters; "vllm": EOS ids only; or a directory), ``skip_tokenizer_init`` (load no
     tokenizer: prompts must be token ids, outputs carry token ids and empty text, stop strings
-    and chat are refused). Unknown keywords are an error that lists them.
+    and chat are refused), ``cpu_threads`` (threads of the CPU kernels; None: the physical cores
+    available, see ``engine.cpu_threads``). Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class LLM:
         trust_remote_code: bool = False,
         generation_config: str = "auto",
         skip_tokenizer_init: bool = False,
+        cpu_threads: int | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -106,6 +108,7 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             max_logprobs=max_logprobs,
+            cpu_threads=cpu_threads,
         )
         from engine.engine import LLMEngine
 

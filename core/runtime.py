@@ -119,6 +119,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     requested = None if config.platform == "auto" else config.platform
     platform = plugins.resolve_platform(requested)
     config.platform = platform.name
+    from engine.cpu_threads import apply_cpu_threads
+
+    apply_cpu_threads(config.cpu_threads)
     problems = platform.check_config(config)
     if problems:
         raise ConfigError(

@@ -216,6 +216,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     device.add_argument("--enforce-eager", action="store_true", help="Never capture device graphs.")
     device.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Threads for the engine's CPU kernels (torch's intra-op threads). Default: "
+        "OMP_NUM_THREADS if set, else the physical cores this process may use (affinity and "
+        "cgroup quota); fewer helps when other work shares the cores.",
+    )
+    device.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -261,4 +270,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         platform=platform,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        cpu_threads=getattr(args, "cpu_threads", None),
     )

@@ -101,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return EXIT_USAGE_ERROR
+    from engine.cpu_threads import prefer_passive_openmp
+
+    prefer_passive_openmp()  # before torch is imported: see engine.cpu_threads
     try:
         from engine.cli.args import merge_model_args
 

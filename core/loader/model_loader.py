@@ -122,7 +122,13 @@ def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
     if model_config.dtype != "auto":
         return _DTYPES[model_config.dtype]
     for config in (hf_config, getattr(hf_config, "text_config", None)):
-        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        declared = getattr(config, "dtype", None)
+        if declared is None and not isinstance(
+            getattr(type(config), "torch_dtype", None), property
+        ):
+            # transformers < 4.56 has only torch_dtype; later ones alias it to dtype with a
+            # deprecation warning on every read, so it is read only where it is the field.
+            declared = getattr(config, "torch_dtype", None)
         if isinstance(declared, str):
             declared = getattr(torch, declared.replace("torch.", ""), None)
         if declared in _DTYPES.values():

@@ -167,7 +167,14 @@ def test_example_vendor_really_installed_with_pip(tmp_path) -> None:
     import importlib.util
 
     target = tmp_path / "target"
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    # Build with this environment's setuptools when it is new enough for the SPDX `license`
+    # string (PEP 639, setuptools >= 77); otherwise let pip fetch one.
+    isolation = []
+    if importlib.util.find_spec("setuptools") is not None:
+        import setuptools
+
+        if int(setuptools.__version__.split(".")[0]) >= 77:
+            isolation = ["--no-build-isolation"]
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation,
          "--target", str(target), str(EXAMPLE_VENDOR)],

@@ -38,3 +38,36 @@ def test_every_subpackage_is_listed_in_pyproject():
     missing = sorted(found - listed)
     assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {missing}"
     assert not sorted(listed - found), "pyproject.toml lists packages that do not exist"
+
+
+def _pyprojects() -> list[str]:
+    """Every pyproject.toml of the repository (not of virtual environments or build trees)."""
+    skip = {".git", ".tox", ".venv", ".venv-engine", "build", "dist", "__pycache__", ".peers"}
+    found = []
+    for here, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in skip and not d.endswith(".egg-info")]
+        if "pyproject.toml" in files:
+            found.append(os.path.join(here, "pyproject.toml"))
+    return sorted(found)
+
+
+def test_license_is_an_spdx_expression_everywhere():
+    """PEP 639: `license = "Apache-2.0"`. The TOML-table form makes setuptools warn
+    "project.license as a TOML table is deprecated" on every build of every distribution; the
+    string form needs setuptools >= 77 at build time."""
+    checked = 0
+    for path in _pyprojects():
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        license_ = data.get("project", {}).get("license")
+        if license_ is None:
+            continue
+        rel = os.path.relpath(path, ROOT)
+        assert license_ == "Apache-2.0", f"{rel}: license = {license_!r}"
+        requires = data["build-system"]["requires"]
+        assert "setuptools>=77" in requires, f"{rel}: build-system requires {requires}"
+        assert not any(
+            c.startswith("License ::") for c in data["project"].get("classifiers", [])
+        ), f"{rel}: a License classifier next to an SPDX license is an error in setuptools"
+        checked += 1
+    assert checked >= 7  # the engine, its five plugins and the example vendor plugin

@@ -143,6 +143,10 @@ class ApiServer:
                 await asyncio.to_thread(engine.stop)
             if self.state.ctx is not None:
                 self.state.ctx.close()
+            # Give back what _start_engine froze: frozen objects are never collected, not even
+            # at interpreter exit, so reference cycles among extension objects (Triton's
+            # nanobind IR attributes) would outlive their module and be reported as leaks.
+            gc.unfreeze()
             self.ready.set()
 
     def _on_started(self) -> None:

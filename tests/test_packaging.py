@@ -88,7 +88,7 @@ def test_cpu_install_pins_agree():
     links = re.search(r"^\s*--find-links (\S+)/torch/$", tox, re.M)
     assert torch_pin and triton_pin and links, "tox.ini lost its torch/triton pins or CPU index"
     torch_version, triton_version, cpu_index = torch_pin[1], triton_pin[1], links[1]
-    assert f"torch=={torch_version}; sys_platform != \"linux\"" in tox
+    assert f'torch=={torch_version}; sys_platform != "linux"' in tox
 
     script = read("examples/quickstart.sh")
     assert f"TORCH_VERSION={torch_version}\n" in script

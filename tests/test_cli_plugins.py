@@ -51,7 +51,7 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     report = json.loads(out)
     plugins = {p["name"]: p for p in report["plugins"]}
     for name in ("cpu", "cuda", "rocm", "tpu", "triton"):
-        assert plugins[name]["distribution"] == f"engine-{name}"
+        assert plugins[name]["distribution"] == f"engine-llm-{name}"
         assert plugins[name]["version"] == "0.1.0"
         assert plugins[name]["entry_point"] == f"{name} = engine_{name}.plugin"
     platforms = {p["name"]: p for p in report["platforms"]}
@@ -59,18 +59,18 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     for name in ("cuda", "rocm", "tpu"):
         assert not platforms[name]["available"] and platforms[name]["reasons"]
     backends = {b["name"]: b for b in report["attention_backends"]}
-    assert backends["torch"]["distribution"] == "engine"
-    assert backends["triton"]["distribution"] == "engine-triton"
+    assert backends["torch"]["distribution"] == "engine-llm"
+    assert backends["triton"]["distribution"] == "engine-llm-triton"
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
     assert report["auto_order"] == ["torch"]
-    # Overrides: engine-triton's (when triton is installed) target GPUs; the CPU's only
-    # override is engine-cpu's argmax.
+    # Overrides: engine-llm-triton's (when triton is installed) target GPUs; the CPU's only
+    # override is engine-llm-cpu's argmax.
     on_cpu = [
         (o["kernel"], o["provider"])
         for o in report["kernel_overrides"]
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
-    assert on_cpu == [("argmax", "engine-cpu")], report["kernel_overrides"]
+    assert on_cpu == [("argmax", "engine-llm-cpu")], report["kernel_overrides"]
 
 
 def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
@@ -112,7 +112,7 @@ def test_faulty_plugins_fail_the_cli_with_one_paragraph(
 def test_unknown_and_unavailable_platform_from_the_cli(plugin_env, capsys, monkeypatch) -> None:
     monkeypatch.setenv("ENGINE_PLUGINS", "cpu,cuda,rocm,tpu,triton")
     code, _, err = run_main(capsys, "plugins", "--platform", "cuad")
-    assert_one_paragraph_error(code, err, "Unknown platform 'cuad'", "cpu (engine-cpu), cuda")
+    assert_one_paragraph_error(code, err, "Unknown platform 'cuad'", "cpu (engine-llm-cpu), cuda")
     code, _, err = run_main(capsys, "plugins", "--platform", "tpu")
     assert_one_paragraph_error(code, err, "Platform 'tpu'", "torch_xla is not installed")
     monkeypatch.setenv("ENGINE_PLATFORM", "rocm")

@@ -17,7 +17,7 @@ def _subprocess_sees_plugin_env(plugin_env, monkeypatch):
 def test_kit_catches_a_kernel_that_differs_from_the_reference(plugin_env, pytester, monkeypatch):
     install_fixtures(plugin_env, "engine-kernel-override")
     monkeypatch.setenv("ENGINE_PLUGINS", "cpu,kerneloverride")
-    only = "kernel and silu_and_mul"  # not engine-cpu's own argmax override
+    only = "kernel and silu_and_mul"  # not engine-llm-cpu's own argmax override
     ok = pytester.runpytest_subprocess(*KIT, "--engine-conformance=cpu", "-k", only)
     ok.assert_outcomes(passed=2)  # silu_and_mul in float32 and bfloat16
     ok.stdout.fnmatch_lines(["*engine conformance: platform cpu*"])

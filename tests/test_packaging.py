@@ -100,3 +100,28 @@ def test_cpu_install_pins_agree():
     assert f"torch=={torch_version} --index-url {cpu_index}" in quickstart
     testing = " ".join(read("docs/testing.md").split())
     assert f"torch=={torch_version}+cpu" in testing and f"triton=={triton_version}" in testing
+
+
+def test_distribution_names_are_the_published_ones():
+    """`engine` on the package index is an unrelated project, so the six distributions are
+    engine-llm and engine-llm-<platform>; the import names (engine, engine_cpu, ...) and the
+    `engine` command stay. Every reference to a distribution must use the published name."""
+    from importlib import metadata
+
+    from engine.version import DISTRIBUTION_NAME, __version__
+
+    def project(rel: str) -> dict:
+        with open(os.path.join(ROOT, rel, "pyproject.toml"), "rb") as f:
+            return tomllib.load(f)["project"]
+
+    core = project(".")
+    assert core["name"] == DISTRIBUTION_NAME == "engine-llm"
+    assert core["optional-dependencies"]["cpu"] == ["engine-llm-cpu"]
+    assert core["scripts"] == {"engine": "engine.cli.main:main"}
+    for plugin in ("cpu", "cuda", "rocm", "tpu", "triton"):
+        meta = project(f"plugins/engine-{plugin}")
+        assert meta["name"] == f"engine-llm-{plugin}"
+        assert "engine-llm>=0.1,<0.2" in meta["dependencies"]
+        assert not any(d.split(">")[0].split("=")[0] == "engine" for d in meta["dependencies"])
+    assert "engine-llm>=0.1,<0.2" in project("examples/engine-example-vendor")["dependencies"]
+    assert metadata.version("engine-llm") == __version__  # what this environment installed

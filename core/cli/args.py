@@ -28,7 +28,7 @@ def add_model_arg(
     positional arguments are something else (``engine generate PROMPT...``)."""
     helptext = helptext or (
         "Hugging Face model directory, a model id in the local Hugging Face cache, or a "
-        ".gguf file. Default: the embedded Gemma 3 270M (engine[default-model])."
+        ".gguf file. Default: the embedded Gemma 3 270M (engine-llm[default-model])."
     )
     if positional:
         parser.add_argument("model", nargs="?", default=None, help=helptext)

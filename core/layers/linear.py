@@ -14,7 +14,7 @@ from engine.layers.weight_utils import check_shape, new_parameter, set_weight_lo
 
 
 def linear_op(kernels: Kernels | None):
-    """The platform's ``linear`` kernel (e.g. engine-triton's skinny GEMM for decode batches on
+    """The platform's ``linear`` kernel (e.g. engine-llm-triton's skinny GEMM for decode batches on
     GPUs), or ``F.linear`` when the layer is built without a kernel registry."""
     return F.linear if kernels is None else kernels.linear
 

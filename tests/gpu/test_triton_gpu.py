@@ -1,4 +1,4 @@
-"""engine-triton's kernels on a CUDA GPU at model-like sizes, against the torch references and
+"""engine-llm-triton's kernels on a CUDA GPU at model-like sizes, against the torch references and
 the float64 paged-attention oracle (fresh random inputs every run)."""
 
 from __future__ import annotations

@@ -82,3 +82,18 @@ def test_waits_for_health_and_names_the_real_port(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_its_virtual_environment_is_ignored_by_git():
+    """The script makes .venv-engine/ in the directory it runs from, usually the checkout."""
+    import shutil
+
+    root = SCRIPT.parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        import pytest
+
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", ".venv-engine/bin/python"], cwd=root, check=False
+    )
+    assert ignored.returncode == 0, ".venv-engine/ is not in .gitignore"

@@ -250,6 +250,9 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
 
     fake.load_config = load_config
     fake.iter_weights = iter_weights
+    fake.num_tensors = lambda path: len(
+        load_file(llama_dir / "model.safetensors")
+    )  # the bar's total
     monkeypatch.setitem(sys.modules, "engine.loader.gguf_loader", fake)
     import engine.loader
 

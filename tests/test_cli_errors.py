@@ -102,3 +102,21 @@ def test_log_level_debug_adds_the_traceback(tmp_path):
     assert "Traceback (most recent call last)" in result.stderr
     assert "ModelLoadError" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("engine: error: model path")
+
+
+def test_a_closed_pipe_is_quiet(tmp_path):
+    """`engine plugins | head -1` must not end in a BrokenPipeError traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli.main", "plugins"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.readline()
+    proc.stdout.close()  # what head does once it has its line
+    err = proc.stderr.read()
+    proc.wait(60)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -11,7 +11,8 @@ A user's mistake (a bad model path or flag value, a busy port, an unknown archit
 plugin that fails to load, a bad prompt: the exception types in ``USER_ERRORS``) is printed as
 one line on stderr, ``engine: error: <what and why; what to do>``, with exit status 2 and no
 traceback unless ``--log-level debug`` asks for it. Anything else is a bug and keeps its
-traceback. Ctrl-C exits with status 130, quietly.
+traceback. Ctrl-C exits with status 130 and a closed pipe (``engine plugins | head``) with 1,
+quietly.
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`engine plugins | head`): nothing to report. Point stdout at
+        # devnull so that the interpreter's final flush does not raise again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:
         if not is_user_error(exc):
             raise

@@ -41,6 +41,9 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    # As vLLM's: load no tokenizer (a folder with only config.json, e.g. a --load-format dummy
+    # benchmark). Prompts must then be token ids, outputs carry token ids and empty text.
+    skip_tokenizer_init: bool = False
     # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
     # only its EOS ids; or a directory to read it from (see engine.generation_config).
     generation_config: str = "auto"
@@ -92,16 +95,17 @@ class CacheConfig:
     """The paged KV cache.
 
     ``num_gpu_blocks`` overrides the size that memory profiling would choose (tests use it to
-    force preemption). On CPU ``cpu_kv_cache_gb`` is a budget (vLLM's
-    ``VLLM_CPU_KVCACHE_SPACE``): the cache takes the smaller of it and what ``max_num_seqs``
-    requests of ``max_model_len`` tokens can use.
+    force preemption). On CPU ``cpu_kv_cache_gb`` is a budget in GiB (vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE``); None picks one from the memory available (see
+    ``engine.cpu_kv_cache``), and the cache never exceeds what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens can use.
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None
-    cpu_kv_cache_gb: float = 4.0
+    cpu_kv_cache_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -112,7 +116,7 @@ class CacheConfig:
             )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ConfigError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
-        if not self.cpu_kv_cache_gb > 0:
+        if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
             raise ConfigError(f"cpu_kv_cache_gb must be > 0 (GiB), got {self.cpu_kv_cache_gb}")
 
 
@@ -311,3 +315,9 @@ class EngineConfig:
     max_logprobs: int = 20
     # Speculative decoding (None: off); see SpeculativeConfig.
     speculative: SpeculativeConfig | None = None
+    # Threads of torch's CPU kernels; None: the physical cores available (engine.cpu_threads).
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")

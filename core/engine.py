@@ -115,6 +115,28 @@ def _is_plain(params: SamplingParams) -> bool:
     )
 
 
+def _check_without_tokenizer(prompt_token_ids: list[int] | None, params: SamplingParams) -> None:
+    """What a request may not ask of an engine built with ``skip_tokenizer_init``."""
+    flag = "the engine was started with skip_tokenizer_init=True (--skip-tokenizer-init)"
+    if prompt_token_ids is None:
+        raise InvalidRequestError(
+            f"text prompts cannot be used: {flag}, so no tokenizer is loaded; pass token ids "
+            "(prompt_token_ids)",
+            "prompt",
+        )
+    if params.stop:
+        raise SamplingParamsError(
+            f"stop strings cannot be matched: {flag}, so the output is not detokenized; use "
+            "stop_token_ids",
+            "stop",
+        )
+    if params.structured_outputs is not None:
+        raise SamplingParamsError(
+            f"structured outputs need the tokenizer's vocabulary, and {flag}",
+            "structured_outputs",
+        )
+
+
 def _discarded_row() -> Any:
     from engine.sampler import SamplingRow
 
@@ -212,6 +234,8 @@ class LLMEngine:
                 raise SamplingParamsError(
                     f"{name} must be at most {self.config.max_logprobs}, got {value}", name
                 )
+        if self.tokenizer is None:
+            _check_without_tokenizer(prompt_token_ids, params)
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequestError("a request needs a prompt or prompt_token_ids", "prompt")
@@ -475,7 +499,7 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
-            if params.detokenize
+            if params.detokenize and self.tokenizer is not None
             else None
         )
         return _Sequence(
@@ -551,6 +575,8 @@ class LLMEngine:
             state.prompt_logprobs.append(entry)
 
     def _decode_logprobs(self, entry: dict[int, Logprob]) -> None:
+        if self.tokenizer is None:  # skip_tokenizer_init: decoded_token stays None (as vLLM)
+            return
         for token_id, lp in entry.items():
             if lp.decoded_token is None:
                 lp.decoded_token = self.tokenizer.decode([token_id])

@@ -42,7 +42,10 @@ class LLM:
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
     sampling parameters; "vllm": EOS ids only; or a directory), ``speculative_config`` (a dict
     of vLLM's ``--speculative-config`` keys, e.g. ``{"method": "ngram",
-    "num_speculative_tokens": 4}``). Unknown keywords are an error that lists them.
+    "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
+    token ids, outputs carry token ids and empty text, stop strings and chat are refused),
+    ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
+    ``engine.cpu_threads``). Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -66,12 +69,14 @@ class LLM:
         tensor_parallel_size: int = 1,
         served_model_name: str | list[str] | None = None,
         scheduling_policy: str = "fcfs",
-        cpu_kv_cache_gb: float = 4.0,
+        cpu_kv_cache_gb: float | None = None,
         max_logprobs: int = 20,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        skip_tokenizer_init: bool = False,
+        cpu_threads: int | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -87,6 +92,7 @@ class LLM:
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
+                skip_tokenizer_init=skip_tokenizer_init,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -111,6 +117,7 @@ class LLM:
                 if speculative_config is not None
                 else None
             ),
+            cpu_threads=cpu_threads,
         )
         from engine.engine import LLMEngine
 
@@ -132,6 +139,7 @@ class LLM:
         return self.llm_engine.config
 
     def get_tokenizer(self) -> Any:
+        """The engine's Hugging Face tokenizer (None with ``skip_tokenizer_init=True``)."""
         return self.llm_engine.tokenizer
 
     # ------------------------------------------------------------------ generate
@@ -172,6 +180,12 @@ class LLM:
         parsed = [self._parse_prompt(p) for p in prompts]
         # Validate everything first: a bad prompt in the middle must not leave work queued.
         for (text, ids), params in zip(parsed, params_list, strict=True):
+            if ids is None and engine.tokenizer is None:
+                raise InvalidRequestError(
+                    "text prompts cannot be used with skip_tokenizer_init=True (no tokenizer is "
+                    'loaded); pass token ids: {"prompt_token_ids": [...]} or a list of ints',
+                    "prompts",
+                )
             n = len(ids) if ids is not None else len(engine.tokenizer(text).input_ids)
             if n >= engine.max_model_len:
                 from engine.errors import PromptTooLongError
@@ -230,6 +244,13 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "chat() needs a tokenizer for the chat template, and this LLM was built with "
+                "skip_tokenizer_init=True; render the conversation to token ids yourself and "
+                "use generate()",
+                "messages",
+            )
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; pass "

@@ -312,62 +312,58 @@ class ModelRunner:
             self.config.scheduler.max_num_batched_tokens,
         )
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, max_model_len_fixed: bool = True) -> int:
         """How many KV-cache blocks to allocate.
 
-        ``cache.num_gpu_blocks`` wins when set. On CPU the cache takes ``cpu_kv_cache_gb``, capped
-        at what ``max_num_seqs`` max-length requests could use (``_cpu_num_blocks``). On
-        accelerators a forward pass at ``max_num_batched_tokens`` is profiled and the cache gets what remains of
-        ``total_memory * gpu_memory_utilization``. Raises ``ConfigError`` with the numbers when
-        not even one max-length request fits.
+        ``cache.num_gpu_blocks`` wins when set. On CPU, ``engine.cpu_kv_cache.plan_cpu_kv_cache``
+        decides from what ``max_num_seqs`` max-length requests can use, the
+        ``cpu_kv_cache_gb`` budget and the memory available; it may lower ``max_model_len``
+        to fit unless ``max_model_len_fixed`` (the user set it). On accelerators a forward pass
+        at ``max_num_batched_tokens`` is profiled and the cache gets what remains of
+        ``total_memory * gpu_memory_utilization``. Raises ``ConfigError`` with the numbers
+        when not even one max-length request fits.
         """
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
         per_block = self.bytes_per_block()
-        per_request = self.blocks_per_request()
         if self.device.type == "cpu":
-            return self._cpu_num_blocks(per_block, per_request)
-        return self._profile_num_blocks(per_block, per_request)
+            return self._cpu_num_blocks(per_block, max_model_len_fixed)
+        return self._profile_num_blocks(per_block, self.blocks_per_request())
 
-    def _cpu_num_blocks(self, per_block: int, per_request: int) -> int:
-        """CPU cache size: ``min(budget, need)`` blocks, where the budget is
-        ``cpu_kv_cache_gb`` and the need is what ``max_num_seqs`` requests of ``max_model_len``
-        tokens can hold at once, plus the scheduler's null block.
+    def _cpu_num_blocks(self, per_block: int, max_model_len_fixed: bool) -> int:
+        """The CPU cache size (``engine.cpu_kv_cache``), logged with the reason; applies a
+        lowered ``max_model_len`` to the config."""
+        from engine.cpu_kv_cache import available_memory, plan_cpu_kv_cache
+        from engine.kv_cache_manager import KVCacheGroupSpec, max_blocks_needed
 
-        The cache is allocated with ``torch.zeros``, so every byte of it is resident: a budget
-        the engine can never fill (a tiny model, a short ``max_model_len``, few sequences)
-        would be RAM held for nothing. Logs the size and which bound chose it.
-        """
-        cache = self.config.cache
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        budget_blocks = int(cache.cpu_kv_cache_gb * _GiB) // per_block
-        need_blocks = max_num_seqs * per_request + 1  # + the scheduler's reserved null block
-        if budget_blocks < per_request + 1:
-            raise ConfigError(
-                f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds {budget_blocks} KV "
-                f"blocks but one request of max_model_len={self.max_model_len} needs "
-                f"{per_request} ({per_request * per_block / _GiB:.2f} GiB); raise "
-                "cpu_kv_cache_gb or lower max_model_len"
-            )
-        num_blocks = min(budget_blocks, need_blocks)
-        need = (
-            f"max_num_seqs={max_num_seqs} requests of max_model_len={self.max_model_len} "
-            f"({per_request} blocks each, + 1 null block)"
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        specs = [KVCacheGroupSpec(sliding_window=w) for w in groups]
+        chunk = self.config.scheduler.max_num_batched_tokens
+        plan = plan_cpu_kv_cache(
+            bytes_per_block=per_block,
+            blocks_for_len=lambda n: max_blocks_needed(specs, self.block_size, n, chunk),
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_model_len_fixed=max_model_len_fixed,
+            budget_gib=self.config.cache.cpu_kv_cache_gb,
+            available_bytes=available_memory(),
         )
-        budget = f"the cpu_kv_cache_gb={cache.cpu_kv_cache_gb:g} budget"
-        if num_blocks == need_blocks:
-            why = f"all that {need} can use, less than {budget}"
-        else:
-            why = f"capped by {budget}; {need} could use {_human_bytes(need_blocks * per_block)}"
+        if plan.max_model_len != self.max_model_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d to fit the CPU KV cache",
+                self.max_model_len,
+                plan.max_model_len,
+            )
+            self.config.model.max_model_len = plan.max_model_len
         logger.info(
             "CPU KV cache: %d blocks of %d tokens, %s: %s",
-            num_blocks,
+            plan.num_blocks,
             self.block_size,
-            _human_bytes(num_blocks * per_block),
-            why,
+            _human_bytes(plan.num_blocks * per_block),
+            plan.reason,
         )
-        return num_blocks
+        return plan.num_blocks
 
     def _profile_num_blocks(self, per_block: int, per_request: int) -> int:
         platform = self.platform

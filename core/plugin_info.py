@@ -15,13 +15,13 @@ class PluginInfo:
     """Where a loaded plugin came from: enough to name it in any message."""
 
     name: str  # entry-point name, e.g. "cpu"; "builtin" for the core's own plugin
-    distribution: str  # e.g. "engine-cpu"
+    distribution: str  # e.g. "engine-llm-cpu"
     version: str  # the distribution's version
     value: str  # the entry point's target, e.g. "engine_cpu.plugin"
     api_version: str  # what the plugin declared in ENGINE_PLUGIN_API
 
     def describe(self) -> str:
-        """``plugin 'cpu' (entry point cpu = engine_cpu.plugin of engine-cpu 0.1.0)``."""
+        """``plugin 'cpu' (entry point cpu = engine_cpu.plugin of engine-llm-cpu 0.1.0)``."""
         return (
             f"plugin {self.name!r} (entry point {self.name} = {self.value} of distribution "
             f"{self.distribution} {self.version})"

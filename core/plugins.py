@@ -39,7 +39,13 @@ from engine.attention_backends.selector import select_attention_backend
 from engine.errors import PluginLoadError
 from engine.platforms.resolve import PlatformEntry, collect_platforms, resolve_platform
 from engine.plugin_info import PluginInfo
-from engine.version import PLUGIN_API_MAJOR, PLUGIN_API_MINOR, PLUGIN_API_VERSION, __version__
+from engine.version import (
+    DISTRIBUTION_NAME,
+    PLUGIN_API_MAJOR,
+    PLUGIN_API_MINOR,
+     PLUGIN_API_VERSION,
+    __version__,
+)
 
 if sys.version_info >= (3, 12):
     from importlib import metadata
@@ -188,7 +194,7 @@ class PluginManager:
         module = importlib.import_module(BUILTIN_PLUGIN_MODULE)
         info = PluginInfo(
             BUILTIN_PLUGIN_NAME,
-            "engine",
+            DISTRIBUTION_NAME,
             __version__,
             BUILTIN_PLUGIN_MODULE,
             str(getattr(module, "ENGINE_PLUGIN_API", PLUGIN_API_VERSION)),

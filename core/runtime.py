@@ -97,7 +97,8 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
 
 
 def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
-    """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``."""
+    """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``; the tokenizer
+    is None with ``skip_tokenizer_init``."""
     from engine import generation_config
     from engine.kv_cache_manager import KVCacheGroupSpec
     from engine.loader import load_hf_config
@@ -118,6 +119,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     requested = None if config.platform == "auto" else config.platform
     platform = plugins.resolve_platform(requested)
     config.platform = platform.name
+    from engine.cpu_threads import apply_cpu_threads
+
+    apply_cpu_threads(config.cpu_threads)
     problems = platform.check_config(config)
     if problems:
         raise ConfigError(
@@ -125,12 +129,13 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         )
 
     models = ModelRegistry.with_plugins(plugins)
+    max_model_len_given = config.model.max_model_len is not None
     hf_config = load_hf_config(config.model, models)
     config.model.max_model_len = resolve_max_model_len(config, hf_config)
     resolve_dtype(config, hf_config, platform)
     if config.model.served_model_name is None:
         config.model.served_model_name = config.model.model
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
     generation_eos, config.model.default_sampling = generation_config.resolve(
         _model_dir(config.model.model), config.model.generation_config
     )
@@ -149,7 +154,8 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
     runner.load_model()
     groups = runner.kv_cache_groups()
-    num_blocks = runner.determine_num_blocks()
+    # An unset max_model_len may be lowered to fit a CPU KV cache; a given one never is.
+    num_blocks = runner.determine_num_blocks(max_model_len_fixed=max_model_len_given)
     runner.allocate_kv_cache(num_blocks)
     runner.capture_graphs()  # decode CUDA graphs where the platform and backend allow them
     if config.scheduler.async_scheduling is None:

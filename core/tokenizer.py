@@ -40,13 +40,13 @@ def eos_token_ids(tokenizer: Any, hf_config: Any, generation_eos: Any = None) ->
     """Every token id that ends generation: the tokenizer's EOS plus the config's (Llama 3 and
     others list several; a multimodal config may give them at the top level or in its
     ``text_config``) plus ``generation_eos``, those of the model's generation config (see
-    ``engine.generation_config``)."""
+    ``engine.generation_config``). ``tokenizer`` is None with ``skip_tokenizer_init``."""
     ids: list[int] = []
     text = getattr(hf_config, "text_config", None)
     sources = (
         getattr(hf_config, "eos_token_id", None),
         getattr(text, "eos_token_id", None),
-        tokenizer.eos_token_id,
+        getattr(tokenizer, "eos_token_id", None),
         generation_eos,
     )
     for source in sources:

@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+# The distribution on the package index (`pip install engine-llm`); the import name and the
+# command are `engine`. The plugins are published as engine-llm-cpu, -cuda, -rocm, -tpu, -triton.
+DISTRIBUTION_NAME = "engine-llm"
+
 # The plugin contract's version. A plugin declares the major version it was built against
 # (``ENGINE_PLUGIN_API = "1"`` or ``"1.x"`` in its module); a different major is refused.
 #

@@ -154,13 +154,13 @@ def resolve_platform(
     if not available:
         if not entries:
             raise PlatformError(
-                "No platform is available: no loaded plugin provides one. Install engine-cpu "
+                "No platform is available: no loaded plugin provides one. Install engine-llm-cpu "
                 "(always available) or the plugin for your accelerator, and check that "
                 "ENGINE_PLUGINS, if set, names it."
             )
         details = "; ".join(f"{e.name}: {', '.join(e.unavailable_reasons())}" for e in entries)
         raise PlatformError(
-            f"No platform is available ({details}). Install engine-cpu (always available) or "
+            f"No platform is available ({details}). Install engine-llm-cpu (always available) or "
             "fix the cause reported for your accelerator's platform."
         )
     top = max(e.priority for e in available)

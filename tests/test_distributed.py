@@ -27,10 +27,10 @@ def test_each_builtin_platform_supplies_its_communicator_through_the_hook(plugin
     pm = PluginManager.from_env({})
     by_name = {e.name: e.cls for e in pm.platforms()}
     expected = {
-        "cpu": ("engine-cpu", TorchDistributedCommunicator, "gloo"),
-        "cuda": ("engine-cuda", TorchDistributedCommunicator, "nccl"),
-        "rocm": ("engine-rocm", RcclCommunicator, "nccl"),
-        "tpu": ("engine-tpu", XlaCommunicator, None),
+        "cpu": ("engine-llm-cpu", TorchDistributedCommunicator, "gloo"),
+        "cuda": ("engine-llm-cuda", TorchDistributedCommunicator, "nccl"),
+        "rocm": ("engine-llm-rocm", RcclCommunicator, "nccl"),
+        "tpu": ("engine-llm-tpu", XlaCommunicator, None),
     }
     for name, (provider, cls, backend) in expected.items():
         entry = pm.communicator_entry(by_name[name], group=None)
@@ -58,7 +58,7 @@ def test_two_plugins_answering_for_one_platform_is_an_error_naming_both(plugin_e
         pm.communicator(cpu)
     msg = str(err.value)
     assert "Two plugins supply a communicator for platform 'cpu'" in msg
-    assert "engine-cpu" in msg and "engine-extra-communicator" in msg
+    assert "engine-llm-cpu" in msg and "engine-extra-communicator" in msg
     assert "ENGINE_PLUGINS" in msg
 
 

@@ -222,7 +222,7 @@ def test_tpu_communicator_maps_onto_xm(fake_torch_xla) -> None:
 
 
 def test_a_directory_named_like_a_package_is_not_the_package(tmp_path, monkeypatch) -> None:
-    """A tests/triton/ folder on sys.path must not make engine-triton think triton is installed."""
+    """A tests/triton/ folder on sys.path must not make engine-llm-triton think triton is installed."""
     (tmp_path / "surely_not_installed_pkg").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
     assert not detect.module_available("surely_not_installed_pkg")

@@ -127,11 +127,11 @@ def test_simulated_hip_machine_detects_and_selects_rocm(simulated_hip, plugin_en
 
     pm = PluginManager.from_env({"ENGINE_PLUGINS": "cpu,cuda,rocm,triton"})
     entry = pm.resolve_platform_entry()
-    assert entry.name == "rocm" and entry.plugin.distribution == "engine-rocm"  # 100 > cpu's 0
+    assert entry.name == "rocm" and entry.plugin.distribution == "engine-llm-rocm"  # 100 > cpu's 0
     spec = AttentionSpec(dtype="bfloat16", head_size=128, num_heads=8, num_kv_heads=2)
     assert pm.select_attention_backend("auto", spec, entry.cls).name == "triton-rocm"
     comm = pm.communicator_entry(entry.cls)
-    assert comm.provider == "engine-rocm" and "RCCL" in comm.communicator.describe()
+    assert comm.provider == "engine-llm-rocm" and "RCCL" in comm.communicator.describe()
 
 
 def test_hidden_gpus_and_cuda_builds_are_refused(simulated_hip, monkeypatch) -> None:

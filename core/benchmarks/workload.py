@@ -37,7 +37,7 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         sliding_window=None,
         bos_token_id=151643,
         eos_token_id=151645,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     ),
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"],
@@ -65,7 +65,7 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         mlp_bias=False,
         bos_token_id=128000,
         eos_token_id=[128001, 128008, 128009],
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     ),
     # Mixture of experts: 48 layers of 128 experts (top-8, 768 wide), 3.3B active parameters.
     "qwen3-30b-a3b": dict(

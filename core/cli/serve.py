@@ -11,15 +11,34 @@ import argparse
 import logging
 import time
 
-from engine.cli.args import add_engine_args, add_model_arg, engine_config_from_args
+from engine.cli.args import (
+    add_engine_args,
+    add_log_level_arg,
+    add_model_arg,
+    configure_logging,
+    engine_config_from_args,
+)
 
 DEFAULT_BODY_LIMIT = 16 * 1024 * 1024
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
     return value
 
 
@@ -32,7 +51,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="Address to listen on; 0.0.0.0 for every interface (default: %(default)s).",
     )
     server.add_argument(
-        "--port", type=int, default=8000, help="Port to listen on (default: %(default)s)."
+        "--port", type=_port, default=8000, help="Port to listen on (default: %(default)s)."
     )
     server.add_argument(
         "--api-key",
@@ -142,6 +161,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATHS",
         help="Comma-separated paths whose access-log lines are dropped, e.g. /health,/metrics.",
     )
+    add_log_level_arg(logs)
     logs.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -181,19 +201,13 @@ def _read_chat_template(value: str | None) -> str | None:
     if "{" not in value and path.is_file():
         return path.read_text()
     if "{" not in value:
-        raise FileNotFoundError(f"--chat-template: no such file: {value}")
+        from engine.config import ConfigError
+
+        raise ConfigError(
+            f"--chat-template {value}: no such file; pass the path of a Jinja template file or "
+            "the template text itself"
+        )
     return value
-
-
-def configure_logging(level: str = "info") -> None:
-    """One format for engine and uvicorn lines (uvicorn's loggers propagate to the root)."""
-    import logging
-
-    logging.basicConfig(
-        level=logging.INFO if level in ("info", "trace") else getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def log_requests(args: argparse.Namespace) -> bool:
@@ -209,7 +223,7 @@ def log_requests(args: argparse.Namespace) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; return the exit status."""
     started_at = time.monotonic()
-    configure_logging(args.uvicorn_log_level)
+    configure_logging(args.log_level)
     from engine.server.app import ServerOptions
     from engine.server.launcher import ApiServer, LaunchOptions
     from engine.server.serving import ServerLimits, ServingOptions
@@ -248,6 +262,11 @@ def run_serve(args: argparse.Namespace) -> int:
         config.model.model = str(path)
         if config.model.served_model_name is None:
             config.model.served_model_name = served_name
+    else:
+        # A mistyped path fails now, in one line, rather than after the server started.
+        from engine.loader import resolve_model_path
+
+        resolve_model_path(config.model.model)
 
     def load_engine():
         from engine.engine import LLMEngine
@@ -264,4 +283,36 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         started_at=started_at,
     )
-    return ApiServer(load_engine, options, launch).run()
+    sock = _listen(args.host, args.port)
+    return ApiServer(load_engine, options, launch, sock=sock).run()
+
+
+def _listen(host: str, port: int):
+    """The server's socket, bound before the model loads; a port that cannot be taken is a
+    ``ConfigError`` that says why and what to do."""
+    import errno
+    import socket
+
+    from engine.config import ConfigError
+    from engine.server.launcher import bind_socket
+
+    try:
+        return bind_socket(host, port)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"cannot listen on --host {host}: the address does not resolve ({e.strerror}); "
+            "use an IP address of this machine, 127.0.0.1, or 0.0.0.0 for every interface"
+        ) from e
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = "another process is already listening there"
+            fix = f"stop it, or choose a free port with --port (e.g. --port {port + 1})"
+        elif e.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges)"
+            fix = "choose a port of 1024 or more with --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = "that address is not one of this machine's"
+            fix = "use an address of this machine with --host, or 0.0.0.0 for every interface"
+        else:
+            why, fix = e.strerror or str(e), "check --host and --port"
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}; {fix}") from e

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 
 def linear_op(kernels: Kernels | None) -> Callable[..., torch.Tensor]:
-    """The platform's ``linear`` kernel (e.g. engine-triton's skinny GEMM for decode batches on
+    """The platform's ``linear`` kernel (e.g. engine-llm-triton's skinny GEMM for decode batches on
     GPUs), or ``F.linear`` when the layer is built without a kernel registry."""
     return F.linear if kernels is None else kernels.linear
 

@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.loader.gguf_file import GGUFFile, GGUFLoadError
+from engine.progress import activity
 
 if TYPE_CHECKING:
     import torch
@@ -387,6 +389,12 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
+def num_tensors(path: str | os.PathLike[str]) -> int:
+    """How many tensors ``iter_weights`` yields for the file (one per tensor)."""
+    with GGUFFile(path) as f:
+        return len(f.tensors)
+
+
 def iter_weights(
     path: str | os.PathLike[str], hf_config: PretrainedConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -502,10 +510,26 @@ def load_tokenizer(
     with GGUFFile(path) as f:
         arch = f.architecture
         has_template = "tokenizer.chat_template" in f.metadata
+        tokens = f.metadata.get("tokenizer.ggml.tokens")
+    count = getattr(tokens, "length", None)  # a SkippedArray: the list is not decoded
+    if count is None and isinstance(tokens, list):
+        count = len(tokens)
+    size = f"{count:,}-token " if count else ""
+    logger.info(
+        "converting the %svocabulary of %s to a fast tokenizer (once: transformers reads the "
+        "GGUF vocabulary in Python, which takes a while for a large one; later starts load "
+        "it from %s)",
+        size,
+        path.name,
+        target,
+    )
+    start = time.perf_counter()
     try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with activity(f"Converting the tokenizer of {path.name}"):
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:  # transformers raises a variety of types for bad vocabularies
         raise GGUFLoadError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from e
+    logger.info("tokenizer converted in %.1f s", time.perf_counter() - start)
     if not has_template and arch in _CHAT_TEMPLATES:
         tok.chat_template = _CHAT_TEMPLATES[arch]
     # Write to a temporary sibling, then rename: concurrent first starts never see a half

@@ -59,7 +59,10 @@ def resolve_model_path(model: str) -> Path:
             raise ModelLoadError(f"no config.json in model directory {path}")
         return path
     if not _REPO_ID.match(model) or model.startswith("."):
-        raise ModelLoadError(f"model path {path} does not exist")
+        raise ModelLoadError(
+            f"model path {path} does not exist; pass a Hugging Face model directory (with "
+            "config.json), a model id in the local Hugging Face cache, or a .gguf file"
+        )
     from huggingface_hub import snapshot_download
 
     try:
@@ -123,7 +126,13 @@ def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
     if model_config.dtype != "auto":
         return _DTYPES[model_config.dtype]
     for config in (hf_config, getattr(hf_config, "text_config", None)):
-        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        declared = getattr(config, "dtype", None)
+        if declared is None and not isinstance(
+            getattr(type(config), "torch_dtype", None), property
+        ):
+            # transformers < 4.56 has only torch_dtype; later ones alias it to dtype with a
+            # deprecation warning on every read, so it is read only where it is the field.
+            declared = getattr(config, "torch_dtype", None)
         if isinstance(declared, str):
             declared = getattr(torch, declared.replace("torch.", ""), None)
         if declared in _DTYPES.values():
@@ -307,7 +316,9 @@ def load_model(
 
         weights = gguf_loader.iter_weights(path, hf_config, dtype)
         present: set[str] | None = None
-        progress = tqdm(desc="Loading GGUF weights", unit="tensor")
+        progress = tqdm(
+            total=gguf_loader.num_tensors(path), desc="Loading GGUF weights", unit="tensor"
+        )
         weights = _counting(weights, progress)
     else:
         files = safetensors_files(path)

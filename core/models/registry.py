@@ -63,7 +63,8 @@ class ModelRegistry:
                 return name, self._load(name)
         raise ModelLoadError(
             f"unsupported model architecture {', '.join(names) or '(none in config.json)'}; "
-            f"supported architectures: {', '.join(self.supported())}"
+            f"supported architectures: {', '.join(self.supported())}. Use a model of one of "
+            "these, or install a plugin that adds it (`engine plugins` lists the installed ones)"
         )
 
     def _load(self, name: str) -> type:

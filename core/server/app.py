@@ -199,6 +199,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         """The text of token ids."""
         ctx = state.require_ctx()
         ctx.check_model(body.model)
+        ctx.require_tokenizer("/detokenize", "tokens")
         ctx.check_token_ids(body.tokens, "tokens", needs_row=False)
         return DetokenizeResponse(prompt=ctx.decode(body.tokens))
 

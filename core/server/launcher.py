@@ -143,6 +143,10 @@ class ApiServer:
                 await asyncio.to_thread(engine.stop)
             if self.state.ctx is not None:
                 self.state.ctx.close()
+            # Give back what _start_engine froze: frozen objects are never collected, not even
+            # at interpreter exit, so reference cycles among extension objects (Triton's
+            # nanobind IR attributes) would outlive their module and be reported as leaks.
+            gc.unfreeze()
             self.ready.set()
 
     def _on_started(self) -> None:
@@ -153,7 +157,8 @@ class ApiServer:
         try:
             engine = self.engine_factory()
         except BaseException as e:  # noqa: BLE001 - re-raised by run() once uvicorn stopped
-            logger.error("failed to load the engine: %s", e)
+            # run() re-raises it for the caller (the CLI prints it once, as one line).
+            logger.info("the engine failed to load; stopping the server")
             self.state.startup_error = e
             self.exit_code = 1
             self._server.should_exit = True

@@ -77,7 +77,7 @@ class ServingContext:
         engine = async_engine.engine
         self.async_engine = async_engine
         self.options = options
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer  # None with --skip-tokenizer-init
         model_config = engine.config.model
         self.max_model_len: int = int(model_config.max_model_len)
         # Defaults from the model's generation_config.json for fields a request leaves unset.
@@ -131,17 +131,31 @@ class ServingContext:
             return self._encode(text, add_special_tokens)
         return await self.run_tokenizer(self._encode, text, add_special_tokens)
 
+    def require_tokenizer(self, what: str, param: str | None = "prompt") -> None:
+        """400 when the server runs without a tokenizer (``--skip-tokenizer-init``)."""
+        if self.tokenizer is None:
+            raise bad_request(
+                f"{what} needs a tokenizer, and this server was started with "
+                "--skip-tokenizer-init: send prompts as token ids to /v1/completions",
+                param,
+            )
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.require_tokenizer("a text prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids``; empty without a tokenizer (``--skip-tokenizer-init``),
+        as the engine's outputs are."""
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (cached: the vocabulary bounds the cache)."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            text = self.decode([token_id])
             self._token_text[token_id] = text
         return text
 
@@ -191,6 +205,7 @@ class ServingContext:
         """Apply the chat template (``engine.server.chat_template``): the request's when it
         brings one and the server trusts it, else the server's or the tokenizer's. A 400 when
         there is none, it fails, a message has no content, or it drops a message's role."""
+        self.require_tokenizer("/v1/chat/completions (its chat template)", "messages")
         if continue_final_message and add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",

@@ -24,6 +24,9 @@ elapsed() { echo $(($(date +%s) - T0)); }
 left() { echo $((DEADLINE - $(elapsed))); }
 JSONS=()
 
+# The pyproject files use PEP 639's SPDX `license = "..."`, which needs setuptools >= 77 to build.
+python3 -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
+  || { echo "INSTALL FAILED: setuptools >= 77 needed (pip install 'setuptools>=77')"; exit 1; }
 python3 -m pip install -q --no-deps --no-build-isolation --no-index \
   -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
   || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }

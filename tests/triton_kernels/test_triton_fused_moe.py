@@ -199,7 +199,7 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch):
         triton_kernels, "register", lambda registry: register(registry, platforms=("cpu",))
     )
     got, provider = generate()
-    assert provider == "engine-triton"
+    assert provider == "engine-llm-triton"
     assert got == expected
     assert calls["decode"] > 0 and calls["grouped"] > 0, calls
 

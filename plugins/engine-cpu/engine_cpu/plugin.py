@@ -1,4 +1,4 @@
-"""Entry point of engine-cpu (``[project.entry-points.engine] cpu = "engine_cpu.plugin"``).
+"""Entry point of engine-llm-cpu (``[project.entry-points.engine] cpu = "engine_cpu.plugin"``).
 
 Kept import-light: the platform class module imports neither torch nor psutil at top level.
 """

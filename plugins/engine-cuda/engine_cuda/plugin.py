@@ -1,4 +1,4 @@
-"""Entry point of engine-cuda (``cuda = "engine_cuda.plugin"``). Import-light: no torch."""
+"""Entry point of engine-llm-cuda (``cuda = "engine_cuda.plugin"``). Import-light: no torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Entry point of engine-rocm (``rocm = "engine_rocm.plugin"``). Import-light: no torch."""
+"""Entry point of engine-llm-rocm (``rocm = "engine_rocm.plugin"``). Import-light: no torch."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ class TpuPlatform(Platform):
     def unavailable_reasons(cls) -> list[str]:
         reasons = []
         if not module_available("torch_xla"):
-            reasons.append("torch_xla is not installed (pip install engine-tpu[tpu])")
+            reasons.append("torch_xla is not installed (pip install engine-llm-tpu[tpu])")
         pjrt = os.environ.get("PJRT_DEVICE", "").strip()
         if pjrt:
             if pjrt.upper() not in _PJRT_DEVICES:

@@ -1,4 +1,4 @@
-"""Entry point of engine-tpu (``tpu = "engine_tpu.plugin"``). Import-light: no torch_xla."""
+"""Entry point of engine-llm-tpu (``tpu = "engine_tpu.plugin"``). Import-light: no torch_xla."""
 
 from __future__ import annotations
 

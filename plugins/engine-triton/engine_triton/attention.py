@@ -1,4 +1,4 @@
-"""The ``triton`` attention backend: paged attention through engine-triton's kernels.
+"""The ``triton`` attention backend: paged attention through engine-llm-triton's kernels.
 
 It keeps the default KV-cache layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``
 and the reference's slot convention, so a cache written by the reference ``write_kv_cache`` is

@@ -1,4 +1,4 @@
-"""Microbenchmark of engine-triton's paged attention on a GPU: launch-configuration sweeps.
+"""Microbenchmark of engine-llm-triton's paged attention on a GPU: launch-configuration sweeps.
 
 ``python -m engine_triton.benchmark [--json FILE]`` times the decode kernel (with the fused
 cache append, as the backend runs it) over a grid of tile lengths, warps and pipeline depths on

@@ -1,4 +1,4 @@
-"""engine-triton's kernels: Triton implementations of the named ops and of paged attention.
+"""engine-llm-triton's kernels: Triton implementations of the named ops and of paged attention.
 
 ``register(registry)`` is called from the plugin's ``engine_kernels`` hook. It overrides every
 named op for the GPU platforms (``cuda``, ``rocm``) at priority 10. Tests that run the engine
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 patch_if_interpreting()
 
-PROVIDER = "engine-triton"
+PROVIDER = "engine-llm-triton"
 PRIORITY = 10
 GPU_PLATFORMS = ("cuda", "rocm")
 

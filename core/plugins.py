@@ -43,7 +43,7 @@ from engine.version import (
     DISTRIBUTION_NAME,
     PLUGIN_API_MAJOR,
     PLUGIN_API_MINOR,
-     PLUGIN_API_VERSION,
+    PLUGIN_API_VERSION,
     __version__,
 )
 

@@ -76,7 +76,9 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert on_cpu == [("argmax", "engine-llm-cpu")], report["kernel_overrides"]
     comms = {c["platform"]: c for c in report["communicators"]}
     assert comms["cpu"]["provider"] == "engine-llm-cpu" and "gloo" in comms["cpu"]["communicator"]
-    assert comms["rocm"]["provider"] == "engine-llm-rocm" and "RCCL" in comms["rocm"]["communicator"]
+    assert (
+        comms["rocm"]["provider"] == "engine-llm-rocm" and "RCCL" in comms["rocm"]["communicator"]
+    )
     assert comms["tpu"]["communicator"].startswith("torch_xla xm collectives")
     suites = [s["name"] for s in report["conformance_suites"]]
     assert suites == ["platform", "communicator", "backend", "kernel"]

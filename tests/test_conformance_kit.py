@@ -60,7 +60,7 @@ def test_the_kit_is_a_pytest11_entry_point_of_the_engine_distribution() -> None:
         for ep in dist.entry_points
         if ep.group == "pytest11" and ep.value == "engine.testing.conformance"
     }
-    assert installed == {("engine-conformance", "engine")}
+    assert installed == {("engine-conformance", "engine-llm")}
 
 
 def test_kit_catches_a_kernel_that_differs_from_the_reference(plugin_env, pytester, monkeypatch):

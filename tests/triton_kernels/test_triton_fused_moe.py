@@ -193,7 +193,7 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch):
         )
 
     expected, provider = generate()
-    assert provider == "engine (torch reference)"
+    assert provider == "engine-llm (torch reference)"
     register = triton_kernels.register
     monkeypatch.setattr(
         triton_kernels, "register", lambda registry: register(registry, platforms=("cpu",))

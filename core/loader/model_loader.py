@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.layers.linear import process_weights_after_loading
 from engine.layers.weight_utils import ModelLoadError
+from engine.loader.lazy_tensor import LazySafetensor, ReadStats
 from engine.models.context import ModelContext
 from engine.models.registry import ModelRegistry
 from engine.parallel import SINGLE_PROCESS, ParallelContext
@@ -170,10 +171,19 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def iter_safetensors(
-    files: list[Path], progress: Any = None, names: set[str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one tensor at a time (memory-mapped, CPU); with ``names``, only
-    those tensors (the others' data is never read)."""
+    files: list[Path],
+    progress: Any = None,
+    names: set[str] | None = None,
+    stats: ReadStats | None = None,
+) -> Iterator[tuple[str, LazySafetensor]]:
+    """Yield ``(name, lazy tensor)`` one tensor at a time; with ``names``, only those tensors.
+
+    Each ``LazySafetensor`` has a ``shape`` and ``narrow`` and reads its data (from the
+    memory-mapped file) only when materialised, so a tensor-parallel rank that narrows to its
+    shard reads about ``1 / tp`` of the checkpoint, and a pipeline stage never reads the layers
+    it does not hold. Consume each tensor before asking for the next (the file closes after its
+    last tensor). ``stats`` counts the bytes offered and read.
+    """
     from safetensors import safe_open
 
     for file in files:
@@ -181,7 +191,7 @@ def iter_safetensors(
             for name in f.keys():
                 if names is not None and name not in names:
                     continue
-                yield name, f.get_tensor(name)
+                yield name, LazySafetensor(f.get_slice(name), stats)
                 if progress is not None:
                     progress.update(1)
 
@@ -259,13 +269,16 @@ def load_model(
     *,
     parallel: ParallelContext | None = None,
     quant_config: QuantizationConfig | None = None,
+    stats: ReadStats | None = None,
 ) -> nn.Module:
     """Build the model for ``model_config`` on ``device`` and load its weights.
 
     Reads the config first when ``model_config.hf_config`` is unset. ``parallel`` says which
-    tensor-parallel shard this process builds (default: all of it); ``quant_config`` picks the
+    tensor-parallel shard and pipeline stage this process builds (default: all of it); each
+    checkpoint tensor is read only in the part this process holds. ``quant_config`` picks the
     linear layers' quantization methods. Every linear layer's method gets its post-loading pass
-    (``process_weights_after_loading``). Returns the model in eval mode with frozen parameters.
+    (``process_weights_after_loading``). ``stats`` counts the checkpoint bytes offered and read.
+    Returns the model in eval mode with frozen parameters.
     """
     from tqdm.auto import tqdm
 
@@ -300,7 +313,7 @@ def load_model(
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
 
-        weights = gguf_loader.iter_weights(path, hf_config, dtype)
+        weights = gguf_loader.iter_weights(path, hf_config, dtype, stats=stats)
         present: set[str] | None = None
         progress = tqdm(desc="Loading GGUF weights", unit="tensor")
         weights = _counting(weights, progress)
@@ -314,7 +327,7 @@ def load_model(
             desc=f"Loading {len(files)} safetensors shard(s)",
             unit="tensor",
         )
-        weights = iter_safetensors(files, progress, names=set(shapes))
+        weights = iter_safetensors(files, progress, names=set(shapes), stats=stats)
     with torch.device(device):
         model = model_cls(ctx)
     try:

@@ -91,8 +91,13 @@ class DecodeGraphs:
         max_num_seqs: int,
         device: torch.device,
         feedback: torch.Tensor,
+        capture_error_mode: str = "global",
     ) -> None:
+        """``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"`` when the
+        captured forward runs collectives (tensor parallelism), so that the process group's
+        watchdog thread may keep querying its CUDA events while a graph is being captured."""
         self.model = model
+        self.capture_error_mode = capture_error_mode
         self.feedback = feedback
         self.num_groups = num_groups
         self.block_size = block_size
@@ -177,7 +182,12 @@ class DecodeGraphs:
             for n in reversed(self.sizes):
                 self._forward(n)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                with torch.cuda.graph(
+                    graph,
+                    pool=self._pool,
+                    stream=stream,
+                    capture_error_mode=self.capture_error_mode,
+                ):
                     self._outputs[n] = self._forward(n)
                 self._graphs[n] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -25,6 +25,13 @@ N+1 before step N's sampled tokens reach the host. ``schedule()`` then advances
 ``num_computed_tokens`` itself and appends a ``PLACEHOLDER_TOKEN`` for every token the step will
 sample; ``update_from_output`` later writes the real token over it. A request whose placeholders
 already reach ``max_tokens`` is not scheduled again: it finishes when its last token arrives.
+
+**Pipeline parallelism** (``pipeline_parallel_size > 1``) keeps one micro-batch per stage in
+flight, on asynchronous scheduling's accounting. A decode whose input is a placeholder is not
+scheduled (the first stage would need the token before the last stage has sampled it): each
+request is in at most one micro-batch in flight (a prompt's later chunks may follow its earlier
+ones: their tokens are known and every stage runs the micro-batches in order). Running requests
+are spread over the micro-batches, about ``len(running) / pipeline_parallel_size`` each.
 """
 
 from __future__ import annotations
@@ -135,6 +142,8 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         kv_groups: list[KVCacheGroupSpec],
+        *,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -158,6 +167,8 @@ class Scheduler:
         self._seq: dict[str, int] = {}  # admission order, the last tie-break
         self._counter = itertools.count()
         self._no_prefix_hit: set[str] = set()
+        # Pipeline parallelism: one micro-batch per stage in flight (see the module docstring).
+        self._pp = max(1, pipeline_parallel_size)
         self.num_preemptions = 0
         self.num_rejected = 0
 
@@ -281,6 +292,10 @@ class Scheduler:
         prefills: list[ScheduledRequest] = []
         preempted: list[str] = []
         continuing: list[Request] = []
+        running_budget = seq_budget
+        if self._pp > 1:
+            # About 1/pp of the running requests per micro-batch, so each stage gets work.
+            running_budget = min(seq_budget, -(-len(self.running) // self._pp))
 
         # 1. Decodes: running requests with exactly one token to compute. This loop is the hot
         # path of a busy engine: keep it to a few attribute reads per request.
@@ -291,15 +306,16 @@ class Scheduler:
                 if n > 1:
                     continuing.append(request)
                 continue
-            if token_budget <= 0 or seq_budget <= 0:
+            if token_budget <= 0 or seq_budget <= 0 or running_budget <= 0:
                 break
             if preempted and request.status is not _RUNNING:
                 continue  # preempted earlier in this pass
-            if (
-                request.num_output_placeholders
-                and len(request.output_token_ids) >= request.max_tokens
+            if request.num_output_placeholders and (
+                self._pp > 1 or len(request.output_token_ids) >= request.max_tokens
             ):
-                continue  # its last token is still in flight (asynchronous scheduling)
+                # Its last token is still in flight (asynchronous scheduling): with pipeline
+                # stages it cannot be fed back on the device in time, so the request waits.
+                continue
             tables = allocate(request, 1)
             if tables is None:
                 tables, tokens_back, seqs_back = self._preempt_until_fits(
@@ -316,10 +332,11 @@ class Scheduler:
                 prefills.append(entry)
             token_budget -= 1
             seq_budget -= 1
+            running_budget -= 1
 
         # 2. Continuing prefills (chunks of long prompts, recomputation after preemption).
         for request in continuing:
-            if token_budget <= 0 or seq_budget <= 0:
+            if token_budget <= 0 or seq_budget <= 0 or running_budget <= 0:
                 break
             if request.status is not _RUNNING:
                 continue
@@ -338,6 +355,7 @@ class Scheduler:
             prefills.append(ScheduledRequest(request, start, n, tables, start + n == num_tokens))
             token_budget -= n
             seq_budget -= 1
+            running_budget -= 1
 
         # 3. New (or preempted) waiting requests, unless this step had to preempt.
         if not preempted and self.waiting:

@@ -1,9 +1,10 @@
 """Tensor and pipeline parallelism end to end on the CPU: gloo, one worker process per rank.
 
-Each layout (TP=2, PP=2, and TP=2 x PP=2 on Llama) runs a batch of mixed-length prompts with
-chunked prefill, prefix-cache hits and preemption, and must give the greedy tokens of the same
-model on one process (float32), with logprobs close to them; every rank of the last stage
-samples the same tokens; no KV block leaks. The models: tiny random Llama (4 heads, 2 KV
+Each layout (TP=2 with asynchronous scheduling, PP=2 with a micro-batch per stage in flight,
+and TP=2 x PP=2 on Llama) runs a batch of mixed-length prompts with chunked prefill,
+prefix-cache hits and preemption, and must give the greedy tokens of the same model on one
+process (float32), with logprobs close to them; every rank of the last stage samples the same
+tokens; no KV block leaks. The models: tiny random Llama (4 heads, 2 KV
 heads), Qwen3 (q/k norms) and Gemma 3 (2 heads, 1 KV head: replicated over the ranks; sliding
 and global layers split over the stages; tied embeddings on a last stage without the
 embedding). Engines are module-scoped: starting worker processes is the slow part.
@@ -28,8 +29,9 @@ ENGINE_KW = dict(
     enable_prefix_caching=True,
 )
 LAYOUTS = {
-    "tp2": dict(tensor_parallel_size=2),
-    "pp2": dict(pipeline_parallel_size=2),
+    # One step ahead: each rank feeds its own sampled tokens back on its device.
+    "tp2": dict(tensor_parallel_size=2, async_scheduling=True),
+    "pp2": dict(pipeline_parallel_size=2),  # asynchronous by default: a micro-batch per stage
 }
 NUM_NEW = 12
 
@@ -69,8 +71,19 @@ def reference(request, tmp_path_factory):
 def run_and_compare(llm: LLM, kind: str, prompts, expected) -> None:
     engine = llm.llm_engine
     engine.runner.collective_rpc("record_samples", True)
+    in_flight: list[int] = []
+    step = engine.step
+
+    def recording_step():
+        out = step()
+        in_flight.append(len(engine._in_flight))
+        return out
+
+    engine.step = recording_step
     first, second = prompts
     got = [greedy(llm, first), greedy(llm, second), greedy(llm, first[:3], logprobs=3)]
+    # Pipeline stages had one micro-batch each in flight; otherwise one step ahead.
+    assert max(in_flight) == llm.config.parallel.pipeline_parallel_size
     for batch, want in zip(got, expected, strict=True):
         for out, ref in zip(batch, want, strict=True):
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids, out.request_id

@@ -110,6 +110,11 @@ class DriverChannels:
 
     early_error: Any = None
 
+    @property
+    def context(self) -> zmq.Context:
+        """The ZMQ context (thread-safe: another thread makes its own sockets from it)."""
+        return self._ctx
+
     def broadcast(self, tag: bytes, payload: bytes = b"") -> None:
         self._pub.send_multipart((tag, payload), copy=False)
 

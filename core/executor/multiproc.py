@@ -121,12 +121,9 @@ class MultiprocExecutor(RemoteExecutor):
 
     name = "mp"
 
-    def _rendezvous(self) -> str:
-        return f"tcp://127.0.0.1:{_free_port()}"
-
-    def _placement(self) -> list[tuple[int, int]]:
+    def _prepare_workers(self) -> tuple[str, list[tuple[int, int]]]:
         n = self.world_size
-        return [(rank, n) for rank in range(n)]
+        return f"tcp://127.0.0.1:{_free_port()}", [(rank, n) for rank in range(n)]
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
         self._processes: list[subprocess.Popen] = []
@@ -182,27 +179,14 @@ class MultiprocExecutor(RemoteExecutor):
                 self._worker_died(
                     f"worker rank {rank} (pid {process.pid}) {describe_exit(returncode)}"
                 )
-                self._wake_engine()
             if self._failure is not None:
                 self._kill_all()  # the replica is broken: no rank must hang in a collective
+                for process in self._processes:
+                    _wait(process, 5.0)  # reap them: no zombie is left either
                 break
         # PR_SET_PDEATHSIG is tied to this thread: it stays until shutdown has stopped the
         # workers (shutdown writes to the stop pipe after joining them).
         multiprocessing.connection.wait([self._stop_r])
-
-    def _wake_engine(self) -> None:
-        """Push the failure into the engine's reply socket, so a waiting engine wakes now."""
-        from engine.executor import messaging
-
-        if self._closed:
-            return
-        try:
-            sender = messaging.ReplySender(self.channels._ctx, self.channels.reply_address)
-            failure = self._failure
-            sender.send(messaging.ERROR, messaging.dumps((-1, None, str(failure), None, "")))
-            sender.close()
-        except Exception:  # noqa: BLE001 - the engine also polls check_health
-            pass
 
     def _kill_all(self, sig: int = signal.SIGKILL) -> None:
         for process in self._processes:

@@ -103,12 +103,10 @@ class RemoteExecutor(Executor):
     def _channel_host(self) -> str | None:
         return None
 
-    def _rendezvous(self) -> str:
-        """``tcp://host:port`` where rank 0 hosts torch.distributed's rendezvous."""
-        raise NotImplementedError
-
-    def _placement(self) -> list[tuple[int, int]]:
-        """``(local_rank, local_world_size)`` of each rank."""
+    def _prepare_workers(self) -> tuple[str, list[tuple[int, int]]]:
+        """Where the workers go: the ``tcp://host:port`` at which rank 0 hosts
+        torch.distributed's rendezvous, and each rank's ``(device index, workers on its
+        host)``."""
         raise NotImplementedError
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
@@ -121,7 +119,7 @@ class RemoteExecutor(Executor):
     def _worker_specs(self) -> list[WorkerSpec]:
         from engine.attention_backends.registry import qualified_name
 
-        init = self._rendezvous()
+        init, placement = self._prepare_workers()
         backend = qualified_name(self.attn_backend_cls)
         return [
             WorkerSpec(
@@ -134,7 +132,7 @@ class RemoteExecutor(Executor):
                 step_address=self.channels.step_address,
                 reply_address=self.channels.reply_address,
             )
-            for rank, (local_rank, local_world) in enumerate(self._placement())
+            for rank, (local_rank, local_world) in enumerate(placement)
         ]
 
     def _check_early(self) -> None:
@@ -246,10 +244,17 @@ class RemoteExecutor(Executor):
         raise error
 
     def _worker_died(self, message: str) -> None:
-        """A subclass's monitor saw a worker go (not during shutdown)."""
+        """A subclass's monitor saw a worker go (not during shutdown): fail, and push the
+        failure into the engine's reply socket so that a waiting engine wakes now."""
         if self._closed:
             return
         self._fail(WorkerFailedError(message))
+        try:
+            sender = messaging.ReplySender(self.channels.context, self.channels.reply_address)
+            sender.send(messaging.ERROR, messaging.dumps((-1, None, message, None, "")))
+            sender.close()
+        except Exception:  # noqa: BLE001 - the engine also checks its health every second
+            pass
 
     def _fail(self, error: WorkerFailedError) -> None:
         with self._failure_lock:

@@ -6,7 +6,7 @@ each live request and the engine sends, per step, msgspec-encoded:
 
 * a new request's prompt, once; then per scheduled request the tokens the workers do not have
   yet (a decode sends one; a token still being sampled is sent as ``PLACEHOLDER_TOKEN`` and
-  sent again once known);
+  sent again once known), so a worker's mirror of a request is the engine's;
 * block tables as deltas: the entries from the first one the workers may hold differently
   (new blocks at the end, a copy-on-write replacement of the block being written);
 * sampling parameters once per request (pickled, they are rare), generators as handles
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pickle
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +117,9 @@ class StepEncoder:
         self._step_id = 0
         self._handles: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._next_handle = 0
-        self._freed: list[int] = []
+        # Handles of generators the engine dropped; filled by weakref finalizers, which may
+        # run on any thread (deque appends and pops are atomic).
+        self._freed: deque[int] = deque()
         self._eos: Any = None  # the engine's EOS list object last sent
 
     @property
@@ -167,7 +170,7 @@ class StepEncoder:
         finished = [rid for rid, m in sent.items() if m.request.status.is_finished]
         for rid in finished:
             del sent[rid]
-        freed, self._freed = self._freed, []
+        freed = [self._freed.popleft() for _ in range(len(self._freed))]
         step = Step(
             step_id=self._step_id,
             num_batched_tokens=sched_out.num_batched_tokens,
@@ -184,15 +187,14 @@ class StepEncoder:
 
     def _entry(self, sr: ScheduledRequest, m: _Sent) -> Entry:
         request = sr.request
-        end = sr.start + sr.num_new_tokens
         num_prompt = len(request.prompt_token_ids)
         offset = m.synced
-        tokens: list[int] = []
-        if end > offset:
-            tokens = request.output_token_ids[offset - num_prompt : end - num_prompt]
-            m.synced = end
-            if PLACEHOLDER_TOKEN in tokens:  # still on the device: send it again once known
-                m.synced = offset + tokens.index(PLACEHOLDER_TOKEN)
+        # Every token the engine has (so the mirror is the engine's request), each sent once;
+        # usually the one sampled last.
+        tokens = request.output_token_ids[offset - num_prompt :]
+        m.synced = offset + len(tokens)
+        if PLACEHOLDER_TOKEN in tokens:  # still on the device: send it again once known
+            m.synced = offset + tokens.index(PLACEHOLDER_TOKEN)
         table_offsets, tables = [], []
         first_written = sr.start // self.block_size
         for g, table in enumerate(sr.block_ids):

@@ -67,6 +67,7 @@ class Worker:
         self.parallel: ParallelContext | None = None
         self.runner: ModelRunner | None = None
         self._digest: Any = None
+        self._fail_next_step = False
 
     # ---- start-up -------------------------------------------------------------------------
     def init_device(self) -> dict[str, Any]:
@@ -187,11 +188,9 @@ class Worker:
     def ping(self) -> int:
         return self.rank
 
-    def crash(self, how: str = "exception") -> None:
-        """Fail on purpose (tests of the failure paths): ``exception`` raises, ``exit`` exits."""
-        if how == "exit":
-            os._exit(3)
-        raise RuntimeError(f"worker rank {self.rank} was asked to crash")
+    def inject_step_failure(self) -> None:
+        """Make the next step raise on this rank (tests of the failure path)."""
+        self._fail_next_step = True
 
     @property
     def _runner(self) -> ModelRunner:
@@ -202,6 +201,8 @@ class Worker:
     # ---- steps ----------------------------------------------------------------------------
     def execute(self, decoder: StepDecoder, message: memoryview | bytes) -> tuple[int, Any]:
         """Run one step message; returns ``(step_id, PendingStep)``."""
+        if self._fail_next_step:
+            raise RuntimeError(f"a failure injected into rank {self.rank}'s step")
         step = decoder.decode(message)
         pending = self._runner.execute_async(
             step.sched_out, step.sampling_rows, step.prompt_logprobs

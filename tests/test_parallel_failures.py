@@ -263,3 +263,20 @@ def test_uni_executor_with_several_ranks_is_refused():
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ConfigError, match="choose one of uni, mp, ray"):
         ParallelConfig(distributed_executor_backend="threads")
+
+
+def test_ray_backend_without_ray_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from engine.config import EngineConfig, ModelConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    config = EngineConfig(
+        model=ModelConfig(model=None),
+        parallel=ParallelConfig(2, 1, distributed_executor_backend="ray"),
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'engine\[ray\]'"):
+        check_parallel_config(config, tiny_config("llama"), FakeGpuPlatform)

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds the workers get to start (import torch, load plugins) and connect.
 START_TIMEOUT_S = 300.0
+# Seconds a rank's error waits for news of another rank's death, its likely cause.
+_CAUSE_GRACE_S = 0.3
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -238,9 +240,17 @@ class RemoteExecutor(Executor):
             self._fail(WorkerFailedError(f"worker rank {rank} failed in {where}: {exc}"))
             raise exc
         detail = f"{exc!r}" if exc is not None else text.strip().splitlines()[-1]
-        error = WorkerFailedError(f"worker rank {rank} failed in {where}: {detail}")
-        self._fail(error)
+        message = f"worker rank {rank} failed in {where}: {detail}"
         logger.error("worker rank %d failed in %s:\n%s", rank, where, text)
+        # A rank whose peer died fails in its next collective, often before the monitor has
+        # reported the death: give the death a moment to arrive, and name it as the cause.
+        deadline = time.monotonic() + _CAUSE_GRACE_S
+        while self._failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._failure is not None and f"rank {rank} " not in str(self._failure):
+            raise WorkerFailedError(f"{self._failure} (then {message})")
+        error = WorkerFailedError(message)
+        self._fail(error)
         raise error
 
     def _worker_died(self, message: str) -> None:

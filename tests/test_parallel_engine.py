@@ -127,5 +127,18 @@ def test_tp2_x_pp2_on_four_processes(reference):
         assert [(i["tp_rank"], i["pp_rank"]) for i in info] == [(0, 0), (1, 0), (0, 1), (1, 1)]
         assert [i["num_attention_layers"] for i in info] == [1, 1, 1, 1]  # 2 layers, 2 stages
         run_and_compare(llm, kind, prompts, expected)
+        # The benchmarks' collective timing: all-reduces in every TP group, the stage
+        # boundary as one send (stage 0) and one recv (stage 1) per step.
+        executor = llm.llm_engine.runner
+        executor.collective_rpc("time_collectives", True)
+        greedy(llm, prompts[0][:2])
+        stats = executor.collective_rpc("collective_stats")
+        executor.collective_rpc("time_collectives", False)
+        for rank, s in enumerate(stats):
+            assert s["all_reduce"]["calls"] > 0 and s["step_seconds"] > 0
+            assert ("send" in s) == (rank < 2) and ("recv" in s) == (rank >= 2)
+        sends = [s["send"]["calls"] for s in stats[:2]]
+        recvs = [s["recv"]["calls"] for s in stats[2:]]
+        assert sends == recvs and sends[0] >= NUM_NEW  # one per step, paired across stages
     finally:
         llm.llm_engine.shutdown()

@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,8 @@ class Worker:
         self.runner: ModelRunner | None = None
         self._digest: Any = None
         self._fail_next_step = False
+        self._timer: CollectiveTimer | None = None
+        self._step_seconds = 0.0
 
     # ---- start-up -------------------------------------------------------------------------
     def init_device(self) -> dict[str, Any]:
@@ -188,6 +191,25 @@ class Worker:
     def ping(self) -> int:
         return self.rank
 
+    def time_collectives(self, enable: bool = True) -> None:
+        """Start (or stop) timing this rank's collectives (benchmarks: see
+        ``collective_stats``). On the CPU the calls block, so their wall time is the time;
+        on a GPU each call is bracketed by CUDA events (eager steps only: a replayed graph
+        runs no Python)."""
+        if self._timer is not None:
+            self._timer.uninstall()
+            self._timer = None
+        if enable and self.parallel is not None:
+            self._timer = CollectiveTimer(self.device)
+            self._timer.install(self.parallel.tp, self.parallel.pp)
+
+    def collective_stats(self) -> dict[str, Any]:
+        """``{op: {"calls": n, "seconds": s}}`` since ``time_collectives`` (or the last call),
+        and ``"step_seconds"``: this rank's wall time in steps (launch to results)."""
+        stats = self._timer.take() if self._timer is not None else {}
+        stats["step_seconds"], self._step_seconds = self._step_seconds, 0.0
+        return stats
+
     def inject_step_failure(self) -> None:
         """Make the next step raise on this rank (tests of the failure path)."""
         self._fail_next_step = True
@@ -203,16 +225,81 @@ class Worker:
         """Run one step message; returns ``(step_id, PendingStep)``."""
         if self._fail_next_step:
             raise RuntimeError(f"a failure injected into rank {self.rank}'s step")
+        start = time.perf_counter() if self._timer is not None else 0.0
         step = decoder.decode(message)
         pending = self._runner.execute_async(
             step.sched_out, step.sampling_rows, step.prompt_logprobs
         )
         decoder.after_step(step)
+        if self._timer is not None:
+            self._runner.collect(pending)  # timing waits for the step (benchmarks only)
+            self._step_seconds += time.perf_counter() - start
         if self._digest is not None and self.parallel is not None and self.parallel.is_last_stage:
             out = self._runner.collect(pending)
             for rid in sorted(out.sampled):
                 self._digest.update(f"{rid}:{out.sampled[rid]};".encode())
         return step.step_id, pending
+
+
+class CollectiveTimer:
+    """Times the collectives of some communicators by wrapping their methods in place (every
+    layer holding the communicator sees the wrapper); ``uninstall`` restores them."""
+
+    OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+
+    def __init__(self, device: Any) -> None:
+        self.cuda = getattr(device, "type", "cpu") == "cuda"
+        self._installed: list[tuple[Any, str]] = []
+        self._seconds: dict[str, float] = {}
+        self._calls: dict[str, int] = {}
+        self._events: list[tuple[str, Any, Any]] = []
+
+    def install(self, *communicators: Any) -> None:
+        seen = set()
+        for comm in communicators:
+            if id(comm) in seen or comm.world_size == 1:
+                continue
+            seen.add(id(comm))
+            for op in self.OPS:
+                setattr(comm, op, self._wrap(op, getattr(comm, op)))
+                self._installed.append((comm, op))
+
+    def uninstall(self) -> None:
+        for comm, op in self._installed:
+            comm.__dict__.pop(op, None)
+        self._installed = []
+
+    def _wrap(self, op: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._calls[op] = self._calls.get(op, 0) + 1
+            if self.cuda:
+                import torch
+
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self._events.append((op, begin, end))
+                return out
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._seconds[op] = self._seconds.get(op, 0.0) + time.perf_counter() - start
+            return out
+
+        return timed
+
+    def take(self) -> dict[str, Any]:
+        if self._events:
+            self._events[-1][2].synchronize()
+            for op, begin, end in self._events:
+                self._seconds[op] = self._seconds.get(op, 0.0) + begin.elapsed_time(end) / 1e3
+            self._events = []
+        stats = {
+            op: {"calls": n, "seconds": self._seconds.get(op, 0.0)} for op, n in self._calls.items()
+        }
+        self._seconds, self._calls = {}, {}
+        return stats
 
 
 class WorkerLoop:

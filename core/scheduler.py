@@ -471,6 +471,10 @@ class Scheduler:
                 break
             request = waiting.peek()
             assert request is not None
+            if request.num_output_placeholders and self._pp > 1:
+                # Preempted while its token was in flight: its recomputation needs that token
+                # on the host first (a micro-batch in flight cannot feed it back).
+                break
             if request.request_id in self._no_prefix_hit:
                 num_hit, hit_tables = 0, None
             else:

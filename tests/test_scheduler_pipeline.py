@@ -77,3 +77,16 @@ def test_every_request_finishes_with_its_tokens_in_order():
             break
     assert produced == {f"r{i}": [100 + k for k in range(6)] for i in range(5)}
     assert scheduler.num_used_blocks == 0
+
+
+def test_a_request_preempted_with_its_token_in_flight_waits_for_it():
+    scheduler = make()
+    request = Request("a", [1, 2, 3], max_tokens=4)
+    scheduler.add_request(request)
+    first = scheduler.schedule()  # samples a token: a placeholder in flight
+    scheduler._preempt(request)  # as a full cache would, while the step is in flight
+    assert scheduler.schedule().is_empty  # not readmitted with an unknown input token
+    scheduler.update_from_output(first, {"a": [9]})
+    resumed = scheduler.schedule()
+    assert [s.request.request_id for s in resumed.scheduled] == ["a"]
+    assert PLACEHOLDER_TOKEN not in request.all_token_ids[: resumed.scheduled[0].num_new_tokens]

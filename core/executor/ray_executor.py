@@ -110,6 +110,14 @@ class RayExecutor(RemoteExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self._bundle()
+        key = next(iter(bundle))
+        have = ray.cluster_resources().get(key, 0)
+        if have < self.world_size:
+            raise ConfigError(
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} Ray workers "
+                f"need {self.world_size} {key}, but the Ray cluster has {have:g}; add hosts "
+                "(ray start --address HEAD:6379) or use fewer ranks"
+            )
         self._pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         try:
             ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)

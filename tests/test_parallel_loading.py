@@ -178,3 +178,34 @@ def test_last_stage_of_a_tied_model_loads_its_head_from_the_embedding(tmp_path):
     last = load(path, ParallelContext(pp_rank=1, pp_size=2))
     assert "model.embed_tokens.weight" not in dict(last.named_parameters())
     torch.testing.assert_close(last.lm_head.weight, full.model.embed_tokens.weight, atol=0, rtol=0)
+
+
+def test_lazy_tensors_read_their_window_and_work_where_a_tensor_is_expected(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.loader.lazy_tensor import LazySafetensor
+
+    full = torch.arange(48, dtype=torch.bfloat16).reshape(6, 8)
+    save_file({"w": full}, tmp_path / "w.safetensors")
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        stats = ReadStats()
+        lazy = LazySafetensor(f.get_slice("w"), stats)
+        assert (lazy.shape, lazy.dtype, stats.offered, stats.read) == (
+            (6, 8),
+            torch.bfloat16,
+            96,
+            0,
+        )
+        window = lazy.narrow(0, 2, 3).narrow(1, 4, 4)
+        assert window.shape == (3, 4) and stats.read == 0  # narrowing reads nothing
+        assert torch.equal(window.materialize(), full[2:5, 4:8]) and stats.read == 24
+        # A loader written for tensors: copy_, methods, indexing, torch functions.
+        dst = torch.empty(3, 4, dtype=torch.float32)
+        dst.copy_(window)
+        assert torch.equal(dst, full[2:5, 4:8].float())
+        assert torch.equal(window.float() + 1, full[2:5, 4:8].float() + 1)
+        assert torch.equal(window[1], full[3, 4:8])
+        assert torch.equal(torch.cat([window, window]), torch.cat([full[2:5, 4:8]] * 2))
+        with pytest.raises(IndexError):
+            window.narrow(0, 2, 2)  # outside the window

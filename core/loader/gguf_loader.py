@@ -319,8 +319,11 @@ class GGUFLazyTensor(LazyTensor):
         if stats is not None:
             stats.offered += info.n_bytes
 
-    def _read(self, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
 
+    def _read(self, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
         shape = self._full_shape
         if len(shape) > 2:  # not produced by the supported architectures: read it whole
             full, num_bytes = self._matrix((0, math.prod(shape[:-1])), (0, shape[-1]))

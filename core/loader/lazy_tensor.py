@@ -48,8 +48,32 @@ class LazyTensor:
     def shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self._bounds)
 
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
     def dim(self) -> int:
         return len(self._bounds)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._bounds)
+
+    # ---- reading it like a tensor ---------------------------------------------------------
+    # Weight loaders written for plain tensors keep working: any other tensor attribute, an
+    # index, or a torch function given a lazy tensor (``param.data.copy_(lazy)``,
+    # ``torch.cat``) reads the window first. Each such use reads it again: loaders that use
+    # the data several times should ``materialize()`` once.
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*_materialized(args), **_materialized(kwargs or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.materialize()[index]
 
     def numel(self) -> int:
         n = 1
@@ -92,6 +116,23 @@ _SAFETENSORS_ITEMSIZE = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
     "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
 }  # fmt: skip
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
+    "U64": "uint64",
+}  # fmt: skip
+
+
+def _materialized(value: Any) -> Any:
+    """``value`` with every lazy tensor in it (also inside lists, tuples and dicts) read."""
+    if isinstance(value, LazyTensor):
+        return value.materialize()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialized(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _materialized(v) for k, v in value.items()}
+    return value
 
 
 class LazySafetensor(LazyTensor):
@@ -102,9 +143,18 @@ class LazySafetensor(LazyTensor):
     def __init__(self, file_slice: Any, stats: ReadStats | None = None) -> None:
         super().__init__(tuple(file_slice.get_shape()), stats=stats)
         self._slice = file_slice
+        self._dtype_name = str(file_slice.get_dtype())
         if stats is not None:
-            itemsize = _SAFETENSORS_ITEMSIZE.get(str(file_slice.get_dtype()), 0)
-            stats.offered += self.numel() * itemsize
+            stats.offered += self.numel() * _SAFETENSORS_ITEMSIZE.get(self._dtype_name, 0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        name = _SAFETENSORS_DTYPES.get(self._dtype_name)
+        if name is None or not hasattr(torch, name):
+            return self.materialize().dtype
+        return getattr(torch, name)
 
     def _read(self, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
         if not bounds:  # a 0-d tensor

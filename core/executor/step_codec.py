@@ -302,10 +302,13 @@ class StepDecoder:
             bitmask = None
             if r.bitmask is not None:
                 bitmask = torch.frombuffer(bytearray(r.bitmask), dtype=torch.int32)
+            outputs = request.output_token_ids
+            if r.output_len != len(outputs):  # penalties read the tokens before this step's
+                outputs = outputs[: r.output_len]
             rows[r.req_id] = SamplingRow(
                 params=self.params[r.req_id],
                 prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids[: r.output_len],
+                output_token_ids=outputs,
                 generators=[None if h < 0 else self.generators[h] for h in r.generators],
                 num_samples=r.num_samples,
                 eos_token_ids=self.eos_token_ids,

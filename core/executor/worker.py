@@ -16,6 +16,7 @@ scheduling), exactly as a single device does.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -338,6 +339,10 @@ class WorkerLoop:
             if tag == messaging.STEP:
                 if decoder is None:
                     decoder = StepDecoder(worker.device)
+                    # Start-up is over: keep the garbage collector from re-scanning the model,
+                    # plugins and imported modules on every collection (as the server does).
+                    gc.collect()
+                    gc.freeze()
                 step_id, pending = worker.execute(decoder, payload)
                 if worker.parallel is not None and worker.parallel.is_output_rank:
                     self._ensure_sender()

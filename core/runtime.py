@@ -140,6 +140,14 @@ def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -
             f"use at most {layers}"
         )
     backend = par.executor_backend
+    if world > 1 and backend == "mp" and platform.device_type == "cpu":
+        import os
+
+        cores = os.cpu_count() or 1
+        if world > cores:
+            logger.warning(
+                "%d CPU ranks share this host's %d cores: each gets less than one", world, cores
+            )
     if world > 1 and backend == "mp" and platform.device_type != "cpu":
         devices = platform.device_count()
         if world > devices:

@@ -41,34 +41,45 @@ def load(path, parallel=None, stats=None, **kw):
 
 def expected_parameters(module, full) -> dict[str, torch.Tensor]:
     """What ``module`` (one rank's layer) should hold, cut from ``full`` (the whole layer)."""
+    own = dict(full.named_parameters(recurse=False))
     if isinstance(module, QKVParallelLinear):
-        q, k, v = full.weight.split(
-            [
-                module.total_num_heads * module.head_size,
-                module.total_num_kv_heads * module.head_size,
-                module.total_num_kv_heads * module.head_size,
-            ]
-        )
-        kv_rank = module.tp_rank // module.kv_replicas
-        parts = [
-            q.chunk(module.tp_size)[module.tp_rank],
-            k.split(module.kv_size)[kv_rank],
-            v.split(module.kv_size)[kv_rank],
+        sizes = [
+            module.total_num_heads * module.head_size,
+            module.total_num_kv_heads * module.head_size,
+            module.total_num_kv_heads * module.head_size,
         ]
-        return {"weight": torch.cat(parts)}
+        kv_rank = module.tp_rank // module.kv_replicas
+
+        def rows(t):  # along the output features: weight rows and bias
+            q, k, v = t.split(sizes)
+            return torch.cat(
+                [
+                    q.chunk(module.tp_size)[module.tp_rank],
+                    k.split(module.kv_size)[kv_rank],
+                    v.split(module.kv_size)[kv_rank],
+                ]
+            )
+
+        return {name: rows(t) for name, t in own.items()}
     if isinstance(module, MergedColumnParallelLinear):
-        slices = full.weight.split(module.output_full_sizes)
-        return {"weight": torch.cat([s.chunk(module.tp_size)[module.tp_rank] for s in slices])}
+
+        def rows(t):
+            parts = t.split(module.output_full_sizes)
+            return torch.cat([p.chunk(module.tp_size)[module.tp_rank] for p in parts])
+
+        return {name: rows(t) for name, t in own.items()}
     if isinstance(module, ColumnParallelLinear):
-        return {"weight": full.weight.chunk(module.tp_size)[module.tp_rank]}
-    if isinstance(module, RowParallelLinear):
-        return {"weight": full.weight.chunk(module.tp_size, dim=1)[module.tp_rank]}
+        return {name: t.chunk(module.tp_size)[module.tp_rank] for name, t in own.items()}
+    if isinstance(module, RowParallelLinear):  # the bias is whole on every rank
+        out = dict(own)
+        out["weight"] = full.weight.chunk(module.tp_size, dim=1)[module.tp_rank]
+        return out
     if isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
         rows = torch.zeros_like(module.weight)
         n = module.vocab_end - module.vocab_start
         rows[:n] = full.weight[module.vocab_start : module.vocab_end]
         return {"weight": rows}
-    return dict(full.named_parameters(recurse=False))
+    return own
 
 
 def check_is_shard(model, full_model) -> int:
@@ -209,3 +220,20 @@ def test_lazy_tensors_read_their_window_and_work_where_a_tensor_is_expected(tmp_
         assert torch.equal(torch.cat([window, window]), torch.cat([full[2:5, 4:8]] * 2))
         with pytest.raises(IndexError):
             window.narrow(0, 2, 2)  # outside the window
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: tied embeddings
+def test_dummy_weights_are_the_same_model_in_every_layout(tmp_path, kind):
+    """Random weights are drawn per parameter, whole, so TP=2 or a pipeline stage holds the
+    shard of exactly the model TP=1 gets (what a benchmark's identity check needs)."""
+    path = save_tiny_model(kind, tmp_path / kind, seed=5)
+    full = load(path, load_format="dummy", seed=11)
+    for rank in range(2):
+        model = load(path, ParallelContext(tp_rank=rank, tp_size=2), load_format="dummy", seed=11)
+        check_is_shard(model, full)
+    last = load(path, ParallelContext(pp_rank=1, pp_size=2), load_format="dummy", seed=11)
+    check_is_shard(last, full)
+    if kind == "qwen2":  # a tied head on a stage without the embedding: the embedding's values
+        torch.testing.assert_close(
+            last.lm_head.weight, full.model.embed_tokens.weight, atol=0, rtol=0
+        )

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -247,17 +248,54 @@ def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]
     return kept
 
 
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales."""
+def _param_seed(seed: int, name: str) -> int:
+    """A generator seed for one parameter: the same on every rank and in every layout."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
+
+
+def _init_dummy(
+    model: nn.Module, seed: int, full_shapes: dict[str, tuple[int, ...]] | None = None
+) -> None:
+    """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales.
+
+    Each matrix is drawn whole, from a generator seeded by ``seed`` and its name, so every
+    parameter has the same values in every layout: under tensor or pipeline parallelism
+    (``full_shapes``: the unsharded shape of each parameter) a rank draws the whole matrix and
+    keeps its shard through the parameter's weight loader, exactly as from a checkpoint, so
+    TP=2 runs the model TP=1 runs."""
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            param.data.normal_(0.0, 0.02, generator=gen)
-        elif name.endswith("bias"):
-            param.data.zero_()
+        if param.dim() < 2:
+            if name.endswith("bias"):
+                param.data.zero_()
+            else:
+                param.data.fill_(1.0)
+            continue
+        source = name
+        if full_shapes is not None and name not in full_shapes:
+            # A tied head on a last pipeline stage: the embedding's values.
+            source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        shape = full_shapes.get(source, tuple(param.shape)) if full_shapes else param.shape
+        gen = torch.Generator(device=device).manual_seed(_param_seed(seed, source))
+        full = torch.empty(shape, dtype=param.dtype, device=device).normal_(
+            0.0, 0.02, generator=gen
+        )
+        if full_shapes is None:
+            param.data.copy_(full)
         else:
-            param.data.fill_(1.0)
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(full)
+            else:
+                loader(param, full)
+
+
+def _full_shapes(model_cls: type, ctx: ModelContext) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the model on one process (built on the meta device)."""
+    single = dataclasses.replace(ctx, parallel=SINGLE_PROCESS, device=torch.device("meta"))
+    with torch.device("meta"):
+        model = model_cls(single)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def load_model(
@@ -304,9 +342,12 @@ def load_model(
         raise ModelLoadError(f"load_format=safetensors needs a model directory, got file {path}")
 
     if fmt == "dummy":
+        full_shapes = None
+        if ctx.parallel.world_size > 1:
+            full_shapes = _full_shapes(model_cls, ctx)
         with torch.device(device):
             model = model_cls(ctx)
-        _init_dummy(model, model_config.seed)
+        _init_dummy(model, model_config.seed, full_shapes)
         process_weights_after_loading(model)
         return model.eval()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     SUPPORTED_DTYPES,
     CacheConfig,
     ConfigError,
@@ -242,7 +243,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-tp",
         type=int,
         default=1,
-        help="Tensor-parallel ranks (only 1 is supported today).",
+        help="Tensor-parallel ranks: every layer split over this many devices (heads, MLP "
+        "columns, vocabulary rows).",
+    )
+    device.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="Pipeline stages: the layers split into this many consecutive groups, one per "
+        "device group, with several batches in flight.",
+    )
+    device.add_argument(
+        "--distributed-executor-backend",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        default=None,
+        help="How the tensor x pipeline ranks run: uni (this process, one rank), mp (one "
+        "process per rank on this host; the default for several ranks) or ray (Ray actors on "
+        "one or several hosts; pip install 'engine[ray]').",
     )
 
 
@@ -279,7 +297,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             policy=args.scheduling_policy,
             async_scheduling=getattr(args, "async_scheduling", None),
         ),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+        ),
         platform=platform,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,

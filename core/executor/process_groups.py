@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
-from engine.distributed import TorchDistributedCommunicator
 from engine.parallel import ParallelContext
 
 if TYPE_CHECKING:
@@ -19,65 +18,18 @@ if TYPE_CHECKING:
 
     from engine.distributed import Communicator
     from engine.platforms.interface import Platform
+    from engine.plugins import PluginManager
 
 
-def communicator_for(platform: type[Platform], group: Any) -> Communicator:
-    """The communicator that runs ``platform``'s collectives over ``group``.
-
-    The one place a worker obtains its communicators: once the ``engine_communicator`` plugin
-    hook is in (``PluginManager.communicator(platform, group)``), this returns what it answers
-    and ``_GroupRankCommunicator`` goes away."""
-    communicator = platform.communicator(group)
-    if type(communicator) is TorchDistributedCommunicator:
-        return _GroupRankCommunicator(group)
-    return communicator
-
-
-class _GroupRankCommunicator(TorchDistributedCommunicator):
-    """``TorchDistributedCommunicator`` with the two parts of the communicator contract that
-    tensor and pipeline parallelism need and the current class lacks: ``all_reduce(op=...)``
-    (``"sum"``, ``"max"``, ``"min"``) and ``src``/``dst`` as ranks *within the group*
-    (torch.distributed's point-to-point calls take global ranks, which differ on a pipeline
-    group of a tensor-parallel rank other than 0)."""
-
-    _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
-
-    def _global(self, group_rank: int) -> int:
-        import torch.distributed as dist
-
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if op not in self._OPS:
-            raise ValueError(f"unknown reduce op {op!r}; allowed: {', '.join(self._OPS)}")
-        if self.world_size == 1:
-            return tensor
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, self._OPS[op]), group=self.group)
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        import torch.distributed as dist
-
-        dist.broadcast(tensor, src=self._global(src), group=self.group)
-        return tensor
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        import torch.distributed as dist
-
-        dist.send(tensor.contiguous(), dst=self._global(dst), group=self.group)
-
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.recv(tensor, src=self._global(src), group=self.group)
-        return tensor
+def communicator_for(plugins: PluginManager, platform: type[Platform], group: Any) -> Communicator:
+    """The communicator that runs ``platform``'s collectives over ``group``: what a plugin's
+    ``engine_communicator`` hook answers, else the platform's own (``Platform.communicator``,
+    torch.distributed on its ``dist_backend``). The one place a worker obtains them."""
+    return plugins.communicator(platform, group)
 
 
 def init_parallel_context(
+    plugins: PluginManager,
     platform: type[Platform],
     rank: int,
     tp_size: int,
@@ -122,9 +74,9 @@ def init_parallel_context(
         tp_size=tp_size,
         pp_rank=pp_rank,
         pp_size=pp_size,
-        tp=communicator_for(platform, tp_group),
-        pp=communicator_for(platform, pp_group),
-        world=communicator_for(platform, None),
+        tp=communicator_for(plugins, platform, tp_group),
+        pp=communicator_for(plugins, platform, pp_group),
+        world=communicator_for(plugins, platform, None),
     )
 
 

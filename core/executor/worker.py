@@ -98,7 +98,13 @@ class Worker:
         torch.manual_seed(config.model.seed)
         self.device = device
         self.parallel = init_parallel_context(
-            self.platform, spec.rank, spec.tp_size, spec.pp_size, spec.dist_init_method, device
+            self.plugins,
+            self.platform,
+            spec.rank,
+            spec.tp_size,
+            spec.pp_size,
+            spec.dist_init_method,
+            device,
         )
         return {"rank": self.rank, "pid": os.getpid(), "device": str(device)}
 

@@ -163,3 +163,57 @@ def test_generators_are_created_from_the_seed_once_and_freed_with_the_engines():
     step = decoder.decode(encoder.encode(scheduler.schedule(), {})[1])
     decoder.after_step(step)
     assert decoder.generators == {}  # so did the worker
+
+
+def test_speculative_steps_carry_drafts_and_trimmed_tables():
+    """A verification's drafts and proposal count reach the workers, and a step that rejects
+    drafts (its look-ahead blocks trimmed) leaves the worker with the engine's tables."""
+    from engine.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        CacheConfig(block_size=2),
+        256,
+        64,
+        [KVCacheGroupSpec()],
+        speculative_config=spec,
+    )
+    through = CodecScheduler(scheduler)
+    scheduler.add_request(Request("a", [1, 2, 3, 4, 5], max_tokens=20))
+    out = through.schedule()
+    assert through._last[0].scheduled[0].num_to_propose == 3
+    assert out.scheduled[0].num_to_propose == 3
+    through.update_from_output(out, {"a": [6]})
+    scheduler.update_draft_token_ids({"a": [7, 8, 9]})
+    out = through.schedule()
+    engine_side = through._last[0].scheduled[0]
+    worker_side = out.scheduled[0]
+    assert list(worker_side.spec_token_ids) == [7, 8, 9] == list(engine_side.spec_token_ids)
+    assert worker_side.num_new_tokens == 4 and worker_side.num_to_propose == 3
+    assert worker_side.block_ids == engine_side.block_ids
+    through.update_from_output(out, {"a": [7, 42]})  # one draft accepted, then its own token
+    scheduler.update_draft_token_ids({"a": [1, 2]})
+    out = through.schedule()
+    engine_side = through._last[0].scheduled[0]
+    assert out.scheduled[0].request.output_token_ids == [6, 7, 42]
+    assert out.scheduled[0].block_ids == engine_side.block_ids  # the trim reached the worker
+    assert list(out.scheduled[0].spec_token_ids) == [1, 2]
+
+
+def test_a_bitmask_per_verified_position_keeps_its_rows():
+    encoder, decoder = StepEncoder(4), StepDecoder()
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        CacheConfig(block_size=4),
+        256,
+        64,
+        [KVCacheGroupSpec()],
+    )
+    scheduler.add_request(Request("m", [1, 2, 3], max_tokens=8))
+    mask = torch.arange(12, dtype=torch.int32).view(3, 4)  # 3 positions, 128-token vocabulary
+    rows = {"m": SamplingRow(SamplingParams(), [1, 2, 3], [], [None], token_bitmask=mask)}
+    decoded = decoder.decode(encoder.encode(scheduler.schedule(), rows)[1])
+    assert torch.equal(decoded.sampling_rows["m"].token_bitmask, mask)

@@ -41,10 +41,12 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt: list[int]
 
 
-class Entry(msgspec.Struct, array_like=True):
+class Entry(msgspec.Struct, array_like=True, omit_defaults=True):
     """One scheduled request: ``tokens`` replace the worker's tokens from ``token_offset`` on
     (an offset into prompt + output); ``tables[g]`` replaces group ``g``'s table from
-    ``table_offsets[g]`` on."""
+    ``table_offsets[g]`` on. Speculative decoding: ``spec_token_ids`` are the drafts the step
+    verifies and ``num_to_propose`` how many to propose after it (trailing defaults, left out
+    of the message when speculation is off)."""
 
     req_id: str
     start: int
@@ -55,13 +57,17 @@ class Entry(msgspec.Struct, array_like=True):
     tokens: list[int]
     table_offsets: list[int]
     tables: list[list[int]]
+    spec_token_ids: list[int] = msgspec.field(default_factory=list)
+    num_to_propose: int = 0
 
 
 class Row(msgspec.Struct, array_like=True):
     """A sampling row: ``params`` is the pickled ``SamplingParams`` when the worker does not
     have this request's yet (else empty); ``generators`` are handles (-1: unseeded);
     ``output_len`` how many output tokens the row reads (penalties, ``min_tokens``);
-    ``eos_token_ids`` when they differ from the previous row's (the engine passes one list)."""
+    ``eos_token_ids`` when they differ from the previous row's (the engine passes one list);
+    ``bitmask_rows`` the rows of a 2-D structured-output bitmask (one per verified position of
+    a speculative step; 0: one row, 1-D)."""
 
     req_id: str
     params: bytes
@@ -70,6 +76,7 @@ class Row(msgspec.Struct, array_like=True):
     output_len: int
     bitmask: bytes | None = None
     eos_token_ids: list[int] | None = None
+    bitmask_rows: int = 0
 
 
 class Step(msgspec.Struct, array_like=True):
@@ -157,15 +164,26 @@ class StepEncoder:
                 params = pickle.dumps(row.params, protocol=pickle.HIGHEST_PROTOCOL)
                 m.params = row.params
             handles = [self._handle(g, new_generators) for g in row.generators]
-            bitmask = None
+            bitmask, bitmask_rows = None, 0
             if row.token_bitmask is not None:
                 bitmask = row.token_bitmask.numpy().tobytes()
+                if row.token_bitmask.dim() == 2:
+                    bitmask_rows = int(row.token_bitmask.shape[0])
             eos = None
             if row.eos_token_ids is not self._eos:
                 self._eos = row.eos_token_ids
                 eos = list(row.eos_token_ids)
             rows.append(
-                Row(rid, params, row.num_samples, handles, len(row.output_token_ids), bitmask, eos)
+                Row(
+                    rid,
+                    params,
+                    row.num_samples,
+                    handles,
+                    len(row.output_token_ids),
+                    bitmask,
+                    eos,
+                    bitmask_rows,
+                )
             )
         finished = [rid for rid, m in sent.items() if m.request.status.is_finished]
         for rid in finished:
@@ -222,6 +240,8 @@ class StepEncoder:
             tokens,
             table_offsets,
             tables,
+            list(sr.spec_token_ids),
+            sr.num_to_propose,
         )
 
     def _handle(self, generator: Any, new: list[tuple[int, int]]) -> int:
@@ -289,7 +309,14 @@ class StepDecoder:
                 table[offset:] = part
             scheduled.append(
                 ScheduledRequest(
-                    request, e.start, e.num_new_tokens, tables, e.samples, e.output_index
+                    request,
+                    e.start,
+                    e.num_new_tokens,
+                    tables,
+                    e.samples,
+                    e.output_index,
+                    e.spec_token_ids,
+                    e.num_to_propose,
                 )
             )
         rows = {}
@@ -302,6 +329,8 @@ class StepDecoder:
             bitmask = None
             if r.bitmask is not None:
                 bitmask = torch.frombuffer(bytearray(r.bitmask), dtype=torch.int32)
+                if r.bitmask_rows:
+                    bitmask = bitmask.view(r.bitmask_rows, -1)
             outputs = request.output_token_ids
             if r.output_len != len(outputs):  # penalties read the tokens before this step's
                 outputs = outputs[: r.output_len]

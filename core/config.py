@@ -155,11 +155,15 @@ class ParallelConfig:
     worker per device. ``distributed_executor_backend`` runs the workers: ``uni`` in this
     process (world size 1), ``mp`` one spawned process per rank on this host, ``ray`` Ray
     actors on one or several hosts; None picks ``uni`` for one rank and ``mp`` otherwise.
+    ``enable_expert_parallel`` places a mixture-of-experts model's experts across the
+    tensor-parallel ranks of a stage (``E / tp`` whole experts each) instead of splitting
+    every expert over them (no effect on dense models or on one rank).
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:

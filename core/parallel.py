@@ -42,6 +42,9 @@ class ParallelContext:
     #: every rank of the replica (None: this process alone); for start-up agreements such as
     #: the KV-cache size (an all-reduce MIN)
     world: Communicator | None = None
+    #: MoE layers place whole experts across the tensor-parallel group instead of splitting
+    #: each (``--enable-expert-parallel``; read by ``moe_parallel_from_context``)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

@@ -133,6 +133,8 @@ def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -
                 f"heads, divide or be a multiple of the key/value heads, and divide the "
                 f"intermediate size; sizes that work: {', '.join(map(str, allowed))}"
             )
+    if tp > 1:
+        _check_experts(text, tp, par.enable_expert_parallel)
     layers = getattr(text, "num_hidden_layers", None)
     if pp > 1 and layers is not None and pp > layers:
         raise ConfigError(
@@ -163,8 +165,39 @@ def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -
 
         if importlib.util.find_spec("ray") is None:
             raise ConfigError(
-                "--distributed-executor-backend ray needs Ray: pip install 'engine[ray]'"
+                "--distributed-executor-backend ray needs Ray: pip install 'engine-llm[ray]'"
             )
+
+
+def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
+    """A mixture-of-experts model under tensor parallelism: experts split over the ranks need
+    an expert intermediate size that ``tp`` divides; experts placed across the ranks
+    (``--enable-expert-parallel``) need at least one expert per rank; a shared expert (split
+    either way, like a dense MLP) needs its intermediate size divisible."""
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if not experts:
+        return
+    if expert_parallel and experts < tp:
+        raise ConfigError(
+            f"--enable-expert-parallel places {experts} experts over tensor_parallel_size={tp} "
+            f"ranks: every rank needs at least one; use tensor_parallel_size <= {experts}, or "
+            "split the experts instead (leave out --enable-expert-parallel)"
+        )
+    routed = getattr(text, "moe_intermediate_size", None) or getattr(
+        text, "intermediate_size", None
+    )
+    if not expert_parallel and routed and routed % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} cannot split the experts' intermediate size ({routed}); "
+            "use a size that divides it, or --enable-expert-parallel to place whole experts "
+            "on the ranks"
+        )
+    shared = getattr(text, "shared_expert_intermediate_size", None)
+    if shared and shared % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} cannot split the shared expert's intermediate size "
+            f"({shared}); use a size that divides it"
+        )
 
 
 def build_executor(

@@ -54,6 +54,12 @@ class StepProfiler:
         graphs were captured without them, capture the graphs again (before any wrapping)."""
         from engine.layers.fused_moe import enable_expert_load_counting, read_expert_load
 
+        if getattr(runner, "model", None) is None:
+            raise SystemExit(
+                f"--expert-load counts on the model in this process; with the "
+                f"{getattr(runner, 'name', 'multi-process')} executor the model runs in worker "
+                "processes: run the count with --tensor-parallel-size 1"
+            )
         if not enable_expert_load_counting(runner.model):
             return False
         if runner.graphs is not None:

@@ -234,9 +234,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="Threads for the engine's CPU kernels (torch's intra-op threads). Default: "
-        "OMP_NUM_THREADS if set, else the physical cores this process may use (affinity and "
-        "cgroup quota); fewer helps when other work shares the cores.",
+        help="Threads for the engine's CPU kernels (torch's intra-op threads; per worker "
+        "process with several ranks). Default: OMP_NUM_THREADS if set, else the physical "
+        "cores this process may use (affinity and cgroup quota), split over the ranks of this "
+        "host; fewer helps when other work shares the cores.",
     )
     device.add_argument(
         "--tensor-parallel-size",
@@ -260,7 +261,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="How the tensor x pipeline ranks run: uni (this process, one rank), mp (one "
         "process per rank on this host; the default for several ranks) or ray (Ray actors on "
-        "one or several hosts; pip install 'engine[ray]').",
+        "one or several hosts; pip install 'engine-llm[ray]').",
+    )
+    device.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="Mixture-of-experts models: place whole experts across the tensor-parallel ranks "
+        "(E / tp each) instead of splitting every expert over them.",
     )
 
 
@@ -301,6 +308,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
+            enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         ),
         platform=platform,
         attention_backend=args.attention_backend,

@@ -37,6 +37,7 @@ def init_parallel_context(
     init_method: str,
     device: torch.device,
     timeout_s: float = 1800.0,
+    enable_expert_parallel: bool = False,
 ) -> ParallelContext:
     """Join the replica's process groups and return this rank's ``ParallelContext``.
 
@@ -77,6 +78,7 @@ def init_parallel_context(
         tp=communicator_for(plugins, platform, tp_group),
         pp=communicator_for(plugins, platform, pp_group),
         world=communicator_for(plugins, platform, None),
+        enable_expert_parallel=enable_expert_parallel,
     )
 
 

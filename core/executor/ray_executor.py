@@ -43,7 +43,7 @@ def _ray() -> Any:
         import ray
     except ImportError:
         raise ConfigError(
-            "--distributed-executor-backend ray needs Ray: pip install 'engine[ray]'"
+            "--distributed-executor-backend ray needs Ray: pip install 'engine-llm[ray]'"
         ) from None
     return ray
 

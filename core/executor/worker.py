@@ -87,8 +87,13 @@ class Worker:
         self.platform = self.plugins.resolve_platform(config.platform)
         device = self.platform.torch_device(spec.local_rank)
         if device.type == "cpu":
-            if "OMP_NUM_THREADS" not in os.environ:  # each rank its share of the cores
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.local_world_size))
+            from engine.cpu_threads import available_physical_cores
+
+            if config.cpu_threads is not None:  # --cpu-threads: each rank's team
+                torch.set_num_threads(config.cpu_threads)
+            elif "OMP_NUM_THREADS" not in os.environ:  # each rank its share of the cores
+                cores, _ = available_physical_cores()
+                torch.set_num_threads(max(1, cores // spec.local_world_size))
         else:
             module = getattr(torch, device.type, None)
             if module is not None and hasattr(module, "set_device"):
@@ -105,6 +110,7 @@ class Worker:
             spec.pp_size,
             spec.dist_init_method,
             device,
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
         )
         return {"rank": self.rank, "pid": os.getpid(), "device": str(device)}
 

@@ -426,7 +426,13 @@ class GGUFLazyTensor(LazyTensor):
 
     def _read(self, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
         shape = self._full_shape
-        if len(shape) > 2:  # not produced by the supported architectures: read it whole
+        if len(shape) > 2:  # stacked experts [E, rows, cols]
+            inner = math.prod(shape[1:-1])
+            if all(b == (0, n) for b, n in zip(bounds[1:-1], shape[1:-1], strict=True)):
+                # Whole experts (an expert-parallel rank's): only their rows are read.
+                (e0, e1), cols = bounds[0], bounds[-1]
+                part, num_bytes = self._matrix((e0 * inner, e1 * inner), cols)
+                return part.view(e1 - e0, *shape[1:-1], cols[1] - cols[0]), num_bytes
             full, num_bytes = self._matrix((0, math.prod(shape[:-1])), (0, shape[-1]))
             full = full.view(shape)
             return full[tuple(slice(a, b) for a, b in bounds)], num_bytes

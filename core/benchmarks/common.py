@@ -87,6 +87,10 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "gpu_memory_utilization": cfg.cache.gpu_memory_utilization,
         "cuda_graphs": None if graphs is None else graphs.sizes,
         "enforce_eager": cfg.enforce_eager,
+        "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
+        "executor": getattr(runner, "name", "uni"),
+        "async_scheduling": cfg.scheduler.async_scheduling,
     }
 
 

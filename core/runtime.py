@@ -205,7 +205,7 @@ def build_executor(
 ) -> Any:
     """The executor of ``config.parallel``: the model loaded on its workers (in this process
     for ``uni``)."""
-    from engine.executor.base import executor_class
+    from engine.executor.selector import executor_class
 
     backend = config.parallel.executor_backend
     if backend != "uni":

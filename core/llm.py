@@ -39,8 +39,10 @@ class LLM:
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory). Unknown keywords are an error
-    that lists them.
+    sampling parameters; "vllm": EOS ids only; or a directory), ``quantization`` (a method
+    name such as "fp8", "awq", "gptq", "compressed-tensors"; None: the checkpoint's
+    quantization_config decides), ``kv_cache_dtype`` ("auto" or "fp8"). Unknown keywords are
+    an error that lists them.
     """
 
     def __init__(
@@ -69,6 +71,8 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -84,6 +88,7 @@ class LLM:
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -91,6 +96,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks=num_gpu_blocks_override,
                 cpu_kv_cache_gb=cpu_kv_cache_gb,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -109,11 +109,14 @@ class ModelRunner:
         sampler_cls: type | None = None,
         plugins: Any = None,
         model_registry: ModelRegistry | None = None,
+        quant_config: Any = None,
     ) -> None:
         """``sampler`` is a ready ``engine.sampler.Sampler``-like object; without one,
         ``sampler_cls(vocab_size, device)`` (default ``engine.sampler.Sampler``) is built once
         the model is loaded. ``plugins`` (a ``PluginManager``) contributes model architectures
-        through ``engine_models`` unless ``model_registry`` is given."""
+        through ``engine_models`` unless ``model_registry`` is given. ``quant_config`` (an
+        ``engine.quantization.QuantizationConfig``, None: unquantized) picks each linear
+        layer's quantization method."""
         self.config = config
         self.platform = platform
         self.kernels = kernels
@@ -122,6 +125,7 @@ class ModelRunner:
         self.sampler_cls = sampler_cls
         self.plugins = plugins
         self.model_registry = model_registry
+        self.quant_config = quant_config
         self.device = platform.torch_device()
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
@@ -146,7 +150,12 @@ class ModelRunner:
 
         registry = self.model_registry or ModelRegistry.with_plugins(self.plugins)
         self.model = load_model(
-            self.config.model, self.kernels, self.attn_backend_cls, self.device, registry
+            self.config.model,
+            self.kernels,
+            self.attn_backend_cls,
+            self.device,
+            registry,
+            quant_config=self.quant_config,
         )
         self._pack_linears()
         if self.sampler is None:

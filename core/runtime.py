@@ -96,6 +96,30 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
     )
 
 
+def resolve_quantization(
+    config: EngineConfig, hf_config: Any, platform: Any, kernels: Any, plugins: Any
+) -> Any:
+    """The model's quantization configuration (None: unquantized), from ``--quantization``
+    and the checkpoint's ``quantization_config``, checked against the device and the kernels
+    bound on it. Raises ``QuantizationError`` (a ``ConfigError``) with what is supported."""
+    from engine.quantization import QuantizationSpec, checkpoint_quantization_config
+
+    capability = None
+    if platform.device_type != "cpu":
+        capability = platform.device_capability(0)
+    spec = QuantizationSpec(
+        platform=platform.name,
+        device_type=platform.device_type,
+        capability=capability,
+        dtype=config.model.dtype,
+        kernels=kernels,
+    )
+    registry = plugins.quantization_methods()
+    return registry.resolve(
+        config.model.quantization, checkpoint_quantization_config(hf_config), spec
+    )
+
+
 def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
     """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``."""
     from engine import generation_config
@@ -136,13 +160,22 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     )
 
     kernels = plugins.kernel_registry().resolve(platform.name)
+    quant_config = resolve_quantization(config, hf_config, platform, kernels, plugins)
     spec = attention_spec_for(hf_config, config, platform)
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
 
     text_config = getattr(hf_config, "text_config", None) or hf_config
     sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
-    runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
+    runner = ModelRunner(
+        config,
+        platform,
+        kernels,
+        backend_cls,
+        sampler,
+        model_registry=models,
+        quant_config=quant_config,
+    )
     runner.load_model()
     groups = runner.kv_cache_groups()
     num_blocks = runner.determine_num_blocks()

@@ -2,13 +2,16 @@
 
 All ops are functional (they return new tensors) except ``write_kv_cache`` and
 ``qk_norm_rotary``, which write in place. Norms compute in float32 and cast back to the input
-dtype.
+dtype. The quantized matmuls (``fp8_linear``, ``fp8_block_linear``, ``int8_linear``,
+``wna16_linear``) are specified in ``engine.kernels.quantized``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.quantized import QUANTIZED_REFERENCE_KERNELS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,18 +111,41 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter key/value ([T, num_kv_heads, head_size]) into ``kv_cache``
     ([2, num_blocks, block_size, num_kv_heads, head_size]) at ``slot_mapping`` (int64 [T]);
-    negative slots (padding) are skipped."""
+    negative slots (padding) are skipped.
+
+    An FP8 cache (``float8_e4m3fn``, ``--kv-cache-dtype fp8``) stores ``key / k_scale`` and
+    ``value / v_scale`` rounded to e4m3 and saturated at +-448; readers multiply back. Other
+    caches store the values cast to their dtype (the scales are not used)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    flat[0].index_copy_(0, slot_mapping, to_cache_dtype(key, kv_cache.dtype, k_scale))
+    flat[1].index_copy_(0, slot_mapping, to_cache_dtype(value, kv_cache.dtype, v_scale))
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a KV cache of ``dtype``: FP8 caches hold ``x / scale`` saturated."""
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp(-448.0, 448.0).to(dtype)
+    return x.to(dtype)
+
+
+def from_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached keys/values in ``dtype`` (an FP8 cache's are multiplied back by ``scale``)."""
+    if x.dtype == torch.float8_e4m3fn:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +162,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 REFERENCE_KERNELS = {
+    **QUANTIZED_REFERENCE_KERNELS,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

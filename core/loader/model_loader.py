@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.layers.linear import process_weights_after_loading
-from engine.layers.weight_utils import ModelLoadError
+from engine.layers.linear import LinearBase, process_weights_after_loading
+from engine.layers.weight_utils import ModelLoadError, init_dummy_parameter
 from engine.models.context import ModelContext
 from engine.models.registry import ModelRegistry
 from engine.parallel import SINGLE_PROCESS, ParallelContext
@@ -211,9 +211,15 @@ def _validate_checkpoint(model_cls: type, ctx: ModelContext, shapes: dict[str, t
         loaded = meta_model.load_weights(
             (name, torch.empty(shape, dtype=ctx.dtype)) for name, shape in shapes.items()
         )
-    missing = {name for name, _ in meta_model.named_parameters()} - loaded
+    missing = _required_parameters(meta_model) - loaded
     if missing:
         raise ModelLoadError(_missing_message(meta_model, missing, set(shapes)))
+
+
+def _required_parameters(model: nn.Module) -> set[str]:
+    """The parameters a checkpoint must fill: all but those a quantization method marks
+    ``optional`` (e.g. GPTQ's ``g_idx`` without act-order, which it then ignores)."""
+    return {name for name, p in model.named_parameters() if not getattr(p, "optional", False)}
 
 
 def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]:
@@ -238,16 +244,23 @@ def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales."""
+    """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales; a linear
+    layer's quantization method fills its own parameters (random packed values, positive
+    scales). Parameters are visited in ``named_parameters`` order, so unquantized models get
+    the same values as ever for a seed."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            param.data.normal_(0.0, 0.02, generator=gen)
-        elif name.endswith("bias"):
-            param.data.zero_()
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in own)
+        if not own:
+            continue
+        if isinstance(module, LinearBase):
+            module.quant_method.init_dummy_weights(module, gen)
         else:
-            param.data.fill_(1.0)
+            for name, param in own:
+                init_dummy_parameter(name, param, gen)
 
 
 def load_model(
@@ -276,6 +289,9 @@ def load_model(
     _, model_cls = registry.resolve(getattr(hf_config, "architectures", None) or [])
     device = torch.device(device)
     dtype = resolve_dtype(model_config, hf_config)
+    if quant_config is not None and hasattr(model_cls, "packed_modules_mapping"):
+        # Which checkpoint modules each fused layer stands for (ignore lists name those).
+        quant_config.packed_modules_mapping = dict(model_cls.packed_modules_mapping)
     ctx = ModelContext(
         hf_config,
         dtype,
@@ -321,7 +337,7 @@ def load_model(
         loaded = model.load_weights(weights)
     finally:
         progress.close()
-    missing = {name for name, _ in model.named_parameters()} - loaded
+    missing = _required_parameters(model) - loaded
     if missing:
         raise ModelLoadError(_missing_message(model, missing, present or set()))
     process_weights_after_loading(model)

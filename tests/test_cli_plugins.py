@@ -63,14 +63,18 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert backends["triton"]["distribution"] == "engine-triton"
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
     assert report["auto_order"] == ["torch"]
-    # Overrides: engine-triton's (when triton is installed) target GPUs; the CPU's only
-    # override is engine-cpu's argmax.
+    # Overrides: engine-triton's (when triton is installed) target GPUs; the CPU's are
+    # engine-cpu's argmax and quantized matmuls.
     on_cpu = [
         (o["kernel"], o["provider"])
         for o in report["kernel_overrides"]
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
-    assert on_cpu == [("argmax", "engine-cpu")], report["kernel_overrides"]
+    quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear"]
+    assert on_cpu == [(k, "engine-cpu") for k in ["argmax", *quantized]], on_cpu
+    methods = {m["name"]: m for m in report["quantization_methods"]}
+    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq"]
+    assert all(m["usable"] and m["provider"] == "engine" for m in methods.values())
 
 
 def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from engine.layers.linear import LinearMethod, ShardLayout
-from engine.layers.weight_utils import ModelLoadError
+from engine.layers.weight_utils import ModelLoadError, materialize
 from engine.quantization.base import (
     QuantizationConfig,
     QuantizationError,
@@ -96,13 +96,13 @@ class CTWNA16LinearMethod(WNA16LinearMethod):
             torch.float32,
             ShardLayout(output_dim=0, input_dim=gdim, input_pack=gpack),
         )
-        slices = len(layer.output_slices)
         add_param(
             layer,
             "weight_shape",
-            (slices, 2),
+            (len(layer.output_slices), 2),
             torch.int64,
-            ShardLayout(output_dim=None, input_dim=None, per_slice=slices > 1),
+            ShardLayout(output_dim=None, input_dim=None),
+            loader=_shape_loader(layer),
         )
         if not self.symmetric:
             for size in layer.output_slices:
@@ -161,6 +161,19 @@ class CTWNA16LinearMethod(WNA16LinearMethod):
             group = layer.input_size_per_partition if self.group_size == -1 else self.group_size
             return torch.arange(param.numel(), device=param.device, dtype=torch.int32) // group
         return None
+
+
+def _shape_loader(layer: LinearBase) -> Any:
+    """``weight_shape`` (the unpacked ``[N, K]`` of one checkpoint module) into row ``i`` of
+    the layer's ``[num_slices, 2]`` record, checked after loading."""
+
+    def load(param: torch.nn.Parameter, loaded: Any, shard_id: object | None = None) -> None:
+        index = 0 if shard_id is None else layer._slice_index(shard_id)
+        if tuple(loaded.shape) != (2,):
+            raise ModelLoadError(f"{layer.prefix}: weight_shape has shape {tuple(loaded.shape)}")
+        param.data[index].copy_(materialize(loaded))
+
+    return load
 
 
 class _Scheme:

@@ -95,17 +95,14 @@ class GPTQLinearMethod(WNA16LinearMethod):
             fill_random_bits(param, generator)
             return param.data
         if name == "qzeros":
-            word = self.middle_zeros_word() - (self._ones_word() if self.v1_zeros else 0)
-            return torch.full_like(param.data, word)
+            middle = 1 << (self.bits - 1)  # stored minus one in the v1 format
+            return torch.full_like(param.data, self.packed_word(middle - int(self.v1_zeros)))
         if name == "scales":
             return torch.full_like(param.data, self.dummy_scale)
         if name == "g_idx":
             group = layer.input_size_per_partition if self.group_size == -1 else self.group_size
             return torch.arange(param.numel(), device=param.device, dtype=torch.int32) // group
         return None
-
-    def _ones_word(self) -> int:
-        return sum(1 << (i * self.bits) for i in range(self.pack))
 
 
 def _shared_g_idx_loader(layer: LinearBase) -> Any:

@@ -103,12 +103,12 @@ class WNA16LinearMethod(LinearMethod):
     def dummy_scale(self) -> float:
         return _DUMMY_SCALE[self.bits]
 
-    def middle_zeros_word(self) -> int:
-        """An int32 holding ``2**(bits-1)`` in every packed position."""
-        value = 0
+    def packed_word(self, value: int) -> int:
+        """The int32 (signed) holding ``value`` in every one of its ``32 / bits`` positions."""
+        word = 0
         for i in range(self.pack):
-            value |= (1 << (self.bits - 1)) << (i * self.bits)
-        return value - (1 << 32) if value >= 1 << 31 else value
+            word |= value << (i * self.bits)
+        return word - (1 << 32) if word >= 1 << 31 else word
 
     # -- after loading -------------------------------------------------------------------------
     def process_weights_after_loading(self, layer: LinearBase) -> None:

@@ -416,13 +416,16 @@ def write_compressed_tensors(
     group_size: int = 32,
     block: tuple[int, int] = (32, 32),
     input_scale: float = 0.02,
-    input_zero_point: int = 3,
+    input_zero_point: int = 4,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
     """A compressed-tensors checkpoint of the model in ``src`` (see ``ct_scheme``), its
     weights' scales from their min/max (``calculate_qparams``), static activation scales set
     to ``input_scale`` (and ``input_zero_point`` for asymmetric ones), compressed and saved by
-    the library."""
+    the library.
+
+    The zero point is even by default: the library fake-quantizes ``round(x / s + z)``, vLLM and
+    the engine ``round(x / s) + z``, which differ at exact ties when ``z`` is odd."""
     from compressed_tensors.compressors.model_compressors.model_compressor import (
         ModelCompressor,
     )
@@ -482,18 +485,31 @@ def write_compressed_tensors(
 
 
 def write_dequantized_compressed_tensors(ct_dir: str | Path, out: str | Path) -> Path:
-    """The dequantized reference of a compressed-tensors checkpoint: the library decompresses
-    every weight (as transformers does on load) and the float32 model is saved plainly."""
-    from transformers import AutoModelForCausalLM
+    """The dequantized reference of a compressed-tensors checkpoint: every module's tensors
+    decompressed by the library's own compressor for the checkpoint's format (in float32),
+    the dense model saved plainly."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
 
-    model = AutoModelForCausalLM.from_pretrained(str(ct_dir), dtype=torch.float32)
-    # compressed-tensors decompresses on the first forward pass.
-    with torch.no_grad():
-        model(torch.tensor([[1, 2]]))
-    state = {}
-    for name, tensor in model.state_dict().items():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf.startswith(("weight_", "input_", "output_")) and leaf != "weight":
-            continue  # the quantization parameters; the weight itself is dense now
-        state[name] = tensor.float()
-    return _write(Path(out), state, Path(ct_dir), None, "float32")
+    ct_dir = Path(ct_dir)
+    qconfig = json.loads((ct_dir / "config.json").read_text())["quantization_config"]
+    groups = qconfig["config_groups"]
+    if len(groups) != 1:
+        raise ValueError("expected one config group (the writers here make one)")
+    group = next(iter(groups.values()))
+    scheme = QuantizationScheme.model_validate(group)
+    compressor = BaseCompressor.get_value_from_registry(group.get("format") or qconfig["format"])
+    state = _load_state(ct_dir)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        module, _, leaf = key.rpartition(".")
+        if module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
+            value = tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+            modules.setdefault(module, {})[leaf] = value
+        else:
+            dense[key] = tensor.float()
+    for module, tensors in modules.items():
+        weight = compressor.decompress(tensors, scheme)["weight"]
+        dense[f"{module}.weight"] = weight.float()
+    return _write(Path(out), dense, ct_dir, None, "float32")

@@ -1,0 +1,78 @@
+"""Helpers for the quantization tests: build a model through the real loader (with a
+quantization method chosen by the registry, as the engine does) and run one prefill forward
+over a prompt, returning every position's logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention_backends.interface import BatchLayout
+from engine.attention_backends.torch_ref import TorchReferenceBackend
+from engine.config import ModelConfig
+from engine.loader import load_hf_config, load_model
+from engine.plugins import PluginManager
+from engine.quantization import QuantizationSpec, checkpoint_quantization_config
+
+PROMPT = [5, 9, 11, 40, 3, 7, 100, 23, 57, 81, 12, 200, 33, 64, 2, 19, 150, 77, 45, 8, 99, 31]
+BLOCK = 4
+
+
+def cpu_kernels() -> Any:
+    return PluginManager.from_env().kernel_registry().resolve("cpu")
+
+
+def build(
+    model_dir: str | Path,
+    quantization: str | None = None,
+    dtype: str = "float32",
+    load_format: str = "auto",
+    activation_quant: bool | None = None,
+    kernels: Any = None,
+) -> tuple[torch.nn.Module, Any]:
+    """(model, quant_config) loaded on the CPU; ``activation_quant`` forces FP8/INT8 W8A8 (True)
+    or weight-only (False) instead of the device's choice."""
+    pm = PluginManager.from_env()
+    kernels = kernels or pm.kernel_registry().resolve("cpu")
+    config = ModelConfig(model=str(model_dir), dtype=dtype, load_format=load_format)
+    hf = load_hf_config(config)
+    spec = QuantizationSpec(platform="cpu", device_type="cpu", dtype=dtype, kernels=kernels)
+    quant = pm.quantization_methods().resolve(
+        quantization, checkpoint_quantization_config(hf), spec
+    )
+    if quant is not None and activation_quant is not None:
+        quant.activation_quant = activation_quant
+    model = load_model(config, kernels, TorchReferenceBackend, quant_config=quant)
+    return model, quant
+
+
+def prefill_logits(model: torch.nn.Module, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """float32 logits ``[len(prompt), vocab]`` of one prefill of ``prompt``."""
+    t = len(prompt)
+    blocks = -(-t // BLOCK)
+    dtype = model.model.embed_tokens.weight.dtype
+    for layer in model.attention_layers():
+        shape = TorchReferenceBackend.kv_cache_shape(
+            blocks, BLOCK, layer.num_kv_heads, layer.head_size
+        )
+        layer.kv_cache = torch.zeros(shape, dtype=dtype)
+    layout = BatchLayout([t], [t], [list(range(blocks))], list(range(t)), BLOCK, 0)
+    md = TorchReferenceBackend.build_metadata(layout, torch.device("cpu"))
+    with torch.inference_mode():
+        hidden = model(torch.tensor(prompt), torch.arange(t), [md])
+        return model.compute_logits(hidden).float()
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, atol: float, margin: float | None = None):
+    """Assert ``|got - want| <= atol`` everywhere, and that the greedy token agrees at every
+    position where ``want``'s top two logits are more than ``margin`` (default ``2 * atol``)
+    apart. Returns (max, mean) absolute difference."""
+    diff = (got - want).abs()
+    assert float(diff.max()) <= atol, f"max |logit diff| {float(diff.max()):.3g} > {atol}"
+    top2 = want.topk(2, dim=-1).values
+    separated = (top2[:, 0] - top2[:, 1]) > (2 * atol if margin is None else margin)
+    assert bool(separated.any()), "no position with well-separated logits to compare tokens on"
+    assert torch.equal(got.argmax(-1)[separated], want.argmax(-1)[separated])
+    return float(diff.max()), float(diff.mean())

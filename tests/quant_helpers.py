@@ -31,20 +31,24 @@ def build(
     load_format: str = "auto",
     activation_quant: bool | None = None,
     kernels: Any = None,
+    device: str = "cpu",
 ) -> tuple[torch.nn.Module, Any]:
-    """(model, quant_config) loaded on the CPU; ``activation_quant`` forces FP8/INT8 W8A8 (True)
-    or weight-only (False) instead of the device's choice."""
+    """(model, quant_config) loaded on ``device``; ``activation_quant`` forces FP8/INT8 W8A8
+    (True) or weight-only (False) instead of the device's choice. ``kernels`` default to the
+    platform's (``cpu`` or ``cuda``); on a GPU the method's reasons are not checked, so a test
+    may run the torch references there on purpose."""
     pm = PluginManager.from_env()
-    kernels = kernels or pm.kernel_registry().resolve("cpu")
+    platform = "cpu" if device == "cpu" else "cuda"
+    kernels = kernels or pm.kernel_registry().resolve(platform)
     config = ModelConfig(model=str(model_dir), dtype=dtype, load_format=load_format)
     hf = load_hf_config(config)
-    spec = QuantizationSpec(platform="cpu", device_type="cpu", dtype=dtype, kernels=kernels)
+    spec = QuantizationSpec(platform=platform, device_type=platform, dtype=dtype)
     quant = pm.quantization_methods().resolve(
         quantization, checkpoint_quantization_config(hf), spec
     )
     if quant is not None and activation_quant is not None:
         quant.activation_quant = activation_quant
-    model = load_model(config, kernels, TorchReferenceBackend, quant_config=quant)
+    model = load_model(config, kernels, TorchReferenceBackend, device, quant_config=quant)
     return model, quant
 
 
@@ -52,17 +56,18 @@ def prefill_logits(model: torch.nn.Module, prompt: list[int] = PROMPT) -> torch.
     """float32 logits ``[len(prompt), vocab]`` of one prefill of ``prompt``."""
     t = len(prompt)
     blocks = -(-t // BLOCK)
-    dtype = model.model.embed_tokens.weight.dtype
+    weight = model.model.embed_tokens.weight
     for layer in model.attention_layers():
         shape = TorchReferenceBackend.kv_cache_shape(
             blocks, BLOCK, layer.num_kv_heads, layer.head_size
         )
-        layer.kv_cache = torch.zeros(shape, dtype=dtype)
+        layer.kv_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
     layout = BatchLayout([t], [t], [list(range(blocks))], list(range(t)), BLOCK, 0)
-    md = TorchReferenceBackend.build_metadata(layout, torch.device("cpu"))
+    md = TorchReferenceBackend.build_metadata(layout, weight.device)
     with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), torch.arange(t), [md])
-        return model.compute_logits(hidden).float()
+        ids = torch.tensor(prompt, device=weight.device)
+        hidden = model(ids, torch.arange(t, device=weight.device), [md])
+        return model.compute_logits(hidden).float().cpu()
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, atol: float, margin: float | None = None):

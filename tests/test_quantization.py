@@ -352,3 +352,34 @@ def test_fused_modules_must_be_quantized_alike():
         ColumnParallelLinear(
             64, [64, 64, 64], ctx=_ctx(0, 1, config), prefix="model.layers.0.self_attn.qkv_proj"
         )
+
+
+# ---- benchmark inputs -----------------------------------------------------------------------------
+def test_the_mixed_workload_is_fixed_by_its_seed():
+    """Both engines are measured on the same 512 requests (tests/gpu/vllm_peer_mixed.py feeds
+    them to the vLLM kit): lengths and token ids depend on the seed alone."""
+    from engine.benchmarks.workload import MIXED_SYSTEM_PROMPT_LEN, mixed_workload
+
+    a, b = mixed_workload(512, 128256, 0), mixed_workload(512, 128256, 0)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert (a.input_tokens, a.output_tokens) == (446457, 189280)
+    from collections import Counter
+
+    prefixes = Counter(tuple(p[:MIXED_SYSTEM_PROMPT_LEN]) for p in a.prompts)
+    shared = [n for _, n in prefixes.most_common(4)]
+    assert len(shared) == 4 and min(shared) > 50  # four system prompts, each often reused
+    assert mixed_workload(512, 128256, 1).prompts != a.prompts
+
+
+def test_the_awq_shape_writes_its_quantization_config(tmp_path):
+    import json
+
+    from engine.benchmarks.workload import write_builtin_model
+
+    path = write_builtin_model("llama3-8b-awq", str(tmp_path))
+    config = json.loads((tmp_path / "llama-3.1-8b-awq" / "config.json").read_text())
+    assert path.endswith("llama-3.1-8b-awq")
+    assert config["quantization_config"]["quant_method"] == "awq"
+    assert isinstance(
+        QuantizationRegistry().resolve(None, config["quantization_config"], CPU), AWQConfig
+    )

@@ -245,11 +245,15 @@ class TritonWNA16Linear:
         perm: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
-        n, k = qweight.shape
+        # Scales travel with the weights: 2 bytes each where that is exact (checkpoints store
+        # float16; the loader holds them in float32), zero points as float16 integers.
+        scale_dtype = scales.dtype
+        if scale_dtype == torch.float32 and torch.equal(scales.half().float(), scales):
+            scale_dtype = torch.float16
         packed = {
             "qweight": pack_int32(qweight.t().contiguous(), bits, dim=0),  # [K / p, N]
-            "scales": scales.t().contiguous(),  # [K / group, N]
-            "zeros": zeros.t().to(scales.dtype).contiguous(),
+            "scales": scales.t().to(scale_dtype).contiguous(),  # [K / group, N]
+            "zeros": zeros.t().to(scale_dtype).contiguous(),
         }
         if perm is not None:
             packed["perm"] = perm.to(torch.int32).contiguous()

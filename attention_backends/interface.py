@@ -37,6 +37,7 @@ class AttentionSpec:
     block_size: int | None = None
     sliding_window: bool = False
     logit_softcap: bool = False
+    kv_cache_dtype: str | None = None  # "auto" (the model dtype) | "fp8" (e4m3, scaled)
 
 
 @dataclass
@@ -91,6 +92,11 @@ class AttentionBackend(ABC):
     # metadata's tensors (never from its Python numbers or host lists beyond the batch size), so
     # the model runner may capture it in a CUDA graph and replay it with new tensors.
     supports_decode_graphs: ClassVar[bool] = False
+    # KV-cache element types the backend reads and writes (``--kv-cache-dtype``): "auto" is the
+    # model dtype; "fp8" stores e4m3 values of ``key / k_scale`` and ``value / v_scale`` (the
+    # layer's ``k_scale`` / ``v_scale``, 1.0 unless the checkpoint gives them), as the reference
+    # ``write_kv_cache`` does, and multiplies them back when attending.
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -129,6 +135,12 @@ class AttentionBackend(ABC):
             reasons.append("sliding-window attention not supported")
         if spec.logit_softcap and not cls.supports_logit_softcap:
             reasons.append("logit soft-capping not supported")
+        kv = spec.kv_cache_dtype
+        if kv not in (None, "auto") and kv not in cls.supported_kv_cache_dtypes:
+            reasons.append(
+                f"KV-cache dtype {kv} not supported "
+                f"(supported: {', '.join(cls.supported_kv_cache_dtypes)})"
+            )
         return reasons
 
     @classmethod
@@ -144,6 +156,8 @@ class AttentionBackend(ABC):
         """Copy whole blocks ``src[i] -> dst[i]`` (int64 tensors on the cache's device) inside
         one layer's cache, keys and values (copy-on-write). Override with ``kv_cache_shape``
         when the block dim is not dim 1."""
+        if kv_cache.element_size() == 1 and kv_cache.is_floating_point():
+            kv_cache = kv_cache.view(_uint8())  # FP8: copied as bytes (portable)
         kv_cache[:, dst] = kv_cache[:, src]
 
     @classmethod
@@ -189,6 +203,9 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # Per-layer scales of an FP8 KV cache (the loader sets them from the checkpoint).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @abstractmethod
     def forward(
@@ -202,3 +219,9 @@ class AttentionBackend(ABC):
         """Write ``key``/``value`` ([T, num_kv_heads, head_size]) into ``kv_cache`` at
         ``metadata.slot_mapping``, then attend ``query`` ([T, num_heads, head_size]) over each
         request's cached context. Returns [T, num_heads, head_size] in the query's dtype."""
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8

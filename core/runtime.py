@@ -93,6 +93,7 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
         sliding_window=bool(getattr(text, "sliding_window", None))
         and getattr(text, "use_sliding_window", True) is not False,
         logit_softcap=bool(getattr(text, "attn_logit_softcapping", None)),
+        kv_cache_dtype=config.cache.cache_dtype,
     )
 
 

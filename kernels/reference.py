@@ -130,8 +130,12 @@ def write_kv_cache(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, to_cache_dtype(key, kv_cache.dtype, k_scale))
-    flat[1].index_copy_(0, slot_mapping, to_cache_dtype(value, kv_cache.dtype, v_scale))
+    k = to_cache_dtype(key, kv_cache.dtype, k_scale)
+    v = to_cache_dtype(value, kv_cache.dtype, v_scale)
+    if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no FP8 kernels: copy the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

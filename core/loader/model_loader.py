@@ -243,6 +243,55 @@ def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]
     return kept
 
 
+# Checkpoint names of FP8 KV-cache scales (compressed-tensors' kv_cache_scheme, fp8 exports):
+# suffix -> (how many module levels up the attention block is, which scales it sets).
+_KV_SCALE_SUFFIXES = {
+    ".k_scale": (1, "k"),
+    ".v_scale": (1, "v"),
+    ".kv_scale": (1, "kv"),
+    ".k_proj.output_scale": (2, "k"),
+    ".v_proj.output_scale": (2, "v"),
+}
+
+
+def _kv_scale_target(name: str) -> tuple[str, str] | None:
+    """(module holding the layer's attention, "k"/"v"/"kv") for a KV-cache scale tensor name
+    (``model.layers.3.self_attn.k_scale``, ``...self_attn.k_proj.k_scale``), else None."""
+    for suffix, (_, which) in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            head = name[: -len(suffix)]
+            if head.endswith((".k_proj", ".v_proj")) and suffix in (".k_scale", ".v_scale"):
+                head = head.rsplit(".", 1)[0]
+            return head, which
+    return None
+
+
+def _load_kv_scales(model: nn.Module, files: list[Path], names: set[str]) -> None:
+    """Set each attention layer's FP8 KV-cache scales from the checkpoint (they are used when
+    the cache is FP8, ``--kv-cache-dtype fp8``; 1.0 where a checkpoint has none)."""
+    from engine.layers.attention import Attention
+
+    for name, tensor in iter_safetensors(files, names=names):
+        head, which = _kv_scale_target(name)  # type: ignore[misc]
+        try:
+            block = model.get_submodule(head)
+        except AttributeError:
+            block = None
+        layers = [m for m in block.modules() if isinstance(m, Attention)] if block else []
+        if len(layers) != 1 or tensor.numel() != 1:
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r}: a KV-cache scale needs one element and one "
+                f"attention layer under {head!r}"
+            )
+        value = float(tensor.float().reshape(()))
+        if not value > 0:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: KV-cache scale {value} is not > 0")
+        for part in which:
+            setattr(layers[0].impl, f"{part}_scale", value)
+    if names:
+        logger.info("FP8 KV-cache scales from the checkpoint for %d tensors", len(names))
+
+
 def _init_dummy(model: nn.Module, seed: int) -> None:
     """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales; a linear
     layer's quantization method fills its own parameters (random packed values, positive
@@ -313,6 +362,7 @@ def load_model(
         process_weights_after_loading(model)
         return model.eval()
 
+    kv_scales: set[str] = set()
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
 
@@ -323,6 +373,8 @@ def load_model(
     else:
         files = safetensors_files(path)
         shapes = _drop_skipped(model_cls, safetensors_shapes(files))
+        kv_scales = {name for name in shapes if _kv_scale_target(name) is not None}
+        shapes = {name: shape for name, shape in shapes.items() if name not in kv_scales}
         _validate_checkpoint(model_cls, ctx, shapes)
         present = set(shapes)
         progress = tqdm(
@@ -340,6 +392,8 @@ def load_model(
     missing = _required_parameters(model) - loaded
     if missing:
         raise ModelLoadError(_missing_message(model, missing, present or set()))
+    if kv_scales:
+        _load_kv_scales(model, files, kv_scales)
     process_weights_after_loading(model)
     return model.eval()
 

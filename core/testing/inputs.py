@@ -84,7 +84,16 @@ def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tu
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:6].to(torch.int64)
         slots[3] = -1  # a padding token: must not be written
         cache = randn(2, num_blocks, block_size, kv_heads, head)
-        return [("T6-pad", (randn(6, kv_heads, head), randn(6, kv_heads, head), cache, slots))]
+        cases = [("T6-pad", (randn(6, kv_heads, head), randn(6, kv_heads, head), cache, slots))]
+        # An FP8 cache with per-layer scales: values e4m3-exact after the (power-of-two)
+        # scaling, some past +-448 to check saturation.
+        k = (_fp8_rows(6, kv_heads * head, gen).float() * 2.0**-3).view(6, kv_heads, head)
+        v = (_fp8_rows(6, kv_heads * head, gen).float() * 2.0**-2).view(6, kv_heads, head)
+        v[0, 0, :4] = 1000.0
+        fp8_cache = torch.zeros(2, num_blocks, block_size, kv_heads, head).to(torch.float8_e4m3fn)
+        args = (k.to(dtype), v.to(dtype), fp8_cache, slots.clone(), 2.0**-3, 2.0**-2)
+        cases.append(("T6-pad-fp8-scaled", args))
+        return cases
     if name == "linear":
         # Decode-sized (the Triton override's skinny kernel) and prefill-sized rows; odd sizes.
         cases = []

@@ -20,9 +20,10 @@ from engine.testing.inputs import _fp8_rows, _pow2  # noqa: E402
 
 
 def _impls():
-    from engine_triton.kernels import fp8_linear, int8_linear, wna16_linear
+    from engine_triton.kernels import fp8_linear, int8_linear, kv_cache, wna16_linear
 
     return {
+        "write_kv_cache": kv_cache.write_kv_cache,  # its cases include an FP8 cache
         "fp8_linear": fp8_linear.fp8_linear,
         "fp8_block_linear": fp8_linear.fp8_block_linear,
         "int8_linear": int8_linear.int8_linear,
@@ -31,7 +32,9 @@ def _impls():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("name", ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear"])
+@pytest.mark.parametrize(
+    "name", ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "write_kv_cache"]
+)
 def test_conformance_cases(name, dtype, device):
     checks.check_kernel(name, _impls()[name], torch.device(device), dtype)
 

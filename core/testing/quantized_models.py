@@ -123,6 +123,29 @@ def _quantize_checkpoint(
     return out_path, ref_path
 
 
+def input_ranges(src: str | Path, prompt: list[int]) -> dict[str, tuple[float, float]]:
+    """(min, max) of every projection's input over one forward of ``prompt`` through the
+    float model in ``src`` (transformers): calibration for static activation scales."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    ranges: dict[str, tuple[float, float]] = {}
+
+    def hook(name: str):
+        def record(module, args):
+            x = args[0]
+            ranges[name] = (float(x.min()), float(x.max()))
+
+        return record
+
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
+            module.register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        model(torch.tensor([prompt]))
+    return ranges
+
+
 # ---- integer round-to-nearest with groups ------------------------------------------------------
 def rtn_groups(
     w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor | None = None
@@ -298,10 +321,12 @@ def write_fp8(
     block: tuple[int, int] | None = None,
     activation_scheme: str = "dynamic",
     input_scale: float = 0.02,
+    calibration: list[int] | None = None,
 ) -> tuple[Path, Path | None]:
     """A checkpoint in the ``fp8`` format: per-tensor scales (``weight_scale``, and a static
-    ``input_scale`` with ``activation_scheme="static"``) or ``block`` scales
-    (``weight_scale_inv``)."""
+    ``input_scale`` with ``activation_scheme="static"``: ``input_scale``, or each input's
+    largest magnitude over ``calibration`` / 448) or ``block`` scales (``weight_scale_inv``)."""
+    ranges = input_ranges(src, calibration) if calibration else {}
 
     def quantize(w: torch.Tensor, module: str):
         if block is None:
@@ -309,7 +334,9 @@ def write_fp8(
             q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             tensors = {"weight": q, "weight_scale": scale.float().reshape(())}
             if activation_scheme == "static":
-                tensors["input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
+                lo, hi = ranges.get(module, (-input_scale * FP8_MAX, input_scale * FP8_MAX))
+                value = max(abs(lo), abs(hi)) / FP8_MAX
+                tensors["input_scale"] = torch.tensor(value, dtype=torch.float32)
             return tensors, q.float() * scale
         bn, bk = block
         n, k = w.shape
@@ -418,6 +445,7 @@ def write_compressed_tensors(
     input_scale: float = 0.02,
     input_zero_point: int = 4,
     dtype: torch.dtype = torch.bfloat16,
+    calibration: list[int] | None = None,
 ) -> Path:
     """A compressed-tensors checkpoint of the model in ``src`` (see ``ct_scheme``), its
     weights' scales from their min/max (``calculate_qparams``), static activation scales set
@@ -425,7 +453,10 @@ def write_compressed_tensors(
     the library.
 
     The zero point is even by default: the library fake-quantizes ``round(x / s + z)``, vLLM and
-    the engine ``round(x / s) + z``, which differ at exact ties when ``z`` is odd."""
+    the engine ``round(x / s) + z``, which differ at exact ties when ``z`` is odd. With
+    ``calibration`` (a prompt) the static scales and zero points come from each input's range
+    over one forward of it instead (the zero point then rounded to even)."""
+    ranges = input_ranges(src, calibration) if calibration else {}
     from compressed_tensors.compressors.model_compressors.model_compressor import (
         ModelCompressor,
     )
@@ -443,7 +474,7 @@ def write_compressed_tensors(
     )
     apply_quantization_config(model, config)
     with torch.no_grad():
-        for _, module in model.named_modules():
+        for name, module in model.named_modules():
             scheme_ = getattr(module, "quantization_scheme", None)
             if scheme_ is None:
                 continue
@@ -468,10 +499,22 @@ def write_compressed_tensors(
                 module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype).reshape(
                     module.weight_zero_point.shape
                 )
+            scale, zp = input_scale, input_zero_point
+            if name in ranges and hasattr(module, "input_scale"):
+                lo, hi = ranges[name]
+                a_args = scheme_.input_activations
+                if a_args.type == "float":
+                    scale, zp = max(abs(lo), abs(hi)) / FP8_MAX, 0
+                elif a_args.symmetric:
+                    scale, zp = max(abs(lo), abs(hi)) / 127.0, 0
+                else:
+                    lo, hi = min(lo, 0.0), max(hi, 0.0)
+                    scale = (hi - lo) / 255.0
+                    zp = int(round((-128 - lo / scale) / 2)) * 2
             if hasattr(module, "input_scale"):
-                module.input_scale.data.fill_(input_scale)
+                module.input_scale.data.fill_(scale)
             if hasattr(module, "input_zero_point"):
-                module.input_zero_point.data.fill_(input_zero_point)
+                module.input_zero_point.data.fill_(zp)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=CT_FORMATS[kind])
     compressor.compress_model(model)
     out = Path(out)

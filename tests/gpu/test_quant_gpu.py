@@ -111,17 +111,18 @@ def test_int8_linear(m, seed):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    from engine.testing.tiny_models import build_tokenizer, save_tiny_model
+    """A tiny Llama with decisive greedy tokens (build_tiny_model widens the weights); sizes
+    that 128-wide groups and 128x128 FP8 blocks divide."""
+    from engine.testing.tiny_models import build_tiny_model
 
-    path = save_tiny_model(
-        "llama",
+    return build_tiny_model(
         tmp_path_factory.mktemp("src"),
+        "llama",
         hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
         intermediate_size=512,
-        initializer_range=0.05,
     )
-    build_tokenizer(path)
-    return path
 
 
 def _checkpoint(fmt, src, tmp_path):

@@ -331,7 +331,8 @@ def fp8_skinny(
 
 
 # ---- larger batches: the tiled GEMM ------------------------------------------------------------
-@triton.jit
+# M changes from step to step: not specialized (one compiled variant for every batch size).
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     a_ptr,
     as_ptr,

@@ -131,7 +131,8 @@ def _wna16_skinny_kernel(
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+# M changes from step to step: not specialized (one compiled variant for every batch size).
+@triton.jit(do_not_specialize=["M"])
 def _wna16_gemm_kernel(
     x_ptr,
     q_ptr,

@@ -194,10 +194,26 @@ class ModelRunner:
         return n
 
     def weights_bytes(self) -> int:
-        """Bytes held by the model's parameters and buffers."""
+        """Bytes held by the model's parameters and buffers, and by the weights the CPU's
+        oneDNN prepacking keeps outside them (``packed_weight``), each storage once."""
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors += [
+            m.packed_weight
+            for m in self.model.modules()
+            if isinstance(getattr(m, "packed_weight", None), torch.Tensor)
+        ]
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            if t.is_mkldnn:  # an opaque oneDNN tensor: no storage pointer to share
+                total += t.numel() * t.element_size()
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
 
     # ---- KV-cache layout -------------------------------------------------------------------
     def kv_cache_groups(self) -> list[int | None]:

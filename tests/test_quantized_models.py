@@ -128,6 +128,21 @@ def test_w8a8_matches_transformers_on_the_compressed_tensors_checkpoint(kind, ct
     compare(prefill_logits(model), want, W8A8_VS_HF_ATOL)
 
 
+@pytest.mark.parametrize("kind", ["w4a16", "w8a16", "fp8_weight_only"])
+def test_weight_only_compressed_tensors_match_transformers(kind, ct_checkpoints):
+    """transformers 5.24 loads symmetric pack-quantized and FP8 weight-only checkpoints on the
+    CPU and decompresses them (its asymmetric pack-quantized loading fails on the packed zero
+    points' shape, so those are checked against the library's decompression above)."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt, _ = ct_checkpoints(kind)
+    model, _ = build(ckpt)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].float()
+    compare(prefill_logits(model), want, WEIGHT_ONLY_ATOL)
+
+
 def test_int8_dynamic_w8a8_matches_the_reference_with_quantized_activations(ct_checkpoints):
     """Dynamic INT8 W8A8 against the dequantized reference whose every linear layer first
     rounds its input per token to int8 at scale amax / 127 (vLLM's convention)."""

@@ -1,7 +1,7 @@
 """Quantization on the CPU: logit error per method on a tiny random model, and memory and
 batch-1 decode speed per method on a mid-size dummy model.
 
-``python -m engine.benchmarks.quant_cpu [--quality] [--memory] [--json FILE]``
+``python -m engine.benchmarks.quant_cpu [--quality] [--kernels] [--memory] [--json FILE]``
 
 * ``--quality``: a random Llama (hidden 256, 4 layers, float32) is quantized by every writer of
   ``engine.testing.quantized_models``; for each method the prefill logits of a 64-token prompt
@@ -9,6 +9,8 @@ batch-1 decode speed per method on a mid-size dummy model.
   dequantized weights: kernel and format correctness) and with the *original* float model (the
   quantization error itself), as max and mean absolute differences, plus the share of
   positions whose greedy token matches the original's.
+* ``--kernels``: one projection (8192 x 2048 and 2048 x 8192) at M = 1 and 16, milliseconds per
+  call for bf16 (plain and oneDNN-prepacked) and each quantized CPU path.
 * ``--memory``: a Llama-shaped model of about 1.1B parameters (hidden 2048, 16 layers, MLP
   8192) with dummy weights, one fresh process per method: the weights as held, the process RSS
   once the engine is ready, and batch-1 decode tokens/s (``engine bench latency``'s
@@ -221,14 +223,80 @@ def memory(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+# ---- one layer, kernel by kernel -----------------------------------------------------------------
+KERNEL_SHAPES = {"up (N 8192, K 2048)": (8192, 2048), "down (N 2048, K 8192)": (2048, 8192)}
+
+
+def _layer_rows(label: str, n: int, k: int, best: Any) -> list[dict[str, Any]]:
+    """The kernel timings of one projection shape (see ``kernels``)."""
+    import torch
+
+    from engine.layers.cpu_packed_linear import _pack, _packed_matmul, packing_supported
+    from engine_cpu import quantized as cpu
+
+    w = torch.randn(n, k) * 0.02
+    wb = w.to(torch.bfloat16)
+    packed_bf16 = _pack(wb) if packing_supported(torch.bfloat16, torch.device("cpu")) else None
+    w8 = (w / (w.abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn)
+    s8 = torch.rand(n) * 1e-3
+    wi8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    sc = (torch.rand(n, k // 128) * 0.01).half()
+    zr = torch.full((n, k // 128), 8, dtype=torch.uint8)
+    p4 = cpu.wna16_linear.prepack(q4, sc, zr, bits=4, group_size=128, dtype=torch.bfloat16)
+    q8 = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    z8 = torch.full((n, 1), 128, dtype=torch.uint8)
+    p8 = cpu.wna16_linear.prepack(
+        q8, torch.rand(n, 1).half(), z8, bits=8, group_size=k, dtype=torch.bfloat16
+    )
+    rows = []
+    for m in (1, 16):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        ops = {
+            "bf16 F.linear": lambda x=x: torch.nn.functional.linear(x, wb),
+            "int4 g128 (int4pack)": lambda x=x: cpu.wna16_linear(x, p4, bits=4, group_size=128),
+            "int8 per-channel (int8pack)": lambda x=x: cpu.wna16_linear(
+                x, p8, bits=8, group_size=k
+            ),
+            "int8 W8A8 (_int_mm)": lambda x=x: cpu.int8_linear(x, wi8, s8),
+            "fp8 weight-only": lambda x=x: cpu.fp8_linear(x, w8, s8, None, None, False),
+        }
+        if packed_bf16 is not None:
+            ops["bf16 oneDNN-packed"] = lambda x=x: _packed_matmul(packed_bf16, None, x, n)
+        rows.append({"layer": label, "m": m, **{name: best(op) for name, op in ops.items()}})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def kernels(reps: int = 15) -> list[dict[str, Any]]:
+    """Milliseconds per call (the minimum of ``reps``, which a shared machine disturbs least)
+    of one projection at M = 1 and 16, bf16 activations, for each CPU weight format."""
+    import time
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return round(min(times) * 1e3, 3)
+
+    rows = []
+    for label, (n, k) in KERNEL_SHAPES.items():
+        rows += _layer_rows(label, n, k, best)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quality", action="store_true")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if not (args.quality or args.memory):
-        args.quality = args.memory = True
+    if not (args.quality or args.memory or args.kernels):
+        args.quality = args.memory = args.kernels = True
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -243,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if args.memory:
             results["memory"] = memory(root / "memory")
+        if args.kernels:
+            results["kernels"] = kernels()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -106,12 +106,32 @@ def test_an_accelerator_without_real_kernels_is_refused_never_dequantized():
     assert AWQConfig.supports(cpu) == []
 
 
-def test_fp8_w8a8_needs_sm89_else_weight_only(caplog):
-    for capability, w8a8 in (((9, 0), True), ((8, 9), True), ((8, 0), False)):
+def test_fp8_is_w8a8_from_sm89_weight_only_on_the_cpu_and_refused_on_older_gpus(caplog):
+    for capability in ((9, 0), (8, 9)):
         spec = QuantizationSpec(platform="cuda", device_type="cuda", capability=capability)
-        config = QuantizationRegistry().resolve("fp8", None, spec)
-        assert config.activation_quant is w8a8
-        assert ("weight-only" in caplog.text) is not w8a8 or capability != (8, 0)
+        assert QuantizationRegistry().resolve("fp8", None, spec).activation_quant
+    assert "weight-only" not in caplog.text
+    assert not QuantizationRegistry().resolve("fp8", None, CPU).activation_quant
+    assert "the CPU has no FP8 arithmetic, so FP8 weights are multiplied weight-only" in caplog.text
+    old_gpu = QuantizationSpec(platform="cuda", device_type="cuda", capability=(8, 0))
+    with pytest.raises(QuantizationError, match=r"FP8 kernels need CUDA sm_89 or newer.*sm_80"):
+        QuantizationRegistry().resolve("fp8", None, old_gpu)
+    rocm = QuantizationSpec(platform="rocm", device_type="cuda", capability=(9, 4))
+    assert any("not rocm" in r for r in Fp8Config.supports(rocm))
+    # An INT8 compressed-tensors checkpoint still runs on the older GPU.
+    int8 = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {
+            "g": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                "input_activations": {
+                    "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True
+                },
+            }
+        },
+    }  # fmt: skip
+    assert QuantizationRegistry().resolve(None, int8, old_gpu) is not None
 
 
 def test_a_name_registered_twice_is_an_error():

@@ -43,7 +43,12 @@ from engine.quantization.base import (
     QuantizationSpec,
     matches_module,
 )
-from engine.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod, fp8_w8a8_reasons
+from engine.quantization.fp8 import (
+    Fp8BlockLinearMethod,
+    Fp8LinearMethod,
+    fp8_device_reasons,
+    fp8_w8a8_reasons,
+)
 from engine.quantization.int8 import Int8LinearMethod
 from engine.quantization.utils import add_param, fill_random_bits, pack_int32, unpack_int32
 from engine.quantization.wna16 import SUPPORTED_GROUP_SIZES, WNA16LinearMethod
@@ -355,6 +360,12 @@ class CompressedTensorsConfig(QuantizationConfig):
                     "8-bit float, per tensor)"
                 )
         return cls(schemes, list(config.get("ignore") or []), kv)
+
+    def check(self, spec: QuantizationSpec) -> list[str]:
+        reasons = super().check(spec)
+        if any(s.kind in ("fp8", "fp8_block") for s in self.schemes):
+            reasons += fp8_device_reasons(spec)
+        return reasons
 
     def used_kernels(self) -> tuple[str, ...]:
         return tuple(sorted({k for s in self.schemes for k in s.kernels()}))

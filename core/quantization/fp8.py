@@ -9,9 +9,10 @@ slices' static scales are requantized to their maximum, since the slices share o
 ``Fp8BlockLinearMethod`` keeps the checkpoint's ``[ceil(N / 128), ceil(K / 128)]`` block
 scales; its activations are quantized per token and 128-wide group.
 
-W8A8 needs FP8 arithmetic (CUDA compute capability 8.9+). Elsewhere — the CPU, older GPUs —
-the same weights are multiplied weight-only (activations unquantized; on GPUs still an FP8-weight
-kernel, never a dequantized copy), and the log says so (``Fp8Config.bind``).
+W8A8 needs FP8 arithmetic (CUDA compute capability 8.9+, where every FP8 method runs W8A8). On
+the CPU the same weights are multiplied weight-only (activations unquantized), and the log says
+so (``Fp8Config.bind``). GPUs without e4m3 conversion (CUDA before sm_89, ROCm) are refused
+with that reason rather than served by a dequantized copy.
 
 The ``fp8`` checkpoint format (config.json ``quantization_config``)::
 
@@ -71,6 +72,23 @@ def fp8_w8a8_reasons(spec: QuantizationSpec) -> list[str]:
         return [f"FP8 W8A8 kernels are only wired for CUDA, not {spec.platform}"]
     if not spec.has_capability(FP8_W8A8_CAPABILITY):
         return [f"FP8 tensor cores need sm_89 or newer (the device: {spec.capability})"]
+    return []
+
+
+def fp8_device_reasons(spec: QuantizationSpec) -> list[str]:
+    """Why FP8 weights cannot run at all on ``spec``: the GPU kernels convert e4m3 with the
+    hardware (Triton's fp8e4nv), which CUDA has from sm_89; ROCm's FP8 (e4m3fnuz) is not wired.
+    (The CPU always can, weight-only.)"""
+    if spec.device_type in (None, "cpu"):
+        return []
+    if spec.platform != "cuda":
+        return [f"FP8 (e4m3fn) kernels are wired for CUDA sm_89+ and the CPU, not {spec.platform}"]
+    if spec.capability is not None and not spec.has_capability(FP8_W8A8_CAPABILITY):
+        return [
+            f"FP8 kernels need CUDA sm_89 or newer (the device is "
+            f"sm_{spec.capability[0]}{spec.capability[1]}); a weight-only path for older GPUs "
+            "(e4m3 converted by bit shifts, as Marlin does) is not written yet"
+        ]
     return []
 
 
@@ -299,6 +317,10 @@ class Fp8Config(QuantizationConfig):
             weight_block_size=block,
             ignored_layers=ignored,
         )
+
+    @classmethod
+    def supports(cls, spec: QuantizationSpec, kernel_names=None) -> list[str]:
+        return super().supports(spec, kernel_names) + fp8_device_reasons(spec)
 
     def used_kernels(self) -> tuple[str, ...]:
         return ("fp8_block_linear",) if self.weight_block_size else ("fp8_linear",)

@@ -13,7 +13,8 @@ Three kernels:
   workspace). x is e4m3 with a per-row scale (W8A8) or the activation dtype (weight-only); the
   weight scale (per channel) and the row scale multiply the float32 sum once at the end.
 * ``_fp8_gemm_kernel`` — tiled GEMM on the tensor cores for larger M: e4m3 x e4m3 products
-  (W8A8, sm_89+) or the weight tile converted to the activation dtype (weight-only, any GPU).
+  (W8A8) or the weight tile converted to the activation dtype (weight-only checkpoints). Both
+  need Triton's e4m3 conversion: CUDA sm_89+ (the quantization methods refuse older GPUs).
   With ``BLOCK_SCALED`` each K tile's partial product is scaled by its activation group's and
   weight block's scales before it is accumulated (DeepSeek-style 128x128 blocks).
 

@@ -64,7 +64,9 @@ INT8 = {
     },
     "ignore": ["lm_head"],
 }
-# method label -> (quantization_config for config.json, --quantization)
+# method label -> (quantization_config for config.json, --quantization). FP8 runs weight-only
+# on the CPU, converting every weight per call: its decode speed is not measured (see
+# ``--kernels`` for one layer).
 MEMORY_METHODS: dict[str, tuple[dict | None, str | None]] = {
     "bf16": (None, None),
     "fp8 (online, weight-only on CPU)": (None, "fp8"),
@@ -172,7 +174,7 @@ _CHILD = r"""
 import json, sys, time, psutil, torch
 NEW = 9
 from engine import LLM, SamplingParams
-path, quantization = sys.argv[1], (sys.argv[2] or None)
+path, quantization, timed = sys.argv[1], (sys.argv[2] or None), sys.argv[3] == "1"
 t0 = time.perf_counter()
 llm = LLM(model=path, load_format="dummy", dtype="bfloat16", quantization=quantization,
           max_model_len=512, cpu_kv_cache_gb=0.05, max_num_seqs=4)
@@ -181,14 +183,18 @@ runner = llm.llm_engine.runner
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
           for n in (1, NEW)]
 prompt = [{"prompt_token_ids": [10 + (i * 37) % 30000 for i in range(64)]}]
-llm.generate(prompt, params[1], use_tqdm=False)  # warm up
-t = time.perf_counter(); llm.generate(prompt, params[0], use_tqdm=False); pre = time.perf_counter() - t
-t = time.perf_counter(); llm.generate(prompt, params[1], use_tqdm=False); sec = time.perf_counter() - t
+speed = None
+if timed:
+    llm.generate(prompt, params[1], use_tqdm=False)  # warm up
+    t = time.perf_counter(); llm.generate(prompt, params[0], use_tqdm=False)
+    pre = time.perf_counter() - t
+    t = time.perf_counter(); llm.generate(prompt, params[1], use_tqdm=False)
+    speed = round((NEW - 1) / (time.perf_counter() - t - pre), 2)
 print(json.dumps({
     "weights_gib": round(runner.weights_bytes() / 2**30, 3),
     "rss_gib": round(psutil.Process().memory_info().rss / 2**30, 3),
     "ready_s": round(ready, 1),
-    "decode_tok_s": round((NEW - 1) / (sec - pre), 2),
+    "decode_tok_s": speed,
     "quantization": None if runner.quant_config is None else runner.quant_config.describe(),
 }))
 """
@@ -198,6 +204,7 @@ def memory(root: Path) -> list[dict[str, Any]]:
     """Weights, RSS and batch-1 decode speed per method, one fresh process each."""
     rows = []
     for label, (qconfig, flag) in MEMORY_METHODS.items():
+        fp8 = label.startswith("fp8")
         model_dir = root / label.split()[0].replace("/", "-") / str(len(rows))
         model_dir.mkdir(parents=True, exist_ok=True)
         config = dict(MID_SHAPE)
@@ -209,7 +216,7 @@ def memory(root: Path) -> list[dict[str, Any]]:
         build_tokenizer(model_dir)
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
         out = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(model_dir), flag or ""],
+            [sys.executable, "-c", _CHILD, str(model_dir), flag or "", "0" if fp8 else "1"],
             capture_output=True,
             text=True,
             env=env,

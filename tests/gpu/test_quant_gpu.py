@@ -152,10 +152,6 @@ def test_quantized_models_on_the_gpu_match_the_reference_kernels(fmt, source, tm
     """A tiny model on the GPU with engine-triton's kernels against the same model on the GPU
     with the torch reference kernels (W8A8 where the device has FP8): prefill logits within
     bf16 rounding, greedy tokens equal where well separated."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from quant_helpers import build, compare, prefill_logits
 
     from engine.kernels import KernelRegistry

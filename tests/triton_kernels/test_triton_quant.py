@@ -197,14 +197,10 @@ def test_wna16_gemm_for_more_than_16_rows(bits, act_order, device, seed):
 def test_a_tiny_awq_model_runs_on_the_triton_kernels(tmp_path, seed):
     """The engine's AWQ path end to end with engine-triton's wna16_linear (registered for the
     cpu platform so the interpreter runs it) against the torch reference kernels."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from quant_helpers import build, prefill_logits
-
     from engine.kernels import KernelRegistry
     from engine.testing import quantized_models as qm
+    from engine.testing.prefill import build_model as build
+    from engine.testing.prefill import prefill_logits
     from engine.testing.tiny_models import save_tiny_model
     from engine_triton.kernels.wna16_linear import wna16_linear
 

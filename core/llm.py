@@ -47,7 +47,9 @@ class LLM:
     "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
     token ids, outputs carry token ids and empty text, stop strings and chat are refused),
     ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
-    ``engine.cpu_threads``). Unknown keywords are an error that lists them.
+    ``engine.cpu_threads``), ``quantization`` (a method name such as "fp8", "awq", "gptq",
+    "compressed-tensors"; None: the checkpoint's quantization_config decides),
+    ``kv_cache_dtype`` ("auto" or "fp8"). Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -82,6 +84,8 @@ class LLM:
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         skip_tokenizer_init: bool = False,
         cpu_threads: int | None = None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -98,6 +102,7 @@ class LLM:
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
                 skip_tokenizer_init=skip_tokenizer_init,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -105,6 +110,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks=num_gpu_blocks_override,
                 cpu_kv_cache_gb=cpu_kv_cache_gb,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

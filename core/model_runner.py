@@ -144,13 +144,16 @@ class ModelRunner:
         model_registry: ModelRegistry | None = None,
         parallel: ParallelContext | None = None,
         device_index: int = 0,
+        quant_config: Any = None,
     ) -> None:
         """``sampler`` is a ready ``engine.sampler.Sampler``-like object; without one,
         ``sampler_cls(vocab_size, device)`` (default ``engine.sampler.Sampler``) is built once
         the model is loaded. ``plugins`` (a ``PluginManager``) contributes model architectures
         through ``engine_models`` unless ``model_registry`` is given. ``parallel`` is this
         rank's place in a tensor x pipeline parallel replica (one process by default) and
-        ``device_index`` the platform device it runs on."""
+        ``device_index`` the platform device it runs on. ``quant_config`` (an
+        ``engine.quantization.QuantizationConfig``, None: unquantized) picks each linear
+        layer's quantization method."""
         self.config = config
         self.platform = platform
         self.kernels = kernels
@@ -165,6 +168,7 @@ class ModelRunner:
         self.dtype: torch.dtype | None = None  # the model's, once loaded
         self.load_stats = ReadStats()
         self.ranks_on_host = 1  # processes sharing this host's memory (set by a worker)
+        self.quant_config = quant_config
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
         self.num_blocks = 0
@@ -205,6 +209,7 @@ class ModelRunner:
             registry,
             parallel=self.parallel,
             stats=self.load_stats,
+            quant_config=self.quant_config,
         )
         self.dtype = resolve_dtype(self.config.model, self.config.model.hf_config)
         if self.parallel.world_size > 1 and self.load_stats.offered:
@@ -259,10 +264,25 @@ class ModelRunner:
         return n
 
     def weights_bytes(self) -> int:
-        """Bytes held by the model's parameters and buffers."""
+        """Bytes held by the model's parameters and buffers, and by the weights the CPU's
+        oneDNN prepacking keeps outside them (``packed_weight``), each storage once."""
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        total = sum(t.numel() * t.element_size() for t in tensors)
+        tensors += [
+            m.packed_weight
+            for m in self.model.modules()
+            if isinstance(getattr(m, "packed_weight", None), torch.Tensor)
+        ]
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            if t.is_mkldnn:  # an opaque oneDNN tensor: no storage pointer to share
+                total += t.numel() * t.element_size()
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
         if self.proposer is not None and self.proposer.uses_model:
             total += self.proposer.weights_bytes()
         return total
@@ -332,7 +352,11 @@ class ModelRunner:
         )
 
     def _kv_dtype(self) -> torch.dtype:
+        """The cache's element type: e4m3 for ``--kv-cache-dtype fp8`` (half the bytes of
+        bf16, so about twice the tokens in the same memory), else the model's dtype."""
         assert self.model is not None
+        if self.config.cache.cache_dtype == "fp8":
+            return torch.float8_e4m3fn
         # The model's dtype: a pipeline stage's or a quantized model's first parameter may
         # have another one (a float32 norm, packed int4).
         return self.dtype or next(self.model.parameters()).dtype

@@ -96,6 +96,31 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
         sliding_window=bool(getattr(text, "sliding_window", None))
         and getattr(text, "use_sliding_window", True) is not False,
         logit_softcap=bool(getattr(text, "attn_logit_softcapping", None)),
+        kv_cache_dtype=config.cache.cache_dtype,
+    )
+
+
+def resolve_quantization(
+    config: EngineConfig, hf_config: Any, platform: Any, kernels: Any, plugins: Any
+) -> Any:
+    """The model's quantization configuration (None: unquantized), from ``--quantization``
+    and the checkpoint's ``quantization_config``, checked against the device and the kernels
+    bound on it. Raises ``QuantizationError`` (a ``ConfigError``) with what is supported."""
+    from engine.quantization import QuantizationSpec, checkpoint_quantization_config
+
+    capability = None
+    if platform.device_type != "cpu":
+        capability = platform.device_capability(0)
+    spec = QuantizationSpec(
+        platform=platform.name,
+        device_type=platform.device_type,
+        capability=capability,
+        dtype=config.model.dtype,
+        kernels=kernels,
+    )
+    registry = plugins.quantization_methods()
+    return registry.resolve(
+        config.model.quantization, checkpoint_quantization_config(hf_config), spec
     )
 
 
@@ -201,10 +226,16 @@ def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
 
 
 def build_executor(
-    config: EngineConfig, platform: Any, kernels: Any, backend_cls: Any, models: Any
+    config: EngineConfig,
+    platform: Any,
+    kernels: Any,
+    backend_cls: Any,
+    models: Any,
+    quant_config: Any = None,
 ) -> Any:
     """The executor of ``config.parallel``: the model loaded on its workers (in this process
-    for ``uni``)."""
+    for ``uni``). ``quant_config`` is the resolved quantization (``resolve_quantization``);
+    a worker process resolves its own from the same configuration."""
     from engine.executor.base import executor_class
 
     backend = config.parallel.executor_backend
@@ -216,7 +247,15 @@ def build_executor(
 
     text_config = getattr(config.model.hf_config, "text_config", None) or config.model.hf_config
     sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
-    runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
+    runner = ModelRunner(
+        config,
+        platform,
+        kernels,
+        backend_cls,
+        sampler,
+        model_registry=models,
+        quant_config=quant_config,
+    )
     runner.load_model()
     return UniProcExecutor(runner)
 
@@ -261,9 +300,24 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     )
 
     kernels = plugins.kernel_registry().resolve(platform.name)
+    quant_config = resolve_quantization(config, hf_config, platform, kernels, plugins)
     spec = attention_spec_for(hf_config, config, platform)
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
+    if quant_config is not None:
+        from engine.loader.model_loader import check_quantized_layout
+
+        # Before any worker starts or weight is read: the quantized layers can be built, and
+        # sharded over the tensor-parallel ranks (QuantizationError saying why not).
+        check_quantized_layout(
+            config.model,
+            kernels,
+            backend_cls,
+            models,
+            quant_config,
+            config.parallel.tensor_parallel_size,
+            config.parallel.enable_expert_parallel,
+        )
 
     if config.speculative is not None:
         from engine.spec_decode import ProposerRegistry
@@ -278,7 +332,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
             par.pipeline_parallel_size,
             par.executor_backend,
         )
-    executor = build_executor(config, platform, kernels, backend_cls, models)
+    executor = build_executor(config, platform, kernels, backend_cls, models, quant_config)
     try:
         groups = executor.kv_cache_groups()
         # The smallest over the ranks. An unset max_model_len may be lowered to fit a CPU KV

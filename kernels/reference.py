@@ -9,12 +9,16 @@ optional renormalisation) and ``fused_moe`` runs the routed experts (gate/up, Si
 down, weighted sum over the top-k). The reference groups the token/expert pairs by expert with
 one sort and runs one matmul pair per expert that received tokens: no loop over tokens, and
 the weights of experts nobody chose are never read.
-"""
+
+The quantized matmuls (``fp8_linear``, ``fp8_block_linear``, ``int8_linear``,
+``wna16_linear``) are specified in ``engine.kernels.quantized``."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.quantized import QUANTIZED_REFERENCE_KERNELS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,22 +118,51 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter key/value ([T, num_kv_heads, head_size]) into ``kv_cache``
     ([2, num_blocks, block_size, num_kv_heads, head_size]) at ``slot_mapping`` (int64 [T]);
-    negative slots (padding) are skipped. Values are cast to the cache's dtype (an fp8 cache
-    stores them rounded, unscaled)."""
+    negative slots (padding) are skipped.
+
+    An fp8 cache (a float8 dtype; ``float8_e4m3fn`` is ``--kv-cache-dtype fp8``) stores
+    ``key / k_scale`` and ``value / v_scale`` rounded to that dtype and saturated at its
+    largest finite value (+-448 for e4m3); readers multiply back. Other caches store the values
+    cast to their dtype (the scales are not used)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
-    if kv_cache.element_size() == 1:  # an fp8 cache: CPU index kernels have no float8 versions
-        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    k = to_cache_dtype(key, kv_cache.dtype, k_scale)
+    v = to_cache_dtype(value, kv_cache.dtype, v_scale)
+    if kv_cache.element_size() == 1:  # index_copy_ has no float8 kernels: copy the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a KV cache of ``dtype``: fp8 caches hold ``x / scale`` saturated."""
+    if _is_fp8(dtype):
+        top = torch.finfo(dtype).max
+        return (x.float() / scale).clamp(-top, top).to(dtype)
+    return x.to(dtype)
+
+
+def from_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached keys/values in ``dtype`` (an fp8 cache's are multiplied back by ``scale``)."""
+    if _is_fp8(x.dtype):
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,6 +244,7 @@ def fused_moe(
 
 
 REFERENCE_KERNELS = {
+    **QUANTIZED_REFERENCE_KERNELS,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

@@ -91,7 +91,38 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
         "executor": getattr(runner, "name", "uni"),
         "async_scheduling": cfg.scheduler.async_scheduling,
+        "quantization": _quantization(runner),
+        "kv_cache_dtype": cfg.cache.cache_dtype,
     }
+
+
+def _quantization(runner: Any) -> str | None:
+    quant = getattr(runner, "quant_config", None)
+    return None if quant is None else quant.describe()
+
+
+def memory_report(llm: Any) -> dict[str, Any]:
+    """Where the memory went: the weights as held (quantized weights stay packed), the KV
+    cache, the device's peak and reserved memory (torch's allocator) and the process's RSS."""
+    import psutil
+
+    runner = llm.llm_engine.runner
+    gib = 1 << 30
+    kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    report: dict[str, Any] = {
+        "weights_gib": round(runner.weights_bytes() / gib, 3),
+        "kv_cache_gib": round(kv / gib, 3),
+        "num_kv_blocks": runner.num_blocks,
+        "process_rss_gib": round(psutil.Process().memory_info().rss / gib, 3),
+    }
+    if runner.device.type == "cuda":
+        import torch
+
+        report["gpu_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / gib, 3)
+        report["gpu_reserved_gib"] = round(torch.cuda.memory_reserved() / gib, 3)
+        free, total = torch.cuda.mem_get_info()
+        report["gpu_used_gib"] = round((total - free) / gib, 3)
+    return report
 
 
 def hardware() -> dict[str, Any]:

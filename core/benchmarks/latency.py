@@ -37,6 +37,7 @@ from engine.benchmarks.common import (
     engine_settings,
     generate,
     hardware,
+    memory_report,
     write_json,
 )
 from engine.benchmarks.workload import random_workload, warmup_workload
@@ -207,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
             "start_to_ready_s": round(ready_s, 2),
             "results": rows,
             "settings": engine_settings(llm),
+            "memory": memory_report(llm),
             "hardware": hardware(),
         },
     )

@@ -134,6 +134,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "prompts must be token ids, outputs carry token ids only, stop strings and chat are "
         "refused.",
     )
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        metavar="NAME",
+        help="Quantization method (fp8, gptq, awq, compressed-tensors, or a plugin's; `engine "
+        "plugins` lists them). Default: the checkpoint's quantization_config decides; fp8 on "
+        "an unquantized checkpoint quantizes its weights to FP8 at load.",
+    )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 
     cache = parser.add_argument_group("KV cache")
@@ -155,6 +164,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Reuse the KV cache of shared prompt prefixes (default: on).",
+    )
+    cache.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="KV-cache element type: auto (the model dtype) or fp8 (e4m3 with a per-layer "
+        "scale, about twice the tokens in the same memory) (default: %(default)s).",
     )
     cache.add_argument(
         "--num-gpu-blocks-override",
@@ -290,6 +306,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,
             skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
+            quantization=getattr(args, "quantization", None),
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -297,6 +314,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             num_gpu_blocks=args.num_gpu_blocks_override,
             cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+            cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

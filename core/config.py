@@ -7,7 +7,10 @@ match vLLM's so users switch by name) and handed to every component.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {
@@ -163,3 +166,5 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
+    # Multi-LoRA serving (--enable-lora); None: off (engine.lora.config.LoRAConfig).
+    lora: LoRAConfig | None = None

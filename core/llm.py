@@ -4,6 +4,12 @@ from engine import LLM, SamplingParams
 llm = LLM(model="path/to/model", dtype="float32")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 print(outputs[0].outputs[0].text)
+
+With LoRA adapters (PEFT format), as in vLLM::
+
+    from engine.lora.request import LoRARequest
+    llm = LLM(model="path/to/model", enable_lora=True, max_loras=4, max_lora_rank=16)
+    llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/sql-lora"))
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -39,8 +46,9 @@ class LLM:
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory). Unknown keywords are an error
-    that lists them.
+    sampling parameters; "vllm": EOS ids only; or a directory), ``enable_lora``,
+    ``max_loras``, ``max_lora_rank``, ``max_cpu_loras`` (multi-LoRA serving, ``engine.lora``).
+    Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -69,6 +77,10 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -103,6 +115,7 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             max_logprobs=max_logprobs,
+            lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras),
         )
         from engine.engine import LLMEngine
 
@@ -132,13 +145,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in the prompts' order.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a list of
         token ids. ``sampling_params`` is one ``SamplingParams`` for all prompts or one per
-        prompt. Every prompt is validated before any work starts.
+        prompt; ``lora_request`` one ``LoRARequest`` for all prompts or one (or None: the base
+        model) per prompt. Every prompt is validated before any work starts.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -159,6 +174,7 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError("priority needs one value per prompt", "priority")
+        loras = _per_prompt_loras(lora_request, len(prompts))
 
         engine = self.llm_engine
         parsed = [self._parse_prompt(p) for p in prompts]
@@ -181,6 +197,7 @@ class LLM:
                     prompt_token_ids=ids,
                     priority=priority[i] if priority is not None else 0,
                     final_only=True,
+                    lora_request=loras[i],
                 )
                 ids_in_order.append(request_id)
         except Exception:
@@ -205,6 +222,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and
         generate a reply for each.
@@ -243,7 +261,21 @@ class LLM:
             if hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter ahead of the requests that use it (raises with the reason when
+        it cannot be served)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter (False: not loaded)."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters."""
+        return self.llm_engine.list_loras()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -299,3 +331,34 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _lora_config(
+    enable_lora: bool, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None
+) -> Any:
+    if not enable_lora:
+        return None
+    from engine.lora.config import LoRAConfig
+
+    return LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """``generate``'s ``lora_request``: one for every prompt, or one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(loras)} LoRA requests for {num_prompts} prompts; pass one or one per prompt",
+            "lora_request",
+        )
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}",
+                "lora_request",
+            )
+    return loras

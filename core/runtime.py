@@ -157,6 +157,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         config.model.max_model_len,
         num_blocks,
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
+        lora_config=config.lora,
     )
     logger.info(
         "engine ready in %.1f s: %d KV blocks of %d tokens",

@@ -9,6 +9,9 @@ optional renormalisation) and ``fused_moe`` runs the routed experts (gate/up, Si
 down, weighted sum over the top-k). The reference groups the token/expert pairs by expert with
 one sort and runs one matmul pair per expert that received tokens: no loop over tokens, and
 the weights of experts nobody chose are never read.
+
+Multi-LoRA: ``add_lora_linear`` adds each token's own adapter (or none) to a linear layer's
+output, for every fused output slice, in place (punica's shrink and expand; see its docstring).
 """
 
 from __future__ import annotations
@@ -206,6 +209,54 @@ def fused_moe(
     return out.to(hidden.dtype)
 
 
+def add_lora_linear(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    slot_starts: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+) -> torch.Tensor:
+    """A batch of LoRA adapters on one linear layer: for every token ``t`` with
+    ``l = token_slots[t] >= 0`` and every output slice ``s`` (columns ``[o_s, o_s + n_s)`` of
+    ``y``, ``n_s = slice_sizes[s]``)::
+
+        y[t, o_s : o_s + n_s] += (x[t] @ lora_a[l, s*R : (s+1)*R].T) @ lora_b[l, o_s : o_s + n_s].T
+
+    in place; tokens with slot -1 (no adapter) keep their row. Returns ``y``.
+
+    y: [T, N] with ``N = sum(slice_sizes)`` (the base layer's output); x: [T, K] (its input);
+    lora_a: [L, S*R, K] (``S`` slices' A matrices stacked, each zero-padded to the rank ``R``);
+    lora_b: [L, N, R] (the slices' B matrices, the LoRA scaling folded in); token_slots: int32
+    [T], the slot of each token in ``0..L-1`` or -1. ``sorted_tokens`` (int32, the tokens with a
+    slot, grouped by slot in slot order) and ``slot_starts`` (int32 [L + 1]: slot ``l``'s tokens
+    are ``sorted_tokens[slot_starts[l] : slot_starts[l + 1]]``) hold the same mapping grouped
+    (``engine.lora.mapping.group_by_slot``): the GPU kernels run one shrink and one expand
+    launch over every slot with them; this reference reads ``token_slots``.
+
+    Rounding points (the spec for overrides): the shrink ``x @ A^T`` accumulates in float32 and
+    stays float32 (an override may round it to the activation dtype before the expand); the
+    expand accumulates in float32 and is added to ``y`` in float32, rounding once.
+    """
+    rank = lora_b.shape[2]
+    slots = token_slots[: x.shape[0]].long()
+    for slot in torch.unique(slots).tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(slots == slot).squeeze(1)
+        shrunk = x.index_select(0, rows).float() @ lora_a[slot].float().T  # [n, S*R]
+        out = y.index_select(0, rows).float()
+        start = 0
+        for s, size in enumerate(slice_sizes):
+            b = lora_b[slot, start : start + size].float()  # [size, R]
+            out[:, start : start + size] += shrunk[:, s * rank : (s + 1) * rank] @ b.T
+            start += size
+        y.index_copy_(0, rows, out.to(y.dtype))
+    return y
+
+
 REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -218,4 +269,5 @@ REFERENCE_KERNELS = {
     "argmax": argmax,
     "moe_topk_softmax": moe_topk_softmax,
     "fused_moe": fused_moe,
+    "add_lora_linear": add_lora_linear,
 }

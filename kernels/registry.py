@@ -28,6 +28,7 @@ KERNEL_NAMES = (
     "argmax",
     "moe_topk_softmax",
     "fused_moe",
+    "add_lora_linear",
 )
 
 

@@ -51,7 +51,7 @@ def test_kit_reports_an_unavailable_platform_as_one_failure(plugin_env, pytester
 @pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "rotary_embedding",
                                   "qk_norm_rotary", "silu_and_mul", "gelu_tanh_and_mul",
                                   "write_kv_cache", "linear", "argmax", "moe_topk_softmax",
-                                  "fused_moe"])  # fmt: skip
+                                  "fused_moe", "add_lora_linear"])  # fmt: skip
 def test_reference_kernels_pass_their_own_check(name):
     import torch
 

@@ -31,7 +31,7 @@ from engine.testing.inputs import (
 
 KNOWN_DTYPES = tuple(DTYPES)
 # Kernels that write into some of their arguments: the positions of those arguments.
-IN_PLACE_ARGS = {"write_kv_cache": (2,), "qk_norm_rotary": (1, 2)}
+IN_PLACE_ARGS = {"write_kv_cache": (2,), "qk_norm_rotary": (1, 2), "add_lora_linear": (0,)}
 
 
 # ---- platform -------------------------------------------------------------------------------

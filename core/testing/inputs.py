@@ -130,7 +130,44 @@ def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tu
             ids[0, -1] = -1  # held elsewhere
             cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}", (x, w13, w2, weights, ids)))
         return cases
+    if name == "add_lora_linear":
+        return _lora_cases(randn, gen)
     raise KeyError(f"no conformance inputs for kernel {name!r}")
+
+
+def _lora_cases(randn: Any, gen: torch.Generator) -> list[tuple[str, tuple]]:
+    """Mixed batches: tokens of several adapter slots and tokens without one (-1), fused q/k/v
+    and gate/up slices and a single one, odd sizes, decode- and prefill-sized batches, a rank
+    padded past what the adapter uses (zero columns)."""
+    from engine.lora.mapping import group_by_slot
+
+    cases = []
+    for t, k, slices, rank, slots in (
+        (1, 64, (40, 24, 24), 16, 4),
+        (7, 72, (48,), 8, 3),
+        (40, 48, (56, 56), 16, 4),
+    ):
+        n, s = sum(slices), len(slices)
+        x = randn(t, k)
+        lora_a = randn(slots, s * rank, k, scale=k**-0.5)
+        lora_b = randn(slots, n, rank, scale=rank**-0.5)
+        lora_a[:, -2:] = 0  # the last slice's padded rank columns
+        lora_b[..., -2:] = 0
+        token_slots = torch.randint(-1, slots, (t,), generator=gen, dtype=torch.int32)
+        token_slots[0] = slots - 1  # the decode case has an adapter
+        sorted_tokens, starts = group_by_slot(token_slots.numpy(), slots)
+        args = (
+            randn(t, n),
+            x,
+            lora_a,
+            lora_b,
+            token_slots,
+            torch.from_numpy(sorted_tokens),
+            torch.from_numpy(starts),
+            slices,
+        )
+        cases.append((f"T{t}-K{k}-N{'+'.join(map(str, slices))}-R{rank}-L{slots}", args))
+    return cases
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -78,17 +78,18 @@ def merged_model(model_dir: str | Path, adapter_dir: str | Path | None, dtype: s
 
 
 def hf_greedy(model: Any, prompt_ids: list[int], num_new: int) -> list[int]:
-    """``num_new`` greedy tokens of a transformers model (no EOS stop)."""
+    """``num_new`` greedy tokens of a transformers model, end-of-sequence tokens included (as
+    the engine's ``ignore_eos``; ``generate(min_new_tokens=...)`` would suppress them)."""
     import torch
 
     ids = torch.tensor([prompt_ids])
+    past = None
+    tokens: list[int] = []
     with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+        for _ in range(num_new):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            ids = torch.tensor([[token]])
+    return tokens

@@ -23,6 +23,7 @@ import uvicorn
 from engine.server.app import Phase, ServerOptions, ServerState, build_app
 from engine.server.async_engine import AsyncEngine
 from engine.server.metrics import ServerMetrics
+from engine.server.models import preload_lora_adapters
 from engine.server.serving import ServingContext
 
 logger = logging.getLogger("engine.server")
@@ -152,6 +153,7 @@ class ApiServer:
     def _load_engine(self) -> None:
         try:
             engine = self.engine_factory()
+            preload_lora_adapters(engine, self.options.serving.lora_requests)  # --lora-modules
         except BaseException as e:  # noqa: BLE001 - re-raised by run() once uvicorn stopped
             logger.error("failed to load the engine: %s", e)
             self.state.startup_error = e

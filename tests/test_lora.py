@@ -299,3 +299,24 @@ def test_bad_adapters_are_refused_with_the_reason_and_the_engine_keeps_serving(s
     assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
     loras = _requests(adapters)
     _check(llm, prompts[:3], ["qvd4", None, "qvd4"], refs, loras)
+
+
+def test_bench_throughput_with_dummy_adapters(tmp_path):
+    """``engine bench throughput --num-loras 3 --lora-rank 4``: adapters written for the
+    model, loaded, and the requests spread over them."""
+    from engine.benchmarks import throughput
+
+    path = build_tiny_model(tmp_path / "m", "llama", num_layers=1)
+    out = tmp_path / "result.json"
+    argv = ["--model", str(path), "--dtype", "float32", "--num-prompts", "6", "--input-len", "8",
+            "--output-len", "3", "--no-warmup", "--num-loras", "3", "--lora-rank", "4",
+            "--json", str(out)]  # fmt: skip
+    assert throughput.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["num_loras"] == 3 and result["output_tokens"] == 18
+    assert result["settings"]["lora"] == {
+        "adapters_loaded": 3,
+        "max_loras": 3,
+        "max_lora_rank": 4,
+        "max_cpu_loras": 3,
+    }

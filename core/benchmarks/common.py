@@ -11,6 +11,12 @@ import tempfile
 import time
 from typing import Any
 
+from engine.benchmarks.lora import (
+    add_lora_bench_args,
+    bench_lora_requests,
+    configure_engine_for_loras,
+    lora_settings,
+)
 from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_builtin_model
 
 
@@ -25,6 +31,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         f"({', '.join(BUILTIN_SHAPES)}); pair it with --load-format dummy.",
     )
     add_engine_args(parser)
+    add_lora_bench_args(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="Write the results here.")
 
 
@@ -42,15 +49,19 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     """The ``LLM`` for these flags and its start-to-ready seconds (weights, KV sizing, graph
-    capture, kernel compilation)."""
+    capture, kernel compilation). With ``--num-loras`` the adapters are written and loaded
+    afterwards (not counted) and kept as ``args.lora_requests``."""
     from engine.cli.args import engine_config_from_args
     from engine.llm import LLM
 
     args.model = resolve_model(args)
+    configure_engine_for_loras(args)
     config = engine_config_from_args(args)
     start = time.perf_counter()
     llm = LLM.from_engine_config(config)
-    return llm, time.perf_counter() - start
+    ready = time.perf_counter() - start
+    args.lora_requests = bench_lora_requests(llm, args)
+    return llm, ready
 
 
 def engine_settings(llm: Any) -> dict[str, Any]:
@@ -72,6 +83,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "gpu_memory_utilization": cfg.cache.gpu_memory_utilization,
         "cuda_graphs": None if graphs is None else graphs.sizes,
         "enforce_eager": cfg.enforce_eager,
+        "lora": lora_settings(llm),
     }
 
 
@@ -96,11 +108,20 @@ def sampling_params(max_tokens: int) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
-def generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> tuple[list[Any], float]:
-    """Run the prompts (token ids) to completion; returns the outputs and the seconds taken."""
+def generate(
+    llm: Any, prompts: list[list[int]], output_lens: list[int], loras: list[Any] | None = None
+) -> tuple[list[Any], float]:
+    """Run the prompts (token ids) to completion; returns the outputs and the seconds taken.
+    With ``loras``, request ``i`` uses ``loras[i % len(loras)]``."""
     params = [sampling_params(n) for n in output_lens]
+    lora_request = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=lora_request,
+    )
     return outs, time.perf_counter() - start
 
 

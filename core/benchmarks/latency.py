@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     llm, ready_s = build_llm(args)
     vocab = llm.llm_engine.runner.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
+    loras = args.lora_requests
     warm = warmup_workload(vocab)
-    generate(llm, warm.prompts, warm.output_lens)
+    generate(llm, warm.prompts, warm.output_lens, loras)
     rows = []
     print(f"{'batch':>5} {'seconds':>8} {'out tok/s':>10} {'prefill ms':>10} {'step ms':>8}")
     for batch in sizes:
@@ -64,12 +65,12 @@ def run(args: argparse.Namespace) -> int:
             prompts = [
                 [10 + (it * 7919 + i) % (vocab - 20)] + p[1:] for i, p in enumerate(work.prompts)
             ]
-            _, pre = generate(llm, prompts, [1] * batch)
+            _, pre = generate(llm, prompts, [1] * batch, loras)
             prompts = [
                 [10 + (it * 7919 + i + batch) % (vocab - 20)] + p[1:]
                 for i, p in enumerate(work.prompts)
             ]
-            outs, sec = generate(llm, prompts, work.output_lens)
+            outs, sec = generate(llm, prompts, work.output_lens, loras)
             if it:  # the first run warms this batch size up
                 times.append(sec)
                 prefills.append(pre)
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             "input_len": args.input_len,
             "output_len": args.output_len,
             "seed": args.seed,
+            "num_loras": args.num_loras,
+            "lora_rank": args.lora_rank if args.num_loras else None,
             "start_to_ready_s": round(ready_s, 2),
             "results": rows,
             "settings": engine_settings(llm),

@@ -36,7 +36,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SM_COUNT_FALLBACK = 132
 
 
-@triton.jit(do_not_specialize=["T"])
+# T changes every step and SPLIT_K with it: runtime values, so a graph capture over many batch
+# sizes compiles a handful of variants (one per tile shape), not one per size.
+@triton.jit(do_not_specialize=["T", "SPLIT_K"])
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -49,13 +51,13 @@ def _lora_shrink_kernel(
     N,
     K,
     K_PER_SPLIT,
+    SPLIT_K,
     stride_xt,
     stride_al,
     stride_an,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -105,7 +107,7 @@ def _lora_shrink_kernel(
             if arrived == SPLIT_K - 1:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
+                for s in range(SPLIT_K):
                     total += tl.load(
                         ws_ptr + s * T * N + out_offs,
                         mask=out_mask,
@@ -286,13 +288,13 @@ def lora_shrink(
         n,
         k,
         k_per_split,
+        split,
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        SPLIT_K=split,
         EVEN_K=k % (block_k * split) == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4,

@@ -55,6 +55,7 @@ class LoRABatchMapping:
         self.active = False
         self.graphs_captured = False
         self._written = 0  # rows of token_slots that may hold a slot >= 0
+        self._last: np.ndarray | None = None  # the mapping the buffers hold
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -62,6 +63,7 @@ class LoRABatchMapping:
         self.sorted_tokens = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
         self.slot_starts = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=self.device)
         self._written = 0
+        self._last = None
 
     def set(self, token_slots: np.ndarray) -> None:
         """Write a step's per-token slots (-1: no adapter) into the device buffers."""
@@ -77,6 +79,14 @@ class LoRABatchMapping:
         if not any_slot and self._written == 0:
             self.active = False
             return
+        last = self._last
+        if (
+            last is not None
+            and last.shape == token_slots.shape
+            and np.array_equal(last, token_slots)
+        ):
+            self.active = any_slot  # decode steps of the same batch: the buffers hold it already
+            return
         sorted_tokens, starts = group_by_slot(token_slots, self.num_slots)
         # Rows this step does not cover go back to -1 (they may be read by a padded graph).
         width = max(n, self._written)
@@ -87,6 +97,7 @@ class LoRABatchMapping:
         if sorted_tokens.size:
             self._copy(self.sorted_tokens, sorted_tokens)
         self._written = n if any_slot else 0
+        self._last = np.array(token_slots, dtype=np.int32) if any_slot else None
         self.active = any_slot
 
     def _copy(self, dst: torch.Tensor, values: np.ndarray) -> None:

@@ -5,17 +5,19 @@ adds, for every token with an adapter slot, ``(x @ A_slot^T) @ B_slot^T`` to eac
 of ``y`` in place (the spec: ``engine.kernels.reference.add_lora_linear``). The punica scheme:
 
 * **shrink** ``s[t] = x[t] @ A[slot(t)]^T`` (``[T, S*R]`` float32; the fused slices' A
-  matrices are stacked, so q, k and v shrink in one product). Grid ``(m-tiles x n-tiles x
-  split-K, slots)``: a program takes up to ``BLOCK_M`` consecutive tokens of *one* slot from
-  the slot-grouped token list (``sorted_tokens`` / ``slot_starts``), so its tile is a plain
-  GEMM of the gathered rows against that slot's A, on tensor cores. Tiles past a slot's tokens
-  exit at once; the grid covers the worst case (every token in one slot), so its shape depends
-  on ``T`` and the slot count only and a captured CUDA graph serves any mapping.
+  matrices are stacked, so q, k and v shrink in one product). A *tile* is up to ``BLOCK_M``
+  consecutive tokens of one slot in the slot-grouped token list (``sorted_tokens`` /
+  ``slot_starts``), so a program's product is a plain GEMM of the gathered rows against that
+  slot's A, on tensor cores. The slots' tiles are numbered one after the other and each
+  program finds its slot with a scan of ``slot_starts`` (a few scalar loads); the grid holds
+  ``cdiv(T, BLOCK_M) + min(slots, T)`` tiles, the most any mapping of ``T`` tokens needs, so its
+  shape depends on ``T`` and the slot count only (a captured CUDA graph serves any mapping)
+  and programs past the step's tiles exit at once.
   Decode batches have few tokens per slot and a long K: K is split, each split writes a float32
   partial to a workspace and bumps an arrival counter, and the last program of a tile sums the
   partials (the scheme of ``engine_triton.kernels.linear``: one launch, no memset, graph-safe).
 * **expand** ``y[t, slice s] += s[t, s*R:(s+1)*R] @ B[slot(t), slice s]^T``: grid
-  ``(m-tiles x feature blocks of every slice, slots)``; a feature block lies in one slice (the
+  ``(tiles x feature blocks of every slice)``; a feature block lies in one slice (the
   blocks of each slice are numbered one after the other), so one launch writes every slice's
   part of the fused q/k/v or gate/up output. The shrunk values are rounded to the activation
   dtype for the product (float32 models keep float32, in IEEE precision); ``y`` is read, the
@@ -36,6 +38,27 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SM_COUNT_FALLBACK = 132
 
 
+@triton.jit
+def _find_tile(starts_ptr, tile, NUM_SLOTS, BLOCK_M: tl.constexpr):
+    """``(slot, first row, end row)`` in the slot-grouped token list of tile number ``tile``
+    (the slots' tiles numbered in slot order); slot -1 past the last tile."""
+    slot = tile * 0 - 1
+    row = tile * 0
+    end = tile * 0
+    first = tile * 0  # the first tile of slot l
+    lo = tl.load(starts_ptr)
+    for lora in range(NUM_SLOTS):
+        hi = tl.load(starts_ptr + lora + 1)
+        tiles = tl.cdiv(hi - lo, BLOCK_M)
+        hit = (tile >= first) & (tile < first + tiles)
+        slot = tl.where(hit, lora, slot)
+        row = tl.where(hit, lo + (tile - first) * BLOCK_M, row)
+        end = tl.where(hit, hi, end)
+        first += tiles
+        lo = hi
+    return slot, row, end
+
+
 # T changes every step and SPLIT_K with it: runtime values, so a graph capture over many batch
 # sizes compiles a handful of variants (one per tile shape), not one per size.
 @triton.jit(do_not_specialize=["T", "SPLIT_K"])
@@ -52,6 +75,7 @@ def _lora_shrink_kernel(
     K,
     K_PER_SPLIT,
     SPLIT_K,
+    NUM_SLOTS,
     stride_xt,
     stride_al,
     stride_an,
@@ -62,16 +86,13 @@ def _lora_shrink_kernel(
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    slot = tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_k = pid % SPLIT_K
     pid_mn = pid // SPLIT_K
     pid_n = pid_mn % num_n
-    pid_m = pid_mn // num_n
-    start = tl.load(starts_ptr + slot)
-    end = tl.load(starts_ptr + slot + 1)
-    m0 = start + pid_m * BLOCK_M
-    if m0 < end:
+    tile = pid_mn // num_n
+    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, BLOCK_M)
+    if slot >= 0:
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         # Rows past the slot's tokens read token 0 (a valid row); dropped at the store.
@@ -99,10 +120,10 @@ def _lora_shrink_kernel(
         if SPLIT_K == 1:
             tl.store(out_ptr + out_offs, acc, mask=out_mask)
         else:
-            # Partials [SPLIT_K, T, N]; the last program of this (slot, m, n) tile sums them.
+            # Partials [SPLIT_K, T, N]; the last program of this (tile, n) block sums them.
             tl.store(ws_ptr + pid_k * T * N + out_offs, acc, mask=out_mask)
             tl.debug_barrier()  # every warp's partial precedes the release of the arrival
-            counter = counter_ptr + (slot * tl.cdiv(T, BLOCK_M) + pid_m) * num_n + pid_n
+            counter = counter_ptr + tile * num_n + pid_n
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
@@ -132,6 +153,7 @@ def _lora_expand_kernel(
     NB0,
     NB1,
     NB2,
+    NUM_SLOTS,
     stride_yt,
     stride_st,
     stride_bl,
@@ -143,14 +165,11 @@ def _lora_expand_kernel(
     PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    slot = tl.program_id(1)
     num_blocks = NB0 + NB1 + NB2
     pid_n = pid % num_blocks
-    pid_m = pid // num_blocks
-    start = tl.load(starts_ptr + slot)
-    end = tl.load(starts_ptr + slot + 1)
-    m0 = start + pid_m * BLOCK_M
-    if m0 < end:
+    tile = pid // num_blocks
+    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, BLOCK_M)
+    if slot >= 0:
         # The slice this feature block lies in, and the block's place in it.
         in1 = pid_n >= NB0
         in2 = pid_n >= NB0 + NB1
@@ -227,6 +246,12 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
+def max_tiles(num_tokens: int, block_m: int, num_slots: int) -> int:
+    """The most tiles ``num_tokens`` tokens over ``num_slots`` slots can need: every slot's
+    last tile may be partial."""
+    return triton.cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
+
+
 def block_m_for(num_tokens: int, num_slots: int) -> int:
     """Tokens per tile: sized for the tokens one slot gets when a batch spreads evenly."""
     per_slot = triton.cdiv(num_tokens, max(1, min(num_slots, num_tokens)))
@@ -271,12 +296,12 @@ def lora_shrink(
         t, n, k, num_slots, _sm_count(x.device)
     )
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    m_tiles, n_tiles = triton.cdiv(t, block_m), triton.cdiv(n, block_n)
+    tiles, n_tiles = max_tiles(t, block_m, num_slots), triton.cdiv(n, block_n)
     if split > 1:
-        ws, counters = _SCRATCH.get(x.device, split * t * n, num_slots * m_tiles * n_tiles)
+        ws, counters = _SCRATCH.get(x.device, split * t * n, tiles * n_tiles)
     else:
         ws = counters = out  # unused
-    _lora_shrink_kernel[(m_tiles * n_tiles * split, num_slots)](
+    _lora_shrink_kernel[(tiles * n_tiles * split,)](
         x,
         lora_a,
         out,
@@ -289,6 +314,7 @@ def lora_shrink(
         k,
         k_per_split,
         split,
+        num_slots,
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
@@ -318,7 +344,7 @@ def lora_expand(
     block_m, block_n = config or expand_config(t, num_slots)
     sizes = list(slice_sizes) + [0] * (MAX_SLICES - len(slice_sizes))
     blocks = [triton.cdiv(s, block_n) for s in sizes]
-    _lora_expand_kernel[(triton.cdiv(t, block_m) * sum(blocks), num_slots)](
+    _lora_expand_kernel[(max_tiles(t, block_m, num_slots) * sum(blocks),)](
         y,
         shrunk,
         lora_b,
@@ -328,6 +354,7 @@ def lora_expand(
         rank,
         *sizes,
         *blocks,
+        num_slots,
         y.stride(0),
         shrunk.stride(0),
         lora_b.stride(0),

@@ -557,9 +557,7 @@ def _lora_projection(t, k, sizes, rank, slots, st, ss, dtype) -> dict:
     base_us = _graph_us(_rotating(linear, x, ws))
     rule = shrink_config(t, len(sizes) * rank, k, slots, _sm_count(x.device))
     variants = {rule} | {
-        (rule[0], rule[1], rule[2], split)
-        for split in (1, 2, 4, 8, 16, 32)
-        if k >= 4 * rule[2] * split
+        (rule[0], rule[1], rule[2], split) for split in (1, 2, 4, 8, 16) if k >= 2 * rule[2] * split
     }
     timed = {}
     for cfg in sorted(variants, key=lambda c: c[3]):

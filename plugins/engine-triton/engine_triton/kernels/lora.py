@@ -9,7 +9,7 @@ of ``y`` in place (the spec: ``engine.kernels.reference.add_lora_linear``). The 
   consecutive tokens of one slot in the slot-grouped token list (``sorted_tokens`` /
   ``slot_starts``), so a program's product is a plain GEMM of the gathered rows against that
   slot's A, on tensor cores. The slots' tiles are numbered one after the other and each
-  program finds its slot with a scan of ``slot_starts`` (a few scalar loads); the grid holds
+  program finds its slot from ``slot_starts`` (one vector load and a prefix sum); the grid holds
   ``cdiv(T, BLOCK_M) + min(slots, T)`` tiles, the most any mapping of ``T`` tokens needs, so its
   shape depends on ``T`` and the slot count only (a captured CUDA graph serves any mapping)
   and programs past the step's tiles exit at once.
@@ -34,34 +34,33 @@ import triton
 import triton.language as tl
 
 MAX_SLICES = 3
+# The last arriver of a split tile sums the partials in an unrolled loop: few, bounded splits.
+MAX_SPLIT_K = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SM_COUNT_FALLBACK = 132
 
 
 @triton.jit
-def _find_tile(starts_ptr, tile, NUM_SLOTS, BLOCK_M: tl.constexpr):
+def _find_tile(starts_ptr, tile, NUM_SLOTS, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """``(slot, first row, end row)`` in the slot-grouped token list of tile number ``tile``
-    (the slots' tiles numbered in slot order); slot -1 past the last tile."""
-    slot = tile * 0 - 1
-    row = tile * 0
-    end = tile * 0
-    first = tile * 0  # the first tile of slot l
-    lo = tl.load(starts_ptr)
-    for lora in range(NUM_SLOTS):
-        hi = tl.load(starts_ptr + lora + 1)
-        tiles = tl.cdiv(hi - lo, BLOCK_M)
-        hit = (tile >= first) & (tile < first + tiles)
-        slot = tl.where(hit, lora, slot)
-        row = tl.where(hit, lo + (tile - first) * BLOCK_M, row)
-        end = tl.where(hit, hi, end)
-        first += tiles
-        lo = hi
+    (the slots' tiles numbered in slot order); slot -1 past the last tile. Two vector loads of
+    ``slot_starts`` and a prefix sum: no serial chain of loads."""
+    lanes = tl.arange(0, SLOTS_P2)
+    valid = lanes < NUM_SLOTS
+    lo = tl.load(starts_ptr + lanes, mask=valid, other=0)
+    hi = tl.load(starts_ptr + lanes + 1, mask=valid, other=0)
+    tiles = tl.cdiv(hi - lo, BLOCK_M)
+    last = tl.cumsum(tiles, axis=0)  # one past each slot's last tile
+    hit = valid & (tile >= last - tiles) & (tile < last)
+    slot = tl.max(tl.where(hit, lanes, -1), axis=0)
+    row = tl.sum(tl.where(hit, lo + (tile - (last - tiles)) * BLOCK_M, 0), axis=0)
+    end = tl.sum(tl.where(hit, hi, 0), axis=0)
     return slot, row, end
 
 
-# T changes every step and SPLIT_K with it: runtime values, so a graph capture over many batch
-# sizes compiles a handful of variants (one per tile shape), not one per size.
-@triton.jit(do_not_specialize=["T", "SPLIT_K"])
+# T changes every step: a runtime value, so a graph capture over many batch sizes compiles a
+# handful of variants (tile shape x split), not one per size.
+@triton.jit(do_not_specialize=["T"])
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -74,7 +73,6 @@ def _lora_shrink_kernel(
     N,
     K,
     K_PER_SPLIT,
-    SPLIT_K,
     NUM_SLOTS,
     stride_xt,
     stride_al,
@@ -82,8 +80,10 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -91,7 +91,7 @@ def _lora_shrink_kernel(
     pid_mn = pid // SPLIT_K
     pid_n = pid_mn % num_n
     tile = pid_mn // num_n
-    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, BLOCK_M)
+    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, SLOTS_P2, BLOCK_M)
     if slot >= 0:
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
@@ -128,7 +128,7 @@ def _lora_shrink_kernel(
             if arrived == SPLIT_K - 1:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(SPLIT_K):
+                for s in tl.static_range(SPLIT_K):
                     total += tl.load(
                         ws_ptr + s * T * N + out_offs,
                         mask=out_mask,
@@ -163,12 +163,13 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     ROUND_SHRUNK: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_blocks = NB0 + NB1 + NB2
     pid_n = pid % num_blocks
     tile = pid // num_blocks
-    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, BLOCK_M)
+    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, SLOTS_P2, BLOCK_M)
     if slot >= 0:
         # The slice this feature block lies in, and the block's place in it.
         in1 = pid_n >= NB0
@@ -246,6 +247,10 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
+def _slots_p2(num_slots: int) -> int:
+    return max(2, triton.next_power_of_2(num_slots))
+
+
 def max_tiles(num_tokens: int, block_m: int, num_slots: int) -> int:
     """The most tiles ``num_tokens`` tokens over ``num_slots`` slots can need: every slot's
     last tile may be partial."""
@@ -261,15 +266,16 @@ def block_m_for(num_tokens: int, num_slots: int) -> int:
 def shrink_config(
     num_tokens: int, n: int, k: int, num_slots: int, sms: int = SM_COUNT_FALLBACK
 ) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)`` of the shrink: split K until the expected busy
-    programs cover about two waves of the SMs (each split keeps at least two K blocks)."""
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)`` of the shrink: split K (a power of two, at most
+    ``MAX_SPLIT_K``) until the expected busy programs cover about two waves of the SMs, each
+    split keeping at least two K blocks."""
     block_m = block_m_for(num_tokens, num_slots)
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = 128 if block_m <= 32 else 64
     slots = max(1, min(num_slots, num_tokens))
     busy = slots * triton.cdiv(triton.cdiv(num_tokens, slots), block_m) * triton.cdiv(n, block_n)
     split = 1
-    while busy * split < 2 * sms and split < 32 and k >= 4 * block_k * split:
+    while busy * split < 2 * sms and split < MAX_SPLIT_K and k >= 4 * block_k * split:
         split *= 2
     return block_m, block_n, block_k, split
 
@@ -313,7 +319,6 @@ def lora_shrink(
         n,
         k,
         k_per_split,
-        split,
         num_slots,
         x.stride(0),
         lora_a.stride(0),
@@ -321,8 +326,10 @@ def lora_shrink(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        SPLIT_K=split,
         EVEN_K=k % (block_k * split) == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SLOTS_P2=_slots_p2(num_slots),
         num_warps=4,
         num_stages=3,
     )
@@ -364,6 +371,7 @@ def lora_expand(
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
         ROUND_SHRUNK=y.dtype != torch.float32,
         PRECISION="ieee",
+        SLOTS_P2=_slots_p2(num_slots),
         num_warps=4,
         num_stages=2,
     )

@@ -145,7 +145,8 @@ def test_kernels_in_a_cuda_graph_follow_the_mapping_buffers(seed):
 
     k, sizes = PROJECTIONS["qkv"]
     t, slots = 16, 8
-    y0, x, a, b, ts, st, ss = _inputs(t, k, sizes, 16, slots, [-1] * t)
+    y0, x, a, b, ts, _, ss = _inputs(t, k, sizes, 16, slots, [-1] * t)
+    st = torch.zeros(t, dtype=torch.int32, device="cuda")  # a fixed buffer, as the runner's
     y = y0.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -247,6 +247,12 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
+def _precision(dtype: torch.dtype) -> str:
+    """float32 products in IEEE precision (float32 models stay exact); 16-bit operands ignore
+    it on CUDA (tf32, as the other kernels pass), and ROCm's Triton allows no "tf32"."""
+    return "ieee" if dtype == torch.float32 or torch.version.hip else "tf32"
+
+
 def _slots_p2(num_slots: int) -> int:
     return max(2, triton.next_power_of_2(num_slots))
 
@@ -328,7 +334,7 @@ def lora_shrink(
         BLOCK_K=block_k,
         SPLIT_K=split,
         EVEN_K=k % (block_k * split) == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION=_precision(x.dtype),
         SLOTS_P2=_slots_p2(num_slots),
         num_warps=4,
         num_stages=3,

@@ -22,6 +22,7 @@ so far, so their steps always run synchronously.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.tokenizer import TokenIdRange
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return int(self.config.model.max_model_len)
 
+    @functools.cached_property
+    def token_id_range(self) -> TokenIdRange:
+        """The token ids requests may name (prompt, ``logit_bias``, ``stop_token_ids``)."""
+        return TokenIdRange.of(self.tokenizer, self.config.model.hf_config)
+
     @property
     def num_used_blocks(self) -> int:
         return self.scheduler.num_used_blocks
@@ -224,14 +231,11 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.runner.vocab_size
-        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
-            raise SamplingParamsError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt"
-            )
+        ids = self.token_id_range  # below max(tokenizer size, model vocabulary), as in vLLM
+        ids.check(prompt_token_ids, "prompt", needs_row=True)
+        if params.logit_bias:
+            ids.check(params.logit_bias, "logit_bias", needs_row=True)
+        ids.check(params.stop_token_ids, "stop_token_ids")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
         room = self.max_model_len - len(prompt_token_ids)

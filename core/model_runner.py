@@ -84,6 +84,13 @@ class _Batch:
     query_start_loc: list[int]
 
 
+def _padding_row() -> SamplingRow:
+    """A greedy row for the padding rows of a static-shape batch (its token is dropped)."""
+    from engine.sampling_params import SamplingParams
+
+    return SamplingRow(SamplingParams(temperature=0.0), [], [], [None])
+
+
 def _chunk_tokens(request: Request, start: int, num: int) -> list[int]:
     """``request.all_token_ids[start:start + num]`` without concatenating the whole lists."""
     prompt, output = request.prompt_token_ids, request.output_token_ids
@@ -137,6 +144,14 @@ class ModelRunner:
             config.scheduler.max_num_seqs, dtype=torch.int64, device=self.device
         )
         self._feedback_rows: dict[str, int] = {}
+        # Platforms that compile one graph per input shape (XLA) pad every step to buckets.
+        buckets = getattr(platform, "shape_buckets", None)  # duck-typed test platforms lack it
+        self.shape_buckets = buckets(config) if buckets is not None else None
+
+    def _no_grad(self) -> Any:
+        """``torch.inference_mode()``, or ``no_grad`` on XLA: torch_xla's functionalization
+        sets version counters, which inference tensors refuse."""
+        return torch.no_grad() if self.device.type == "xla" else torch.inference_mode()
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> nn.Module:
@@ -395,7 +410,7 @@ class ModelRunner:
             layout = BatchLayout(lens, lens, tables, slots, self.block_size, 0)
             md = self.attn_backend_cls.build_metadata(layout, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            with torch.inference_mode():
+            with self._no_grad():
                 hidden = self.model(
                     input_ids, torch.from_numpy(positions).to(self.device), [md] * len(groups)
                 )
@@ -422,6 +437,8 @@ class ModelRunner:
             for layer in layers:
                 layer.kv_cache = tensor
         self.num_blocks = num_blocks
+        if self.shape_buckets is not None:
+            self.platform.synchronize()  # materialise the zeroed caches outside any step graph
 
     def free_kv_cache(self) -> None:
         self.graphs = None  # captured graphs point at the cache tensors
@@ -500,7 +517,7 @@ class ModelRunner:
         if not scheduled:
             self._feedback_rows = {}
             return pending
-        with torch.inference_mode():
+        with self._no_grad():
             if self.lora is not None:
                 self.lora.prepare(scheduled)  # adapter slots and the per-token mapping
             hidden = None
@@ -514,6 +531,11 @@ class ModelRunner:
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
             if prompt_logprobs:
                 self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, pending.out)
+        if self.shape_buckets is not None:
+            # A static-shape (lazily traced, XLA) platform: run the step's whole graph - the
+            # forward, the KV-cache writes, the sampling - as one, so the next step traces from
+            # materialised caches instead of growing one graph across steps.
+            self.platform.synchronize()
         return pending
 
     def collect(self, pending: PendingStep) -> RunnerOutput:
@@ -522,7 +544,9 @@ class ModelRunner:
             if pending.ready is not None:
                 pending.ready.synchronize()
             out = pending.out
-            for rid, token in zip(pending.request_ids, pending.tokens.tolist(), strict=True):
+            # Static shapes may have padded the rows: the real ones come first.
+            tokens = pending.tokens.tolist()[: len(pending.request_ids)]
+            for rid, token in zip(pending.request_ids, tokens, strict=True):
                 out.sampled[rid] = [token]
                 out.logprobs[rid] = None
             pending.tokens = pending.ready = None
@@ -562,7 +586,14 @@ class ModelRunner:
             layout = BatchLayout(
                 query_lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes
             )
+            if self.shape_buckets is not None:
+                layout = self.shape_buckets.pad_layout(layout, num_tokens)
             metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
+        if self.shape_buckets is not None:  # padded tokens: id 0 at position 0, never sampled
+            pad = self.shape_buckets.pad_tokens(num_tokens) - num_tokens
+            input_ids, positions = np.pad(input_ids, (0, pad)), np.pad(positions, (0, pad))
+            if feedback is not None:
+                feedback = np.pad(feedback, (0, pad), constant_values=-1)
         ids = self._to_device(input_ids)
         if feedback is not None:
             ids = gather_feedback(ids, self._to_device(feedback), self._feedback)
@@ -580,6 +611,8 @@ class ModelRunner:
         tensor = torch.from_numpy(array)
         if self.device.type == "cpu":
             return tensor
+        if self.device.type != "cuda":  # pinned host memory is a CUDA (and HIP) notion
+            return tensor.to(self.device)
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _feedback_sources(
@@ -617,6 +650,10 @@ class ModelRunner:
         rows = [sampling_rows[s.request.request_id] for _, s in sampling]
         if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
             last = np.array([batch.query_start_loc[i + 1] - 1 for i, _ in sampling])
+            if self.shape_buckets is not None:  # static shapes: pad with greedy dummy rows
+                pad = self.shape_buckets.pad_seqs(len(rows)) - len(rows)
+                last = np.pad(last, (0, pad), mode="edge")
+                rows = rows + [_padding_row()] * pad
             hidden = hidden[self._to_device(last)]  # else one token per request: no gather
         sampler = self.sampler
         # Samplers that are not engine.sampler.Sampler (tests, plugins) get the classic
@@ -633,27 +670,28 @@ class ModelRunner:
         ids = [s.request.request_id for _, s in sampling]
         if not plain:
             result = sampler.sample(logits, rows)
-            for j, rid in enumerate(ids):
+            for j, rid in enumerate(ids):  # padding rows (static shapes) come last: dropped
                 out.sampled[rid] = list(result.token_ids[j])
                 out.logprobs[rid] = result.logprobs[j] if result.logprobs is not None else None
             first = torch.tensor([t[0] for t in result.token_ids], device=self.device)
         else:
             first = sampler.sample_tokens(logits, rows)
             pending.request_ids = ids
-            if self.device.type == "cpu":
+            if self.device.type != "cuda":
                 pending.tokens = first
             else:
                 pending.tokens = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
                 pending.tokens.copy_(first, non_blocking=True)
                 pending.ready = torch.Event(device=self.device)
                 pending.ready.record()
-        if len(ids) > self._feedback.numel():  # only hand-built steps exceed max_num_seqs
+        num_rows = first.shape[0]  # len(ids), or its shape bucket (padding rows last)
+        if num_rows > self._feedback.numel():  # only hand-built steps exceed max_num_seqs
             if self.graphs is not None:
                 raise ValueError(
-                    f"{len(ids)} sampling rows exceed max_num_seqs={self._feedback.numel()}"
+                    f"{num_rows} sampling rows exceed max_num_seqs={self._feedback.numel()}"
                 )
-            self._feedback = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
-        self._feedback[: len(ids)].copy_(first, non_blocking=True)
+            self._feedback = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        self._feedback[:num_rows].copy_(first, non_blocking=True)
         self._feedback_rows = {rid: j for j, rid in enumerate(ids)}
 
     def _prompt_logprobs(

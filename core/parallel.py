@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 
 def _identity_communicator() -> Communicator:
-    from engine.distributed import Communicator
+    from engine.distributed import SingleProcessCommunicator
 
-    return Communicator()
+    return SingleProcessCommunicator()
 
 
 @dataclass(frozen=True)

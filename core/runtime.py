@@ -149,8 +149,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     runner.allocate_kv_cache(num_blocks)
     runner.capture_graphs()  # decode CUDA graphs where the platform and backend allow them
     if config.scheduler.async_scheduling is None:
-        # Overlap pays where the device runs apart from the host; CPU kernels run inline.
-        config.scheduler.async_scheduling = runner.device.type != "cpu"
+        # Overlap pays where the device runs apart from the host and copies are asynchronous
+        # (CUDA/HIP streams); CPU kernels run inline, and XLA builds one graph per step.
+        config.scheduler.async_scheduling = runner.device.type == "cuda"
     scheduler = Scheduler(
         config.scheduler,
         config.cache,

@@ -121,14 +121,18 @@ def write_kv_cache(
 ) -> None:
     """Scatter key/value ([T, num_kv_heads, head_size]) into ``kv_cache``
     ([2, num_blocks, block_size, num_kv_heads, head_size]) at ``slot_mapping`` (int64 [T]);
-    negative slots (padding) are skipped."""
+    negative slots (padding) are skipped. Values are cast to the cache's dtype (an fp8 cache
+    stores them rounded, unscaled)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # an fp8 cache: CPU index kernels have no float8 versions
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 from plugin_helpers import EXAMPLE_VENDOR, install_fixtures
 
 from engine.cli.main import SUBCOMMANDS, main
-from engine.version import __version__
+from engine.version import PLUGIN_API_VERSION, __version__
 
 
 def engine_cmd() -> list[str]:
@@ -27,7 +27,10 @@ def test_version_imports_no_torch() -> None:
         "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == [f"engine {__version__} (plugin API 1.0)", "[]"]
+    assert out.stdout.splitlines() == [
+        f"engine {__version__} (plugin API {PLUGIN_API_VERSION})",
+        "[]",
+    ]
 
 
 def test_console_script_version() -> None:
@@ -71,6 +74,12 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
     assert on_cpu == [("argmax", "engine-cpu")], report["kernel_overrides"]
+    comms = {c["platform"]: c for c in report["communicators"]}
+    assert comms["cpu"]["provider"] == "engine-cpu" and "gloo" in comms["cpu"]["communicator"]
+    assert comms["rocm"]["provider"] == "engine-rocm" and "RCCL" in comms["rocm"]["communicator"]
+    assert comms["tpu"]["communicator"].startswith("torch_xla xm collectives")
+    suites = [s["name"] for s in report["conformance_suites"]]
+    assert suites == ["platform", "communicator", "backend", "kernel"]
 
 
 def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
@@ -80,6 +89,8 @@ def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
     assert code == 0
     assert "* cpu" in out
     assert "silu_and_mul" in out and "engine-kernel-override" in out and "on cpu" in out
+    assert "Communicators:" in out and "torch.distributed on gloo" in out
+    assert "Conformance kit suites (pytest --engine-conformance=PLUGIN):" in out
 
 
 def assert_one_paragraph_error(code: int, err: str, *needles: str) -> None:

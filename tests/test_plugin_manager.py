@@ -99,6 +99,17 @@ def test_plugin_for_another_api_major_is_refused_with_versions_that_fit(plugin_e
     assert "versions that fit: 1 or 1.x" in msg
 
 
+def test_plugin_for_a_newer_minor_api_is_refused_and_older_minors_load(plugin_env) -> None:
+    install_fixtures(plugin_env, "engine-newer-api", "engine-kernel-override")
+    with pytest.raises(PluginLoadError) as err:
+        load(ENGINE_PLUGINS="newerapi")
+    msg = str(err.value)
+    assert "built for plugin API 1.99, newer than the plugin API" in msg
+    assert "engine-newer-api 0.0.1" in msg and "Upgrade the engine" in msg
+    # "1" (any minor) and the current or an older minor load.
+    assert load(ENGINE_PLUGINS="kerneloverride").plugin("kerneloverride").api_version == "1"
+
+
 def test_plugin_without_api_version_is_refused(plugin_env) -> None:
     install_fixtures(plugin_env, "engine-no-api")
     with pytest.raises(PluginLoadError) as err:

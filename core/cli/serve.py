@@ -48,6 +48,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "tokenizer has none, or to override it.",
     )
     server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Render a request's own chat_template (off: such requests get 400, as in vLLM; a "
+        "template is code the server runs).",
+    )
+    server.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info (the tokenizer's configuration and chat template, as "
+        "vLLM does; lm-eval's remote tokenizer reads it). Off by default: it exposes them.",
+    )
+    server.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULT_BODY_LIMIT,
@@ -256,11 +268,13 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         api_keys=list(args.api_key or []),
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         serving=ServingOptions(
             limits=ServerLimits(max_n=args.max_n),
             log_requests=log_requests(args),
             max_log_len=args.max_log_len,
             chat_template=_read_chat_template(args.chat_template),
+            trust_request_chat_template=args.trust_request_chat_template,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,

@@ -4,10 +4,10 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: spread, linear, kprofile, the mixture-of-experts steps
-# moe-kernels, moe-b1, moe-nano, mixtral-b1, and the multi-LoRA steps lora-kernels, lora-b1,
-# lora-nano, lora-kprofile (Llama-3.1-8B with 8 rank-16 adapters on every linear layer,
-# requests spread evenly; compare with llama-b1 / llama-nano). Logs go to $OUT/tests.log,
+# llama-nano, profile; optional: conformance, spread, linear, kprofile, the mixture-of-experts
+# steps moe-kernels, moe-b1, moe-nano, mixtral-b1, and the multi-LoRA steps lora-kernels,
+# lora-b1, lora-nano, lora-kprofile (Llama-3.1-8B with 8 rank-16 adapters on every linear
+# layer, requests spread evenly; compare with llama-b1 / llama-nano). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -59,6 +59,17 @@ for step in "${steps[@]}"; do
         tests/triton_kernels tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -15 "$OUT/tests.log"
+      ;;
+    conformance)  # the conformance kit on cuda and on triton (reports: conformance-*.md)
+      for plugin in cuda triton; do
+        [ "$(left)" -lt 60 ] && { echo "SKIP conformance $plugin"; continue; }
+        echo "=== conformance $plugin at $(elapsed)s"
+        timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider -rs \
+          --engine-conformance=$plugin --engine-conformance-report="$OUT/conformance-$plugin.md" \
+          -m conformance tests/gpu >"$OUT/conformance-$plugin.log" 2>&1
+        echo "rc=$? at $(elapsed)s"
+        tail -4 "$OUT/conformance-$plugin.log"
+      done
       ;;
     kernels)
       [ "$(left)" -lt 90 ] && { echo "SKIP kernels"; continue; }

@@ -47,7 +47,8 @@ class LLM:
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
     sampling parameters; "vllm": EOS ids only; or a directory), ``enable_lora``,
-    ``max_loras``, ``max_lora_rank``, ``max_cpu_loras`` (multi-LoRA serving, ``engine.lora``).
+    ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``lora_fused_shrink`` (multi-LoRA
+    serving, ``engine.lora``).
     Unknown keywords are an error that lists them.
     """
 
@@ -81,6 +82,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        lora_fused_shrink: bool | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -115,7 +117,9 @@ class LLM:
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             max_logprobs=max_logprobs,
-            lora=_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras),
+            lora=_lora_config(
+                enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_fused_shrink
+            ),
         )
         from engine.engine import LLMEngine
 
@@ -334,13 +338,22 @@ class LLM:
 
 
 def _lora_config(
-    enable_lora: bool, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None
+    enable_lora: bool,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    fused_shrink: bool | None,
 ) -> Any:
     if not enable_lora:
         return None
     from engine.lora.config import LoRAConfig
 
-    return LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+    return LoRAConfig(
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
+        fused_shrink=fused_shrink,
+    )
 
 
 def _per_prompt_loras(

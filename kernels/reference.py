@@ -11,7 +11,9 @@ one sort and runs one matmul pair per expert that received tokens: no loop over 
 the weights of experts nobody chose are never read.
 
 Multi-LoRA: ``add_lora_linear`` adds each token's own adapter (or none) to a linear layer's
-output, for every fused output slice, in place (punica's shrink and expand; see its docstring).
+output, for every fused output slice, in place (punica's shrink and expand; see its docstring);
+``lora_expand_augmented`` is the expand alone, for layers whose base GEMM also computed every
+adapter slot's shrink (their A matrices appended to the weight).
 """
 
 from __future__ import annotations
@@ -234,11 +236,12 @@ def add_lora_linear(
     y: [T, N] with ``N = sum(slice_sizes)`` (the base layer's output); x: [T, K] (its input);
     lora_a: [L, S*R, K] (``S`` slices' A matrices stacked, each zero-padded to the rank ``R``);
     lora_b: [L, N, R] (the slices' B matrices, the LoRA scaling folded in); token_slots: int32
-    [T], the slot of each token in ``0..L-1`` or -1. ``sorted_tokens`` (int32, the tokens with a
-    slot, grouped by slot in slot order) and ``slot_starts`` (int32 [L + 1]: slot ``l``'s tokens
-    are ``sorted_tokens[slot_starts[l] : slot_starts[l + 1]]``) hold the same mapping grouped
-    (``engine.lora.mapping.group_by_slot``): the GPU kernels run one shrink and one expand
-    launch over every slot with them; this reference reads ``token_slots``.
+    [T], the slot of each token in ``0..L-1`` or -1. ``sorted_tokens`` (int32 [T], every token
+    grouped by slot in slot order, the tokens without a slot last) and ``slot_starts`` (int32
+    [L + 1]: slot ``l``'s tokens are ``sorted_tokens[slot_starts[l] : slot_starts[l + 1]]``)
+    hold the same mapping grouped (``engine.lora.mapping.group_by_slot``): the GPU kernels run
+    one shrink and one expand launch over every slot with them; this reference reads
+    ``token_slots``.
 
     Rounding points (the spec for overrides): the shrink ``x @ A^T`` accumulates in float32 and
     stays float32 (an override may round it to the activation dtype before the expand); the
@@ -261,6 +264,47 @@ def add_lora_linear(
     return y
 
 
+def lora_expand_augmented(
+    y_aug: torch.Tensor,
+    out_features: int,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    slot_starts: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+) -> torch.Tensor:
+    """The expand of a LoRA layer whose base GEMM also computed the shrink: ``y_aug`` is
+    ``x @ [W; A_0; ...; A_{L-1}]^T`` ([T, N + L*S*R]: the base output, then every slot's
+    shrunk values, ``S*R`` columns per slot, the A matrices stacked as ``add_lora_linear``'s
+    ``lora_a``). Returns a new contiguous [T, N] (``N = out_features = sum(slice_sizes)``)::
+
+        out[t] = y_aug[t, :N] + per slice s: shrunk_l[t, s*R:(s+1)*R] @ lora_b[l, slice s].T
+
+    with ``l = token_slots[t]`` and ``shrunk_l = y_aug[:, N + l*S*R : N + (l+1)*S*R]``; a token
+    with slot -1 gets its base row unchanged. The mapping arguments are ``add_lora_linear``'s.
+    Rounding: the shrunk values are as the GEMM rounded them (the activation dtype); the
+    expand accumulates in float32 and is added to the base row in float32, rounding once.
+    """
+    rank = lora_b.shape[2]
+    width = len(slice_sizes) * rank
+    out = y_aug[:, :out_features].contiguous().clone()
+    slots = token_slots[: y_aug.shape[0]].long()
+    for slot in torch.unique(slots).tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(slots == slot).squeeze(1)
+        first = out_features + slot * width
+        shrunk = y_aug.index_select(0, rows)[:, first : first + width].float()
+        acc = out.index_select(0, rows).float()
+        start = 0
+        for s, size in enumerate(slice_sizes):
+            b = lora_b[slot, start : start + size].float()
+            acc[:, start : start + size] += shrunk[:, s * rank : (s + 1) * rank] @ b.T
+            start += size
+        out.index_copy_(0, rows, acc.to(out.dtype))
+    return out
+
+
 REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -274,4 +318,5 @@ REFERENCE_KERNELS = {
     "moe_topk_softmax": moe_topk_softmax,
     "fused_moe": fused_moe,
     "add_lora_linear": add_lora_linear,
+    "lora_expand_augmented": lora_expand_augmented,
 }

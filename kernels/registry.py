@@ -29,6 +29,7 @@ KERNEL_NAMES = (
     "moe_topk_softmax",
     "fused_moe",
     "add_lora_linear",
+    "lora_expand_augmented",
 )
 
 

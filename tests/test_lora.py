@@ -118,6 +118,23 @@ def test_mixed_batch_of_adapters_matches_peft_merged(setup):
     assert sorted(manager.in_slots()) == [1, 2, 3] and manager.num_disk_loads == 3
 
 
+def test_shrink_in_the_base_gemm_matches_too(setup, monkeypatch):
+    """The GPU default: the A slots appended to each unquantized weight, one GEMM for the base
+    output and every slot's shrink, then ``lora_expand_augmented`` (forced here, with the
+    CPU's oneDNN packing off so the weights stay plain)."""
+    import engine.layers.cpu_packed_linear as packing
+
+    monkeypatch.setattr(packing, "pack_linears", lambda model, shared_weights=(): 0)
+    path, adapters, prompts, refs = setup
+    llm = _llm(path, lora_fused_shrink=True, max_loras=2)
+    manager = llm.llm_engine.runner.lora
+    assert manager.num_fused == len(manager.targets)
+    names = [None, "all8", "qvd4", "attn"]
+    _check(llm, prompts, [names[i % 4] for i in range(len(prompts))], refs, _requests(adapters))
+    layer = next(iter(manager.targets.values())).layer
+    assert layer.weight.data_ptr() == layer.quant_method.augmented.data_ptr()
+
+
 def test_more_adapters_than_slots_rotate_and_all_complete(setup):
     """max_loras=1 and max_cpu_loras=2 with three adapters: each step holds one adapter, the
     others wait their turn; adapters evicted from the host cache are read from disk again."""

@@ -98,13 +98,14 @@ def _load_block(block: _Block, weights: dict[str, torch.Tensor]) -> None:
     m.down_proj.weight.weight_loader(m.down_proj.weight, weights["down_proj"])
 
 
-def _lora_block(parallel, kv_heads, weights, adapter_dirs, slots_of_tokens):
-    """A rank's block with the adapters in slots and a step's token mapping set."""
+def _lora_block(parallel, kv_heads, weights, adapter_dirs, slots_of_tokens, fused=False):
+    """A rank's block with the adapters in slots and a step's token mapping set (``fused``:
+    the shrink in each layer's base GEMM)."""
     block = _Block(parallel, kv_heads)
     _load_block(block, weights)
     manager = LoRAModelManager(
         block,
-        LoRAConfig(max_loras=len(adapter_dirs), max_lora_rank=8),
+        LoRAConfig(max_loras=len(adapter_dirs), max_lora_rank=8, fused_shrink=fused),
         None,
         torch.device("cpu"),
         16,
@@ -130,8 +131,9 @@ def _reference(x, w, modules, keys, name):
     return y
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-shrink", "shrink-in-gemm"])
 @pytest.mark.parametrize(("tp", "kv_heads"), [(1, 2), (2, 2), (4, 2), (2, 4)])
-def test_sharded_adapters_combine_to_the_single_process_result(tmp_path, tp, kv_heads):
+def test_sharded_adapters_combine_to_the_single_process_result(tmp_path, tp, kv_heads, fused):
     torch.manual_seed(0)
     weights = _full_weights(kv_heads)
     modules = [
@@ -154,8 +156,13 @@ def test_sharded_adapters_combine_to_the_single_process_result(tmp_path, tp, kv_
             weights,
             [tmp_path / "a1", tmp_path / "a2"],
             keys,
+            fused,
         )
         m = block.model
+        assert all(
+            (layer.quant_method.augmented is not None) == fused
+            for layer in (m.qkv_proj, m.o_proj, m.gate_up_proj, m.down_proj)
+        )
         q, k, v = m.qkv_proj.split(m.qkv_proj(x))
         qs = ref["q_proj"].shape[1] // tp
         kv_rank = r // max(1, tp // kv_heads)
@@ -193,7 +200,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, results: dict) -> No
             tp_rank=rank, tp_size=world, tp=TorchDistributedCommunicator(None)
         )
         keys = [1, 0, 1]
-        block = _lora_block(parallel, 2, weights, [Path(root) / "a1"], keys)
+        block = _lora_block(parallel, 2, weights, [Path(root) / "a1"], keys, fused=rank == 1)
         m = block.model
         torch.manual_seed(5)
         x = torch.randn(len(keys), HIDDEN)

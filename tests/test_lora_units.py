@@ -18,7 +18,7 @@ from engine.lora.request import LoRARequest
 
 def test_group_by_slot():
     sorted_tokens, starts = group_by_slot(np.array([2, -1, 0, 2, 0, -1, 1]), 4)
-    assert sorted_tokens.tolist() == [2, 4, 6, 0, 3]
+    assert sorted_tokens.tolist() == [2, 4, 6, 0, 3, 1, 5]
     assert starts.tolist() == [0, 2, 3, 5, 5]
     with pytest.raises(ValueError, match="token slots must be in"):
         group_by_slot(np.array([4]), 4)
@@ -29,12 +29,16 @@ def test_mapping_buffers_keep_rows_past_the_step_at_minus_one():
     m.set(np.array([0, 1, -1, 2, 2], dtype=np.int32))
     assert m.active and m.token_slots.tolist() == [0, 1, -1, 2, 2, -1, -1, -1]
     assert m.slot_starts.tolist() == [0, 1, 2, 4]
-    m.set(np.array([1, -1], dtype=np.int32))  # a smaller step: the old rows go back to -1
+    assert m.sorted_tokens.tolist() == [0, 1, 3, 4, 2, 5, 6, 7]  # then the identity
+    m.set(np.array([1, -1], dtype=np.int32))  # a smaller step: the old rows go back
     assert m.token_slots.tolist() == [1, -1, -1, -1, -1, -1, -1, -1]
     assert m.slot_starts.tolist() == [0, 0, 1, 1]
+    assert m.sorted_tokens.tolist() == list(range(8))
+    m.set(np.array([2, 0], dtype=np.int32))
     m.set(np.array([-1, -1, -1], dtype=np.int32))
     assert not m.active and m.token_slots.tolist() == [-1] * 8
     assert m.slot_starts.tolist() == [0, 0, 0, 0]
+    assert m.sorted_tokens.tolist() == list(range(8))
     m.set(np.arange(12, dtype=np.int32) % 3)  # grows while no graph reads it
     assert m.capacity == 12 and m.slot_starts.tolist() == [0, 4, 8, 12]
     with m.capturing():

@@ -186,6 +186,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Adapters kept loaded in host memory (an LRU cache; at least --max-loras, "
         "default: --max-loras).",
     )
+    lora.add_argument(
+        "--lora-fused-shrink",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Compute the adapters' shrink inside the base GEMM of unquantized layers (their "
+        "A matrices appended to the weight) instead of a separate kernel (default: on for "
+        "GPUs, off on the CPU).",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -240,6 +248,7 @@ def lora_config_from_args(args: argparse.Namespace):
                 ("--max-loras", getattr(args, "max_loras", 1), 1),
                 ("--max-lora-rank", getattr(args, "max_lora_rank", 16), 16),
                 ("--max-cpu-loras", getattr(args, "max_cpu_loras", None), None),
+                ("--lora-fused-shrink", getattr(args, "lora_fused_shrink", None), None),
             )
             if value != default
         ]
@@ -250,4 +259,5 @@ def lora_config_from_args(args: argparse.Namespace):
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        fused_shrink=getattr(args, "lora_fused_shrink", None),
     )

@@ -17,11 +17,17 @@ class LoRAConfig:
     sizes the device buffers and the kernels' work. ``max_cpu_loras`` (``--max-cpu-loras``):
     adapters kept loaded in host memory (an LRU cache; evicted adapters are read from disk again
     when a request needs them); None means ``max_loras``.
+
+    ``fused_shrink`` (``--lora-fused-shrink``, this engine's): compute the adapters' shrink in
+    the base GEMM of unquantized layers (their A matrices appended to the weight, see
+    ``engine.lora.layers``); None: on accelerators, not on the CPU (whose oneDNN-packed
+    weights cannot grow rows); False: a separate shrink kernel everywhere.
     """
 
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    fused_shrink: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

@@ -1,9 +1,11 @@
 """Which adapter slot each token of a step uses, in the fixed device buffers the LoRA layers read.
 
-The kernels (``add_lora_linear``) take the mapping three ways at once: ``token_slots`` (the
-slot of every token, -1 for none), and the same grouped by slot (``sorted_tokens``, the tokens
-with a slot in slot order, and ``slot_starts``, where each slot's run begins), so a GPU kernel
-can run one launch over every slot with each program reading one slot's tokens. The host
+The kernels (``add_lora_linear``, ``lora_expand_augmented``) take the mapping three ways at
+once: ``token_slots`` (the slot of every token, -1 for none), and the same grouped by slot
+(``sorted_tokens``: every token, those of slot 0 first, then slot 1, ..., then the tokens
+without an adapter; ``slot_starts``: where each slot's run begins, ``slot_starts[L]`` where the
+tokens without an adapter begin), so a GPU kernel can run one launch over every slot with each
+program reading one slot's tokens. The host
 computes all three once per step (``group_by_slot``) and copies them into ``LoRABatchMapping``'s
 buffers; captured CUDA graphs read those same buffers, so a replay serves whatever mapping the
 step wrote.
@@ -19,17 +21,18 @@ import torch
 
 
 def group_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(sorted_tokens, slot_starts)`` of a per-token slot array (int, -1 = no adapter):
-    the indices of the tokens with a slot, grouped by slot (stable: token order within a slot),
-    and the ``num_slots + 1`` offsets of each slot's group. int32 both."""
+    """``(sorted_tokens, slot_starts)`` of a per-token slot array (int, -1 = no adapter): the
+    index of every token, grouped by slot in slot order (stable: token order within a group)
+    with the tokens without a slot last, and the ``num_slots + 1`` offsets of each slot's group
+    (``slot_starts[num_slots]``: where the tokens without a slot begin). int32 both."""
     slots = np.asarray(token_slots, dtype=np.int64)
     if slots.size and (slots.max() >= num_slots or slots.min() < -1):
         raise ValueError(
             f"token slots must be in [-1, {num_slots}), got {slots.min()}..{slots.max()}"
         )
-    order = np.argsort(slots, kind="stable")
-    num_none = int(np.count_nonzero(slots < 0))
-    sorted_tokens = order[num_none:].astype(np.int32)
+    # -1 sorts after every slot as num_slots.
+    order = np.argsort(np.where(slots < 0, num_slots, slots), kind="stable")
+    sorted_tokens = order.astype(np.int32)
     counts = np.bincount(slots[slots >= 0], minlength=num_slots)
     starts = np.zeros(num_slots + 1, dtype=np.int32)
     np.cumsum(counts, out=starts[1:])
@@ -41,8 +44,10 @@ class LoRABatchMapping:
 
     ``token_slots`` / ``sorted_tokens`` (int32 ``[capacity]``) and ``slot_starts`` (int32
     ``[num_slots + 1]``) are fixed device buffers: a layer called with ``T`` tokens passes
-    views of their first ``T`` entries to the kernel. Rows of ``token_slots`` past the step's
-    tokens are always -1, so a captured graph padded beyond the step reads "no adapter" there.
+    views of their first ``T`` entries to the kernel. Past the step's tokens, ``token_slots``
+    is always -1 and ``sorted_tokens`` the identity (entry ``i`` is ``i``), so a captured graph
+    padded beyond the step reads "no adapter" there, and the padding rows are each listed once
+    among the tokens without an adapter.
     ``active`` tells the layers whether to call the kernel at all (eager steps without any
     adapter skip it; it is forced on while graphs are captured, so the graphs contain it).
     """
@@ -60,7 +65,7 @@ class LoRABatchMapping:
     def _allocate(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.token_slots = torch.full((self.capacity,), -1, dtype=torch.int32, device=self.device)
-        self.sorted_tokens = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
+        self.sorted_tokens = torch.arange(self.capacity, dtype=torch.int32, device=self.device)
         self.slot_starts = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=self.device)
         self._written = 0
         self._last = None
@@ -88,14 +93,16 @@ class LoRABatchMapping:
             self.active = any_slot  # decode steps of the same batch: the buffers hold it already
             return
         sorted_tokens, starts = group_by_slot(token_slots, self.num_slots)
-        # Rows this step does not cover go back to -1 (they may be read by a padded graph).
+        # Rows this step does not cover go back to -1 / the identity (a padded graph reads
+        # them).
         width = max(n, self._written)
         slots = np.full(width, -1, dtype=np.int32)
         slots[:n] = token_slots
+        order = np.arange(width, dtype=np.int32)
+        order[:n] = sorted_tokens
         self._copy(self.token_slots, slots)
         self._copy(self.slot_starts, starts)
-        if sorted_tokens.size:
-            self._copy(self.sorted_tokens, sorted_tokens)
+        self._copy(self.sorted_tokens, order)
         self._written = n if any_slot else 0
         self._last = np.array(token_slots, dtype=np.int32) if any_slot else None
         self.active = any_slot

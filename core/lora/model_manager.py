@@ -100,12 +100,15 @@ class LoRAModelManager:
         self.num_slots = config.max_loras
         self.max_rank = config.max_lora_rank
         self.mapping = LoRABatchMapping(max_num_tokens, self.num_slots, device)
+        fuse = config.fused_shrink
+        if fuse is None:
+            fuse = device.type != "cpu"
         packed = dict(getattr(model, "packed_modules_mapping", None) or {})
         self.targets: dict[str, LoRALayerTarget] = {}
         self._by_module: dict[str, tuple[LoRALayerTarget, int]] = {}
         dtype = None
         for name, layer in decoder_linears(model).items():
-            wrap_layer(layer, self.num_slots, self.max_rank, self.mapping, kernels)
+            wrap_layer(layer, self.num_slots, self.max_rank, self.mapping, kernels, fuse)
             target = LoRALayerTarget(name, layer, _slice_modules(name, layer, packed))
             self.targets[name] = target
             for s, module in enumerate(target.slice_modules):
@@ -121,10 +124,14 @@ class LoRAModelManager:
         self._slot_owner: list[int | None] = [None] * self.num_slots
         self.num_slot_loads = 0
         self.num_disk_loads = 0
+        self.num_fused = sum(
+            1 for t in self.targets.values() if t.layer.quant_method.augmented is not None
+        )
         logger.info(
-            "LoRA: %d linear layers wrapped, %d device slots of rank %d (%.1f MiB), host cache "
-            "of %d adapters",
+            "LoRA: %d linear layers wrapped (%d with the shrink in their GEMM), %d device slots "
+            "of rank %d (%.1f MiB), host cache of %d adapters",
             len(self.targets),
+            self.num_fused,
             self.num_slots,
             self.max_rank,
             self.slot_bytes() / 2**20,

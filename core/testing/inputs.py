@@ -240,6 +240,36 @@ def _add_lora_linear_cases(dtype, gen):
     return cases
 
 
+def _lora_expand_augmented_cases(dtype, gen):
+    """The base GEMM's output with every slot's shrunk values appended; mixed slots and
+    tokens without an adapter (their rows must come back unchanged)."""
+    from engine.lora.mapping import group_by_slot
+
+    cases = []
+    for t, slices, rank, slots in (
+        (1, (40, 24, 24), 16, 4),
+        (9, (48,), 8, 3),
+        (33, (56, 56), 16, 2),
+    ):
+        n, s = sum(slices), len(slices)
+        y_aug = _randn(gen, dtype, t, n + slots * s * rank)
+        lora_b = _randn(gen, dtype, slots, n, rank, scale=rank**-0.5)
+        token_slots = torch.randint(-1, slots, (t,), generator=gen, dtype=torch.int32)
+        token_slots[0] = slots - 1
+        sorted_tokens, starts = group_by_slot(token_slots.numpy(), slots)
+        args = (
+            y_aug,
+            n,
+            lora_b,
+            token_slots,
+            torch.from_numpy(sorted_tokens),
+            torch.from_numpy(starts),
+            slices,
+        )
+        cases.append((f"T{t}-N{'+'.join(map(str, slices))}-R{rank}-L{slots}", args))
+    return cases
+
+
 register_kernel_inputs("rms_norm", _rms_norm_cases)
 register_kernel_inputs("fused_add_rms_norm", _fused_add_rms_norm_cases)
 register_kernel_inputs("rotary_embedding", _rotary_cases)
@@ -252,6 +282,7 @@ register_kernel_inputs("argmax", _argmax_cases)
 register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
 register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
 register_kernel_inputs("add_lora_linear", _add_lora_linear_cases, in_place=(0,), kind="lora")
+register_kernel_inputs("lora_expand_augmented", _lora_expand_augmented_cases, kind="lora")
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -6,8 +6,8 @@
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
 # llama-nano, profile; optional: conformance, spread, linear, kprofile, the mixture-of-experts
 # steps moe-kernels, moe-b1, moe-nano, mixtral-b1, and the multi-LoRA steps lora-kernels,
-# lora-b1, lora-nano, lora-kprofile (Llama-3.1-8B with 8 rank-16 adapters on every linear
-# layer, requests spread evenly; compare with llama-b1 / llama-nano). Logs go to $OUT/tests.log,
+# lora-b1, lora-nano, lora-kprofile, lora-b1-sep (Llama-3.1-8B with 8 rank-16 adapters on
+# every linear layer, requests spread evenly; compare with llama-b1 / llama-nano). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -111,6 +111,9 @@ for step in "${steps[@]}"; do
       ;;
     lora-b1) bench lora-b1 240 latency --model llama-3.1-8b "${B1[@]}" --num-loras 8 --lora-rank 16 ;;
     lora-nano) bench lora-nano 300 throughput --model llama-3.1-8b "${NANO[@]}" --num-loras 8 --lora-rank 16 ;;
+    lora-b1-sep)  # the same with a separate shrink kernel (no shrink in the base GEMM)
+      bench lora-b1-sep 240 latency --model llama-3.1-8b "${B1[@]}" --num-loras 8 --lora-rank 16 \
+        --enable-lora --max-loras 8 --max-lora-rank 16 --no-lora-fused-shrink ;;
     lora-kprofile)  # the LoRA kernels' share of a decode step, batch 1 and 256
       for spec in 1:128 256:800; do
         [ "$(left)" -lt 60 ] && { echo "SKIP lora-kprofile $spec"; continue; }

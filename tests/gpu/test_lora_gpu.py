@@ -82,9 +82,16 @@ def _run(setup, assignment, **kwargs):
 ASSIGNMENT = ["a8", None, "a4", "a16", "a8", "a4", None, "a16"]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["shrink-in-gemm", "separate-shrink"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_graph_replays_serve_mixed_adapters(setup, async_scheduling):
-    graphs, replays, _ = _run(setup, ASSIGNMENT, max_loras=3, async_scheduling=async_scheduling)
+def test_graph_replays_serve_mixed_adapters(setup, async_scheduling, fused):
+    graphs, replays, _ = _run(
+        setup,
+        ASSIGNMENT,
+        max_loras=3,
+        async_scheduling=async_scheduling,
+        lora_fused_shrink=fused,
+    )
     assert graphs and replays, "no decode step replayed a captured graph"
     assert any(len(r - {0}) == 3 for r in replays)  # three adapters in one replayed step
 
@@ -136,6 +143,28 @@ def test_kernels_at_llama_8b_shapes(name, t, seed):
     got = add_lora_linear(y, x, a, b, ts, st, ss, sizes)
     # One bf16 rounding of y + delta (|.| ~ 1.5), plus the shrunk values rounded to bf16.
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=2e-2, msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("t", [1, 7, 256])
+@pytest.mark.parametrize("name", list(PROJECTIONS))
+def test_augmented_expand_at_llama_8b_shapes(name, t, seed):
+    """The shrink-in-the-GEMM path: ``x @ [W; A]^T`` by the engine's linear, then the expand."""
+    from engine.kernels.reference import lora_expand_augmented as expand_reference
+    from engine_triton.kernels.linear import linear
+    from engine_triton.kernels.lora import lora_expand_augmented
+
+    k, sizes = PROJECTIONS[name]
+    rng = random.Random(seed)
+    mapping = [rng.randrange(-1, 8) for _ in range(t)]
+    y, x, a, b, ts, st, ss = _inputs(t, k, sizes, 16, 8, mapping)
+    w = (torch.randn(sum(sizes), k, device="cuda") * k**-0.5).to(torch.bfloat16)
+    y_aug = linear(x, torch.cat([w, a.reshape(-1, k)]))
+    expected = expand_reference(y_aug.float(), sum(sizes), b.float(), ts, st, ss, sizes)
+    got = lora_expand_augmented(y_aug, sum(sizes), b, ts, st, ss, sizes)
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=2e-2, msg=f"seed={seed}")
+    # The base part is the plain product (cuBLAS / skinny rounding of the same GEMM).
+    none = ts < 0
+    torch.testing.assert_close(got[none].float(), (x @ w.T)[none].float(), atol=3e-2, rtol=2e-2)
 
 
 def test_kernels_in_a_cuda_graph_follow_the_mapping_buffers(seed):

@@ -96,7 +96,8 @@ def test_conformance_kit_accepts_the_override():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-def test_engine_with_lora_kernels_on_the_interpreter_matches_torch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-shrink", "shrink-in-gemm"])
+def test_engine_with_lora_kernels_on_the_interpreter_matches_torch(tmp_path, monkeypatch, fused):
     """Two adapters and the base model in one batch (chunked prefill, then decodes): the
     Triton LoRA kernels reading the engine's mapping buffers give the torch path's tokens."""
     import engine_triton.kernels as triton_kernels
@@ -104,7 +105,7 @@ def test_engine_with_lora_kernels_on_the_interpreter_matches_torch(tmp_path, mon
     from engine.lora.request import LoRARequest
     from engine.testing.lora import make_peft_adapter
     from engine.testing.tiny_models import build_tiny_model
-    from engine_triton.kernels.lora import add_lora_linear
+    from engine_triton.kernels.lora import add_lora_linear, lora_expand_augmented
 
     path = build_tiny_model(tmp_path / "m", "llama", num_layers=1)
     a1 = make_peft_adapter(path, tmp_path / "a1", rank=8, seed=1)
@@ -113,10 +114,20 @@ def test_engine_with_lora_kernels_on_the_interpreter_matches_torch(tmp_path, mon
     loras = [LoRARequest("a1", 1, str(a1)), None, LoRARequest("a2", 2, str(a2))]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
+    if fused:  # plain weights (no oneDNN packing), so the A slots can join them
+        import engine.layers.cpu_packed_linear as packing
+
+        monkeypatch.setattr(packing, "pack_linears", lambda model, shared_weights=(): 0)
+
     def run(provider: str) -> list[list[int]]:
         llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=8,
-                  enable_lora=True, max_loras=2, max_lora_rank=8, platform="cpu")  # fmt: skip
-        assert llm.llm_engine.runner.kernels.provider("add_lora_linear") == provider
+                  enable_lora=True, max_loras=2, max_lora_rank=8, platform="cpu",
+                  lora_fused_shrink=fused)  # fmt: skip
+        op = "lora_expand_augmented" if fused else "add_lora_linear"
+        assert llm.llm_engine.runner.kernels.provider(op) == provider
+        assert llm.llm_engine.runner.lora.num_fused == (
+            len(llm.llm_engine.runner.lora.targets) if fused else 0
+        )
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         assert llm.llm_engine.num_used_blocks == 0
         return [o.outputs[0].token_ids for o in outs]
@@ -125,8 +136,69 @@ def test_engine_with_lora_kernels_on_the_interpreter_matches_torch(tmp_path, mon
     monkeypatch.setattr(
         triton_kernels,
         "register",
-        lambda registry: registry.register(
-            "add_lora_linear", add_lora_linear, platforms=("cpu",), priority=10
-        ),
+        lambda registry: [
+            registry.register(name, fn, platforms=("cpu",), priority=10)
+            for name, fn in (
+                ("add_lora_linear", add_lora_linear),
+                ("lora_expand_augmented", lora_expand_augmented),
+            )
+        ],
     )
     assert run("engine-triton") == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("t", "slices", "rank", "slots"),
+    [(1, (40, 24, 24), 16, 4), (6, (48,), 8, 2), (21, (36, 36), 4, 3), (5, (16,), 4, 2)],
+    ids=["decode-qkv", "mixed", "tiles", "no-adapter"],
+)
+def test_expand_augmented_matches_the_reference(t, slices, rank, slots, dtype, device, seed):
+    """The expand of layers whose GEMM computed the shrink: every row is written, those
+    without an adapter with their base values only."""
+    from engine.kernels.reference import lora_expand_augmented as reference
+    from engine_triton.kernels.lora import lora_expand_augmented
+
+    n, s = sum(slices), len(slices)
+    y_aug = torch.randn(t, n + slots * s * rank).to(dtype)
+    b = (torch.randn(slots, n, rank) * rank**-0.5).to(dtype)
+    mapping = [-1] * t if t == 5 else [(i % (slots + 1)) - 1 for i in range(t)]
+    token_slots = torch.tensor(mapping, dtype=torch.int32)
+    sorted_tokens, starts = group_by_slot(token_slots.numpy(), slots)
+    args = (token_slots, torch.from_numpy(sorted_tokens), torch.from_numpy(starts), slices)
+    expected = reference(y_aug, n, b, *args)
+    got = lora_expand_augmented(
+        y_aug.to(device),
+        n,
+        b.to(device),
+        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
+    )
+    assert got.shape == (t, n) and got.is_contiguous()
+    none = token_slots < 0
+    assert torch.equal(got.cpu()[none], y_aug[:, :n][none]), f"seed={seed}"
+    close(got, expected, dtype, seed)
+
+
+def test_expand_augmented_reads_padding_rows_as_tokens_without_an_adapter(device):
+    """A graph padded past the step: the kernel's T exceeds the mapping's tokens; the mapping
+    buffers list the padding rows (identity, slot -1), so every row is written once."""
+    import numpy as np
+
+    from engine.kernels.reference import lora_expand_augmented as reference
+    from engine.lora.mapping import LoRABatchMapping
+    from engine_triton.kernels.lora import lora_expand_augmented
+
+    slots, rank, n = 2, 8, 32
+    m = LoRABatchMapping(8, slots, torch.device("cpu"))
+    m.set(np.array([1, -1, 0], dtype=np.int32))  # 3 real tokens, the graph holds 8
+    y_aug = torch.randn(8, n + slots * rank)
+    b = torch.randn(slots, n, rank) * 0.3
+    args = (m.token_slots, m.sorted_tokens, m.slot_starts, (n,))
+    expected = reference(y_aug, n, b, *args)
+    got = lora_expand_augmented(
+        y_aug.to(device),
+        n,
+        b.to(device),
+        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
+    )
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)

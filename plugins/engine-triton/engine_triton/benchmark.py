@@ -539,7 +539,13 @@ def _lora_projection(t, k, sizes, rank, slots, st, ss, dtype) -> dict:
     import torch
 
     from engine_triton.kernels.linear import linear
-    from engine_triton.kernels.lora import _sm_count, lora_expand, lora_shrink, shrink_config
+    from engine_triton.kernels.lora import (
+        _sm_count,
+        lora_expand,
+        lora_expand_augmented,
+        lora_shrink,
+        shrink_config,
+    )
 
     n = sum(sizes)
     x = torch.randn(t, k, dtype=dtype, device="cuda")
@@ -568,8 +574,21 @@ def _lora_projection(t, k, sizes, rank, slots, st, ss, dtype) -> dict:
 
         timed[cfg] = _graph_us(call)
     best = min(timed, key=timed.get)
+    # The shrink in the base GEMM: x @ [W; A_0..A_7]^T, then one expand launch.
+    augs = [
+        (torch.cat([w, ab[i % len(ab)][0].reshape(-1, k)]), ab[i % len(ab)][1])
+        for i, w in enumerate(ws)
+    ]
+    ts = torch.zeros(t, dtype=torch.int32, device="cuda")  # read by the reference only
+
+    def fused(i):
+        w_aug, b = augs[i % len(augs)]
+        lora_expand_augmented(linear(x, w_aug), n, b, ts, st, ss, sizes)
+
+    fused_us = _graph_us(fused)
     return {
         "base_us": round(base_us, 2),
+        "fused_us": round(fused_us, 2),
         "lora_us": round(timed[rule], 2),
         "rule": list(rule),
         "best": list(best),
@@ -597,17 +616,21 @@ def sweep_lora(
         for name, (k, sizes) in LORA_PROJECTIONS.items():
             r = row[name] = _lora_projection(t, k, sizes, rank, slots, st, ss, torch.bfloat16)
             print(
-                f"T={t:4d} {name:8s} base {r['base_us']:7.2f} us  lora {r['lora_us']:6.2f} us "
-                f"(split {r['rule'][3]}; best split {r['best'][3]}: {r['best_us']:6.2f} us)",
+                f"T={t:4d} {name:8s} base {r['base_us']:7.2f} us  separate shrink+expand "
+                f"+{r['lora_us']:6.2f} us (split {r['rule'][3]}; best split {r['best'][3]}: "
+                f"{r['best_us']:6.2f} us)  shrink in the GEMM: GEMM+expand {r['fused_us']:7.2f} us",
                 flush=True,
             )
         step_lora = sum(row[n]["lora_us"] for n in LORA_PROJECTIONS) * layers / 1e3
         step_base = sum(row[n]["base_us"] for n in LORA_PROJECTIONS) * layers / 1e3
+        step_fused = sum(row[n]["fused_us"] for n in LORA_PROJECTIONS) * layers / 1e3
         row["step_lora_ms"] = round(step_lora, 3)
+        row["step_fused_ms"] = round(step_fused, 3)
         row["step_base_linear_ms"] = round(step_base, 3)
         print(
-            f"T={t:4d} per decode step ({layers} layers): LoRA {step_lora:.3f} ms, base "
-            f"projections {step_base:.3f} ms (+{100 * step_lora / step_base:.1f}%)",
+            f"T={t:4d} per decode step ({layers} layers): base projections {step_base:.3f} ms; "
+            f"separate shrink+expand +{step_lora:.3f} ms (+{100 * step_lora / step_base:.1f}%); "
+            f"shrink in the GEMM {step_fused:.3f} ms (+{100 * (step_fused / step_base - 1):.1f}%)",
             flush=True,
         )
         out[str(t)] = row

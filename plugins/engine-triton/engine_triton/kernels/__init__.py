@@ -31,7 +31,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.fused_moe import fused_moe, moe_topk_softmax
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
-    from engine_triton.kernels.lora import add_lora_linear
+    from engine_triton.kernels.lora import add_lora_linear, lora_expand_augmented
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
     from engine_triton.kernels.rotary import qk_norm_rotary, rotary_embedding
 
@@ -48,6 +48,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "moe_topk_softmax": moe_topk_softmax,
         "fused_moe": fused_moe,
         "add_lora_linear": add_lora_linear,
+        "lora_expand_augmented": lora_expand_augmented,
     }
     for name, fn in ops.items():
         registry.register(

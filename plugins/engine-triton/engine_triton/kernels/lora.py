@@ -25,9 +25,17 @@ of ``y`` in place (the spec: ``engine.kernels.reference.add_lora_linear``). The 
 
 Rows of tokens without an adapter are neither read nor written. ``x``, ``A`` and ``B`` share
 the activation dtype (bfloat16, float16 or float32).
+
+``lora_expand_augmented`` is the expand alone, for layers whose base GEMM computed every slot's
+shrink (``x @ [W; A_0; ...]^T``, see ``engine.lora.layers``): one launch over every token,
+slot-grouped tiles as above and then the tiles of the tokens without an adapter, writing a
+fresh ``[T, N]`` (base part plus the token's slot's expand; the base part alone for the
+others).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -41,15 +49,25 @@ SM_COUNT_FALLBACK = 132
 
 
 @triton.jit
-def _find_tile(starts_ptr, tile, NUM_SLOTS, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+def _find_tile(
+    starts_ptr,
+    tile,
+    T,
+    NUM_SLOTS,
+    SLOTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    WITH_NONE: tl.constexpr,
+):
     """``(slot, first row, end row)`` in the slot-grouped token list of tile number ``tile``
-    (the slots' tiles numbered in slot order); slot -1 past the last tile. Two vector loads of
-    ``slot_starts`` and a prefix sum: no serial chain of loads."""
+    (the slots' tiles numbered in slot order; with ``WITH_NONE`` the tiles of the tokens
+    without an adapter come last, as slot ``NUM_SLOTS``); slot -1 past the last tile. Two
+    vector loads of ``slot_starts`` and a prefix sum: no serial chain of loads."""
     lanes = tl.arange(0, SLOTS_P2)
-    valid = lanes < NUM_SLOTS
-    lo = tl.load(starts_ptr + lanes, mask=valid, other=0)
-    hi = tl.load(starts_ptr + lanes + 1, mask=valid, other=0)
-    tiles = tl.cdiv(hi - lo, BLOCK_M)
+    valid = lanes < NUM_SLOTS + WITH_NONE
+    lo = tl.load(starts_ptr + lanes, mask=lanes <= NUM_SLOTS, other=0)
+    hi = tl.load(starts_ptr + lanes + 1, mask=lanes < NUM_SLOTS, other=0)
+    hi = tl.where(lanes == NUM_SLOTS, T, hi)
+    tiles = tl.where(valid, tl.cdiv(hi - lo, BLOCK_M), 0)
     last = tl.cumsum(tiles, axis=0)  # one past each slot's last tile
     hit = valid & (tile >= last - tiles) & (tile < last)
     slot = tl.max(tl.where(hit, lanes, -1), axis=0)
@@ -91,7 +109,7 @@ def _lora_shrink_kernel(
     pid_mn = pid // SPLIT_K
     pid_n = pid_mn % num_n
     tile = pid_mn // num_n
-    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, SLOTS_P2, BLOCK_M)
+    slot, m0, end = _find_tile(starts_ptr, tile, T, NUM_SLOTS, SLOTS_P2, BLOCK_M, 0)
     if slot >= 0:
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
@@ -169,7 +187,7 @@ def _lora_expand_kernel(
     num_blocks = NB0 + NB1 + NB2
     pid_n = pid % num_blocks
     tile = pid // num_blocks
-    slot, m0, end = _find_tile(starts_ptr, tile, NUM_SLOTS, SLOTS_P2, BLOCK_M)
+    slot, m0, end = _find_tile(starts_ptr, tile, T, NUM_SLOTS, SLOTS_P2, BLOCK_M, 0)
     if slot >= 0:
         # The slice this feature block lies in, and the block's place in it.
         in1 = pid_n >= NB0
@@ -207,6 +225,88 @@ def _lora_expand_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _lora_expand_augmented_kernel(
+    out_ptr,
+    yaug_ptr,
+    b_ptr,
+    sorted_ptr,
+    starts_ptr,
+    T,
+    R,
+    N0,
+    N1,
+    N2,
+    NB0,
+    NB1,
+    NB2,
+    NUM_SLOTS,
+    WIDTH,
+    stride_ot,
+    stride_yt,
+    stride_bl,
+    stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROUND_SHRUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
+):
+    """out[t, cols] = y_aug[t, cols] (+ the expand of token t's slot, whose shrunk values
+    are y_aug's columns N + slot*WIDTH ...): every token is written, the tokens without an
+    adapter (the tiles after the slots') with their base row only."""
+    pid = tl.program_id(0)
+    num_blocks = NB0 + NB1 + NB2
+    pid_n = pid % num_blocks
+    tile = pid // num_blocks
+    slot, m0, end = _find_tile(starts_ptr, tile, T, NUM_SLOTS, SLOTS_P2, BLOCK_M, 1)
+    if slot >= 0:
+        in1 = pid_n >= NB0
+        in2 = pid_n >= NB0 + NB1
+        sl = in1.to(tl.int32) + in2.to(tl.int32)
+        first_block = tl.where(in2, NB0 + NB1, tl.where(in1, NB0, 0))
+        offset = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
+        size = tl.where(in2, N2, tl.where(in1, N1, N0))
+        local = (pid_n - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = local < size
+        cols = offset + tl.minimum(local, size - 1)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
+        tok = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        mask = row_ok[:, None] & col_ok[None, :]
+        acc = tl.load(yaug_ptr + tok[:, None] * stride_yt + cols[None, :], mask=mask, other=0.0)
+        acc = acc.to(tl.float32)
+        if slot < NUM_SLOTS:
+            r = tl.arange(0, BLOCK_R)
+            r_ok = r < R
+            first = N0 + N1 + N2 + slot * WIDTH + sl * R
+            shrunk = tl.load(
+                yaug_ptr + tok[:, None] * stride_yt + first + r[None, :],
+                mask=row_ok[:, None] & r_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                b_ptr
+                + slot.to(tl.int64) * stride_bl
+                + cols.to(tl.int64)[:, None] * stride_bn
+                + r[None, :],
+                mask=r_ok[None, :],
+                other=0.0,
+            )
+            if ROUND_SHRUNK:
+                acc += tl.dot(shrunk, tl.trans(b))
+            else:
+                acc += tl.dot(
+                    shrunk.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision=PRECISION
+                )
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 class _Scratch:
@@ -269,6 +369,7 @@ def block_m_for(num_tokens: int, num_slots: int) -> int:
     return 16 if per_slot <= 16 else 32 if per_slot <= 32 else 64
 
 
+@functools.lru_cache(maxsize=4096)
 def shrink_config(
     num_tokens: int, n: int, k: int, num_slots: int, sms: int = SM_COUNT_FALLBACK
 ) -> tuple[int, int, int, int]:
@@ -286,6 +387,7 @@ def shrink_config(
     return block_m, block_n, block_k, split
 
 
+@functools.lru_cache(maxsize=4096)
 def expand_config(num_tokens: int, num_slots: int) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)`` of the expand."""
     block_m = block_m_for(num_tokens, num_slots)
@@ -382,6 +484,67 @@ def lora_expand(
         num_stages=2,
     )
     return y
+
+
+def lora_expand_augmented(
+    y_aug: torch.Tensor,
+    out_features: int,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    slot_starts: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+) -> torch.Tensor:
+    """The registered op for layers whose base GEMM computed the shrink (the spec:
+    ``engine.kernels.reference.lora_expand_augmented``): one launch over every token."""
+    t = y_aug.shape[0]
+    num_slots, n, rank = lora_b.shape
+    if (
+        not 1 <= len(slice_sizes) <= MAX_SLICES
+        or y_aug.dim() != 2
+        or y_aug.dtype not in DTYPES
+        or lora_b.dtype != y_aug.dtype
+        or y_aug.stride(1) != 1
+        or not lora_b.is_contiguous()
+    ):
+        from engine.kernels.reference import lora_expand_augmented as reference
+
+        return reference(
+            y_aug, out_features, lora_b, token_slots, sorted_tokens, slot_starts, slice_sizes
+        )
+    out = torch.empty((t, out_features), dtype=y_aug.dtype, device=y_aug.device)
+    if t == 0:
+        return out
+    block_m, block_n = expand_config(t, num_slots)
+    sizes = list(slice_sizes) + [0] * (MAX_SLICES - len(slice_sizes))
+    blocks = [triton.cdiv(s, block_n) for s in sizes]
+    tiles = max_tiles(t, block_m, num_slots) + 1  # + the last tile of the tokens without one
+    _lora_expand_augmented_kernel[(tiles * sum(blocks),)](
+        out,
+        y_aug,
+        lora_b,
+        sorted_tokens,
+        slot_starts,
+        t,
+        rank,
+        *sizes,
+        *blocks,
+        num_slots,
+        len(slice_sizes) * rank,
+        out.stride(0),
+        y_aug.stride(0),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        ROUND_SHRUNK=y_aug.dtype != torch.float32,
+        PRECISION="ieee",
+        SLOTS_P2=_slots_p2(num_slots + 1),
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
 
 
 def supported(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:

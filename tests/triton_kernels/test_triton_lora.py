@@ -202,3 +202,21 @@ def test_expand_augmented_reads_padding_rows_as_tokens_without_an_adapter(device
         *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
     )
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_augmented_weights_take_the_tuned_linear_configs_of_their_base_shape():
+    """8 rank-16 slots add 384 rows to Llama-3.1-8B's q/k/v (128 to o and down, 256 to
+    gate/up): the skinny GEMM keeps the measured choice of the base shape."""
+    from engine_triton.kernels import linear as mod
+
+    for n, extra, k in (
+        (6144, 384, 4096),
+        (4096, 128, 4096),
+        (28672, 256, 4096),
+        (4096, 128, 14336),
+    ):
+        for m in (1, 2, 16):
+            assert mod.prefers_cublas(m, n + extra, k) == mod.prefers_cublas(m, n, k), (m, n)
+            if not mod.prefers_cublas(m, n, k):
+                assert mod.config_for(m, n + extra, k) == mod.config_for(m, n, k), (m, n)
+    assert mod._tuned_key(1, 3 * 4096, 4096) is None  # far from every measured shape

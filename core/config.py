@@ -7,7 +7,10 @@ match vLLM's so users switch by name) and handed to every component.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {
@@ -372,6 +375,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Threads of torch's CPU kernels; None: the physical cores available (engine.cpu_threads).
     cpu_threads: int | None = None
+    # Multi-LoRA serving (--enable-lora); None: off (engine.lora.config.LoRAConfig).
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:

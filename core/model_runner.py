@@ -176,6 +176,7 @@ class ModelRunner:
         self._groups: list[int | None] | None = None
         self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.verify_graphs: Any = None  # the same for speculative verification steps
+        self.lora: Any = None  # engine.lora.model_manager.LoRAModelManager with --enable-lora
         # On-device feedback for asynchronous scheduling: the previous step's first sample of
         # each sampling row (a fixed buffer, so captured graphs can read it) and the row of
         # each request in it.
@@ -223,6 +224,8 @@ class ModelRunner:
                 self.load_stats.describe(),
             )
         self._pack_linears()
+        if self.config.lora is not None:
+            self._wrap_lora()
         if self.sampler is None:
             if self.sampler_cls is None:
                 from engine.sampler import Sampler
@@ -248,6 +251,32 @@ class ModelRunner:
             m.weight for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)
         )
         pack_linears(self.model, shared_weights=embeddings)
+
+    def _wrap_lora(self) -> None:
+        """Wrap the linear layers for LoRA (after packing, which swaps their methods; before
+        the KV cache is sized, so the adapter slots count in the memory profile)."""
+        from engine.lora.model_manager import LoRAModelManager
+
+        sched = self.config.scheduler
+        self.lora = LoRAModelManager(
+            self.model,
+            self.config.lora,
+            self.kernels,
+            self.device,
+            max(sched.max_num_batched_tokens, sched.max_num_seqs),
+        )
+
+    def add_lora(self, key: int, lora_request: Any) -> None:
+        """Load, check and register a LoRA adapter under the engine's ``key`` (raises
+        ``engine.lora.errors.LoRAAdapterError`` with the reason)."""
+        if self.lora is None:
+            raise ConfigError("LoRA is not enabled: start the engine with --enable-lora")
+        self.lora.add_adapter(key, lora_request)
+
+    def remove_lora(self, key: int) -> None:
+        """Forget a LoRA adapter (host copy and device slot)."""
+        if self.lora is not None:
+            self.lora.remove_adapter(key)
 
     @property
     def vocab_size(self) -> int:
@@ -558,6 +587,8 @@ class ModelRunner:
             logger.info("decode graphs are not captured under pipeline parallelism (eager steps)")
             return None
         assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
+        from contextlib import nullcontext
+
         from engine.cuda_graphs import DecodeGraphs
 
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
@@ -579,22 +610,24 @@ class ModelRunner:
             extra=extra,
             capture_error_mode=capture_error_mode,
         )
-        seconds = self.graphs.capture()
-        spec = self.config.speculative
-        if spec is not None:
-            self.verify_graphs = DecodeGraphs(
-                *args,
-                min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
-                self.device,
-                self._feedback,
-                query_len=int(spec.num_speculative_tokens) + 1,
-                eager=eager,
-                extra=extra,
-                capture_error_mode=capture_error_mode,
-            )
-            seconds += self.verify_graphs.capture()
-            if self.proposer is not None and self.proposer.uses_model:
-                seconds += self.proposer.capture_graphs(eager)
+        # With LoRA the graphs contain the adapter kernels, reading the mapping buffers.
+        with self.lora.capturing() if self.lora is not None else nullcontext():
+            seconds = self.graphs.capture()
+            spec = self.config.speculative
+            if spec is not None:
+                self.verify_graphs = DecodeGraphs(
+                    *args,
+                    min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
+                    self.device,
+                    self._feedback,
+                    query_len=int(spec.num_speculative_tokens) + 1,
+                    eager=eager,
+                    extra=extra,
+                    capture_error_mode=capture_error_mode,
+                )
+                seconds += self.verify_graphs.capture()
+                if self.proposer is not None and self.proposer.uses_model:
+                    seconds += self.proposer.capture_graphs(eager)
         return seconds
 
     # ---- one step ---------------------------------------------------------------------------
@@ -636,6 +669,8 @@ class ModelRunner:
             self._feedback_rows = {}
             return pending
         with self._no_grad():
+            if self.lora is not None:
+                self.lora.prepare(scheduled)  # adapter slots and the per-token mapping
             hidden = None
             if self.graphs is not None:
                 hidden = self.graphs.run(scheduled, self._feedback_rows)

@@ -160,6 +160,13 @@ def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -
             )
     if tp > 1:
         _check_experts(text, tp, par.enable_expert_parallel)
+    if pp > 1 and getattr(config, "lora", None) is not None:
+        # A stage holds only its layers, and adapters name every layer's modules.
+        raise ConfigError(
+            f"--enable-lora with pipeline_parallel_size={pp} is not supported yet (a pipeline "
+            "stage holds only its layers' LoRA targets); use tensor_parallel_size instead "
+            "(LoRA runs under tensor parallelism), or pipeline_parallel_size=1"
+        )
     layers = getattr(text, "num_hidden_layers", None)
     if pp > 1 and layers is not None and pp > layers:
         raise ConfigError(
@@ -358,6 +365,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
         speculative_config=config.speculative,
         pipeline_parallel_size=par.pipeline_parallel_size,
+        lora_config=config.lora,
     )
     logger.info(
         "engine ready in %.1f s: %d KV blocks of %d tokens",

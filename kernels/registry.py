@@ -33,6 +33,8 @@ KERNEL_NAMES = (
     "fp8_block_linear",
     "int8_linear",
     "wna16_linear",
+    "add_lora_linear",
+    "lora_expand_augmented",
 )
 
 # Ops with their own weight layout: an implementation is an object with a ``prepack`` method

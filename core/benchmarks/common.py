@@ -11,6 +11,12 @@ import tempfile
 import time
 from typing import Any
 
+from engine.benchmarks.lora import (
+    add_lora_bench_args,
+    bench_lora_requests,
+    configure_engine_for_loras,
+    lora_settings,
+)
 from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_builtin_model
 
 
@@ -26,6 +32,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_args(parser)
     add_log_level_arg(parser)
+    add_lora_bench_args(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="Write the results here.")
 
 
@@ -52,12 +59,14 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     """The ``LLM`` for these flags and its start-to-ready seconds (weights, KV sizing, graph
-    capture, kernel compilation)."""
+    capture, kernel compilation). With ``--num-loras`` the adapters are written and loaded
+    afterwards (not counted) and kept as ``args.lora_requests``."""
     from engine.cli.args import configure_logging, engine_config_from_args
     from engine.llm import LLM
 
     configure_logging(getattr(args, "log_level", "info"))
     args.model = resolve_model(args)
+    configure_engine_for_loras(args)
     config = engine_config_from_args(args)
     spec = config.speculative
     if spec is not None and spec.model and not os.path.exists(spec.model):
@@ -65,7 +74,9 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
             spec.model = write_builtin_model(spec.model, tempfile.mkdtemp(prefix="engine-bench-"))
     start = time.perf_counter()
     llm = LLM.from_engine_config(config)
-    return llm, time.perf_counter() - start
+    ready = time.perf_counter() - start
+    args.lora_requests = bench_lora_requests(llm, args)
+    return llm, ready
 
 
 def engine_settings(llm: Any) -> dict[str, Any]:
@@ -93,6 +104,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "async_scheduling": cfg.scheduler.async_scheduling,
         "quantization": _quantization(runner),
         "kv_cache_dtype": cfg.cache.cache_dtype,
+        "lora": lora_settings(llm),
     }
 
 
@@ -146,11 +158,20 @@ def sampling_params(max_tokens: int) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
-def generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> tuple[list[Any], float]:
-    """Run the prompts (token ids) to completion; returns the outputs and the seconds taken."""
+def generate(
+    llm: Any, prompts: list[list[int]], output_lens: list[int], loras: list[Any] | None = None
+) -> tuple[list[Any], float]:
+    """Run the prompts (token ids) to completion; returns the outputs and the seconds taken.
+    With ``loras``, request ``i`` uses ``loras[i % len(loras)]``."""
     params = [sampling_params(n) for n in output_lens]
+    lora_request = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=lora_request,
+    )
     return outs, time.perf_counter() - start
 
 

@@ -88,16 +88,17 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.llm_engine
     vocab = engine.runner.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
+    loras = args.lora_requests
     if not args.no_warmup:
         warm = warmup_workload(vocab)
-        generate(llm, warm.prompts, warm.output_lens)
+        generate(llm, warm.prompts, warm.output_lens, loras)
     if args.workload == "mixed":
         work = mixed_workload(args.num_prompts, vocab, args.seed)
     else:
         work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
     profiler = StepProfiler(engine, expert_load=args.expert_load)
     with TritonCompileWatch() as jit:
-        outs, seconds = generate(llm, work.prompts, work.output_lens)
+        outs, seconds = generate(llm, work.prompts, work.output_lens, loras)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = work.input_tokens
     result = {
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         "input_len_range": list(input_range),
         "output_len_range": list(output_range),
         "seed": args.seed,
+        "num_loras": args.num_loras,
+        "lora_rank": args.lora_rank if args.num_loras else None,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
         "expected_output_tokens": work.output_tokens,

@@ -223,7 +223,7 @@ def render_text(report: dict[str, Any]) -> str:
     for k in report["kernel_overrides"]:
         platforms = ", ".join(k["platforms"]) if k["platforms"] is not None else "all platforms"
         lines.append(
-            f"  {k['kernel']:<20} {k['provider']:<16} priority {k['priority']:<4} "
+            f"  {k['kernel']:<21} {k['provider']:<16} priority {k['priority']:<4} "
             f"on {platforms}: {k['function']}"
         )
     if not report["kernel_overrides"]:

@@ -179,6 +179,21 @@ class Worker:
     def capture_graphs(self) -> float | None:
         return self._runner.capture_graphs()
 
+    def add_lora(self, key: int, lora_request: Any) -> tuple[str, str | None] | None:
+        """Load a LoRA adapter into this rank's slots-to-be (each rank reads the PEFT files and
+        keeps its shard of A/B). An adapter that cannot be served comes back as
+        ``(message, param)`` instead of failing the worker; the executor raises it."""
+        from engine.lora.errors import LoRAAdapterError
+
+        try:
+            self._runner.add_lora(key, lora_request)
+        except LoRAAdapterError as exc:
+            return str(exc), exc.param
+        return None
+
+    def remove_lora(self, key: int) -> None:
+        self._runner.remove_lora(key)
+
     def describe(self) -> dict[str, Any]:
         """Where this rank runs and what it holds (tests, ``engine`` logs)."""
         runner = self._runner

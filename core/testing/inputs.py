@@ -333,6 +333,71 @@ def _wna16_cases(dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tu
     return cases
 
 
+def _add_lora_linear_cases(dtype, gen):
+    """Mixed batches: tokens of several adapter slots and tokens without one (-1), fused q/k/v
+    and gate/up slices and a single one, odd sizes, decode- and prefill-sized batches, a rank
+    padded past what the adapter uses (zero rows of A, zero columns of B)."""
+    from engine.lora.mapping import group_by_slot
+
+    cases = []
+    for t, k, slices, rank, slots in (
+        (1, 64, (40, 24, 24), 16, 4),
+        (7, 72, (48,), 8, 3),
+        (40, 48, (56, 56), 16, 4),
+    ):
+        n, s = sum(slices), len(slices)
+        x = _randn(gen, dtype, t, k)
+        lora_a = _randn(gen, dtype, slots, s * rank, k, scale=k**-0.5)
+        lora_b = _randn(gen, dtype, slots, n, rank, scale=rank**-0.5)
+        lora_a[:, -2:] = 0  # the last slice's padded rank
+        lora_b[..., -2:] = 0
+        token_slots = torch.randint(-1, slots, (t,), generator=gen, dtype=torch.int32)
+        token_slots[0] = slots - 1  # the decode case has an adapter
+        sorted_tokens, starts = group_by_slot(token_slots.numpy(), slots)
+        args = (
+            _randn(gen, dtype, t, n),
+            x,
+            lora_a,
+            lora_b,
+            token_slots,
+            torch.from_numpy(sorted_tokens),
+            torch.from_numpy(starts),
+            slices,
+        )
+        cases.append((f"T{t}-K{k}-N{'+'.join(map(str, slices))}-R{rank}-L{slots}", args))
+    return cases
+
+
+def _lora_expand_augmented_cases(dtype, gen):
+    """The base GEMM's output with every slot's shrunk values appended; mixed slots and
+    tokens without an adapter (their rows must come back unchanged)."""
+    from engine.lora.mapping import group_by_slot
+
+    cases = []
+    for t, slices, rank, slots in (
+        (1, (40, 24, 24), 16, 4),
+        (9, (48,), 8, 3),
+        (33, (56, 56), 16, 2),
+    ):
+        n, s = sum(slices), len(slices)
+        y_aug = _randn(gen, dtype, t, n + slots * s * rank)
+        lora_b = _randn(gen, dtype, slots, n, rank, scale=rank**-0.5)
+        token_slots = torch.randint(-1, slots, (t,), generator=gen, dtype=torch.int32)
+        token_slots[0] = slots - 1
+        sorted_tokens, starts = group_by_slot(token_slots.numpy(), slots)
+        args = (
+            y_aug,
+            n,
+            lora_b,
+            token_slots,
+            torch.from_numpy(sorted_tokens),
+            torch.from_numpy(starts),
+            slices,
+        )
+        cases.append((f"T{t}-N{'+'.join(map(str, slices))}-R{rank}-L{slots}", args))
+    return cases
+
+
 register_kernel_inputs("rms_norm", _rms_norm_cases)
 register_kernel_inputs("fused_add_rms_norm", _fused_add_rms_norm_cases)
 register_kernel_inputs("rotary_embedding", _rotary_cases)
@@ -348,6 +413,8 @@ register_kernel_inputs("fp8_linear", _fp8_linear_cases)
 register_kernel_inputs("fp8_block_linear", _fp8_block_cases)
 register_kernel_inputs("int8_linear", _int8_linear_cases)
 register_kernel_inputs("wna16_linear", _wna16_cases)  # canonical tensors: see checks.call_kernel
+register_kernel_inputs("add_lora_linear", _add_lora_linear_cases, in_place=(0,), kind="lora")
+register_kernel_inputs("lora_expand_augmented", _lora_expand_augmented_cases, kind="lora")
 
 
 def to_device(value: Any, device: torch.device) -> Any:

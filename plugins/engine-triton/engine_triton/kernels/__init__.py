@@ -33,6 +33,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.int8_linear import int8_linear
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
+    from engine_triton.kernels.lora import add_lora_linear, lora_expand_augmented
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
     from engine_triton.kernels.rotary import qk_norm_rotary, rotary_embedding
     from engine_triton.kernels.wna16_linear import wna16_linear
@@ -53,6 +54,8 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "fp8_block_linear": fp8_block_linear,
         "int8_linear": int8_linear,
         "wna16_linear": wna16_linear,
+        "add_lora_linear": add_lora_linear,
+        "lora_expand_augmented": lora_expand_augmented,
     }
     for name, fn in ops.items():
         registry.register(

@@ -214,6 +214,11 @@ class RemoteExecutor(Executor):
                 got_id, rank, result = messaging.loads(payload)
                 if got_id == rpc_id:
                     replies[rank] = result
+            elif kind == messaging.OUTPUT:
+                # A step still in flight (asynchronous scheduling; an adapter loaded by
+                # add_request): keep its output for collect().
+                step_id, out = messaging.loads(payload)
+                self._results[step_id] = out
         return [replies[r] for r in sorted(replies)]
 
     # ---- steps --------------------------------------------------------------------------------

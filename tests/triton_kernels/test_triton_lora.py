@@ -132,7 +132,7 @@ def test_engine_with_lora_kernels_on_the_interpreter_matches_torch(tmp_path, mon
         assert llm.llm_engine.num_used_blocks == 0
         return [o.outputs[0].token_ids for o in outs]
 
-    expected = run("engine (torch reference)")
+    expected = run("engine-llm (torch reference)")
     monkeypatch.setattr(
         triton_kernels,
         "register",
@@ -144,7 +144,7 @@ def test_engine_with_lora_kernels_on_the_interpreter_matches_torch(tmp_path, mon
             )
         ],
     )
-    assert run("engine-triton") == expected
+    assert run("engine-llm-triton") == expected
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

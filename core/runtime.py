@@ -103,25 +103,11 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
 def resolve_quantization(
     config: EngineConfig, hf_config: Any, platform: Any, kernels: Any, plugins: Any
 ) -> Any:
-    """The model's quantization configuration (None: unquantized), from ``--quantization``
-    and the checkpoint's ``quantization_config``, checked against the device and the kernels
-    bound on it. Raises ``QuantizationError`` (a ``ConfigError``) with what is supported."""
-    from engine.quantization import QuantizationSpec, checkpoint_quantization_config
+    """``engine.quantization.resolve.resolve_quantization`` (the engine process's and every
+    worker's quantization config)."""
+    from engine.quantization.resolve import resolve_quantization as resolve
 
-    capability = None
-    if platform.device_type != "cpu":
-        capability = platform.device_capability(0)
-    spec = QuantizationSpec(
-        platform=platform.name,
-        device_type=platform.device_type,
-        capability=capability,
-        dtype=config.model.dtype,
-        kernels=kernels,
-    )
-    registry = plugins.quantization_methods()
-    return registry.resolve(
-        config.model.quantization, checkpoint_quantization_config(hf_config), spec
-    )
+    return resolve(config, hf_config, platform, kernels, plugins)
 
 
 def tensor_parallel_sizes(hf_config: Any, limit: int = 64) -> list[int]:
@@ -243,7 +229,7 @@ def build_executor(
     """The executor of ``config.parallel``: the model loaded on its workers (in this process
     for ``uni``). ``quant_config`` is the resolved quantization (``resolve_quantization``);
     a worker process resolves its own from the same configuration."""
-    from engine.executor.base import executor_class
+    from engine.executor.backends import executor_class
 
     backend = config.parallel.executor_backend
     if backend != "uni":

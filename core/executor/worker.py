@@ -120,7 +120,7 @@ class Worker:
 
         from engine.model_runner import ModelRunner
         from engine.models.registry import ModelRegistry
-        from engine.runtime import resolve_quantization
+        from engine.quantization.resolve import resolve_quantization
         from engine.sampler import Sampler
 
         config = self.spec.config

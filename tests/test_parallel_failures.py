@@ -278,5 +278,5 @@ def test_ray_backend_without_ray_says_how_to_install_it(monkeypatch):
         model=ModelConfig(model=None),
         parallel=ParallelConfig(2, 1, distributed_executor_backend="ray"),
     )
-    with pytest.raises(ConfigError, match=r"pip install 'engine\[ray\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'engine-llm\[ray\]'"):
         check_parallel_config(config, tiny_config("llama"), FakeGpuPlatform)

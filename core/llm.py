@@ -4,6 +4,12 @@ from engine import LLM, SamplingParams
 llm = LLM(model="path/to/model", dtype="float32")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 print(outputs[0].outputs[0].text)
+
+With LoRA adapters (PEFT format), as in vLLM::
+
+    from engine.lora.request import LoRARequest
+    llm = LLM(model="path/to/model", enable_lora=True, max_loras=4, max_lora_rank=16)
+    llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/sql-lora"))
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from engine.config import (
     SpeculativeConfig,
 )
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -47,7 +54,11 @@ class LLM:
     "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
     token ids, outputs carry token ids and empty text, stop strings and chat are refused),
     ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
-    ``engine.cpu_threads``). Unknown keywords are an error that lists them.
+    ``engine.cpu_threads``), ``quantization`` (a method name such as "fp8", "awq", "gptq",
+    "compressed-tensors"; None: the checkpoint's quantization_config decides),
+    ``kv_cache_dtype`` ("auto" or "fp8"), ``enable_lora``, ``max_loras``, ``max_lora_rank``,
+    ``max_cpu_loras``, ``lora_fused_shrink`` (multi-LoRA serving, ``engine.lora``). Unknown
+    keywords are an error that lists them.
     """
 
     def __init__(
@@ -82,6 +93,13 @@ class LLM:
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         skip_tokenizer_init: bool = False,
         cpu_threads: int | None = None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_fused_shrink: bool | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -98,6 +116,7 @@ class LLM:
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
                 skip_tokenizer_init=skip_tokenizer_init,
+                quantization=quantization,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -105,6 +124,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks=num_gpu_blocks_override,
                 cpu_kv_cache_gb=cpu_kv_cache_gb,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -128,6 +148,9 @@ class LLM:
                 else None
             ),
             cpu_threads=cpu_threads,
+            lora=_lora_config(
+                enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_fused_shrink
+            ),
         )
         from engine.engine import LLMEngine
 
@@ -158,13 +181,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in the prompts' order.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a list of
         token ids. ``sampling_params`` is one ``SamplingParams`` for all prompts or one per
-        prompt. Every prompt is validated before any work starts.
+        prompt; ``lora_request`` one ``LoRARequest`` for all prompts or one (or None: the base
+        model) per prompt. Every prompt is validated before any work starts.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -185,6 +210,7 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError("priority needs one value per prompt", "priority")
+        loras = _per_prompt_loras(lora_request, len(prompts))
 
         engine = self.llm_engine
         parsed = [self._parse_prompt(p) for p in prompts]
@@ -213,6 +239,7 @@ class LLM:
                     prompt_token_ids=ids,
                     priority=priority[i] if priority is not None else 0,
                     final_only=True,
+                    lora_request=loras[i],
                 )
                 ids_in_order.append(request_id)
         except Exception:
@@ -237,6 +264,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and
         generate a reply for each.
@@ -282,7 +310,21 @@ class LLM:
             if hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter ahead of the requests that use it (raises with the reason when
+        it cannot be served)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter (False: not loaded)."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters."""
+        return self.llm_engine.list_loras()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -355,3 +397,43 @@ def _encodable(text: str) -> str:
     except AttributeError:  # not a string: the type check downstream says what is allowed
         pass
     return text
+
+
+def _lora_config(
+    enable_lora: bool,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    fused_shrink: bool | None,
+) -> Any:
+    if not enable_lora:
+        return None
+    from engine.lora.config import LoRAConfig
+
+    return LoRAConfig(
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
+        fused_shrink=fused_shrink,
+    )
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """``generate``'s ``lora_request``: one for every prompt, or one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(loras)} LoRA requests for {num_prompts} prompts; pass one or one per prompt",
+            "lora_request",
+        )
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}",
+                "lora_request",
+            )
+    return loras

@@ -96,7 +96,18 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
         sliding_window=bool(getattr(text, "sliding_window", None))
         and getattr(text, "use_sliding_window", True) is not False,
         logit_softcap=bool(getattr(text, "attn_logit_softcapping", None)),
+        kv_cache_dtype=config.cache.cache_dtype,
     )
+
+
+def resolve_quantization(
+    config: EngineConfig, hf_config: Any, platform: Any, kernels: Any, plugins: Any
+) -> Any:
+    """``engine.quantization.resolve.resolve_quantization`` (the engine process's and every
+    worker's quantization config)."""
+    from engine.quantization.resolve import resolve_quantization as resolve
+
+    return resolve(config, hf_config, platform, kernels, plugins)
 
 
 def tensor_parallel_sizes(hf_config: Any, limit: int = 64) -> list[int]:
@@ -135,6 +146,13 @@ def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -
             )
     if tp > 1:
         _check_experts(text, tp, par.enable_expert_parallel)
+    if pp > 1 and getattr(config, "lora", None) is not None:
+        # A stage holds only its layers, and adapters name every layer's modules.
+        raise ConfigError(
+            f"--enable-lora with pipeline_parallel_size={pp} is not supported yet (a pipeline "
+            "stage holds only its layers' LoRA targets); use tensor_parallel_size instead "
+            "(LoRA runs under tensor parallelism), or pipeline_parallel_size=1"
+        )
     layers = getattr(text, "num_hidden_layers", None)
     if pp > 1 and layers is not None and pp > layers:
         raise ConfigError(
@@ -201,11 +219,17 @@ def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
 
 
 def build_executor(
-    config: EngineConfig, platform: Any, kernels: Any, backend_cls: Any, models: Any
+    config: EngineConfig,
+    platform: Any,
+    kernels: Any,
+    backend_cls: Any,
+    models: Any,
+    quant_config: Any = None,
 ) -> Any:
     """The executor of ``config.parallel``: the model loaded on its workers (in this process
-    for ``uni``)."""
-    from engine.executor.selector import executor_class
+    for ``uni``). ``quant_config`` is the resolved quantization (``resolve_quantization``);
+    a worker process resolves its own from the same configuration."""
+    from engine.executor.backends import executor_class
 
     backend = config.parallel.executor_backend
     if backend != "uni":
@@ -216,7 +240,15 @@ def build_executor(
 
     text_config = getattr(config.model.hf_config, "text_config", None) or config.model.hf_config
     sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
-    runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
+    runner = ModelRunner(
+        config,
+        platform,
+        kernels,
+        backend_cls,
+        sampler,
+        model_registry=models,
+        quant_config=quant_config,
+    )
     runner.load_model()
     return UniProcExecutor(runner)
 
@@ -261,9 +293,24 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     )
 
     kernels = plugins.kernel_registry().resolve(platform.name)
+    quant_config = resolve_quantization(config, hf_config, platform, kernels, plugins)
     spec = attention_spec_for(hf_config, config, platform)
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
+    if quant_config is not None:
+        from engine.loader.model_loader import check_quantized_layout
+
+        # Before any worker starts or weight is read: the quantized layers can be built, and
+        # sharded over the tensor-parallel ranks (QuantizationError saying why not).
+        check_quantized_layout(
+            config.model,
+            kernels,
+            backend_cls,
+            models,
+            quant_config,
+            config.parallel.tensor_parallel_size,
+            config.parallel.enable_expert_parallel,
+        )
 
     if config.speculative is not None:
         from engine.spec_decode import ProposerRegistry
@@ -278,7 +325,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
             par.pipeline_parallel_size,
             par.executor_backend,
         )
-    executor = build_executor(config, platform, kernels, backend_cls, models)
+    executor = build_executor(config, platform, kernels, backend_cls, models, quant_config)
     try:
         groups = executor.kv_cache_groups()
         # The smallest over the ranks. An unset max_model_len may be lowered to fit a CPU KV
@@ -304,6 +351,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
         speculative_config=config.speculative,
         pipeline_parallel_size=par.pipeline_parallel_size,
+        lora_config=config.lora,
     )
     logger.info(
         "engine ready in %.1f s: %d KV blocks of %d tokens",

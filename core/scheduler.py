@@ -17,6 +17,11 @@ keeps its output tokens and goes back to the front of the waiting queue, to be r
 recomputing prompt + outputs (often mostly from the prefix cache, as freed blocks keep their
 hashes). No new request is admitted in a step that preempted.
 
+With LoRA (``lora_config``), at most ``max_loras`` distinct adapters run at once
+(``engine.lora.scheduling``): a waiting request whose adapter would exceed it is held back,
+without blocking requests that need no new adapter slot, and no later request with an adapter
+overtakes it.
+
 The engine loop calls ``schedule`` -> runs the model -> ``update_from_output`` -> checks stop
 conditions and calls ``finish_request``. Everything here is device-free.
 
@@ -52,12 +57,17 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from engine.lora.scheduling import LoRAAdmission
 from engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.stats import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -158,7 +168,9 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         *,
         pipeline_parallel_size: int = 1,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
+        """``lora_config`` (None: LoRA off) limits the adapters per step to ``max_loras``."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -192,6 +204,7 @@ class Scheduler:
         self._lookahead = spec.num_lookahead_slots if spec is not None else 0
         self._spec_max_batch = int(spec.disable_by_batch_size or 0) if spec is not None else 0
         self.spec_stats = SpecDecodingStats(self._spec_k) if spec is not None else None
+        self.lora = LoRAAdmission(lora_config.max_loras) if lora_config is not None else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, *, allow_prefix_hit: bool = True) -> None:
@@ -227,6 +240,8 @@ class Scheduler:
             return
         if request.status is _RUNNING:
             self.running.remove(request)
+            if self.lora is not None:
+                self.lora.stopped(request)
         else:
             self.waiting.remove(request)
         self.kv.remove(request_id)
@@ -277,6 +292,8 @@ class Scheduler:
             self._seq[cid] = next(self._counter)
             self.kv.fork(parent_id, child)
             self.running.append(child)
+            if self.lora is not None:
+                self.lora.started(child)
         self._running_sorted = False
 
     def has_unfinished(self) -> bool:
@@ -579,6 +596,8 @@ class Scheduler:
     ) -> tuple[int, int]:
         kv = self.kv
         waiting = self.waiting
+        lora = self.lora
+        held: list[Request] = []  # held back by the LoRA limit, put back in order below
         while waiting and token_budget > 0 and seq_budget > 0:
             if len(self.running) >= self._max_seqs:
                 break
@@ -588,6 +607,11 @@ class Scheduler:
                 # Preempted while its token was in flight: its recomputation needs that token
                 # on the host first (a micro-batch in flight cannot feed it back).
                 break
+            if lora is not None and request.lora_id and (held or not lora.fits(request)):
+                if len(held) >= self._max_seqs:
+                    break  # a bounded look past held-back requests for ones without adapter
+                held.append(waiting.pop())
+                continue
             if request.request_id in self._no_prefix_hit:
                 num_hit, hit_tables = 0, None
             else:
@@ -612,6 +636,8 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
+            if lora is not None:
+                lora.started(request)
             self._running_sorted = False
             entry = ScheduledRequest(request, num_hit, n, kv.block_tables(request.request_id), ends)
             entry.num_to_propose = propose
@@ -621,6 +647,8 @@ class Scheduler:
                 prefills.append(entry)
             token_budget -= n
             seq_budget -= 1
+        for request in reversed(held):
+            waiting.push(request, self._seq[request.request_id], front=True)
         return token_budget, seq_budget
 
     def _preempt_until_fits(
@@ -653,6 +681,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.lora is not None:
+            self.lora.stopped(request)
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -37,8 +37,12 @@ if TYPE_CHECKING:
 
 
 class NewRequest(msgspec.Struct, array_like=True):
+    """A request the workers have not seen; ``lora_id`` is the engine's key of its LoRA
+    adapter (0: none), which every rank maps to its own slot of that adapter."""
+
     req_id: str
     prompt: list[int]
+    lora_id: int = 0
 
 
 class Entry(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -153,7 +157,7 @@ class StepEncoder:
                 groups = len(sr.block_ids)
                 m = _Sent(request, len(request.prompt_token_ids), [None] * groups, [[]] * groups)
                 sent[rid] = m
-                new_requests.append(NewRequest(rid, request.prompt_token_ids))
+                new_requests.append(NewRequest(rid, request.prompt_token_ids, request.lora_id))
             entries.append(self._entry(sr, m))
         rows: list[Row] = []
         new_generators: list[tuple[int, int]] = []
@@ -289,7 +293,9 @@ class StepDecoder:
 
         step = _DECODER.decode(message)
         for new in step.new_requests:
-            self.requests[new.req_id] = Request(new.req_id, list(new.prompt), max_tokens=0)
+            mirror = Request(new.req_id, list(new.prompt), max_tokens=0)
+            mirror.lora_id = new.lora_id
+            self.requests[new.req_id] = mirror
             self.tables.pop(new.req_id, None)
         for handle, seed in step.new_generators:
             gen = torch.Generator(device=self.device)

@@ -3,7 +3,7 @@
 The engine is not thread-safe, so exactly one thread (the *engine thread*) ever touches it.
 The HTTP side talks to it through two one-way paths:
 
-* **in**: commands (add / abort) go into a lock-protected deque and an ``threading.Event``
+* **in**: commands (add / abort / call) go into a lock-protected deque and an ``threading.Event``
   wakes the engine thread. When the engine has no work, the thread sleeps on that event: an
   idle server burns no CPU.
 * **out**: after every ``step()`` the engine thread hands the new outputs to the event loop in
@@ -215,6 +215,7 @@ class AsyncEngine:
         params: Any,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> None:
         """Hand a request to the engine; return once the engine accepted it.
 
@@ -225,6 +226,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         ack: asyncio.Future[None] = loop.create_future()
         cmd = ("add", channel, request_id, prompt, params, prompt_token_ids, priority, ack)
+        cmd += (lora_request,)
         self._put(cmd, time.monotonic())
         channel.request_ids.append(request_id)
         channel.unfinished.add(request_id)
@@ -252,6 +254,14 @@ class AsyncEngine:
         manager = getattr(self.engine, "structured_outputs", None) if constraint else None
         if manager is not None:
             await asyncio.to_thread(manager.compile, constraint)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run ``engine.<method>(*args)`` on the engine thread between steps and return its
+        result (or raise what it raised): vLLM's engine utility calls (``add_lora``,
+        ``remove_lora``, ...)."""
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._put(("call", method, args, ack), 0.0)
+        return await ack
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests by id (delivered to the engine thread; never blocks)."""
@@ -283,12 +293,13 @@ class AsyncEngine:
         for channel, item in batch:
             channel._push(item)
 
-    def _resolve_acks(self, acks: list[tuple[asyncio.Future, BaseException | None]]) -> None:
-        for fut, exc in acks:
+    def _resolve_acks(self, acks: list[tuple]) -> None:
+        """``(future, exception or None[, result])`` triples from the engine thread."""
+        for fut, exc, *result in acks:
             if fut.done():
                 continue
             if exc is None:
-                fut.set_result(None)
+                fut.set_result(result[0] if result else None)
             else:
                 fut.set_exception(exc)
 
@@ -317,6 +328,7 @@ class AsyncEngine:
 
     def _shut_down_thread(self, pending: list[tuple], err: BaseException) -> None:
         acks = [(cmd[7], err) for cmd in pending if cmd[0] == "add"]
+        acks += [(cmd[3], err) for cmd in pending if cmd[0] == "call"]
         self._tracked.clear()
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -360,14 +372,21 @@ class AsyncEngine:
                 return
             cmds = list(self._inbox)
             self._inbox.clear()
-        acks: list[tuple[asyncio.Future, BaseException | None]] = []
+        acks: list[tuple] = []
         aborts: list[str] = []
         for cmd in cmds:
-            if cmd[0] == "add":
-                _, channel, rid, prompt, params, ids, priority, ack, arrival = cmd
+            if cmd[0] == "call":
+                _, method, args, ack = cmd
                 try:
+                    acks.append((ack, None, getattr(self.engine, method)(*args)))
+                except Exception as e:  # noqa: BLE001 - refused (a bad adapter...), engine intact
+                    acks.append((ack, e))
+            elif cmd[0] == "add":
+                _, channel, rid, prompt, params, ids, priority, ack, lora, arrival = cmd
+                try:
+                    kwargs = {"lora_request": lora} if lora is not None else {}
                     self.engine.add_request(
-                        rid, prompt, params, prompt_token_ids=ids, priority=priority
+                        rid, prompt, params, prompt_token_ids=ids, priority=priority, **kwargs
                     )
                 except Exception as e:  # noqa: BLE001 - rejected request, engine intact
                     acks.append((ack, e))

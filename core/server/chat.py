@@ -86,6 +86,7 @@ def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     """Serve one chat completions request."""
     model = ctx.check_model(req.model)
+    lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
@@ -143,7 +144,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     rid = f"{request_id}-0"
     ctx.log_request(rid, prompt, ids, params)
     try:
-        await engine.add_request(channel, rid, prompt, params, ids, req.priority)
+        await engine.add_request(channel, rid, prompt, params, ids, req.priority, lora_request=lora)
     except BaseException as e:
         channel.abort()
         if not isinstance(e, Exception):

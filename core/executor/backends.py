@@ -1,12 +1,14 @@
-"""The executor class for a ``--distributed-executor-backend`` name.
+"""``executor_class``: the executor class of a ``--distributed-executor-backend`` name.
 
-Kept apart from ``engine.executor.base``: the backends import the base class, so the base
-module cannot also import the backends without a cycle.
-"""
+Apart from ``base`` (the interface every backend imports), so that choosing a backend does not
+make the interface import its implementations (an import cycle)."""
 
 from __future__ import annotations
 
-from engine.executor.base import Executor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.executor.base import Executor
 
 
 def executor_class(backend: str) -> type[Executor]:

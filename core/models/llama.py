@@ -26,6 +26,7 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
+from engine.layers.rotary import LongRopeRotaryEmbedding, get_rope
 from engine.models.base import CausalLM, DecoderModel, SelfAttention, add_and_norm
 from engine.models.context import ModelContext
 
@@ -192,13 +193,26 @@ class LlamaModel(DecoderModel):
         )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # One rotary table shared by all layers.
-        rotary_emb = RotaryEmbedding(
+        rotary_emb = get_rope(
             head_dim, cfg.max_position_embeddings, rope_parameters(cfg), ctx.kernels
         )
         self.layers = nn.ModuleList(
             build_layer(ctx, i, rotary_emb, attention_options) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+        # LongRoPE picks its table per request from the step's metadata (see forward).
+        self._long_rope = rotary_emb if isinstance(rotary_emb, LongRopeRotaryEmbedding) else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        if self._long_rope is not None:
+            md = attn_metadata[0]
+            positions = self._long_rope.rope_positions(positions, md.query_start_loc, md.seq_lens)
+        return super().forward(input_ids, positions, attn_metadata)
 
 
 class LlamaForCausalLM(CausalLM):

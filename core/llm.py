@@ -39,8 +39,9 @@ class LLM:
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory). Unknown keywords are an error
-    that lists them.
+    sampling parameters; "vllm": EOS ids only; or a directory), ``model_impl`` ("auto": the
+    native implementation when there is one, else the transformers modeling backend;
+    "native"; "transformers"). Unknown keywords are an error that lists them.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
+        model_impl: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -84,6 +86,7 @@ class LLM:
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(
                 block_size=block_size,

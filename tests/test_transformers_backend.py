@@ -107,6 +107,51 @@ def test_auto_picks_native_or_transformers_and_logs_why(model_dir, caplog):
         LLM(model=str(model_dir("olmo2")), model_impl="native")
 
 
+def test_custom_code_runs_with_trust_remote_code(tmp_path, monkeypatch):
+    """A model directory with its own modeling code (``auto_map``): refused without
+    ``trust_remote_code``, served by the backend with it, greedy tokens equal transformers'."""
+    import shutil
+
+    import transformers.dynamic_module_utils as dynamic
+    from greedy_reference import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    path = tmp_path / "custom"
+    shutil.copytree(build_tiny_model(tmp_path / "src", "llama"), path)
+    (path / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\n"
+        "class TinyCustomConfig(LlamaConfig):\n    model_type = 'tiny_custom'\n"
+    )
+    (path / "modeling_tiny.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import "
+        "TinyCustomConfig\n\n\nclass TinyCustomForCausalLM(LlamaForCausalLM):\n"
+        "    config_class = TinyCustomConfig\n"
+    )
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        model_type="tiny_custom",
+        architectures=["TinyCustomForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyCustomConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM",
+        },
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="contains custom code"):
+        LLM(model=str(path))
+    llm = LLM(model=str(path), dtype="float32", trust_remote_code=True, num_gpu_blocks_override=32)
+    assert isinstance(llm.llm_engine.runner.model, TransformersForCausalLM)
+    hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+    assert type(hf).__name__ == "TinyCustomForCausalLM"
+    prompt = list(range(20, 50))
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf.eval(), prompt, NUM_NEW)
+
+
 def _config_dir(tmp_path: Path, model_type: str, **kw) -> Path:
     """A model directory with only config.json (and a tokenizer): enough to be refused."""
     from transformers import AutoConfig
@@ -252,6 +297,7 @@ def _backend_logits(path: str, parallel=None) -> tuple[list[list[float]], list[i
     return logits.tolist(), heads
 
 
+@pytest.mark.slow  # two spawned processes import torch and transformers
 def test_tensor_parallel_two_gloo_ranks_match_one_process(model_dir):
     """The model's base_model_tp_plan drives the linear family: column/row-parallel q/k/v/o and
     MLP (Granite), GPT-NeoX's fused per-head query_key_value, and Olmo 2's gathered q/k/v

@@ -126,8 +126,17 @@ def paged_attention_forward(
             "without the engine's step context: this model does not pass its forward's keyword "
             "arguments down to its attention layers, so the transformers backend cannot serve it"
         )
-    call = _AttentionCall(module, query, key, value, attention_mask, scaling, sliding_window,
-                          softcap, kwargs)  # fmt: skip
+    call = _AttentionCall(
+        module=module,
+        query=query,
+        key=key,
+        value=value,
+        attention_mask=attention_mask,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        kwargs=kwargs,
+    )
     return context.attend(call)
 
 
@@ -437,13 +446,10 @@ class _HiddenOnly(dict):
 class TransformersForCausalLM(CausalLM):
     """A transformers ``ForCausalLM`` model run by the engine (see the module docstring).
 
-    The HF model's top-level children (``model``, ``lm_head``; ``transformer``, ``gpt_neox``,
-    ``embed_out``, ...) are this module's children, so parameter names are the HF model's
+    The HF model's top-level children (``model`` and ``lm_head``; ``transformer``,
+    ``gpt_neox``, ...) are this module's children, so parameter names are the HF model's
     ``state_dict`` names, i.e. the checkpoint's.
     """
-
-    #: how ``engine`` logs and reports the implementation
-    implementation = "transformers"
 
     def __init__(self, ctx: ModelContext) -> None:
         nn.Module.__init__(self)
@@ -547,18 +553,9 @@ class TransformersForCausalLM(CausalLM):
                 sizes = child.out_features
                 if cls is MergedColumnParallelLinear:
                     sizes = [child.out_features // 2] * 2
-                setattr(
-                    module,
-                    child_name,
-                    cls(
-                        child.in_features,
-                        sizes,
-                        child.bias is not None,
-                        ctx=ctx,
-                        prefix=full,
-                        **options,
-                    ),  # fmt: skip
-                )
+                bias = child.bias is not None
+                new = cls(child.in_features, sizes, bias, ctx=ctx, prefix=full, **options)
+                setattr(module, child_name, new)
 
     def _materialize(self, device: torch.device) -> None:
         """Give the HF parameters still on the meta device real (uninitialised) storage; tied

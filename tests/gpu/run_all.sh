@@ -4,8 +4,9 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: spread, linear, kprofile, and the mixture-of-experts steps
-# moe-kernels, moe-b1, moe-nano, mixtral-b1. Logs go to $OUT/tests.log,
+# llama-nano, profile; optional: spread, linear, kprofile, the mixture-of-experts steps
+# moe-kernels, moe-b1, moe-nano, mixtral-b1, and llama-hf-b1 / llama-hf-nano (the llama steps
+# through the transformers modeling backend, --model-impl transformers). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -96,6 +97,8 @@ for step in "${steps[@]}"; do
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
       TRITON_CACHE_DIR=$(mktemp -d) bench llama-b1 200 latency --model llama-3.1-8b "${B1[@]}" ;;
     llama-nano) bench llama-nano 240 throughput --model llama-3.1-8b "${NANO[@]}" ;;
+    llama-hf-b1) bench llama-hf-b1 200 latency --model llama-3.1-8b "${B1[@]}" --model-impl transformers ;;
+    llama-hf-nano) bench llama-hf-nano 300 throughput --model llama-3.1-8b "${NANO[@]}" --model-impl transformers ;;
     kprofile)  # GPU time per kernel of one decode step (torch.profiler)
       specs=${KPROFILE_SPECS:-"qwen3-0.6b:256:800 qwen3-0.6b:1:128 llama-3.1-8b:1:128 llama-3.1-8b:256:800"}
       for spec in $specs; do

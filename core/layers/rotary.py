@@ -173,6 +173,11 @@ class RotaryEmbedding(nn.Module):
         is_neox: bool = True,
     ) -> None:
         super().__init__()
+        if params.get("rope_type") == "longrope" and not isinstance(self, LongRopeRotaryEmbedding):
+            raise ValueError(
+                "longrope needs both factor tables: build it with get_rope (a "
+                "LongRopeRotaryEmbedding), whose rope_positions the model must apply"
+            )
         self.head_size = head_size
         self.rot_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))
         self.is_neox = is_neox

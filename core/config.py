@@ -47,9 +47,13 @@ class ModelConfig:
     # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
     # only its EOS ids; or a directory to read it from (see engine.generation_config).
     generation_config: str = "auto"
+    # auto | native | transformers (engine.models.selection): a native class when one is
+    # registered, else the transformers modeling backend.
+    model_impl: str = "auto"
     # Filled in by the loader once the config is read:
     hf_config: Any = None
     architecture: str | None = None
+    implementation: str | None = None  # the model_impl chosen: native | transformers
     # SamplingParams defaults from the generation config (engine.generation_config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -64,6 +68,11 @@ class ModelConfig:
             raise ConfigError(
                 f"load_format={self.load_format!r} is not supported; choose one of "
                 "auto, safetensors, gguf, dummy"
+            )
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ConfigError(
+                f"model_impl={self.model_impl!r} is not supported; choose one of "
+                "auto, native, transformers"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -47,7 +47,9 @@ class LLM:
     "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
     token ids, outputs carry token ids and empty text, stop strings and chat are refused),
     ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
-    ``engine.cpu_threads``). Unknown keywords are an error that lists them.
+    ``engine.cpu_threads``), ``model_impl`` ("auto": the native implementation when there
+    is one, else the transformers modeling backend; "native"; "transformers"). Unknown keywords
+    are an error that lists them.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class LLM:
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         skip_tokenizer_init: bool = False,
         cpu_threads: int | None = None,
+        model_impl: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -98,6 +101,7 @@ class LLM:
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
                 skip_tokenizer_init=skip_tokenizer_init,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(
                 block_size=block_size,

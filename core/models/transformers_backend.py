@@ -364,6 +364,42 @@ def transformers_backend_problems(hf_config: Any, trust_remote_code: bool = Fals
     return problems
 
 
+def transformers_backend_parallel_problems(
+    hf_config: Any, tensor_parallel_size: int, pipeline_parallel_size: int, model_impl: str
+) -> list[str]:
+    """Reasons the transformers backend cannot run ``hf_config`` in this parallel layout, each
+    saying what to use instead (empty when it can). Checked at start, before workers spawn.
+
+    Tensor parallelism splits the linears as the config's ``base_model_tp_plan`` says (see
+    ``TransformersForCausalLM._swap_modules``), so a model without a plan cannot be split.
+    Pipeline parallelism is refused for every model: the backend runs transformers' whole
+    module tree, whose forward has no entry point for a previous stage's hidden states (nor
+    placeholders for the layers another stage holds)."""
+    name = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+    instead = (
+        "--model-impl auto runs the native implementation where the architecture has one"
+        if model_impl == "transformers"
+        else f"{name} has no native implementation in the engine"
+    )
+    problems = []
+    if pipeline_parallel_size > 1:
+        problems.append(
+            f"pipeline_parallel_size={pipeline_parallel_size}: the transformers modeling "
+            f"backend ({name}) does not run under pipeline parallelism, since it runs "
+            "transformers' whole model in every process and cannot hand hidden states from "
+            "one stage to the next; use tensor_parallel_size alone (the backend splits the "
+            f"model by its base_model_tp_plan), or pipeline_parallel_size=1 ({instead})"
+        )
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if tensor_parallel_size > 1 and not getattr(text, "base_model_tp_plan", None):
+        problems.append(
+            f"tensor_parallel_size={tensor_parallel_size}: {name} declares no "
+            "base_model_tp_plan, so the transformers modeling backend does not know which "
+            f"linears to split over the ranks; use tensor_parallel_size=1 ({instead})"
+        )
+    return problems
+
+
 def _checkpoint_converters(hf_config: Any, model_cls: type) -> str:
     """The checkpoint conversions transformers registers for this class or model type that
     are more than renames (merging per-expert tensors, ...), as text; empty when none."""

@@ -137,7 +137,10 @@ def assert_same_greedy(path: str, layouts: list[dict], num_new: int = 10, **kw) 
             assert llm.llm_engine.runner.name == "mp"
             got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             for out, ref in zip(got, want, strict=True):
-                assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (layout, out.request_id)
+                assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (
+                    layout,
+                    out.request_id,
+                )
                 for lp, ref_lp in zip(
                     out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True
                 ):

@@ -195,3 +195,6 @@ def test_layouts_that_cannot_work_are_refused_at_start(spec_llama, qwen3_moe, tm
                        r"base_model_tp_plan.*use tensor_parallel_size=1 \(GPT2LMHeadModel has "
                        r"no native implementation"):  # fmt: skip
         LLM(str(gpt2), tensor_parallel_size=2, **KW)
+    one_kv = build_tiny_model(tmp_path / "one_kv", "llama", num_kv_heads=1)
+    with pytest.raises(ConfigError, match=r"more ranks than LlamaForCausalLM's 1 key/value heads"):
+        LLM(str(one_kv), model_impl="transformers", tensor_parallel_size=2, **KW)

@@ -397,6 +397,15 @@ def transformers_backend_parallel_problems(
             "base_model_tp_plan, so the transformers modeling backend does not know which "
             f"linears to split over the ranks; use tensor_parallel_size=1 ({instead})"
         )
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if tensor_parallel_size > 1 and kv_heads and kv_heads % tensor_parallel_size:
+        problems.append(
+            f"tensor_parallel_size={tensor_parallel_size} is more ranks than {name}'s "
+            f"{kv_heads} key/value heads: the transformers modeling backend splits the k/v "
+            "projections by the tp plan and does not replicate key/value heads over ranks; "
+            f"use a tensor_parallel_size that divides {kv_heads} ({instead})"
+        )
     return problems
 
 

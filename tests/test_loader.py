@@ -215,7 +215,8 @@ def test_model_id_from_local_hf_cache(tmp_path, llama_dir, monkeypatch):
 
 def test_plugin_registered_architecture(tmp_path, llama_dir, plugin_env):
     """A plugin's engine_models hook adds an architecture; without the plugin there is no
-    native class (auto then takes the transformers backend, as the model_type is known)."""
+    native class, and the transformers backend does not serve a class name transformers does
+    not have either (as vLLM's backend refuses it), though the model_type is known."""
     from plugin_helpers import install_fixtures
 
     from engine.plugins import PluginManager
@@ -226,9 +227,8 @@ def test_plugin_registered_architecture(tmp_path, llama_dir, plugin_env):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="ExtraLlamaForCausalLM"):
         load_hf_config(ModelConfig(model=str(d), model_impl="native"))
-    without = ModelConfig(model=str(d))
-    load_hf_config(without)
-    assert without.implementation == "transformers"
+    with pytest.raises(ModelLoadError, match="transformers has no class ExtraLlamaForCausalLM"):
+        load_hf_config(ModelConfig(model=str(d)))
     install_fixtures(plugin_env, "engine-extra-model")
     plugins = PluginManager.from_env({"ENGINE_PLUGINS": "extramodel"})
     mc = ModelConfig(model=str(d))

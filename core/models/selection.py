@@ -81,7 +81,9 @@ def select_model(
             raise ModelLoadError(
                 f"unsupported model architecture {shown}: no native implementation (supported "
                 f"architectures: {', '.join(registry.supported())}), and the transformers "
-                "backend cannot serve it: " + "; ".join(problems)
+                "backend cannot serve it: " + "; ".join(problems) + ". Use a model of one of "
+                "these, or install a plugin that adds it (`engine plugins` lists the installed "
+                "ones)"
             )
         architecture = names[0] if names else hf_config.model_type
         why = (

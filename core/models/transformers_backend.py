@@ -309,6 +309,14 @@ def hf_causal_lm_class(hf_config: Any, trust_remote_code: bool = False) -> type:
         if "--" in ref:
             repo, ref = ref.split("--")
         return get_class_from_dynamic_module(ref, repo)
+    names = list(getattr(hf_config, "architectures", None) or [])
+    if names and not any(hasattr(transformers, n) for n in names):
+        # A class transformers does not know: the checkpoint is not what model_type's class
+        # would build, so it is not served as that class.
+        raise ModelLoadError(
+            f"transformers has no class {', '.join(names)} (config.json's architectures), and "
+            "the config has no auto_map naming custom code for it"
+        )
     mapping = transformers.MODEL_FOR_CAUSAL_LM_MAPPING
     if type(hf_config) not in mapping:
         raise ModelLoadError(

@@ -57,9 +57,13 @@ class ModelConfig:
     # compressed-tensors); None: the checkpoint's quantization_config decides (unquantized
     # when it has none).
     quantization: str | None = None
+    # auto | native | transformers (engine.models.selection): a native class when one is
+    # registered, else the transformers modeling backend.
+    model_impl: str = "auto"
     # Filled in by the loader once the config is read:
     hf_config: Any = None
     architecture: str | None = None
+    implementation: str | None = None  # the model_impl chosen: native | transformers
     # SamplingParams defaults from the generation config (engine.generation_config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -74,6 +78,11 @@ class ModelConfig:
             raise ConfigError(
                 f"load_format={self.load_format!r} is not supported; choose one of "
                 "auto, safetensors, gguf, dummy"
+            )
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ConfigError(
+                f"model_impl={self.model_impl!r} is not supported; choose one of "
+                "auto, native, transformers"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -57,8 +57,10 @@ class LLM:
     ``engine.cpu_threads``), ``quantization`` (a method name such as "fp8", "awq", "gptq",
     "compressed-tensors"; None: the checkpoint's quantization_config decides),
     ``kv_cache_dtype`` ("auto" or "fp8"), ``enable_lora``, ``max_loras``, ``max_lora_rank``,
-    ``max_cpu_loras``, ``lora_fused_shrink`` (multi-LoRA serving, ``engine.lora``). Unknown
-    keywords are an error that lists them.
+    ``max_cpu_loras``, ``lora_fused_shrink`` (multi-LoRA serving, ``engine.lora``),
+    ``model_impl`` ("auto": the native implementation when there is one, else the
+    transformers modeling backend; "native"; "transformers"). Unknown keywords are an error
+    that lists them.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         lora_fused_shrink: bool | None = None,
+        model_impl: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -117,6 +120,7 @@ class LLM:
                 generation_config=generation_config,
                 skip_tokenizer_init=skip_tokenizer_init,
                 quantization=quantization,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -128,7 +128,8 @@ def tensor_parallel_sizes(hf_config: Any, limit: int = 64) -> list[int]:
 def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -> None:
     """Refuse, before any worker starts, a layout this model or host cannot run: a
     tensor-parallel size that does not split the heads (or the MLP), more pipeline stages than
-    layers, more ranks than this host has devices (``mp``). Each error lists what is allowed."""
+    layers, more ranks than this host has devices (``mp``), a layout the transformers modeling
+    backend cannot split. Each error lists what is allowed."""
     par = config.parallel
     tp, pp, world = par.tensor_parallel_size, par.pipeline_parallel_size, par.world_size
     text = getattr(hf_config, "text_config", None) or hf_config
@@ -153,6 +154,14 @@ def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -
             "stage holds only its layers' LoRA targets); use tensor_parallel_size instead "
             "(LoRA runs under tensor parallelism), or pipeline_parallel_size=1"
         )
+    if config.model.implementation == "transformers" and world > 1:
+        from engine.models.transformers_backend import transformers_backend_parallel_problems
+
+        problems = transformers_backend_parallel_problems(
+            hf_config, tp, pp, config.model.model_impl
+        )
+        if problems:
+            raise ConfigError("; ".join(problems))
     layers = getattr(text, "num_hidden_layers", None)
     if pp > 1 and layers is not None and pp > layers:
         raise ConfigError(

@@ -88,6 +88,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
     graphs = getattr(runner, "graphs", None)
     return {
         "platform": cfg.platform,
+        "model_impl": cfg.model.implementation,
         "attention_backend": runner.attn_backend_cls.name,
         "dtype": cfg.model.dtype,
         "max_model_len": cfg.model.max_model_len,

@@ -110,6 +110,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s).",
     )
     model.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=("auto", "native", "transformers"),
+        help="auto: the engine's own implementation of the architecture when it has one, else "
+        "the transformers modeling backend (any AutoModelForCausalLM with replaceable "
+        "attention); native / transformers force one (default: %(default)s).",
+    )
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Allow custom model and tokenizer code from the model directory (auto_map).",
+    )
+    model.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -341,6 +354,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             generation_config=args.generation_config,
             skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
             quantization=getattr(args, "quantization", None),
+            model_impl=getattr(args, "model_impl", "auto"),
+            trust_remote_code=getattr(args, "trust_remote_code", False),
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -111,14 +111,28 @@ def load_hf_config(
         except Exception as e:
             raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
     registry = registry or ModelRegistry.with_plugins(plugins)
-    arch, _ = registry.resolve(getattr(hf_config, "architectures", None) or [])
+    choice = _select(model_config, hf_config, registry, log=True)
     if model_config.max_model_len is None:
         # The engine (runtime.resolve_max_model_len) validates a user-given value.
         text = getattr(hf_config, "text_config", None) or hf_config
         model_config.max_model_len = getattr(text, "max_position_embeddings", None)
     model_config.hf_config = hf_config
-    model_config.architecture = arch
+    model_config.architecture = choice.architecture
+    model_config.implementation = choice.implementation
     return hf_config
+
+
+def _select(model_config: ModelConfig, hf_config: Any, registry: ModelRegistry, log: bool) -> Any:
+    """The ``engine.models.selection.ModelChoice`` for ``model_config.model_impl``."""
+    from engine.models.selection import select_model
+
+    return select_model(
+        hf_config,
+        getattr(model_config, "model_impl", "auto"),
+        registry,
+        trust_remote_code=model_config.trust_remote_code,
+        log=log,
+    )
 
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
@@ -418,7 +432,9 @@ def load_model(
     if model_config.hf_config is None:
         load_hf_config(model_config, registry)
     hf_config = model_config.hf_config
-    _, model_cls = registry.resolve(getattr(hf_config, "architectures", None) or [])
+    choice = _select(model_config, hf_config, registry, log=False)
+    model_cls = choice.model_cls
+    model_config.implementation = choice.implementation
     device = torch.device(device)
     dtype = resolve_dtype(model_config, hf_config)
     if quant_config is not None and hasattr(model_cls, "packed_modules_mapping"):

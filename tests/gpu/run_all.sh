@@ -7,10 +7,11 @@
 # llama-nano, profile; optional: conformance, spread, linear, kprofile, the mixture-of-experts
 # steps moe-kernels, moe-b1, moe-nano, mixtral-b1, spec-base, spec-ngram, spec-draft,
 # spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts holding the
-# model's own greedy continuation; docs/speculative-decoding.md), and the multi-LoRA steps
+# model's own greedy continuation; docs/speculative-decoding.md), the multi-LoRA steps
 # lora-kernels, lora-b1, lora-nano, lora-kprofile, lora-b1-sep (Llama-3.1-8B with 8 rank-16
-# adapters on every linear layer, requests spread evenly; compare with llama-b1 / llama-nano).
-# Logs go to $OUT/tests.log,
+# adapters on every linear layer, requests spread evenly; compare with llama-b1 / llama-nano),
+# and llama-hf-b1 / llama-hf-nano (the llama steps through the transformers modeling
+# backend, --model-impl transformers). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -150,6 +151,8 @@ for step in "${steps[@]}"; do
       --speculative-config '{"method": "eagle", "model": "eagle-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
     spec-eagle3) bench spec-eagle3 200 latency "${SPEC[@]}" --batch-sizes 1 \
       --speculative-config '{"method": "eagle3", "model": "eagle3-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
+    llama-hf-b1) bench llama-hf-b1 200 latency --model llama-3.1-8b "${B1[@]}" --model-impl transformers ;;
+    llama-hf-nano) bench llama-hf-nano 300 throughput --model llama-3.1-8b "${NANO[@]}" --model-impl transformers ;;
     kprofile)  # GPU time per kernel of one decode step (torch.profiler)
       specs=${KPROFILE_SPECS:-"qwen3-0.6b:256:800 qwen3-0.6b:1:128 llama-3.1-8b:1:128 llama-3.1-8b:256:800"}
       for spec in $specs; do

@@ -31,11 +31,13 @@ KERNEL_NAMES = (
     "fp8_block_linear",
     "int8_linear",
     "wna16_linear",
+    # GGUF blocks kept quantized (engine.kernels.gguf), with their own prepack too.
+    "gguf_linear",
 )
 
 # Ops with their own weight layout: an implementation is an object with a ``prepack`` method
 # (run once at load) besides ``__call__`` (see ``engine.kernels.quantized``).
-PREPACKED_KERNELS = frozenset({"wna16_linear"})
+PREPACKED_KERNELS = frozenset({"wna16_linear", "gguf_linear"})
 
 
 class KernelError(ValueError):

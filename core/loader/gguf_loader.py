@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from engine.loader.gguf_file import GGUFFile, GGUFLoadError
 
@@ -294,11 +295,32 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
+def quantization_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``quantization_config`` the model loader gives a GGUF model's config (read by
+    ``engine.quantization.gguf``): ``{"quant_method": "gguf", "tensor_types": {module: GGML
+    type name}}`` for every matrix of the file (header only)."""
+    with GGUFFile(path) as f:
+        spec = _spec(f)
+        types = {}
+        for name, info in f.tensors.items():
+            if name.endswith(".weight") and len(info.shape) == 2:
+                module = _hf_name(f, spec, name).removesuffix(".weight")
+                types[module] = info.ggml_type.name
+    return {"quant_method": "gguf", "tensor_types": types}
+
+
 def iter_weights(
-    path: str | os.PathLike[str], hf_config: PretrainedConfig, dtype: torch.dtype
+    path: str | os.PathLike[str],
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    keep_quantized: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor in the file, in file order, dequantized to
     float32 and cast to ``dtype`` (as ``transformers`` does), one tensor at a time.
+
+    A matrix of a module for which ``keep_quantized(module)`` is true comes raw instead, as
+    ``(f"{module}.qweight", uint8 [rows, K / block_size, type_size])`` (its GGUF blocks; Llama's
+    q/k rows unpermuted), for ``engine.quantization.gguf``.
 
     Every tensor's type and name are checked before the first one is dequantized, so a bad
     file fails fast and names the offending tensor.
@@ -313,6 +335,17 @@ def iter_weights(
         n_heads = hf_config.num_attention_heads
         n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
         for name, hf_name in names.items():
+            module = hf_name.removesuffix(".weight")
+            if keep_quantized is not None and module != hf_name and keep_quantized(module):
+                info = f.tensors[name]
+                block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+                blocks = torch.from_numpy(f.raw(name).copy())
+                blocks = blocks.view(blocks.shape[0], info.shape[-1] // block, type_size)
+                f.release(name)
+                if spec.unpermute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                    blocks = _unpermute(blocks, n_heads if "q_proj" in hf_name else n_kv)
+                yield f"{module}.qweight", blocks
+                continue
             is_norm = hf_name.endswith("norm.weight")
             needs_f32 = (is_norm and spec.norm_offset) or spec.unpermute_qk
             tensor = f.load(name, torch.float32 if needs_f32 else dtype)

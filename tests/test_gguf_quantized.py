@@ -109,12 +109,13 @@ def test_kept_quantized_model_matches_the_dequantized_one(k_gguf):
     ref, none = build(k_gguf, quantization="none")
     assert none is None
     compare(prefill_logits(model), prefill_logits(ref), 2e-3)
-    # Linear weights: 4.5-8.5 bits instead of 32 (the embedding stays dequantized in both).
+    # Linear weights: 4.5-8.5 bits (the CPU kernel: 4 or 8, Q6_K dense) instead of 32; the
+    # embedding stays dequantized in both.
     linear = sum(_param_bytes(m) for n, m in model.named_modules() if n.endswith(("_proj", "mlp")))
     linear_ref = sum(
         _param_bytes(m) for n, m in ref.named_modules() if n.endswith(("_proj", "mlp"))
     )
-    assert linear < linear_ref / 3
+    assert linear < linear_ref / 2
     assert _param_bytes(model) < _param_bytes(ref)
 
 

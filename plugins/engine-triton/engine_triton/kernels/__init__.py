@@ -29,6 +29,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from engine_triton.kernels.argmax import argmax
     from engine_triton.kernels.fp8_linear import fp8_block_linear, fp8_linear
+    from engine_triton.kernels.gguf_linear import gguf_linear
     from engine_triton.kernels.int8_linear import int8_linear
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
@@ -50,6 +51,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "fp8_block_linear": fp8_block_linear,
         "int8_linear": int8_linear,
         "wna16_linear": wna16_linear,
+        "gguf_linear": gguf_linear,
     }
     for name, fn in ops.items():
         registry.register(

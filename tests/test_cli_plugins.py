@@ -70,7 +70,7 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
         for o in report["kernel_overrides"]
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
-    quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear"]
+    quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "gguf_linear"]
     assert on_cpu == [(k, "engine-cpu") for k in ["argmax", *quantized]], on_cpu
     methods = {m["name"]: m for m in report["quantization_methods"]}
     assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq"]

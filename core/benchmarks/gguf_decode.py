@@ -1,7 +1,7 @@
-"""GGUF kept quantized against dequantized at load, on this CPU: batch-1 decode speed and the
-model's weight bytes.
+"""GGUF kept quantized against dequantized at load: batch-1 decode speed and the model's
+weight bytes, on the platform the engine picks (the CPU here; a GPU where one is).
 
-    python -m engine.benchmarks.gguf_cpu [--model PATH.gguf] [--dtype bfloat16]
+    python -m engine.benchmarks.gguf_decode [--model PATH.gguf] [--dtype bfloat16]
         [--threads 1] [--prompt-len 32] [--gen-len 64] [--modes gguf,none]
 
 For each mode (``gguf``: the default, linear weights kept quantized; ``none``:

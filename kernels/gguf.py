@@ -30,9 +30,11 @@ type on random blocks).
 ``GGUFLinear`` (the registry's ``gguf_linear``) is an op with its own weight layout, like
 ``wna16_linear``: ``prepack(blocks, qtype, dtype)`` takes the raw blocks ``uint8 [N, K /
 block_size, type_size]`` once at load and returns the tensors ``__call__(x, packed, qtype=...,
-bias=...)`` multiplies; ``embedding(ids, packed, qtype=..., dtype=...)`` dequantizes the rows
-``ids`` of the same packed weight (a tied embedding shares its LM head's copy). This reference
-keeps the raw blocks and dequantizes on every call (float32).
+bias=...)`` multiplies. This reference keeps the raw blocks and dequantizes on every call
+(float32); its ``embedding(ids, packed, qtype=..., dtype=...)`` dequantizes only the rows
+``ids`` (the lookup a quantized embedding would use; the model's embeddings and LM head are
+dequantized at load today, see ``engine.quantization.gguf``, so platform overrides need not
+provide it).
 """
 
 from __future__ import annotations

@@ -67,6 +67,17 @@ def test_gguf_linear_kernels_match_the_dequantized_product(name, m):
     torch.testing.assert_close(got, want, rtol=0.03, atol=0.03)
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
+def test_reference_embedding_dequantizes_only_the_rows_looked_up(name):
+    blocks = _blocks(20, 256, name, seed=5)
+    ids = torch.tensor([[3, 0], [19, 3]])
+    packed = gk.gguf_linear.prepack(blocks, qtype=gk.gguf_type(name).ggml_type)
+    rows = gk.gguf_linear.embedding(
+        ids, packed, qtype=gk.gguf_type(name).ggml_type, dtype=torch.float32
+    )
+    assert torch.equal(rows, _library(blocks, name)[ids])
+
+
 def test_unknown_type_is_refused_with_the_kept_types():
     with pytest.raises(ValueError, match="Q4_K"):
         gk.gguf_type("IQ2_XS")

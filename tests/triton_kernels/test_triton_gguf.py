@@ -1,6 +1,6 @@
 """engine-triton's ``gguf_linear`` against the dequantized product (``gguf.quants.dequantize``
 of random blocks of every kept type), in the interpreter on the CPU or on a GPU: the GEMV path
-(one row) and the ``tl.dot`` path (several rows), with and without a bias, float32 and bf16.
+(one row) and the ``tl.dot`` path (several rows; split-K up to 16), with and without a bias, float32 and bf16.
 Model-sized shapes and a GGUF model through the engine: tests/gpu/test_gguf_gpu.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from engine.testing.tiny_gguf import RANDOM_BLOCK_TYPES, random_blocks  # noqa: 
 
 
 @pytest.mark.parametrize("name", RANDOM_BLOCK_TYPES)
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 20])  # GEMV split-K, dot split-K, dot whole K
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gguf_linear_matches_the_dequantized_product(name, m, dtype, device):
     from engine_triton.kernels.gguf_linear import gguf_linear

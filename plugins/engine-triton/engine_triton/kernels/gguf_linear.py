@@ -12,10 +12,12 @@ coalesced:
 That is 4 + 2 bits per weight for Q4_0/Q4_K (groups of 32), 8 + 2 for Q5/Q8, 8 + 4 for Q6_K
 (groups of 16): a little more than the blocks, a third to two thirds of bf16.
 
-``_gguf_kernel`` — one program per ``BLOCK_N`` output features (and ``BLOCK_M`` rows): per K
-tile, the values are dequantized in registers (``scale * v + offset`` in float32, the group of
-each feature looked up per element) and multiplied with the activations: by FMA and a reduction
-for one row (decode GEMV), by ``tl.dot`` in the activation dtype for more (prefill GEMM).
+``_gguf_kernel`` — one program per ``BLOCK_N`` output features (and ``BLOCK_M`` rows) and K
+slice: per K tile, the values are dequantized in registers (``scale * v + offset`` in float32,
+the group of each feature looked up per element) and multiplied with the activations: by FMA
+and a reduction for one row (decode GEMV), by ``tl.dot`` in the activation dtype for more.
+Up to 16 rows the K dimension is split so that small projections still fill the GPU
+(``_split_k``); the float32 partial sums are added afterwards. Untuned: no GPU has run it yet.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _gguf_kernel(
     y_ptr,
     M,
     N,
-    K,
+    K_PER_SPLIT,
     GROUP,
     stride_xm,
     stride_vk,
@@ -53,14 +55,16 @@ def _gguf_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, M - 1)
     cols_c = tl.minimum(cols, N - 1)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks  # K is a multiple of BLOCK_K (prepack checks)
+    k_lo = pid_k * K_PER_SPLIT
+    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        k = k0 + ks  # K_PER_SPLIT is a multiple of BLOCK_K
         if NIBBLES:
             byte = tl.load(v_ptr + (k // 2).to(tl.int64)[:, None] * stride_vk + cols_c[None, :])
             v = (byte >> ((k % 2) * 4).to(tl.uint8)[:, None]) & 15
@@ -77,8 +81,22 @@ def _gguf_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    y_offs = rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    # With split-K, y is the float32 partial sums [SPLIT_K, M, N] (summed by the caller).
+    y_offs = pid_k * M * N + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _split_k(programs: int, k_tiles: int, device: torch.device) -> int:
+    """How many K slices a decode-sized product runs in: enough programs to give every SM about
+    two (a 640-feature projection has 20 tiles of 32 features), each slice a whole number of K
+    tiles. The partial sums are added by one torch reduction."""
+    if device.type != "cuda":
+        return 1 if k_tiles < 4 else 2  # the interpreter: still exercise the split path
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    split = 1
+    while programs * split * 2 <= 2 * sms and k_tiles % (split * 2) == 0 and split < 16:
+        split *= 2
+    return split
 
 
 class TritonGGUFLinear:
@@ -118,35 +136,43 @@ class TritonGGUFLinear:
             return y.view(*x.shape[:-1], n)
         block_k = 64 if k % 64 == 0 else 32
         if m == 1:
-            block_m, block_n, dot, warps = 1, 64, False, 4
+            block_m, block_n, dot, warps = 1, 32, False, 4
         else:
             block_m = 16 if m <= 16 else (32 if m <= 64 else 64)
             block_n, dot, warps = 64, True, 4
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-        _gguf_kernel[grid](
+        grid_n, grid_m = triton.cdiv(n, block_n), triton.cdiv(m, block_m)
+        split = _split_k(grid_n * grid_m, k // block_k, x.device) if m <= 16 else 1
+        out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        has_bias = bias is not None and split == 1
+        _gguf_kernel[(grid_n, grid_m, split)](
             x2,
             values,
             scale,
             offset,
-            bias if bias is not None else y,
-            y,
+            bias if has_bias else out,
+            out,
             m,
             n,
-            k,
+            k // split,
             t.group,
             x2.stride(0),
             values.stride(0),
             scale.stride(0),
-            y.stride(0),
+            out.stride(-2),
             NIBBLES=t.bits == 4,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             DOT=dot,
-            HAS_BIAS=bias is not None,
+            HAS_BIAS=has_bias,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=warps,
         )
+        if split > 1:
+            total = out.sum(0)
+            if bias is not None:
+                total += bias.float()
+            y.copy_(total)
         return y.view(*x.shape[:-1], n)
 
 

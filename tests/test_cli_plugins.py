@@ -73,7 +73,7 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "gguf_linear"]
     assert on_cpu == [(k, "engine-cpu") for k in ["argmax", *quantized]], on_cpu
     methods = {m["name"]: m for m in report["quantization_methods"]}
-    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq"]
+    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]
     assert all(m["usable"] and m["provider"] == "engine" for m in methods.values())
 
 

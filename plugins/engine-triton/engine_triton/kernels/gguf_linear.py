@@ -22,6 +22,8 @@ Up to 16 rows the K dimension is split so that small projections still fill the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -86,13 +88,18 @@ def _gguf_kernel(
     tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _split_k(programs: int, k_tiles: int, device: torch.device) -> int:
     """How many K slices a decode-sized product runs in: enough programs to give every SM about
     two (a 640-feature projection has 20 tiles of 32 features), each slice a whole number of K
     tiles. The partial sums are added by one torch reduction."""
     if device.type != "cuda":
         return 1 if k_tiles < 4 else 2  # the interpreter: still exercise the split path
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     split = 1
     while programs * split * 2 <= 2 * sms and k_tiles % (split * 2) == 0 and split < 16:
         split *= 2

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.gguf import gguf_linear
 from engine.kernels.quantized import QUANTIZED_REFERENCE_KERNELS
 
 
@@ -341,6 +342,7 @@ def lora_expand_augmented(
 
 REFERENCE_KERNELS = {
     **QUANTIZED_REFERENCE_KERNELS,
+    "gguf_linear": gguf_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,

@@ -35,11 +35,13 @@ KERNEL_NAMES = (
     "wna16_linear",
     "add_lora_linear",
     "lora_expand_augmented",
+    # GGUF blocks kept quantized (engine.kernels.gguf), with their own prepack too.
+    "gguf_linear",
 )
 
 # Ops with their own weight layout: an implementation is an object with a ``prepack`` method
 # (run once at load) besides ``__call__`` (see ``engine.kernels.quantized``).
-PREPACKED_KERNELS = frozenset({"wna16_linear"})
+PREPACKED_KERNELS = frozenset({"wna16_linear", "gguf_linear"})
 
 
 class KernelError(ValueError):

@@ -73,10 +73,10 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
         for o in report["kernel_overrides"]
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
-    quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear"]
+    quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "gguf_linear"]
     assert on_cpu == [(k, "engine-llm-cpu") for k in ["argmax", *quantized]], on_cpu
     methods = {m["name"]: m for m in report["quantization_methods"]}
-    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq"]
+    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]
     assert all(m["usable"] and m["provider"] == "engine-llm" for m in methods.values())
     comms = {c["platform"]: c for c in report["communicators"]}
     assert comms["cpu"]["provider"] == "engine-llm-cpu" and "gloo" in comms["cpu"]["communicator"]

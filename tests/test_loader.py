@@ -251,11 +251,16 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
         calls.append(("config", path))
         return AutoConfig.from_pretrained(llama_dir)
 
-    def iter_weights(path, hf_config, dtype, stats=None):
+    def quantization_config(path):
+        calls.append(("quantization", path))
+        return {"quant_method": "gguf", "tensor_types": {}}
+
+    def iter_weights(path, hf_config, dtype, stats=None, keep_quantized=None):
         calls.append(("weights", path, dtype))
         yield from load_file(llama_dir / "model.safetensors").items()
 
     fake.load_config = load_config
+    fake.quantization_config = quantization_config
     fake.iter_weights = iter_weights
     fake.num_tensors = lambda path: len(
         load_file(llama_dir / "model.safetensors")
@@ -267,8 +272,8 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     model = load(gguf, dtype="float32")
-    assert [c[0] for c in calls] == ["config", "weights"]
-    assert calls[1][2] == torch.float32
+    assert [c[0] for c in calls] == ["config", "quantization", "weights"]
+    assert calls[2][2] == torch.float32
     assert torch.equal(
         dict(model.named_parameters())["model.norm.weight"],
         load_file(llama_dir / "model.safetensors")["model.norm.weight"],

@@ -152,9 +152,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         metavar="NAME",
-        help="Quantization method (fp8, gptq, awq, compressed-tensors, or a plugin's; `engine "
+        help="Quantization method (fp8, gptq, awq, compressed-tensors, gguf, or a plugin's; `engine "
         "plugins` lists them). Default: the checkpoint's quantization_config decides; fp8 on "
-        "an unquantized checkpoint quantizes its weights to FP8 at load.",
+        "an unquantized checkpoint quantizes its weights to FP8 at load; a .gguf file runs "
+        "kept quantized (gguf), and 'none' dequantizes it at load.",
     )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 

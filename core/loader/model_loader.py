@@ -99,6 +99,9 @@ def load_hf_config(
         from engine.loader import gguf_loader
 
         hf_config = gguf_loader.load_config(path)
+        if (model_config.quantization or "").lower() != "none":
+            # Kept quantized by engine.quantization.gguf unless --quantization none.
+            hf_config.quantization_config = gguf_loader.quantization_config(path)
     else:
         from transformers import AutoConfig
 
@@ -468,7 +471,9 @@ def load_model(
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
 
-        weights = gguf_loader.iter_weights(path, hf_config, dtype, stats=stats)
+        kept = getattr(quant_config, "kept_modules", None)  # GGUFConfig: raw blocks
+        keep = kept.__contains__ if kept is not None and quant_config.name == "gguf" else None
+        weights = gguf_loader.iter_weights(path, hf_config, dtype, stats=stats, keep_quantized=keep)
         present: set[str] | None = None
         progress = tqdm(
             total=gguf_loader.num_tensors(path), desc="Loading GGUF weights", unit="tensor"

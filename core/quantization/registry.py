@@ -40,6 +40,7 @@ BUILTIN_METHODS = {
     "compressed-tensors": "engine.quantization.compressed_tensors:CompressedTensorsConfig",
     "gptq": "engine.quantization.gptq:GPTQConfig",
     "awq": "engine.quantization.awq:AWQConfig",
+    "gguf": "engine.quantization.gguf:GGUFConfig",
 }
 # ``--quantization`` spellings that mean a registered name.
 ALIASES = {"compressed_tensors": "compressed-tensors", "fp8_e4m3": "fp8"}

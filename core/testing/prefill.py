@@ -36,7 +36,9 @@ def build_model(
     pm = PluginManager.from_env()
     platform = "cpu" if device == "cpu" else "cuda"
     kernels = kernels or pm.kernel_registry().resolve(platform)
-    config = ModelConfig(model=str(model_dir), dtype=dtype, load_format=load_format)
+    config = ModelConfig(
+        model=str(model_dir), dtype=dtype, load_format=load_format, quantization=quantization
+    )
     hf = load_hf_config(config)
     spec = QuantizationSpec(platform=platform, device_type=platform, dtype=dtype)
     quant = pm.quantization_methods().resolve(

@@ -177,7 +177,10 @@ def fp8_block_linear(
     return F.linear(x, weight.to(x.dtype) * scale[:, :k], bias)
 
 
+from engine_cpu.gguf import gguf_linear  # noqa: E402  (after this module's own kernels)
+
 QUANTIZED_KERNELS = {
+    "gguf_linear": gguf_linear,
     "wna16_linear": wna16_linear,
     "int8_linear": int8_linear,
     "fp8_linear": fp8_linear,

@@ -30,6 +30,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.argmax import argmax
     from engine_triton.kernels.fp8_linear import fp8_block_linear, fp8_linear
     from engine_triton.kernels.fused_moe import fused_moe, moe_topk_softmax
+    from engine_triton.kernels.gguf_linear import gguf_linear
     from engine_triton.kernels.int8_linear import int8_linear
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
@@ -56,6 +57,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "wna16_linear": wna16_linear,
         "add_lora_linear": add_lora_linear,
         "lora_expand_augmented": lora_expand_augmented,
+        "gguf_linear": gguf_linear,
     }
     for name, fn in ops.items():
         registry.register(

@@ -182,7 +182,12 @@ class ModelRunner:
 
         registry = self.model_registry or ModelRegistry.with_plugins(self.plugins)
         self.model = load_model(
-            self.config.model, self.kernels, self.attn_backend_cls, self.device, registry
+            self.config.model,
+            self.kernels,
+            self.attn_backend_cls,
+            self.device,
+            registry,
+            multimodal_config=getattr(self.config, "multimodal", None),
         )
         self._pack_linears()
         if self.sampler is None:

@@ -123,8 +123,11 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata: list[AttentionMetadata],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        """``inputs_embeds`` [T, hidden] replaces the token embedding (a multimodal model
+        passes text embeddings with image embeddings merged in)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)

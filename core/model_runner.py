@@ -97,6 +97,8 @@ class _Batch:
     ends: list[int] | None = None
     # The target layers' hidden states an EAGLE-3 head reads, [tokens, 3 * hidden].
     aux_hidden: torch.Tensor | None = None
+    # Image inputs: (placeholder rows, their embeddings) for the model's forward, or None.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def end(self, i: int) -> int:
         """One past request ``i``'s last token row."""
@@ -167,6 +169,7 @@ class ModelRunner:
         buckets = getattr(platform, "shape_buckets", None)  # duck-typed test platforms lack it
         self.shape_buckets = buckets(config) if buckets is not None else None
         self.proposer: Any = None  # speculative decoding (engine.spec_decode), see load_model
+        self.mm: Any = None  # image inputs (engine.multimodal.runner.EncoderRunner), see load_model
 
     def _no_grad(self) -> Any:
         """``torch.inference_mode()``, or ``no_grad`` on XLA: torch_xla's functionalization
@@ -190,6 +193,12 @@ class ModelRunner:
             multimodal_config=getattr(self.config, "multimodal", None),
         )
         self._pack_linears()
+        spec = getattr(self.model, "image_input_spec", None)
+        spec = spec() if callable(spec) else None
+        if spec is not None:
+            from engine.multimodal.runner import EncoderRunner
+
+            self.mm = EncoderRunner(self.model, self.device, spec)
         if self.sampler is None:
             if self.sampler_cls is None:
                 from engine.sampler import Sampler
@@ -215,6 +224,11 @@ class ModelRunner:
             m.weight for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)
         )
         pack_linears(self.model, shared_weights=embeddings)
+
+    @property
+    def image_input_spec(self) -> Any:
+        """How the model takes images (``engine.multimodal.ImageInputSpec``), None without."""
+        return self.mm.spec if self.mm is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -379,7 +393,7 @@ class ModelRunner:
         platform.synchronize()
         peak = platform.peak_memory() - profile_cache_bytes
         budget = int(platform.total_memory() * self.config.cache.gpu_memory_utilization)
-        available = budget - peak
+        available = budget - peak - self._encoder_cache_bytes()
         num_blocks = max(0, available // per_block)
         if num_blocks < per_request + 1:  # + the scheduler's reserved null block
             raise ConfigError(
@@ -394,6 +408,12 @@ class ModelRunner:
                 "gpu_memory_utilization"
             )
         return num_blocks
+
+    def _encoder_cache_bytes(self) -> int:
+        """Device memory the encoder cache of image embeddings may take (0 without images)."""
+        if self.mm is None:
+            return 0
+        return int(self.config.multimodal.mm_encoder_cache_gb * _GiB)
 
     def _profile_run(self) -> int:
         """Run a forward at ``max_num_batched_tokens`` (plus logits for ``max_num_seqs`` rows)
@@ -430,6 +450,9 @@ class ModelRunner:
                     self.proposer.profile(input_ids, positions_t, [md] * len(groups), hidden, aux)
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
+                if self.mm is not None:  # the vision encoder's activations at its step budget
+                    mm = self.config.multimodal
+                    self.mm.profile(mm.max_num_encoder_input_tokens or num_tokens)
                 if isinstance(self.model, CausalLM) and hasattr(self.sampler, "warm_up"):
                     self.sampler.warm_up(self.model.compute_logits(hidden[:1], False))
         finally:
@@ -543,12 +566,16 @@ class ModelRunner:
                 self.attn_backend_cls.copy_blocks(cache, pairs[:, 0], pairs[:, 1])
         pending = PendingStep(RunnerOutput())
         scheduled = sched_out.scheduled
+        if self.mm is not None and sched_out.free_encoder_hashes:
+            self.mm.free(sched_out.free_encoder_hashes)
         if not scheduled:
             self._feedback_rows = {}
             return pending
         with self._no_grad():
             hidden = None
-            if self.graphs is not None:
+            if self.graphs is not None and not (
+                self.mm is not None and self.mm.spans_any(scheduled)
+            ):
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
                 ids = self.graphs.last_input_ids(len(scheduled))
@@ -568,7 +595,15 @@ class ModelRunner:
                     batch.aux_hidden = self.verify_graphs.last_extra(len(scheduled))
             if hidden is None:
                 batch = self._prepare(scheduled)
-                hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+                if batch.mm_embeds is not None:
+                    hidden = self.model(
+                        batch.input_ids,
+                        batch.positions,
+                        batch.attn_metadata,
+                        mm_embeds=batch.mm_embeds,
+                    )
+                else:
+                    hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
                 if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
                     batch.aux_hidden = self.proposer.take_aux()
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
@@ -634,6 +669,7 @@ class ModelRunner:
             [s.start for s in scheduled],
             [s.num_new_tokens for s in scheduled],
             [s.block_ids for s in scheduled],
+            bidirectional_spans=self.mm.spans(scheduled) if self.mm is not None else None,
         )
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
@@ -650,16 +686,22 @@ class ModelRunner:
             positions=positions,
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
+            mm_embeds=self.mm.embeddings(scheduled, qsl) if self.mm is not None else None,
         )
 
     def layout(
-        self, starts: list[int], query_lens: list[int], block_ids: list[list[list[int]]]
+        self,
+        starts: list[int],
+        query_lens: list[int],
+        block_ids: list[list[list[int]]],
+        bidirectional_spans: list[list[tuple[int, int]]] | None = None,
     ) -> tuple[torch.Tensor, list[AttentionMetadata], np.ndarray]:
         """Positions (on the device), per-group attention metadata and query start locations
         of a batch where request ``i`` computes ``query_lens[i]`` tokens from ``starts[i]``
         with tables ``block_ids[i]`` (one per KV-cache group; leading one-token requests are
-        the backend's decodes). A draft model's forward uses it too: its layers share the
-        target's block tables."""
+        the backend's decodes), and request ``i``'s queries attend bidirectionally inside
+        ``bidirectional_spans[i]`` (image tokens). A draft model's forward uses it too: its
+        layers share the target's block tables."""
         bs = self.block_size
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
         lens = np.asarray(query_lens, dtype=np.int64)
@@ -683,7 +725,15 @@ class ModelRunner:
             for i, t in enumerate(tables):
                 padded[i, : len(t)] = t
             slots = padded[req_of_token, block_of_token] * bs + positions % bs
-            layout = BatchLayout(lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes)
+            layout = BatchLayout(
+                lens.tolist(),
+                seq_lens,
+                tables,
+                slots.tolist(),
+                bs,
+                num_decodes,
+                bidirectional_spans=bidirectional_spans,
+            )
             if self.shape_buckets is not None:
                 layout = self.shape_buckets.pad_layout(layout, num_tokens)
             metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))

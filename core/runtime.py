@@ -96,6 +96,26 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
     )
 
 
+def _encoder_budget(config: EngineConfig, runner: Any) -> Any:
+    """The scheduler's image-encoder budget (None for a model without image inputs)."""
+    spec = runner.image_input_spec
+    if spec is None:
+        return None
+    from engine.multimodal.encoder_cache import encoder_budget_for
+
+    dtype_bytes = next(runner.model.parameters()).element_size()
+    budget = encoder_budget_for(
+        config.multimodal, spec, dtype_bytes, config.scheduler.max_num_batched_tokens
+    )
+    if spec.bidirectional and not config.multimodal.disable_chunked_mm_input:
+        logger.info(
+            "image tokens attend to each other bidirectionally: one image's %d placeholder "
+            "tokens always run in one step (disable_chunked_mm_input)",
+            spec.tokens_per_image,
+        )
+    return budget
+
+
 def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
     """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``; the tokenizer
     is None with ``skip_tokenizer_init``."""
@@ -142,6 +162,12 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
 
     kernels = plugins.kernel_registry().resolve(platform.name)
     spec = attention_spec_for(hf_config, config, platform)
+    # Image tokens that attend to each other both ways (Gemma 3) need a backend that can.
+    _, model_cls = models.resolve(getattr(hf_config, "architectures", None) or [])
+    spec.bidirectional_spans = bool(
+        getattr(model_cls, "bidirectional_image_attention", False)
+        and config.multimodal.limit("image") > 0
+    )
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
 
@@ -169,6 +195,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         num_blocks,
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
         speculative_config=config.speculative,
+        encoder_budget=_encoder_budget(config, runner),
     )
     logger.info(
         "engine ready in %.1f s: %d KV blocks of %d tokens",

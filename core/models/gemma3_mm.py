@@ -145,6 +145,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             tokens_per_image=self.tokens_per_image,
             embed_dim=int(self.config.hidden_size),
             bidirectional=True,
+            pixel_shape=self.image_input_shape(),
         )
 
     def image_input_shape(self) -> tuple[int, int, int]:

@@ -23,13 +23,14 @@ class ImageInputSpec:
     one image takes; ``embed_dim``: the width of an embedding (the text model's hidden size);
     ``bidirectional``: the placeholder tokens of one image attend to each other in both
     directions (Gemma 3, PaliGemma: a prefix-LM mask over each image), so one image's tokens
-    must be computed in one step.
+    must be computed in one step; ``pixel_shape``: one image's processed pixel array shape.
     """
 
     placeholder_token_id: int
     tokens_per_image: int
     embed_dim: int
     bidirectional: bool = False
+    pixel_shape: tuple[int, ...] | None = None  # [C, H, W] of one image's pixel values
 
 
 @dataclass
@@ -92,6 +93,13 @@ def check_features(
             raise ValueError(
                 f"image {i}'s placeholder tokens {f.offset}..{f.end - 1} overlap another image "
                 f"or lie outside the prompt of {len(prompt_token_ids)} tokens"
+            )
+        pixels = getattr(f, "pixel_values", None)
+        shape = tuple(getattr(pixels, "shape", ()))
+        if spec.pixel_shape is not None and shape != tuple(spec.pixel_shape):
+            raise ValueError(
+                f"image {i} has pixel values of shape {shape}; this model takes "
+                f"{tuple(spec.pixel_shape)} (preprocess it with the model's processor)"
             )
         run = prompt_token_ids[f.offset : f.end]
         if any(t != spec.placeholder_token_id for t in run):

@@ -209,8 +209,10 @@ class AsyncEngine:
         params: Any,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        mm_features: list[Any] | None = None,
     ) -> None:
-        """Hand a request to the engine; return once the engine accepted it.
+        """Hand a request to the engine; return once the engine accepted it. ``mm_features``
+        are the prompt's images (``engine.multimodal.MultiModalFeature``).
 
         Raises what ``LLMEngine.add_request`` raised (``InvalidRequestError``...), or
         ``EngineDeadError`` / ``EngineStoppedError``.
@@ -218,7 +220,17 @@ class AsyncEngine:
         await self._compile_structured_outputs(params)
         loop = asyncio.get_running_loop()
         ack: asyncio.Future[None] = loop.create_future()
-        cmd = ("add", channel, request_id, prompt, params, prompt_token_ids, priority, ack)
+        cmd = (
+            "add",
+            channel,
+            request_id,
+            prompt,
+            params,
+            prompt_token_ids,
+            priority,
+            ack,
+            mm_features,
+        )
         self._put(cmd, time.monotonic())
         channel.request_ids.append(request_id)
         channel.unfinished.add(request_id)
@@ -356,11 +368,17 @@ class AsyncEngine:
         aborts: list[str] = []
         for cmd in cmds:
             if cmd[0] == "add":
-                _, channel, rid, prompt, params, ids, priority, ack, arrival = cmd
+                _, channel, rid, prompt, params, ids, priority, ack, images, arrival = cmd
                 try:
-                    self.engine.add_request(
-                        rid, prompt, params, prompt_token_ids=ids, priority=priority
-                    )
+                    if images:
+                        self.engine.add_request(
+                            rid, prompt, params, prompt_token_ids=ids, priority=priority,
+                            mm_features=images,
+                        )  # fmt: skip
+                    else:
+                        self.engine.add_request(
+                            rid, prompt, params, prompt_token_ids=ids, priority=priority
+                        )
                 except Exception as e:  # noqa: BLE001 - rejected request, engine intact
                     acks.append((ack, e))
                     continue

@@ -143,16 +143,55 @@ class SchedulerConfig:
             raise ConfigError(f"policy={self.policy!r} is not supported; choose fcfs or priority")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass
 class ParallelConfig:
-    """Parallelism. Only tensor_parallel_size=1 runs today; larger values are refused loudly."""
+    """How one model replica is spread over devices (vLLM's names).
+
+    ``tensor_parallel_size`` ranks split every layer (heads, MLP columns, vocabulary rows);
+    ``pipeline_parallel_size`` stages split the layers. Their product is the world size: one
+    worker per device. ``distributed_executor_backend`` runs the workers: ``uni`` in this
+    process (world size 1), ``mp`` one spawned process per rank on this host, ``ray`` Ray
+    actors on one or several hosts; None picks ``uni`` for one rank and ``mp`` otherwise.
+    ``enable_expert_parallel`` places a mixture-of-experts model's experts across the
+    tensor-parallel ranks of a stage (``E / tp`` whole experts each) instead of splitting
+    every expert over them (no effect on dense models or on one rank).
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend={backend!r} is not supported; choose one of "
+                f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}"
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend='uni' runs one rank in this process, but "
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}; use 'mp' "
+                "(one process per rank on this host) or 'ray'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one model replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs the workers (``distributed_executor_backend`` resolved)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
 
 # The proposer methods of ``SpeculativeConfig`` (``engine.spec_decode`` registers one proposer

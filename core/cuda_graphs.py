@@ -103,11 +103,16 @@ class DecodeGraphs:
         query_len: int = 1,
         eager: bool = False,
         extra: Any = None,
+        capture_error_mode: str = "global",
     ) -> None:
+        """``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"`` when the
+        captured forward runs collectives (tensor parallelism), so that the process group's
+        watchdog thread may keep querying its CUDA events while a graph is being captured."""
         self.model = model
         # Called right after the model in the captured computation: a tensor it produced on
         # the side (the target layers' hidden states an EAGLE-3 head reads), kept per graph.
         self.extra = extra
+        self.capture_error_mode = capture_error_mode
         self.feedback = feedback
         self.num_groups = num_groups
         self.block_size = block_size
@@ -209,7 +214,12 @@ class DecodeGraphs:
             for n in reversed(self.sizes):
                 self._forward(n)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                with torch.cuda.graph(
+                    graph,
+                    pool=self._pool,
+                    stream=stream,
+                    capture_error_mode=self.capture_error_mode,
+                ):
                     self._outputs[n], self._input_ids[n], extra = self._forward(n)
                 if extra is not None:
                     self._extras[n] = extra

@@ -22,6 +22,7 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,7 +170,9 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._async = bool(getattr(scheduler, "async_output", False))
-        self._in_flight: _InFlight | None = None
+        # Launched steps not completed yet: at most one, or one per pipeline stage.
+        self._in_flight: deque[_InFlight] = deque()
+        self._max_in_flight = max(1, int(getattr(runner, "max_concurrent_batches", 1)))
         self._structured: Any = None  # StructuredOutputManager, built on first use
         self._structured_lock = threading.Lock()  # the server compiles on worker threads
 
@@ -345,7 +348,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished, or a step is still in flight."""
-        return bool(self._requests) or self._in_flight is not None
+        return bool(self._requests) or bool(self._in_flight)
+
+    def check_health(self) -> None:
+        """Raise when the model's workers failed (``WorkerFailedError``); cheap."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def set_failure_callback(self, callback: Any) -> None:
+        """Have ``callback()`` called once (from another thread) when a worker fails."""
+        register = getattr(self.runner, "set_failure_callback", None)
+        if register is not None:
+            register(callback)
+
+    def shutdown(self) -> None:
+        """Stop the model's workers (idempotent; in-process models need nothing)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
@@ -370,28 +391,30 @@ class LLMEngine:
         With asynchronous scheduling (``SchedulerConfig.async_scheduling``) one step may be
         in flight between calls: a call schedules and launches the next step, then completes
         the one before it while the device runs the new one, so the outputs returned are one
-        step behind. Steps whose sampling needs the host to know every earlier token
-        (penalties, ``min_tokens``, logprobs, ``n > 1``) run synchronously.
+        step behind. With pipeline parallelism one step per stage may be in flight (each with
+        other requests), so the stages work on different micro-batches at once. Steps whose
+        sampling needs the host to know every earlier token (penalties, ``min_tokens``,
+        logprobs, ``n > 1``) run synchronously.
         """
         if not self._async:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
             return self._complete(self._launch(sched))
-        previous, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return self._complete(previous) if previous is not None else []
+            return self._complete(in_flight.popleft()) if in_flight else []
         outputs: list[RequestOutput] = []
         overlap = self._overlappable(sched)
-        if previous is not None and not overlap:
-            outputs += self._complete(previous)  # this step's sampling reads those tokens
-            previous = None
+        if not overlap:
+            while in_flight:  # this step's sampling reads those tokens
+                outputs += self._complete(in_flight.popleft())
         current = self._launch(sched)
-        if previous is not None:
-            outputs += self._complete(previous)
         if overlap:
-            self._in_flight = current
+            in_flight.append(current)
+            if len(in_flight) > self._max_in_flight:
+                outputs += self._complete(in_flight.popleft())
         else:
             outputs += self._complete(current)
         return outputs

@@ -38,7 +38,9 @@ class LLM:
     ``tokenizer``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``, ``platform``,
     ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
-    ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
+    ``load_format``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``distributed_executor_backend`` (uni, mp, ray), ``enable_expert_parallel`` (MoE experts
+    placed across the tensor-parallel ranks), ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
     sampling parameters; "vllm": EOS ids only; or a directory), ``speculative_config`` (a dict
@@ -74,6 +76,9 @@ class LLM:
         enforce_eager: bool = False,
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        enable_expert_parallel: bool = False,
         served_model_name: str | list[str] | None = None,
         scheduling_policy: str = "fcfs",
         cpu_kv_cache_gb: float | None = None,
@@ -122,7 +127,12 @@ class LLM:
                 policy=scheduling_policy,
                 async_scheduling=async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,
+                enable_expert_parallel=enable_expert_parallel,
+            ),
             platform=platform,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,

@@ -20,8 +20,10 @@ from engine.attention_backends.interface import AttentionBackend, AttentionMetad
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import feedback_row, gather_feedback
 from engine.kernels.registry import Kernels
+from engine.loader.lazy_tensor import ReadStats
 from engine.models.base import CausalLM
 from engine.outputs import Logprob
+from engine.parallel import SINGLE_PROCESS, IntermediateTensors, ParallelContext
 from engine.request import PLACEHOLDER_TOKEN, Request
 from engine.sampler import SamplingRow
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -37,6 +39,11 @@ _PROMPT_LOGPROB_CHUNK = 512
 _GiB = 1 << 30
 
 logger = logging.getLogger(__name__)
+
+
+def _share(available: int | None, ranks: int) -> int | None:
+    """One rank's share of the memory available to the ranks of this host."""
+    return None if available is None else available // max(1, ranks)
 
 
 def _human_bytes(n: float) -> str:
@@ -137,11 +144,15 @@ class ModelRunner:
         sampler_cls: type | None = None,
         plugins: Any = None,
         model_registry: ModelRegistry | None = None,
+        parallel: ParallelContext | None = None,
+        device_index: int = 0,
     ) -> None:
         """``sampler`` is a ready ``engine.sampler.Sampler``-like object; without one,
         ``sampler_cls(vocab_size, device)`` (default ``engine.sampler.Sampler``) is built once
         the model is loaded. ``plugins`` (a ``PluginManager``) contributes model architectures
-        through ``engine_models`` unless ``model_registry`` is given."""
+        through ``engine_models`` unless ``model_registry`` is given. ``parallel`` is this
+        rank's place in a tensor x pipeline parallel replica (one process by default) and
+        ``device_index`` the platform device it runs on."""
         self.config = config
         self.platform = platform
         self.kernels = kernels
@@ -150,7 +161,12 @@ class ModelRunner:
         self.sampler_cls = sampler_cls
         self.plugins = plugins
         self.model_registry = model_registry
-        self.device = platform.torch_device()
+        self.parallel = parallel or SINGLE_PROCESS
+        self.device_index = device_index
+        self.device = platform.torch_device(device_index)
+        self.dtype: torch.dtype | None = None  # the model's, once loaded
+        self.load_stats = ReadStats()
+        self.ranks_on_host = 1  # processes sharing this host's memory (set by a worker)
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
         self.num_blocks = 0
@@ -180,7 +196,7 @@ class ModelRunner:
     def load_model(self) -> nn.Module:
         """Load the model named by ``config.model`` onto this runner's device (and build the
         sampler if none was given)."""
-        from engine.loader import load_model
+        from engine.loader import load_model, resolve_dtype
         from engine.models.registry import ModelRegistry
 
         registry = self.model_registry or ModelRegistry.with_plugins(self.plugins)
@@ -191,7 +207,20 @@ class ModelRunner:
             self.device,
             registry,
             multimodal_config=getattr(self.config, "multimodal", None),
+            parallel=self.parallel,
+            stats=self.load_stats,
         )
+        self.dtype = resolve_dtype(self.config.model, self.config.model.hf_config)
+        if self.parallel.world_size > 1 and self.load_stats.offered:
+            logger.info(
+                "rank %d (tp %d/%d, pp %d/%d) read %s of the checkpoint",
+                self.parallel.rank,
+                self.parallel.tp_rank,
+                self.parallel.tp_size,
+                self.parallel.pp_rank,
+                self.parallel.pp_size,
+                self.load_stats.describe(),
+            )
         self._pack_linears()
         spec = getattr(self.model, "image_input_spec", None)
         spec = spec() if callable(spec) else None
@@ -254,12 +283,25 @@ class ModelRunner:
         return total
 
     # ---- KV-cache layout -------------------------------------------------------------------
-    def kv_cache_groups(self) -> list[int | None]:
+    def kv_cache_windows(self) -> set[int | None]:
+        """The sliding windows of this runner's attention layers (None: full attention)."""
+        assert self.model is not None, "load_model() first"
+        return {layer.sliding_window for layer in self._attention_layers()}
+
+    def kv_cache_groups(self, windows: Any = None) -> list[int | None]:
         """One KV-cache group per distinct sliding window (None = full attention, first when
-        present); sets every attention layer's ``kv_group``. Returns each group's window."""
+        present); sets every attention layer's ``kv_group``. Returns each group's window.
+
+        ``windows`` is the set of windows of the whole model when this runner holds one
+        pipeline stage (the scheduler keeps one block table per group of the whole model;
+        a stage's layers use some of them); by default this runner's own layers decide."""
         assert self.model is not None, "load_model() first"
         layers = self._attention_layers()
-        windows = {layer.sliding_window for layer in layers}
+        own = {layer.sliding_window for layer in layers}
+        if windows is None:
+            windows = own
+        elif not own <= set(windows):
+            raise ValueError(f"sliding windows {own} are not all among the model's {windows}")
         groups: list[int | None] = [None] if None in windows else []
         groups += sorted(w for w in windows if w is not None)
         for layer in layers:
@@ -306,7 +348,9 @@ class ModelRunner:
 
     def _kv_dtype(self) -> torch.dtype:
         assert self.model is not None
-        return next(self.model.parameters()).dtype
+        # The model's dtype: a pipeline stage's or a quantized model's first parameter may
+        # have another one (a float32 norm, packed int4).
+        return self.dtype or next(self.model.parameters()).dtype
 
     def bytes_per_block(self) -> int:
         """Bytes one block id costs across all cache tensors."""
@@ -366,7 +410,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             max_model_len_fixed=max_model_len_fixed,
             budget_gib=self.config.cache.cpu_kv_cache_gb,
-            available_bytes=available_memory(),
+            available_bytes=_share(available_memory(), self.ranks_on_host),
         )
         if plan.max_model_len != self.max_model_len:
             logger.warning(
@@ -385,14 +429,14 @@ class ModelRunner:
         return plan.num_blocks
 
     def _profile_num_blocks(self, per_block: int, per_request: int) -> int:
-        platform = self.platform
+        platform, index = self.platform, self.device_index
         weights = self.weights_bytes()
-        platform.synchronize()
-        platform.reset_peak_memory()
+        platform.synchronize(index)
+        platform.reset_peak_memory(index)
         profile_cache_bytes = self._profile_run()
-        platform.synchronize()
-        peak = platform.peak_memory() - profile_cache_bytes
-        budget = int(platform.total_memory() * self.config.cache.gpu_memory_utilization)
+        platform.synchronize(index)
+        peak = platform.peak_memory(index) - profile_cache_bytes
+        budget = int(platform.total_memory(index) * self.config.cache.gpu_memory_utilization)
         available = budget - peak - self._encoder_cache_bytes()
         num_blocks = max(0, available // per_block)
         if num_blocks < per_request + 1:  # + the scheduler's reserved null block
@@ -442,7 +486,16 @@ class ModelRunner:
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             positions_t = torch.from_numpy(positions).to(self.device)
             with self._no_grad():
-                hidden = self.model(input_ids, positions_t, [md] * len(groups))
+                args: tuple[Any, ...] = (input_ids, positions_t, [md] * len(groups))
+                if self.parallel.pp_size > 1:  # each stage profiles on its own
+                    stage_input = None
+                    if not self.parallel.is_first_stage:
+                        stage_input = self._stage_buffer(num_tokens)
+                        stage_input = IntermediateTensors(stage_input[0], stage_input[1])
+                    args += (stage_input,)
+                hidden = self.model(*args)
+                if not self.parallel.is_last_stage:
+                    return cache_bytes
                 rows = min(sched.max_num_seqs, num_tokens)
                 if self.proposer is not None and self.proposer.uses_model:
                     # A draft model / EAGLE head mirrors the same tokens in the same step.
@@ -501,6 +554,9 @@ class ModelRunner:
             or self.device.type != "cuda"
         ):
             return None
+        if self.parallel.pp_size > 1:
+            logger.info("decode graphs are not captured under pipeline parallelism (eager steps)")
+            return None
         assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
         from engine.cuda_graphs import DecodeGraphs
 
@@ -511,8 +567,17 @@ class ModelRunner:
         extra = None
         if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
             extra = self.proposer.take_aux
+        # Collectives run inside the graphs under tensor parallelism; the process group's
+        # watchdog thread must stay free to query its events during a capture.
+        capture_error_mode = "thread_local" if self.parallel.world_size > 1 else "global"
         self.graphs = DecodeGraphs(
-            *args, max_num_seqs, self.device, self._feedback, eager=eager, extra=extra
+            *args,
+            max_num_seqs,
+            self.device,
+            self._feedback,
+            eager=eager,
+            extra=extra,
+            capture_error_mode=capture_error_mode,
         )
         seconds = self.graphs.capture()
         spec = self.config.speculative
@@ -525,6 +590,7 @@ class ModelRunner:
                 query_len=int(spec.num_speculative_tokens) + 1,
                 eager=eager,
                 extra=extra,
+                capture_error_mode=capture_error_mode,
             )
             seconds += self.verify_graphs.capture()
             if self.proposer is not None and self.proposer.uses_model:
@@ -596,14 +662,20 @@ class ModelRunner:
             if hidden is None:
                 batch = self._prepare(scheduled)
                 if batch.mm_embeds is not None:
+                    # Images run only with pp_size == 1 (engine.runtime refuses them otherwise).
                     hidden = self.model(
                         batch.input_ids,
                         batch.positions,
                         batch.attn_metadata,
                         mm_embeds=batch.mm_embeds,
                     )
-                else:
+                elif self.parallel.pp_size == 1:
                     hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+                else:
+                    hidden = self._run_stage(batch)
+                    if hidden is None:  # not the last stage: handed on to the next one
+                        self._feedback_rows = {}
+                        return pending
                 if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
                     batch.aux_hidden = self.proposer.take_aux()
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
@@ -617,7 +689,7 @@ class ModelRunner:
                     pending.last_tokens,
                     pending.accepted,
                 )
-            if prompt_logprobs:
+            if prompt_logprobs and self.parallel.is_output_rank:
                 self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, pending.out)
         if self.shape_buckets is not None:
             # A static-shape (lazily traced, XLA) platform: run the step's whole graph - the
@@ -625,6 +697,31 @@ class ModelRunner:
             # materialised caches instead of growing one graph across steps.
             self.platform.synchronize()
         return pending
+
+    # ---- pipeline stages --------------------------------------------------------------------
+    def _stage_buffer(self, num_tokens: int) -> torch.Tensor:
+        """``[2, num_tokens, hidden]``: a stage boundary's hidden states and residual."""
+        hf_config = self.config.model.hf_config
+        hidden_size = (getattr(hf_config, "text_config", None) or hf_config).hidden_size
+        return torch.zeros((2, num_tokens, hidden_size), dtype=self._kv_dtype(), device=self.device)
+
+    def _run_stage(self, batch: _Batch) -> torch.Tensor | None:
+        """This pipeline stage's part of a step: receive the previous stage's hidden states
+        and residual (one tensor, one message), run the stage's layers, and hand the result
+        to the next stage; the last stage returns the final hidden states instead (None
+        elsewhere). Every stage sees the steps in the same order, so messages pair up."""
+        parallel = self.parallel
+        stage_input = None
+        if not parallel.is_first_stage:
+            received = parallel.pp.recv(
+                self._stage_buffer(batch.query_start_loc[-1]), src=parallel.pp_rank - 1
+            )
+            stage_input = IntermediateTensors(received[0], received[1])
+        out = self.model(batch.input_ids, batch.positions, batch.attn_metadata, stage_input)
+        if parallel.is_last_stage:
+            return out
+        parallel.pp.send(torch.stack((out.hidden, out.residual)), dst=parallel.pp_rank + 1)
+        return None
 
     def collect(self, pending: PendingStep) -> RunnerOutput:
         """Wait for a launched step's tokens and return its results (with the drafts of a

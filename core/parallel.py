@@ -12,7 +12,7 @@ group of a pipeline stage is its ``tp_size`` consecutive global ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.distributed import Communicator
@@ -39,6 +39,12 @@ class ParallelContext:
     pp_size: int = 1
     tp: Communicator = field(default_factory=_identity_communicator)
     pp: Communicator = field(default_factory=_identity_communicator)
+    #: every rank of the replica (None: this process alone); for start-up agreements such as
+    #: the KV-cache size (an all-reduce MIN)
+    world: Communicator | None = None
+    #: MoE layers place whole experts across the tensor-parallel group instead of splitting
+    #: each (``--enable-expert-parallel``; read by ``moe_parallel_from_context``)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -65,8 +71,18 @@ class ParallelContext:
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0 of the whole replica: the one that samples and reports."""
+        """Rank 0 of the whole replica."""
         return self.rank == 0
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank that reports a step's results: tensor-parallel rank 0 of the last stage
+        (every rank of the last stage samples the same tokens; this one returns them)."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """The decoder layers ``[start, end)`` this pipeline stage builds."""
+        return pp_layer_range(num_layers, self.pp_rank, self.pp_size)
 
 
 SINGLE_PROCESS = ParallelContext()
@@ -82,3 +98,26 @@ def divide(numerator: int, denominator: int, what: str) -> int:
             f"tensor_parallel_size must divide it (one of {fits[:12]})"
         )
     return numerator // denominator
+
+
+def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Layers ``[start, end)`` of stage ``pp_rank`` when ``num_layers`` are split into
+    ``pp_size`` consecutive stages: equal shares, the remainder one layer each to the first
+    stages (the last stage also computes the logits, the first only looks up embeddings)."""
+    if not 1 <= pp_size <= num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size={pp_size} must be between 1 and the model's "
+            f"{num_layers} layers (each stage needs at least one)"
+        )
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage hands the next one: the hidden states and the residual stream
+    after its last layer, ``[num_tokens, hidden_size]`` each."""
+
+    hidden: Any
+    residual: Any

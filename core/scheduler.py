@@ -36,6 +36,13 @@ tokens the step returned, and blocks past them (rejected drafts, a proposer's lo
 slots) go back to the pool, so only accepted tokens' full blocks are ever hashed. A
 verification is accounted when it completes even with asynchronous scheduling: the engine
 never schedules past a step that verifies or proposes.
+
+**Pipeline parallelism** (``pipeline_parallel_size > 1``) keeps one micro-batch per stage in
+flight, on asynchronous scheduling's accounting. A decode whose input is a placeholder is not
+scheduled (the first stage would need the token before the last stage has sampled it): each
+request is in at most one micro-batch in flight (a prompt's later chunks may follow its earlier
+ones: their tokens are known and every stage runs the micro-batches in order). Running requests
+are spread over the micro-batches, about ``len(running) / pipeline_parallel_size`` each.
 """
 
 from __future__ import annotations
@@ -155,6 +162,8 @@ class Scheduler:
         num_blocks: int,
         kv_groups: list[KVCacheGroupSpec],
         speculative_config: SpeculativeConfig | None = None,
+        *,
+        pipeline_parallel_size: int = 1,
         encoder_budget: EncoderBudget | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
@@ -179,6 +188,8 @@ class Scheduler:
         self._seq: dict[str, int] = {}  # admission order, the last tie-break
         self._counter = itertools.count()
         self._no_prefix_hit: set[str] = set()
+        # Pipeline parallelism: one micro-batch per stage in flight (see the module docstring).
+        self._pp = max(1, pipeline_parallel_size)
         self.num_preemptions = 0
         self.num_rejected = 0
         # Speculative decoding: drafts per step (0: off), the look-ahead slots a proposer
@@ -334,6 +345,10 @@ class Scheduler:
             images.begin_step()
             self._enc_left = images.budget.max_tokens_per_step
             self._step_encodes = {}
+        running_budget = seq_budget
+        if self._pp > 1:
+            # About 1/pp of the running requests per micro-batch, so each stage gets work.
+            running_budget = min(seq_budget, -(-len(self.running) // self._pp))
 
         # 1. Decodes: running requests with exactly one token to compute. This loop is the hot
         # path of a busy engine: keep it to a few attribute reads per request.
@@ -344,15 +359,16 @@ class Scheduler:
                 if n > 1:
                     continuing.append(request)
                 continue
-            if token_budget <= 0 or seq_budget <= 0:
+            if token_budget <= 0 or seq_budget <= 0 or running_budget <= 0:
                 break
             if preempted and request.status is not _RUNNING:
                 continue  # preempted earlier in this pass
-            if (
-                request.num_output_placeholders
-                and len(request.output_token_ids) >= request.max_tokens
+            if request.num_output_placeholders and (
+                self._pp > 1 or len(request.output_token_ids) >= request.max_tokens
             ):
-                continue  # its last token is still in flight (asynchronous scheduling)
+                # Its last token is still in flight (asynchronous scheduling): with pipeline
+                # stages it cannot be fed back on the device in time, so the request waits.
+                continue
             plan = None
             if images is not None and request.mm_features and start < len(request.prompt_token_ids):
                 ok, plan = images.plan(request, start, 1, self._enc_left)  # a 1-token chunk
@@ -404,10 +420,11 @@ class Scheduler:
                 prefills.append(entry)
             token_budget -= num_new
             seq_budget -= 1
+            running_budget -= 1
 
         # 2. Continuing prefills (chunks of long prompts, recomputation after preemption).
         for request in continuing:
-            if token_budget <= 0 or seq_budget <= 0:
+            if token_budget <= 0 or seq_budget <= 0 or running_budget <= 0:
                 break
             if request.status is not _RUNNING:
                 continue
@@ -438,6 +455,7 @@ class Scheduler:
             prefills.append(entry)
             token_budget -= n
             seq_budget -= 1
+            running_budget -= 1
 
         # 3. New (or preempted) waiting requests, unless this step had to preempt.
         if not preempted and self.waiting:
@@ -623,6 +641,10 @@ class Scheduler:
                 break
             request = waiting.peek()
             assert request is not None
+            if request.num_output_placeholders and self._pp > 1:
+                # Preempted while its token was in flight: its recomputation needs that token
+                # on the host first (a micro-batch in flight cannot feed it back).
+                break
             if request.request_id in self._no_prefix_hit:
                 num_hit, hit_tables = 0, None
             else:

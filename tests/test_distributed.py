@@ -71,6 +71,28 @@ def test_a_hook_returning_something_else_is_refused(plugin_env, monkeypatch) -> 
         pm.communicator(cpu)
 
 
+def test_worker_process_groups_take_the_hooks_communicator(plugin_env) -> None:
+    """A worker's tensor/pipeline/world communicators are what ``engine_communicator``
+    answers (here a plugin's, not the platform's default)."""
+    from engine.executor.process_groups import communicator_for
+
+    install_fake_dist(FIXTURES / "engine-extra-communicator", plugin_env)
+    pm = PluginManager.from_env({"ENGINE_PLUGINS": "extracomm"})
+    cpu = next(e.cls for e in PluginManager.from_env({"ENGINE_PLUGINS": "cpu"}).platforms())
+    entry = pm.communicator_entry(cpu)
+    assert entry.provider == "engine-extra-communicator"
+    calls = []
+    original = pm.communicator_entry
+
+    def spy(platform, group=None):
+        calls.append((platform, group))
+        return original(platform, group)
+
+    pm.communicator_entry = spy  # type: ignore[method-assign]
+    comm = communicator_for(pm, cpu, None)
+    assert calls == [(cpu, None)] and type(comm) is type(entry.communicator)
+
+
 def test_single_process_communicator_is_identity() -> None:
     import torch
 

@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from engine.layers.weight_utils import materialize
 from engine.loader.gguf_file import GGUFFile, GGUFLoadError, supported_types
 from engine.loader.gguf_loader import (
     GEMMA_CHAT_TEMPLATE,
@@ -117,7 +118,8 @@ def test_weights_equal_transformers_gguf_loading(gemma_gguf, dtype):
     )
     expected = hf.state_dict()
     seen = set()
-    for name, tensor in iter_weights(gemma_gguf, load_config(gemma_gguf), dtype):
+    for name, lazy in iter_weights(gemma_gguf, load_config(gemma_gguf), dtype):
+        tensor = materialize(lazy)
         assert tensor.dtype == dtype, name
         torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0, msg=name)
         seen.add(name)
@@ -129,9 +131,9 @@ def test_gemma_norms_come_back_in_hf_convention(tmp_path):
     hf = tiny_gemma3_hf(seed=3)
     path = write_tiny_gemma3_gguf(tmp_path / "g.gguf", hf_model=hf)
     original = hf.state_dict()
-    for name, tensor in iter_weights(path, load_config(path), torch.float32):
+    for name, lazy in iter_weights(path, load_config(path), torch.float32):
         if name.endswith("norm.weight"):
-            torch.testing.assert_close(tensor, original[name], atol=1e-6, rtol=0)
+            torch.testing.assert_close(materialize(lazy), original[name], atol=1e-6, rtol=0)
 
 
 def test_llama_q_k_rows_are_unpermuted(tmp_path):
@@ -156,7 +158,7 @@ def test_llama_q_k_rows_are_unpermuted(tmp_path):
     assert config.architectures == ["LlamaForCausalLM"]
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     original = hf.state_dict()
-    loaded = dict(iter_weights(path, config, torch.float32))
+    loaded = {name: materialize(t) for name, t in iter_weights(path, config, torch.float32)}
     assert set(loaded) == set(original)
     for name, tensor in loaded.items():
         torch.testing.assert_close(tensor, original[name], atol=0, rtol=0, msg=name)

@@ -244,7 +244,7 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
         calls.append(("config", path))
         return AutoConfig.from_pretrained(llama_dir)
 
-    def iter_weights(path, hf_config, dtype):
+    def iter_weights(path, hf_config, dtype, stats=None):
         calls.append(("weights", path, dtype))
         yield from load_file(llama_dir / "model.safetensors").items()
 

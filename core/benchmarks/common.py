@@ -9,6 +9,7 @@ import os
 import platform as host_platform
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_builtin_model
@@ -87,6 +88,10 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "gpu_memory_utilization": cfg.cache.gpu_memory_utilization,
         "cuda_graphs": None if graphs is None else graphs.sizes,
         "enforce_eager": cfg.enforce_eager,
+        "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
+        "executor": getattr(runner, "name", "uni"),
+        "async_scheduling": cfg.scheduler.async_scheduling,
     }
 
 
@@ -138,3 +143,19 @@ def write_json(path: str | None, record: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(record, f, indent=2)
+
+
+def run_and_release(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)``, then the device memory its engine held given back: a second benchmark in
+    the same process (a test, a notebook) sizes its KV cache from the device as the first
+    found it, instead of counting the first engine's unreachable tensors as its activations."""
+    try:
+        return run(args)
+    finally:
+        import gc
+
+        import torch
+
+        gc.collect()  # the engine, runner and graphs hold one another: only a collection frees them
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()

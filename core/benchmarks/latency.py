@@ -4,7 +4,11 @@ For each batch size ``B`` in ``--batch-sizes``: ``B`` random prompts of ``--inpu
 generate ``--output-len`` tokens each (greedy, ``ignore_eos``), ``--num-iters`` times. Reported
 per batch size: the median end-to-end seconds, output tokens/s (``B * output_len / seconds``,
 prefill included, as the vLLM peer measures), the prefill time (the same batch with one new
-token) and the per-step decode time ``(seconds - prefill) / (output_len - 1)``.
+token) and the per-step decode time ``(seconds - prefill) / (output_len - 1)``. With a
+multi-process executor (``--tensor-parallel-size``/``--pipeline-parallel-size`` > 1, or
+``--distributed-executor-backend mp``) also each worker's time per step and the share of it
+spent in collectives (timed on the workers during the timed runs; on a GPU only eager steps
+are timed: run with ``--enforce-eager`` for the split).
 
 Batch-1 decode as measured against vLLM::
 
@@ -33,10 +37,47 @@ from engine.benchmarks.common import (
     engine_settings,
     generate,
     hardware,
+    run_and_release,
     write_json,
 )
 from engine.benchmarks.workload import random_workload, warmup_workload
 from engine.spec_decode.stats import acceptance_summary
+
+
+class CollectiveTotals:
+    """The workers' time in steps and in collectives over the timed runs (rank 0's, the
+    slowest rank's collectives, and the per-op split), for multi-process executors."""
+
+    def __init__(self, llm: object) -> None:
+        self.executor = llm.llm_engine.runner  # type: ignore[attr-defined]
+        self.step_s = 0.0
+        self.per_rank: list[float] = []
+        self.ops: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.executor.collective_rpc("time_collectives", True)
+
+    def stop(self) -> None:
+        stats = self.executor.collective_rpc("collective_stats")
+        self.executor.collective_rpc("time_collectives", False)
+        self.step_s += stats[0]["step_seconds"]
+        totals = [sum(v["seconds"] for k, v in r.items() if k != "step_seconds") for r in stats]
+        if not self.per_rank:
+            self.per_rank = [0.0] * len(totals)
+        self.per_rank = [a + b for a, b in zip(self.per_rank, totals, strict=True)]
+        for op, v in stats[0].items():
+            if op != "step_seconds":
+                self.ops[op] = self.ops.get(op, 0.0) + v["seconds"]
+
+    def summary(self, steps: int) -> dict[str, object]:
+        comm = self.per_rank[0] if self.per_rank else 0.0
+        return {
+            "worker_step_ms": round(1e3 * self.step_s / steps, 3),
+            "collective_ms_per_step": round(1e3 * comm / steps, 3),
+            "share_of_worker_step": round(comm / self.step_s, 4) if self.step_s else 0.0,
+            "collective_ms_per_step_by_rank": [round(1e3 * c / steps, 3) for c in self.per_rank],
+            "rank0_ms_per_step_by_op": {k: round(1e3 * v / steps, 3) for k, v in self.ops.items()},
+        }
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -68,9 +109,13 @@ def run(args: argparse.Namespace) -> int:
     generate(llm, warm.prompts, warm.output_lens)
     counter = _StepCounter(llm.llm_engine)
     rows = []
+    # Multi-process executors: time the workers' collectives during the timed runs.
+    workers = getattr(llm.llm_engine.runner, "workers", None)
     header = f"{'batch':>5} {'seconds':>8} {'out tok/s':>10} {'prefill ms':>10} {'step ms':>8}"
     if llm.llm_engine.config.speculative is not None:
         header += f" {'accept':>8} {'mean len':>8} {'tok/step':>8}"
+    if workers:
+        header += f" {'worker ms':>9} {'comm ms':>8} {'comm %':>6}"
     print(header)
     for batch in sizes:
         work = random_workload(
@@ -85,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         # The prompts repeat across runs: without prefix caching off, later runs would skip
         # the prefill. Each run gets a fresh first token so nothing is reused.
         times, prefills, decode_steps = [], [], []
+        comm = CollectiveTotals(llm) if workers else None
+        timed_steps = 0
         for it in range(args.num_iters + 1):
             prompts = [
                 [10 + (it * 7919 + i) % (vocab - 20)] + p[1:] for i, p in enumerate(work.prompts)
@@ -97,11 +144,16 @@ def run(args: argparse.Namespace) -> int:
                 for i, p in enumerate(work.prompts)
             ]
             steps_before = counter.steps
+            if comm is not None and it:
+                comm.start()
             outs, sec = generate(llm, prompts, work.output_lens)
+            if comm is not None and it:
+                comm.stop()
             if it:  # the first run warms this batch size up
                 times.append(sec)
                 prefills.append(pre)
                 decode_steps.append(counter.steps - steps_before - pre_steps)
+                timed_steps += counter.steps - steps_before
         sec, pre = statistics.median(times), statistics.median(prefills)
         steps = max(1, int(statistics.median(decode_steps)))
         tokens = batch * args.output_len
@@ -120,18 +172,25 @@ def run(args: argparse.Namespace) -> int:
         spec = llm.llm_engine.get_stats().spec_decoding
         if spec is not None:
             row.update(acceptance_summary(spec, spec_before))
-        rows.append(row)
-        extra = ""
+        line = (
+            f"{batch:>5} {sec:>8.3f} {row['output_tokens_per_s']:>10.1f} "
+            f"{row['prefill_ms']:>10.2f} {row['decode_step_ms']:>8.3f}"
+        )
         if "acceptance_rate" in row:
-            extra = (
+            line += (
                 f" {row['acceptance_rate']:>8.3f} {row['mean_acceptance_length']:>8.2f} "
                 f"{row['tokens_per_step']:>8.2f}"
             )
-        print(
-            f"{batch:>5} {sec:>8.3f} {row['output_tokens_per_s']:>10.1f} "
-            f"{row['prefill_ms']:>10.2f} {row['decode_step_ms']:>8.3f}{extra}",
-            flush=True,
-        )
+        if comm is not None:
+            # Per engine step of the timed runs (prefill included; fewer with speculation).
+            row["collectives"] = comm.summary(max(1, timed_steps))
+            c = row["collectives"]
+            line += (
+                f" {c['worker_step_ms']:>9.3f} {c['collective_ms_per_step']:>8.3f} "
+                f"{100 * c['share_of_worker_step']:>5.1f}%"
+            )
+        rows.append(row)
+        print(line, flush=True)
     write_json(
         args.json,
         {
@@ -175,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="engine bench latency", description=__doc__.split("\n\n")[0]
     )
     add_cli_args(parser)
-    return run(parser.parse_args(argv))
+    return run_and_release(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,12 @@ class StepProfiler:
         graphs were captured without them, capture the graphs again (before any wrapping)."""
         from engine.layers.fused_moe import enable_expert_load_counting, read_expert_load
 
+        if getattr(runner, "model", None) is None:
+            raise SystemExit(
+                f"--expert-load counts on the model in this process; with the "
+                f"{getattr(runner, 'name', 'multi-process')} executor the model runs in worker "
+                "processes: run the count with --tensor-parallel-size 1"
+            )
         if not enable_expert_load_counting(runner.model):
             return False
         if runner.graphs is not None:
@@ -74,7 +80,9 @@ class StepProfiler:
         engine, runner = self.engine, self.engine.runner
         step, schedule = engine.step, engine.scheduler.schedule
         execute, collect = runner.execute_async, runner.collect
-        forward = runner.model.forward
+        # A multi-process executor has no model here (its workers do): host split only.
+        model = getattr(runner, "model", None)
+        forward = model.forward if model is not None else None
 
         def timed_step(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
@@ -118,7 +126,8 @@ class StepProfiler:
         engine.scheduler.schedule = timed_schedule
         runner.execute_async = timed_execute
         runner.collect = timed_collect
-        runner.model.forward = marked_forward
+        if model is not None:
+            model.forward = marked_forward
         graphs = getattr(runner, "graphs", None)
         if graphs is not None:
             for graph in graphs._graphs.values():

@@ -25,6 +25,7 @@ from engine.benchmarks.common import (
     engine_settings,
     generate,
     hardware,
+    run_and_release,
     write_json,
 )
 from engine.benchmarks.workload import length_range, random_workload, warmup_workload
@@ -112,11 +113,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"Total num prompt tokens:  {in_tokens}")
     print(f"Total num output tokens:  {out_tokens}")
     split = result["step_split"]
-    print(
-        f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
-        f"{split['mean_step_ms']:.2f} ms: GPU span {split['mean_gpu_span_ms']:.2f} ms, host-only "
-        f"{split['mean_host_only_ms']:.2f} ms (schedule {split['mean_schedule_ms']:.2f} ms)"
-    )
+    if getattr(engine.runner, "model", None) is None:  # the model runs in worker processes
+        print(
+            f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
+            f"{split['mean_step_ms']:.2f} ms (no GPU/host split: the model runs in the "
+            f"{engine.runner.name} executor's workers)"
+        )
+    else:
+        print(
+            f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
+            f"{split['mean_step_ms']:.2f} ms: GPU span {split['mean_gpu_span_ms']:.2f} ms, "
+            f"host-only {split['mean_host_only_ms']:.2f} ms (schedule "
+            f"{split['mean_schedule_ms']:.2f} ms)"
+        )
     print(
         f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of GPU "
         f"span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met in the "
@@ -139,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="engine bench throughput", description=__doc__.split("\n\n")[0]
     )
     add_cli_args(parser)
-    return run(parser.parse_args(argv))
+    return run_and_release(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

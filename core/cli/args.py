@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     SUPPORTED_DTYPES,
     CacheConfig,
     ConfigError,
@@ -236,16 +237,40 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="Threads for the engine's CPU kernels (torch's intra-op threads). Default: "
-        "OMP_NUM_THREADS if set, else the physical cores this process may use (affinity and "
-        "cgroup quota); fewer helps when other work shares the cores.",
+        help="Threads for the engine's CPU kernels (torch's intra-op threads; per worker "
+        "process with several ranks). Default: OMP_NUM_THREADS if set, else the physical "
+        "cores this process may use (affinity and cgroup quota), split over the ranks of this "
+        "host; fewer helps when other work shares the cores.",
     )
     device.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
         default=1,
-        help="Tensor-parallel ranks (only 1 is supported today).",
+        help="Tensor-parallel ranks: every layer split over this many devices (heads, MLP "
+        "columns, vocabulary rows).",
+    )
+    device.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="Pipeline stages: the layers split into this many consecutive groups, one per "
+        "device group, with several batches in flight.",
+    )
+    device.add_argument(
+        "--distributed-executor-backend",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        default=None,
+        help="How the tensor x pipeline ranks run: uni (this process, one rank), mp (one "
+        "process per rank on this host; the default for several ranks) or ray (Ray actors on "
+        "one or several hosts; pip install 'engine-llm[ray]').",
+    )
+    device.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="Mixture-of-experts models: place whole experts across the tensor-parallel ranks "
+        "(E / tp each) instead of splitting every expert over them.",
     )
 
 
@@ -364,7 +389,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             policy=args.scheduling_policy,
             async_scheduling=getattr(args, "async_scheduling", None),
         ),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+        ),
         platform=platform,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,

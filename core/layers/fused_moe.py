@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.layers.weight_utils import ModelLoadError, check_shape, new_parameter, set_weight_loader
+from engine.layers.weight_utils import (
+    ModelLoadError,
+    check_shape,
+    materialize,
+    narrow,
+    new_parameter,
+    set_weight_loader,
+)
 
 if TYPE_CHECKING:
     from engine.distributed import Communicator
@@ -346,8 +353,11 @@ class FusedMoE(nn.Module):
                     f"stacked {shard_id}: expected {self.num_experts} experts along dim 0, got "
                     f"shape {tuple(loaded.shape)}"
                 )
-            for local, expert in enumerate(self.local_experts):
-                self._load_expert(param, loaded[expert], shard_id, local)
+            # One read of this rank's experts (a lazy checkpoint tensor reads only them).
+            experts = self.local_experts
+            mine = materialize(narrow(loaded, 0, experts.start, len(experts)))
+            for local in range(len(experts)):
+                self._load_expert(param, mine[local], shard_id, local)
             return
         if not 0 <= expert_id < self.num_experts:
             raise ModelLoadError(
@@ -364,16 +374,16 @@ class FusedMoE(nn.Module):
         if kind == "w13" and shard_id in ("w1", "w3", "w13"):
             if shard_id == "w13":
                 check_shape("fused gate/up projection", (2 * i, h), w.shape)
-                halves = (("w1", w[:i]), ("w3", w[i:]))
+                halves = (("w1", narrow(w, 0, 0, i)), ("w3", narrow(w, 0, i, i)))
             else:
                 check_shape(f"{shard_id} projection", (i, h), w.shape)
                 halves = ((shard_id, w),)
             for which, half in halves:
                 offset = 0 if which == "w1" else ip
-                dst.narrow(0, offset, ip).copy_(half.narrow(0, rank * ip, ip))
+                dst.narrow(0, offset, ip).copy_(materialize(narrow(half, 0, rank * ip, ip)))
         elif kind == "w2" and shard_id == "w2":
             check_shape("w2 (down) projection", (h, i), w.shape)
-            dst.copy_(w.narrow(1, rank * ip, ip))
+            dst.copy_(materialize(narrow(w, 1, rank * ip, ip)))
         else:
             raise ModelLoadError(f"shard {shard_id!r} does not fit a {kind} expert parameter")
 

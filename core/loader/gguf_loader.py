@@ -4,8 +4,9 @@ The contract the model loader calls:
 
 * ``load_config(path) -> transformers.PretrainedConfig`` maps GGUF metadata to the Hugging Face
   config of the same model (for ``gemma3`` a ``Gemma3TextConfig``).
-* ``iter_weights(path, hf_config, dtype)`` yields ``(hf_name, tensor)`` pairs under Hugging Face
-  parameter names, dequantized to ``dtype`` one tensor at a time, with the same values
+* ``iter_weights(path, hf_config, dtype, stats=None)`` yields ``(hf_name, lazy tensor)`` pairs
+  under Hugging Face parameter names, dequantized to ``dtype`` one tensor at a time when
+  materialised (only in the window a tensor-parallel shard narrows it to), with the same values
   ``transformers`` loads from the file (its GGUF conversion is the reference the tests check).
 * ``load_tokenizer(path, cache_dir)`` builds a fast tokenizer from the metadata once and caches
   it (converting a 262k vocabulary takes ~15 s; reloading the cached copy well under 1 s).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.loader.gguf_file import GGUFFile, GGUFLoadError
+from engine.loader.lazy_tensor import LazyTensor, ReadStats
 from engine.progress import activity
 
 if TYPE_CHECKING:
@@ -395,17 +398,83 @@ def num_tensors(path: str | os.PathLike[str]) -> int:
         return len(f.tensors)
 
 
+class GGUFLazyTensor(LazyTensor):
+    """A tensor of an open GGUF file, dequantized only in its window when materialised (see
+    ``GGUFFile.load_window``), with this loader's conventions applied: the Gemma norm offset
+    taken off, llama.cpp's q/k row permutation undone (per head, so a window of whole heads
+    unpermutes on its own)."""
+
+    def __init__(
+        self,
+        f: GGUFFile,
+        name: str,
+        dtype: torch.dtype,
+        norm_offset: float = 0.0,
+        unpermute_heads: int | None = None,
+        stats: ReadStats | None = None,
+    ) -> None:
+        info = f.tensors[name]
+        super().__init__(info.shape, stats=stats)
+        self._file, self._name, self._dtype = f, name, dtype
+        self._norm_offset, self._unpermute_heads = norm_offset, unpermute_heads
+        if stats is not None:
+            stats.offered += info.n_bytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def _read(self, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
+        shape = self._full_shape
+        if len(shape) > 2:  # stacked experts [E, rows, cols]
+            inner = math.prod(shape[1:-1])
+            if all(b == (0, n) for b, n in zip(bounds[1:-1], shape[1:-1], strict=True)):
+                # Whole experts (an expert-parallel rank's): only their rows are read.
+                (e0, e1), cols = bounds[0], bounds[-1]
+                part, num_bytes = self._matrix((e0 * inner, e1 * inner), cols)
+                return part.view(e1 - e0, *shape[1:-1], cols[1] - cols[0]), num_bytes
+            full, num_bytes = self._matrix((0, math.prod(shape[:-1])), (0, shape[-1]))
+            full = full.view(shape)
+            return full[tuple(slice(a, b) for a, b in bounds)], num_bytes
+        rows = bounds[0] if len(shape) == 2 else (0, 1)
+        tensor, num_bytes = self._matrix(rows, bounds[-1])
+        return (tensor if len(shape) == 2 else tensor.view(-1)).to(self._dtype), num_bytes
+
+    def _matrix(self, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        import torch
+
+        needs_f32 = self._norm_offset or self._unpermute_heads
+        tensor, num_bytes = self._file.load_window(
+            self._name, torch.float32 if needs_f32 else self._dtype, rows, cols
+        )
+        if self._norm_offset:
+            tensor -= self._norm_offset
+        if self._unpermute_heads:
+            head_rows = self._full_shape[0] // self._unpermute_heads
+            if rows[0] % head_rows or (rows[1] - rows[0]) % head_rows:
+                raise GGUFLoadError(
+                    f"{self._file.path}: {self._name}: rows {rows} do not cover whole heads of "
+                    f"{head_rows} rows; cannot undo llama.cpp's q/k permutation"
+                )
+            tensor = _unpermute(tensor, (rows[1] - rows[0]) // head_rows)
+        return tensor, num_bytes
+
+
 def iter_weights(
-    path: str | os.PathLike[str], hf_config: PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor in the file, in file order, dequantized to
-    float32 and cast to ``dtype`` (as ``transformers`` does), one tensor at a time.
+    path: str | os.PathLike[str],
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    stats: ReadStats | None = None,
+) -> Iterator[tuple[str, GGUFLazyTensor]]:
+    """Yield ``(hf_name, lazy tensor)`` for every tensor in the file, in file order. A tensor
+    is dequantized to float32 and cast to ``dtype`` (as ``transformers`` does) when
+    materialised, and only in the window its consumer narrowed it to (a tensor-parallel shard
+    reads about ``1 / tp`` of the file). Consume each before asking for the next.
 
-    Every tensor's type and name are checked before the first one is dequantized, so a bad
-    file fails fast and names the offending tensor.
+    Every tensor's type and name are checked before the first one is yielded, so a bad file
+    fails fast and names the offending tensor. ``stats`` counts the file bytes offered and
+    read.
     """
-    import torch
-
     with GGUFFile(path) as f:
         spec = _spec(f)
         names = {name: _hf_name(f, spec, name) for name in f.tensors}
@@ -415,16 +484,16 @@ def iter_weights(
         n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
         for name, hf_name in names.items():
             is_norm = hf_name.endswith("norm.weight")
-            needs_f32 = (is_norm and spec.norm_offset) or spec.unpermute_qk
-            tensor = f.load(name, torch.float32 if needs_f32 else dtype)
-            if is_norm and spec.norm_offset:
-                tensor -= spec.norm_offset
+            heads = None
             if spec.unpermute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = n_heads if "q_proj" in hf_name else n_kv
-                tensor = _unpermute(tensor, heads)
+            offset = spec.norm_offset if is_norm else 0.0
+            tensor = GGUFLazyTensor(f, name, dtype, offset, heads, stats)
             if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
-                tensor = tensor[None, :]  # llama.cpp keeps the [1, H] gate as a vector
-            yield hf_name, tensor.to(dtype)
+                # llama.cpp keeps the [1, H] gate as a vector (a few KiB: read it now)
+                tensor = tensor.materialize()[None, :]
+            yield hf_name, tensor
+            f._release(f.tensors[name])
 
 
 # -- tokenizer ------------------------------------------------------------------------------

@@ -37,8 +37,20 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
-from engine.layers.weight_utils import check_shape, set_weight_loader
-from engine.models.base import CausalLM, DecoderModel, SelfAttention, add_and_norm
+from engine.layers.weight_utils import (
+    check_shape,
+    materialize,
+    set_weight_loader,
+)
+from engine.models.base import (
+    CausalLM,
+    DecoderModel,
+    SelfAttention,
+    add_and_norm,
+    make_layers,
+    on_first_stage,
+    on_last_stage,
+)
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS, LlamaMLP
 
@@ -79,9 +91,9 @@ def _gemma_norm(size: int, cfg: Any, ctx: ModelContext, eps: float | None = None
     return norm
 
 
-def _load_gemma_norm(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    check_shape("norm weight", param.shape, loaded.shape)
-    param.data.copy_(loaded.float() + 1.0)
+def _load_gemma_norm(param: nn.Parameter, loaded: Any) -> None:
+    check_shape("norm weight", param.shape, tuple(loaded.shape))
+    param.data.copy_(materialize(loaded).float() + 1.0)
 
 
 class Gemma3Attention(SelfAttention):
@@ -161,12 +173,16 @@ class Gemma3Model(DecoderModel):
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.embed_tokens = VocabParallelEmbedding(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            ctx.dtype,
-            embed_scale=cfg.hidden_size**0.5,
-            parallel=ctx.parallel,
+        self.parallel = parallel = ctx.parallel
+        self.embed_tokens = on_first_stage(
+            parallel,
+            lambda: VocabParallelEmbedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                ctx.dtype,
+                embed_scale=cfg.hidden_size**0.5,
+                parallel=parallel,
+            ),
         )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         types = gemma3_layer_types(cfg)
@@ -177,10 +193,12 @@ class Gemma3Model(DecoderModel):
             )
             for kind in sorted(set(types))
         }
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(ctx, i, kind, rotary[kind]) for i, kind in enumerate(types)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            len(types), lambda i: Gemma3DecoderLayer(ctx, i, types[i], rotary[types[i]]), parallel
         )
-        self.norm = _gemma_norm(cfg.hidden_size, cfg, ctx)
+        if parallel.pp_size == 1:
+            self.end_layer = None  # every layer: no per-step slicing
+        self.norm = on_last_stage(parallel, lambda: _gemma_norm(cfg.hidden_size, cfg, ctx))
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -201,15 +219,18 @@ class Gemma3ForCausalLM(CausalLM):
         if tie_word_embeddings is None:
             tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.tie_word_embeddings = tie_word_embeddings
-        self.lm_head = ParallelLMHead(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            ctx.dtype,
-            final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
-            kernels=ctx.kernels,
-            parallel=ctx.parallel,
+        self.lm_head = on_last_stage(
+            ctx.parallel,
+            lambda: ParallelLMHead(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                ctx.dtype,
+                final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+                kernels=ctx.kernels,
+                parallel=ctx.parallel,
+            ),
         )
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and ctx.parallel.pp_size == 1:
             self.lm_head.tie(self.model.embed_tokens)
 
     def load_weights(self, weights: Any) -> set[str]:
@@ -217,8 +238,6 @@ class Gemma3ForCausalLM(CausalLM):
         ``1 + w``); returns the names of the parameters loaded."""
 
         def ignore(name: str) -> bool:
-            return "rotary_emb.inv_freq" in name or (
-                self.tie_word_embeddings and name.startswith("lm_head.")
-            )
+            return "rotary_emb.inv_freq" in name  # (a tied head's: dropped by stage_weights)
 
-        return load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
+        return load_named_weights(self, self.stage_weights(weights), FUSED_WEIGHTS, ignore)

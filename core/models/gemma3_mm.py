@@ -34,6 +34,7 @@ from torch import nn
 
 from engine.attention_backends.interface import AttentionMetadata
 from engine.layers.weight_utils import ModelLoadError, new_parameter
+from engine.models.base import IntermediateTensors
 from engine.models.context import ModelContext
 from engine.models.gemma3 import Gemma3ForCausalLM, _gemma_norm
 from engine.models.siglip import SiglipVisionModel
@@ -165,12 +166,14 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn_metadata: list[AttentionMetadata],
+        intermediate: IntermediateTensors | None = None,
         mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | IntermediateTensors:
         """As ``CausalLM.forward``; ``mm_embeds`` = (int64 rows [M], embeddings [M, hidden])
-        replaces the embeddings of those rows of the batch."""
+        replaces the embeddings of those rows of the batch (on a single stage: images are
+        refused under pipeline parallelism)."""
         if mm_embeds is None:
-            return self.model(input_ids, positions, attn_metadata)
+            return self.model(input_ids, positions, attn_metadata, intermediate)
         rows, embeds = mm_embeds
         ids = input_ids
         if self.image_token_id >= self.config.vocab_size:  # outside the table: embed id 0

@@ -26,7 +26,15 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
-from engine.models.base import CausalLM, DecoderModel, SelfAttention, add_and_norm
+from engine.models.base import (
+    CausalLM,
+    DecoderModel,
+    SelfAttention,
+    add_and_norm,
+    make_layers,
+    on_first_stage,
+    on_last_stage,
+)
 from engine.models.context import ModelContext
 
 # Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
@@ -187,18 +195,28 @@ class LlamaModel(DecoderModel):
         super().__init__()
         cfg = ctx.hf_config
         build_layer = build_layer or LlamaDecoderLayer
-        self.embed_tokens = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, ctx.dtype, parallel=ctx.parallel
+        self.parallel = parallel = ctx.parallel
+        self.embed_tokens = on_first_stage(
+            parallel,
+            lambda: VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, ctx.dtype, parallel=parallel
+            ),
         )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # One rotary table shared by all layers.
         rotary_emb = RotaryEmbedding(
             head_dim, cfg.max_position_embeddings, rope_parameters(cfg), ctx.kernels
         )
-        self.layers = nn.ModuleList(
-            build_layer(ctx, i, rotary_emb, attention_options) for i in range(cfg.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers,
+            lambda i: build_layer(ctx, i, rotary_emb, attention_options),
+            parallel,
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+        if parallel.pp_size == 1:
+            self.end_layer = None  # every layer: no per-step slicing
+        self.norm = on_last_stage(
+            parallel, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+        )
 
 
 class LlamaForCausalLM(CausalLM):
@@ -225,10 +243,17 @@ class LlamaForCausalLM(CausalLM):
         self.config = cfg
         self.model = LlamaModel(ctx, self.attention_options(cfg), self.build_layer)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(
-            cfg.vocab_size, cfg.hidden_size, ctx.dtype, kernels=ctx.kernels, parallel=ctx.parallel
+        self.lm_head = on_last_stage(
+            ctx.parallel,
+            lambda: ParallelLMHead(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                ctx.dtype,
+                kernels=ctx.kernels,
+                parallel=ctx.parallel,
+            ),
         )
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and ctx.parallel.pp_size == 1:
             self.lm_head.tie(self.model.embed_tokens)
 
     def build_layer(
@@ -242,11 +267,12 @@ class LlamaForCausalLM(CausalLM):
         return LlamaDecoderLayer(ctx, layer_idx, rotary_emb, attention_options)
 
     def ignore_checkpoint_tensor(self, name: str) -> bool:
-        """Rotary inverse frequencies are recomputed; a tied head has no weight of its own."""
-        return "rotary_emb.inv_freq" in name or (
-            self.tie_word_embeddings and name.startswith("lm_head.")
-        )
+        """Rotary inverse frequencies are recomputed (a tied head's checkpoint tensors, and
+        those of parts another pipeline stage holds, are dropped by ``stage_weights``)."""
+        return "rotary_emb.inv_freq" in name
 
     def load_weights(self, weights: Any) -> set[str]:
         """Copy HF-named checkpoint tensors into the parameters; returns the names loaded."""
-        return load_named_weights(self, weights, FUSED_WEIGHTS, self.ignore_checkpoint_tensor)
+        return load_named_weights(
+            self, self.stage_weights(weights), FUSED_WEIGHTS, self.ignore_checkpoint_tensor
+        )

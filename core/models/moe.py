@@ -200,7 +200,10 @@ class MoEForCausalLM(LlamaForCausalLM):
         loads as in Llama (q/k/v and gate/up fused)."""
         experts = ExpertCheckpointMapping(self, self.expert_proj_names)
         loaded = load_named_weights(
-            self, experts.filter(weights), FUSED_WEIGHTS, self.ignore_checkpoint_tensor
+            self,
+            experts.filter(self.stage_weights(weights)),
+            FUSED_WEIGHTS,
+            self.ignore_checkpoint_tensor,
         )
         return loaded | experts.loaded()
 

@@ -13,7 +13,8 @@ The HTTP side talks to it through two one-way paths:
 
 A failure in the engine thread marks the engine dead: every in-flight request fails with
 ``EngineDeadError`` (HTTP 500), later requests fail at once, and ``/health`` answers 503. Nothing
-ever waits on a thread that is gone.
+ever waits on a thread that is gone. A model worker process that dies (tensor/pipeline
+parallelism) is such a failure: the executor wakes the engine thread, idle or not.
 """
 
 from __future__ import annotations
@@ -180,6 +181,11 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread; outputs are delivered to ``loop`` (the running loop)."""
         self._loop = loop or asyncio.get_running_loop()
+        # A model worker that fails while the engine is idle wakes the engine thread, whose
+        # health check then takes the dead-engine path (a busy engine's step raises anyway).
+        register = getattr(self.engine, "set_failure_callback", None)
+        if register is not None:
+            register(self._wakeup.set)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -337,8 +343,10 @@ class AsyncEngine:
         loop = self._loop
         assert loop is not None
         last_stats = 0.0
+        check_health = getattr(engine, "check_health", None) or (lambda: None)
         while True:
             self._wakeup.clear()
+            check_health()  # raises when a model worker failed
             self._process_inbox()
             if self._stopping:
                 self._abort_all()

@@ -141,6 +141,9 @@ class ApiServer:
             engine = self.state.engine
             if engine is not None:
                 await asyncio.to_thread(engine.stop)
+                shutdown = getattr(engine.engine, "shutdown", None)
+                if shutdown is not None:  # the model's worker processes, if any
+                    await asyncio.to_thread(shutdown)
             if self.state.ctx is not None:
                 self.state.ctx.close()
             # Give back what _start_engine froze: frozen objects are never collected, not even

@@ -84,6 +84,8 @@ class NgramProposer:
 
     name = "ngram"
     uses_model = False
+    # Host-side, from the tokens alone: under tensor parallelism the reporting rank proposes.
+    supports_tensor_parallel = True
 
     def __init__(self, num_speculative_tokens: int, lookup_min: int, lookup_max: int) -> None:
         self.k = num_speculative_tokens

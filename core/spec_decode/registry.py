@@ -3,7 +3,11 @@
 Entries are ``"module:Class"`` strings, imported when used, so checking a configuration
 imports no model code. A proposer class answers ``supports(config, hf_config) -> list[str]``
 (why it cannot serve this engine configuration; empty when it can), like attention backends,
-and ``create(config, runner)`` builds it. Out-of-tree proposers register a name with
+and ``create(config, runner)`` builds it. A class that sets ``supports_tensor_parallel = True``
+runs on every tensor-parallel rank of a multi-process replica (each worker's runner builds
+its own proposer and the reporting rank returns the drafts); no proposer runs under pipeline
+parallelism (a verification must complete before its request's next step, and the stages keep
+other requests' steps in flight). Out-of-tree proposers register a name with
 ``registry.register(name, "pkg.module:Class")``.
 """
 
@@ -52,20 +56,43 @@ class ProposerRegistry:
 
     def reasons(self, config: Any, hf_config: Any) -> list[str]:
         """Why the configured proposer cannot serve ``config`` (empty: it can)."""
-        spec = config.speculative
-        return list(self.get(spec.method).supports(config, hf_config))
+        cls = self.get(config.speculative.method)
+        return parallel_reasons(cls, config) + list(cls.supports(config, hf_config))
 
     def check(self, config: Any, hf_config: Any) -> type:
         """The proposer class for ``config.speculative``, or ``ConfigError`` with every
         reason it cannot serve this configuration."""
         cls = self.get(config.speculative.method)
-        reasons = cls.supports(config, hf_config)
+        reasons = parallel_reasons(cls, config) + list(cls.supports(config, hf_config))
         if reasons:
             raise ConfigError(
                 f"speculative decoding with method {config.speculative.method!r} cannot serve "
                 "this configuration: " + "; ".join(reasons)
             )
         return cls
+
+
+def parallel_reasons(cls: type, config: Any) -> list[str]:
+    """Why proposer ``cls`` cannot run in ``config.parallel``'s layout (see the module
+    docstring)."""
+    parallel = getattr(config, "parallel", None)
+    if parallel is None:
+        return []
+    method = config.speculative.method
+    reasons = []
+    if parallel.pipeline_parallel_size > 1:
+        reasons.append(
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}: speculative decoding "
+            "does not run under pipeline parallelism (use --tensor-parallel-size, or serve "
+            "without --speculative-config)"
+        )
+    tp = parallel.tensor_parallel_size
+    if tp > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        reasons.append(
+            f"tensor_parallel_size={tp}: the {method!r} proposer runs on one device only "
+            "(method 'ngram' runs under tensor parallelism)"
+        )
+    return reasons
 
 
 def check_request(params: Any) -> str | None:

@@ -6,7 +6,8 @@ transformers (``build_tiny_gemma3_multimodal``). Greedy tokens must equal
 ``Gemma3ForConditionalGeneration.generate`` on the processor's inputs (which include the
 bidirectional mask over each image's tokens) for: one image, two images in a prompt, a batch
 mixing image and text requests, chunk boundaries that would split an image, a repeated image
-(encoded once), the prefix cache (same text with another image must not hit), preemption, and
+(encoded once), the prefix cache (same text with another image must not hit), preemption,
+n-gram speculation, and
 ``LLM.chat`` with ``image_url`` parts. Nothing leaks: KV blocks and encoder-cache holds are
 zero when idle, and the runner's cache holds exactly what the scheduler's mirror says.
 """
@@ -359,3 +360,27 @@ def test_text_only_serving_skips_the_vision_tower(model, caplog):
     assert run(llm, [("Just text here", [])])[0].outputs[0].token_ids == want
     with pytest.raises(InvalidRequestError, match="takes no image inputs"):
         run(llm, [("<start_of_image>", [make_image(1)])])
+
+
+def test_ngram_speculation_with_images(model):
+    """Prompt-lookup drafts over a prompt with images (its placeholder run repeats one id):
+    verification keeps the tokens exact."""
+    path, _, _ = model
+    llm = tiny_llm(
+        path,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1,
+        },
+    )
+    prompts = [
+        ("Look at <start_of_image> and <start_of_image> again", [make_image(40), make_image(41)]),
+        ("A text prompt a text prompt a text prompt", []),
+    ]
+    outs = run(llm, prompts)
+    for (prompt, images), out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_generate(model, prompt, images)[0], prompt
+    assert llm.llm_engine.get_stats().spec_decoding.num_draft_tokens > 0  # it did speculate
+    assert_idle_and_consistent(llm)

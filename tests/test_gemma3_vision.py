@@ -7,8 +7,7 @@ transformers (``build_tiny_gemma3_multimodal``). Greedy tokens must equal
 bidirectional mask over each image's tokens) for: one image, two images in a prompt, a batch
 mixing image and text requests, chunk boundaries that would split an image, a repeated image
 (encoded once), the prefix cache (same text with another image must not hit), preemption,
-n-gram speculation, and
-``LLM.chat`` with ``image_url`` parts. Nothing leaks: KV blocks and encoder-cache holds are
+n-gram speculation, and ``LLM.chat`` with ``image_url`` parts. Nothing leaks: KV blocks and encoder-cache holds are
 zero when idle, and the runner's cache holds exactly what the scheduler's mirror says.
 """
 

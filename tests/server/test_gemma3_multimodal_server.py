@@ -59,6 +59,7 @@ def server(model_dir, media_dir):
                 limit_mm_per_prompt={"image": 2},
                 allowed_local_media_path=str(media_dir),
                 max_image_pixels=200 * 200,
+                max_image_bytes=200_000,
             ),
         )
         config.cache = CacheConfig(block_size=4, cpu_kv_cache_gb=0.05, enable_prefix_caching=True)
@@ -219,9 +220,15 @@ def test_bad_image_urls_are_400(server, url, message):
 
 
 def test_oversized_and_too_many_images_are_400(server):
-    big = data_url(make_image(5, (300, 300)))
-    err = error_of(_post(server, [_image_part(big)]), 400)
+    from PIL import Image
+
+    flat = data_url(Image.new("RGB", (300, 300)))  # a few hundred bytes, too many pixels
+    err = error_of(_post(server, [_image_part(flat)]), 400)
     assert "300 x 300 = 90000 pixels; at most 40000" in err["message"]
+    assert err["param"] == "messages.0.content.0"
+    noisy = data_url(make_image(5, (300, 300)))  # ~270 kB of PNG
+    err = error_of(_post(server, [_image_part(noisy)]), 400)
+    assert "bytes; at most 200000 bytes are allowed per image (--max-image-bytes)" in err["message"]
     small = data_url(make_image(6))
     err = error_of(_post(server, [_image_part(small)] * 3), 400)
     assert "3 images; at most 2 are allowed per prompt (--limit-mm-per-prompt)" in err["message"]

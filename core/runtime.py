@@ -106,7 +106,10 @@ def _encoder_budget(config: EngineConfig, runner: Any) -> Any:
         return None
     from engine.multimodal.encoder_cache import encoder_budget_for
 
-    dtype_bytes = next(runner.model.parameters()).element_size()
+    # Remote executors report the workers' element size; in-process, read the model's.
+    dtype_bytes = (
+        getattr(runner, "dtype_bytes", None) or next(runner.model.parameters()).element_size()
+    )
     budget = encoder_budget_for(
         config.multimodal, spec, dtype_bytes, config.scheduler.max_num_batched_tokens
     )
@@ -221,21 +224,21 @@ def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
 
 
 def _check_image_parallel(config: EngineConfig, model_cls: type) -> None:
-    """Refuse image inputs on more than one rank: the encoder cache and the image embeddings
-    live in the engine's own runner, and the step message to remote workers carries no image
-    features. The model still runs text-only there (``limit_mm_per_prompt={"image": 0}``)."""
+    """Refuse image inputs under pipeline parallelism: image embeddings replace token
+    embeddings on the first stage only, which the stage hand-off does not do yet. Tensor
+    parallelism is supported (every rank runs its shard of the vision tower; the step message
+    carries the images). The model still runs text-only across stages
+    (``limit_mm_per_prompt={"image": 0}``)."""
     par = config.parallel
-    if par.executor_backend == "uni" or not hasattr(model_cls, "encode_images"):
+    if par.pipeline_parallel_size == 1 or not hasattr(model_cls, "encode_images"):
         return
     if config.multimodal.limit("image") == 0:
         return
     raise ConfigError(
-        f"image inputs are not supported on the {par.executor_backend} executor "
-        f"(tensor_parallel_size={par.tensor_parallel_size} x pipeline_parallel_size="
-        f"{par.pipeline_parallel_size}, {model_cls.__name__}): serve images with one rank in "
-        "the engine's process (tensor_parallel_size=1, pipeline_parallel_size=1, "
-        "--distributed-executor-backend uni), or serve "
-        "the model text-only across ranks with --limit-mm-per-prompt '{\"image\": 0}'"
+        f"image inputs are not supported with pipeline_parallel_size="
+        f"{par.pipeline_parallel_size} ({model_cls.__name__}): serve images with "
+        "pipeline_parallel_size=1 (tensor_parallel_size may be > 1), or serve the model "
+        "text-only across stages with --limit-mm-per-prompt '{\"image\": 0}'"
     )
 
 

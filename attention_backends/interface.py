@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# ``AttentionSpec.kv_cache_dtype`` spellings -> the float8 torch dtype name (None: the model
+# dtype). "auto" and "fp8" are the engine's ``--kv-cache-dtype`` values.
+KV_CACHE_DTYPE_NAMES: dict[str | None, str | None] = {"auto": None, "fp8": "float8_e4m3fn"}
+
+
 @dataclass
 class AttentionSpec:
     """What a model and cache ask of an attention backend. ``None`` means "not known yet"
@@ -47,7 +52,9 @@ class AttentionSpec:
     sliding_window: bool = False
     logit_softcap: bool = False
     # The KV cache's dtype when it differs from the model dtype: a float8 torch dtype name
-    # ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"); None stores the model dtype.
+    # ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"); None (or "auto") stores the model
+    # dtype. The engine's ``--kv-cache-dtype fp8`` asks for "float8_e4m3fn" (``fp8`` is
+    # accepted as that name).
     kv_cache_dtype: str | None = None
     # Queries see later keys inside given spans (image tokens of Gemma 3; see the module doc).
     bidirectional_spans: bool = False
@@ -110,7 +117,10 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_logit_softcap: ClassVar[bool] = False
     # Float8 dtypes (torch names) this backend can keep the KV cache in, besides the model
-    # dtype; empty: none. Since plugin API 1.1.
+    # dtype; empty: none. Since plugin API 1.1. A cache of such a dtype stores
+    # ``key / k_scale`` and ``value / v_scale`` (the layer's ``k_scale`` / ``v_scale``, 1.0
+    # unless the checkpoint gives them) rounded to it, as the reference ``write_kv_cache`` does,
+    # and attention multiplies them back; ``--kv-cache-dtype fp8`` is "float8_e4m3fn".
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
     # True when ``forward`` on a pure-decode batch reads every length and table from the
     # metadata's tensors (never from its Python numbers or host lists beyond the batch size), so
@@ -162,13 +172,12 @@ class AttentionBackend(ABC):
                 "bidirectional attention within image tokens (Gemma 3 vision) not supported; "
                 "serve text-only with --limit-mm-per-prompt '{\"image\": 0}' to use this backend"
             )
-        if spec.kv_cache_dtype is not None and spec.kv_cache_dtype not in (
-            cls.supported_kv_cache_dtypes
-        ):
+        kv = KV_CACHE_DTYPE_NAMES.get(spec.kv_cache_dtype, spec.kv_cache_dtype)
+        if kv is not None and kv not in cls.supported_kv_cache_dtypes:
             supported = ", ".join(cls.supported_kv_cache_dtypes) or "none"
+            asked = kv if kv == spec.kv_cache_dtype else f"{spec.kv_cache_dtype} ({kv})"
             reasons.append(
-                f"KV cache dtype {spec.kv_cache_dtype} not supported (fp8 caches supported: "
-                f"{supported})"
+                f"KV cache dtype {asked} not supported (fp8 caches supported: {supported})"
             )
         return reasons
 
@@ -236,6 +245,9 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # Per-layer scales of an FP8 KV cache (the loader sets them from the checkpoint).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @abstractmethod
     def forward(
@@ -249,3 +261,9 @@ class AttentionBackend(ABC):
         """Write ``key``/``value`` ([T, num_kv_heads, head_size]) into ``kv_cache`` at
         ``metadata.slot_mapping``, then attend ``query`` ([T, num_heads, head_size]) over each
         request's cached context. Returns [T, num_heads, head_size] in the query's dtype."""
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8

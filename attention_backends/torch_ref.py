@@ -10,7 +10,10 @@ over speed, while staying usable on a CPU:
   attention call with an explicit mask (``is_causal`` when there is no prefix to see).
 
 Scores, softmax and the weighted sum run in float32 whatever the model dtype, so bf16/fp16
-results differ from an exact computation only by the final rounding.
+results differ from an exact computation only by the final rounding. An FP8 cache
+(``--kv-cache-dtype fp8``: e4m3; the conformance kit also runs e4m3fnuz and e5m2) holds
+``key / k_scale`` and ``value / v_scale`` in that dtype; they are multiplied back as they are
+gathered.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_backends.interface import AttentionBackend, AttentionMetadata
-from engine.kernels.reference import write_kv_cache
+from engine.kernels.reference import from_cache_dtype, write_kv_cache
+
+
+def _select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache.index_select(0, index)``; an FP8 cache is gathered as bytes (portable)."""
+    if cache.element_size() == 1 and cache.is_floating_point():
+        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+    return cache.index_select(0, index)
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -52,7 +62,12 @@ class TorchReferenceBackend(AttentionBackend):
         """See ``AttentionBackend.forward``."""
         num_tokens = metadata.num_actual_tokens
         write_kv_cache(
-            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
+            key[:num_tokens],
+            value[:num_tokens],
+            kv_cache,
+            metadata.slot_mapping[:num_tokens],
+            self.k_scale,
+            self.v_scale,
         )
         # Rows past num_actual_tokens (padding) stay zero.
         out = torch.zeros_like(query)
@@ -96,14 +111,14 @@ class TorchReferenceBackend(AttentionBackend):
         b = physical.shape[0]
         flat = physical.flatten()
         # index_select rather than advanced indexing: the same gather, far faster on CPU. An
-        # fp8 cache is gathered as bytes (CPU index kernels have no float8 versions) and read
-        # back as float32.
-        cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+        # fp8 cache is gathered as bytes (portable) and read back as float32, times the
+        # layer's scales.
         shape = (b, num_blocks * block_size, *kv_cache.shape[3:])
-        keys = cache[0].index_select(0, flat).view(shape)
-        values = cache[1].index_select(0, flat).view(shape)
-        if cache is not kv_cache:
-            keys, values = keys.view(kv_cache.dtype).float(), values.view(kv_cache.dtype).float()
+        keys = _select(kv_cache[0], flat).view(shape)
+        values = _select(kv_cache[1], flat).view(shape)
+        if kv_cache.element_size() == 1:  # an fp8 cache: scaled values
+            keys = from_cache_dtype(keys, torch.float32, self.k_scale)
+            values = from_cache_dtype(values, torch.float32, self.v_scale)
         positions = (
             logical[:, :, None] * block_size + torch.arange(block_size, device=logical.device)
         ).view(b, -1)

@@ -7,7 +7,10 @@ match vLLM's so users switch by name) and handed to every component.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {
@@ -17,6 +20,9 @@ DTYPE_ALIASES = {
     "fp16": "float16",
     "bf16": "bfloat16",
 }
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 
 
 class ConfigError(ValueError):
@@ -47,9 +53,17 @@ class ModelConfig:
     # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
     # only its EOS ids; or a directory to read it from (see engine.generation_config).
     generation_config: str = "auto"
+    # A quantization method name (engine.quantization; vLLM's names: fp8, gptq, awq,
+    # compressed-tensors); None: the checkpoint's quantization_config decides (unquantized
+    # when it has none).
+    quantization: str | None = None
+    # auto | native | transformers (engine.models.selection): a native class when one is
+    # registered, else the transformers modeling backend.
+    model_impl: str = "auto"
     # Filled in by the loader once the config is read:
     hf_config: Any = None
     architecture: str | None = None
+    implementation: str | None = None  # the model_impl chosen: native | transformers
     # SamplingParams defaults from the generation config (engine.generation_config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -64,6 +78,11 @@ class ModelConfig:
             raise ConfigError(
                 f"load_format={self.load_format!r} is not supported; choose one of "
                 "auto, safetensors, gguf, dummy"
+            )
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ConfigError(
+                f"model_impl={self.model_impl!r} is not supported; choose one of "
+                "auto, native, transformers"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -106,6 +125,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None
     cpu_kv_cache_gb: float | None = None
+    # KV-cache element type: "auto" (the model dtype) or "fp8" (e4m3 with a per-layer scale:
+    # about twice the tokens in the same memory). vLLM's --kv-cache-dtype.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -118,6 +140,12 @@ class CacheConfig:
             raise ConfigError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
             raise ConfigError(f"cpu_kv_cache_gb must be > 0 (GiB), got {self.cpu_kv_cache_gb}")
+        self.cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.cache_dtype, self.cache_dtype)
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported; choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)} (fp8 = fp8_e4m3)"
+            )
 
 
 @dataclass
@@ -431,6 +459,8 @@ class EngineConfig:
     cpu_threads: int | None = None
     # Image inputs (multimodal models); see MultiModalConfig.
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    # Multi-LoRA serving (--enable-lora); None: off (engine.lora.config.LoRAConfig).
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:

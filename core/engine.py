@@ -9,6 +9,10 @@ A user request with ``n > 1`` becomes one sequence until its prompt is computed;
 samples ``n`` tokens from the same logits and forks ``n - 1`` child sequences that share the
 prompt's KV blocks (copy-on-write for the last, partial block).
 
+A request with a ``lora_request`` runs with that LoRA adapter (``engine.lora``): the adapter is
+loaded and checked when first used (or by ``add_lora``), and ``engine.lora.registry`` counts
+its requests in flight so that ``remove_lora`` unloads it only after they finished.
+
 A request with ``structured_outputs`` gets one xgrammar matcher per sequence (see
 ``engine.structured_output``): ``_launch`` turns each matcher's state into its row's token
 bitmask, ``_append_tokens`` advances the matcher by every sampled token and finishes the
@@ -101,6 +105,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     pending_child_generators: list[Any] = field(default_factory=list)
     final_only: bool = False
+    lora_id: int = 0  # the engine's key of the request's LoRA adapter (0: none)
 
     @property
     def plain(self) -> bool:
@@ -175,6 +180,11 @@ class LLMEngine:
         self._max_in_flight = max(1, int(getattr(runner, "max_concurrent_batches", 1)))
         self._structured: Any = None  # StructuredOutputManager, built on first use
         self._structured_lock = threading.Lock()  # the server compiles on worker threads
+        self.lora: Any = None  # engine.lora.registry.LoRARegistry with --enable-lora
+        if getattr(config, "lora", None) is not None:
+            from engine.lora.registry import LoRARegistry
+
+            self.lora = LoRARegistry(runner.add_lora, runner.remove_lora)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -222,6 +232,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         final_only: bool = False,
         mm_features: list[Any] | None = None,
+        lora_request: Any = None,
     ) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` (or
         ``SamplingParamsError``) before any work starts; the engine stays usable.
@@ -231,7 +242,10 @@ class LLMEngine:
         Others produce one after every step in which they progressed, for streaming.
 
         ``mm_features`` are the prompt's images (``engine.multimodal.MultiModalFeature``, from
-        the front end's processor: plain arrays, placeholder offsets in ``prompt_token_ids``)."""
+        the front end's processor: plain arrays, placeholder offsets in ``prompt_token_ids``).
+        ``lora_request`` (an ``engine.lora.request.LoRARequest``) runs it with that adapter,
+        loading it first if the engine does not have it (a bad adapter is an
+        ``InvalidRequestError`` naming the reason)."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not isinstance(params, SamplingParams):
@@ -299,9 +313,15 @@ class LLMEngine:
         state.seqs[0].matcher = matcher
         state.pending_child_generators = generators[1:]
         # Prompt logprobs need logits at every prompt position, so no prefix-cache skipping.
-        self.scheduler.add_request(
-            request, allow_prefix_hit=params.prompt_logprobs is None
-        )  # may raise RequestRejectedError (a ValueError)
+        # The adapter is loaded (and checked) here, after everything else was validated.
+        state.lora_id = request.lora_id = self._acquire_lora(lora_request)
+        try:
+            self.scheduler.add_request(
+                request, allow_prefix_hit=params.prompt_logprobs is None
+            )  # may raise RequestRejectedError (a ValueError)
+        except BaseException:
+            self._release_lora(state)
+            raise
         self._requests[request_id] = state
         self._seq_owner[request_id] = (state, state.seqs[0])
         self._prompt_tokens_total += len(prompt_token_ids)
@@ -339,12 +359,48 @@ class LLMEngine:
             state = self._requests.pop(request_id, None)
             if state is None:
                 continue
+            self._release_lora(state)
             for seq in state.seqs:
                 self.scheduler.finish_request(
                     seq.request.request_id, RequestStatus.FINISHED_ABORTED
                 )
                 self._seq_owner.pop(seq.request.request_id, None)
                 seq.matcher = None
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter now (vLLM's ``add_lora``): later requests naming it start at
+        once. Raises ``InvalidRequestError`` with the reason when it cannot be served."""
+        self._require_lora()
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Remove a LoRA adapter (False: not loaded). Requests already using it finish on it;
+        it is unloaded after the last one."""
+        return self._require_lora().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ``lora_int_id`` of every loaded adapter."""
+        return set() if self.lora is None else self.lora.list_ids()
+
+    def _require_lora(self) -> Any:
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA is not enabled: start the engine with --enable-lora (LLM(enable_lora=True))",
+                "lora_request",
+            )
+        return self.lora
+
+    def _acquire_lora(self, lora_request: Any) -> int:
+        if lora_request is None:
+            return 0
+        return self._require_lora().acquire(lora_request)
+
+    def _release_lora(self, state: _RequestState) -> None:
+        if state.lora_id and self.lora is not None:
+            self.lora.release(state.lora_id)
+            state.lora_id = 0
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished, or a step is still in flight."""
@@ -591,6 +647,7 @@ class LLMEngine:
                 output_token_ids=[tokens[i]],
                 parent_id=parent.request.request_id,
                 mm_features=parent.request.mm_features,  # recomputed after a preemption
+                lora_id=parent.request.lora_id,
             )
             seq = self._new_sequence(
                 i,
@@ -808,6 +865,7 @@ class LLMEngine:
             state.finished = True
             state.metrics.finished_time = now
             self._requests.pop(state.request_id, None)
+            self._release_lora(state)
         state.num_cached_tokens = state.seqs[0].request.num_cached_tokens
         return RequestOutput(
             request_id=state.request_id,

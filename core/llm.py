@@ -4,6 +4,12 @@ from engine import LLM, SamplingParams
 llm = LLM(model="path/to/model", dtype="float32")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 print(outputs[0].outputs[0].text)
+
+With LoRA adapters (PEFT format), as in vLLM::
+
+    from engine.lora.request import LoRARequest
+    llm = LLM(model="path/to/model", enable_lora=True, max_loras=4, max_lora_rank=16)
+    llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/sql-lora"))
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from engine.config import (
     SpeculativeConfig,
 )
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -48,11 +55,16 @@ class LLM:
     "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
     token ids, outputs carry token ids and empty text, stop strings and chat are refused),
     ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
-    ``engine.cpu_threads``). Image inputs (multimodal models, ``engine.config.MultiModalConfig``):
-    ``limit_mm_per_prompt`` (``{"image": N}``; 0 serves the model text-only),
-    ``allowed_local_media_path`` (where ``file://`` image URLs in ``chat`` may point),
-    ``allowed_media_domains`` (hosts ``http(s)://`` image URLs may be fetched from; none by
-    default), ``mm_encoder_cache_gb``, ``max_num_encoder_input_tokens``,
+    ``engine.cpu_threads``), ``quantization`` (a method name such as "fp8", "awq", "gptq",
+    "compressed-tensors"; None: the checkpoint's quantization_config decides),
+    ``kv_cache_dtype`` ("auto" or "fp8"), ``enable_lora``, ``max_loras``, ``max_lora_rank``,
+    ``max_cpu_loras``, ``lora_fused_shrink`` (multi-LoRA serving, ``engine.lora``),
+    ``model_impl`` ("auto": the native implementation when there is one, else the
+    transformers modeling backend; "native"; "transformers"). Image inputs (multimodal models,
+    ``engine.config.MultiModalConfig``): ``limit_mm_per_prompt`` (``{"image": N}``; 0 serves
+    the model text-only), ``allowed_local_media_path`` (where ``file://`` image URLs in
+    ``chat`` may point), ``allowed_media_domains`` (hosts ``http(s)://`` image URLs may be
+    fetched from; none by default), ``mm_encoder_cache_gb``, ``max_num_encoder_input_tokens``,
     ``disable_chunked_mm_input``, ``max_image_bytes``, ``max_image_pixels``. Unknown keywords
     are an error that lists them.
     """
@@ -97,6 +109,14 @@ class LLM:
         disable_chunked_mm_input: bool = False,
         max_image_bytes: int = MultiModalConfig.max_image_bytes,
         max_image_pixels: int = MultiModalConfig.max_image_pixels,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_fused_shrink: bool | None = None,
+        model_impl: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -113,6 +133,8 @@ class LLM:
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
                 skip_tokenizer_init=skip_tokenizer_init,
+                quantization=quantization,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -120,6 +142,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks=num_gpu_blocks_override,
                 cpu_kv_cache_gb=cpu_kv_cache_gb,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -153,6 +176,9 @@ class LLM:
                 max_image_bytes=max_image_bytes,
                 max_image_pixels=max_image_pixels,
             ),
+            lora=_lora_config(
+                enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_fused_shrink
+            ),
         )
         from engine.engine import LLMEngine
 
@@ -185,6 +211,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in the prompts' order.
@@ -193,8 +220,9 @@ class LLM:
         token ids. A multimodal model takes ``{"prompt": str, "multi_modal_data": {"image":
         image or [images]}}`` (PIL images; the prompt writes the model's image placeholder,
         ``<start_of_image>`` for Gemma 3, where each goes). ``sampling_params`` is one
-        ``SamplingParams`` for all prompts or one per prompt. Every prompt is validated before
-        any work starts.
+        ``SamplingParams`` for all prompts or one per prompt; ``lora_request`` one
+        ``LoRARequest`` for all prompts or one (or None: the base model) per prompt. Every
+        prompt is validated before any work starts.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -215,9 +243,10 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError("priority needs one value per prompt", "priority")
+        loras = _per_prompt_loras(lora_request, len(prompts))
 
         parsed = [self._with_images(*self._parse_prompt(p)) for p in prompts]
-        return self._generate_parsed(parsed, params_list, use_tqdm, priority)
+        return self._generate_parsed(parsed, params_list, use_tqdm, priority, loras)
 
     def _generate_parsed(
         self,
@@ -225,6 +254,7 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Validate everything first: a bad prompt in the middle must not leave work queued.
@@ -255,6 +285,7 @@ class LLM:
                     priority=priority[i] if priority is not None else 0,
                     final_only=True,
                     mm_features=images or None,
+                    lora_request=loras[i],
                 )
                 ids_in_order.append(request_id)
         except Exception:
@@ -279,6 +310,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and
         generate a reply for each.
@@ -357,7 +389,8 @@ class LLM:
                     "pass one or one per conversation",
                     "sampling_params",
                 )
-        return self._generate_parsed(parsed, params_list, use_tqdm, None)
+        loras = _per_prompt_loras(lora_request, len(parsed))
+        return self._generate_parsed(parsed, params_list, use_tqdm, None, loras)
 
     # ------------------------------------------------------------------ images
     def _image_processor(self) -> Any:
@@ -445,12 +478,26 @@ class LLM:
             raise InvalidRequestError(str(e), "messages") from None
         return prompt, ids, features
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter ahead of the requests that use it (raises with the reason when
+        it cannot be served)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter (False: not loaded)."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters."""
+        return self.llm_engine.list_loras()
+
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None, list[Any]]:
         """``(text, token ids, images)`` of a prompt."""
         if isinstance(prompt, str):
-            return prompt, None, []
+            return _encodable(prompt), None, []
         if isinstance(prompt, dict):
             images: list[Any] = []
             data = prompt.get("multi_modal_data")
@@ -465,7 +512,7 @@ class LLM:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"]), images
             if "prompt" in prompt:
-                return prompt["prompt"], None, images
+                return _encodable(prompt["prompt"]), None, images
             raise InvalidRequestError(
                 "a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompts"
             )
@@ -510,3 +557,60 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _encodable(text: str) -> str:
+    """``text`` if a tokenizer can take it; a lone UTF-16 surrogate (``"a\\ud800"``, which
+    Python strings may hold but UTF-8 cannot encode) is the caller's mistake, said as such
+    rather than as the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"prompt contains a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X} at index "
+            f"{exc.start}); prompts must be valid Unicode text",
+            "prompts",
+        ) from None
+    except AttributeError:  # not a string: the type check downstream says what is allowed
+        pass
+    return text
+
+
+def _lora_config(
+    enable_lora: bool,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    fused_shrink: bool | None,
+) -> Any:
+    if not enable_lora:
+        return None
+    from engine.lora.config import LoRAConfig
+
+    return LoRAConfig(
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
+        fused_shrink=fused_shrink,
+    )
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """``generate``'s ``lora_request``: one for every prompt, or one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(loras)} LoRA requests for {num_prompts} prompts; pass one or one per prompt",
+            "lora_request",
+        )
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}",
+                "lora_request",
+            )
+    return loras

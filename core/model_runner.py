@@ -146,13 +146,16 @@ class ModelRunner:
         model_registry: ModelRegistry | None = None,
         parallel: ParallelContext | None = None,
         device_index: int = 0,
+        quant_config: Any = None,
     ) -> None:
         """``sampler`` is a ready ``engine.sampler.Sampler``-like object; without one,
         ``sampler_cls(vocab_size, device)`` (default ``engine.sampler.Sampler``) is built once
         the model is loaded. ``plugins`` (a ``PluginManager``) contributes model architectures
         through ``engine_models`` unless ``model_registry`` is given. ``parallel`` is this
         rank's place in a tensor x pipeline parallel replica (one process by default) and
-        ``device_index`` the platform device it runs on."""
+        ``device_index`` the platform device it runs on. ``quant_config`` (an
+        ``engine.quantization.QuantizationConfig``, None: unquantized) picks each linear
+        layer's quantization method."""
         self.config = config
         self.platform = platform
         self.kernels = kernels
@@ -167,6 +170,7 @@ class ModelRunner:
         self.dtype: torch.dtype | None = None  # the model's, once loaded
         self.load_stats = ReadStats()
         self.ranks_on_host = 1  # processes sharing this host's memory (set by a worker)
+        self.quant_config = quant_config
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
         self.num_blocks = 0
@@ -174,6 +178,7 @@ class ModelRunner:
         self._groups: list[int | None] | None = None
         self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.verify_graphs: Any = None  # the same for speculative verification steps
+        self.lora: Any = None  # engine.lora.model_manager.LoRAModelManager with --enable-lora
         # On-device feedback for asynchronous scheduling: the previous step's first sample of
         # each sampling row (a fixed buffer, so captured graphs can read it) and the row of
         # each request in it.
@@ -209,6 +214,7 @@ class ModelRunner:
             multimodal_config=getattr(self.config, "multimodal", None),
             parallel=self.parallel,
             stats=self.load_stats,
+            quant_config=self.quant_config,
         )
         self.dtype = resolve_dtype(self.config.model, self.config.model.hf_config)
         if self.parallel.world_size > 1 and self.load_stats.offered:
@@ -228,6 +234,8 @@ class ModelRunner:
             from engine.multimodal.runner import EncoderRunner
 
             self.mm = EncoderRunner(self.model, self.device, spec)
+        if self.config.lora is not None:
+            self._wrap_lora()
         if self.sampler is None:
             if self.sampler_cls is None:
                 from engine.sampler import Sampler
@@ -254,6 +262,32 @@ class ModelRunner:
         )
         pack_linears(self.model, shared_weights=embeddings)
 
+    def _wrap_lora(self) -> None:
+        """Wrap the linear layers for LoRA (after packing, which swaps their methods; before
+        the KV cache is sized, so the adapter slots count in the memory profile)."""
+        from engine.lora.model_manager import LoRAModelManager
+
+        sched = self.config.scheduler
+        self.lora = LoRAModelManager(
+            self.model,
+            self.config.lora,
+            self.kernels,
+            self.device,
+            max(sched.max_num_batched_tokens, sched.max_num_seqs),
+        )
+
+    def add_lora(self, key: int, lora_request: Any) -> None:
+        """Load, check and register a LoRA adapter under the engine's ``key`` (raises
+        ``engine.lora.errors.LoRAAdapterError`` with the reason)."""
+        if self.lora is None:
+            raise ConfigError("LoRA is not enabled: start the engine with --enable-lora")
+        self.lora.add_adapter(key, lora_request)
+
+    def remove_lora(self, key: int) -> None:
+        """Forget a LoRA adapter (host copy and device slot)."""
+        if self.lora is not None:
+            self.lora.remove_adapter(key)
+
     @property
     def image_input_spec(self) -> Any:
         """How the model takes images (``engine.multimodal.ImageInputSpec``), None without."""
@@ -274,10 +308,25 @@ class ModelRunner:
         return n
 
     def weights_bytes(self) -> int:
-        """Bytes held by the model's parameters and buffers."""
+        """Bytes held by the model's parameters and buffers, and by the weights the CPU's
+        oneDNN prepacking keeps outside them (``packed_weight``), each storage once."""
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        total = sum(t.numel() * t.element_size() for t in tensors)
+        tensors += [
+            m.packed_weight
+            for m in self.model.modules()
+            if isinstance(getattr(m, "packed_weight", None), torch.Tensor)
+        ]
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            if t.is_mkldnn:  # an opaque oneDNN tensor: no storage pointer to share
+                total += t.numel() * t.element_size()
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
         if self.proposer is not None and self.proposer.uses_model:
             total += self.proposer.weights_bytes()
         return total
@@ -347,7 +396,11 @@ class ModelRunner:
         )
 
     def _kv_dtype(self) -> torch.dtype:
+        """The cache's element type: e4m3 for ``--kv-cache-dtype fp8`` (half the bytes of
+        bf16, so about twice the tokens in the same memory), else the model's dtype."""
         assert self.model is not None
+        if self.config.cache.cache_dtype == "fp8":
+            return torch.float8_e4m3fn
         # The model's dtype: a pipeline stage's or a quantized model's first parameter may
         # have another one (a float32 norm, packed int4).
         return self.dtype or next(self.model.parameters()).dtype
@@ -558,6 +611,8 @@ class ModelRunner:
             logger.info("decode graphs are not captured under pipeline parallelism (eager steps)")
             return None
         assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
+        from contextlib import nullcontext
+
         from engine.cuda_graphs import DecodeGraphs
 
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
@@ -579,22 +634,24 @@ class ModelRunner:
             extra=extra,
             capture_error_mode=capture_error_mode,
         )
-        seconds = self.graphs.capture()
-        spec = self.config.speculative
-        if spec is not None:
-            self.verify_graphs = DecodeGraphs(
-                *args,
-                min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
-                self.device,
-                self._feedback,
-                query_len=int(spec.num_speculative_tokens) + 1,
-                eager=eager,
-                extra=extra,
-                capture_error_mode=capture_error_mode,
-            )
-            seconds += self.verify_graphs.capture()
-            if self.proposer is not None and self.proposer.uses_model:
-                seconds += self.proposer.capture_graphs(eager)
+        # With LoRA the graphs contain the adapter kernels, reading the mapping buffers.
+        with self.lora.capturing() if self.lora is not None else nullcontext():
+            seconds = self.graphs.capture()
+            spec = self.config.speculative
+            if spec is not None:
+                self.verify_graphs = DecodeGraphs(
+                    *args,
+                    min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
+                    self.device,
+                    self._feedback,
+                    query_len=int(spec.num_speculative_tokens) + 1,
+                    eager=eager,
+                    extra=extra,
+                    capture_error_mode=capture_error_mode,
+                )
+                seconds += self.verify_graphs.capture()
+                if self.proposer is not None and self.proposer.uses_model:
+                    seconds += self.proposer.capture_graphs(eager)
         return seconds
 
     # ---- one step ---------------------------------------------------------------------------
@@ -638,6 +695,8 @@ class ModelRunner:
             self._feedback_rows = {}
             return pending
         with self._no_grad():
+            if self.lora is not None:
+                self.lora.prepare(scheduled)  # adapter slots and the per-token mapping
             hidden = None
             if self.graphs is not None and not (
                 self.mm is not None and self.mm.spans_any(scheduled)

@@ -17,6 +17,11 @@ keeps its output tokens and goes back to the front of the waiting queue, to be r
 recomputing prompt + outputs (often mostly from the prefix cache, as freed blocks keep their
 hashes). No new request is admitted in a step that preempted.
 
+With LoRA (``lora_config``), at most ``max_loras`` distinct adapters run at once
+(``engine.lora.scheduling``): a waiting request whose adapter would exceed it is held back,
+without blocking requests that need no new adapter slot, and no later request with an adapter
+overtakes it.
+
 The engine loop calls ``schedule`` -> runs the model -> ``update_from_output`` -> checks stop
 conditions and calls ``finish_request``. Everything here is device-free.
 
@@ -52,13 +57,18 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from engine.lora.scheduling import LoRAAdmission
 from engine.multimodal.encoder_cache import EncoderBudget, EncoderCacheManager, EncoderPlan
 from engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.stats import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -165,7 +175,9 @@ class Scheduler:
         *,
         pipeline_parallel_size: int = 1,
         encoder_budget: EncoderBudget | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
+        """``lora_config`` (None: LoRA off) limits the adapters per step to ``max_loras``."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -204,6 +216,7 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(encoder_budget) if encoder_budget else None
         self._enc_left = 0
         self._step_encodes: dict[str, list[str]] = {}
+        self.lora = LoRAAdmission(lora_config.max_loras) if lora_config is not None else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, *, allow_prefix_hit: bool = True) -> None:
@@ -239,6 +252,8 @@ class Scheduler:
             return
         if request.status is _RUNNING:
             self.running.remove(request)
+            if self.lora is not None:
+                self.lora.stopped(request)
         else:
             self.waiting.remove(request)
         self.kv.remove(request_id)
@@ -291,6 +306,8 @@ class Scheduler:
             self._seq[cid] = next(self._counter)
             self.kv.fork(parent_id, child)
             self.running.append(child)
+            if self.lora is not None:
+                self.lora.started(child)
         self._running_sorted = False
 
     def has_unfinished(self) -> bool:
@@ -636,6 +653,8 @@ class Scheduler:
     ) -> tuple[int, int]:
         kv = self.kv
         waiting = self.waiting
+        lora = self.lora
+        held: list[Request] = []  # held back by the LoRA limit, put back in order below
         while waiting and token_budget > 0 and seq_budget > 0:
             if len(self.running) >= self._max_seqs:
                 break
@@ -645,6 +664,11 @@ class Scheduler:
                 # Preempted while its token was in flight: its recomputation needs that token
                 # on the host first (a micro-batch in flight cannot feed it back).
                 break
+            if lora is not None and request.lora_id and (held or not lora.fits(request)):
+                if len(held) >= self._max_seqs:
+                    break  # a bounded look past held-back requests for ones without adapter
+                held.append(waiting.pop())
+                continue
             if request.request_id in self._no_prefix_hit:
                 num_hit, hit_tables = 0, None
             else:
@@ -677,6 +701,8 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
+            if lora is not None:
+                lora.started(request)
             self._running_sorted = False
             entry = ScheduledRequest(request, num_hit, n, kv.block_tables(request.request_id), ends)
             entry.num_to_propose = propose
@@ -686,6 +712,8 @@ class Scheduler:
                 prefills.append(entry)
             token_budget -= n
             seq_budget -= 1
+        for request in reversed(held):
+            waiting.push(request, self._seq[request.request_id], front=True)
         return token_budget, seq_budget
 
     def _preempt_until_fits(
@@ -718,6 +746,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.lora is not None:
+            self.lora.stopped(request)
         self.kv.free(request.request_id)
         if self.encoder_cache is not None:
             self.encoder_cache.release_all(request.request_id)

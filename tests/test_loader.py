@@ -71,14 +71,17 @@ def test_unreadable_config(tmp_path):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
+    """No native class and an attention the transformers backend cannot replace: the error
+    lists the native architectures and the backend's reason."""
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+        json.dumps({"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
     )
     mc = ModelConfig(model=str(tmp_path))
     with pytest.raises(ModelLoadError) as e:
         load_hf_config(mc)
-    assert "GPT2LMHeadModel" in str(e.value)
+    assert "FalconForCausalLM" in str(e.value)
     assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
+    assert "the transformers backend cannot serve it" in str(e.value)
 
 
 def test_no_weights(tmp_path, llama_dir):
@@ -211,7 +214,9 @@ def test_model_id_from_local_hf_cache(tmp_path, llama_dir, monkeypatch):
 
 
 def test_plugin_registered_architecture(tmp_path, llama_dir, plugin_env):
-    """A plugin's engine_models hook adds an architecture; without the plugin it is refused."""
+    """A plugin's engine_models hook adds an architecture; without the plugin there is no
+    native class, and the transformers backend does not serve a class name transformers does
+    not have either (as vLLM's backend refuses it), though the model_type is known."""
     from plugin_helpers import install_fixtures
 
     from engine.plugins import PluginManager
@@ -221,12 +226,14 @@ def test_plugin_registered_architecture(tmp_path, llama_dir, plugin_env):
     d = copy_with_weights(llama_dir, tmp_path / "m", lambda s: None)
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="ExtraLlamaForCausalLM"):
+        load_hf_config(ModelConfig(model=str(d), model_impl="native"))
+    with pytest.raises(ModelLoadError, match="transformers has no class ExtraLlamaForCausalLM"):
         load_hf_config(ModelConfig(model=str(d)))
     install_fixtures(plugin_env, "engine-extra-model")
     plugins = PluginManager.from_env({"ENGINE_PLUGINS": "extramodel"})
     mc = ModelConfig(model=str(d))
     assert load_hf_config(mc, plugins=plugins) is mc.hf_config
-    assert mc.architecture == "ExtraLlamaForCausalLM"
+    assert mc.architecture == "ExtraLlamaForCausalLM" and mc.implementation == "native"
     registry = ModelRegistry.with_plugins(plugins)
     model = load_model(mc, KERNELS, TorchReferenceBackend, registry=registry)
     assert type(model).__name__ == "LlamaForCausalLM"

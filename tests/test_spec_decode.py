@@ -155,7 +155,8 @@ def oracle_llm(llama_path):
 
     llm = make_llm(llama_path, {"method": "ngram", "num_speculative_tokens": 4})
     hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
-    llm.llm_engine.runner.proposer = OracleProposer(hf)
+    # The ModelRunner inside the uni executor (setting it on the executor would not reach it).
+    llm.llm_engine.runner.runner.proposer = OracleProposer(hf)
     return llm
 
 
@@ -301,7 +302,7 @@ def test_sampling_keeps_the_target_distribution(tiny_path, tmp_path, proposer):
     if proposer == "point-mass":
         llm = make_llm(tiny_path, {"method": "ngram", "num_speculative_tokens": 2},
                        max_num_seqs=64)  # fmt: skip
-        llm.llm_engine.runner.proposer = OracleProposer(hf)
+        llm.llm_engine.runner.runner.proposer = OracleProposer(hf)  # the uni executor's runner
     else:
         # The target with every weight perturbed: close, but not the same distribution.
         draft = perturbed_copy(tiny_path, tmp_path / "draft", scale=0.08)

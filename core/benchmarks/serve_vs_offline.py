@@ -170,6 +170,22 @@ async def _one(host: str, port: int, prompt: list[int], output_len: int, stream:
     return usage["completion_tokens"]
 
 
+def _tree_cpu_seconds(process) -> float:
+    """User + system CPU seconds of ``process`` and its live descendants: the server may run
+    its work in a child (a re-executed interpreter, an engine-core or worker process), whose
+    time the launcher's own counters never see."""
+    import psutil
+
+    total = 0.0
+    for proc in [process, *process.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 async def _saturate(
     base: str, prompts: list, output_len: int, stream: bool, server_pid: int
 ) -> dict:
@@ -179,16 +195,16 @@ async def _saturate(
     port = int(port)
     server = psutil.Process(server_pid)
     await asyncio.gather(*(_one(host, port, p, output_len, stream) for p in prompts[:4]))
-    cpu = server.cpu_times()
+    cpu = _tree_cpu_seconds(server)
     client_cpu = time.process_time()
     start = time.perf_counter()
     counts = await asyncio.gather(*(_one(host, port, p, output_len, stream) for p in prompts))
     elapsed = time.perf_counter() - start
-    after = server.cpu_times()
+    after = _tree_cpu_seconds(server)
     return {
         "elapsed": elapsed,
         "tokens": sum(counts),
-        "cpu": (after.user - cpu.user) + (after.system - cpu.system),
+        "cpu": after - cpu,
         "client_cpu": time.process_time() - client_cpu,
     }
 

@@ -111,6 +111,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s).",
     )
     model.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=("auto", "native", "transformers"),
+        help="auto: the engine's own implementation of the architecture when it has one, else "
+        "the transformers modeling backend (any AutoModelForCausalLM with replaceable "
+        "attention); native / transformers force one (default: %(default)s).",
+    )
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Allow custom model and tokenizer code from the model directory (auto_map).",
+    )
+    model.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -135,6 +148,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "prompts must be token ids, outputs carry token ids only, stop strings and chat are "
         "refused.",
     )
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        metavar="NAME",
+        help="Quantization method (fp8, gptq, awq, compressed-tensors, or a plugin's; `engine "
+        "plugins` lists them). Default: the checkpoint's quantization_config decides; fp8 on "
+        "an unquantized checkpoint quantizes its weights to FP8 at load.",
+    )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 
     cache = parser.add_argument_group("KV cache")
@@ -156,6 +178,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Reuse the KV cache of shared prompt prefixes (default: on).",
+    )
+    cache.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="KV-cache element type: auto (the model dtype) or fp8 (e4m3 with a per-layer "
+        "scale, about twice the tokens in the same memory) (default: %(default)s).",
     )
     cache.add_argument(
         "--num-gpu-blocks-override",
@@ -273,6 +302,40 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(E / tp each) instead of splitting every expert over them.",
     )
 
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Serve LoRA adapters (PEFT format) on top of the model, several per batch.",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="Adapters one batch may use (device slots) (default: %(default)s).",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="Largest adapter rank accepted; sizes the device slots (default: %(default)s).",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="Adapters kept loaded in host memory (an LRU cache; at least --max-loras, "
+        "default: --max-loras).",
+    )
+    lora.add_argument(
+        "--lora-fused-shrink",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Compute the adapters' shrink inside the base GEMM of unquantized layers (their "
+        "A matrices appended to the weight) instead of a separate kernel (default: on for "
+        "GPUs, off on the CPU).",
+    )
+
 
 def add_multimodal_args(parser: argparse.ArgumentParser) -> None:
     """Image inputs of multimodal models (vLLM's flag names where vLLM has the setting)."""
@@ -375,6 +438,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,
             skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
+            quantization=getattr(args, "quantization", None),
+            model_impl=getattr(args, "model_impl", "auto"),
+            trust_remote_code=getattr(args, "trust_remote_code", False),
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -382,6 +448,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             num_gpu_blocks=args.num_gpu_blocks_override,
             cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+            cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -405,4 +472,33 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         cpu_threads=getattr(args, "cpu_threads", None),
         multimodal=multimodal_config_from_args(args),
+        lora=lora_config_from_args(args),
+    )
+
+
+def lora_config_from_args(args: argparse.Namespace):
+    """The ``LoRAConfig`` of ``--enable-lora`` and its limits (None without the flag; the
+    limits given without it are an error, as they would silently do nothing)."""
+    from engine.config import ConfigError
+    from engine.lora.config import LoRAConfig
+
+    if not getattr(args, "enable_lora", False):
+        changed = [
+            flag
+            for flag, value, default in (
+                ("--max-loras", getattr(args, "max_loras", 1), 1),
+                ("--max-lora-rank", getattr(args, "max_lora_rank", 16), 16),
+                ("--max-cpu-loras", getattr(args, "max_cpu_loras", None), None),
+                ("--lora-fused-shrink", getattr(args, "lora_fused_shrink", None), None),
+            )
+            if value != default
+        ]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} need --enable-lora")
+        return None
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        fused_shrink=getattr(args, "lora_fused_shrink", None),
     )

@@ -38,11 +38,14 @@ if TYPE_CHECKING:
 
 class NewRequest(msgspec.Struct, array_like=True):
     """A request the workers do not hold yet; ``mm_features`` is its images
-    (``MultiModalFeature`` list, pickled: pixel arrays and placeholder ranges; empty: none)."""
+    (``MultiModalFeature`` list, pickled: pixel arrays and placeholder ranges; empty: none);
+    ``lora_id`` is the engine's key of its LoRA adapter (0: none), which every rank maps to its
+    own slot of that adapter."""
 
     req_id: str
     prompt: list[int]
     mm_features: bytes = b""
+    lora_id: int = 0
 
 
 class Entry(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -163,7 +166,9 @@ class StepEncoder:
                 images = b""
                 if request.mm_features:
                     images = pickle.dumps(request.mm_features, protocol=pickle.HIGHEST_PROTOCOL)
-                new_requests.append(NewRequest(rid, request.prompt_token_ids, images))
+                new_requests.append(
+                    NewRequest(rid, request.prompt_token_ids, images, request.lora_id)
+                )
             entries.append(self._entry(sr, m))
         rows: list[Row] = []
         new_generators: list[tuple[int, int]] = []
@@ -301,10 +306,11 @@ class StepDecoder:
 
         step = _DECODER.decode(message)
         for new in step.new_requests:
-            request = Request(new.req_id, list(new.prompt), max_tokens=0)
+            mirror = Request(new.req_id, list(new.prompt), max_tokens=0)
             if new.mm_features:
-                request.mm_features = pickle.loads(new.mm_features)
-            self.requests[new.req_id] = request
+                mirror.mm_features = pickle.loads(new.mm_features)
+            mirror.lora_id = new.lora_id
+            self.requests[new.req_id] = mirror
             self.tables.pop(new.req_id, None)
         for handle, seed in step.new_generators:
             gen = torch.Generator(device=self.device)

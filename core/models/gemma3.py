@@ -99,6 +99,9 @@ def _load_gemma_norm(param: nn.Parameter, loaded: Any) -> None:
 class Gemma3Attention(SelfAttention):
     """Fused QKV projection, per-head q/k RMSNorm, rotary, paged attention, output projection."""
 
+    #: per-head q/k RMSNorm (Gemma 2 has none)
+    qk_norm = True
+
     def __init__(
         self, ctx: ModelContext, layer_idx: int, layer_type: str, rotary_emb: RotaryEmbedding
     ) -> None:
@@ -106,8 +109,11 @@ class Gemma3Attention(SelfAttention):
         cfg = ctx.hf_config
         bias = bool(getattr(cfg, "attention_bias", False))
         self._build_projections(ctx, bias, bias, f"model.layers.{layer_idx}.self_attn")
-        self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
-        self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
+        if self.qk_norm:
+            self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
+            self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
         scalar = getattr(cfg, "query_pre_attn_scalar", None) or self.head_dim
         self.attn = Attention(
@@ -130,13 +136,15 @@ class Gemma3DecoderLayer(nn.Module):
     residual add use ``fused_add_rms_norm``.
     """
 
+    attention_cls: type[Gemma3Attention] = Gemma3Attention
+
     def __init__(
         self, ctx: ModelContext, layer_idx: int, layer_type: str, rotary_emb: RotaryEmbedding
     ) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.layer_type = layer_type
-        self.self_attn = Gemma3Attention(ctx, layer_idx, layer_type, rotary_emb)
+        self.self_attn = self.attention_cls(ctx, layer_idx, layer_type, rotary_emb)
         # GeGLU: the Llama MLP with tanh-approximated GELU.
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         self.mlp = LlamaMLP(

@@ -119,7 +119,13 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.images_enabled = _images_enabled(ctx)
         if self.images_enabled:
             vision = top.vision_config
-            vision_ctx = dataclasses.replace(ctx, hf_config=vision)
+            # Online quantization (--quantization fp8 on an unquantized checkpoint) quantizes
+            # the decoder only: the tower stays as released, as its authors ran it. A quantized
+            # checkpoint decides per layer (its ignore list usually names the tower).
+            quant = ctx.quant_config
+            if quant is not None and quant.online:
+                quant = None
+            vision_ctx = dataclasses.replace(ctx, hf_config=vision, quant_config=quant)
             self.vision_tower = SiglipVisionModel(vision_ctx, prefix="vision_tower.vision_model")
             self.multi_modal_projector = Gemma3MultiModalProjector(
                 ctx, vision, text.hidden_size, self.tokens_per_image
@@ -181,6 +187,22 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         hidden = self.model.embed_tokens(ids)
         hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         return self.model(input_ids, positions, attn_metadata, inputs_embeds=hidden)
+
+    def lora_module_name(self, name: str) -> str:
+        """A LoRA adapter's module name (PEFT's, trained on transformers'
+        ``Gemma3ForConditionalGeneration``: ``model.language_model.layers.0.self_attn.q_proj``
+        or ``language_model.model.*``) as the decoder's (``model.layers.0...``). LoRA on the
+        vision tower or the projector is refused (ValueError): only the decoder is wrapped."""
+        for theirs, ours in _TEXT_PREFIXES:
+            if name.startswith(theirs):
+                return ours + name[len(theirs) :]
+        if name.startswith(_VISION_PREFIXES):
+            raise ValueError(
+                f"it adapts {name} of the vision tower or projector; LoRA is served on the "
+                "language model's linear layers only (target those, e.g. "
+                "target_modules=r'.*language_model.*\\.(q|k|v|o)_proj')"
+            )
+        return name
 
     # ---- loading ----------------------------------------------------------------------------
     def load_weights(self, weights: Any) -> set[str]:

@@ -3,7 +3,7 @@
 The engine is not thread-safe, so exactly one thread (the *engine thread*) ever touches it.
 The HTTP side talks to it through two one-way paths:
 
-* **in**: commands (add / abort) go into a lock-protected deque and an ``threading.Event``
+* **in**: commands (add / abort / call) go into a lock-protected deque and an ``threading.Event``
   wakes the engine thread. When the engine has no work, the thread sleeps on that event: an
   idle server burns no CPU.
 * **out**: after every ``step()`` the engine thread hands the new outputs to the event loop in
@@ -216,6 +216,7 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         mm_features: list[Any] | None = None,
+        lora_request: Any = None,
     ) -> None:
         """Hand a request to the engine; return once the engine accepted it. ``mm_features``
         are the prompt's images (``engine.multimodal.MultiModalFeature``).
@@ -236,6 +237,7 @@ class AsyncEngine:
             priority,
             ack,
             mm_features,
+            lora_request,
         )
         self._put(cmd, time.monotonic())
         channel.request_ids.append(request_id)
@@ -264,6 +266,14 @@ class AsyncEngine:
         manager = getattr(self.engine, "structured_outputs", None) if constraint else None
         if manager is not None:
             await asyncio.to_thread(manager.compile, constraint)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run ``engine.<method>(*args)`` on the engine thread between steps and return its
+        result (or raise what it raised): vLLM's engine utility calls (``add_lora``,
+        ``remove_lora``, ...)."""
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._put(("call", method, args, ack), 0.0)
+        return await ack
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests by id (delivered to the engine thread; never blocks)."""
@@ -295,12 +305,13 @@ class AsyncEngine:
         for channel, item in batch:
             channel._push(item)
 
-    def _resolve_acks(self, acks: list[tuple[asyncio.Future, BaseException | None]]) -> None:
-        for fut, exc in acks:
+    def _resolve_acks(self, acks: list[tuple]) -> None:
+        """``(future, exception or None[, result])`` triples from the engine thread."""
+        for fut, exc, *result in acks:
             if fut.done():
                 continue
             if exc is None:
-                fut.set_result(None)
+                fut.set_result(result[0] if result else None)
             else:
                 fut.set_exception(exc)
 
@@ -329,6 +340,7 @@ class AsyncEngine:
 
     def _shut_down_thread(self, pending: list[tuple], err: BaseException) -> None:
         acks = [(cmd[7], err) for cmd in pending if cmd[0] == "add"]
+        acks += [(cmd[3], err) for cmd in pending if cmd[0] == "call"]
         self._tracked.clear()
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -372,21 +384,26 @@ class AsyncEngine:
                 return
             cmds = list(self._inbox)
             self._inbox.clear()
-        acks: list[tuple[asyncio.Future, BaseException | None]] = []
+        acks: list[tuple] = []
         aborts: list[str] = []
         for cmd in cmds:
-            if cmd[0] == "add":
-                _, channel, rid, prompt, params, ids, priority, ack, images, arrival = cmd
+            if cmd[0] == "call":
+                _, method, args, ack = cmd
                 try:
+                    acks.append((ack, None, getattr(self.engine, method)(*args)))
+                except Exception as e:  # noqa: BLE001 - refused (a bad adapter...), engine intact
+                    acks.append((ack, e))
+            elif cmd[0] == "add":
+                _, channel, rid, prompt, params, ids, priority, ack, images, lora, arrival = cmd
+                try:
+                    kwargs: dict[str, Any] = {}
                     if images:
-                        self.engine.add_request(
-                            rid, prompt, params, prompt_token_ids=ids, priority=priority,
-                            mm_features=images,
-                        )  # fmt: skip
-                    else:
-                        self.engine.add_request(
-                            rid, prompt, params, prompt_token_ids=ids, priority=priority
-                        )
+                        kwargs["mm_features"] = images
+                    if lora is not None:
+                        kwargs["lora_request"] = lora
+                    self.engine.add_request(
+                        rid, prompt, params, prompt_token_ids=ids, priority=priority, **kwargs
+                    )
                 except Exception as e:  # noqa: BLE001 - rejected request, engine intact
                     acks.append((ack, e))
                     continue

@@ -86,6 +86,7 @@ def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     """Serve one chat completions request."""
     model = ctx.check_model(req.model)
+    lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
@@ -147,7 +148,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.log_request(rid, prompt, ids, params)
     try:
         await engine.add_request(
-            channel, rid, prompt, params, ids, req.priority, mm_features=images or None
+            channel,
+            rid,
+            prompt,
+            params,
+            ids,
+            req.priority,
+            mm_features=images or None,
+            lora_request=lora,
         )
     except BaseException as e:
         channel.abort()

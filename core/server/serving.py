@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora.request import LoRARequest
 from engine.server.async_engine import AsyncEngine
 from engine.server.chat_template import (
     ChatTemplates,
@@ -22,7 +23,8 @@ from engine.server.chat_template import (
     has_image_parts,
     request_kwargs,
 )
-from engine.server.errors import APIError, bad_request, context_length_error
+from engine.server.errors import bad_request, context_length_error
+from engine.server.models import LoRAModulePath, ServingModels, lora_requests_for
 from engine.server.protocol import ChatMessage, SamplingFields
 from engine.server.tools.parser import ToolParser, tool_parser_from_flags
 from engine.tokenizer import TokenIdRange
@@ -47,6 +49,8 @@ class ServingOptions:
     """Server-side behaviour chosen on the command line.
 
     ``served_model_names`` overrides the engine config's names (empty: the config's).
+    ``lora_modules`` are the ``--lora-modules`` adapters (``lora_requests``: theirs, ids 1..n),
+    loaded before the server is ready.
     ``enable_auto_tool_choice`` with ``tool_call_parser`` (a name from
     ``engine.server.tools.TOOL_PARSERS`` or ``module:Class``) parses tool calls from chat
     output; one without the other is a ``ConfigError``, raised here so that ``engine serve``
@@ -62,12 +66,15 @@ class ServingOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
     tool_parser: ToolParser | None = field(init=False, default=None, repr=False)
+    lora_requests: list[LoRARequest] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.tool_parser = tool_parser_from_flags(
             self.enable_auto_tool_choice, self.tool_call_parser
         )
+        self.lora_requests = lora_requests_for(self.lora_modules)
 
 
 def random_id(prefix: str) -> str:
@@ -91,6 +98,13 @@ class ServingContext:
         )
         self.model_path: str = str(model_config.model)
         self.model_names = list(options.served_model_names) or model_config.served_model_names
+        self.models = ServingModels(
+            self.model_names,
+            self.model_path,
+            self.max_model_len,
+            options.lora_requests,
+            lora_enabled=getattr(engine.config, "lora", None) is not None,
+        )
         self.max_logprobs = min(
             options.limits.max_logprobs, int(getattr(engine.config, "max_logprobs", 20))
         )
@@ -115,17 +129,13 @@ class ServingContext:
         return self.model_names[0]
 
     def check_model(self, name: str | None) -> str:
-        """The served name to report; 404 if ``name`` is not one of ours (None: the default)."""
-        if not name:
-            return self.model_name
-        if name not in self.model_names:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist. Served models: {', '.join(self.model_names)}.",
-                param="model",
-                code="model_not_found",
-            )
-        return name
+        """The served name to report; 404 if ``name`` is neither the model's nor a LoRA
+        adapter's (None: the default), listing every served name."""
+        return self.models.resolve(name)[0]
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        return self.models.resolve(name)[1]
 
     # ------------------------------------------------------------ tokenization
     async def run_tokenizer(self, fn, *args, **kwargs) -> Any:

@@ -31,6 +31,41 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    # Natively implemented too (core/models/phi3.py, gemma2.py); the others run through the
+    # transformers modeling backend.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+}
+# Settings that make each architecture's peculiarities bite on tiny sizes: small sliding
+# windows (prompts exceed them), soft-caps and multipliers away from 1, partial rotary.
+TINY_EXTRA: dict[str, dict[str, Any]] = {
+    "phi3": {"partial_rotary_factor": 0.75},
+    "gemma2": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 10.0,
+        "final_logit_softcapping": 8.0,
+        "tie_word_embeddings": True,
+    },
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 2.0,
+    },
+    "cohere": {"logit_scale": 0.5, "tie_word_embeddings": True},
+    "starcoder2": {"sliding_window": 8, "use_bias": True},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "phi": {"partial_rotary_factor": 0.5},
+    "gpt2": {"tie_word_embeddings": True},
 }
 # Mixture-of-experts settings for build_tiny_model: many experts, top-2 and top-8, a shared
 # expert, dense layers among sparse ones (Qwen's decoder_sparse_step / mlp_only_layers).
@@ -110,8 +145,9 @@ def build_tiny_model(
     dtype: str = "float32",
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3, and the MoE
-    mixtral, qwen2_moe, qwen3_moe with ``TINY_MOE``'s expert settings) with its tokenizer to
+    """Write a tiny random model of ``arch`` (a key of ``ARCHITECTURES``: llama, mistral,
+    qwen2, qwen3, phi3, gemma2, ...; the MoE mixtral, qwen2_moe, qwen3_moe with ``TINY_MOE``'s
+    expert settings; ``TINY_EXTRA``'s settings for the others) with its tokenizer to
     ``out_dir`` and return the path."""
     import torch
     import transformers
@@ -136,6 +172,7 @@ def build_tiny_model(
     if arch == "qwen3":
         kwargs["head_dim"] = hidden_size // num_heads
     kwargs.update(TINY_MOE.get(arch, {}))
+    kwargs.update(TINY_EXTRA.get(arch, {}))
     kwargs.update(config_overrides)
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
@@ -202,6 +239,30 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_window_layers": 1,
     },
     "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 32, "tie_word_embeddings": True},
+    # Phi-3 / Phi-4: q/k/v and gate/up fused in the checkpoint, partial rotary (Phi-4-mini),
+    # and LongRoPE (short factors below original_max_position_embeddings, with the attention
+    # factor sqrt(1 + ln 2 / ln 256)).
+    "phi3": {"model_type": "phi3", **_BASE, "partial_rotary_factor": 0.75},
+    "phi3_longrope": {
+        "model_type": "phi3",
+        **_BASE,
+        "original_max_position_embeddings": 256,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0],
+            "long_factor": [1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0],
+        },
+    },
+    # Gemma 2: alternating window, attention and final logit soft-capping, query_pre_attn_scalar.
+    "gemma2": {
+        "model_type": "gemma2",
+        **_BASE,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 5,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+    },
     # Mixture of experts: many experts, top-2 / top-4 / top-8, with and without
     # renormalisation, a shared expert, dense layers among the sparse ones. A wider init than
     # transformers' default so that routing is decisive (near-uniform router logits would

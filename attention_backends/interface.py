@@ -11,6 +11,11 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
   a negative slot marks a padding token whose key/value must not be written.
 * Query ``i`` at position ``p`` sees key position ``j`` iff ``j <= p`` and, with a sliding window
   ``W``, ``p - j < W`` (the Hugging Face convention).
+* **Bidirectional spans** (a backend that sets ``supports_bidirectional_spans``): a request may
+  name position spans ``[s, e)`` (``BatchLayout.bidirectional_spans``, the placeholder tokens of
+  one image in Gemma 3) inside which every query also sees the keys after it: a query at ``p``
+  in ``[s, e)`` sees ``j`` iff ``j <= p`` or ``j < e`` (and the window, ``p - j < W``, still
+  holds). A span lies whole inside one step's new tokens or already-cached ones plus them.
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
 * An fp8 KV cache (a backend lists the float8 dtypes it stores in
   ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
@@ -51,6 +56,8 @@ class AttentionSpec:
     # dtype. The engine's ``--kv-cache-dtype fp8`` asks for "float8_e4m3fn" (``fp8`` is
     # accepted as that name).
     kv_cache_dtype: str | None = None
+    # Queries see later keys inside given spans (image tokens of Gemma 3; see the module doc).
+    bidirectional_spans: bool = False
 
 
 @dataclass
@@ -69,6 +76,9 @@ class BatchLayout:
     # The block table's width when it must be wider than the longest table (static shapes:
     # ``engine.shape_buckets``); None: the longest table's length.
     table_width: int | None = None
+    # Per request, the position spans [start, end) whose queries attend bidirectionally within
+    # the span (see the module docstring); None: none in this step.
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
 
 @dataclass
@@ -88,6 +98,8 @@ class AttentionMetadata:
     # Host copies, for backends that loop over requests in Python.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # Per request, bidirectional position spans (BatchLayout.bidirectional_spans), or None.
+    bidirectional_spans_cpu: list[list[tuple[int, int]]] | None = None
 
 
 class AttentionBackend(ABC):
@@ -114,6 +126,9 @@ class AttentionBackend(ABC):
     # metadata's tensors (never from its Python numbers or host lists beyond the batch size), so
     # the model runner may capture it in a CUDA graph and replay it with new tensors.
     supports_decode_graphs: ClassVar[bool] = False
+    # True when ``forward`` honours ``AttentionMetadata.bidirectional_spans_cpu`` (queries see
+    # later keys inside a span: image tokens of Gemma 3).
+    supports_bidirectional_spans: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -152,6 +167,11 @@ class AttentionBackend(ABC):
             reasons.append("sliding-window attention not supported")
         if spec.logit_softcap and not cls.supports_logit_softcap:
             reasons.append("logit soft-capping not supported")
+        if spec.bidirectional_spans and not cls.supports_bidirectional_spans:
+            reasons.append(
+                "bidirectional attention within image tokens (Gemma 3 vision) not supported; "
+                "serve text-only with --limit-mm-per-prompt '{\"image\": 0}' to use this backend"
+            )
         kv = KV_CACHE_DTYPE_NAMES.get(spec.kv_cache_dtype, spec.kv_cache_dtype)
         if kv is not None and kv not in cls.supported_kv_cache_dtypes:
             supported = ", ".join(cls.supported_kv_cache_dtypes) or "none"
@@ -207,6 +227,7 @@ class AttentionBackend(ABC):
             slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.int64, device=device),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(layout.seq_lens),
+            bidirectional_spans_cpu=layout.bidirectional_spans,
         )
 
     def __init__(

@@ -35,8 +35,8 @@ def _select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 class TorchReferenceBackend(AttentionBackend):
-    """Reference paged attention in plain torch: any device, fp32/bf16/fp16, GQA, sliding window
-    and logit soft-capping."""
+    """Reference paged attention in plain torch: any device, fp32/bf16/fp16, GQA, sliding window,
+    logit soft-capping and bidirectional spans."""
 
     name: ClassVar[str] = "torch"
     # Plain torch ops only, so any device torch can drive (ROCm presents itself as "cuda").
@@ -44,6 +44,7 @@ class TorchReferenceBackend(AttentionBackend):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
+    supports_bidirectional_spans: ClassVar[bool] = True
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
         "float8_e4m3fn",
         "float8_e4m3fnuz",
@@ -123,12 +124,16 @@ class TorchReferenceBackend(AttentionBackend):
         ).view(b, -1)
         return keys.transpose(1, 2), values.transpose(1, 2), positions
 
-    def _visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    def _visible(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_limit: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mask [..., Lq, Lk]: True where a query at ``query_pos`` [..., Lq] sees a key at
-        ``key_pos`` [..., Lk] (causal, plus the sliding window when set)."""
+        ``key_pos`` [..., Lk] (causal, plus the sliding window when set). ``key_limit``
+        [..., Lq], when given, is the last key position each query sees (its own position, or
+        the end of its bidirectional span minus one)."""
         q = query_pos[..., :, None]
         k = key_pos[..., None, :]
-        mask = k <= q
+        mask = k <= (q if key_limit is None else key_limit[..., :, None])
         if self.sliding_window is not None:
             mask &= (q - k) < self.sliding_window
         return mask
@@ -215,10 +220,18 @@ class TorchReferenceBackend(AttentionBackend):
         lk = seq_len - first * bs
         keys, values, key_pos = keys[:, :, :lk], values[:, :, :lk], key_pos[:, :lk]
         q = query.transpose(0, 1)[None]  # [1, H, Lq, D]
-        if lk == lq and self.sliding_window is None:
+        spans = md.bidirectional_spans_cpu[i] if md.bidirectional_spans_cpu else None
+        if lk == lq and self.sliding_window is None and not spans:
             mask = None  # no prefix: plain causal attention over the new tokens
         else:
             query_pos = torch.arange(first_pos, seq_len, device=device)[None]
-            mask = self._visible(query_pos, key_pos)
+            limit = None
+            if spans:
+                limit = query_pos.clone()
+                for start, end in spans:  # queries in [start, end) see keys up to end - 1
+                    lo, hi = max(start, first_pos) - first_pos, min(end, seq_len) - first_pos
+                    if hi > lo:
+                        limit[:, lo:hi] = min(end, seq_len) - 1
+            mask = self._visible(query_pos, key_pos, limit)
         out = self._attend(q, keys, values, mask)
         return out[0].transpose(0, 1).to(query.dtype)

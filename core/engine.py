@@ -55,6 +55,9 @@ class EngineStats:
     generation_tokens_total: int = 0
     # Speculative decoding counters (engine.spec_decode.SpecDecodingStats), None when off.
     spec_decoding: Any = None
+    # Image inputs: images first reached by a request's chunk, and of which already encoded.
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 @dataclass
@@ -228,6 +231,7 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         final_only: bool = False,
+        mm_features: list[Any] | None = None,
         lora_request: Any = None,
     ) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` (or
@@ -236,6 +240,9 @@ class LLMEngine:
         ``final_only`` requests produce a ``RequestOutput`` only when they finish (what offline
         batch generation needs; it saves copying every running request's tokens each step).
         Others produce one after every step in which they progressed, for streaming.
+
+        ``mm_features`` are the prompt's images (``engine.multimodal.MultiModalFeature``, from
+        the front end's processor: plain arrays, placeholder offsets in ``prompt_token_ids``).
         ``lora_request`` (an ``engine.lora.request.LoRARequest``) runs it with that adapter,
         loading it first if the engine does not have it (a bad adapter is an
         ``InvalidRequestError`` naming the reason)."""
@@ -267,6 +274,8 @@ class LLMEngine:
         ids.check(params.stop_token_ids, "stop_token_ids")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        if mm_features:
+            mm_features = self._check_images(mm_features, prompt_token_ids)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         matcher = None
@@ -298,6 +307,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             arrival_time=state.metrics.arrival_time,
             priority=priority,
+            mm_features=mm_features or [],
         )
         state.seqs.append(self._new_sequence(0, request, prompt_token_ids, params, generators[0]))
         state.seqs[0].matcher = matcher
@@ -315,6 +325,33 @@ class LLMEngine:
         self._requests[request_id] = state
         self._seq_owner[request_id] = (state, state.seqs[0])
         self._prompt_tokens_total += len(prompt_token_ids)
+
+    @property
+    def image_input_spec(self) -> Any:
+        """How the model takes images (``engine.multimodal.ImageInputSpec``; None: text only)."""
+        return getattr(self.runner, "image_input_spec", None)
+
+    def _check_images(self, features: list[Any], prompt_token_ids: list[int]) -> list[Any]:
+        from engine.multimodal.inputs import check_features
+
+        spec = self.image_input_spec
+        limit = self.config.multimodal.limit("image")
+        if spec is None or limit == 0:
+            raise InvalidRequestError(
+                "this model takes no image inputs (a text model, or one served with "
+                'limit_mm_per_prompt={"image": 0})',
+                "multi_modal_data",
+            )
+        if len(features) > limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(features)} images; at most {limit} are allowed per prompt "
+                "(--limit-mm-per-prompt)",
+                "multi_modal_data",
+            )
+        try:
+            return check_features(features, prompt_token_ids, spec)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "multi_modal_data") from None
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their KV blocks; unknown ids are ignored."""
@@ -399,6 +436,8 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             spec_decoding=getattr(s, "spec_decoding", None),
+            encoder_cache_queries=getattr(s, "encoder_cache_queries", 0),
+            encoder_cache_hits=getattr(s, "encoder_cache_hits", 0),
         )
 
     # ------------------------------------------------------------------ the step
@@ -607,6 +646,7 @@ class LLMEngine:
                 priority=parent.request.priority,
                 output_token_ids=[tokens[i]],
                 parent_id=parent.request.request_id,
+                mm_features=parent.request.mm_features,  # recomputed after a preemption
                 lora_id=parent.request.lora_id,
             )
             seq = self._new_sequence(

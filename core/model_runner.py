@@ -104,6 +104,8 @@ class _Batch:
     ends: list[int] | None = None
     # The target layers' hidden states an EAGLE-3 head reads, [tokens, 3 * hidden].
     aux_hidden: torch.Tensor | None = None
+    # Image inputs: (placeholder rows, their embeddings) for the model's forward, or None.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def end(self, i: int) -> int:
         """One past request ``i``'s last token row."""
@@ -188,6 +190,7 @@ class ModelRunner:
         buckets = getattr(platform, "shape_buckets", None)  # duck-typed test platforms lack it
         self.shape_buckets = buckets(config) if buckets is not None else None
         self.proposer: Any = None  # speculative decoding (engine.spec_decode), see load_model
+        self.mm: Any = None  # image inputs (engine.multimodal.runner.EncoderRunner), see load_model
 
     def _no_grad(self) -> Any:
         """``torch.inference_mode()``, or ``no_grad`` on XLA: torch_xla's functionalization
@@ -208,6 +211,7 @@ class ModelRunner:
             self.attn_backend_cls,
             self.device,
             registry,
+            multimodal_config=getattr(self.config, "multimodal", None),
             parallel=self.parallel,
             stats=self.load_stats,
             quant_config=self.quant_config,
@@ -224,6 +228,12 @@ class ModelRunner:
                 self.load_stats.describe(),
             )
         self._pack_linears()
+        spec = getattr(self.model, "image_input_spec", None)
+        spec = spec() if callable(spec) else None
+        if spec is not None:
+            from engine.multimodal.runner import EncoderRunner
+
+            self.mm = EncoderRunner(self.model, self.device, spec)
         if self.config.lora is not None:
             self._wrap_lora()
         if self.sampler is None:
@@ -277,6 +287,11 @@ class ModelRunner:
         """Forget a LoRA adapter (host copy and device slot)."""
         if self.lora is not None:
             self.lora.remove_adapter(key)
+
+    @property
+    def image_input_spec(self) -> Any:
+        """How the model takes images (``engine.multimodal.ImageInputSpec``), None without."""
+        return self.mm.spec if self.mm is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -475,7 +490,7 @@ class ModelRunner:
         platform.synchronize(index)
         peak = platform.peak_memory(index) - profile_cache_bytes
         budget = int(platform.total_memory(index) * self.config.cache.gpu_memory_utilization)
-        available = budget - peak
+        available = budget - peak - self._encoder_cache_bytes()
         num_blocks = max(0, available // per_block)
         if num_blocks < per_request + 1:  # + the scheduler's reserved null block
             raise ConfigError(
@@ -490,6 +505,12 @@ class ModelRunner:
                 "gpu_memory_utilization"
             )
         return num_blocks
+
+    def _encoder_cache_bytes(self) -> int:
+        """Device memory the encoder cache of image embeddings may take (0 without images)."""
+        if self.mm is None:
+            return 0
+        return int(self.config.multimodal.mm_encoder_cache_gb * _GiB)
 
     def _profile_run(self) -> int:
         """Run a forward at ``max_num_batched_tokens`` (plus logits for ``max_num_seqs`` rows)
@@ -535,6 +556,9 @@ class ModelRunner:
                     self.proposer.profile(input_ids, positions_t, [md] * len(groups), hidden, aux)
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
+                if self.mm is not None:  # the vision encoder's activations at its step budget
+                    mm = self.config.multimodal
+                    self.mm.profile(mm.max_num_encoder_input_tokens or num_tokens)
                 if isinstance(self.model, CausalLM) and hasattr(self.sampler, "warm_up"):
                     self.sampler.warm_up(self.model.compute_logits(hidden[:1], False))
         finally:
@@ -665,6 +689,8 @@ class ModelRunner:
                 self.attn_backend_cls.copy_blocks(cache, pairs[:, 0], pairs[:, 1])
         pending = PendingStep(RunnerOutput())
         scheduled = sched_out.scheduled
+        if self.mm is not None and sched_out.free_encoder_hashes:
+            self.mm.free(sched_out.free_encoder_hashes)
         if not scheduled:
             self._feedback_rows = {}
             return pending
@@ -672,7 +698,9 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.prepare(scheduled)  # adapter slots and the per-token mapping
             hidden = None
-            if self.graphs is not None:
+            if self.graphs is not None and not (
+                self.mm is not None and self.mm.spans_any(scheduled)
+            ):
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
                 ids = self.graphs.last_input_ids(len(scheduled))
@@ -692,7 +720,15 @@ class ModelRunner:
                     batch.aux_hidden = self.verify_graphs.last_extra(len(scheduled))
             if hidden is None:
                 batch = self._prepare(scheduled)
-                if self.parallel.pp_size == 1:
+                if batch.mm_embeds is not None:
+                    # Images run only with pp_size == 1 (engine.runtime refuses them otherwise).
+                    hidden = self.model(
+                        batch.input_ids,
+                        batch.positions,
+                        batch.attn_metadata,
+                        mm_embeds=batch.mm_embeds,
+                    )
+                elif self.parallel.pp_size == 1:
                     hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
                 else:
                     hidden = self._run_stage(batch)
@@ -789,6 +825,7 @@ class ModelRunner:
             [s.start for s in scheduled],
             [s.num_new_tokens for s in scheduled],
             [s.block_ids for s in scheduled],
+            bidirectional_spans=self.mm.spans(scheduled) if self.mm is not None else None,
         )
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
@@ -805,16 +842,22 @@ class ModelRunner:
             positions=positions,
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
+            mm_embeds=self.mm.embeddings(scheduled, qsl) if self.mm is not None else None,
         )
 
     def layout(
-        self, starts: list[int], query_lens: list[int], block_ids: list[list[list[int]]]
+        self,
+        starts: list[int],
+        query_lens: list[int],
+        block_ids: list[list[list[int]]],
+        bidirectional_spans: list[list[tuple[int, int]]] | None = None,
     ) -> tuple[torch.Tensor, list[AttentionMetadata], np.ndarray]:
         """Positions (on the device), per-group attention metadata and query start locations
         of a batch where request ``i`` computes ``query_lens[i]`` tokens from ``starts[i]``
         with tables ``block_ids[i]`` (one per KV-cache group; leading one-token requests are
-        the backend's decodes). A draft model's forward uses it too: its layers share the
-        target's block tables."""
+        the backend's decodes), and request ``i``'s queries attend bidirectionally inside
+        ``bidirectional_spans[i]`` (image tokens). A draft model's forward uses it too: its
+        layers share the target's block tables."""
         bs = self.block_size
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
         lens = np.asarray(query_lens, dtype=np.int64)
@@ -838,7 +881,15 @@ class ModelRunner:
             for i, t in enumerate(tables):
                 padded[i, : len(t)] = t
             slots = padded[req_of_token, block_of_token] * bs + positions % bs
-            layout = BatchLayout(lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes)
+            layout = BatchLayout(
+                lens.tolist(),
+                seq_lens,
+                tables,
+                slots.tolist(),
+                bs,
+                num_decodes,
+                bidirectional_spans=bidirectional_spans,
+            )
             if self.shape_buckets is not None:
                 layout = self.shape_buckets.pad_layout(layout, num_tokens)
             metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))

@@ -100,6 +100,29 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
     )
 
 
+def _encoder_budget(config: EngineConfig, runner: Any) -> Any:
+    """The scheduler's image-encoder budget (None for a model without image inputs)."""
+    spec = getattr(runner, "image_input_spec", None)
+    if spec is None:
+        return None
+    from engine.multimodal.encoder_cache import encoder_budget_for
+
+    # Remote executors report the workers' element size; in-process, read the model's.
+    dtype_bytes = (
+        getattr(runner, "dtype_bytes", None) or next(runner.model.parameters()).element_size()
+    )
+    budget = encoder_budget_for(
+        config.multimodal, spec, dtype_bytes, config.scheduler.max_num_batched_tokens
+    )
+    if spec.bidirectional and not config.multimodal.disable_chunked_mm_input:
+        logger.info(
+            "image tokens attend to each other bidirectionally: one image's %d placeholder "
+            "tokens always run in one step (disable_chunked_mm_input)",
+            spec.tokens_per_image,
+        )
+    return budget
+
+
 def resolve_quantization(
     config: EngineConfig, hf_config: Any, platform: Any, kernels: Any, plugins: Any
 ) -> Any:
@@ -227,6 +250,25 @@ def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
         )
 
 
+def _check_image_parallel(config: EngineConfig, model_cls: type) -> None:
+    """Refuse image inputs under pipeline parallelism: image embeddings replace token
+    embeddings on the first stage only, which the stage hand-off does not do yet. Tensor
+    parallelism is supported (every rank runs its shard of the vision tower; the step message
+    carries the images). The model still runs text-only across stages
+    (``limit_mm_per_prompt={"image": 0}``)."""
+    par = config.parallel
+    if par.pipeline_parallel_size == 1 or not hasattr(model_cls, "encode_images"):
+        return
+    if config.multimodal.limit("image") == 0:
+        return
+    raise ConfigError(
+        f"image inputs are not supported with pipeline_parallel_size="
+        f"{par.pipeline_parallel_size} ({model_cls.__name__}): serve images with "
+        "pipeline_parallel_size=1 (tensor_parallel_size may be > 1), or serve the model "
+        "text-only across stages with --limit-mm-per-prompt '{\"image\": 0}'"
+    )
+
+
 def build_executor(
     config: EngineConfig,
     platform: Any,
@@ -304,6 +346,13 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     kernels = plugins.kernel_registry().resolve(platform.name)
     quant_config = resolve_quantization(config, hf_config, platform, kernels, plugins)
     spec = attention_spec_for(hf_config, config, platform)
+    # Image tokens that attend to each other both ways (Gemma 3) need a backend that can.
+    _, model_cls = models.resolve(getattr(hf_config, "architectures", None) or [])
+    spec.bidirectional_spans = bool(
+        getattr(model_cls, "bidirectional_image_attention", False)
+        and config.multimodal.limit("image") > 0
+    )
+    _check_image_parallel(config, model_cls)
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
     if quant_config is not None:
@@ -360,6 +409,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
         speculative_config=config.speculative,
         pipeline_parallel_size=par.pipeline_parallel_size,
+        encoder_budget=_encoder_budget(config, executor),
         lora_config=config.lora,
     )
     logger.info(

@@ -15,6 +15,7 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -246,6 +247,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"disable_by_batch_size" turns it off in larger batches (default: off).',
     )
 
+    add_multimodal_args(parser)
+
     device = parser.add_argument_group("device and parallelism")
     device.add_argument(
         "--platform",
@@ -335,6 +338,88 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_multimodal_args(parser: argparse.ArgumentParser) -> None:
+    """Image inputs of multimodal models (vLLM's flag names where vLLM has the setting)."""
+    mm = parser.add_argument_group("image inputs (multimodal models)")
+    mm.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        metavar="JSON",
+        help="Most images one prompt may carry, e.g. '{\"image\": 4}' (default: 999); "
+        "'{\"image\": 0}' serves the model as a text model without loading its vision tower.",
+    )
+    mm.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="Let requests read images from file:// URLs under this directory (a security "
+        "risk: only in trusted environments). Default: file:// URLs are refused.",
+    )
+    mm.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="Hosts that http(s):// image URLs may be fetched from. Default: none - the server "
+        "never fetches from the network (vLLM fetches any host unless this is set); clients "
+        "send images as data: URLs.",
+    )
+    mm.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=MultiModalConfig.max_image_bytes,
+        metavar="N",
+        help="Largest encoded image accepted, in bytes (default: %(default)s = 10 MiB; a "
+        "data: URL also counts against --max-request-body-bytes).",
+    )
+    mm.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MultiModalConfig.max_image_pixels,
+        metavar="N",
+        help="Largest image accepted, width x height, checked before decoding "
+        "(default: %(default)s = 8192 x 8192).",
+    )
+    mm.add_argument(
+        "--mm-encoder-cache-gb",
+        type=float,
+        default=MultiModalConfig.mm_encoder_cache_gb,
+        metavar="GIB",
+        help="Device memory for image embeddings cached by content hash, so a repeated image "
+        "is encoded once (default: %(default)s).",
+    )
+    mm.add_argument(
+        "--max-num-encoder-input-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Image embeddings the vision encoder may produce in one step (default: "
+        "--max-num-batched-tokens).",
+    )
+    mm.add_argument(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="Never split one image's placeholder tokens over two prefill chunks (always on "
+        "for Gemma 3, whose image tokens attend to each other bidirectionally).",
+    )
+
+
+def multimodal_config_from_args(args: argparse.Namespace) -> MultiModalConfig:
+    """The ``MultiModalConfig`` of flags added by ``add_multimodal_args`` (defaults for
+    namespaces without them)."""
+    defaults = MultiModalConfig()
+    return MultiModalConfig(
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None) or {},
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        allowed_media_domains=getattr(args, "allowed_media_domains", None),
+        max_image_bytes=getattr(args, "max_image_bytes", defaults.max_image_bytes),
+        max_image_pixels=getattr(args, "max_image_pixels", defaults.max_image_pixels),
+        mm_encoder_cache_gb=getattr(args, "mm_encoder_cache_gb", defaults.mm_encoder_cache_gb),
+        max_num_encoder_input_tokens=getattr(args, "max_num_encoder_input_tokens", None),
+        disable_chunked_mm_input=getattr(args, "disable_chunked_mm_input", False),
+    )
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the ``EngineConfig`` from flags added by ``add_engine_args`` (+ a ``model`` attr)."""
     import os
@@ -387,6 +472,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             else None
         ),
         cpu_threads=getattr(args, "cpu_threads", None),
+        multimodal=multimodal_config_from_args(args),
         lora=lora_config_from_args(args),
     )
 

@@ -100,6 +100,10 @@ class RemoteExecutor(Executor):
             time.perf_counter() - t2,
         )
         self.load_stats = loads  # per rank: checkpoint bytes offered and read (logged there)
+        # Image inputs: every rank runs the vision tower (sharded like the text model) and
+        # mirrors the scheduler's encoder cache; the step message carries the images.
+        self.image_input_spec = loads[0].get("image_input_spec")
+        self.dtype_bytes = int(loads[0].get("dtype_bytes") or 0)
 
     # ---- what subclasses provide -------------------------------------------------------------
     def _channel_host(self) -> str | None:

@@ -147,7 +147,14 @@ class Worker:
         self.runner.ranks_on_host = self.spec.local_world_size
         self.runner.load_model()
         stats = self.runner.load_stats
-        return {"rank": self.rank, "bytes_offered": stats.offered, "bytes_read": stats.read}
+        return {
+            "rank": self.rank,
+            "bytes_offered": stats.offered,
+            "bytes_read": stats.read,
+            # How the model takes images (None: text only) and its embeddings' element size.
+            "image_input_spec": self.runner.image_input_spec,
+            "dtype_bytes": next(self.runner.model.parameters()).element_size(),
+        }
 
     def kv_cache_windows(self) -> list[int | None]:
         return sorted(self._runner.kv_cache_windows(), key=lambda w: (w is not None, w or 0))
@@ -226,6 +233,11 @@ class Worker:
         if self._digest is None or self.parallel is None or not self.parallel.is_last_stage:
             return None
         return self._digest.hexdigest()
+
+    def num_images_encoded(self) -> int:
+        """Images this rank's vision tower encoded (0 for a text model)."""
+        mm = getattr(self._runner, "mm", None)
+        return mm.num_encoded if mm is not None else 0
 
     def ping(self) -> int:
         return self.rank

@@ -259,10 +259,18 @@ def _required_parameters(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if not getattr(p, "optional", False)}
 
 
-def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]:
+def _drop_skipped(
+    model_cls: type, shapes: dict[str, tuple], ctx: ModelContext | None = None
+) -> dict[str, tuple]:
     """``shapes`` without the tensors ``model_cls.skip_checkpoint_prefixes`` names (parts of the
-    checkpoint the model does not run); logs what was skipped and why."""
+    checkpoint the model does not run; a class whose choice depends on the context, e.g. a
+    multimodal model served text-only, answers ``checkpoint_prefixes_to_skip(ctx) -> (prefixes,
+    reason)`` instead); logs what was skipped and why."""
     prefixes = tuple(getattr(model_cls, "skip_checkpoint_prefixes", ()))
+    reason = getattr(model_cls, "skip_checkpoint_reason", "")
+    if ctx is not None and hasattr(model_cls, "checkpoint_prefixes_to_skip"):
+        prefixes, reason = model_cls.checkpoint_prefixes_to_skip(ctx)
+        prefixes = tuple(prefixes)
     if not prefixes:
         return shapes
     kept = {name: shape for name, shape in shapes.items() if not name.startswith(prefixes)}
@@ -275,7 +283,7 @@ def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]
             len(skipped),
             f"{numel:,}",
             ", ".join(p for p in prefixes if any(n.startswith(p) for n in shapes)),
-            getattr(model_cls, "skip_checkpoint_reason", "") or "not used by this model",
+            reason or "not used by this model",
         )
     return kept
 
@@ -418,6 +426,7 @@ def load_model(
     *,
     parallel: ParallelContext | None = None,
     quant_config: QuantizationConfig | None = None,
+    multimodal_config: Any = None,
     stats: ReadStats | None = None,
 ) -> nn.Module:
     """Build the model for ``model_config`` on ``device`` and load its weights.
@@ -425,9 +434,10 @@ def load_model(
     Reads the config first when ``model_config.hf_config`` is unset. ``parallel`` says which
     tensor-parallel shard and pipeline stage this process builds (default: all of it); each
     checkpoint tensor is read only in the part this process holds. ``quant_config`` picks the
-    linear layers' quantization methods. Every linear layer's method gets its post-loading pass
-    (``process_weights_after_loading``). ``stats`` counts the checkpoint bytes offered and read.
-    Returns the model in eval mode with frozen parameters.
+    linear layers' quantization methods; ``multimodal_config`` (``MultiModalConfig``) tells a
+    multimodal model whether to build its vision tower. Every linear layer's method gets its
+    post-loading pass (``process_weights_after_loading``). ``stats`` counts the checkpoint bytes
+    offered and read. Returns the model in eval mode with frozen parameters.
     """
     from tqdm.auto import tqdm
 
@@ -451,6 +461,7 @@ def load_model(
         device,
         parallel=parallel or SINGLE_PROCESS,
         quant_config=quant_config,
+        multimodal_config=multimodal_config,
     )
     path = resolve_model_path(model_config.model)
     fmt = model_config.load_format
@@ -481,7 +492,7 @@ def load_model(
         weights = _counting(weights, progress)
     else:
         files = safetensors_files(path)
-        shapes = _drop_skipped(model_cls, safetensors_shapes(files))
+        shapes = _drop_skipped(model_cls, safetensors_shapes(files), ctx)
         kv_scales = {name for name in shapes if _kv_scale_target(name) is not None}
         shapes = {name: shape for name, shape in shapes.items() if name not in kv_scales}
         _validate_checkpoint(model_cls, ctx, shapes)

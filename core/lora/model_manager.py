@@ -104,6 +104,9 @@ class LoRAModelManager:
         if fuse is None:
             fuse = device.type != "cpu"
         packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+        # A model whose checkpoint nests the decoder (Gemma 3 with images) names an adapter's
+        # modules as ours, or refuses those it cannot adapt, with the reason (ValueError).
+        self._module_name = getattr(model, "lora_module_name", None)
         self.targets: dict[str, LoRALayerTarget] = {}
         self._by_module: dict[str, tuple[LoRALayerTarget, int]] = {}
         dtype = None
@@ -183,6 +186,11 @@ class LoRAModelManager:
     def _prepare_adapter(self, request: LoRARequest) -> PreparedAdapter:
         adapter = load_peft_adapter(request.lora_path, self.max_rank)
         name = request.lora_name
+        if self._module_name is not None:
+            try:
+                adapter.modules = {self._module_name(m): w for m, w in adapter.modules.items()}
+            except ValueError as e:
+                raise LoRAAdapterError(f"LoRA adapter {name!r}: {e}") from None
         unknown = [m for m in adapter.modules if m not in self._by_module]
         if unknown:
             raise LoRAAdapterError(self._unknown_modules_message(name, unknown))

@@ -17,7 +17,7 @@ from engine.layers.weight_utils import ModelLoadError
 _BUILTIN_MODELS = {
     "Gemma2ForCausalLM": "engine.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration": "engine.models.gemma3:Gemma3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "engine.models.gemma3_mm:Gemma3ForConditionalGeneration",
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",

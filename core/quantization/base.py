@@ -91,6 +91,10 @@ class QuantizationConfig:
     min_capability: ClassVar[tuple[int, int] | None] = None
     #: named kernels (``engine.kernels``) the method's layers multiply with
     kernel_names: ClassVar[tuple[str, ...]] = ()
+    #: True when built by ``from_flag`` (quantizing an unquantized checkpoint at load; set by
+    #: the registry): a model may then keep parts the checkpoint's authors never quantized,
+    #: such as a vision tower, in full precision.
+    online: bool = False
 
     def __init__(self) -> None:
         # Checkpoint module names that feed each fused layer (set by the loader from the model

@@ -186,6 +186,7 @@ class QuantizationRegistry:
             cls = entry.load()
             if fmt is None:
                 config = cls.from_flag()
+                config.online = True
             elif fmt in cls.checkpoint_formats:
                 config = cls.from_config(checkpoint_config)
             else:

@@ -215,9 +215,11 @@ class AsyncEngine:
         params: Any,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        mm_features: list[Any] | None = None,
         lora_request: Any = None,
     ) -> None:
-        """Hand a request to the engine; return once the engine accepted it.
+        """Hand a request to the engine; return once the engine accepted it. ``mm_features``
+        are the prompt's images (``engine.multimodal.MultiModalFeature``).
 
         Raises what ``LLMEngine.add_request`` raised (``InvalidRequestError``...), or
         ``EngineDeadError`` / ``EngineStoppedError``.
@@ -225,8 +227,18 @@ class AsyncEngine:
         await self._compile_structured_outputs(params)
         loop = asyncio.get_running_loop()
         ack: asyncio.Future[None] = loop.create_future()
-        cmd = ("add", channel, request_id, prompt, params, prompt_token_ids, priority, ack)
-        cmd += (lora_request,)
+        cmd = (
+            "add",
+            channel,
+            request_id,
+            prompt,
+            params,
+            prompt_token_ids,
+            priority,
+            ack,
+            mm_features,
+            lora_request,
+        )
         self._put(cmd, time.monotonic())
         channel.request_ids.append(request_id)
         channel.unfinished.add(request_id)
@@ -382,9 +394,13 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - refused (a bad adapter...), engine intact
                     acks.append((ack, e))
             elif cmd[0] == "add":
-                _, channel, rid, prompt, params, ids, priority, ack, lora, arrival = cmd
+                _, channel, rid, prompt, params, ids, priority, ack, images, lora, arrival = cmd
                 try:
-                    kwargs = {"lora_request": lora} if lora is not None else {}
+                    kwargs: dict[str, Any] = {}
+                    if images:
+                        kwargs["mm_features"] = images
+                    if lora is not None:
+                        kwargs["lora_request"] = lora
                     self.engine.add_request(
                         rid, prompt, params, prompt_token_ids=ids, priority=priority, **kwargs
                     )

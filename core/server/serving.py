@@ -17,7 +17,12 @@ from typing import Any
 
 from engine.lora.request import LoRARequest
 from engine.server.async_engine import AsyncEngine
-from engine.server.chat_template import ChatTemplates, conversation_of, request_kwargs
+from engine.server.chat_template import (
+    ChatTemplates,
+    conversation_of,
+    has_image_parts,
+    request_kwargs,
+)
 from engine.server.errors import bad_request, context_length_error
 from engine.server.models import LoRAModulePath, ServingModels, lora_requests_for
 from engine.server.protocol import ChatMessage, SamplingFields
@@ -111,6 +116,9 @@ class ServingContext:
         self.token_ids = TokenIdRange.of(self.tokenizer, model_config.hf_config)
         self._token_text: dict[int, str] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # Image inputs: (the model's processor, the URL loader), built on the first image.
+        self._engine = engine
+        self._images: Any = None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -233,6 +241,103 @@ class ServingContext:
             continue_final_message=continue_final_message,
             kwargs=kwargs,
         )
+
+    async def render_chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int], list[Any]]:
+        """The chat prompt's text, token ids and images (``MultiModalFeature``s; empty for a
+        text conversation). ``image_url`` parts are loaded (``engine.multimodal.media``),
+        placed by the chat template and expanded by the model's processor; a bad image, too
+        many images, or images for a model that takes none are 400s naming the part."""
+        if not has_image_parts(messages):
+            prompt = await self.render_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            # The template already wrote the special tokens it wants (BOS...).
+            return prompt, await self.encode(prompt, add_special_tokens=False), []
+        from engine.multimodal.chat import render_with_images, take_image_parts
+        from engine.multimodal.media import MediaError
+
+        self.require_tokenizer("/v1/chat/completions (its chat template)", "messages")
+        processor, media = self._image_inputs()
+        if continue_final_message and add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        kwargs = request_kwargs(chat_template_kwargs, tools)
+        template, param = self.templates.choose(chat_template, kwargs, self.model_name)
+        try:
+            conversation, urls = take_image_parts(conversation_of(messages, allow_images=True))
+        except MediaError as e:
+            raise bad_request(str(e), "messages") from None
+        limit = self._engine.config.multimodal.limit("image")
+        if len(urls) > limit:
+            raise bad_request(
+                f"the messages have {len(urls)} images; at most {limit} are allowed per prompt "
+                "(--limit-mm-per-prompt)",
+                urls[limit][1],
+            )
+
+        def build() -> tuple[str, list[int], list[Any]]:
+            images = []
+            for url, where in urls:
+                try:
+                    images.append(media.load_image(url))
+                except MediaError as e:
+                    raise bad_request(f"{where}: {e}", where) from None
+            try:
+                prompt = render_with_images(
+                    lambda conv: self.templates.render(
+                        conv,
+                        template,
+                        param,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        kwargs=kwargs,
+                    ),
+                    conversation,
+                    len(images),
+                    processor.image_placeholder,
+                )
+                ids, features = processor.process(prompt, images, add_special_tokens=False)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+            return prompt, ids, features
+
+        return await self.run_tokenizer(build)
+
+    def _image_inputs(self) -> tuple[Any, Any]:
+        """The model's image processor and the URL loader; 400 when the model takes none."""
+        if self._images is None:
+            spec = getattr(self._engine, "image_input_spec", None)
+            if spec is None:
+                raise bad_request(
+                    "this model takes no image inputs (a text model, or one served with "
+                    "--limit-mm-per-prompt '{\"image\": 0}'); send text content only",
+                    "messages",
+                )
+            from engine.multimodal.media import MediaConnector
+            from engine.multimodal.processing import MultiModalProcessor
+            from engine.runtime import _model_dir
+
+            processor = MultiModalProcessor.from_model_dir(
+                _model_dir(self.model_path), self.tokenizer, spec
+            )
+            self._images = (processor, MediaConnector(self._engine.config.multimodal))
+        return self._images
 
     def truncate_prompt(self, ids: list[int], req: SamplingFields) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: keep the last N prompt tokens (-1: the last

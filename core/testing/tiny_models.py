@@ -365,28 +365,68 @@ TINY_SIGLIP: dict[str, Any] = {
     "intermediate_size": 64,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
-    "image_size": 28,
+    "image_size": 56,  # a 4 x 4 patch grid, average-pooled to 2 x 2 = 4 tokens per image
     "patch_size": 14,
+    "vision_use_head": False,  # as the released Gemma 3 vision configs
 }
+TINY_GEMMA3_TOKENS_PER_IMAGE = 4
+
+# Gemma 3's chat template, shortened: turns with text and image parts (an image part renders
+# as <start_of_image>, which the processor expands into the image's placeholder tokens).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 def build_tiny_gemma3_multimodal(
-    out_dir: str | Path, seed: int = 0, dtype: str = "float32", **text_overrides: Any
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    vision_use_head: bool = False,
+    **text_overrides: Any,
 ) -> Path:
     """Write a random ``Gemma3ForConditionalGeneration`` (``TINY_GEMMA3_TEXT`` text model, a
-    ``TINY_SIGLIP`` vision tower, the projector) with a tokenizer to ``out_dir``; returns it.
+    ``TINY_SIGLIP`` vision tower, the projector) with its tokenizer and processor to
+    ``out_dir``; returns it.
 
-    The vocabulary is the tokenizer's, with its last id as the image token (as the released
-    models keep it inside the vocabulary). Norm weights are randomised too (HF initialises
-    Gemma's to zero, which would hide a missing ``1 + w``) and matrices widened so greedy
-    decoding is decisive.
+    The tokenizer has Gemma 3's image tokens (``<start_of_image>``, ``<end_of_image>``,
+    ``<image_soft_token>``, as special tokens inside the vocabulary like the released models'),
+    an image-aware chat template (``GEMMA3_CHAT_TEMPLATE``), and a ``Gemma3Processor``
+    (56 x 56 images, ``TINY_GEMMA3_TOKENS_PER_IMAGE`` soft tokens per image) is saved beside it,
+    so ``AutoProcessor.from_pretrained(out_dir)`` works as for a released checkpoint. Norm
+    weights are randomised too (HF initialises Gemma's to zero, which would hide a missing
+    ``1 + w``) and matrices widened so greedy decoding is decisive.
     """
     import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    import transformers
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
+    build_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(out),
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out))
     vocab = len(tokenizer)
     text = dict(
         TINY_GEMMA3_TEXT,
@@ -396,13 +436,20 @@ def build_tiny_gemma3_multimodal(
         pad_token_id=tokenizer.pad_token_id,
         **text_overrides,
     )
+    size = TINY_SIGLIP["image_size"]
+    processor = Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": size, "width": size}),
+        tokenizer=tokenizer,
+        image_seq_length=TINY_GEMMA3_TOKENS_PER_IMAGE,
+    )
+    processor.save_pretrained(str(out))
     config = Gemma3Config(
         text_config=text,
-        vision_config=TINY_SIGLIP,
-        mm_tokens_per_image=4,
-        boi_token_index=vocab - 3,
-        eoi_token_index=vocab - 2,
-        image_token_index=vocab - 1,
+        vision_config={**TINY_SIGLIP, "vision_use_head": vision_use_head},
+        mm_tokens_per_image=TINY_GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id,
     )
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
@@ -410,8 +457,8 @@ def build_tiny_gemma3_multimodal(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 1.0 / p[0].numel() ** 0.5)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     return out
 

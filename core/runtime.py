@@ -250,7 +250,7 @@ def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
         )
 
 
-def _check_image_parallel(config: EngineConfig, model_cls: type) -> None:
+def _check_image_parallel(config: EngineConfig, model_cls: type | None) -> None:
     """Refuse image inputs under pipeline parallelism: image embeddings replace token
     embeddings on the first stage only, which the stage hand-off does not do yet. Tensor
     parallelism is supported (every rank runs its shard of the vision tower; the step message
@@ -347,7 +347,11 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     quant_config = resolve_quantization(config, hf_config, platform, kernels, plugins)
     spec = attention_spec_for(hf_config, config, platform)
     # Image tokens that attend to each other both ways (Gemma 3) need a backend that can.
-    _, model_cls = models.resolve(getattr(hf_config, "architectures", None) or [])
+    # The native class, when one serves the model (load_config chose the implementation): a
+    # model only the transformers backend runs has no registered class to ask.
+    model_cls: Any = None
+    if getattr(config.model, "implementation", "native") != "transformers":
+        _, model_cls = models.resolve(getattr(hf_config, "architectures", None) or [])
     spec.bidirectional_spans = bool(
         getattr(model_cls, "bidirectional_image_attention", False)
         and config.multimodal.limit("image") > 0

@@ -9,6 +9,7 @@ embedding looks up the ids that fall in its rows and the ranks' partial embeddin
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,10 @@ class VocabParallelEmbedding(_VocabRows):
             x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
             x = self.parallel.tp.all_reduce(x)
         if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+            # The scale rounded to the activations' dtype first, as transformers multiplies by
+            # a tensor of that dtype; a Python number, so that no host-to-device copy runs
+            # inside a CUDA graph capture (a device tensor made here would be one).
+            x = x * _rounded(self.embed_scale, x.dtype)
         return x
 
 
@@ -152,3 +156,9 @@ class ParallelLMHead(_VocabRows):
             cap = self.final_logit_softcap
             logits = cap * torch.tanh(logits / cap)
         return logits
+
+
+@functools.lru_cache(maxsize=32)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (on the host: safe during graph capture)."""
+    return torch.tensor(value, dtype=dtype).item()

@@ -268,9 +268,14 @@ def check_kernel(
 
 def call_kernel(name: str, fn: Callable[..., Any], args: tuple) -> Any:
     """Call kernel ``name`` on its conformance args. A kernel with its own weight layout
-    (``wna16_linear``) gets the canonical tensors through its ``prepack`` first."""
+    (``wna16_linear``, ``gguf_linear``) gets the canonical tensors through its ``prepack``
+    first."""
     if name not in PREPACKED_KERNELS:
         return fn(*args)
+    if name == "gguf_linear":
+        x, blocks, qtype, bias = args
+        packed = fn.prepack(blocks, qtype=qtype, dtype=x.dtype)
+        return fn(x, packed, qtype=qtype, bias=bias)
     x, qweight, scales, zeros, bits, group_size, perm, bias = args
     packed = fn.prepack(
         qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, dtype=x.dtype

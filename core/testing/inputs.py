@@ -333,6 +333,27 @@ def _wna16_cases(dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tu
     return cases
 
 
+def _gguf_linear_cases(dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tuple]]:
+    """Args ``(x, blocks, qtype, bias)``: raw GGUF blocks ``uint8 [N, K / block, type_size]``
+    of each kept type (random valid blocks, as ``engine.testing.tiny_gguf`` makes them; K a
+    multiple of the K-quants' 256-value super-block), one and several rows, with and without a
+    bias; ``checks.call_kernel`` runs ``prepack`` first."""
+    from engine.kernels import gguf as ref
+    from engine.testing.tiny_gguf import RANDOM_BLOCK_TYPES, random_blocks
+
+    cases = []
+    for name in RANDOM_BLOCK_TYPES:
+        t = ref.gguf_type(name)
+        for rows, n, k, bias in ((1, 40, 256, False), (5, 32, 512, True)):
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+            raw = random_blocks(n, k, name, seed=seed)
+            blocks = torch.from_numpy(raw.copy()).view(n, k // t.block_size, t.type_size)
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            b = torch.randn(n, generator=gen).to(dtype) if bias else None
+            cases.append((f"{name}-T{rows}-N{n}-K{k}", (x, blocks, t.ggml_type, b)))
+    return cases
+
+
 def _add_lora_linear_cases(dtype, gen):
     """Mixed batches: tokens of several adapter slots and tokens without one (-1), fused q/k/v
     and gate/up slices and a single one, odd sizes, decode- and prefill-sized batches, a rank
@@ -413,6 +434,7 @@ register_kernel_inputs("fp8_linear", _fp8_linear_cases)
 register_kernel_inputs("fp8_block_linear", _fp8_block_cases)
 register_kernel_inputs("int8_linear", _int8_linear_cases)
 register_kernel_inputs("wna16_linear", _wna16_cases)  # canonical tensors: see checks.call_kernel
+register_kernel_inputs("gguf_linear", _gguf_linear_cases)  # raw blocks: see checks.call_kernel
 register_kernel_inputs("add_lora_linear", _add_lora_linear_cases, in_place=(0,), kind="lora")
 register_kernel_inputs("lora_expand_augmented", _lora_expand_augmented_cases, kind="lora")
 

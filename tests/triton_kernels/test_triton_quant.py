@@ -20,14 +20,19 @@ from engine.testing.inputs import _fp8_rows, _pow2  # noqa: E402
 
 
 def _impls():
-    from engine_triton.kernels import fp8_linear, int8_linear, kv_cache, wna16_linear
+    # Module aliases: tests/test_gpu_tests_resolve.py resolves names file-wide, and other
+    # tests here import the functions of the same names.
+    from engine_triton.kernels import fp8_linear as fp8_mod
+    from engine_triton.kernels import int8_linear as int8_mod
+    from engine_triton.kernels import kv_cache
+    from engine_triton.kernels import wna16_linear as wna16_mod
 
     return {
         "write_kv_cache": kv_cache.write_kv_cache,  # its cases include an FP8 cache
-        "fp8_linear": fp8_linear.fp8_linear,
-        "fp8_block_linear": fp8_linear.fp8_block_linear,
-        "int8_linear": int8_linear.int8_linear,
-        "wna16_linear": wna16_linear.wna16_linear,
+        "fp8_linear": fp8_mod.fp8_linear,
+        "fp8_block_linear": fp8_mod.fp8_block_linear,
+        "int8_linear": int8_mod.int8_linear,
+        "wna16_linear": wna16_mod.wna16_linear,
     }
 
 
@@ -148,7 +153,7 @@ def _wna16(n, k, bits, group, act_order, gen):
      (4, 4, 32, 2, False), (16, 4, 64, 1, True), (7, 8, 64, 4, False)],
 )  # fmt: skip
 def test_wna16_skinny_variants(m, bits, group, split, act_order, device, seed, monkeypatch):
-    from engine_triton.kernels import wna16_linear as mod
+    from engine_triton.kernels import wna16_linear as wna16_mod
 
     dot = m > 1
     block_k = 32
@@ -156,7 +161,7 @@ def test_wna16_skinny_variants(m, bits, group, split, act_order, device, seed, m
     def config(m_, n_, k_, group_, pack, sms):
         return 32, block_k, 4, split, dot
 
-    monkeypatch.setattr(mod, "_skinny_config", config)
+    monkeypatch.setattr(wna16_mod, "_skinny_config", config)
     gen = torch.Generator().manual_seed(seed)
     n, k = 40, 256
     q, s, z, perm = _wna16(n, k, bits, group, act_order, gen)
@@ -167,10 +172,12 @@ def test_wna16_skinny_variants(m, bits, group, split, act_order, device, seed, m
         bits=bits, group_size=group, bias=b,
     )  # fmt: skip
     dev_perm = perm.to(device) if perm is not None else None
-    packed = mod.wna16_linear.prepack(
+    packed = wna16_mod.wna16_linear.prepack(
         q.to(device), s.to(device), z.to(device), bits=bits, group_size=group, perm=dev_perm
     )
-    got = mod.wna16_linear(x.to(device), packed, bits=bits, group_size=group, bias=b.to(device))
+    got = wna16_mod.wna16_linear(
+        x.to(device), packed, bits=bits, group_size=group, bias=b.to(device)
+    )
     _close(got, want, torch.bfloat16, seed)
 
 

@@ -141,14 +141,21 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallelism. Only tensor_parallel_size=1 runs today; larger values are refused loudly."""
+    """Parallelism. Only tensor_parallel_size=1 runs today; larger values are refused loudly.
+
+    ``data_parallel_size`` engine cores (processes) each hold a whole copy of the model: one
+    device each on a GPU host, a share of the CPU threads on the CPU.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
 
 
 @dataclass

@@ -39,8 +39,14 @@ class LLM:
     ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory). Unknown keywords are an error
-    that lists them.
+    sampling parameters; "vllm": EOS ids only; or a directory), ``data_parallel_size`` (N > 1:
+    N engine-core processes, each with its own copy of the model, one device each on a GPU
+    host; requests go to the least loaded, preferring the one that holds their prefix).
+    Unknown keywords are an error that lists them.
+
+    With one data-parallel rank the engine core runs in this process (``llm.llm_engine.core``);
+    call ``shutdown()`` (or use ``with LLM(...) as llm``) to stop engine-core processes early,
+    else they stop when the interpreter exits.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
+        data_parallel_size: int = 1,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -98,26 +105,39 @@ class LLM:
                 policy=scheduling_policy,
                 async_scheduling=async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+            ),
             platform=platform,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             max_logprobs=max_logprobs,
         )
-        from engine.engine import LLMEngine
+        from engine.llm_engine import LLMEngine
 
         self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> LLM:
-        """Build from a complete ``EngineConfig`` (what the CLI commands do)."""
-        from engine.engine import LLMEngine
+    def from_engine_config(cls, config: EngineConfig, *, multiprocess: bool | None = None) -> LLM:
+        """Build from a complete ``EngineConfig`` (what the CLI commands do); ``multiprocess``
+        as in ``LLMEngine.from_config``."""
+        from engine.llm_engine import LLMEngine
 
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine.from_config(config)
+        llm.llm_engine = LLMEngine.from_config(config, multiprocess=multiprocess)
         llm._counter = itertools.count()
         return llm
+
+    def shutdown(self) -> None:
+        """Stop the engine-core processes, if any (idempotent; the engine is unusable then)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     @property
     def config(self) -> EngineConfig:
@@ -170,23 +190,12 @@ class LLM:
 
                 raise PromptTooLongError(n, engine.max_model_len)
             params.validate()
-        ids_in_order = []
-        try:
-            for i, ((text, ids), params) in enumerate(zip(parsed, params_list, strict=True)):
-                request_id = str(next(self._counter))
-                engine.add_request(
-                    request_id,
-                    text,
-                    params,
-                    prompt_token_ids=ids,
-                    priority=priority[i] if priority is not None else 0,
-                    final_only=True,
-                )
-                ids_in_order.append(request_id)
-        except Exception:
-            engine.abort_request(ids_in_order)
-            raise
-        return self._run(ids_in_order, use_tqdm)
+        batch = []
+        for i, ((text, ids), params) in enumerate(zip(parsed, params_list, strict=True)):
+            prio = priority[i] if priority is not None else 0
+            batch.append((str(next(self._counter)), text, params, ids, prio, None, True))
+        engine.add_requests(batch)  # all or none
+        return self._run([r[0] for r in batch], use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the model's recommended defaults from its

@@ -160,6 +160,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="Tensor-parallel ranks (only 1 is supported today).",
     )
+    device.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="Engine cores, each with a whole copy of the model: one device each on a GPU "
+        "host, the CPU threads split among them on the CPU; requests go to the least loaded "
+        "core, or to the one that holds their prompt prefix (default: %(default)s).",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -193,7 +202,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             policy=args.scheduling_policy,
             async_scheduling=getattr(args, "async_scheduling", None),
         ),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
+        ),
         platform=platform,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,

@@ -60,6 +60,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="Largest n (completions per prompt) a request may ask for (default: %(default)s).",
     )
     server.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        help="HTTP front-end processes sharing the port (SO_REUSEPORT) and the engine cores; "
+        "more of them take tokenization, detokenization and streaming off one process's "
+        "cores (default: %(default)s).",
+    )
+    server.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="Tokens per streamed chunk: 1 sends every token as it comes; larger values send "
+        "fewer, bigger chunks, at less cost per token (default: %(default)s).",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -173,13 +188,14 @@ def _read_chat_template(value: str | None) -> str | None:
     return value
 
 
-def configure_logging(level: str = "info") -> None:
-    """One format for engine and uvicorn lines (uvicorn's loggers propagate to the root)."""
+def configure_logging(level: str = "info", tag: str = "") -> None:
+    """One format for engine and uvicorn lines (uvicorn's loggers propagate to the root);
+    ``tag`` names the process among several (``[api 1]``, ``[core 0]``)."""
     import logging
 
     logging.basicConfig(
         level=logging.INFO if level in ("info", "trace") else getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s{' ' + tag if tag else ''}: %(message)s",
         datefmt="%H:%M:%S",
     )
 
@@ -235,11 +251,6 @@ def run_serve(args: argparse.Namespace) -> int:
         if config.model.served_model_name is None:
             config.model.served_model_name = served_name
 
-    def load_engine():
-        from engine.engine import LLMEngine
-
-        return LLMEngine.from_config(config)
-
     launch = LaunchOptions(
         host=args.host,
         port=args.port,
@@ -249,5 +260,17 @@ def run_serve(args: argparse.Namespace) -> int:
         quiet_paths=quiet,
         log_level=args.uvicorn_log_level,
         started_at=started_at,
+        stream_interval=args.stream_interval,
+        api_server_count=args.api_server_count,
     )
-    return ApiServer(load_engine, options, launch).run()
+    if args.api_server_count > 1:
+        from engine.server.multiproc import serve_multiprocess
+
+        return serve_multiprocess(config, options, launch)
+
+    def start_engine_cores():
+        from engine.engine_core.async_client import AsyncMPClient
+
+        return AsyncMPClient.launch(config, log_level=args.uvicorn_log_level)
+
+    return ApiServer(start_engine_cores, options, launch).run()

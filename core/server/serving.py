@@ -68,11 +68,11 @@ class ServingContext:
     """The engine as the HTTP endpoints see it."""
 
     def __init__(self, async_engine: AsyncEngine, options: ServingOptions) -> None:
-        engine = async_engine.engine
         self.async_engine = async_engine
         self.options = options
-        self.tokenizer = engine.tokenizer
-        model_config = engine.config.model
+        self.tokenizer = async_engine.tokenizer
+        engine_config = async_engine.config
+        model_config = engine_config.model
         self.max_model_len: int = int(model_config.max_model_len)
         # Defaults from the model's generation_config.json for fields a request leaves unset.
         self.default_sampling: dict[str, Any] = dict(
@@ -81,7 +81,7 @@ class ServingContext:
         self.model_path: str = str(model_config.model)
         self.model_names = list(options.served_model_names) or model_config.served_model_names
         self.max_logprobs = min(
-            options.limits.max_logprobs, int(getattr(engine.config, "max_logprobs", 20))
+            options.limits.max_logprobs, int(getattr(engine_config, "max_logprobs", 20))
         )
         self.chat_template = options.chat_template
         self._token_text: dict[int, str] = {}

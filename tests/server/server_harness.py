@@ -22,15 +22,25 @@ class RunningServer:
         options: ServerOptions | None = None,
         launch: LaunchOptions | None = None,
     ) -> None:
-        launch = launch or LaunchOptions(port=0, log_stats_interval=0.0, access_log=False)
+        # The server stays up after an engine failure, so tests can look at its answers then
+        # (engine serve exits instead: tests/server/test_engine_core_process.py).
+        launch = launch or LaunchOptions(
+            port=0, log_stats_interval=0.0, access_log=False, exit_on_engine_death=False
+        )
         self.server = ApiServer(engine_factory, options or ServerOptions(), launch)
         self.thread = threading.Thread(target=self.server.run, name="test-server", daemon=True)
         self.base_url = f"http://127.0.0.1:{self.server.port}"
 
     @property
     def engine(self):
-        """The ``LLMEngine`` being served."""
-        return self.server.state.engine.engine
+        """The ``EngineCore`` being served (in a thread of this process), once it handled
+        every message sent to it so far: aborts and stop-string stops free KV blocks in the
+        core's thread, after the response went out."""
+        client = self.server.state.engine.client
+        thread = getattr(client, "_thread", None)
+        if thread is not None and thread.is_alive():
+            assert client._loop_runner.sync(), "the engine core thread did not answer"
+        return client.core
 
     def __enter__(self) -> RunningServer:
         self.thread.start()

@@ -13,11 +13,11 @@ IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAAD
 
 @pytest.fixture(scope="module")
 def gemma3mm_server(tmp_path_factory):
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
     from engine.testing.tiny_models import build_tiny_gemma3_multimodal
 
     path = build_tiny_gemma3_multimodal(tmp_path_factory.mktemp("gemma3mm-server"))
-    with RunningServer(lambda: LLMEngine.from_config(engine_config(path))) as running:
+    with RunningServer(lambda: EngineCore.from_config(engine_config(path))) as running:
         yield running
 
 

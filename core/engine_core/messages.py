@@ -1,0 +1,212 @@
+"""What front ends and engine cores say to each other: msgspec Structs, msgpack on the wire.
+
+Front end -> core: ``AddRequests`` (token ids plus ``SamplingParams``), ``AbortRequests``,
+``FinishSequences`` (a stop string found by the front end's detokenizer), ``GetStats`` (answered
+by an ``EngineCoreOutputs`` carrying only stats), ``Shutdown``.
+
+Core -> front end: ``EngineCoreOutputs`` once per step for every front end whose requests
+progressed (new token ids, logprobs, finish reasons: token level, no text), ``AddResult`` (which
+requests were accepted, which rejected and why) right after the core took them, ``CoreReady``
+once the model is loaded (the resolved configuration the front end needs), ``CoreFailed`` when
+loading or a step fails (then the core exits).
+
+Every message is a tagged Struct with ``array_like=True`` (fields by position, no names on the
+wire) and ``gc=False`` (no cycles, so the collector need not track them). ``SamplingParams`` and
+``Logprob`` are dataclasses, which msgspec encodes natively; nothing is pickled. The in-process
+client passes the same objects without encoding them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.outputs import Logprob
+from engine.sampling_params import SamplingParams
+
+
+class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Counters and gauges of one engine core, for the periodic log line and Prometheus.
+
+    Cumulative counters (``*_total``, prefix-cache counters, preemptions) only grow; gauges
+    describe the moment ``time`` (``time.monotonic()`` of the core, system-wide on Linux).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_used_blocks: int = 0
+    time: float = 0.0
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request as the core sees it: token ids and how to sample them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    # Which front end sent it: where its outputs go.
+    client_index: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one sequence of a request gained in a step.
+
+    ``index`` is the completion index (``n > 1``). ``finish_reason`` is set when the core ended
+    the sequence: "stop" (EOS, a stop token (``stop_reason``), the grammar's end), "length" or
+    "abort". Stop *strings* are the front end's business. ``prompt_logprobs`` is the chunk
+    computed by this step, for prompt positions after those sent before. The fields are in
+    order of how often they are set, so a plain decode output is ``[id, [token]]`` on the wire.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    index: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    first_scheduled_time: float | None = None
+
+
+class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Why the core refused a request, enough to raise the same error in the front end."""
+
+    request_id: str
+    kind: str  # "invalid" (a ValueError: 400), "too_long", "sampling", or "internal"
+    message: str
+    param: str | None = None
+    num_tokens: int | None = None
+    max_model_len: int | None = None
+
+
+# --------------------------------------------------------------------- front end -> core
+class AddRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True, gc=False):
+    request_ids: list[str]
+
+
+class FinishSequences(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Sequences the front end ended (a stop string): ``(request id, completion index)``."""
+
+    sequences: list[tuple[str, int]]
+
+
+class GetStats(msgspec.Struct, tag=True, array_like=True, gc=False):
+    client_index: int = 0
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
+ToCore = AddRequests | AbortRequests | FinishSequences | GetStats | Shutdown
+
+
+# --------------------------------------------------------------------- core -> front end
+class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """One step's outputs for one front end (plus the core's stats, when refreshed)."""
+
+    outputs: list[EngineCoreOutput] = []
+    engine_index: int = 0
+    stats: EngineStats | None = None
+
+
+class AddResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """The core took these requests (``accepted``) or refused them (``rejected``)."""
+
+    accepted: list[str] = []
+    rejected: list[RequestError] = []
+    engine_index: int = 0
+
+
+class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The core loaded its model: what the front end must know of the resolved config."""
+
+    engine_index: int
+    pid: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    platform: str
+    served_model_name: str | list[str] | None
+    default_sampling: dict[str, Any]
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    max_num_seqs: int
+    max_logprobs: int
+    async_scheduling: bool
+    attention_backend: str
+    load_seconds: float
+
+
+class CoreFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The core failed (while loading or in a step) and exits. ``user_error``: a configuration
+    or plugin problem (one paragraph, exit status 2), not a bug (traceback kept)."""
+
+    engine_index: int
+    message: str
+    kind: str
+    user_error: bool
+    traceback: str = ""
+
+
+FromCore = EngineCoreOutputs | AddResult | CoreReady | CoreFailed
+
+
+def request_error(request_id: str, exc: BaseException) -> RequestError:
+    """The ``RequestError`` that carries ``exc`` across the process boundary."""
+    from engine.sampling_params import SamplingParamsError
+
+    param = getattr(exc, "param", None)
+    max_len = getattr(exc, "max_model_len", None)
+    num_tokens = getattr(exc, "num_tokens", None)
+    if max_len is not None and num_tokens is not None:
+        return RequestError(request_id, "too_long", str(exc), param, int(num_tokens), int(max_len))
+    if isinstance(exc, SamplingParamsError):
+        return RequestError(request_id, "sampling", str(exc), param)
+    if isinstance(exc, ValueError):
+        return RequestError(request_id, "invalid", str(exc), param)
+    return RequestError(request_id, "internal", f"{type(exc).__name__}: {exc}")
+
+
+def raise_request_error(err: RequestError) -> None:
+    """Raise in the front end what the core raised (the same classes the in-process engine
+    raises, so the server maps them to the same HTTP answers)."""
+    from engine.errors import InvalidRequestError, PromptTooLongError
+    from engine.sampling_params import SamplingParamsError
+
+    if err.kind == "too_long":
+        raise PromptTooLongError(int(err.num_tokens or 0), int(err.max_model_len or 0))
+    if err.kind == "sampling":
+        raise SamplingParamsError(err.message, err.param)
+    if err.kind == "invalid":
+        raise InvalidRequestError(err.message, err.param)
+    raise RuntimeError(f"the engine core failed to add request {err.request_id}: {err.message}")
+
+
+class Codec:
+    """The msgpack encoder and the two decoders (one per direction), built once."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.to_core = msgspec.msgpack.Decoder(ToCore)
+        self.from_core = msgspec.msgpack.Decoder(FromCore)
+
+    def encode(self, message: Any) -> bytes:
+        return self.encoder.encode(message)

@@ -267,6 +267,11 @@ class SyncMPClient:
 
     def get_stats(self) -> EngineStats:
         """Fresh stats of every core, summed."""
+        by_engine = self.get_stats_by_engine()
+        return sum_stats([by_engine[i] for i in sorted(by_engine)])
+
+    def get_stats_by_engine(self) -> dict[int, EngineStats]:
+        """Fresh stats of every core, by data-parallel rank."""
         from engine.engine_core.messages import EngineCoreOutputs, GetStats
 
         self._check()
@@ -280,7 +285,7 @@ class SyncMPClient:
             if isinstance(msg, EngineCoreOutputs) and msg.stats is not None and not msg.outputs:
                 fresh[msg.engine_index] = msg.stats
             self._pending += self._handle(msg)
-        return sum_stats(list(fresh.values()))
+        return fresh
 
     def num_used_blocks(self) -> int:
         return self.get_stats().num_used_blocks

@@ -1,0 +1,109 @@
+"""Data parallelism: the router's choices (pure Python), and ``LLM(data_parallel_size=2)``
+(two engine-core processes) against the in-process engine."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from engine.engine_core.routing import DataParallelRouter
+from engine.sampling_params import SamplingParams
+
+
+def test_router_balances_equal_loads_and_follows_the_least_loaded():
+    router = DataParallelRouter(2, block_size=4)
+    picks = []
+    for i in range(4):
+        engine, hashes = router.choose([100 + i, 1, 2])  # shorter than a block: no prefix
+        router.add(f"r{i}", engine, 1, hashes)
+        picks.append(engine)
+    assert picks == [0, 1, 0, 1]
+    router.request_done("r0")
+    router.request_done("r2")  # engine 0 is idle now, engine 1 holds two
+    assert router.choose([7, 8, 9])[0] == 0
+
+
+def test_router_prefers_the_core_holding_the_prefix_unless_it_is_much_busier():
+    router = DataParallelRouter(2, block_size=4)
+    prefix = list(range(10, 22))  # three full blocks
+    engine, hashes = router.choose(prefix + [1])
+    assert len(hashes) == 3
+    router.add("first", engine, 1, hashes)
+    holder = engine
+    # Same prefix, other suffix: the holder, although it is busier.
+    for i in range(DataParallelRouter.imbalance_limit(0)):
+        pick, hashes = router.choose(prefix + [2 + i])
+        assert pick == holder
+        router.add(f"again{i}", pick, 1, hashes)
+    # Too busy now (5 requests against 0): the prefix is not worth the imbalance.
+    assert router.choose(prefix + [99])[0] != holder
+    # A prompt sharing only the first block still counts as a prefix hit.
+    assert router._prefix_holder(router._hashes(prefix[:4] + [0, 0, 0, 0])) == holder
+    assert router._prefix_holder(router._hashes([0, 0, 0, 0] + prefix[4:])) is None
+
+
+def test_router_forgets_old_hashes_and_counts_every_completion():
+    router = DataParallelRouter(2, block_size=2, max_hashes=3)
+    engine, hashes = router.choose([1, 2, 3, 4, 5, 6])
+    router.add("a", engine, 2, hashes)
+    assert len(router._owner) == 3
+    engine2, hashes2 = router.choose([7, 8, 9, 10])
+    router.add("b", engine2, 1, hashes2)
+    assert len(router._owner) == 3  # bounded: the oldest went
+    assert router.load(engine) == 1
+    router.sequence_done("a", 0)
+    router.sequence_done("a", 0)  # twice (the core and a stop string): counted once
+    assert router.load(engine) == 1 and router.engine_of("a") == engine
+    router.sequence_done("a", 1)
+    assert router.load(engine) == 0 and router.engine_of("a") is None
+
+
+def test_router_counts_other_front_ends_from_the_cores_stats():
+    from engine.engine_core.messages import EngineStats
+
+    router = DataParallelRouter(2)
+    router.on_stats(0, EngineStats(num_running=6, num_waiting=2))  # others' requests
+    assert router.load(0) == 8 and router.choose([1, 2, 3])[0] == 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from engine.testing.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("dp"), "llama", max_position_embeddings=256)
+
+
+KW = dict(dtype="float32", platform="cpu", max_model_len=256, cpu_kv_cache_gb=0.05)
+
+
+def test_data_parallel_llm_gives_the_same_greedy_outputs_and_routes_prefixes(model_dir):
+    from engine.llm import LLM
+
+    prefix = list(range(20, 68))  # three blocks of 16
+    first = [{"prompt_token_ids": prefix + [5]}]
+    batch = []
+    for i in range(3):
+        batch.append({"prompt_token_ids": prefix + [6 + i, 7]})  # shares the prefix
+        batch.append({"prompt_token_ids": [100 + i] * (20 + i)})  # shares nothing
+    batch.append("A text prompt, tokenized by the front end")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = LLM(str(model_dir), **KW)
+    with LLM(str(model_dir), data_parallel_size=2, **KW) as dp:
+        engine = dp.llm_engine
+        children = psutil.Process().children()
+        for prompts in (first, batch):
+            got = dp.generate(prompts, params, use_tqdm=False)
+            ref = want.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+            assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in ref]
+        stats = engine.client.get_stats_by_engine()
+        assert sorted(stats) == [0, 1]
+        # The three prefix-sharing requests went to the core that computed the prefix.
+        hits = {i: s.prefix_cache_hits for i, s in stats.items()}
+        assert sorted(hits.values()) == [0, 3 * 48], hits
+        assert all(s.generation_tokens_total > 0 for s in stats.values()), stats
+        assert engine.num_used_blocks == 0
+        with pytest.raises(AttributeError, match="other processes"):
+            engine.runner  # noqa: B018 - no in-process core
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, "engine-core processes outlived LLM.shutdown()"

@@ -99,8 +99,9 @@ class OutputProcessor:
         output_interval: int = 1,
     ) -> None:
         """Track a request the core accepted. ``output_interval``: a streaming request gets a
-        ``RequestOutput`` once at least this many new tokens arrived (or it finished);
-        ``FINAL_ONLY`` (0): only when it finishes."""
+        ``RequestOutput`` for its first token, then once at least this many new tokens
+        arrived, and when it finishes (vLLM's ``--stream-interval``); ``FINAL_ONLY`` (0): only
+        when it finishes."""
         from engine.detokenizer import IncrementalDetokenizer
 
         seqs = []
@@ -197,13 +198,17 @@ class OutputProcessor:
         return ProcessedOutputs(result, to_finish, stats)
 
     def _due(self, state: _RequestState) -> bool:
-        """Whether an unfinished request has gained enough tokens for an output."""
+        """Whether an unfinished request has gained enough tokens for an output: the first
+        token at once (it sets the time to first token), then every ``output_interval``."""
         interval = state.output_interval
         if interval == 1:
             return True
         if interval == FINAL_ONLY:
             return False
-        return any(len(s.token_ids) - s.emitted_token_len >= interval for s in state.seqs)
+        return any(
+            s.emitted_token_len == 0 or len(s.token_ids) - s.emitted_token_len >= interval
+            for s in state.seqs
+        )
 
     def _append_tokens(self, state: _RequestState, seq: _SequenceText, o: Any) -> bool:
         """Take a sequence's new tokens; return True when a stop string ended it here and
@@ -265,39 +270,45 @@ class OutputProcessor:
                 lp.decoded_token = self.tokenizer.decode([token_id])
 
     def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        # Once per streaming request per step: positional arguments, no repeated lookups.
         completions, new_ids, new_texts = [], [], []
         params = state.params
+        hold_back = bool(params.stop) and not params.include_stop_str_in_output
         for seq in state.seqs:
             ids = seq.token_ids
-            visible = len(seq.text)
-            if seq.finish_reason is None and params.stop and not params.include_stop_str_in_output:
+            text = seq.text
+            emitted = seq.emitted_text_len
+            visible = len(text)
+            if hold_back and seq.finish_reason is None:
                 # Hold back a tail that may be the start of a stop string still to come.
-                visible -= pending_stop_chars(seq.text, params.stop)
-            visible = max(visible, seq.emitted_text_len)
-            new_texts.append(seq.text[seq.emitted_text_len : visible])
+                visible -= pending_stop_chars(text, params.stop)
+            if visible < emitted:
+                visible = emitted
+            new_texts.append(text[emitted:visible])
             seq.emitted_text_len = visible
             new_ids.append(ids[seq.emitted_token_len :])
             seq.emitted_token_len = len(ids)
+            logprobs = seq.logprobs
             completions.append(
                 CompletionOutput(
-                    index=seq.index,
-                    text=seq.text,
-                    token_ids=list(ids),
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=seq.logprobs,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
+                    seq.index,
+                    text,
+                    ids.copy(),
+                    seq.cumulative_logprob if logprobs is not None else None,
+                    logprobs,
+                    seq.finish_reason,
+                    seq.stop_reason,
                 )
             )
         return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            prompt_logprobs=state.prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics,
-            new_token_ids=new_ids,
-            new_texts=new_texts,
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            completions,
+            finished,
+            state.prompt_logprobs,
+            state.num_cached_tokens,
+            state.metrics,
+            new_ids,
+            new_texts,
         )

@@ -90,7 +90,10 @@ def test_data_parallel_llm_gives_the_same_greedy_outputs_and_routes_prefixes(mod
     want = LLM(str(model_dir), **KW)
     with LLM(str(model_dir), data_parallel_size=2, **KW) as dp:
         engine = dp.llm_engine
-        children = psutil.Process().children()
+        children = [
+            p for p in psutil.Process().children() if "engine-core-" in " ".join(p.cmdline())
+        ]
+        assert len(children) == 2
         for prompts in (first, batch):
             got = dp.generate(prompts, params, use_tqdm=False)
             ref = want.generate(prompts, params, use_tqdm=False)

@@ -26,12 +26,14 @@ from engine.engine_core.messages import (
     AbortRequests,
     AddRequests,
     AddResult,
+    AllFrontEndsReady,
     CoreFailed,
     CoreReady,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
     FinishSequences,
+    FrontEndReady,
     raise_request_error,
 )
 from engine.engine_core.routing import DataParallelRouter
@@ -288,8 +290,17 @@ class AsyncMPClient(_AsyncClient):
         tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model))
         try:
             await self._ready_waiter
-        finally:
-            self.tokenizer = await tokenizer
+        except BaseException:
+            # The cores' error is the one to report (the tokenizer may fail the same way).
+            tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+        self.tokenizer = await tokenizer
+        if conn.num_clients > 1:
+            # Serve only once every front end can: they share the port, so a client must
+            # never meet one still starting after another answered /health.
+            self._ready_waiter = loop.create_future()
+            self._send(0, FrontEndReady(self.client_index))
+            await self._ready_waiter
         first = self.ready[0]
         from engine.engine_core.client import apply_ready
 
@@ -305,13 +316,15 @@ class AsyncMPClient(_AsyncClient):
             return
         from engine.engine_core.client import dead_error
 
+        waiter = self._ready_waiter
+        if waiter is not None and waiter.done() and waiter.exception() is not None:
+            return  # it failed to start and said why: that error is the one to report
         err = dead_error(engine, proc)
         if proc is None:
             from engine.errors import EngineDeadError
 
             pid = self.connection.pids[engine]
             err = EngineDeadError(f"engine core {engine} (pid {pid}) died")
-        waiter = self._ready_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(RuntimeError(f"{err} while loading the model"))
             return
@@ -339,6 +352,9 @@ class AsyncMPClient(_AsyncClient):
                     from engine.engine_core.client import startup_error
 
                     waiter.set_exception(startup_error(msg))
+                    continue
+                if isinstance(msg, AllFrontEndsReady):
+                    waiter.set_result(None)
                     continue
             try:
                 self._on_message(msg)

@@ -2,7 +2,8 @@
 
 Front end -> core: ``AddRequests`` (token ids plus ``SamplingParams``), ``AbortRequests``,
 ``FinishSequences`` (a stop string found by the front end's detokenizer), ``GetStats`` (answered
-by an ``EngineCoreOutputs`` carrying only stats), ``Shutdown``.
+by an ``EngineCoreOutputs`` carrying only stats), ``FrontEndReady`` (a start-up barrier of
+several front ends, answered by ``AllFrontEndsReady``), ``Shutdown``.
 
 Core -> front end: ``EngineCoreOutputs`` once per step for every front end whose requests
 progressed (new token ids, logprobs, finish reasons: token level, no text), ``AddResult`` (which
@@ -108,11 +109,18 @@ class GetStats(msgspec.Struct, tag=True, array_like=True, gc=False):
     client_index: int = 0
 
 
+class FrontEndReady(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """A front end (of several) is ready; engine core 0 answers every front end with
+    ``AllFrontEndsReady`` once all are, so that none serves before the others can."""
+
+    client_index: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
     pass
 
 
-ToCore = AddRequests | AbortRequests | FinishSequences | GetStats | Shutdown
+ToCore = AddRequests | AbortRequests | FinishSequences | GetStats | FrontEndReady | Shutdown
 
 
 # --------------------------------------------------------------------- core -> front end
@@ -155,6 +163,10 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
     load_seconds: float
 
 
+class AllFrontEndsReady(msgspec.Struct, tag=True, array_like=True, gc=False):
+    pass
+
+
 class CoreFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
     """The core failed (while loading or in a step) and exits. ``user_error``: a configuration
     or plugin problem (one paragraph, exit status 2), not a bug (traceback kept)."""
@@ -166,7 +178,7 @@ class CoreFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
     traceback: str = ""
 
 
-FromCore = EngineCoreOutputs | AddResult | CoreReady | CoreFailed
+FromCore = EngineCoreOutputs | AddResult | CoreReady | CoreFailed | AllFrontEndsReady
 
 
 def request_error(request_id: str, exc: BaseException) -> RequestError:

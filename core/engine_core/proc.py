@@ -34,10 +34,12 @@ from engine.engine_core.messages import (
     AbortRequests,
     AddRequests,
     AddResult,
+    AllFrontEndsReady,
     CoreFailed,
     CoreReady,
     EngineCoreOutputs,
     FinishSequences,
+    FrontEndReady,
     GetStats,
     Shutdown,
     request_error,
@@ -71,6 +73,7 @@ class CoreLoop:
         self.stats_interval_s = stats_interval_s
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._client_of: dict[str, int] = {}  # request id -> front end (several front ends)
+        self._ready_clients: set[int] = set()
         self._stopping = False
 
     def run(self) -> None:
@@ -136,6 +139,11 @@ class CoreLoop:
                     for rid, _ in msg.sequences:
                         if rid not in core._requests:
                             self._client_of.pop(rid, None)
+            elif isinstance(msg, FrontEndReady):
+                self._ready_clients.add(msg.client_index)
+                if len(self._ready_clients) == self.num_clients:
+                    for client in range(self.num_clients):
+                        self.send(client, AllFrontEndsReady())
             elif isinstance(msg, GetStats):
                 self.send(
                     msg.client_index, EngineCoreOutputs([], self.engine_index, core.get_stats())
@@ -276,9 +284,7 @@ def run_engine_core(args: CoreProcessArgs) -> int:
 
         core = EngineCore.from_config(args.config)
     except BaseException as e:  # noqa: BLE001 - reported to the front ends, then exit
-        failed = failure_message(index, e)
-        if not failed.user_error:
-            logger.error("engine core %d failed to load:\n%s", index, failed.traceback)
+        failed = failure_message(index, e)  # the front ends report it, traceback included
         for client in range(len(outputs)):
             send(client, failed)
         return exit_with(2 if failed.user_error else 1)
@@ -376,6 +382,7 @@ class CoreConnection:
     input_addresses: list[str]  # one per engine core
     output_address: str  # this front end's
     pids: list[int]  # the cores', to watch them
+    num_clients: int = 1  # front ends in all
 
 
 class EngineCoreProcesses:
@@ -417,6 +424,7 @@ class EngineCoreProcesses:
             list(self.input_addresses),
             self.endpoints.client_output(client_index),
             [p.pid for p in self.procs],
+            self.num_clients,
         )
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -174,5 +174,6 @@ def run_front_end(args: FrontEndArgs) -> int:
             if launch.api_server_index == 0:  # the same error in every front end: say it once
                 print(format_error(exc), file=sys.stderr)
             return 2
-        logging.getLogger("engine.server").exception("API server failed")
+        if launch.api_server_index == 0:
+            logging.getLogger("engine.server").exception("API server failed")
         return 1

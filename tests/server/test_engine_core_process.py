@@ -282,7 +282,7 @@ def test_sigterm_drains_both_front_ends(many):
 def test_killed_engine_core_fails_every_request_within_2_s_and_the_server_exits(
     tiny_model_dir, tmp_path
 ):
-    flags = ("--max-num-seqs", "1")  # one request at a time: the others wait in the core
+    flags = ("--max-num-seqs", "1")  # one request runs, the others wait in the core
     with ServeProcess(tiny_model_dir, tmp_path / "server.log", *flags) as server:
         (core,) = [p for p in server.descendants() if "engine-core-0" in " ".join(p.cmdline())]
         results: dict[str, object] = {}
@@ -300,7 +300,7 @@ def test_killed_engine_core_fails_every_request_within_2_s_and_the_server_exits(
                         first.set()
                         if '"engine_dead"' in line:
                             ends[i] = time.monotonic()
-            results[f"stream{i}"] = lines
+            results[f"stream{i}"] = (r.status_code, lines)
 
         def plain() -> None:
             body = {"prompt": "plain", "max_tokens": 240, "ignore_eos": True}
@@ -308,19 +308,29 @@ def test_killed_engine_core_fails_every_request_within_2_s_and_the_server_exits(
                                           timeout=30)  # fmt: skip
             ends[-1] = time.monotonic()
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        threads = [threading.Thread(target=stream, args=(0,))]
+        threads[0].start()
+        assert first.wait(60)  # stream 0 runs; the next three queue behind it
+        threads += [threading.Thread(target=stream, args=(i,)) for i in (1, 2)]
         threads.append(threading.Thread(target=plain))
-        for t in threads:
+        for t in threads[1:]:
             t.start()
-        assert first.wait(60)
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(server.base_url + "/metrics").text
+            if sum(metric_values(text, "engine:num_requests_waiting").values()) == 3:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.02)
         killed_at = time.monotonic()
         core.kill()
         for t in threads:
             t.join(30)
         assert all(not t.is_alive() for t in threads), "a request hung after the core died"
-        for i in range(3):
-            lines = results[f"stream{i}"]
-            assert lines[-1] == "data: [DONE]" and '"engine_dead"' in lines[-2], lines[-3:]
+        for i in range(3):  # the streams had started: the error comes in-band
+            status, lines = results[f"stream{i}"]
+            assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+            assert lines[-2].startswith("data: {") and '"engine_dead"' in lines[-2], lines[-3:]
             assert "killed by SIGKILL" in lines[-2]
         plain_r = results["plain"]
         assert plain_r.status_code == 500 and plain_r.json()["error"]["code"] == "engine_dead"

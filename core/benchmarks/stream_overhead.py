@@ -19,30 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import tempfile
 import time
 from typing import Any
-
-
-def word_level_tokenizer(vocab_size: int, out_dir: str | None = None) -> Any:
-    """A fast tokenizer whose token ``i`` is the word ``t<i>`` (every id decodes to text)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0"
-    )
-    fast.chat_template = (
-        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}t3{% endif %}"
-    )
-    if out_dir is not None:
-        fast.save_pretrained(out_dir)
-    return fast
 
 
 class InstantCore:
@@ -141,12 +119,13 @@ async def _request(app: Any, path: str, body: dict, sink: list[int]) -> None:
 
 
 async def _run(args: argparse.Namespace, stream: bool, interval: int) -> dict[str, float]:
+    from engine.benchmarks.workload import write_word_level_tokenizer
     from engine.server.app import ServerOptions, ServerState, build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics
     from engine.server.serving import ServingContext
 
-    tokenizer = word_level_tokenizer(args.vocab_size)
+    tokenizer = write_word_level_tokenizer(args.vocab_size)
     core = InstantCore(tokenizer)
     engine = AsyncEngine(core, stream_interval=interval)
     await engine.start()
@@ -193,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval", type=int, default=8, help="The second streamed run.")
     parser.add_argument("--repeats", type=int, default=3, help="Best of (least CPU).")
     args = parser.parse_args(argv)
-    tempfile.gettempdir()
     runs = [("streaming, every token", True, 1)]
     runs.append(
         (f"streaming, --stream-interval {args.stream_interval}", True, args.stream_interval)

@@ -64,8 +64,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     ``index`` is the completion index (``n > 1``). ``finish_reason`` is set when the core ended
     the sequence: "stop" (EOS, a stop token (``stop_reason``), the grammar's end), "length" or
     "abort". Stop *strings* are the front end's business. ``prompt_logprobs`` is the chunk
-    computed by this step, for prompt positions after those sent before. The fields are in
-    order of how often they are set, so a plain decode output is ``[id, [token]]`` on the wire.
+    computed by this step, for prompt positions after those sent before. On the wire a plain
+    decode output is ``[id, [token], 0, 0, nil, nil, nil, nil, nil]``: 13 bytes besides the id
+    (msgspec writes every field of an array-like Struct).
     """
 
     request_id: str

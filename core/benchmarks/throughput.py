@@ -49,6 +49,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         w.add_argument(f"--min-{kind}-len", type=int, default=None, help=f"Explicit {kind} range.")
         w.add_argument(f"--max-{kind}-len", type=int, default=None, help=f"Explicit {kind} range.")
     w.add_argument("--no-warmup", action="store_true", help="Skip the untimed warm-up requests.")
+    parser.add_argument(
+        "--engine-core-process",
+        action="store_true",
+        help="Run the engine core in a process of its own, behind the same ZMQ client as "
+        "engine serve (default: in this process, as LLM does; always with "
+        "--data-parallel-size > 1).",
+    )
 
 
 def _range(args: argparse.Namespace, kind: str) -> tuple[int, int]:
@@ -67,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
     input_range, output_range = _range(args, "input"), _range(args, "output")
     llm, ready_s = build_llm(args)
     engine = llm.llm_engine
-    vocab = engine.runner.vocab_size
+    vocab = engine.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
     if not args.no_warmup:
         warm = warmup_workload(vocab)
         generate(llm, warm.prompts, warm.output_lens)
     work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
-    profiler = StepProfiler(engine)
+    # The per-step split needs the engine core in this process (not with data parallelism).
+    profiler = StepProfiler(engine) if getattr(engine.client, "core", None) is not None else None
     with TritonCompileWatch() as jit:
         outs, seconds = generate(llm, work.prompts, work.output_lens)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -93,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         "total_tokens_per_s": round((in_tokens + out_tokens) / seconds, 1),
         "output_tokens_per_s": round(out_tokens / seconds, 1),
         "start_to_ready_s": round(ready_s, 2),
-        "step_split": profiler.summary(),
+        "step_split": profiler.summary() if profiler is not None else None,
         "triton_variants_compiled_in_run": jit.variants,
         "settings": engine_settings(llm),
         "hardware": hardware(),
@@ -106,17 +114,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"Total num prompt tokens:  {in_tokens}")
     print(f"Total num output tokens:  {out_tokens}")
     split = result["step_split"]
-    print(
-        f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
-        f"{split['mean_step_ms']:.2f} ms: GPU span {split['mean_gpu_span_ms']:.2f} ms, host-only "
-        f"{split['mean_host_only_ms']:.2f} ms (schedule {split['mean_schedule_ms']:.2f} ms)"
-    )
-    print(
-        f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of GPU "
-        f"span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met in the "
-        f"run: {len(jit.variants)} {sorted(set(jit.variants))}"
-    )
+    if split is not None:
+        print(
+            f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
+            f"{split['mean_step_ms']:.2f} ms: GPU span {split['mean_gpu_span_ms']:.2f} ms, "
+            f"host-only {split['mean_host_only_ms']:.2f} ms (schedule "
+            f"{split['mean_schedule_ms']:.2f} ms)"
+        )
+        print(
+            f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of "
+            f"GPU span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met "
+            f"in the run: {len(jit.variants)} {sorted(set(jit.variants))}"
+        )
     write_json(args.json, result)
+    llm.shutdown()
     return 0 if out_tokens == work.output_tokens else 1
 
 

@@ -121,6 +121,7 @@ class SyncMPClient:
         self.dead: BaseException | None = None
         self.tokenizer = load_tokenizer(config.model)  # while the cores load
         ready = self._wait_ready(len(conn.input_addresses))
+        self.ready = ready  # what each core resolved (CoreReady)
         first = ready[0]
         apply_ready(config, first)
         self.vocab_size = first.vocab_size

@@ -11,6 +11,7 @@ Asynchronous (the HTTP server's ``AsyncEngine``, see ``engine.engine_core.async_
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from engine.engine_core.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -129,6 +130,8 @@ class SyncMPClient:
         self.router = DataParallelRouter(
             len(ready), first.block_size, enable_prefix_caching=first.enable_prefix_caching
         )
+        # An LLM dropped without shutdown() stops its cores when it is collected.
+        self._finalizer = weakref.finalize(self, processes.stop)
 
     @classmethod
     def start(cls, config: Any) -> SyncMPClient:
@@ -295,7 +298,7 @@ class SyncMPClient:
         if self._closed:
             return
         self._closed = True
-        self.processes.stop()
+        self._finalizer()
         for sock in (self._out, *self._ins):
             sock.close(linger=0)
         self._ctx.term()

@@ -118,6 +118,36 @@ def test_chat_through_the_process_boundary(one, offline):
     assert text == want[0].outputs[0].text
 
 
+REQUESTS = [
+    ("/v1/completions", {"prompt": "The capital of", "max_tokens": 6, "echo": True, "logprobs": 2,
+                         "temperature": 0}),
+    ("/v1/completions", {"prompt": ["one", "two three"], "max_tokens": 5, "n": 2, "seed": 4,
+                         "temperature": 1.0, "logprobs": 1}),
+    ("/v1/completions", {"prompt": "Answer:", "max_tokens": 8, "seed": 3,
+                         "structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
+    ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 9, "temperature": 0,
+                         "min_tokens": 3, "stop_token_ids": [100, 101], "frequency_penalty": 0.5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}],
+                              "max_tokens": 7, "temperature": 0, "logprobs": True,
+                              "top_logprobs": 2}),
+]  # fmt: skip
+
+
+def test_responses_equal_the_in_process_servers(one, server):
+    """The same requests, every field of every choice: engine serve (engine-core process)
+    against the test suite's server whose core runs in a thread of this process."""
+    from server_harness import API_KEY
+
+    for path, body in REQUESTS:
+        body = {"model": "tiny", **body}
+        got = httpx.post(one.base_url + path, json=body, timeout=60)
+        want = httpx.post(server.base_url + path, json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        assert got.status_code == want.status_code == 200, (got.text, want.text)
+        assert got.json()["choices"] == want.json()["choices"], body
+        assert got.json()["usage"] == want.json()["usage"]
+
+
 def _engine_idle(base: str) -> tuple[bool, str]:
     text = httpx.get(base + "/metrics", timeout=10).text
     busy = sum(metric_values(text, "engine:num_requests_running").values()) + sum(

@@ -127,11 +127,12 @@ class LLMEngine:
         With engine-core processes they travel in one message per core. If one is refused,
         none stays queued and the error is raised."""
         batch: list[EngineCoreRequest] = []
+        seen: set[str] = set()
         processor = self.output_processor
         now = time.monotonic()
         try:
             for request_id, prompt, params, ids, priority, arrival, final_only in requests:
-                if request_id in processor or any(r.request_id == request_id for r in batch):
+                if request_id in processor or request_id in seen:
                     raise InvalidRequestError(
                         f"request id {request_id!r} is already in use", "request_id"
                     )
@@ -149,6 +150,7 @@ class LLMEngine:
                     request_id, prompt, ids, params, arrival, FINAL_ONLY if final_only else 1
                 )
                 batch.append(EngineCoreRequest(request_id, ids, params, arrival, priority))
+                seen.add(request_id)
             self.client.add_requests(batch)
         except BaseException:
             ids = [r.request_id for r in batch]

@@ -30,6 +30,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.engine_core.client import sum_stats
+
 logger = logging.getLogger("engine.server.stats")
 
 _TTFT_BUCKETS = (
@@ -173,8 +175,6 @@ class ServerMetrics:
 
     def on_stats(self, stats: dict[int, Any], now: float) -> None:
         self._latest_stats = stats
-        from engine.engine_core.client import sum_stats
-
         self.stats_logger.update(sum_stats([stats[i] for i in sorted(stats)]), now)
 
     def render(self) -> bytes:

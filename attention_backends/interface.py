@@ -12,6 +12,10 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
 * Query ``i`` at position ``p`` sees key position ``j`` iff ``j <= p`` and, with a sliding window
   ``W``, ``p - j < W`` (the Hugging Face convention).
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
+* An fp8 KV cache (a backend lists the float8 dtypes it stores in
+  ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
+  rounds, it does not rescale); attention reads them back as the compute dtype. The cache
+  tensor's dtype says which one is in use.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ class AttentionSpec:
     block_size: int | None = None
     sliding_window: bool = False
     logit_softcap: bool = False
+    # The KV cache's dtype when it differs from the model dtype: a float8 torch dtype name
+    # ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"); None stores the model dtype.
+    kv_cache_dtype: str | None = None
 
 
 @dataclass
@@ -52,6 +59,9 @@ class BatchLayout:
     slot_mapping: list[int]
     block_size: int
     num_decodes: int  # the first num_decodes requests have query_len == 1
+    # The block table's width when it must be wider than the longest table (static shapes:
+    # ``engine.shape_buckets``); None: the longest table's length.
+    table_width: int | None = None
 
 
 @dataclass
@@ -87,6 +97,9 @@ class AttentionBackend(ABC):
     supported_block_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = False
     supports_logit_softcap: ClassVar[bool] = False
+    # Float8 dtypes (torch names) this backend can keep the KV cache in, besides the model
+    # dtype; empty: none. Since plugin API 1.1.
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
     # True when ``forward`` on a pure-decode batch reads every length and table from the
     # metadata's tensors (never from its Python numbers or host lists beyond the batch size), so
     # the model runner may capture it in a CUDA graph and replay it with new tensors.
@@ -129,6 +142,14 @@ class AttentionBackend(ABC):
             reasons.append("sliding-window attention not supported")
         if spec.logit_softcap and not cls.supports_logit_softcap:
             reasons.append("logit soft-capping not supported")
+        if spec.kv_cache_dtype is not None and spec.kv_cache_dtype not in (
+            cls.supported_kv_cache_dtypes
+        ):
+            supported = ", ".join(cls.supported_kv_cache_dtypes) or "none"
+            reasons.append(
+                f"KV cache dtype {spec.kv_cache_dtype} not supported (fp8 caches supported: "
+                f"{supported})"
+            )
         return reasons
 
     @classmethod
@@ -144,6 +165,10 @@ class AttentionBackend(ABC):
         """Copy whole blocks ``src[i] -> dst[i]`` (int64 tensors on the cache's device) inside
         one layer's cache, keys and values (copy-on-write). Override with ``kv_cache_shape``
         when the block dim is not dim 1."""
+        if kv_cache.element_size() == 1:  # fp8: CPU index kernels have no float8 versions
+            import torch
+
+            kv_cache = kv_cache.view(torch.uint8)
         kv_cache[:, dst] = kv_cache[:, src]
 
     @classmethod
@@ -155,6 +180,7 @@ class AttentionBackend(ABC):
         for n in layout.query_lens:
             qsl.append(qsl[-1] + n)
         width = max((len(t) for t in layout.block_tables), default=0) or 1
+        width = max(width, layout.table_width or 0)
         table = torch.zeros((len(layout.block_tables), width), dtype=torch.int32)
         for i, blocks in enumerate(layout.block_tables):
             if blocks:

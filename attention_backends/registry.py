@@ -16,7 +16,7 @@ from engine.attention_backends.interface import AttentionBackend, AttentionSpec
 from engine.errors import AttentionBackendError, PluginLoadError
 
 if TYPE_CHECKING:
-    from engine.plugins import PluginInfo, PluginManager
+    from engine.plugin_info import PluginInfo
 
 RESERVED_NAMES = frozenset({"auto"})
 
@@ -94,10 +94,13 @@ class AttentionBackendRegistry:
         self._entries: dict[str, BackendEntry] = {}
 
     @classmethod
-    def from_plugins(cls, pm: PluginManager) -> AttentionBackendRegistry:
-        """Collect every plugin's ``engine_attention_backends()``."""
+    def from_hook_results(
+        cls, results: Iterable[tuple[PluginInfo, Any]]
+    ) -> AttentionBackendRegistry:
+        """A registry of every backend in the ``engine_attention_backends()`` answers, given as
+        ``(plugin, result)`` pairs (``PluginManager.call_hook`` yields them)."""
         registry = cls()
-        for info, result in pm.call_hook("engine_attention_backends"):
+        for info, result in results:
             for name, target in _normalize(result, info):
                 registry.add(name, target, info)
         return registry

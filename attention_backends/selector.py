@@ -35,7 +35,7 @@ def select_attention_backend(
     name: str | None,
     spec: AttentionSpec,
     platform: type[Platform],
-    registry: AttentionBackendRegistry | None = None,
+    registry: AttentionBackendRegistry,
     config: EngineConfig | None = None,
 ) -> type[AttentionBackend]:
     """The backend class to use for ``spec`` on ``platform``.
@@ -44,14 +44,10 @@ def select_attention_backend(
         name: a backend name, or ``"auto"``/None for the platform's preference order.
         spec: what the model and cache need.
         platform: the chosen Platform class.
-        registry: the backends to choose from; by default those of
-            ``engine.plugins.default_plugin_manager()``.
+        registry: the backends to choose from (``PluginManager.attention_backends()``; the
+            manager's ``select_attention_backend`` passes its own).
         config: passed to ``platform.default_attention_backends`` for ``auto``.
     """
-    if registry is None:
-        from engine.plugins import default_plugin_manager
-
-        registry = default_plugin_manager().attention_backends()
     spec = spec_for_platform(spec, platform)
 
     if name and name != AUTO:

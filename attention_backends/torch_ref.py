@@ -34,6 +34,11 @@ class TorchReferenceBackend(AttentionBackend):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+    )
 
     def forward(
         self,
@@ -89,13 +94,15 @@ class TorchReferenceBackend(AttentionBackend):
         physical = block_table.gather(1, idx).long().clamp(0, kv_cache.shape[1] - 1)
         b = physical.shape[0]
         flat = physical.flatten()
-        # index_select rather than advanced indexing: the same gather, far faster on CPU.
-        keys = (
-            kv_cache[0].index_select(0, flat).view(b, num_blocks * block_size, *kv_cache.shape[3:])
-        )
-        values = (
-            kv_cache[1].index_select(0, flat).view(b, num_blocks * block_size, *kv_cache.shape[3:])
-        )
+        # index_select rather than advanced indexing: the same gather, far faster on CPU. An
+        # fp8 cache is gathered as bytes (CPU index kernels have no float8 versions) and read
+        # back as float32.
+        cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+        shape = (b, num_blocks * block_size, *kv_cache.shape[3:])
+        keys = cache[0].index_select(0, flat).view(shape)
+        values = cache[1].index_select(0, flat).view(shape)
+        if cache is not kv_cache:
+            keys, values = keys.view(kv_cache.dtype).float(), values.view(kv_cache.dtype).float()
         positions = (
             logical[:, :, None] * block_size + torch.arange(block_size, device=logical.device)
         ).view(b, -1)

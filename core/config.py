@@ -41,6 +41,9 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    # As vLLM's: load no tokenizer (a folder with only config.json, e.g. a --load-format dummy
+    # benchmark). Prompts must then be token ids, outputs carry token ids and empty text.
+    skip_tokenizer_init: bool = False
     # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
     # only its EOS ids; or a directory to read it from (see engine.generation_config).
     generation_config: str = "auto"
@@ -92,16 +95,17 @@ class CacheConfig:
     """The paged KV cache.
 
     ``num_gpu_blocks`` overrides the size that memory profiling would choose (tests use it to
-    force preemption). On CPU ``cpu_kv_cache_gb`` is a budget (vLLM's
-    ``VLLM_CPU_KVCACHE_SPACE``): the cache takes the smaller of it and what ``max_num_seqs``
-    requests of ``max_model_len`` tokens can use.
+    force preemption). On CPU ``cpu_kv_cache_gb`` is a budget in GiB (vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE``); None picks one from the memory available (see
+    ``engine.cpu_kv_cache``), and the cache never exceeds what ``max_num_seqs`` requests of
+    ``max_model_len`` tokens can use.
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None
-    cpu_kv_cache_gb: float = 4.0
+    cpu_kv_cache_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -112,7 +116,7 @@ class CacheConfig:
             )
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ConfigError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
-        if not self.cpu_kv_cache_gb > 0:
+        if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
             raise ConfigError(f"cpu_kv_cache_gb must be > 0 (GiB), got {self.cpu_kv_cache_gb}")
 
 
@@ -139,23 +143,206 @@ class SchedulerConfig:
             raise ConfigError(f"policy={self.policy!r} is not supported; choose fcfs or priority")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass
 class ParallelConfig:
-    """Parallelism. Only tensor_parallel_size=1 runs today; larger values are refused loudly.
+    """How one model replica is spread over devices (vLLM's names).
 
-    ``data_parallel_size`` engine cores (processes) each hold a whole copy of the model: one
-    device each on a GPU host, a share of the CPU threads on the CPU.
+    ``tensor_parallel_size`` ranks split every layer (heads, MLP columns, vocabulary rows);
+    ``pipeline_parallel_size`` stages split the layers. Their product is the world size: one
+    worker per device. ``distributed_executor_backend`` runs the workers: ``uni`` in this
+    process (world size 1), ``mp`` one spawned process per rank on this host, ``ray`` Ray
+    actors on one or several hosts; None picks ``uni`` for one rank and ``mp`` otherwise.
+    ``enable_expert_parallel`` places a mixture-of-experts model's experts across the
+    tensor-parallel ranks of a stage (``E / tp`` whole experts each) instead of splitting
+    every expert over them (no effect on dense models or on one rank).
+    ``data_parallel_size`` engine cores (processes) each hold a whole replica: one device each
+    (times the world size) on a GPU host, a share of the CPU threads on the CPU.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend={backend!r} is not supported; choose one of "
+                f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}"
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend='uni' runs one rank in this process, but "
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}; use 'mp' "
+                "(one process per rank on this host) or 'ray'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one model replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs the workers (``distributed_executor_backend`` resolved)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+
+# The proposer methods of ``SpeculativeConfig`` (``engine.spec_decode`` registers one proposer
+# class per name; this tuple keeps config validation free of imports).
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# Speculation runs in a step while its verify batch holds at most this many tokens
+# (running requests x (num_speculative_tokens + 1)), unless ``disable_by_batch_size`` says
+# otherwise: past it the verify step stops being bound by reading the weights and costs about
+# (k + 1) decode steps, which only a near-perfect acceptance repays.
+AUTO_SPECULATION_TOKEN_BUDGET = 256
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` keys).
+
+    ``method``: ``ngram`` (prompt lookup: the longest suffix of ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens found earlier in the prompt + output proposes what followed
+    it), ``draft_model`` (a smaller model sharing the tokenizer), ``eagle`` or ``eagle3`` (an
+    EAGLE head fed with the target's hidden states). Left out, it follows vLLM: ``model`` of
+    ``"ngram"`` means ngram, a model name containing "eagle3"/"eagle" means that head, any
+    other model a draft model. ``num_speculative_tokens`` (k) drafts are verified per step.
+    ``disable_by_batch_size``: no speculation in steps with more running requests than this
+    (None: ``AUTO_SPECULATION_TOKEN_BUDGET // (k + 1)``).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            if self.model is None:
+                raise ConfigError(
+                    "speculative_config needs a method (one of "
+                    f"{', '.join(SPECULATIVE_METHODS)}) or a draft model"
+                )
+            name = self.model.lower()
+            if name in ("ngram", "[ngram]"):
+                self.method, self.model = "ngram", None
+            elif "eagle3" in name:
+                self.method = "eagle3"
+            elif "eagle" in name:
+                self.method = "eagle"
+            else:
+                self.method = "draft_model"
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_config.method={self.method!r} is not supported; choose one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if k is None:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens is required for method "
+                f"{self.method!r} (the number of draft tokens verified per step, e.g. 4)"
+            )
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be >= 1, got {k!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ConfigError(
+                    f"speculative_config: the ngram method uses no model; drop model={self.model!r}"
+                )
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5  # vLLM's defaults
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ConfigError(f"speculative_config.{name} must be >= 1, got {value!r}")
+            if lo > hi:
+                raise ConfigError(
+                    f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
+                )
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        else:
+            if not self.model:
+                raise ConfigError(
+                    f"speculative_config.method={self.method!r} needs a model (the draft "
+                    "model's or EAGLE head's directory)"
+                )
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"speculative_config.{name} applies to the ngram method only, not "
+                        f"{self.method!r}"
+                    )
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ConfigError(
+                "speculative_config.draft_tensor_parallel_size must be 1, got "
+                f"{self.draft_tensor_parallel_size!r}"
+            )
+        if self.disable_by_batch_size is None:
+            self.disable_by_batch_size = max(1, AUTO_SPECULATION_TOKEN_BUDGET // (k + 1))
+        elif (
+            not isinstance(self.disable_by_batch_size, int)
+            or isinstance(self.disable_by_batch_size, bool)
+            or self.disable_by_batch_size < 1
+        ):
+            raise ConfigError(
+                "speculative_config.disable_by_batch_size must be >= 1, got "
+                f"{self.disable_by_batch_size!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig:
+        """Build from vLLM's JSON object (``--speculative-config``, ``LLM(speculative_config=)``);
+        an unknown key is a ``ConfigError`` that lists the known ones."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"speculative_config must be a JSON object, got {type(value).__name__}"
+            )
+        from dataclasses import fields
+
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"speculative_config has unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(known)}"
+            )
+        return cls(**value)
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a step reserves past the verified tokens: a draft model or EAGLE head
+        writes its own KV for the tokens it drafts after the step; a prompt lookup writes
+        none."""
+        return 0 if self.method == "ngram" else int(self.num_speculative_tokens or 0)
 
 
 @dataclass
@@ -170,3 +357,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
+    # Speculative decoding (None: off); see SpeculativeConfig.
+    speculative: SpeculativeConfig | None = None
+    # Threads of torch's CPU kernels; None: the physical cores available (engine.cpu_threads).
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {self.cpu_threads}")

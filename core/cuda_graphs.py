@@ -80,6 +80,15 @@ class DecodeGraphs:
     ``capture()`` records them (after the KV cache is allocated); ``run(scheduled)`` replays
     one for a batch of single-token requests and returns the hidden states ``[B, hidden]``, or
     None when the batch does not qualify (a prefill in it, or more requests than captured).
+
+    With ``query_len = Q > 1`` the graphs hold ``Q`` query tokens per request (speculative
+    verification: a decode and its ``Q - 1`` drafts), attended through the backend's varlen
+    path; a request with fewer drafts is padded with tokens that write no KV (slot -1) and
+    whose outputs are ignored, so one graph per batch size serves every mix of draft counts.
+    ``run`` then returns ``[B * Q, hidden]``, request ``i``'s tokens at rows ``i * Q ..``.
+
+    ``eager=True`` (tests) runs the same static-buffer computation without recording graphs,
+    on any device, so the buffer layout is checked where no GPU is.
     """
 
     def __init__(
@@ -91,63 +100,88 @@ class DecodeGraphs:
         max_num_seqs: int,
         device: torch.device,
         feedback: torch.Tensor,
+        query_len: int = 1,
+        eager: bool = False,
+        extra: Any = None,
+        capture_error_mode: str = "global",
     ) -> None:
+        """``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"`` when the
+        captured forward runs collectives (tensor parallelism), so that the process group's
+        watchdog thread may keep querying its CUDA events while a graph is being captured."""
         self.model = model
+        # Called right after the model in the captured computation: a tensor it produced on
+        # the side (the target layers' hidden states an EAGLE-3 head reads), kept per graph.
+        self.extra = extra
+        self.capture_error_mode = capture_error_mode
         self.feedback = feedback
         self.num_groups = num_groups
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
+        self.query_len = q = query_len
+        self.eager = eager
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        # Padded query tokens may look up to q - 1 positions past a table's last block.
+        self.max_blocks = -(-max_model_len // block_size) + (-(-q // block_size) if q > 1 else 0)
         b, g, w = self.max_batch, num_groups, self.max_blocks
+        t = b * q  # token rows
+        self.max_tokens = t
+        pin = not eager
         # Static device inputs. The int64 ones (ids, positions, feedback rows, slots) share one
         # buffer and the sequence lengths another, laid out exactly like their pinned host
         # twins, so each step is one host-to-device copy per buffer; block tables go through a
         # staging copy of only the columns in use.
-        self._i64 = torch.zeros((3 + g) * b, dtype=torch.int64, device=device)
+        self._i64 = torch.zeros((3 + g) * t, dtype=torch.int64, device=device)
         self._seq = torch.zeros(g * b, dtype=torch.int32, device=device)
         self._tables = torch.zeros((g, b, w), dtype=torch.int32, device=device)
         self._table_stage = torch.zeros(g * b * w, dtype=torch.int32, device=device)
-        self._qsl = torch.arange(b + 1, dtype=torch.int32, device=device)
-        self._host_i64 = torch.zeros((3 + g) * b, dtype=torch.int64, pin_memory=True)
-        self._host_seq = torch.zeros(g * b, dtype=torch.int32, pin_memory=True)
-        self._host_tables = torch.zeros(g * b * w, dtype=torch.int32, pin_memory=True)
+        self._qsl = torch.arange(b + 1, dtype=torch.int32, device=device) * q
+        self._host_i64 = torch.zeros((3 + g) * t, dtype=torch.int64, pin_memory=pin)
+        self._host_seq = torch.zeros(g * b, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros(g * b * w, dtype=torch.int32, pin_memory=pin)
         self._np_i64 = self._host_i64.numpy()
         self._np_seq = self._host_seq.numpy()
         self._np_tables = self._host_tables.numpy()
-        self._copied = torch.cuda.Event()  # the host buffers are free again once it fires
+        # The host buffers are free again once it fires.
+        self._copied = None if eager else torch.cuda.Event()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._input_ids: dict[int, torch.Tensor] = {}  # the ids each graph ran (fed back)
+        self._extras: dict[int, torch.Tensor] = {}
+        self._last_extra: torch.Tensor | None = None
         self._pool = None
+        self._captured = False
 
     # ---- static views -----------------------------------------------------------------------
     def _ids(self, n: int) -> torch.Tensor:
         return self._i64[:n]
 
     def _positions(self, n: int) -> torch.Tensor:
-        return self._i64[self.max_batch : self.max_batch + n]
+        return self._i64[self.max_tokens : self.max_tokens + n]
 
     def _sources(self, n: int) -> torch.Tensor:
-        return self._i64[2 * self.max_batch : 2 * self.max_batch + n]
+        return self._i64[2 * self.max_tokens : 2 * self.max_tokens + n]
 
-    def _forward(self, n: int) -> torch.Tensor:
-        """The captured computation: feed back in-flight tokens, then the model."""
-        ids = gather_feedback(self._ids(n), self._sources(n), self.feedback)
-        return self.model(ids, self._positions(n), self._metadata(n))
+    def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The captured computation for ``n`` requests: feed back in-flight tokens, then the
+        model. Returns the hidden states, the input ids it ran and the ``extra`` output."""
+        tokens = n * self.query_len
+        ids = gather_feedback(self._ids(tokens), self._sources(tokens), self.feedback)
+        hidden = self.model(ids, self._positions(tokens), self._metadata(n))
+        return hidden, ids, self.extra() if self.extra is not None else None
 
     def _metadata(self, n: int) -> list[AttentionMetadata]:
-        b = self.max_batch
+        b, t, q = self.max_batch, self.max_tokens, self.query_len
         out = []
         for g in range(self.num_groups):
-            slots = self._i64[(3 + g) * b : (3 + g) * b + n]
+            slots = self._i64[(3 + g) * t : (3 + g) * t + n * q]
             out.append(
                 AttentionMetadata(
-                    num_actual_tokens=n,
+                    num_actual_tokens=n * q,
                     num_seqs=n,
-                    num_decodes=n,
-                    max_query_len=1,
+                    num_decodes=n if q == 1 else 0,
+                    max_query_len=q,
                     max_seq_len=self.max_model_len,
                     block_size=self.block_size,
                     query_start_loc=self._qsl[: n + 1],
@@ -168,8 +202,11 @@ class DecodeGraphs:
         # Padding everywhere: no cache reads (length 0), no cache writes (slot -1), no
         # feedback (-1).
         self._i64.zero_()
-        self._i64[2 * b :] = -1
+        self._i64[2 * self.max_tokens :] = -1
         self._seq.zero_()
+        self._captured = True
+        if self.eager:
+            return 0.0
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -177,74 +214,162 @@ class DecodeGraphs:
             for n in reversed(self.sizes):
                 self._forward(n)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    self._outputs[n] = self._forward(n)
+                with torch.cuda.graph(
+                    graph,
+                    pool=self._pool,
+                    stream=stream,
+                    capture_error_mode=self.capture_error_mode,
+                ):
+                    self._outputs[n], self._input_ids[n], extra = self._forward(n)
+                if extra is not None:
+                    self._extras[n] = extra
                 self._graphs[n] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        what = "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens/request)"
         logger.info(
-            "captured %d decode graphs (batch 1..%d) in %.1f s", len(self.sizes), b, seconds
+            "captured %d %s graphs (batch 1..%d) in %.1f s", len(self.sizes), what, b, seconds
         )
         return seconds
 
     # ---- replay -----------------------------------------------------------------------------
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size that holds ``num_seqs`` requests (None: too many)."""
-        if num_seqs > self.max_batch or not self._graphs:
+        if num_seqs > self.max_batch or not self._captured:
             return None
         for n in self.sizes:
             if n >= num_seqs:
                 return n
         return None
 
+    def qualifies(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether a graph holds this batch: one-token decodes (``query_len`` 1), or decodes
+        and verifications of at most ``query_len`` tokens."""
+        if self.padded_size(len(scheduled)) is None:
+            return False
+        if self.query_len == 1:
+            return all(s.num_new_tokens == 1 for s in scheduled)
+        q = self.query_len
+        return all(s.num_known_tokens == 1 and s.num_new_tokens <= q for s in scheduled)
+
+    def last_input_ids(self, num: int) -> torch.Tensor:
+        """The input ids the last ``run`` fed (placeholders resolved), ``[num * query_len]``."""
+        return self._last_ids[: num * self.query_len]
+
+    def last_extra(self, num: int) -> torch.Tensor | None:
+        """The ``extra`` output of the last ``run``, ``[num * query_len, ...]``."""
+        if self._last_extra is None:
+            return None
+        return self._last_extra[: num * self.query_len]
+
     def run(
         self, scheduled: list[ScheduledRequest], feedback_rows: dict[str, int] | None = None
     ) -> torch.Tensor | None:
-        """Replay the graph for a batch of one-token requests; hidden states ``[B, hidden]``
+        """Replay the graph for a qualifying batch; hidden states ``[B * query_len, hidden]``
         (a view of the graph's static output, valid until the next replay).
         ``feedback_rows`` maps request ids to their row in the feedback tensor, for inputs
         that are still placeholders."""
-        num = len(scheduled)
-        n = self.padded_size(num)
-        if n is None or any(s.num_new_tokens != 1 for s in scheduled):
+        if not self.qualifies(scheduled):
             return None
-        b, bs, g_count = self.max_batch, self.block_size, self.num_groups
-        self._copied.synchronize()  # the previous step's copies have read the host buffers
-        i64, seq, tables = self._np_i64, self._np_seq, self._np_tables
-        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num)
-        tokens = [last_token(s.request, s.start) for s in scheduled]
-        i64[:num] = tokens
-        i64[num:n] = 0
-        i64[b : b + num] = starts
-        i64[b + num : b + n] = 0
-        src = i64[2 * b : 2 * b + n]
-        src[:] = -1
-        if PLACEHOLDER_TOKEN in tokens:
-            for i, token in enumerate(tokens):
+        num, q = len(scheduled), self.query_len
+        tokens = np.zeros((num, q), dtype=np.int64)
+        firsts = [last_token(s.request, s.start) for s in scheduled]
+        tokens[:, 0] = firsts
+        if q > 1:
+            for i, s in enumerate(scheduled):
+                if s.spec_token_ids:
+                    tokens[i, 1 : 1 + len(s.spec_token_ids)] = s.spec_token_ids
+        sources = None
+        if PLACEHOLDER_TOKEN in firsts:
+            sources = np.full((num, q), -1, dtype=np.int64)
+            for i, token in enumerate(firsts):
                 if token == PLACEHOLDER_TOKEN:
-                    src[i] = feedback_row(feedback_rows, scheduled[i].request.request_id)
+                    sources[i, 0] = feedback_row(feedback_rows, scheduled[i].request.request_id)
+        return self.replay(
+            [s.start for s in scheduled],
+            [s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+            tokens,
+            sources,
+        )
+
+    def replay(
+        self,
+        starts: list[int],
+        counts: list[int],
+        block_ids: list[list[list[int]]],
+        tokens: np.ndarray,
+        sources: np.ndarray | None = None,
+    ) -> torch.Tensor | None:
+        """Replay for ``len(starts)`` requests given as arrays: request ``i`` has
+        ``counts[i] <= query_len`` tokens from position ``starts[i]``, ``tokens[i, :count]``
+        (``[num, query_len]``), unless ``sources[i, t] >= 0`` names the row of the feedback
+        tensor that holds it; ``block_ids[i][g]`` is its table of group ``g``. None when the
+        batch is too large."""
+        num = len(starts)
+        n = self.padded_size(num)
+        if n is None:
+            return None
+        q = self.query_len
+        b, t, bs, g_count = self.max_batch, self.max_tokens, self.block_size, self.num_groups
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the host buffers
+        i64, seq, tables = self._np_i64, self._np_seq, self._np_tables
+        starts_np = np.asarray(starts, dtype=np.int64)
+        ids = i64[: n * q].reshape(n, q)
+        pos = i64[t : t + n * q].reshape(n, q)
+        src = i64[2 * t : 2 * t + n * q].reshape(n, q)
+        ids[:num] = tokens
+        ids[num:] = 0
+        if sources is None:
+            src[:] = -1
+        else:
+            src[:num] = sources
+            src[num:] = -1
+        if q == 1:
+            pos[:num, 0] = starts_np
+        else:
+            # Padded tokens sit after the real ones; clamped to the rotary table.
+            pos[:num] = np.minimum(starts_np[:, None] + np.arange(q), self.max_model_len - 1)
+        pos[num:] = 0
         width = 1
         for g in range(g_count):
-            lists = [s.block_ids[g] for s in scheduled]
-            width = max(width, max(len(t) for t in lists))
-            seq[g * b : g * b + num] = starts + 1
+            lists = [blocks[g] for blocks in block_ids]
+            width = max(width, max(len(tb) for tb in lists))
+            # A request's context ends with its q query tokens (real or padded), so that the
+            # varlen path puts its first query at position ``start``.
+            seq[g * b : g * b + num] = starts_np + q
             seq[g * b + num : g * b + n] = 0
-            slot_block = [t[p // bs] for t, p in zip(lists, starts.tolist(), strict=True)]
-            base = (3 + g) * b
-            i64[base : base + num] = np.asarray(slot_block, dtype=np.int64) * bs + starts % bs
-            i64[base + num : base + n] = -1
+            base = (3 + g) * t
+            if q == 1:
+                slot_block = [tb[p // bs] for tb, p in zip(lists, starts, strict=True)]
+                i64[base : base + num] = (
+                    np.asarray(slot_block, dtype=np.int64) * bs + starts_np % bs
+                )
+                i64[base + num : base + n] = -1
+                continue
+            slots = i64[base : base + n * q].reshape(n, q)
+            slots[:] = -1
+            for i, (tb, p, c) in enumerate(zip(lists, starts, counts, strict=True)):
+                slots[i, :c] = [tb[(p + j) // bs] * bs + (p + j) % bs for j in range(c)]
         # Block tables, packed [group, request, width] with only the columns in use.
         stage = tables[: g_count * num * width].reshape(g_count, num, width)
         for g in range(g_count):
-            for i, s in enumerate(scheduled):
-                t = s.block_ids[g]
-                stage[g, i, : len(t)] = t
+            for i, blocks in enumerate(block_ids):
+                tb = blocks[g]
+                stage[g, i, : len(tb)] = tb
         self._i64.copy_(self._host_i64, non_blocking=True)
         self._seq.copy_(self._host_seq, non_blocking=True)
         count = g_count * num * width
         self._table_stage[:count].copy_(self._host_tables[:count], non_blocking=True)
         self._tables[:, :num, :width].copy_(self._table_stage[:count].view(g_count, num, width))
+        if self.eager:
+            with torch.inference_mode():
+                hidden, self._last_ids, self._last_extra = self._forward(n)
+            return hidden[: num * q]
         self._copied.record()
         self._graphs[n].replay()
-        return self._outputs[n][:num]
+        self._last_ids = self._input_ids[n]
+        self._last_extra = self._extras.get(n)
+        return self._outputs[n][: num * q]

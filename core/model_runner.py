@@ -20,8 +20,10 @@ from engine.attention_backends.interface import AttentionBackend, AttentionMetad
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import feedback_row, gather_feedback
 from engine.kernels.registry import Kernels
+from engine.loader.lazy_tensor import ReadStats
 from engine.models.base import CausalLM
 from engine.outputs import Logprob
+from engine.parallel import SINGLE_PROCESS, IntermediateTensors, ParallelContext
 from engine.request import PLACEHOLDER_TOKEN, Request
 from engine.sampler import SamplingRow
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -39,6 +41,11 @@ _GiB = 1 << 30
 logger = logging.getLogger(__name__)
 
 
+def _share(available: int | None, ranks: int) -> int | None:
+    """One rank's share of the memory available to the ranks of this host."""
+    return None if available is None else available // max(1, ranks)
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if n < 1024:
@@ -52,7 +59,8 @@ class RunnerOutput:
     """One step's results, keyed by request id.
 
     ``sampled`` holds the new token(s) of each request that sampled this step (``num_samples``
-    of them); ``logprobs`` their logprob entries (None when not requested). ``prompt_logprobs``
+    of them, or for a speculative verification the accepted drafts plus the target's own
+    token); ``logprobs`` their logprob entries, one per token (None when not requested). ``prompt_logprobs``
     covers requests that asked for them: one entry per chunk position ``p`` that has a next
     prompt token, i.e. the logprobs of prompt token ``p + 1`` given tokens ``0..p``. The chunks'
     lists concatenated, after a ``None`` for prompt token 0, give vLLM's ``prompt_logprobs``.
@@ -61,6 +69,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, Logprob]] | None] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # Speculative decoding: drafts proposed after this step, for the next one to verify.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +82,14 @@ class PendingStep:
     request_ids: list[str] = field(default_factory=list)
     tokens: torch.Tensor | None = None  # host (pinned) copy in flight, or None when done
     ready: Any = None  # a device event recorded after the copy, or None
+    # Requests to propose drafts for once the tokens are known: (request, how many).
+    proposals: list[tuple[Request, int]] = field(default_factory=list)
+    # What the step sampled, for a draft model or EAGLE head: the (index, entry) pairs that
+    # sampled, their newest token on the device, and (verifications) the tokens each kept.
+    sampling: list[tuple[int, ScheduledRequest]] = field(default_factory=list)
+    last_tokens: torch.Tensor | None = None
+    accepted: list[list[int]] | None = None
+    drafts: Any = None  # (entries, drafts [n, k] on the device) from a model proposer
 
 
 @dataclass
@@ -82,6 +100,21 @@ class _Batch:
     positions: torch.Tensor
     attn_metadata: list[AttentionMetadata]
     query_start_loc: list[int]
+    # One past each request's last real token when rows are padded (a verify graph).
+    ends: list[int] | None = None
+    # The target layers' hidden states an EAGLE-3 head reads, [tokens, 3 * hidden].
+    aux_hidden: torch.Tensor | None = None
+
+    def end(self, i: int) -> int:
+        """One past request ``i``'s last token row."""
+        return self.ends[i] if self.ends is not None else self.query_start_loc[i + 1]
+
+
+def _padding_row() -> SamplingRow:
+    """A greedy row for the padding rows of a static-shape batch (its token is dropped)."""
+    from engine.sampling_params import SamplingParams
+
+    return SamplingRow(SamplingParams(temperature=0.0), [], [], [None])
 
 
 def _chunk_tokens(request: Request, start: int, num: int) -> list[int]:
@@ -109,11 +142,15 @@ class ModelRunner:
         sampler_cls: type | None = None,
         plugins: Any = None,
         model_registry: ModelRegistry | None = None,
+        parallel: ParallelContext | None = None,
+        device_index: int = 0,
     ) -> None:
         """``sampler`` is a ready ``engine.sampler.Sampler``-like object; without one,
         ``sampler_cls(vocab_size, device)`` (default ``engine.sampler.Sampler``) is built once
         the model is loaded. ``plugins`` (a ``PluginManager``) contributes model architectures
-        through ``engine_models`` unless ``model_registry`` is given."""
+        through ``engine_models`` unless ``model_registry`` is given. ``parallel`` is this
+        rank's place in a tensor x pipeline parallel replica (one process by default) and
+        ``device_index`` the platform device it runs on."""
         self.config = config
         self.platform = platform
         self.kernels = kernels
@@ -122,13 +159,19 @@ class ModelRunner:
         self.sampler_cls = sampler_cls
         self.plugins = plugins
         self.model_registry = model_registry
-        self.device = platform.torch_device()
+        self.parallel = parallel or SINGLE_PROCESS
+        self.device_index = device_index
+        self.device = platform.torch_device(device_index)
+        self.dtype: torch.dtype | None = None  # the model's, once loaded
+        self.load_stats = ReadStats()
+        self.ranks_on_host = 1  # processes sharing this host's memory (set by a worker)
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self._groups: list[int | None] | None = None
         self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
+        self.verify_graphs: Any = None  # the same for speculative verification steps
         # On-device feedback for asynchronous scheduling: the previous step's first sample of
         # each sampling row (a fixed buffer, so captured graphs can read it) and the row of
         # each request in it.
@@ -136,18 +179,44 @@ class ModelRunner:
             config.scheduler.max_num_seqs, dtype=torch.int64, device=self.device
         )
         self._feedback_rows: dict[str, int] = {}
+        # Platforms that compile one graph per input shape (XLA) pad every step to buckets.
+        buckets = getattr(platform, "shape_buckets", None)  # duck-typed test platforms lack it
+        self.shape_buckets = buckets(config) if buckets is not None else None
+        self.proposer: Any = None  # speculative decoding (engine.spec_decode), see load_model
+
+    def _no_grad(self) -> Any:
+        """``torch.inference_mode()``, or ``no_grad`` on XLA: torch_xla's functionalization
+        sets version counters, which inference tensors refuse."""
+        return torch.no_grad() if self.device.type == "xla" else torch.inference_mode()
 
     # ---- model -------------------------------------------------------------------------------
     def load_model(self) -> nn.Module:
         """Load the model named by ``config.model`` onto this runner's device (and build the
         sampler if none was given)."""
-        from engine.loader import load_model
+        from engine.loader import load_model, resolve_dtype
         from engine.models.registry import ModelRegistry
 
         registry = self.model_registry or ModelRegistry.with_plugins(self.plugins)
         self.model = load_model(
-            self.config.model, self.kernels, self.attn_backend_cls, self.device, registry
+            self.config.model,
+            self.kernels,
+            self.attn_backend_cls,
+            self.device,
+            registry,
+            parallel=self.parallel,
+            stats=self.load_stats,
         )
+        self.dtype = resolve_dtype(self.config.model, self.config.model.hf_config)
+        if self.parallel.world_size > 1 and self.load_stats.offered:
+            logger.info(
+                "rank %d (tp %d/%d, pp %d/%d) read %s of the checkpoint",
+                self.parallel.rank,
+                self.parallel.tp_rank,
+                self.parallel.tp_size,
+                self.parallel.pp_rank,
+                self.parallel.pp_size,
+                self.load_stats.describe(),
+            )
         self._pack_linears()
         if self.sampler is None:
             if self.sampler_cls is None:
@@ -155,6 +224,11 @@ class ModelRunner:
 
                 self.sampler_cls = Sampler
             self.sampler = self.sampler_cls(self.vocab_size, self.device)
+        if self.config.speculative is not None:
+            from engine.spec_decode import ProposerRegistry
+
+            cls = ProposerRegistry().get(self.config.speculative.method)
+            self.proposer = cls.create(self.config, self)  # a draft model loads here
         return self.model
 
     def _pack_linears(self) -> None:
@@ -162,10 +236,12 @@ class ModelRunner:
         ``engine.layers.cpu_packed_linear``). It releases the plain weight copies, so it runs
         after loading; a no-op on other devices."""
         from engine.layers.cpu_packed_linear import pack_linears
-        from engine.layers.embedding import VocabEmbedding
+        from engine.layers.embedding import VocabParallelEmbedding
 
         assert self.model is not None
-        embeddings = tuple(m.weight for m in self.model.modules() if isinstance(m, VocabEmbedding))
+        embeddings = tuple(
+            m.weight for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)
+        )
         pack_linears(self.model, shared_weights=embeddings)
 
     @property
@@ -186,15 +262,31 @@ class ModelRunner:
         """Bytes held by the model's parameters and buffers."""
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self.proposer is not None and self.proposer.uses_model:
+            total += self.proposer.weights_bytes()
+        return total
 
     # ---- KV-cache layout -------------------------------------------------------------------
-    def kv_cache_groups(self) -> list[int | None]:
-        """One KV-cache group per distinct sliding window (None = full attention, first when
-        present); sets every attention layer's ``kv_group``. Returns each group's window."""
+    def kv_cache_windows(self) -> set[int | None]:
+        """The sliding windows of this runner's attention layers (None: full attention)."""
         assert self.model is not None, "load_model() first"
-        layers = self.model.attention_layers()
-        windows = {layer.sliding_window for layer in layers}
+        return {layer.sliding_window for layer in self._attention_layers()}
+
+    def kv_cache_groups(self, windows: Any = None) -> list[int | None]:
+        """One KV-cache group per distinct sliding window (None = full attention, first when
+        present); sets every attention layer's ``kv_group``. Returns each group's window.
+
+        ``windows`` is the set of windows of the whole model when this runner holds one
+        pipeline stage (the scheduler keeps one block table per group of the whole model;
+        a stage's layers use some of them); by default this runner's own layers decide."""
+        assert self.model is not None, "load_model() first"
+        layers = self._attention_layers()
+        own = {layer.sliding_window for layer in layers}
+        if windows is None:
+            windows = own
+        elif not own <= set(windows):
+            raise ValueError(f"sliding windows {own} are not all among the model's {windows}")
         groups: list[int | None] = [None] if None in windows else []
         groups += sorted(w for w in windows if w is not None)
         for layer in layers:
@@ -213,7 +305,7 @@ class ModelRunner:
         assert self.model is not None
         if self._groups is None:
             self.kv_cache_groups()
-        layers = self.model.attention_layers()
+        layers = self._attention_layers()
         shapes = {self._layer_block_shape(layer) for layer in layers}
         if len(shapes) > 1:
             return [[layer] for layer in layers]
@@ -222,6 +314,15 @@ class ModelRunner:
             by_group.setdefault(layer.kv_group, []).append(layer)
         width = max(len(g) for g in by_group.values())
         return [[g[i] for g in by_group.values() if i < len(g)] for i in range(width)]
+
+    def _attention_layers(self) -> list[Any]:
+        """Every paged-attention layer whose KV the cache holds: the model's, then a draft
+        model's or EAGLE head's (they share the block tables, each with its own tensors)."""
+        assert self.model is not None
+        layers = list(self.model.attention_layers())
+        if self.proposer is not None and self.proposer.uses_model:
+            layers += self.proposer.attention_layers()
+        return layers
 
     def _layer_block_shape(self, layer: Any) -> tuple[int, ...]:
         return tuple(
@@ -232,7 +333,9 @@ class ModelRunner:
 
     def _kv_dtype(self) -> torch.dtype:
         assert self.model is not None
-        return next(self.model.parameters()).dtype
+        # The model's dtype: a pipeline stage's or a quantized model's first parameter may
+        # have another one (a float32 norm, packed int4).
+        return self.dtype or next(self.model.parameters()).dtype
 
     def bytes_per_block(self) -> int:
         """Bytes one block id costs across all cache tensors."""
@@ -257,72 +360,68 @@ class ModelRunner:
             self.config.scheduler.max_num_batched_tokens,
         )
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, max_model_len_fixed: bool = True) -> int:
         """How many KV-cache blocks to allocate.
 
-        ``cache.num_gpu_blocks`` wins when set. On CPU the cache takes ``cpu_kv_cache_gb``, capped
-        at what ``max_num_seqs`` max-length requests could use (``_cpu_num_blocks``). On
-        accelerators a forward pass at ``max_num_batched_tokens`` is profiled and the cache gets what remains of
-        ``total_memory * gpu_memory_utilization``. Raises ``ConfigError`` with the numbers when
-        not even one max-length request fits.
+        ``cache.num_gpu_blocks`` wins when set. On CPU, ``engine.cpu_kv_cache.plan_cpu_kv_cache``
+        decides from what ``max_num_seqs`` max-length requests can use, the
+        ``cpu_kv_cache_gb`` budget and the memory available; it may lower ``max_model_len``
+        to fit unless ``max_model_len_fixed`` (the user set it). On accelerators a forward pass
+        at ``max_num_batched_tokens`` is profiled and the cache gets what remains of
+        ``total_memory * gpu_memory_utilization``. Raises ``ConfigError`` with the numbers
+        when not even one max-length request fits.
         """
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
         per_block = self.bytes_per_block()
-        per_request = self.blocks_per_request()
         if self.device.type == "cpu":
-            return self._cpu_num_blocks(per_block, per_request)
-        return self._profile_num_blocks(per_block, per_request)
+            return self._cpu_num_blocks(per_block, max_model_len_fixed)
+        return self._profile_num_blocks(per_block, self.blocks_per_request())
 
-    def _cpu_num_blocks(self, per_block: int, per_request: int) -> int:
-        """CPU cache size: ``min(budget, need)`` blocks, where the budget is
-        ``cpu_kv_cache_gb`` and the need is what ``max_num_seqs`` requests of ``max_model_len``
-        tokens can hold at once, plus the scheduler's null block.
+    def _cpu_num_blocks(self, per_block: int, max_model_len_fixed: bool) -> int:
+        """The CPU cache size (``engine.cpu_kv_cache``), logged with the reason; applies a
+        lowered ``max_model_len`` to the config."""
+        from engine.cpu_kv_cache import available_memory, plan_cpu_kv_cache
+        from engine.kv_cache_manager import KVCacheGroupSpec, max_blocks_needed
 
-        The cache is allocated with ``torch.zeros``, so every byte of it is resident: a budget
-        the engine can never fill (a tiny model, a short ``max_model_len``, few sequences)
-        would be RAM held for nothing. Logs the size and which bound chose it.
-        """
-        cache = self.config.cache
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        budget_blocks = int(cache.cpu_kv_cache_gb * _GiB) // per_block
-        need_blocks = max_num_seqs * per_request + 1  # + the scheduler's reserved null block
-        if budget_blocks < per_request + 1:
-            raise ConfigError(
-                f"cpu_kv_cache_gb={cache.cpu_kv_cache_gb} holds {budget_blocks} KV "
-                f"blocks but one request of max_model_len={self.max_model_len} needs "
-                f"{per_request} ({per_request * per_block / _GiB:.2f} GiB); raise "
-                "cpu_kv_cache_gb or lower max_model_len"
-            )
-        num_blocks = min(budget_blocks, need_blocks)
-        need = (
-            f"max_num_seqs={max_num_seqs} requests of max_model_len={self.max_model_len} "
-            f"({per_request} blocks each, + 1 null block)"
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        specs = [KVCacheGroupSpec(sliding_window=w) for w in groups]
+        chunk = self.config.scheduler.max_num_batched_tokens
+        plan = plan_cpu_kv_cache(
+            bytes_per_block=per_block,
+            blocks_for_len=lambda n: max_blocks_needed(specs, self.block_size, n, chunk),
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_model_len_fixed=max_model_len_fixed,
+            budget_gib=self.config.cache.cpu_kv_cache_gb,
+            available_bytes=_share(available_memory(), self.ranks_on_host),
         )
-        budget = f"the cpu_kv_cache_gb={cache.cpu_kv_cache_gb:g} budget"
-        if num_blocks == need_blocks:
-            why = f"all that {need} can use, less than {budget}"
-        else:
-            why = f"capped by {budget}; {need} could use {_human_bytes(need_blocks * per_block)}"
+        if plan.max_model_len != self.max_model_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d to fit the CPU KV cache",
+                self.max_model_len,
+                plan.max_model_len,
+            )
+            self.config.model.max_model_len = plan.max_model_len
         logger.info(
             "CPU KV cache: %d blocks of %d tokens, %s: %s",
-            num_blocks,
+            plan.num_blocks,
             self.block_size,
-            _human_bytes(num_blocks * per_block),
-            why,
+            _human_bytes(plan.num_blocks * per_block),
+            plan.reason,
         )
-        return num_blocks
+        return plan.num_blocks
 
     def _profile_num_blocks(self, per_block: int, per_request: int) -> int:
-        platform = self.platform
+        platform, index = self.platform, self.device_index
         weights = self.weights_bytes()
-        platform.synchronize()
-        platform.reset_peak_memory()
+        platform.synchronize(index)
+        platform.reset_peak_memory(index)
         profile_cache_bytes = self._profile_run()
-        platform.synchronize()
-        peak = platform.peak_memory() - profile_cache_bytes
-        budget = int(platform.total_memory() * self.config.cache.gpu_memory_utilization)
+        platform.synchronize(index)
+        peak = platform.peak_memory(index) - profile_cache_bytes
+        budget = int(platform.total_memory(index) * self.config.cache.gpu_memory_utilization)
         available = budget - peak
         num_blocks = max(0, available // per_block)
         if num_blocks < per_request + 1:  # + the scheduler's reserved null block
@@ -364,11 +463,23 @@ class ModelRunner:
             layout = BatchLayout(lens, lens, tables, slots, self.block_size, 0)
             md = self.attn_backend_cls.build_metadata(layout, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            with torch.inference_mode():
-                hidden = self.model(
-                    input_ids, torch.from_numpy(positions).to(self.device), [md] * len(groups)
-                )
+            positions_t = torch.from_numpy(positions).to(self.device)
+            with self._no_grad():
+                args: tuple[Any, ...] = (input_ids, positions_t, [md] * len(groups))
+                if self.parallel.pp_size > 1:  # each stage profiles on its own
+                    stage_input = None
+                    if not self.parallel.is_first_stage:
+                        stage_input = self._stage_buffer(num_tokens)
+                        stage_input = IntermediateTensors(stage_input[0], stage_input[1])
+                    args += (stage_input,)
+                hidden = self.model(*args)
+                if not self.parallel.is_last_stage:
+                    return cache_bytes
                 rows = min(sched.max_num_seqs, num_tokens)
+                if self.proposer is not None and self.proposer.uses_model:
+                    # A draft model / EAGLE head mirrors the same tokens in the same step.
+                    aux = self.proposer.take_aux() if self.proposer.wants_aux else None
+                    self.proposer.profile(input_ids, positions_t, [md] * len(groups), hidden, aux)
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
                 if isinstance(self.model, CausalLM) and hasattr(self.sampler, "warm_up"):
@@ -391,41 +502,76 @@ class ModelRunner:
             for layer in layers:
                 layer.kv_cache = tensor
         self.num_blocks = num_blocks
+        if self.shape_buckets is not None:
+            self.platform.synchronize()  # materialise the zeroed caches outside any step graph
 
     def free_kv_cache(self) -> None:
-        self.graphs = None  # captured graphs point at the cache tensors
+        self.graphs = self.verify_graphs = None  # captured graphs point at the cache tensors
+        if self.proposer is not None and self.proposer.uses_model:
+            self.proposer.release_graphs()
         if self.model is not None:
-            for layer in self.model.attention_layers():
+            for layer in self._attention_layers():
                 layer.kv_cache = None
         self.kv_caches = []
         self.num_blocks = 0
 
-    def capture_graphs(self) -> float | None:
+    def capture_graphs(self, eager: bool = False) -> float | None:
         """Capture decode CUDA graphs (``engine.cuda_graphs``) for the allocated cache when the
         platform supports graph capture, the attention backend declares
-        ``supports_decode_graphs`` and ``enforce_eager`` is off. Returns the seconds taken, or
-        None when graphs are not used."""
-        if (
+        ``supports_decode_graphs`` and ``enforce_eager`` is off. With speculative decoding the
+        verification steps (``num_speculative_tokens + 1`` tokens per request) get their own
+        graphs, for the batches that speculate. Returns the seconds taken, or None when graphs
+        are not used. ``eager=True`` (tests) builds the same replay machinery without
+        recording graphs, on any device."""
+        if not eager and (
             self.config.enforce_eager
             or not self.platform.supports_graph_capture
             or not getattr(self.attn_backend_cls, "supports_decode_graphs", False)
             or self.device.type != "cuda"
         ):
             return None
+        if self.parallel.pp_size > 1:
+            logger.info("decode graphs are not captured under pipeline parallelism (eager steps)")
+            return None
         assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
         from engine.cuda_graphs import DecodeGraphs
 
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        args = (self.model, len(groups), self.block_size, self.max_model_len)
+        # An EAGLE-3 head reads inner layers' hidden states: the graphs keep them too.
+        extra = None
+        if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
+            extra = self.proposer.take_aux
+        # Collectives run inside the graphs under tensor parallelism; the process group's
+        # watchdog thread must stay free to query its events during a capture.
+        capture_error_mode = "thread_local" if self.parallel.world_size > 1 else "global"
         self.graphs = DecodeGraphs(
-            self.model,
-            len(groups),
-            self.block_size,
-            self.max_model_len,
-            self.config.scheduler.max_num_seqs,
+            *args,
+            max_num_seqs,
             self.device,
             self._feedback,
+            eager=eager,
+            extra=extra,
+            capture_error_mode=capture_error_mode,
         )
-        return self.graphs.capture()
+        seconds = self.graphs.capture()
+        spec = self.config.speculative
+        if spec is not None:
+            self.verify_graphs = DecodeGraphs(
+                *args,
+                min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
+                self.device,
+                self._feedback,
+                query_len=int(spec.num_speculative_tokens) + 1,
+                eager=eager,
+                extra=extra,
+                capture_error_mode=capture_error_mode,
+            )
+            seconds += self.verify_graphs.capture()
+            if self.proposer is not None and self.proposer.uses_model:
+                seconds += self.proposer.capture_graphs(eager)
+        return seconds
 
     # ---- one step ---------------------------------------------------------------------------
     def execute(
@@ -465,76 +611,183 @@ class ModelRunner:
         if not scheduled:
             self._feedback_rows = {}
             return pending
-        with torch.inference_mode():
+        with self._no_grad():
             hidden = None
             if self.graphs is not None:
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
-                batch = _Batch(None, None, [], list(range(len(scheduled) + 1)))
-            else:
+                ids = self.graphs.last_input_ids(len(scheduled))
+                batch = _Batch(ids, None, [], list(range(len(scheduled) + 1)))
+                batch.aux_hidden = self.graphs.last_extra(len(scheduled))
+            elif self.verify_graphs is not None and any(s.spec_token_ids for s in scheduled):
+                hidden = self.verify_graphs.run(scheduled, self._feedback_rows)
+                if hidden is not None:  # request i's tokens at rows i * q, padded to q
+                    q = self.verify_graphs.query_len
+                    batch = _Batch(
+                        self.verify_graphs.last_input_ids(len(scheduled)),
+                        None,
+                        [],
+                        list(range(0, q * len(scheduled) + 1, q)),
+                        [i * q + s.num_new_tokens for i, s in enumerate(scheduled)],
+                    )
+                    batch.aux_hidden = self.verify_graphs.last_extra(len(scheduled))
+            if hidden is None:
                 batch = self._prepare(scheduled)
-                hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+                if self.parallel.pp_size == 1:
+                    hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+                else:
+                    hidden = self._run_stage(batch)
+                    if hidden is None:  # not the last stage: handed on to the next one
+                        self._feedback_rows = {}
+                        return pending
+                if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
+                    batch.aux_hidden = self.proposer.take_aux()
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
-            if prompt_logprobs:
+            if self.proposer is not None and self.proposer.uses_model:
+                pending.drafts = self.proposer.run(
+                    scheduled,
+                    batch,
+                    hidden,
+                    pending.sampling,
+                    sampling_rows,
+                    pending.last_tokens,
+                    pending.accepted,
+                )
+            if prompt_logprobs and self.parallel.is_output_rank:
                 self._prompt_logprobs(scheduled, batch, hidden, prompt_logprobs, pending.out)
+        if self.shape_buckets is not None:
+            # A static-shape (lazily traced, XLA) platform: run the step's whole graph - the
+            # forward, the KV-cache writes, the sampling - as one, so the next step traces from
+            # materialised caches instead of growing one graph across steps.
+            self.platform.synchronize()
         return pending
 
+    # ---- pipeline stages --------------------------------------------------------------------
+    def _stage_buffer(self, num_tokens: int) -> torch.Tensor:
+        """``[2, num_tokens, hidden]``: a stage boundary's hidden states and residual."""
+        hf_config = self.config.model.hf_config
+        hidden_size = (getattr(hf_config, "text_config", None) or hf_config).hidden_size
+        return torch.zeros((2, num_tokens, hidden_size), dtype=self._kv_dtype(), device=self.device)
+
+    def _run_stage(self, batch: _Batch) -> torch.Tensor | None:
+        """This pipeline stage's part of a step: receive the previous stage's hidden states
+        and residual (one tensor, one message), run the stage's layers, and hand the result
+        to the next stage; the last stage returns the final hidden states instead (None
+        elsewhere). Every stage sees the steps in the same order, so messages pair up."""
+        parallel = self.parallel
+        stage_input = None
+        if not parallel.is_first_stage:
+            received = parallel.pp.recv(
+                self._stage_buffer(batch.query_start_loc[-1]), src=parallel.pp_rank - 1
+            )
+            stage_input = IntermediateTensors(received[0], received[1])
+        out = self.model(batch.input_ids, batch.positions, batch.attn_metadata, stage_input)
+        if parallel.is_last_stage:
+            return out
+        parallel.pp.send(torch.stack((out.hidden, out.residual)), dst=parallel.pp_rank + 1)
+        return None
+
     def collect(self, pending: PendingStep) -> RunnerOutput:
-        """Wait for a launched step's tokens and return its results."""
+        """Wait for a launched step's tokens and return its results (with the drafts of a
+        host-side proposer, proposed now that the tokens are known)."""
+        out = pending.out
         if pending.tokens is not None:
             if pending.ready is not None:
                 pending.ready.synchronize()
-            out = pending.out
-            for rid, token in zip(pending.request_ids, pending.tokens.tolist(), strict=True):
+            # Static shapes may have padded the rows: the real ones come first.
+            tokens = pending.tokens.tolist()[: len(pending.request_ids)]
+            for rid, token in zip(pending.request_ids, tokens, strict=True):
                 out.sampled[rid] = [token]
                 out.logprobs[rid] = None
             pending.tokens = pending.ready = None
-        return pending.out
+        if pending.drafts is not None:  # drafted on the device by a model proposer
+            entries, drafts = pending.drafts
+            for entry, row in zip(entries, drafts.tolist(), strict=True):
+                out.draft_token_ids[entry.request.request_id] = row[: entry.num_to_propose]
+            pending.drafts = None
+        if pending.proposals:
+            propose = self.proposer.propose
+            for request, k in pending.proposals:
+                tokens = out.sampled.get(request.request_id)
+                if tokens:
+                    drafts = propose(request, tokens, k)
+                    if drafts:
+                        out.draft_token_ids[request.request_id] = drafts
+            pending.proposals = []
+        return out
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the step (decodes first, as scheduled) into inputs and per-group metadata."""
-        bs = self.block_size
-        groups = self._groups if self._groups is not None else self.kv_cache_groups()
-        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        starts = np.array([s.start for s in scheduled], dtype=np.int64)
-        qsl = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
         tokens: list[int] = []
         for s in scheduled:
-            tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
+            if s.spec_token_ids:  # a verification: its known token, then the drafts
+                tokens += _chunk_tokens(s.request, s.start, s.num_known_tokens)
+                tokens += s.spec_token_ids
+            else:
+                tokens += _chunk_tokens(s.request, s.start, s.num_new_tokens)
         input_ids = np.array(tokens, dtype=np.int64)
+        positions, metadata, qsl = self.layout(
+            [s.start for s in scheduled],
+            [s.num_new_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+        )
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
-        # Token t of request i sits at position starts[i] + (t - qsl[i]).
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], query_lens)
-        num_decodes = 0
-        while num_decodes < len(scheduled) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        seq_lens = (starts + query_lens).tolist()
-        req_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
-        block_of_token = positions // bs
-        metadata = []
-        for g in range(len(groups)):
-            tables = [s.block_ids[g] for s in scheduled]
-            width = max(len(t) for t in tables)
-            padded = np.zeros((len(tables), width), dtype=np.int64)
-            for i, t in enumerate(tables):
-                padded[i, : len(t)] = t
-            slots = padded[req_of_token, block_of_token] * bs + positions % bs
-            layout = BatchLayout(
-                query_lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes
-            )
-            metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
+        if self.shape_buckets is not None:  # padded tokens: id 0 at position 0, never sampled
+            pad = self.shape_buckets.pad_tokens(len(input_ids)) - len(input_ids)
+            input_ids = np.pad(input_ids, (0, pad))
+            if feedback is not None:
+                feedback = np.pad(feedback, (0, pad), constant_values=-1)
         ids = self._to_device(input_ids)
         if feedback is not None:
             ids = gather_feedback(ids, self._to_device(feedback), self._feedback)
         return _Batch(
             input_ids=ids,
-            positions=self._to_device(positions),
+            positions=positions,
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
         )
+
+    def layout(
+        self, starts: list[int], query_lens: list[int], block_ids: list[list[list[int]]]
+    ) -> tuple[torch.Tensor, list[AttentionMetadata], np.ndarray]:
+        """Positions (on the device), per-group attention metadata and query start locations
+        of a batch where request ``i`` computes ``query_lens[i]`` tokens from ``starts[i]``
+        with tables ``block_ids[i]`` (one per KV-cache group; leading one-token requests are
+        the backend's decodes). A draft model's forward uses it too: its layers share the
+        target's block tables."""
+        bs = self.block_size
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        lens = np.asarray(query_lens, dtype=np.int64)
+        starts_np = np.asarray(starts, dtype=np.int64)
+        qsl = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        # Token t of request i sits at position starts[i] + (t - qsl[i]).
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts_np - qsl[:-1], lens)
+        num_decodes = 0
+        while num_decodes < len(lens) and lens[num_decodes] == 1:
+            num_decodes += 1
+        seq_lens = (starts_np + lens).tolist()
+        req_of_token = np.repeat(np.arange(len(lens)), lens)
+        block_of_token = positions // bs
+        metadata = []
+        for g in range(len(groups)):
+            tables = [blocks[g] for blocks in block_ids]
+            width = max(len(t) for t in tables)
+            padded = np.zeros((len(tables), width), dtype=np.int64)
+            for i, t in enumerate(tables):
+                padded[i, : len(t)] = t
+            slots = padded[req_of_token, block_of_token] * bs + positions % bs
+            layout = BatchLayout(lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes)
+            if self.shape_buckets is not None:
+                layout = self.shape_buckets.pad_layout(layout, num_tokens)
+            metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))
+        if self.shape_buckets is not None:  # padded positions: 0, never sampled
+            positions = np.pad(
+                positions, (0, self.shape_buckets.pad_tokens(num_tokens) - num_tokens)
+            )
+        return self._to_device(positions), metadata, qsl
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the device without blocking the host: a pageable copy would wait
@@ -543,6 +796,8 @@ class ModelRunner:
         tensor = torch.from_numpy(array)
         if self.device.type == "cpu":
             return tensor
+        if self.device.type != "cuda":  # pinned host memory is a CUDA (and HIP) notion
+            return tensor.to(self.device)
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _feedback_sources(
@@ -578,8 +833,20 @@ class ModelRunner:
         if missing:
             raise KeyError(f"no sampling row for requests that sample this step: {missing}")
         rows = [sampling_rows[s.request.request_id] for _, s in sampling]
+        pending.sampling = sampling
+        if self.proposer is not None and not self.proposer.uses_model:
+            pending.proposals = [
+                (s.request, s.num_to_propose) for _, s in sampling if s.num_to_propose
+            ]
+        if any(s.spec_token_ids for _, s in sampling):
+            self._verify(sampling, batch, hidden, rows, pending)
+            return
         if not (len(sampling) == hidden.shape[0] == batch.query_start_loc[-1]):
-            last = np.array([batch.query_start_loc[i + 1] - 1 for i, _ in sampling])
+            last = np.array([batch.end(i) - 1 for i, _ in sampling])
+            if self.shape_buckets is not None:  # static shapes: pad with greedy dummy rows
+                pad = self.shape_buckets.pad_seqs(len(rows)) - len(rows)
+                last = np.pad(last, (0, pad), mode="edge")
+                rows = rows + [_padding_row()] * pad
             hidden = hidden[self._to_device(last)]  # else one token per request: no gather
         sampler = self.sampler
         # Samplers that are not engine.sampler.Sampler (tests, plugins) get the classic
@@ -596,28 +863,76 @@ class ModelRunner:
         ids = [s.request.request_id for _, s in sampling]
         if not plain:
             result = sampler.sample(logits, rows)
-            for j, rid in enumerate(ids):
+            for j, rid in enumerate(ids):  # padding rows (static shapes) come last: dropped
                 out.sampled[rid] = list(result.token_ids[j])
                 out.logprobs[rid] = result.logprobs[j] if result.logprobs is not None else None
             first = torch.tensor([t[0] for t in result.token_ids], device=self.device)
         else:
             first = sampler.sample_tokens(logits, rows)
             pending.request_ids = ids
-            if self.device.type == "cpu":
+            if self.device.type != "cuda":
                 pending.tokens = first
             else:
                 pending.tokens = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
                 pending.tokens.copy_(first, non_blocking=True)
                 pending.ready = torch.Event(device=self.device)
                 pending.ready.record()
-        if len(ids) > self._feedback.numel():  # only hand-built steps exceed max_num_seqs
+        num_rows = first.shape[0]  # len(ids), or its shape bucket (padding rows last)
+        if num_rows > self._feedback.numel():  # only hand-built steps exceed max_num_seqs
             if self.graphs is not None:
                 raise ValueError(
-                    f"{len(ids)} sampling rows exceed max_num_seqs={self._feedback.numel()}"
+                    f"{num_rows} sampling rows exceed max_num_seqs={self._feedback.numel()}"
                 )
-            self._feedback = torch.zeros(len(ids), dtype=torch.int64, device=self.device)
-        self._feedback[: len(ids)].copy_(first, non_blocking=True)
+            self._feedback = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
+        self._feedback[:num_rows].copy_(first, non_blocking=True)
         self._feedback_rows = {rid: j for j, rid in enumerate(ids)}
+        pending.last_tokens = first
+
+    def _verify(
+        self,
+        sampling: list[tuple[int, ScheduledRequest]],
+        batch: _Batch,
+        hidden: torch.Tensor,
+        rows: list[Any],
+        pending: PendingStep,
+    ) -> None:
+        """Speculative decoding: score every sampling request's drafts (the logits of its
+        last ``k + 1`` positions) and keep what verification accepts. Synchronous: the
+        accepted lengths decide the next step."""
+        from engine.spec_decode.rejection import verify
+
+        index: list[int] = []
+        drafts = []
+        for i, s in sampling:
+            k = len(s.spec_token_ids)
+            end = batch.end(i)
+            index.extend(range(end - k - 1, end))
+            drafts.append(s.spec_token_ids)
+        hidden = hidden[self._to_device(np.asarray(index, dtype=np.int64))]
+        float32 = not isinstance(self.model, CausalLM) or self.sampler.wants_float32_logits(rows)
+        logits = self.model.compute_logits(hidden, float32)
+        draft_probs = None
+        if self.proposer is not None and self.proposer.uses_model:
+            draft_probs = [
+                self.proposer.take_draft_probs(s.request, len(s.spec_token_ids))
+                for _, s in sampling
+            ]
+        result = verify(self.sampler, logits, rows, drafts, draft_probs)
+        out = pending.out
+        last = []
+        for (_, s), tokens, lps in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            rid = s.request.request_id
+            out.sampled[rid] = tokens
+            out.logprobs[rid] = lps
+            last.append(tokens[-1])
+        # The feedback buffer holds each row's newest token (nothing reads it before the next
+        # step is scheduled from the host's tokens, but it stays consistent).
+        n = min(len(last), self._feedback.numel())
+        last_tokens = torch.tensor(last, dtype=torch.int64, device=self.device)
+        self._feedback[:n].copy_(last_tokens[:n])
+        self._feedback_rows = {s.request.request_id: j for j, (_, s) in enumerate(sampling[:n])}
+        pending.last_tokens = last_tokens
+        pending.accepted = result.token_ids
 
     def _prompt_logprobs(
         self,

@@ -22,11 +22,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import check_stop_strings, pending_stop_chars
+from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 # ``output_interval`` for requests that want only their final output (offline batches).
 FINAL_ONLY = 0
+
+
+def check_without_tokenizer(prompt_token_ids: list[int] | None, params: SamplingParams) -> None:
+    """What a request may not ask of an engine built with ``skip_tokenizer_init`` (the front
+    end has no tokenizer: no text prompts, stop strings or structured outputs)."""
+    flag = "the engine was started with skip_tokenizer_init=True (--skip-tokenizer-init)"
+    if prompt_token_ids is None:
+        raise InvalidRequestError(
+            f"text prompts cannot be used: {flag}, so no tokenizer is loaded; pass token ids "
+            "(prompt_token_ids)",
+            "prompt",
+        )
+    if params.stop:
+        raise SamplingParamsError(
+            f"stop strings cannot be matched: {flag}, so the output is not detokenized; use "
+            "stop_token_ids",
+            "stop",
+        )
+    if params.structured_outputs is not None:
+        raise SamplingParamsError(
+            f"structured outputs need the tokenizer's vocabulary, and {flag}",
+            "structured_outputs",
+        )
 
 
 @dataclass
@@ -104,6 +128,8 @@ class OutputProcessor:
         when it finishes."""
         from engine.detokenizer import IncrementalDetokenizer
 
+        if self.tokenizer is None:
+            check_without_tokenizer(prompt_token_ids, params)
         seqs = []
         for i in range(params.n):
             detok = (
@@ -113,7 +139,7 @@ class OutputProcessor:
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                 )
-                if params.detokenize
+                if params.detokenize and self.tokenizer is not None
                 else None
             )
             seqs.append(
@@ -265,6 +291,8 @@ class OutputProcessor:
             state.prompt_logprobs.append(entry)
 
     def _decode_logprobs(self, entry: dict[int, Logprob]) -> None:
+        if self.tokenizer is None:  # skip_tokenizer_init: decoded_token stays None (as vLLM)
+            return
         for token_id, lp in entry.items():
             if lp.decoded_token is None:
                 lp.decoded_token = self.tokenizer.decode([token_id])

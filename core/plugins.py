@@ -34,8 +34,18 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from engine import hookspecs
+from engine.attention_backends.registry import AttentionBackendRegistry
+from engine.attention_backends.selector import select_attention_backend
 from engine.errors import PluginLoadError
-from engine.version import PLUGIN_API_MAJOR, PLUGIN_API_VERSION, __version__
+from engine.platforms.resolve import PlatformEntry, collect_platforms, resolve_platform
+from engine.plugin_info import PluginInfo
+from engine.version import (
+    DISTRIBUTION_NAME,
+    PLUGIN_API_MAJOR,
+    PLUGIN_API_MINOR,
+    PLUGIN_API_VERSION,
+    __version__,
+)
 
 if sys.version_info >= (3, 12):
     from importlib import metadata
@@ -47,11 +57,10 @@ else:  # pragma: no cover - depends on the interpreter
 
 if TYPE_CHECKING:
     from engine.attention_backends.interface import AttentionBackend, AttentionSpec
-    from engine.attention_backends.registry import AttentionBackendRegistry
     from engine.config import EngineConfig
+    from engine.distributed import Communicator
     from engine.kernels.registry import KernelRegistry
     from engine.platforms.interface import Platform
-    from engine.platforms.resolve import PlatformEntry
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 ENGINE_PLUGINS_ENV = "ENGINE_PLUGINS"
@@ -66,30 +75,50 @@ _HOOK_NAMES = frozenset(
 
 
 @dataclass(frozen=True)
-class PluginInfo:
-    """Where a loaded plugin came from: enough to name it in any message."""
+class CommunicatorEntry:
+    """A platform's communicator and who supplied it: a plugin's ``engine_communicator`` hook
+    (``plugin`` is its entry-point name) or the platform's default (``plugin`` None)."""
 
-    name: str  # entry-point name, e.g. "cpu"; "builtin" for the core's own plugin
-    distribution: str  # e.g. "engine-cpu"
-    version: str  # the distribution's version
-    value: str  # the entry point's target, e.g. "engine_cpu.plugin"
-    api_version: str  # what the plugin declared in ENGINE_PLUGIN_API
+    communicator: Communicator
+    provider: str  # a distribution name, or "<platform> platform default"
+    plugin: str | None
 
-    def describe(self) -> str:
-        """``plugin 'cpu' (entry point cpu = engine_cpu.plugin of engine-cpu 0.1.0)``."""
-        return (
-            f"plugin {self.name!r} (entry point {self.name} = {self.value} of distribution "
-            f"{self.distribution} {self.version})"
-        )
 
-    def as_dict(self) -> dict[str, str]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "entry_point": f"{self.name} = {self.value}",
-            "api_version": self.api_version,
-        }
+def _signature(fn: Any) -> str:
+    return f"{fn.__name__}({', '.join(inspect.signature(fn).parameters)})"
+
+
+def _hook_mismatch(plugin: Any, pm: pluggy.PluginManager) -> str | None:
+    """Say, in words, which of ``plugin``'s hook implementations (functions marked
+    ``@hookimpl``) pluggy refused: a name that is no hook (with the closest valid name) or
+    arguments the specification does not have."""
+    import difflib
+
+    problems = []
+    for name in sorted(dir(plugin)):
+        fn = getattr(plugin, name, None)
+        if not callable(fn) or pm.parse_hookimpl_opts(plugin, name) is None:
+            continue
+        if name not in _HOOK_NAMES:
+            close = difflib.get_close_matches(name, sorted(_HOOK_NAMES), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"{name} is not a hook{hint}")
+            continue
+        spec = getattr(hookspecs, name)
+        try:
+            extra = [a for a in inspect.signature(fn).parameters if a not in _args(spec)]
+        except (TypeError, ValueError):
+            continue
+        if extra:
+            problems.append(
+                f"{_signature(fn)} takes {', '.join(map(repr, extra))}, which the specification "
+                f"{_signature(spec)} does not have"
+            )
+    return "; ".join(problems) or None
+
+
+def _args(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)
 
 
 def parse_enabled_plugins(environ: Mapping[str, str] | None = None) -> list[str] | None:
@@ -114,6 +143,15 @@ def _entry_point_distribution(ep: Any) -> tuple[str, str]:
 def _api_major(declared: Any) -> int | None:
     try:
         return int(str(declared).strip().split(".")[0])
+    except ValueError:
+        return None
+
+
+def _api_minor(declared: Any) -> int | None:
+    """The declared minor version, or None for ``"1"`` / ``"1.x"`` (any minor)."""
+    parts = str(declared).strip().split(".")
+    try:
+        return int(parts[1]) if len(parts) > 1 else None
     except ValueError:
         return None
 
@@ -156,7 +194,7 @@ class PluginManager:
         module = importlib.import_module(BUILTIN_PLUGIN_MODULE)
         info = PluginInfo(
             BUILTIN_PLUGIN_NAME,
-            "engine",
+            DISTRIBUTION_NAME,
             __version__,
             BUILTIN_PLUGIN_MODULE,
             str(getattr(module, "ENGINE_PLUGIN_API", PLUGIN_API_VERSION)),
@@ -223,6 +261,14 @@ class PluginManager:
                 f"{fits}). Install a release of {dist_name} built for plugin API "
                 f"{PLUGIN_API_MAJOR}, or an engine release that speaks API {declared!s}."
             )
+        minor = _api_minor(declared)
+        if minor is not None and minor > PLUGIN_API_MINOR:
+            raise PluginLoadError(
+                f"Refusing {where}: it was built for plugin API {declared!s}, newer than the "
+                f"plugin API {PLUGIN_API_VERSION} of this engine {__version__} (it may use hooks "
+                f"this engine lacks). Upgrade the engine, or install a release of {dist_name} "
+                f"built for plugin API {PLUGIN_API_VERSION} or older."
+            )
         info = PluginInfo(ep.name, dist_name, dist_version, ep.value, str(declared))
         self._register(plugin, info)
 
@@ -234,9 +280,10 @@ class PluginManager:
         except pluggy.PluginValidationError as exc:
             if self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
+            detail = _hook_mismatch(plugin, self._pm) or " ".join(str(exc).split())
             raise PluginLoadError(
                 f"Refusing {where}: a hook implementation does not match the hook "
-                f"specifications in engine.hookspecs: {exc}. Valid hooks: "
+                f"specifications in engine.hookspecs: {detail}. Valid hooks: "
                 f"{', '.join(sorted(_HOOK_NAMES))}. Fix the plugin's hook names and arguments."
             ) from exc
         forgotten = sorted(
@@ -297,16 +344,12 @@ class PluginManager:
     def platforms(self) -> list[PlatformEntry]:
         """Every platform the loaded plugins provide (available or not)."""
         if self._platforms is None:
-            from engine.platforms.resolve import collect_platforms
-
-            self._platforms = collect_platforms(self)
+            self._platforms = collect_platforms(self.call_hook("engine_platform"))
         return self._platforms
 
     def resolve_platform_entry(self, requested: str | None = None) -> PlatformEntry:
         """The platform to run on: ``requested`` (``--platform``), else ``ENGINE_PLATFORM``,
         else the highest-priority available one. See ``engine.platforms.resolve``."""
-        from engine.platforms.resolve import resolve_platform
-
         return resolve_platform(self.platforms(), requested, self.environ)
 
     def resolve_platform(self, requested: str | None = None) -> type[Platform]:
@@ -316,9 +359,9 @@ class PluginManager:
     def attention_backends(self) -> AttentionBackendRegistry:
         """Every named attention backend the loaded plugins provide."""
         if self._backends is None:
-            from engine.attention_backends.registry import AttentionBackendRegistry
-
-            self._backends = AttentionBackendRegistry.from_plugins(self)
+            self._backends = AttentionBackendRegistry.from_hook_results(
+                self.call_hook("engine_attention_backends")
+            )
         return self._backends
 
     def select_attention_backend(
@@ -329,11 +372,52 @@ class PluginManager:
         config: EngineConfig | None = None,
     ) -> type[AttentionBackend]:
         """``--attention-backend NAME`` (or ``auto``) for ``spec`` on ``platform``."""
-        from engine.attention_backends.selector import select_attention_backend
-
         return select_attention_backend(
             name, spec, platform, registry=self.attention_backends(), config=config
         )
+
+    def communicator_entry(self, platform: type[Platform], group: Any = None) -> CommunicatorEntry:
+        """The communicator for ``platform`` over ``group`` and who supplied it.
+
+        Every loaded plugin's ``engine_communicator(platform, group)`` is asked; at most one may
+        answer (two answers are an error naming both plugins). With no answer the platform's own
+        ``Platform.communicator(group)`` serves (torch.distributed on ``dist_backend``).
+        """
+        from engine.distributed import Communicator
+
+        answers = []
+        for info, result in self.call_hook("engine_communicator", platform=platform, group=group):
+            if result is None:
+                continue
+            if not isinstance(result, Communicator):
+                raise PluginLoadError(
+                    f"{info.describe()} returned {result!r} from engine_communicator() for "
+                    f"platform {platform.name!r}; it must return an instance of "
+                    "engine.distributed.Communicator (or None). Fix the plugin."
+                )
+            answers.append(CommunicatorEntry(result, info.distribution, info.name))
+        if len(answers) > 1:
+            a, b = answers[0], answers[1]
+            raise PluginLoadError(
+                f"Two plugins supply a communicator for platform {platform.name!r}: "
+                f"{self._infos[a.plugin].describe()} ({a.communicator.describe()}) and "
+                f"{self._infos[b.plugin].describe()} ({b.communicator.describe()}). At most one "
+                "may: uninstall one of the two distributions or exclude one with "
+                f"{ENGINE_PLUGINS_ENV}."
+            )
+        if answers:
+            return answers[0]
+        comm = platform.communicator(group)
+        if not isinstance(comm, Communicator):
+            raise PluginLoadError(
+                f"Platform {platform.name!r} returned {comm!r} from communicator(); it must "
+                "return an instance of engine.distributed.Communicator. Fix the plugin."
+            )
+        return CommunicatorEntry(comm, f"{platform.name} platform default", None)
+
+    def communicator(self, platform: type[Platform], group: Any = None) -> Communicator:
+        """The ``Communicator`` for ``platform`` over ``group`` (see ``communicator_entry``)."""
+        return self.communicator_entry(platform, group).communicator
 
     def kernel_registry(self) -> KernelRegistry:
         """The kernel registry: torch references plus every plugin's ``engine_kernels``

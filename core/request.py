@@ -50,6 +50,9 @@ class Request:
     num_output_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     parent_id: str | None = None
+    # Speculative decoding: draft tokens proposed after the last step, for the next step to
+    # verify (set by ``Scheduler.update_draft_token_ids``, consumed by ``schedule``).
+    spec_token_ids: list[int] = field(default_factory=list)
     # Free-form per-request data the engine keeps (sampling params, detokenizer state...).
     data: object = None
 

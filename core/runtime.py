@@ -79,16 +79,19 @@ def resolve_dtype(config: EngineConfig, hf_config: Any, platform: Any) -> None:
 
 
 def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> AttentionSpec:
-    """What the model asks of an attention backend, read from its HF config."""
+    """What the model asks of an attention backend, read from its HF config: the head counts
+    are one tensor-parallel rank's (KV heads replicated when there are fewer than ranks)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    tp = config.parallel.tensor_parallel_size
     return AttentionSpec(
         device_type=platform.device_type,
         dtype=config.model.dtype,
         head_size=head_size,
-        num_heads=num_heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        num_heads=max(1, num_heads // tp),
+        num_kv_heads=max(1, num_kv_heads // tp),
         block_size=config.cache.block_size,
         sliding_window=bool(getattr(text, "sliding_window", None))
         and getattr(text, "use_sliding_window", True) is not False,
@@ -96,28 +99,148 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
     )
 
 
+def tensor_parallel_sizes(hf_config: Any, limit: int = 64) -> list[int]:
+    """The tensor-parallel sizes (up to ``limit``) that split this model evenly: attention
+    heads, key/value heads (or ranks a multiple of them: heads are then replicated) and the
+    MLP's intermediate features."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    inter = getattr(text, "intermediate_size", None)
+    return [
+        tp
+        for tp in range(1, limit + 1)
+        if heads % tp == 0 and (kv % tp == 0 or tp % kv == 0) and (inter is None or inter % tp == 0)
+    ]
+
+
+def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -> None:
+    """Refuse, before any worker starts, a layout this model or host cannot run: a
+    tensor-parallel size that does not split the heads (or the MLP), more pipeline stages than
+    layers, more ranks than this host has devices (``mp``). Each error lists what is allowed."""
+    par = config.parallel
+    tp, pp, world = par.tensor_parallel_size, par.pipeline_parallel_size, par.world_size
+    text = getattr(hf_config, "text_config", None) or hf_config
+    if tp > 1:
+        allowed = tensor_parallel_sizes(hf_config)
+        if tp not in allowed:
+            heads = text.num_attention_heads
+            kv = getattr(text, "num_key_value_heads", None) or heads
+            raise ConfigError(
+                f"tensor_parallel_size={tp} cannot split this model ({heads} attention heads, "
+                f"{kv} key/value heads, intermediate_size "
+                f"{getattr(text, 'intermediate_size', '?')}): it must divide the attention "
+                f"heads, divide or be a multiple of the key/value heads, and divide the "
+                f"intermediate size; sizes that work: {', '.join(map(str, allowed))}"
+            )
+    if tp > 1:
+        _check_experts(text, tp, par.enable_expert_parallel)
+    layers = getattr(text, "num_hidden_layers", None)
+    if pp > 1 and layers is not None and pp > layers:
+        raise ConfigError(
+            f"pipeline_parallel_size={pp} is more stages than the model's {layers} layers; "
+            f"use at most {layers}"
+        )
+    backend = par.executor_backend
+    if world > 1 and backend == "mp" and platform.device_type == "cpu":
+        import os
+
+        cores = os.cpu_count() or 1
+        if world > cores:
+            logger.warning(
+                "%d CPU ranks share this host's %d cores: each gets less than one", world, cores
+            )
+    if world > 1 and backend == "mp" and platform.device_type != "cpu":
+        devices = platform.device_count()
+        if world > devices:
+            raise ConfigError(
+                f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = {world} ranks "
+                f"need {world} {platform.name} devices, but this host has {devices}; use at "
+                f"most {devices} ranks here (e.g. tensor_parallel_size="
+                f"{max(t for t in tensor_parallel_sizes(hf_config) if t <= devices)}), or "
+                "--distributed-executor-backend ray to use the devices of several hosts"
+            )
+    if backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError(
+                "--distributed-executor-backend ray needs Ray: pip install 'engine-llm[ray]'"
+            )
+
+
+def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
+    """A mixture-of-experts model under tensor parallelism: experts split over the ranks need
+    an expert intermediate size that ``tp`` divides; experts placed across the ranks
+    (``--enable-expert-parallel``) need at least one expert per rank; a shared expert (split
+    either way, like a dense MLP) needs its intermediate size divisible."""
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if not experts:
+        return
+    if expert_parallel and experts < tp:
+        raise ConfigError(
+            f"--enable-expert-parallel places {experts} experts over tensor_parallel_size={tp} "
+            f"ranks: every rank needs at least one; use tensor_parallel_size <= {experts}, or "
+            "split the experts instead (leave out --enable-expert-parallel)"
+        )
+    routed = getattr(text, "moe_intermediate_size", None) or getattr(
+        text, "intermediate_size", None
+    )
+    if not expert_parallel and routed and routed % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} cannot split the experts' intermediate size ({routed}); "
+            "use a size that divides it, or --enable-expert-parallel to place whole experts "
+            "on the ranks"
+        )
+    shared = getattr(text, "shared_expert_intermediate_size", None)
+    if shared and shared % tp:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} cannot split the shared expert's intermediate size "
+            f"({shared}); use a size that divides it"
+        )
+
+
+def build_executor(
+    config: EngineConfig, platform: Any, kernels: Any, backend_cls: Any, models: Any
+) -> Any:
+    """The executor of ``config.parallel``: the model loaded on its workers (in this process
+    for ``uni``)."""
+    from engine.executor.base import executor_class
+
+    backend = config.parallel.executor_backend
+    if backend != "uni":
+        return executor_class(backend)(config, platform, backend_cls)
+    from engine.executor.uniproc import UniProcExecutor
+    from engine.model_runner import ModelRunner
+    from engine.sampler import Sampler
+
+    text_config = getattr(config.model.hf_config, "text_config", None) or config.model.hf_config
+    sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
+    runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
+    runner.load_model()
+    return UniProcExecutor(runner)
+
+
 def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
-    """Return ``(tokenizer, runner, scheduler, eos_token_ids, plugin_manager)``."""
+    """Return ``(tokenizer, executor, scheduler, eos_token_ids, plugin_manager)``; the
+    tokenizer is None with ``skip_tokenizer_init``."""
     from engine import generation_config
     from engine.kv_cache_manager import KVCacheGroupSpec
     from engine.loader import load_hf_config
-    from engine.model_runner import ModelRunner
     from engine.models.registry import ModelRegistry
     from engine.plugins import PluginManager
-    from engine.sampler import Sampler
     from engine.scheduler import Scheduler
     from engine.tokenizer import eos_token_ids, load_tokenizer
 
     start = time.perf_counter()
-    if config.parallel.tensor_parallel_size != 1 or config.parallel.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "tensor/pipeline parallelism is not implemented yet; use --tensor-parallel-size 1"
-        )
     resolve_model_source(config)
     plugins = PluginManager.from_env()
     requested = None if config.platform == "auto" else config.platform
     platform = plugins.resolve_platform(requested)
     config.platform = platform.name
+    from engine.cpu_threads import apply_cpu_threads
+
+    apply_cpu_threads(config.cpu_threads)
     problems = platform.check_config(config)
     if problems:
         raise ConfigError(
@@ -125,12 +248,14 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         )
 
     models = ModelRegistry.with_plugins(plugins)
+    max_model_len_given = config.model.max_model_len is not None
     hf_config = load_hf_config(config.model, models)
     config.model.max_model_len = resolve_max_model_len(config, hf_config)
+    check_parallel_config(config, hf_config, platform)
     resolve_dtype(config, hf_config, platform)
     if config.model.served_model_name is None:
         config.model.served_model_name = config.model.model
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
     generation_eos, config.model.default_sampling = generation_config.resolve(
         _model_dir(config.model.model), config.model.generation_config
     )
@@ -140,23 +265,45 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
 
-    text_config = getattr(hf_config, "text_config", None) or hf_config
-    sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
-    runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
-    runner.load_model()
-    groups = runner.kv_cache_groups()
-    num_blocks = runner.determine_num_blocks()
-    runner.allocate_kv_cache(num_blocks)
-    runner.capture_graphs()  # decode CUDA graphs where the platform and backend allow them
+    if config.speculative is not None:
+        from engine.spec_decode import ProposerRegistry
+
+        ProposerRegistry().check(config, hf_config)  # ConfigError with every reason
+    par = config.parallel
+    if par.world_size > 1:
+        logger.info(
+            "%d ranks (tensor_parallel_size=%d x pipeline_parallel_size=%d) on the %s executor",
+            par.world_size,
+            par.tensor_parallel_size,
+            par.pipeline_parallel_size,
+            par.executor_backend,
+        )
+    executor = build_executor(config, platform, kernels, backend_cls, models)
+    try:
+        groups = executor.kv_cache_groups()
+        # The smallest over the ranks. An unset max_model_len may be lowered to fit a CPU KV
+        # cache (the ranks agree on it); a given one never is.
+        num_blocks = executor.determine_num_blocks(max_model_len_fixed=max_model_len_given)
+        executor.allocate_kv_cache(num_blocks)
+        executor.capture_graphs()  # decode CUDA graphs where the platform and backend allow
+    except BaseException:
+        executor.shutdown()
+        raise
     if config.scheduler.async_scheduling is None:
-        # Overlap pays where the device runs apart from the host; CPU kernels run inline.
-        config.scheduler.async_scheduling = runner.device.type != "cpu"
+        # Overlap pays where the device runs apart from the host and copies are asynchronous
+        # (CUDA/HIP streams); CPU kernels run inline, and XLA builds one graph per step.
+        # Pipeline stages overlap micro-batches only this way.
+        config.scheduler.async_scheduling = (
+            platform.device_type == "cuda" or par.pipeline_parallel_size > 1
+        )
     scheduler = Scheduler(
         config.scheduler,
         config.cache,
         config.model.max_model_len,
         num_blocks,
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
+        speculative_config=config.speculative,
+        pipeline_parallel_size=par.pipeline_parallel_size,
     )
     logger.info(
         "engine ready in %.1f s: %d KV blocks of %d tokens",
@@ -165,4 +312,4 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         config.cache.block_size,
     )
     eos = eos_token_ids(tokenizer, hf_config, generation_eos)
-    return tokenizer, runner, scheduler, eos, plugins
+    return tokenizer, executor, scheduler, eos, plugins

@@ -56,7 +56,9 @@ class SamplingRow:
     with its own generator. ``eos_token_ids`` are the ids ``min_tokens`` suppresses (besides
     ``params.stop_token_ids``). ``token_bitmask`` (structured outputs) is xgrammar's packed
     int32 ``[ceil(V / 32)]`` host tensor of the tokens the row may sample (bit ``t % 32`` of
-    word ``t // 32``); ``None`` leaves the row unconstrained.
+    word ``t // 32``); ``None`` leaves the row unconstrained. A request that verifies ``k``
+    draft tokens (speculative decoding) has one mask per verified position: ``[k + 1,
+    ceil(V / 32)]``, row ``j`` for the grammar state after the first ``j`` drafts.
     """
 
     params: SamplingParams
@@ -98,6 +100,12 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._argmax = argmax or (lambda x: x.argmax(dim=-1))
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of ``[N, V]`` logits (int64 ``[N]``), through the platform's kernel."""
+        if logits.shape[1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return self._argmax(logits)
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A generator on this sampler's device seeded with ``seed`` (for ``SamplingRow``)."""
@@ -181,10 +189,7 @@ class Sampler:
             src = logits if len(lp_rows) == len(rows) else logits[_index(lp_rows, device)]
             raw_logprobs = torch.log_softmax(src, dim=-1)
 
-        _apply_token_bitmasks(logits, rows)
-        _apply_logit_bias(logits, rows)
-        _apply_min_tokens(logits, rows)
-        _apply_penalties(logits, rows)
+        apply_logits_processors(logits, rows)
 
         # sample_rows[s] = the row of sample s (rows with num_samples > 1 repeat).
         sample_rows = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
@@ -333,6 +338,53 @@ def compute_prompt_logprobs(
         targets = _index(target_ids[start:end], device)
         result.extend(_logprob_dicts(lp, list(range(end - start)), targets, [k] * (end - start)))
     return result
+
+
+# ---------------------------------------------------------------------- stages, shared
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Stages 0-3 in place, for the rows that need them: grammar masks, ``logit_bias``,
+    ``min_tokens`` and penalties (over each row's ``output_token_ids``). Shared with the
+    speculative-decoding rejection sampler, which runs them once per verified position."""
+    _apply_token_bitmasks(logits, rows)
+    _apply_logit_bias(logits, rows)
+    _apply_min_tokens(logits, rows)
+    _apply_penalties(logits, rows)
+
+
+def apply_sampling_filters(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Stage 5's temperature, top-k, top-p and min-p (masked logits become -inf) on random
+    rows ``x`` (modified in place); see ``_apply_temperature_and_filters``."""
+    return _apply_temperature_and_filters(x, params)
+
+
+def exponential_noise(
+    shape: tuple[int, int], generators: list[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """Exponential(1) noise ``[rows, V]``: row ``i`` from ``generators[i]`` (a fresh draw, so a
+    seeded row's values do not depend on the batch) or, unseeded, from one batched draw."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return _exponential_(noise)
+    if unseeded:
+        noise[_index(unseeded, device)] = _exponential_(
+            torch.empty(len(unseeded), shape[1], device=device)
+        )
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            noise[i] = _exponential_(torch.empty(shape[1], device=device), gen)
+    return noise
+
+
+def logprob_dicts(
+    logprobs: torch.Tensor, positions: list[int], token_ids: torch.Tensor, top_n: list[int]
+) -> list[dict[int, Logprob]]:
+    """One ``{token: Logprob}`` dict per entry of ``token_ids``, from row ``positions[s]`` of
+    the ``[R, V]`` log-probabilities, with that row's top ``top_n[row]`` (see
+    ``_logprob_dicts``)."""
+    return _logprob_dicts(logprobs, positions, token_ids, top_n)
 
 
 # ---------------------------------------------------------------------- helpers

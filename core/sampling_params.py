@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -23,6 +24,21 @@ class SamplingType(Enum):
 
 
 _GREEDY_EPS = 1e-5
+
+# The sampler computes in float32: a larger value would be infinite there, and a positive one
+# below the smallest normal float32 is zero there (or too close: dividing by it overflows).
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+# torch.Generator.manual_seed takes a signed 64-bit seed (vLLM's bounds too).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
 
 # The constraints of StructuredOutputsParams; exactly one of them is set.
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
@@ -139,6 +155,17 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+def _is_finite_number(value: Any) -> bool:
+    """A real number within the float32 range (not a bool, NaN or infinite)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(number) and abs(number) <= _FLOAT32_MAX
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for one request (vLLM's names and defaults).
@@ -190,6 +217,11 @@ class SamplingParams:
                 raise SamplingParamsError(
                     "logit_bias must map token ids (integers) to floats", "logit_bias"
                 ) from e
+            if any(not math.isfinite(v) for v in self.logit_bias.values()):
+                raise SamplingParamsError(
+                    "logit_bias values must be finite numbers (the server takes -100..100)",
+                    "logit_bias",
+                )
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
@@ -206,10 +238,14 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "an integer >= 1")
+        for name in _FLOAT_FIELDS:
+            # NaN compares false with every bound below (and sampled token 0 every step).
+            if not _is_finite_number(getattr(self, name)):
+                fail(name, f"a finite number (at most {_FLOAT32_MAX:.7g} in magnitude)")
         if self.temperature < 0:
             fail("temperature", "non-negative (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "in (0, 1]")
+        if not _FLOAT32_TINY <= self.top_p <= 1.0:
+            fail("top_p", f"in (0, 1] (at least {_FLOAT32_TINY:.7g}, the smallest float32)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             fail("top_k", "0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
@@ -218,8 +254,12 @@ class SamplingParams:
             fail("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", "greater than 0")
+        if not self.repetition_penalty >= _FLOAT32_TINY:
+            # A penalty that is 0 in float32 turns masked logits (-inf * 0) into NaN.
+            fail(
+                "repetition_penalty",
+                f"greater than 0 (at least {_FLOAT32_TINY:.7g}, the smallest float32)",
+            )
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
@@ -240,8 +280,10 @@ class SamplingParams:
             raise SamplingParamsError(
                 "stop_token_ids must be non-negative integers", "stop_token_ids"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "an integer (or None)")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not _SEED_MIN <= self.seed <= _SEED_MAX
+        ):
+            fail("seed", f"an integer in [{_SEED_MIN}, {_SEED_MAX}] (or None)")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "a StructuredOutputsParams (or None)")

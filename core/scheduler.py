@@ -25,6 +25,24 @@ N+1 before step N's sampled tokens reach the host. ``schedule()`` then advances
 ``num_computed_tokens`` itself and appends a ``PLACEHOLDER_TOKEN`` for every token the step will
 sample; ``update_from_output`` later writes the real token over it. A request whose placeholders
 already reach ``max_tokens`` is not scheduled again: it finishes when its last token arrives.
+
+**Speculative decoding** (``speculative_config``): a decode whose request carries draft tokens
+(``Request.spec_token_ids``, set by ``update_draft_token_ids`` after a step) is scheduled with
+them, ``1 + k`` tokens in one step (verifications are placed after plain decodes, before
+prefills), clamped to the token budget and to what ``max_tokens`` can still use. In a step with
+more running requests than ``disable_by_batch_size`` drafts are dropped and none are proposed.
+``update_from_output`` keeps the accepted prefix: ``num_computed_tokens`` advances by the
+tokens the step returned, and blocks past them (rejected drafts, a proposer's look-ahead
+slots) go back to the pool, so only accepted tokens' full blocks are ever hashed. A
+verification is accounted when it completes even with asynchronous scheduling: the engine
+never schedules past a step that verifies or proposes.
+
+**Pipeline parallelism** (``pipeline_parallel_size > 1``) keeps one micro-batch per stage in
+flight, on asynchronous scheduling's accounting. A decode whose input is a placeholder is not
+scheduled (the first stage would need the token before the last stage has sampled it): each
+request is in at most one micro-batch in flight (a prompt's later chunks may follow its earlier
+ones: their tokens are known and every stage runs the micro-batches in order). Running requests
+are spread over the micro-batches, about ``len(running) / pipeline_parallel_size`` each.
 """
 
 from __future__ import annotations
@@ -35,10 +53,11 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
 from engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.spec_decode.stats import SpecDecodingStats
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -68,6 +87,7 @@ class SchedulerStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_rejected: int
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class _WaitingQueue:
@@ -135,6 +155,9 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         kv_groups: list[KVCacheGroupSpec],
+        speculative_config: SpeculativeConfig | None = None,
+        *,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -158,8 +181,17 @@ class Scheduler:
         self._seq: dict[str, int] = {}  # admission order, the last tie-break
         self._counter = itertools.count()
         self._no_prefix_hit: set[str] = set()
+        # Pipeline parallelism: one micro-batch per stage in flight (see the module docstring).
+        self._pp = max(1, pipeline_parallel_size)
         self.num_preemptions = 0
         self.num_rejected = 0
+        # Speculative decoding: drafts per step (0: off), the look-ahead slots a proposer
+        # writes past a step's tokens, and the largest batch that still speculates.
+        spec = speculative_config
+        self._spec_k = int(spec.num_speculative_tokens or 0) if spec is not None else 0
+        self._lookahead = spec.num_lookahead_slots if spec is not None else 0
+        self._spec_max_batch = int(spec.disable_by_batch_size or 0) if spec is not None else 0
+        self.spec_stats = SpecDecodingStats(self._spec_k) if spec is not None else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, *, allow_prefix_hit: bool = True) -> None:
@@ -259,6 +291,15 @@ class Scheduler:
         """Forget every cached prefix (blocks in use keep their content)."""
         self.kv.reset_prefix_cache()
 
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Give running requests the draft tokens proposed after the last step, for the next
+        step to verify (speculative decoding). Unknown or finished ids are ignored."""
+        requests = self._requests
+        for rid, drafts in draft_token_ids.items():
+            request = requests.get(rid)
+            if request is not None and request.status is _RUNNING:
+                request.spec_token_ids = list(drafts[: self._spec_k])
+
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
@@ -278,9 +319,17 @@ class Scheduler:
             self.running.sort(key=self._priority_key)
             self._running_sorted = True
         decodes: list[ScheduledRequest] = []
+        verifies: list[ScheduledRequest] = []  # decodes with draft tokens (speculative)
         prefills: list[ScheduledRequest] = []
         preempted: list[str] = []
         continuing: list[Request] = []
+        entries = (decodes, verifies, prefills)
+        # Speculative decoding in this step: only while the batch is small enough to pay.
+        speculate = bool(self._spec_k) and len(self.running) <= self._spec_max_batch
+        running_budget = seq_budget
+        if self._pp > 1:
+            # About 1/pp of the running requests per micro-batch, so each stage gets work.
+            running_budget = min(seq_budget, -(-len(self.running) // self._pp))
 
         # 1. Decodes: running requests with exactly one token to compute. This loop is the hot
         # path of a busy engine: keep it to a few attribute reads per request.
@@ -291,60 +340,97 @@ class Scheduler:
                 if n > 1:
                     continuing.append(request)
                 continue
-            if token_budget <= 0 or seq_budget <= 0:
+            if token_budget <= 0 or seq_budget <= 0 or running_budget <= 0:
                 break
             if preempted and request.status is not _RUNNING:
                 continue  # preempted earlier in this pass
-            if (
-                request.num_output_placeholders
-                and len(request.output_token_ids) >= request.max_tokens
+            if request.num_output_placeholders and (
+                self._pp > 1 or len(request.output_token_ids) >= request.max_tokens
             ):
-                continue  # its last token is still in flight (asynchronous scheduling)
-            tables = allocate(request, 1)
+                # Its last token is still in flight (asynchronous scheduling): with pipeline
+                # stages it cannot be fed back on the device in time, so the request waits.
+                continue
+            drafts = request.spec_token_ids
+            if speculate:
+                if drafts:
+                    request.spec_token_ids = []  # consumed by this step, verified or not
+                    # The bonus token counts too: 1 + k tokens may not pass max_tokens.
+                    k = min(
+                        len(drafts),
+                        token_budget - 1,
+                        request.max_tokens - request.num_output_tokens - 1,
+                    )
+                    drafts = drafts[:k] if k > 0 else ()
+                num_new = 1 + len(drafts)
+                propose = self._num_to_propose(request, start, num_new)
+                tables = allocate(request, num_new + (propose if self._lookahead else 0))
+            else:
+                if drafts:
+                    request.spec_token_ids = []
+                    drafts = ()
+                num_new, propose = 1, 0
+                tables = allocate(request, 1)
             if tables is None:
                 tables, tokens_back, seqs_back = self._preempt_until_fits(
-                    request, 1, decodes, prefills, preempted
+                    request,
+                    num_new + (propose if self._lookahead else 0),
+                    entries,
+                    preempted,
                 )
                 token_budget += tokens_back
                 seq_budget += seqs_back
                 if tables is None:
                     continue
-            entry = ScheduledRequest(request, start, 1, tables, True)
-            if start >= len(request.prompt_token_ids):
+            entry = ScheduledRequest(request, start, num_new, tables, True)
+            if speculate:
+                entry.num_to_propose = propose
+                if drafts:
+                    entry.spec_token_ids = drafts
+            if drafts:
+                verifies.append(entry)
+            elif start >= len(request.prompt_token_ids):
                 decodes.append(entry)
             else:
                 prefills.append(entry)
-            token_budget -= 1
+            token_budget -= num_new
             seq_budget -= 1
+            running_budget -= 1
 
         # 2. Continuing prefills (chunks of long prompts, recomputation after preemption).
         for request in continuing:
-            if token_budget <= 0 or seq_budget <= 0:
+            if token_budget <= 0 or seq_budget <= 0 or running_budget <= 0:
                 break
             if request.status is not _RUNNING:
                 continue
             start = request.num_computed_tokens
             num_tokens = request.num_tokens
             n = min(num_tokens - start, token_budget)
-            tables = allocate(request, n)
+            ends = start + n == num_tokens
+            propose = self._num_to_propose(request, start, n) if speculate and ends else 0
+            need = n + (propose if self._lookahead else 0)
+            tables = allocate(request, need)
             if tables is None:
                 tables, tokens_back, seqs_back = self._preempt_until_fits(
-                    request, n, decodes, prefills, preempted
+                    request, need, entries, preempted
                 )
                 token_budget += tokens_back
                 seq_budget += seqs_back
                 if tables is None:
                     continue
-            prefills.append(ScheduledRequest(request, start, n, tables, start + n == num_tokens))
+            entry = ScheduledRequest(request, start, n, tables, ends)
+            entry.num_to_propose = propose
+            prefills.append(entry)
             token_budget -= n
             seq_budget -= 1
+            running_budget -= 1
 
         # 3. New (or preempted) waiting requests, unless this step had to preempt.
         if not preempted and self.waiting:
             token_budget, seq_budget = self._admit_waiting(
-                token_budget, seq_budget, decodes, prefills
+                token_budget, seq_budget, decodes, prefills, speculate
             )
 
+        decodes.extend(verifies)
         decodes.extend(prefills)
         if self.async_output:
             self._advance(decodes)
@@ -360,6 +446,8 @@ class Scheduler:
         """Asynchronous scheduling: account for a step when it is scheduled, with a
         placeholder for each token it will sample."""
         for entry in scheduled:
+            if entry.spec_token_ids:
+                continue  # a verification is accounted when its accepted length is known
             request = entry.request
             request.num_computed_tokens = entry.start + entry.num_new_tokens
             if entry.samples:
@@ -387,14 +475,42 @@ class Scheduler:
                 continue
             start = entry.start
             computed = start + entry.num_new_tokens
-            request.num_computed_tokens = computed
             if entry.samples:
                 tokens = sampled.get(request.request_id)
                 if tokens:
+                    if entry.spec_token_ids:
+                        computed = self._accept(entry, tokens)
                     request.output_token_ids.extend(tokens)
+            request.num_computed_tokens = computed
+            if entry.spec_token_ids or (self._lookahead and entry.num_to_propose):
+                kv.trim(request)  # rejected drafts' and look-ahead slots go back
             # A block can only have filled up if the step crossed a block boundary.
             if caching and computed // bs > start // bs:
                 kv.cache_full_blocks(request)
+
+    def _accept(self, entry: ScheduledRequest, tokens: list[int]) -> int:
+        """Count a verification's accepted drafts (``tokens`` are the accepted prefix plus
+        the target's own token) and return the request's computed tokens after it."""
+        num_drafts = len(entry.spec_token_ids)
+        accepted = len(tokens) - 1
+        if not 0 <= accepted <= num_drafts:
+            raise RuntimeError(
+                f"request {entry.request.request_id!r} verified {num_drafts} draft tokens "
+                f"but the step returned {len(tokens)} tokens"
+            )
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_drafts, accepted)
+        return entry.start + entry.num_new_tokens - num_drafts + accepted
+
+    def _num_to_propose(self, request: Request, start: int, num_new: int) -> int:
+        """How many drafts to propose after a step that computes ``num_new`` tokens from
+        ``start`` and samples: no more than the next step could verify within
+        ``max_tokens`` (counting one new token now and the target's own token then), and,
+        when the proposer writes KV for them, no position past ``max_model_len``."""
+        room = request.max_tokens - request.num_output_tokens - 2
+        if self._lookahead:
+            room = min(room, self.max_model_len - start - num_new)
+        return max(0, min(self._spec_k, room))
 
     def _fill_placeholders(self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         kv = self.kv
@@ -403,6 +519,19 @@ class Scheduler:
             request = entry.request
             if request.status.is_finished:
                 continue
+            if entry.spec_token_ids:
+                # Verifications were not advanced when scheduled; account them now, as the
+                # synchronous path does (nothing was scheduled after them).
+                tokens = sampled.get(request.request_id)
+                if request.status is _RUNNING and tokens:
+                    request.num_computed_tokens = self._accept(entry, tokens)
+                    request.output_token_ids.extend(tokens)
+                    kv.trim(request)
+                    if caching:
+                        kv.cache_full_blocks(request)
+                continue
+            if self._lookahead and entry.num_to_propose and request.status is _RUNNING:
+                kv.trim(request)
             if entry.samples:
                 tokens = sampled.get(request.request_id)
                 if not tokens:
@@ -436,6 +565,7 @@ class Scheduler:
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
             num_preemptions=self.num_preemptions,
             num_rejected=self.num_rejected,
+            spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -445,6 +575,7 @@ class Scheduler:
         seq_budget: int,
         decodes: list[ScheduledRequest],
         prefills: list[ScheduledRequest],
+        speculate: bool = False,
     ) -> tuple[int, int]:
         kv = self.kv
         waiting = self.waiting
@@ -453,6 +584,10 @@ class Scheduler:
                 break
             request = waiting.peek()
             assert request is not None
+            if request.num_output_placeholders and self._pp > 1:
+                # Preempted while its token was in flight: its recomputation needs that token
+                # on the host first (a micro-batch in flight cannot feed it back).
+                break
             if request.request_id in self._no_prefix_hit:
                 num_hit, hit_tables = 0, None
             else:
@@ -466,7 +601,10 @@ class Scheduler:
                     break
                 n = token_budget
             lookup = request.request_id not in self._no_prefix_hit
-            if not kv.admit(request, num_hit, hit_tables, n, count_query=lookup):
+            ends = num_hit + n == num_tokens
+            propose = self._num_to_propose(request, num_hit, n) if speculate and ends else 0
+            need = n + (propose if self._lookahead else 0)
+            if not kv.admit(request, num_hit, hit_tables, need, count_query=lookup):
                 break  # head-of-line: later requests wait for blocks too
             waiting.pop()
             if request.num_preemptions == 0:
@@ -475,9 +613,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             self.running.append(request)
             self._running_sorted = False
-            entry = ScheduledRequest(
-                request, num_hit, n, kv.block_tables(request.request_id), num_hit + n == num_tokens
-            )
+            entry = ScheduledRequest(request, num_hit, n, kv.block_tables(request.request_id), ends)
+            entry.num_to_propose = propose
             if entry.is_decode:
                 decodes.append(entry)
             else:
@@ -490,8 +627,7 @@ class Scheduler:
         self,
         request: Request,
         num_new_tokens: int,
-        decodes: list[ScheduledRequest],
-        prefills: list[ScheduledRequest],
+        entries: tuple[list[ScheduledRequest], ...],
         preempted: list[str],
     ) -> tuple[list[list[int]] | None, int, int]:
         """Preempt victims until ``request`` gets its slots. Returns its tables (None if it
@@ -500,10 +636,10 @@ class Scheduler:
         tokens_back = seqs_back = 0
         while True:
             victim = max(self.running, key=self._victim_key)
-            for entries in (decodes, prefills):
-                for i, entry in enumerate(entries):
+            for scheduled in entries:
+                for i, entry in enumerate(scheduled):
                     if entry.request is victim:
-                        del entries[i]
+                        del scheduled[i]
                         tokens_back += entry.num_new_tokens
                         seqs_back += 1
                         break
@@ -520,6 +656,7 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed for KV it no longer holds
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request, self._seq[request.request_id], front=True)
@@ -552,7 +689,10 @@ class Scheduler:
                 f"request {rid!r} has a prompt of {num_prompt} tokens but chunked prefill is "
                 f"off and max_num_batched_tokens={self._max_tokens}"
             )
-        need = self.kv.max_blocks_needed(total, self._max_tokens)
+        # A proposer that writes KV for its drafts may reach num_lookahead slots further.
+        need = self.kv.max_blocks_needed(
+            min(total + self._lookahead, self.max_model_len), self._max_tokens
+        )
         usable = self.kv.num_usable_blocks
         if need > usable:
             return (

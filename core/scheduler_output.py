@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -13,7 +14,8 @@ class ScheduledRequest:
 
     The model consumes ``request.all_token_ids[start:start + num_new_tokens]`` at positions
     ``start .. start + num_new_tokens - 1`` where ``start`` is ``num_computed_tokens`` before the
-    step. ``block_ids[g]`` is the request's block table for KV-cache group ``g``, covering at
+    step; for a speculative verification the last ``len(spec_token_ids)`` of those tokens are
+    the draft tokens ``spec_token_ids`` (not yet in the request), after its one known token. ``block_ids[g]`` is the request's block table for KV-cache group ``g``, covering at
     least ``start + num_new_tokens`` tokens (sliding-window groups may hold placeholder ids for
     blocks that fell out of the window; those are never read). ``samples`` is true when the step
     reaches the end of the known tokens, so a new token is sampled for this request.
@@ -22,6 +24,12 @@ class ScheduledRequest:
     when it schedules the step; ``output_index`` is that placeholder's index in
     ``request.output_token_ids`` (-1 otherwise). A decode's input token may itself be the
     placeholder of the previous step: the model runner takes it from the device.
+
+    Speculative decoding: ``spec_token_ids`` are the drafts this step verifies (the target
+    scores all of them in this one forward and keeps the longest accepted prefix plus one
+    token of its own); ``num_to_propose`` is how many drafts to propose after the step for the
+    next one (0: none). A proposer that writes its own KV for the drafts (a draft model, an
+    EAGLE head) has ``num_to_propose`` extra slots in ``block_ids`` past the step's tokens.
     """
 
     request: Request
@@ -30,10 +38,17 @@ class ScheduledRequest:
     block_ids: list[list[int]]
     samples: bool
     output_index: int = -1
+    spec_token_ids: Sequence[int] = ()
+    num_to_propose: int = 0
 
     @property
     def is_decode(self) -> bool:
         return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The step's tokens taken from the request (the rest are ``spec_token_ids``)."""
+        return self.num_new_tokens - len(self.spec_token_ids)
 
 
 @dataclass

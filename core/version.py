@@ -2,7 +2,18 @@
 
 __version__ = "0.1.0"
 
+# The distribution on the package index (`pip install engine-llm`); the import name and the
+# command are `engine`. The plugins are published as engine-llm-cpu, -cuda, -rocm, -tpu, -triton.
+DISTRIBUTION_NAME = "engine-llm"
+
 # The plugin contract's version. A plugin declares the major version it was built against
 # (``ENGINE_PLUGIN_API = "1"`` or ``"1.x"`` in its module); a different major is refused.
-PLUGIN_API_VERSION = "1.0"
+#
+# History (minor versions only add; a plugin built for 1.0 runs unchanged on 1.1):
+#   1.0  engine_platform, engine_attention_backends, engine_kernels, engine_models,
+#        engine_add_cli_args.
+#   1.1  engine_communicator(platform, group) and the Communicator contract of
+#        engine.distributed (all_reduce ops, group ranks, all_to_all).
+PLUGIN_API_VERSION = "1.1"
 PLUGIN_API_MAJOR = int(PLUGIN_API_VERSION.split(".")[0])
+PLUGIN_API_MINOR = int(PLUGIN_API_VERSION.split(".")[1])

@@ -3,6 +3,12 @@
 All ops are functional (they return new tensors) except ``write_kv_cache`` and
 ``qk_norm_rotary``, which write in place. Norms compute in float32 and cast back to the input
 dtype.
+
+Mixture-of-experts: ``moe_topk_softmax`` routes (softmax over the experts in float32, top-k,
+optional renormalisation) and ``fused_moe`` runs the routed experts (gate/up, SiLU-and-mul,
+down, weighted sum over the top-k). The reference groups the token/expert pairs by expert with
+one sort and runs one matmul pair per expert that received tokens: no loop over tokens, and
+the weights of experts nobody chose are never read.
 """
 
 from __future__ import annotations
@@ -112,14 +118,18 @@ def write_kv_cache(
 ) -> None:
     """Scatter key/value ([T, num_kv_heads, head_size]) into ``kv_cache``
     ([2, num_blocks, block_size, num_kv_heads, head_size]) at ``slot_mapping`` (int64 [T]);
-    negative slots (padding) are skipped."""
+    negative slots (padding) are skipped. Values are cast to the cache's dtype (an fp8 cache
+    stores them rounded, unscaled)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # an fp8 cache: CPU index kernels have no float8 versions
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,6 +145,71 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
+def moe_topk_softmax(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: router_logits [T, E] (any float dtype) -> ``(topk_weights, topk_ids)``,
+    float32 [T, top_k] and int32 [T, top_k], in descending weight order.
+
+    The softmax runs in float32 (as transformers' Mixtral and Qwen MoE blocks compute it);
+    with ``renormalize`` the chosen weights are divided by their sum (Mixtral always,
+    Qwen per ``norm_topk_prob``). Ties go to the lower expert index.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts of one MoE layer: for every token ``t`` and choice ``k`` with
+    ``e = topk_ids[t, k] >= 0``, ``topk_weights[t, k] * w2[e] @ silu_and_mul(w13[e] @ x_t)``,
+    summed over ``k``.
+
+    hidden: [T, H]; w13: [E, 2I, H] (each expert's gate rows then its up rows); w2: [E, H, I];
+    topk_weights: float32 [T, K]; topk_ids: int [T, K], where -1 marks a choice this rank does
+    not hold (an expert placed on another expert-parallel rank): it contributes nothing.
+    Returns [T, H] in hidden's dtype.
+
+    Rounding points (the spec for every override): the two matmuls take and return the
+    activation dtype; SiLU-and-mul computes in float32 from the rounded gate/up and rounds
+    once; the weighted sum over the top-k accumulates in float32 and rounds once at the end.
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts = w13.shape[0]
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+    if num_tokens == 0:
+        return out.to(hidden.dtype)
+    ids = topk_ids.reshape(-1).long()
+    # Choices held elsewhere sort last (key E) and are skipped.
+    keys = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    order = torch.argsort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=num_experts + 1).tolist()
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1).float()[order]
+    x = hidden[tokens]
+    start = 0
+    for expert, n in enumerate(counts[:num_experts]):
+        if n == 0:
+            continue
+        stop = start + n
+        gate_up = F.linear(x[start:stop], w13[expert])
+        act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(hidden.dtype)
+        y = F.linear(act, w2[expert]).float() * weights[start:stop, None]
+        out.index_add_(0, tokens[start:stop], y)
+        start = stop
+    return out.to(hidden.dtype)
+
+
 REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -145,4 +220,6 @@ REFERENCE_KERNELS = {
     "write_kv_cache": write_kv_cache,
     "linear": linear,
     "argmax": argmax,
+    "moe_topk_softmax": moe_topk_softmax,
+    "fused_moe": fused_moe,
 }

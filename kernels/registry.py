@@ -3,7 +3,7 @@
 Plugins register implementations from their ``engine_kernels(registry)`` hook::
 
     registry.register("rms_norm", my_rms_norm, platforms=("cuda", "rocm"), priority=10,
-                      provider="engine-triton")
+                      provider="engine-llm-triton")
 
 ``resolve(platform)`` then binds, for every op, the highest-priority implementation that lists
 that platform (or all platforms); the torch reference sits at priority 0 everywhere.
@@ -26,6 +26,8 @@ KERNEL_NAMES = (
     "write_kv_cache",
     "linear",
     "argmax",
+    "moe_topk_softmax",
+    "fused_moe",
 )
 
 
@@ -70,7 +72,7 @@ class KernelRegistry:
             from engine.kernels.reference import REFERENCE_KERNELS
 
             for name, fn in REFERENCE_KERNELS.items():
-                self.register(name, fn, priority=0, provider="engine (torch reference)")
+                self.register(name, fn, priority=0, provider="engine-llm (torch reference)")
 
     def register(
         self,

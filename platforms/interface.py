@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from engine.config import EngineConfig
     from engine.distributed import Communicator
+    from engine.shape_buckets import ShapeBuckets
 
 
 class Platform:
@@ -78,6 +79,14 @@ class Platform:
             else torch.device("cpu")
         )
 
+    @classmethod
+    def fp8_dtype(cls, index: int = 0) -> str | None:
+        """The float8 flavour (a torch dtype name) fp8 quantization and fp8 KV caches use on
+        this platform: the OCP ``float8_e4m3fn`` by default; AMD's MI300 (gfx942) uses
+        ``float8_e4m3fnuz``. None: no fp8 here. Called on the chosen platform only (it may ask
+        the device). Since plugin API 1.1."""
+        return "float8_e4m3fn"
+
     # ---- memory profiling ---------------------------------------------------------------
     @classmethod
     def total_memory(cls, index: int = 0) -> int:
@@ -110,10 +119,19 @@ class Platform:
 
     @classmethod
     def communicator(cls, group: Any = None) -> Communicator:
-        """A communicator for collectives among this platform's devices."""
+        """The default communicator, used when no plugin's ``engine_communicator`` hook answers
+        for this platform: ``torch.distributed`` on ``dist_backend``. Prefer the hook (the
+        engine asks ``PluginManager.communicator(platform, group)``, never this directly)."""
         from engine.distributed import TorchDistributedCommunicator
 
-        return TorchDistributedCommunicator(group)
+        return TorchDistributedCommunicator(group, backend=cls.dist_backend)
+
+    @classmethod
+    def shape_buckets(cls, config: EngineConfig) -> ShapeBuckets | None:
+        """Padding buckets when this platform compiles a graph per input shape (XLA): the
+        model runner then pads every step's token count, sequence count and block-table width
+        to them (``engine.shape_buckets``). None (the default): shapes may vary freely."""
+        return None
 
     @classmethod
     def check_config(cls, config: EngineConfig) -> list[str]:

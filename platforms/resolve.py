@@ -16,7 +16,7 @@ the engine never falls back silently to another platform.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from engine.errors import PlatformError, PluginLoadError
 from engine.platforms.interface import Platform
 
 if TYPE_CHECKING:
-    from engine.plugins import PluginInfo, PluginManager
+    from engine.plugin_info import PluginInfo
 
 ENGINE_PLATFORM_ENV = "ENGINE_PLATFORM"
 AUTO = "auto"
@@ -83,11 +83,12 @@ class PlatformEntry:
         return f"{self.name!r} (distribution {self.plugin.distribution} {self.plugin.version})"
 
 
-def collect_platforms(pm: PluginManager) -> list[PlatformEntry]:
-    """Ask every plugin's ``engine_platform()`` hook; validate what comes back."""
+def collect_platforms(results: Iterable[tuple[PluginInfo, Any]]) -> list[PlatformEntry]:
+    """Validate the ``engine_platform()`` answers, given as ``(plugin, result)`` pairs
+    (``PluginManager.call_hook`` yields them), into platform entries."""
     entries: list[PlatformEntry] = []
     by_name: dict[str, PlatformEntry] = {}
-    for info, result in pm.call_hook("engine_platform"):
+    for info, result in results:
         if result is None:
             continue
         if not (isinstance(result, type) and issubclass(result, Platform)):
@@ -153,13 +154,13 @@ def resolve_platform(
     if not available:
         if not entries:
             raise PlatformError(
-                "No platform is available: no loaded plugin provides one. Install engine-cpu "
+                "No platform is available: no loaded plugin provides one. Install engine-llm-cpu "
                 "(always available) or the plugin for your accelerator, and check that "
                 "ENGINE_PLUGINS, if set, names it."
             )
         details = "; ".join(f"{e.name}: {', '.join(e.unavailable_reasons())}" for e in entries)
         raise PlatformError(
-            f"No platform is available ({details}). Install engine-cpu (always available) or "
+            f"No platform is available ({details}). Install engine-llm-cpu (always available) or "
             "fix the cause reported for your accelerator's platform."
         )
     top = max(e.priority for e in available)

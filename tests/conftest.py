@@ -50,3 +50,36 @@ def plugin_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         if str(target) in str(getattr(module, "__file__", "") or ""):
             del sys.modules[name]
     importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_gguf_file(tmp_path_factory) -> Path:
+    """A tiny random Gemma 3 GGUF (the embedded default model's architecture and format)."""
+    from engine.testing.tiny_gguf import write_tiny_gemma3_gguf
+
+    return write_tiny_gemma3_gguf(tmp_path_factory.mktemp("tiny-default") / "tiny.gguf", seed=3)
+
+
+@pytest.fixture
+def tiny_default_model(tiny_gemma3_gguf_file, tmp_path, monkeypatch):
+    """The embedded default model replaced by a tiny Gemma 3 GGUF: a stand-in chunk package
+    whose ``assemble`` copies the tiny file, and a fresh ``ENGINE_CACHE_DIR``. Commands that
+    default to the embedded model then run the real resolution and loading code, quickly.
+    Yields the path the model is assembled to."""
+    import shutil
+    import types
+
+    import engine.default_model as dm
+
+    def assemble(output_path=None, overwrite=False):
+        shutil.copyfile(tiny_gemma3_gguf_file, output_path)
+        return output_path
+
+    module = types.ModuleType("tiny_default_model_chunks")
+    module.MODEL_NAME = "tiny-default.gguf"
+    module.assemble = assemble
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_PACKAGE", module.__name__)
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_SIZE", tiny_gemma3_gguf_file.stat().st_size)
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "engine-cache"))
+    return tmp_path / "engine-cache" / "models" / module.MODEL_NAME

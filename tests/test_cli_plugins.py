@@ -12,7 +12,7 @@ import pytest
 from plugin_helpers import EXAMPLE_VENDOR, install_fixtures
 
 from engine.cli.main import SUBCOMMANDS, main
-from engine.version import __version__
+from engine.version import PLUGIN_API_VERSION, __version__
 
 
 def engine_cmd() -> list[str]:
@@ -27,7 +27,10 @@ def test_version_imports_no_torch() -> None:
         "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == [f"engine {__version__} (plugin API 1.0)", "[]"]
+    assert out.stdout.splitlines() == [
+        f"engine {__version__} (plugin API {PLUGIN_API_VERSION})",
+        "[]",
+    ]
 
 
 def test_console_script_version() -> None:
@@ -51,7 +54,7 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     report = json.loads(out)
     plugins = {p["name"]: p for p in report["plugins"]}
     for name in ("cpu", "cuda", "rocm", "tpu", "triton"):
-        assert plugins[name]["distribution"] == f"engine-{name}"
+        assert plugins[name]["distribution"] == f"engine-llm-{name}"
         assert plugins[name]["version"] == "0.1.0"
         assert plugins[name]["entry_point"] == f"{name} = engine_{name}.plugin"
     platforms = {p["name"]: p for p in report["platforms"]}
@@ -59,18 +62,26 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     for name in ("cuda", "rocm", "tpu"):
         assert not platforms[name]["available"] and platforms[name]["reasons"]
     backends = {b["name"]: b for b in report["attention_backends"]}
-    assert backends["torch"]["distribution"] == "engine"
-    assert backends["triton"]["distribution"] == "engine-triton"
+    assert backends["torch"]["distribution"] == "engine-llm"
+    assert backends["triton"]["distribution"] == "engine-llm-triton"
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
     assert report["auto_order"] == ["torch"]
-    # Overrides: engine-triton's (when triton is installed) target GPUs; the CPU's only
-    # override is engine-cpu's argmax.
+    # Overrides: engine-llm-triton's (when triton is installed) target GPUs; the CPU's only
+    # override is engine-llm-cpu's argmax.
     on_cpu = [
         (o["kernel"], o["provider"])
         for o in report["kernel_overrides"]
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
-    assert on_cpu == [("argmax", "engine-cpu")], report["kernel_overrides"]
+    assert on_cpu == [("argmax", "engine-llm-cpu")], report["kernel_overrides"]
+    comms = {c["platform"]: c for c in report["communicators"]}
+    assert comms["cpu"]["provider"] == "engine-llm-cpu" and "gloo" in comms["cpu"]["communicator"]
+    assert (
+        comms["rocm"]["provider"] == "engine-llm-rocm" and "RCCL" in comms["rocm"]["communicator"]
+    )
+    assert comms["tpu"]["communicator"].startswith("torch_xla xm collectives")
+    suites = [s["name"] for s in report["conformance_suites"]]
+    assert suites == ["platform", "communicator", "backend", "kernel"]
 
 
 def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
@@ -80,6 +91,8 @@ def test_plugins_text_lists_overrides(plugin_env, capsys, monkeypatch) -> None:
     assert code == 0
     assert "* cpu" in out
     assert "silu_and_mul" in out and "engine-kernel-override" in out and "on cpu" in out
+    assert "Communicators:" in out and "torch.distributed on gloo" in out
+    assert "Conformance kit suites (pytest --engine-conformance=PLUGIN):" in out
 
 
 def assert_one_paragraph_error(code: int, err: str, *needles: str) -> None:
@@ -112,7 +125,7 @@ def test_faulty_plugins_fail_the_cli_with_one_paragraph(
 def test_unknown_and_unavailable_platform_from_the_cli(plugin_env, capsys, monkeypatch) -> None:
     monkeypatch.setenv("ENGINE_PLUGINS", "cpu,cuda,rocm,tpu,triton")
     code, _, err = run_main(capsys, "plugins", "--platform", "cuad")
-    assert_one_paragraph_error(code, err, "Unknown platform 'cuad'", "cpu (engine-cpu), cuda")
+    assert_one_paragraph_error(code, err, "Unknown platform 'cuad'", "cpu (engine-llm-cpu), cuda")
     code, _, err = run_main(capsys, "plugins", "--platform", "tpu")
     assert_one_paragraph_error(code, err, "Platform 'tpu'", "torch_xla is not installed")
     monkeypatch.setenv("ENGINE_PLATFORM", "rocm")
@@ -167,7 +180,14 @@ def test_example_vendor_really_installed_with_pip(tmp_path) -> None:
     import importlib.util
 
     target = tmp_path / "target"
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    # Build with this environment's setuptools when it is new enough for the SPDX `license`
+    # string (PEP 639, setuptools >= 77); otherwise let pip fetch one.
+    isolation = []
+    if importlib.util.find_spec("setuptools") is not None:
+        import setuptools
+
+        if int(setuptools.__version__.split(".")[0]) >= 77:
+            isolation = ["--no-build-isolation"]
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation,
          "--target", str(target), str(EXAMPLE_VENDOR)],

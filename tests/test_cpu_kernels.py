@@ -1,4 +1,4 @@
-"""engine-cpu's kernel overrides: exactly the reference's results (the conformance kit checks
+"""engine-llm-cpu's kernel overrides: exactly the reference's results (the conformance kit checks
 them on random inputs too; these are the cases that tell the ops apart)."""
 
 from __future__ import annotations
@@ -30,5 +30,5 @@ def test_argmax_is_torch_argmax_with_ties_nan_and_inf(dtype):
 
 def test_the_cpu_platform_uses_the_override():
     kernels = default_plugin_manager().kernel_registry().resolve("cpu")
-    assert kernels.impls["argmax"].provider == "engine-cpu"
+    assert kernels.impls["argmax"].provider == "engine-llm-cpu"
     assert kernels.impls["argmax"].fn.__module__ == "engine_cpu.kernels"

@@ -92,6 +92,22 @@ def test_greedy_matches_transformers_and_skips_vision_weights(checkpoint, monkey
             read.append(name)
             return self._inner.get_tensor(name)
 
+        def get_slice(self, name):  # the loader's lazy tensors read through this
+            return RecordingSlice(self._inner.get_slice(name), name)
+
+    class RecordingSlice:
+        """A slice whose data reads (indexing) are recorded; its header is free."""
+
+        def __init__(self, inner, name):
+            self._inner, self._name = inner, name
+
+        def __getattr__(self, attr):
+            return getattr(self._inner, attr)
+
+        def __getitem__(self, index):
+            read.append(self._name)
+            return self._inner[index]
+
     monkeypatch.setattr(safetensors, "safe_open", RecordingOpen)
     with caplog.at_level(logging.WARNING, logger="engine.loader.model_loader"):
         llm = tiny_llm(path)

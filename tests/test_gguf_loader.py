@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from engine.layers.weight_utils import materialize
 from engine.loader.gguf_file import GGUFFile, GGUFLoadError, supported_types
 from engine.loader.gguf_loader import (
     GEMMA_CHAT_TEMPLATE,
@@ -117,7 +118,8 @@ def test_weights_equal_transformers_gguf_loading(gemma_gguf, dtype):
     )
     expected = hf.state_dict()
     seen = set()
-    for name, tensor in iter_weights(gemma_gguf, load_config(gemma_gguf), dtype):
+    for name, lazy in iter_weights(gemma_gguf, load_config(gemma_gguf), dtype):
+        tensor = materialize(lazy)
         assert tensor.dtype == dtype, name
         torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0, msg=name)
         seen.add(name)
@@ -129,9 +131,9 @@ def test_gemma_norms_come_back_in_hf_convention(tmp_path):
     hf = tiny_gemma3_hf(seed=3)
     path = write_tiny_gemma3_gguf(tmp_path / "g.gguf", hf_model=hf)
     original = hf.state_dict()
-    for name, tensor in iter_weights(path, load_config(path), torch.float32):
+    for name, lazy in iter_weights(path, load_config(path), torch.float32):
         if name.endswith("norm.weight"):
-            torch.testing.assert_close(tensor, original[name], atol=1e-6, rtol=0)
+            torch.testing.assert_close(materialize(lazy), original[name], atol=1e-6, rtol=0)
 
 
 def test_llama_q_k_rows_are_unpermuted(tmp_path):
@@ -156,7 +158,7 @@ def test_llama_q_k_rows_are_unpermuted(tmp_path):
     assert config.architectures == ["LlamaForCausalLM"]
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     original = hf.state_dict()
-    loaded = dict(iter_weights(path, config, torch.float32))
+    loaded = {name: materialize(t) for name, t in iter_weights(path, config, torch.float32)}
     assert set(loaded) == set(original)
     for name, tensor in loaded.items():
         torch.testing.assert_close(tensor, original[name], atol=0, rtol=0, msg=name)
@@ -294,7 +296,7 @@ def test_tokenizer_is_converted_once_and_cached(gemma_gguf, tmp_path):
 
 
 def test_packed_linears_are_bit_identical_to_f_linear():
-    from engine.layers import Linear, LMHead, QKVLinear
+    from engine.layers import ParallelLMHead, QKVParallelLinear, ReplicatedLinear
     from engine.layers.cpu_packed_linear import pack_linears, packing_supported
 
     if not packing_supported(torch.bfloat16, torch.device("cpu")):
@@ -302,9 +304,9 @@ def test_packed_linears_are_bit_identical_to_f_linear():
     torch.manual_seed(0)
     model = torch.nn.ModuleList(
         [
-            Linear(64, 96, bias=True, dtype=torch.bfloat16),
-            QKVLinear(64, 16, 4, 2, dtype=torch.bfloat16),
-            LMHead(300, 64, dtype=torch.bfloat16, final_logit_softcap=30.0),
+            ReplicatedLinear(64, 96, bias=True, dtype=torch.bfloat16),
+            QKVParallelLinear(64, 16, 4, 2, dtype=torch.bfloat16),
+            ParallelLMHead(300, 64, dtype=torch.bfloat16, final_logit_softcap=30.0),
         ]
     )
     for p in model.parameters():

@@ -12,13 +12,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.kernels import KernelRegistry
 from engine.layers import (
     GatedActivation,
-    LMHead,
-    MergedLinear,
+    MergedColumnParallelLinear,
     ModelLoadError,
-    QKVLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
+    VocabParallelEmbedding,
     rope_parameters,
 )
 from engine.layers.rotary import compute_inv_freq
@@ -142,7 +142,7 @@ def test_rotary_refuses_norms_that_do_not_fit_the_heads():
 
 
 def test_qkv_and_merged_loaders_copy_into_slices():
-    qkv = QKVLinear(8, 4, num_heads=3, num_kv_heads=1, bias=True, dtype=torch.float32)
+    qkv = QKVParallelLinear(8, 4, 3, 1, bias=True, dtype=torch.float32)
     q, k, v = torch.randn(12, 8), torch.randn(4, 8), torch.randn(4, 8)
     for shard, w in zip("qkv", (q, k, v), strict=True):
         qkv.weight.weight_loader(qkv.weight, w, shard)
@@ -155,7 +155,7 @@ def test_qkv_and_merged_loaders_copy_into_slices():
     with pytest.raises(ModelLoadError, match=r"expected shape \(4, 8\), got \(5, 8\)"):
         qkv.weight.weight_loader(qkv.weight, torch.randn(5, 8), "k")
 
-    merged = MergedLinear(8, [6, 6], dtype=torch.bfloat16)
+    merged = MergedColumnParallelLinear(8, [6, 6], dtype=torch.bfloat16)
     gate, up = torch.randn(6, 8), torch.randn(6, 8)
     merged.weight.weight_loader(merged.weight, gate, 0)
     merged.weight.weight_loader(merged.weight, up, 1)
@@ -189,11 +189,11 @@ def test_gated_activations():
 
 
 def test_embedding_scale_and_tied_head():
-    emb = VocabEmbedding(10, 4, torch.float32, embed_scale=2.0)
+    emb = VocabParallelEmbedding(10, 4, torch.float32, embed_scale=2.0)
     emb.weight.data.copy_(torch.randn(10, 4))
     ids = torch.tensor([3, 7])
     torch.testing.assert_close(emb(ids), emb.weight[ids] * 2)
-    head = LMHead(10, 4, torch.bfloat16, final_logit_softcap=5.0)
+    head = ParallelLMHead(10, 4, torch.bfloat16, final_logit_softcap=5.0)
     head.tie(emb)
     assert head.weight is emb.weight
     h = torch.randn(2, 4)
@@ -204,8 +204,8 @@ def test_embedding_scale_and_tied_head():
 
 def test_linear_layers_use_the_kernel_registry_and_still_pack_on_cpu():
     """Layers built with ``kernels`` call ``kernels.linear`` (the GPU plugins' skinny GEMM);
-    without, ``F.linear``. The CPU runner's oneDNN packing replaces either forward."""
-    from engine.layers import Linear
+    without, ``F.linear``. The CPU runner's oneDNN packing replaces either product."""
+    from engine.layers import ReplicatedLinear
     from engine.layers.cpu_packed_linear import pack_linears, packing_supported
 
     calls = []
@@ -219,11 +219,11 @@ def test_linear_layers_use_the_kernel_registry_and_still_pack_on_cpu():
     kernels = registry.resolve("cpu")
     layers = torch.nn.ModuleList(
         [
-            Linear(8, 5, True, torch.float32, kernels=kernels),
-            MergedLinear(8, [3, 4], dtype=torch.float32, kernels=kernels),
-            QKVLinear(8, 4, num_heads=2, num_kv_heads=1, dtype=torch.float32, kernels=kernels),
-            LMHead(11, 8, torch.float32, kernels=kernels),
-            Linear(8, 6, dtype=torch.float32),  # no registry: F.linear
+            ReplicatedLinear(8, 5, True, dtype=torch.float32, kernels=kernels),
+            MergedColumnParallelLinear(8, [3, 4], dtype=torch.float32, kernels=kernels),
+            QKVParallelLinear(8, 4, 2, 1, dtype=torch.float32, kernels=kernels),
+            ParallelLMHead(11, 8, torch.float32, kernels=kernels),
+            ReplicatedLinear(8, 6, dtype=torch.float32),  # no registry: F.linear
         ]
     )
     for p in layers.parameters():
@@ -245,13 +245,15 @@ def test_linear_layers_use_the_kernel_registry_and_still_pack_on_cpu():
 def test_tied_float32_lm_head_runs_onednn_on_the_shared_matrix():
     """A tied float32 head is not copied into a packed layout (it would double the embedding):
     oneDNN multiplies the plain matrix the embedding keeps using."""
-    from engine.layers import LMHead
+    from engine.layers import ParallelLMHead
     from engine.layers.cpu_packed_linear import pack_linears, packing_supported
 
     if not packing_supported(torch.float32, torch.device("cpu")):
         pytest.skip("this torch build has no oneDNN")
     torch.manual_seed(0)
-    heads = torch.nn.ModuleList([LMHead(301, 64, torch.float32), LMHead(301, 64, torch.float32)])
+    heads = torch.nn.ModuleList(
+        [ParallelLMHead(301, 64, torch.float32), ParallelLMHead(301, 64, torch.float32)]
+    )
     for p in heads.parameters():
         p.data.normal_()
     tied = heads[0].weight

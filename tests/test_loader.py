@@ -153,6 +153,28 @@ def test_auto_dtype_without_declared_dtype_is_float32(tmp_path, llama_dir):
     assert next(load(d).parameters()).dtype == torch.float32
 
 
+def test_auto_dtype_never_reads_the_deprecated_torch_dtype(tmp_path, llama_dir, monkeypatch):
+    """transformers 5 warns `torch_dtype is deprecated!` on every read of the alias: the
+    loader reads `dtype` (a checkpoint's torch_dtype key is mapped to it on load)."""
+    from transformers import PretrainedConfig
+
+    from engine.loader import resolve_dtype
+
+    def deprecated(self):
+        raise AssertionError("read the deprecated PretrainedConfig.torch_dtype")
+
+    monkeypatch.setattr(PretrainedConfig, "torch_dtype", property(deprecated))
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    cfg.pop("dtype", None)
+    for declared, want in ((None, torch.float32), ("bfloat16", torch.bfloat16)):
+        cfg.pop("torch_dtype", None)
+        if declared:
+            cfg["torch_dtype"] = declared  # what older checkpoints write
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        mc = ModelConfig(model=str(tmp_path))
+        assert resolve_dtype(mc, load_hf_config(mc)) == want
+
+
 def test_max_model_len_from_config(llama_dir):
     mc = ModelConfig(model=str(llama_dir))
     load_hf_config(mc)
@@ -222,12 +244,15 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
         calls.append(("config", path))
         return AutoConfig.from_pretrained(llama_dir)
 
-    def iter_weights(path, hf_config, dtype):
+    def iter_weights(path, hf_config, dtype, stats=None):
         calls.append(("weights", path, dtype))
         yield from load_file(llama_dir / "model.safetensors").items()
 
     fake.load_config = load_config
     fake.iter_weights = iter_weights
+    fake.num_tensors = lambda path: len(
+        load_file(llama_dir / "model.safetensors")
+    )  # the bar's total
     monkeypatch.setitem(sys.modules, "engine.loader.gguf_loader", fake)
     import engine.loader
 

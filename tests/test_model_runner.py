@@ -65,19 +65,19 @@ class FakeAccelerator:
     peak = 0
 
     @classmethod
-    def synchronize(cls):
+    def synchronize(cls, index=0):  # the Platform interface's signature
         pass
 
     @classmethod
-    def reset_peak_memory(cls):
+    def reset_peak_memory(cls, index=0):  # the Platform interface's signature
         pass
 
     @classmethod
-    def peak_memory(cls):
+    def peak_memory(cls, index=0):  # the Platform interface's signature
         return cls.peak
 
     @classmethod
-    def total_memory(cls):
+    def total_memory(cls, index=0):  # the Platform interface's signature
         return cls.total
 
 

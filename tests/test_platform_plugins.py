@@ -160,13 +160,14 @@ def fake_torch_xla(monkeypatch):
     """A stand-in for torch_xla that records how the communicator calls xm (torch_xla cannot be
     installed beside this torch); it checks the argument mapping, not XLA itself."""
     calls = []
-    xm = types.SimpleNamespace(REDUCE_SUM="sum")
+    xm = types.SimpleNamespace(REDUCE_SUM="sum", REDUCE_MAX="max", REDUCE_MIN="min")
     xm.all_reduce = lambda op, t, groups=None: calls.append(("all_reduce", op, groups)) or t * 2
     xm.all_gather = lambda t, dim=0, groups=None: calls.append(("all_gather", dim, groups)) or t
     xm.reduce_scatter = lambda op, t, **kw: calls.append(("reduce_scatter", op, kw)) or t
     xm.collective_broadcast = lambda ts, root_ordinal=0, groups=None: calls.append(
         ("broadcast", root_ordinal, groups)
     )
+    xm.all_to_all = lambda t, **kw: calls.append(("all_to_all", kw)) or t
     xm.send = lambda t, channel: calls.append(("send", channel))
     xm.recv = lambda t, channel: calls.append(("recv", channel)) or t
     xr = types.SimpleNamespace(world_size=lambda: 4, global_ordinal=lambda: 1)
@@ -183,19 +184,22 @@ def fake_torch_xla(monkeypatch):
 def test_tpu_communicator_maps_onto_xm(fake_torch_xla) -> None:
     import torch
 
-    from engine_tpu.platform import TpuPlatform
+    from engine_tpu.communicator import XlaCommunicator
 
-    comm = TpuPlatform.communicator()
+    comm = XlaCommunicator()
     assert (comm.world_size, comm.rank) == (4, 1)
     t = torch.ones(4)
     assert torch.equal(comm.all_reduce(t), t * 2)
+    comm.all_reduce(t, op="max")
     comm.all_gather(t, dim=0)
     comm.reduce_scatter(t, dim=0)
     comm.broadcast(t, src=2)
+    comm.all_to_all(t, dim=0)
     comm.send(t, dst=3)
     comm.recv(t, src=3)
     assert fake_torch_xla == [
         ("all_reduce", "sum", None),
+        ("all_reduce", "max", None),
         ("all_gather", 0, None),
         (
             "reduce_scatter",
@@ -203,15 +207,22 @@ def test_tpu_communicator_maps_onto_xm(fake_torch_xla) -> None:
             {"scale": 1.0, "scatter_dim": 0, "shard_count": 4, "groups": None},
         ),
         ("broadcast", 2, None),
+        (
+            "all_to_all",
+            {"split_dimension": 0, "concat_dimension": 0, "split_count": 4, "groups": None},
+        ),
         ("send", 1 + 1 * 4 + 3),
         ("recv", 1 + 3 * 4 + 1),
     ]
-    grouped = TpuPlatform.communicator([[0, 1], [2, 3]])
-    assert (grouped.world_size, grouped.rank) == (2, 1)
+    fake_torch_xla.clear()
+    grouped = XlaCommunicator([[0, 2], [1, 3]])  # this replica (ordinal 1) is group rank 0
+    assert (grouped.world_size, grouped.rank) == (2, 0)
+    grouped.broadcast(t, src=1)  # group rank 1 of [1, 3] is replica 3
+    assert fake_torch_xla == [("broadcast", 3, [[0, 2], [1, 3]])]
 
 
 def test_a_directory_named_like_a_package_is_not_the_package(tmp_path, monkeypatch) -> None:
-    """A tests/triton/ folder on sys.path must not make engine-triton think triton is installed."""
+    """A tests/triton/ folder on sys.path must not make engine-llm-triton think triton is installed."""
     (tmp_path / "surely_not_installed_pkg").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
     assert not detect.module_available("surely_not_installed_pkg")

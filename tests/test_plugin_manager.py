@@ -26,10 +26,10 @@ def test_all_five_plugins_load_with_metadata(plugin_env) -> None:
     pm = load()
     by_name = {p.name: p for p in pm.plugins}
     assert BUILTIN_PLUGINS <= set(by_name)
-    assert pm.plugins[0].name == "builtin" and pm.plugins[0].distribution == "engine"
+    assert pm.plugins[0].name == "builtin" and pm.plugins[0].distribution == "engine-llm"
     for name in BUILTIN_PLUGINS:
         info = by_name[name]
-        assert info.distribution == f"engine-{name}"
+        assert info.distribution == f"engine-llm-{name}"
         assert info.version == "0.1.0"
         assert info.value == f"engine_{name}.plugin"
         assert info.api_version == "1"
@@ -99,6 +99,17 @@ def test_plugin_for_another_api_major_is_refused_with_versions_that_fit(plugin_e
     assert "versions that fit: 1 or 1.x" in msg
 
 
+def test_plugin_for_a_newer_minor_api_is_refused_and_older_minors_load(plugin_env) -> None:
+    install_fixtures(plugin_env, "engine-newer-api", "engine-kernel-override")
+    with pytest.raises(PluginLoadError) as err:
+        load(ENGINE_PLUGINS="newerapi")
+    msg = str(err.value)
+    assert "built for plugin API 1.99, newer than the plugin API" in msg
+    assert "engine-newer-api 0.0.1" in msg and "Upgrade the engine" in msg
+    # "1" (any minor) and the current or an older minor load.
+    assert load(ENGINE_PLUGINS="kerneloverride").plugin("kerneloverride").api_version == "1"
+
+
 def test_plugin_without_api_version_is_refused(plugin_env) -> None:
     install_fixtures(plugin_env, "engine-no-api")
     with pytest.raises(PluginLoadError) as err:
@@ -130,7 +141,7 @@ def test_duplicate_backend_name_across_plugins_is_an_error(plugin_env) -> None:
         pm.attention_backends()
     msg = str(err.value)
     assert "'torch' is provided twice" in msg
-    assert "distribution engine " in msg and "engine-dup-backend" in msg
+    assert "distribution engine-llm " in msg and "engine-dup-backend" in msg
 
 
 def test_backend_that_fails_to_import_names_its_plugin(plugin_env) -> None:
@@ -154,12 +165,12 @@ def test_kernel_overrides_are_registered_and_credited_to_their_distribution(plug
     overrides = pm.kernel_registry().overrides()
     assert {(o.name, o.provider, o.platforms) for o in overrides} == {
         ("silu_and_mul", "engine-kernel-override", ("cpu",)),
-        ("argmax", "engine-cpu", ("cpu",)),  # the cpu plugin's own
+        ("argmax", "engine-llm-cpu", ("cpu",)),  # the cpu plugin's own
     }
     kernels = pm.kernel_registry().resolve("cpu")
     assert kernels.provider("silu_and_mul") == "engine-kernel-override"
-    assert kernels.provider("rms_norm") == "engine (torch reference)"
-    assert pm.kernel_registry().resolve("cuda").provider("silu_and_mul").startswith("engine ")
+    assert kernels.provider("rms_norm") == "engine-llm (torch reference)"
+    assert pm.kernel_registry().resolve("cuda").provider("silu_and_mul").startswith("engine-llm ")
 
 
 def test_managers_are_independent(plugin_env) -> None:

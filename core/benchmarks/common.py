@@ -15,21 +15,31 @@ from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_buil
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """``--model`` plus every engine flag (``engine serve``'s names), and ``--json``."""
-    from engine.cli.args import add_engine_args
+    """The model (``MODEL`` or ``--model MODEL``) plus every engine flag (``engine serve``'s names), and ``--json``."""
+    from engine.cli.args import add_engine_args, add_log_level_arg, add_model_arg
 
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="A model directory, or a built-in shape written as config.json only "
-        f"({', '.join(BUILTIN_SHAPES)}); pair it with --load-format dummy.",
+    add_model_arg(
+        parser,
+        positional=True,
+        helptext="A model directory or .gguf file, or a built-in shape written as config.json "
+        f"only ({', '.join(BUILTIN_SHAPES)}); pair a shape with --load-format dummy.",
     )
     add_engine_args(parser)
+    add_log_level_arg(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="Write the results here.")
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    """A built-in shape name becomes a temporary directory holding its config.json."""
+    """The model to benchmark: the embedded default model when none is given (as
+    ``engine serve`` does); a built-in shape name becomes a temporary directory holding its
+    config.json."""
+    from engine.cli.args import merge_model_args
+
+    merge_model_args(args)
+    if args.model is None:
+        from engine.default_model import default_model_path
+
+        return str(default_model_path())  # a DefaultModelError says what to install
     if os.path.exists(args.model) or builtin_shape(args.model) is None:
         return args.model
     if args.load_format not in ("dummy",):
@@ -44,11 +54,16 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     """The ``LLM`` for these flags and its start-to-ready seconds (weights, KV sizing, graph
     capture, kernel compilation). ``--engine-core-process`` (where a benchmark has it) puts
     the engine core in a process of its own."""
-    from engine.cli.args import engine_config_from_args
+    from engine.cli.args import configure_logging, engine_config_from_args
     from engine.llm import LLM
 
+    configure_logging(getattr(args, "log_level", "info"))
     args.model = resolve_model(args)
     config = engine_config_from_args(args)
+    spec = config.speculative
+    if spec is not None and spec.model and not os.path.exists(spec.model):
+        if builtin_shape(spec.model) is not None:  # a draft shape, random like the target
+            spec.model = write_builtin_model(spec.model, tempfile.mkdtemp(prefix="engine-bench-"))
     start = time.perf_counter()
     llm = LLM.from_engine_config(
         config, multiprocess=True if getattr(args, "engine_core_process", False) else None
@@ -83,6 +98,10 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "gpu_memory_utilization": cfg.cache.gpu_memory_utilization,
         "cuda_graphs": None if graphs is None else graphs.sizes,
         "enforce_eager": cfg.enforce_eager,
+        "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
+        "executor": getattr(runner, "name", "uni"),
+        "async_scheduling": cfg.scheduler.async_scheduling,
     }
 
 

@@ -4,7 +4,7 @@
         [--batch-sizes 1,8,32] [--prompt-len 64] [--gen-len 64] [--threads N] [--no-hf]
 
 Both sides load the same GGUF (default: the assembled Gemma 3 270M Q4_K_M from
-``engine[default-model]``): transformers through ``from_pretrained(dir, gguf_file=...)``, the
+``engine-llm[default-model]``): transformers through ``from_pretrained(dir, gguf_file=...)``, the
 engine through its GGUF loader. For each dtype and batch size the same greedy workload (``batch``
 prompts of ``prompt_len`` random tokens, exactly ``gen_len`` new tokens each, EOS ignored) runs
 through transformers' ``generate`` and through the engine's offline ``LLM`` API, each dtype and

@@ -139,8 +139,21 @@ def _headers(args: argparse.Namespace) -> dict[str, str]:
 
 async def _served_model(client: Any, args: argparse.Namespace) -> tuple[str, str | None]:
     """The model name to send and the path its tokenizer can be loaded from (``root``)."""
-    r = await client.get(f"{args.base_url}/v1/models", headers=_headers(args))
-    r.raise_for_status()
+    import httpx
+
+    from engine.config import ConfigError
+
+    url = f"{args.base_url}/v1/models"
+    try:
+        r = await client.get(url, headers=_headers(args))
+    except httpx.HTTPError as e:
+        raise ConfigError(
+            f"cannot reach the server at {args.base_url} ({type(e).__name__}: {e}); start it "
+            "(engine serve) or point --base-url at it"
+        ) from e
+    if r.status_code != 200:
+        hint = "pass its key with --api-key" if r.status_code == 401 else "check --base-url"
+        raise ConfigError(f"GET {url} answered {r.status_code}: {r.text[:200]}; {hint}")
     cards = r.json()["data"]
     if args.model is not None:
         card = next((c for c in cards if c["id"] == args.model), {"root": None})

@@ -11,6 +11,10 @@ run of each counts. It prints tokens/s, the CPU seconds per 1000 tokens (steadie
 time on a shared machine) of the engine (offline: the process; served: the engine-core
 process, and apart the HTTP front end), the client's, and the time from launching
 ``engine serve`` to ``/health`` answering 200.
+
+Both engines are alive at once, so on a GPU they share it: each gets half of
+``--gpu-memory-utilization`` (default 0.9: 0.45 each), since each sizes its KV cache from the
+device's total memory. On the CPU ``--cpu-kv-cache-gb`` sizes each cache.
 """
 
 from __future__ import annotations
@@ -41,12 +45,18 @@ def _prompts(vocab_size: int, special: set[int], num: int, length: int, seed: in
 
 
 def _engine_flags(args: argparse.Namespace) -> dict:
+    """The engine settings both runs use (``LLM`` keyword names)."""
+    modes = set(args.modes.split(","))
+    both = "offline" in modes and bool(modes & {"stream", "plain"})
     return {
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "cpu_kv_cache_gb": args.cpu_kv_cache_gb,
+        # Each engine sizes its KV cache from the device's *total* memory: two of them at
+        # 0.9 would ask for 180% of it. Half each when both run.
+        "gpu_memory_utilization": args.gpu_memory_utilization / (2 if both else 1),
         "platform": args.platform,
         "enable_prefix_caching": False,  # random prompts; keep the two runs identical
     }
@@ -76,13 +86,10 @@ class OfflineRunner:
         }
 
 
-def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, float]:
-    """Launch ``engine serve`` with the same engine flags; wait for /health 200."""
-    import httpx
-
-    port = _free_port()
+def server_command(model: str, args: argparse.Namespace, port: int) -> list[str]:
+    """``engine serve`` with the same engine flags as the offline run."""
     flags = _engine_flags(args)
-    cmd = [
+    return [
         sys.executable,
         "-c",
         "from engine.cli.main import main; raise SystemExit(main())",
@@ -100,6 +107,8 @@ def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen
         str(flags["max_num_batched_tokens"]),
         "--cpu-kv-cache-gb",
         str(flags["cpu_kv_cache_gb"]),
+        "--gpu-memory-utilization",
+        str(flags["gpu_memory_utilization"]),
         "--platform",
         flags["platform"],
         "--no-enable-prefix-caching",
@@ -107,6 +116,14 @@ def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen
         "bench",
         "--disable-uvicorn-access-log",
     ]
+
+
+def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, float]:
+    """Launch ``engine serve`` with the same engine flags; wait for /health 200."""
+    import httpx
+
+    port = _free_port()
+    cmd = server_command(model, args, port)
     log = open(Path(tempfile.gettempdir()) / f"serve_vs_offline_{port}.log", "w")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -182,7 +199,8 @@ async def _saturate(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="Model directory (default: a tiny Llama).")
     parser.add_argument("--num-prompts", type=int, default=128)
@@ -192,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="Device memory for the two engines together: each gets half when both run "
+        "(default: %(default)s).",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--platform", default="auto")
     parser.add_argument("--hidden-size", type=int, default=256, help="Tiny model width.")
@@ -206,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads in both runs (OMP_NUM_THREADS for the server); 1 is "
         "steadier on a shared machine.",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.torch_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
         import torch
@@ -239,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         modes = args.modes.split(",")
         print(
             f"model {model}: {args.num_prompts} prompts x {args.input_len} tokens in, "
-            f"{args.output_len} out, max_num_seqs {args.max_num_seqs}, best of {args.repeats}"
+            f"{args.output_len} out, max_num_seqs {args.max_num_seqs}, best of {args.repeats}; "
+            f"gpu_memory_utilization {_engine_flags(args)['gpu_memory_utilization']:g} per "
+            "engine on an accelerator"
         )
         # The server idles (its engine core sleeps) while the offline engine runs, and the
         # runs alternate, so that load drifting on a shared machine hits every mode alike.

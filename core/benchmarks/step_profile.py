@@ -11,6 +11,12 @@ while the next step is on the device). ``collect_s`` is the host's time blocked 
 tokens. For replayed decode graphs an event after the replay also splits the span into the
 forward pass (the graph) and the rest (logits, sampling, the copy of the tokens to the host),
 and spans are averaged per batch size.
+
+``StepProfiler(engine, expert_load=True)`` also counts, for a mixture-of-experts model, the
+tokens routed to each expert of every MoE layer during the profiled steps
+(``engine.layers.fused_moe``: a few device ops per layer and step, so off by default; the
+decode graphs are captured again with the counting in them) and ``summary()["expert_load"]``
+reports each layer's tokens per expert and how far the busiest expert is above the mean.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ from typing import Any
 class StepProfiler:
     """Accumulates per-step timings of one ``LLMEngine``; ``summary()`` returns them."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, expert_load: bool = False) -> None:
         import torch
 
         self.engine = engine
+        self.expert_load = expert_load and self._start_expert_load(engine.runner)
         self.cuda = engine.runner.device.type == "cuda"
         self.steps = 0
         self.decode_steps = 0
@@ -41,6 +48,25 @@ class StepProfiler:
         self._torch = torch
         self._wrap()
 
+    @staticmethod
+    def _start_expert_load(runner: Any) -> bool:
+        """Turn on the MoE layers' load counters (False: not a MoE model) and, when decode
+        graphs were captured without them, capture the graphs again (before any wrapping)."""
+        from engine.layers.fused_moe import enable_expert_load_counting, read_expert_load
+
+        if getattr(runner, "model", None) is None:
+            raise SystemExit(
+                f"--expert-load counts on the model in this process; with the "
+                f"{getattr(runner, 'name', 'multi-process')} executor the model runs in worker "
+                "processes: run the count with --tensor-parallel-size 1"
+            )
+        if not enable_expert_load_counting(runner.model):
+            return False
+        if runner.graphs is not None:
+            runner.capture_graphs()
+        read_expert_load(runner.model, reset=True)  # the capture's warm-up runs counted too
+        return True
+
     def _event(self) -> Any:
         ev = self._torch.cuda.Event(enable_timing=True)
         ev.record()
@@ -54,7 +80,9 @@ class StepProfiler:
         engine, runner = self.engine, self.engine.runner
         step, schedule = engine.step, engine.scheduler.schedule
         execute, collect = runner.execute_async, runner.collect
-        forward = runner.model.forward
+        # A multi-process executor has no model here (its workers do): host split only.
+        model = getattr(runner, "model", None)
+        forward = model.forward if model is not None else None
 
         def timed_step(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
@@ -98,7 +126,8 @@ class StepProfiler:
         engine.scheduler.schedule = timed_schedule
         runner.execute_async = timed_execute
         runner.collect = timed_collect
-        runner.model.forward = marked_forward
+        if model is not None:
+            model.forward = marked_forward
         graphs = getattr(runner, "graphs", None)
         if graphs is not None:
             for graph in graphs._graphs.values():
@@ -112,10 +141,18 @@ class StepProfiler:
 
                 graph.replay = marked_replay
 
-    def summary(self) -> dict[str, float]:
-        """Totals in seconds and per-step means in milliseconds."""
+    def summary(self) -> dict[str, Any]:
+        """Totals in seconds and per-step means in milliseconds (and, when counted, the expert
+        load under ``expert_load``)."""
         if self.cuda:
             self._torch.cuda.synchronize()
+        extra: dict[str, Any] = {}
+        if self.expert_load:
+            from engine.layers.fused_moe import expert_load_summary, read_expert_load
+
+            counts = read_expert_load(self.engine.runner.model)
+            if counts is not None:
+                extra["expert_load"] = expert_load_summary(counts)
         gpu_s = sum(a.elapsed_time(c) for a, _, c, _ in self._spans) / 1e3
         steps = max(self.steps, 1)
         graph_steps = [(a.elapsed_time(g), g.elapsed_time(c), n) for a, g, c, n in self._spans if g]
@@ -150,6 +187,7 @@ class StepProfiler:
             "mean_host_only_ms": round(1e3 * (self.step_s - gpu_s) / steps, 3),
             "graph_s": round(sum(x for x, _, _ in graph_steps) / 1e3, 3),
             "decode_graph_by_batch": per_batch,
+            **extra,
         }
 
 

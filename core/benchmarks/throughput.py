@@ -56,6 +56,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "engine serve (default: in this process, as LLM does; always with "
         "--data-parallel-size > 1).",
     )
+    parser.add_argument(
+        "--expert-load",
+        action="store_true",
+        help="MoE models: count the tokens routed to each expert of every layer during the run "
+        "and report the imbalance (adds a few device ops per layer and step).",
+    )
 
 
 def _range(args: argparse.Namespace, kind: str) -> tuple[int, int]:
@@ -81,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         generate(llm, warm.prompts, warm.output_lens)
     work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
     # The per-step split needs the engine core in this process (not with data parallelism).
-    profiler = StepProfiler(engine) if getattr(engine.client, "core", None) is not None else None
+    in_process = getattr(engine.client, "core", None) is not None
+    profiler = StepProfiler(engine, expert_load=args.expert_load) if in_process else None
     with TritonCompileWatch() as jit:
         outs, seconds = generate(llm, work.prompts, work.output_lens)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -114,18 +121,34 @@ def run(args: argparse.Namespace) -> int:
     print(f"Total num prompt tokens:  {in_tokens}")
     print(f"Total num output tokens:  {out_tokens}")
     split = result["step_split"]
-    if split is not None:
+    if split is None:
+        pass
+    elif getattr(engine.runner, "model", None) is None:  # the model runs in worker processes
+        print(
+            f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
+            f"{split['mean_step_ms']:.2f} ms (no GPU/host split: the model runs in the "
+            f"{engine.runner.name} executor's workers)"
+        )
+    else:
         print(
             f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
             f"{split['mean_step_ms']:.2f} ms: GPU span {split['mean_gpu_span_ms']:.2f} ms, "
             f"host-only {split['mean_host_only_ms']:.2f} ms (schedule "
             f"{split['mean_schedule_ms']:.2f} ms)"
         )
+    if split is not None:
         print(
             f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of "
             f"GPU span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met "
             f"in the run: {len(jit.variants)} {sorted(set(jit.variants))}"
         )
+        load = split.get("expert_load")
+        if load:
+            print(
+                f"Expert load over {load['layers']} MoE layers: busiest expert / mean "
+                f"{load['mean_max_over_mean']:.2f} on average, worst layer {load['worst_layer']} "
+                f"at {load['worst_max_over_mean']:.2f}"
+            )
     write_json(args.json, result)
     llm.shutdown()
     return 0 if out_tokens == work.output_tokens else 1

@@ -37,7 +37,7 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         sliding_window=None,
         bos_token_id=151643,
         eos_token_id=151645,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     ),
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"],
@@ -65,10 +65,90 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         mlp_bias=False,
         bos_token_id=128000,
         eos_token_id=[128001, 128008, 128009],
+        dtype="bfloat16",
+    ),
+    # Mixture of experts: 48 layers of 128 experts (top-8, 768 wide), 3.3B active parameters.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        hidden_act="silu",
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=48,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        torch_dtype="bfloat16",
+    ),
+    # Mixtral-8x7B-v0.1: 32 layers of 8 experts (top-2, 14336 wide), 12.9B active of 46.7B.
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
         torch_dtype="bfloat16",
     ),
 }
-ALIASES = {"llama3-8b": "llama-3.1-8b", "llama-3-8b": "llama-3.1-8b", "qwen3-0.6B": "qwen3-0.6b"}
+ALIASES = {
+    "llama3-8b": "llama-3.1-8b",
+    "llama-3-8b": "llama-3.1-8b",
+    "qwen3-0.6B": "qwen3-0.6b",
+    "qwen3-30b": "qwen3-30b-a3b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mixtral": "mixtral-8x7b",
+}
+# Draft shapes for speculative decoding with the Llama-3.1-8B shape (same vocabulary): a
+# Llama-3.2-1B draft model, and EAGLE / EAGLE-3 heads as yuhuili's for Llama-3.1-8B-Instruct.
+_LLAMA3_ROPE = dict(BUILTIN_SHAPES["llama-3.1-8b"]["rope_scaling"])
+BUILTIN_SHAPES["llama-3.2-1b"] = dict(
+    BUILTIN_SHAPES["llama-3.1-8b"],
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+    rope_scaling=dict(_LLAMA3_ROPE, factor=32.0),
+)
+BUILTIN_SHAPES["eagle-llama-3.1-8b"] = dict(BUILTIN_SHAPES["llama-3.1-8b"], num_hidden_layers=1)
+BUILTIN_SHAPES["eagle3-llama-3.1-8b"] = dict(
+    BUILTIN_SHAPES["llama-3.1-8b"],
+    architectures=["LlamaForCausalLMEagle3"],
+    num_hidden_layers=1,
+    draft_vocab_size=32000,
+)
 
 
 def builtin_shape(name: str) -> str | None:

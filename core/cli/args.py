@@ -9,25 +9,80 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     SUPPORTED_DTYPES,
     CacheConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
-def add_model_arg(parser: argparse.ArgumentParser, positional: bool = True) -> None:
-    """The model to load: positional (optional) for serve/generate/chat, like ``vllm serve``."""
-    helptext = (
+def add_model_arg(
+    parser: argparse.ArgumentParser, positional: bool = True, helptext: str | None = None
+) -> None:
+    """The model to load, as ``vllm serve`` takes it: ``engine serve MODEL`` or
+    ``engine serve --model MODEL`` (both forms; giving both with different values is an error,
+    see ``merge_model_args``). ``positional=False`` adds only ``--model``, for commands whose
+    positional arguments are something else (``engine generate PROMPT...``)."""
+    helptext = helptext or (
         "Hugging Face model directory, a model id in the local Hugging Face cache, or a "
-        ".gguf file. Default: the embedded Gemma 3 270M (engine[default-model])."
+        ".gguf file. Default: the embedded Gemma 3 270M (engine-llm[default-model])."
     )
     if positional:
         parser.add_argument("model", nargs="?", default=None, help=helptext)
+        parser.add_argument(
+            "--model", dest="model_option", default=None, metavar="MODEL", help="Same as MODEL."
+        )
     else:
         parser.add_argument("--model", default=None, help=helptext)
+
+
+def merge_model_args(args: argparse.Namespace) -> None:
+    """Fold ``--model`` into ``args.model`` (the positional); idempotent.
+
+    Raises ``ConfigError`` when both forms are given with different values: which one the user
+    meant cannot be guessed."""
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    positional = getattr(args, "model", None)
+    if positional is not None and positional != option:
+        raise ConfigError(
+            f"the model is given twice, as {positional!r} and as --model {option!r}; "
+            "give it once (either form)"
+        )
+    args.model = option
+    args.model_option = None
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--log-level``: the engine's log lines, and whether an error shows its traceback."""
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="Level of the engine's log lines on stderr; debug also prints the traceback of an "
+        "error, which is otherwise one line (default: %(default)s).",
+    )
+
+
+def configure_logging(level: str = "info", tag: str = "") -> None:
+    """One format for every log line on stderr (engine, and uvicorn's, which propagate);
+    ``tag`` names the process among several (``[api 1]``, ``[core 0]``)."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO if level == "trace" else getattr(logging, level.upper()),
+        format=f"%(asctime)s %(levelname)s %(name)s{' ' + tag if tag else ''}: %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +128,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "max_new_tokens) for requests that leave them unset; vllm: its end-of-sequence ids "
         "only; DIR: read generation_config.json from there (default: %(default)s).",
     )
+    model.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="Load no tokenizer (e.g. a config.json-only folder with --load-format dummy): "
+        "prompts must be token ids, outputs carry token ids only, stop strings and chat are "
+        "refused.",
+    )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 
     cache = parser.add_argument_group("KV cache")
@@ -104,11 +166,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--cpu-kv-cache-gb",
         type=float,
-        default=4.0,
+        default=None,
+        metavar="GIB",
         help=(
             "KV-cache budget on the CPU platform, in GiB (vLLM: VLLM_CPU_KVCACHE_SPACE); the "
             "cache takes the smaller of this and what --max-num-seqs requests of "
-            "--max-model-len tokens can use (default: %(default)s)."
+            "--max-model-len tokens can use. Default: 4, or half the memory available if "
+            "less; 0.5 for engine generate and engine chat. An unset --max-model-len is "
+            "lowered to fit the budget (logged)."
         ),
     )
 
@@ -140,6 +205,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "on the CPU).",
     )
 
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='Speculative decoding as a JSON object, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\', '
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' or '
+        '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\'; '
+        '"disable_by_batch_size" turns it off in larger batches (default: off).',
+    )
+
     device = parser.add_argument_group("device and parallelism")
     device.add_argument(
         "--platform",
@@ -154,11 +231,44 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     device.add_argument("--enforce-eager", action="store_true", help="Never capture device graphs.")
     device.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Threads for the engine's CPU kernels (torch's intra-op threads; per worker "
+        "process with several ranks). Default: OMP_NUM_THREADS if set, else the physical "
+        "cores this process may use (affinity and cgroup quota), split over the ranks of this "
+        "host; fewer helps when other work shares the cores.",
+    )
+    device.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
         default=1,
-        help="Tensor-parallel ranks (only 1 is supported today).",
+        help="Tensor-parallel ranks: every layer split over this many devices (heads, MLP "
+        "columns, vocabulary rows).",
+    )
+    device.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="Pipeline stages: the layers split into this many consecutive groups, one per "
+        "device group, with several batches in flight.",
+    )
+    device.add_argument(
+        "--distributed-executor-backend",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+        default=None,
+        help="How the tensor x pipeline ranks run: uni (this process, one rank), mp (one "
+        "process per rank on this host; the default for several ranks) or ray (Ray actors on "
+        "one or several hosts; pip install 'engine-llm[ray]').",
+    )
+    device.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="Mixture-of-experts models: place whole experts across the tensor-parallel ranks "
+        "(E / tp each) instead of splitting every expert over them.",
     )
     device.add_argument(
         "--data-parallel-size",
@@ -175,6 +285,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the ``EngineConfig`` from flags added by ``add_engine_args`` (+ a ``model`` attr)."""
     import os
 
+    merge_model_args(args)
     platform = args.platform
     if platform == "auto" and os.environ.get("ENGINE_PLATFORM"):
         platform = os.environ["ENGINE_PLATFORM"]
@@ -188,6 +299,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,
+            skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -205,8 +317,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=getattr(args, "data_parallel_size", 1),
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         ),
         platform=platform,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        speculative=(
+            SpeculativeConfig.from_dict(args.speculative_config)
+            if getattr(args, "speculative_config", None)
+            else None
+        ),
+        cpu_threads=getattr(args, "cpu_threads", None),
     )

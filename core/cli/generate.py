@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli.args import add_engine_args, add_model_arg, engine_config_from_args
+from engine.cli.args import (
+    add_engine_args,
+    add_log_level_arg,
+    add_model_arg,
+    configure_logging,
+    engine_config_from_args,
+)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arg(gen, positional=False)
     _add_sampling_args(gen)
     add_engine_args(gen)
+    add_log_level_arg(gen)
     gen.set_defaults(func=run_generate)
 
     chat = subparsers.add_parser(
@@ -45,18 +52,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="An interactive chat using the model's chat template. Empty line or "
         "Ctrl-D quits.",
     )
-    add_model_arg(chat, positional=False)
+    add_model_arg(chat, positional=True)
     chat.add_argument("--system", default=None, help="A system message.")
     _add_sampling_args(chat)
     add_engine_args(chat)
+    add_log_level_arg(chat)
     chat.set_defaults(func=run_chat)
 
 
 def _build(args: argparse.Namespace):
+    import logging
+
+    from engine.cpu_kv_cache import ONE_SHOT_BUDGET_GIB
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
+    configure_logging(args.log_level)
     config = engine_config_from_args(args)
+    if config.cache.cpu_kv_cache_gb is None:
+        # A one-shot command runs a few requests: a server's default budget would be
+        # resident memory held for nothing.
+        config.cache.cpu_kv_cache_gb = ONE_SHOT_BUDGET_GIB
+        logging.getLogger("engine.cli").info(
+            "engine %s runs a few requests, so a CPU KV cache gets a %g GiB budget "
+            "(--cpu-kv-cache-gb to change it)",
+            args.command,
+            ONE_SHOT_BUDGET_GIB,
+        )
     llm = LLM.from_engine_config(config)
     params = SamplingParams(
         max_tokens=args.max_tokens,

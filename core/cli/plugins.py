@@ -2,7 +2,8 @@
 
 Lists every loaded plugin (distribution, version, entry point), every platform (available, or
 why not), every attention backend (usable on the chosen platform for a generic spec, or the
-reasons) and every kernel override. When no platform can be chosen the listing is still printed,
+reasons), each platform's communicator and who supplies it, every kernel override, and the
+conformance kit's suites (what ``pytest --engine-conformance=PLUGIN`` checks). When no platform can be chosen the listing is still printed,
 then the error, and the exit status is 2.
 """
 
@@ -46,6 +47,7 @@ def collect_report(pm: Any, platform: str | None = None) -> dict[str, Any]:
     from engine.attention_backends.interface import AttentionSpec
     from engine.attention_backends.selector import spec_for_platform
     from engine.errors import PluginError
+    from engine.testing.suites import describe_suites
 
     chosen = None
     platform_error = None
@@ -77,6 +79,20 @@ def collect_report(pm: Any, platform: str | None = None) -> dict[str, Any]:
             }
         )
 
+    communicators = []
+    for entry in pm.platforms():
+        try:
+            comm = pm.communicator_entry(entry.cls)
+            communicators.append(
+                {
+                    "platform": entry.name,
+                    "communicator": comm.communicator.describe(),
+                    "provider": comm.provider,
+                }
+            )
+        except PluginError as exc:
+            communicators.append({"platform": entry.name, "error": str(exc)})
+
     overrides = [
         {
             "kernel": impl.name,
@@ -97,6 +113,8 @@ def collect_report(pm: Any, platform: str | None = None) -> dict[str, Any]:
         "attention_backends": backends,
         "auto_order": auto_order,
         "kernel_overrides": overrides,
+        "communicators": communicators,
+        "conformance_suites": describe_suites(),
     }
 
 
@@ -135,6 +153,17 @@ def render_text(report: dict[str, Any]) -> str:
         lines += [f"      - {reason}" for reason in b["reasons"]]
     if report["auto_order"]:
         lines.append(f"  auto order: {', '.join(report['auto_order'])}")
+
+    lines += ["", "Communicators:"]
+    for c in report["communicators"]:
+        if "error" in c:
+            lines.append(f"  {c['platform']:<12} error: {c['error']}")
+        else:
+            lines.append(f"  {c['platform']:<12} {c['communicator']} (from {c['provider']})")
+
+    lines += ["", "Conformance kit suites (pytest --engine-conformance=PLUGIN):"]
+    for suite in report["conformance_suites"]:
+        lines.append(f"  {suite['name']:<12} {suite['description']}")
 
     lines += ["", "Kernel overrides:"]
     for k in report["kernel_overrides"]:

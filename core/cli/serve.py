@@ -11,15 +11,34 @@ import argparse
 import logging
 import time
 
-from engine.cli.args import add_engine_args, add_model_arg, engine_config_from_args
+from engine.cli.args import (
+    add_engine_args,
+    add_log_level_arg,
+    add_model_arg,
+    configure_logging,
+    engine_config_from_args,
+)
 
 DEFAULT_BODY_LIMIT = 16 * 1024 * 1024
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {value}")
     return value
 
 
@@ -32,7 +51,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="Address to listen on; 0.0.0.0 for every interface (default: %(default)s).",
     )
     server.add_argument(
-        "--port", type=int, default=8000, help="Port to listen on (default: %(default)s)."
+        "--port", type=_port, default=8000, help="Port to listen on (default: %(default)s)."
     )
     server.add_argument(
         "--api-key",
@@ -46,6 +65,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="A Jinja chat template (a file path or the template itself) for models whose "
         "tokenizer has none, or to override it.",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Render a request's own chat_template (off: such requests get 400, as in vLLM; a "
+        "template is code the server runs).",
+    )
+    server.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info (the tokenizer's configuration and chat template, as "
+        "vLLM does; lm-eval's remote tokenizer reads it). Off by default: it exposes them.",
     )
     server.add_argument(
         "--max-request-body-bytes",
@@ -145,6 +176,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATHS",
         help="Comma-separated paths whose access-log lines are dropped, e.g. /health,/metrics.",
     )
+    add_log_level_arg(logs)
     logs.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -184,20 +216,13 @@ def _read_chat_template(value: str | None) -> str | None:
     if "{" not in value and path.is_file():
         return path.read_text()
     if "{" not in value:
-        raise FileNotFoundError(f"--chat-template: no such file: {value}")
+        from engine.config import ConfigError
+
+        raise ConfigError(
+            f"--chat-template {value}: no such file; pass the path of a Jinja template file or "
+            "the template text itself"
+        )
     return value
-
-
-def configure_logging(level: str = "info", tag: str = "") -> None:
-    """One format for engine and uvicorn lines (uvicorn's loggers propagate to the root);
-    ``tag`` names the process among several (``[api 1]``, ``[core 0]``)."""
-    import logging
-
-    logging.basicConfig(
-        level=logging.INFO if level in ("info", "trace") else getattr(logging, level.upper()),
-        format=f"%(asctime)s %(levelname)s %(name)s{' ' + tag if tag else ''}: %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def log_requests(args: argparse.Namespace) -> bool:
@@ -213,9 +238,9 @@ def log_requests(args: argparse.Namespace) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; return the exit status."""
     started_at = time.monotonic()
-    configure_logging(args.uvicorn_log_level)
+    configure_logging(args.log_level)
     from engine.server.app import ServerOptions
-    from engine.server.launcher import ApiServer, LaunchOptions
+    from engine.server.launcher import ApiServer, LaunchOptions, listen_socket
     from engine.server.serving import ServerLimits, ServingOptions
 
     config = engine_config_from_args(args)  # validates flags before the port is taken
@@ -223,11 +248,13 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         api_keys=list(args.api_key or []),
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         serving=ServingOptions(
             limits=ServerLimits(max_n=args.max_n),
             log_requests=log_requests(args),
             max_log_len=args.max_log_len,
             chat_template=_read_chat_template(args.chat_template),
+            trust_request_chat_template=args.trust_request_chat_template,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
@@ -250,6 +277,11 @@ def run_serve(args: argparse.Namespace) -> int:
         config.model.model = str(path)
         if config.model.served_model_name is None:
             config.model.served_model_name = served_name
+    else:
+        # A mistyped path fails now, in one line, rather than after the server started.
+        from engine.loader import resolve_model_path
+
+        resolve_model_path(config.model.model)
 
     launch = LaunchOptions(
         host=args.host,
@@ -273,4 +305,5 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return AsyncMPClient.launch(config, log_level=args.uvicorn_log_level)
 
-    return ApiServer(start_engine_cores, options, launch).run()
+    sock = listen_socket(args.host, args.port)
+    return ApiServer(start_engine_cores, options, launch, sock=sock).run()

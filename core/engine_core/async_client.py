@@ -189,7 +189,12 @@ class ThreadedCoreClient(_AsyncClient):
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            self._loop_runner.run()
+            try:
+                self._loop_runner.run()
+            finally:
+                shutdown = getattr(self.core, "shutdown", None)
+                if shutdown is not None:  # the model's worker processes, if any
+                    shutdown()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine, loudly
             from engine.errors import EngineDeadError
 
@@ -287,7 +292,9 @@ class AsyncMPClient(_AsyncClient):
             popen = proc.popen if proc is not None else None
             on_exit = functools.partial(self._core_exited, i, proc)
             self._unwatch.append(watch_process(loop, pid, on_exit, popen))
-        tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, self.config.model))
+        tokenizer = asyncio.ensure_future(
+            asyncio.to_thread(_front_end_tokenizer, load_tokenizer, self.config.model)
+        )
         try:
             await self._ready_waiter
         except BaseException:
@@ -380,3 +387,8 @@ class AsyncMPClient(_AsyncClient):
                 sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
+
+
+def _front_end_tokenizer(load: Callable[[Any], Any], model_config: Any) -> Any:
+    """The tokenizer the front end detokenizes with (None with ``skip_tokenizer_init``)."""
+    return None if model_config.skip_tokenizer_init else load(model_config)

@@ -54,8 +54,16 @@ class InprocClient:
     def num_used_blocks(self) -> int:
         return self.core.num_used_blocks
 
+    def check_health(self) -> None:
+        """Raise when the core's model workers failed (``WorkerFailedError``)."""
+        self.core.check_health()
+
+    def set_failure_callback(self, callback: Any) -> None:
+        self.core.set_failure_callback(callback)
+
     def shutdown(self) -> None:
-        pass
+        """Stop the core's model workers, if any (tensor/pipeline parallelism)."""
+        self.core.shutdown()
 
 
 # ------------------------------------------------------------------------- shared by MP clients
@@ -120,7 +128,9 @@ class SyncMPClient:
         self._stats: dict[int, EngineStats] = {}
         self._closed = False
         self.dead: BaseException | None = None
-        self.tokenizer = load_tokenizer(config.model)  # while the cores load
+        self.tokenizer = (  # while the cores load
+            None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
+        )
         ready = self._wait_ready(len(conn.input_addresses))
         self.ready = ready  # what each core resolved (CoreReady)
         first = ready[0]
@@ -186,6 +196,10 @@ class SyncMPClient:
             self.dead = dead_error(msg.engine_index, failed=msg)
             raise self.dead
         return []
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` when a core failed or this client was shut down."""
+        self._check()
 
     def _check(self) -> None:
         if self.dead is not None:
@@ -320,4 +334,23 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         total.generation_tokens_total += s.generation_tokens_total
         total.num_used_blocks += s.num_used_blocks
         total.kv_cache_usage += s.kv_cache_usage / len(stats)
+        if s.spec_decoding is not None:
+            total.spec_decoding = _add_spec_stats(total.spec_decoding, s.spec_decoding)
+    return total
+
+
+def _add_spec_stats(total: Any, s: Any) -> Any:
+    """Speculative-decoding counters of two cores added (every core drafts the same number
+    of tokens per step)."""
+    if total is None:
+        return s.copy()
+    total.num_drafts += s.num_drafts
+    total.num_draft_tokens += s.num_draft_tokens
+    total.num_accepted_tokens += s.num_accepted_tokens
+    total.num_accepted_tokens_per_pos = [
+        a + b
+        for a, b in zip(
+            total.num_accepted_tokens_per_pos, s.num_accepted_tokens_per_pos, strict=False
+        )
+    ]
     return total

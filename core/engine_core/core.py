@@ -25,9 +25,11 @@ so far, so their steps always run synchronously.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import Logprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.tokenizer import TokenIdRange
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +126,9 @@ class EngineCore:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._async = bool(getattr(scheduler, "async_output", False))
-        self._in_flight: _InFlight | None = None
+        # Launched steps not completed yet: at most one, or one per pipeline stage.
+        self._in_flight: deque[_InFlight] = deque()
+        self._max_in_flight = max(1, int(getattr(runner, "max_concurrent_batches", 1)))
         self._structured: Any = None  # StructuredOutputManager, built on first use
         self._structured_lock = threading.Lock()  # grammars may compile on other threads
 
@@ -139,6 +144,11 @@ class EngineCore:
     @property
     def max_model_len(self) -> int:
         return int(self.config.model.max_model_len)
+
+    @functools.cached_property
+    def token_id_range(self) -> TokenIdRange:
+        """The token ids requests may name (prompt, ``logit_bias``, ``stop_token_ids``)."""
+        return TokenIdRange.of(self.tokenizer, self.config.model.hf_config)
 
     @property
     def num_used_blocks(self) -> int:
@@ -177,19 +187,22 @@ class EngineCore:
         prompt_token_ids = req.prompt_token_ids
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.runner.vocab_size
-        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
-            raise SamplingParamsError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt"
-            )
+        ids = self.token_id_range  # below max(tokenizer size, model vocabulary), as in vLLM
+        ids.check(prompt_token_ids, "prompt", needs_row=True)
+        if params.logit_bias:
+            ids.check(params.logit_bias, "logit_bias", needs_row=True)
+        ids.check(params.stop_token_ids, "stop_token_ids")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         matcher = None
+        if self.config.speculative is not None:
+            from engine.spec_decode import check_request
+
+            reason = check_request(params)
+            if reason is not None:
+                raise SamplingParamsError(reason, "n")
         if params.structured_outputs is not None:
             # Compiling here makes a bad schema/regex/grammar an error of add_request.
             matcher = self.structured_outputs.new_matcher(params.structured_outputs)
@@ -249,7 +262,25 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished, or a step is still in flight."""
-        return bool(self._requests) or self._in_flight is not None
+        return bool(self._requests) or bool(self._in_flight)
+
+    def check_health(self) -> None:
+        """Raise when the model's workers failed (``WorkerFailedError``); cheap."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def set_failure_callback(self, callback: Any) -> None:
+        """Have ``callback()`` called once (from another thread) when a worker fails."""
+        register = getattr(self.runner, "set_failure_callback", None)
+        if register is not None:
+            register(callback)
+
+    def shutdown(self) -> None:
+        """Stop the model's workers (idempotent; in-process models need nothing)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -268,6 +299,7 @@ class EngineCore:
             generation_tokens_total=self._generation_tokens_total,
             num_used_blocks=s.num_used_blocks,
             time=time.monotonic(),
+            spec_decoding=getattr(s, "spec_decoding", None),
         )
 
     # ------------------------------------------------------------------ the step
@@ -277,28 +309,30 @@ class EngineCore:
         With asynchronous scheduling (``SchedulerConfig.async_scheduling``) one step may be
         in flight between calls: a call schedules and launches the next step, then completes
         the one before it while the device runs the new one, so the outputs returned are one
-        step behind. Steps whose sampling needs the host to know every earlier token
-        (penalties, ``min_tokens``, logprobs, ``n > 1``) run synchronously.
+        step behind. With pipeline parallelism one step per stage may be in flight (each with
+        other requests), so the stages work on different micro-batches at once. Steps whose
+        sampling needs the host to know every earlier token (penalties, ``min_tokens``,
+        logprobs, ``n > 1``) run synchronously.
         """
         if not self._async:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
             return self._complete(self._launch(sched))
-        previous, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return self._complete(previous) if previous is not None else []
+            return self._complete(in_flight.popleft()) if in_flight else []
         outputs: list[EngineCoreOutput] = []
         overlap = self._overlappable(sched)
-        if previous is not None and not overlap:
-            outputs += self._complete(previous)  # this step's sampling reads those tokens
-            previous = None
+        if not overlap:
+            while in_flight:  # this step's sampling reads those tokens
+                outputs += self._complete(in_flight.popleft())
         current = self._launch(sched)
-        if previous is not None:
-            outputs += self._complete(previous)
         if overlap:
-            self._in_flight = current
+            in_flight.append(current)
+            if len(in_flight) > self._max_in_flight:
+                outputs += self._complete(in_flight.popleft())
         else:
             outputs += self._complete(current)
         return outputs
@@ -306,6 +340,8 @@ class EngineCore:
     def _overlappable(self, sched: Any) -> bool:
         """Whether a step may stay in flight while the next one is scheduled."""
         for sr in sched.scheduled:
+            if sr.spec_token_ids or sr.num_to_propose:
+                return False  # speculative: the next step needs this one's accepted tokens
             owner = self._seq_owner.get(sr.request.request_id)
             if owner is not None and not owner[0].plain:  # n > 1 is never plain: it forks
                 return False
@@ -350,7 +386,9 @@ class EngineCore:
                     eos_token_ids=self.eos_token_ids,
                 )
                 if seq.matcher is not None:
-                    constrained.append((rows[sr.request.request_id], seq.matcher))
+                    constrained.append(
+                        (rows[sr.request.request_id], seq.matcher, sr.spec_token_ids)
+                    )
             if (
                 params.prompt_logprobs is not None
                 and seq.index == 0
@@ -359,9 +397,16 @@ class EngineCore:
                 prompt_logprobs[sr.request.request_id] = params.prompt_logprobs
         if constrained:
             # Structured requests never overlap a step, so each matcher has seen every token.
-            masks = self.structured_outputs.bitmasks([m for _, m in constrained])
-            for k, (row, _) in enumerate(constrained):
+            masks = self.structured_outputs.bitmasks([m for _, m, _ in constrained])
+            for k, (row, _, _) in enumerate(constrained):
                 row.token_bitmask = masks[k]
+            for row, matcher, drafts in constrained:
+                if drafts:  # one mask per verified position (speculative decoding)
+                    from engine.spec_decode.grammar import draft_bitmasks
+
+                    row.token_bitmask = draft_bitmasks(
+                        self.structured_outputs, matcher, drafts, row.token_bitmask
+                    )
         pending = self.runner.execute_async(sched, rows, prompt_logprobs)
         return _InFlight(sched, pending, now)
 
@@ -396,15 +441,16 @@ class EngineCore:
             if seq_id in forked_ids:  # the fork above accounted for this sample
                 continue
             state, seq = owner[seq_id]
-            lps = out.logprobs.get(seq_id)
             outputs.append(
                 self._append_tokens(
-                    state, seq, tokens, lps[0] if lps else None, prompt_chunks.pop(seq_id, None)
+                    state, seq, tokens, out.logprobs.get(seq_id), prompt_chunks.pop(seq_id, None)
                 )
             )
         for seq_id, chunk in prompt_chunks.items():  # a prompt chunk that sampled nothing
             state, seq = owner[seq_id]
             outputs.append(EngineCoreOutput(state.request_id, [], prompt_logprobs=chunk))
+        if out.draft_token_ids:
+            self._set_drafts(out.draft_token_ids)
         return outputs
 
     # ------------------------------------------------------------------ helpers
@@ -453,32 +499,61 @@ class EngineCore:
         state.pending_child_generators = []
         for seq in state.seqs:
             token = tokens[seq.index]
-            lp = logprobs[seq.index] if logprobs else None
+            lp = [logprobs[seq.index]] if logprobs else None
             outputs.append(
                 self._append_tokens(
                     state, seq, [token], lp, prompt_chunk if seq.index == 0 else None
                 )
             )
 
+    def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Hand the drafts proposed after a step to the scheduler, for sequences still
+        running; a structured sequence keeps only the prefix its grammar allows."""
+        owner = self._seq_owner
+        keep = {}
+        for seq_id, tokens in drafts.items():
+            if seq_id not in owner:  # finished by this step
+                continue
+            matcher = owner[seq_id][1].matcher
+            if matcher is not None:
+                from engine.spec_decode.grammar import valid_prefix
+
+                tokens = valid_prefix(matcher, tokens)
+            if tokens:
+                keep[seq_id] = tokens
+        self.scheduler.update_draft_token_ids(keep)
+
     def _append_tokens(
         self,
         state: _RequestState,
         seq: _Sequence,
         tokens: list[int],
-        logprobs: dict[int, Logprob] | None,
+        logprobs: list[dict[int, Logprob]] | None,
         prompt_chunk: list | None = None,
     ) -> EngineCoreOutput:
         """Account for newly sampled tokens (already appended to the scheduler's request),
-        check the token-level stop conditions and return the sequence's output."""
-        self._generation_tokens_total += len(tokens)
+        check the token-level stop conditions and return the sequence's output. ``logprobs``
+        has one entry per token.
+
+        Several tokens come from a speculative verification; the first that ends the
+        sequence (EOS, a stop token, ``max_tokens``, the grammar's end) is its last, and the
+        ones after it are dropped from the request."""
         params = state.params
         request = seq.request
+        if len(tokens) > 1:
+            keep = self._tokens_before_stop(state, seq, tokens)
+            if keep < len(tokens):
+                del request.output_token_ids[len(request.output_token_ids) - len(tokens) + keep :]
+                tokens = tokens[:keep]
+                if logprobs:
+                    logprobs = logprobs[:keep]
+        self._generation_tokens_total += len(tokens)
         out = EngineCoreOutput(
             state.request_id,
             tokens,
             seq.index,
             request.num_cached_tokens,
-            new_logprobs=[logprobs] if logprobs is not None else None,
+            new_logprobs=list(logprobs) if logprobs else None,
             prompt_logprobs=prompt_chunk,
         )
         if not state.reported_scheduled:
@@ -512,6 +587,38 @@ class EngineCore:
         ):
             return self._finish(state, seq, "length", out)
         return out
+
+    def _tokens_before_stop(self, state: _RequestState, seq: _Sequence, tokens: list[int]) -> int:
+        """How many of ``tokens`` (the newest of the request's outputs) to keep: up to and
+        including the first one that ends the sequence."""
+        params = state.params
+        request = seq.request
+        first_out = request.num_output_tokens - len(tokens)  # outputs before these
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stops = params.stop_token_ids
+        limit = min(request.max_tokens, self.max_model_len - request.num_prompt_tokens)
+        matcher = seq.matcher
+        accepted = 0
+        keep = len(tokens)
+        for i, token in enumerate(tokens):
+            num_out = first_out + i + 1
+            if matcher is not None:
+                if not matcher.accept_token(token):
+                    keep = i + 1  # _append_tokens reports it
+                    break
+                accepted += 1
+                if matcher.is_terminated():
+                    keep = i + 1
+                    break
+            if num_out >= params.min_tokens and (token in eos or token in stops):
+                keep = i + 1
+                break
+            if num_out >= limit:
+                keep = i + 1
+                break
+        if matcher is not None and accepted:
+            matcher.rollback(accepted)  # _append_tokens feeds the kept tokens again
+        return keep
 
     def _finish(
         self,

@@ -25,6 +25,7 @@ import msgspec
 
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.stats import SpecDecodingStats
 
 
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -44,6 +45,8 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     generation_tokens_total: int = 0
     num_used_blocks: int = 0
     time: float = 0.0
+    # Speculative decoding counters (cumulative), None when speculative decoding is off.
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -77,7 +77,15 @@ class CoreLoop:
         self._stopping = False
 
     def run(self) -> None:
+        """Serve until ``Shutdown``; an exception (a failed step, a model worker that died)
+        propagates to the caller, who reports it."""
         core = self.core
+        # A model worker that dies while the core is idle wakes the loop, whose health check
+        # then raises (a busy core's step raises anyway).
+        check_health = getattr(core, "check_health", None)
+        register = getattr(core, "set_failure_callback", None)
+        if check_health is not None and register is not None:
+            register(lambda: self.inbox.put(check_health))
         last_stats = 0.0
         busy = False
         while True:
@@ -150,7 +158,7 @@ class CoreLoop:
                 )
             elif isinstance(msg, Shutdown) or msg is None:
                 self._stopping = True
-            elif callable(msg):  # in-process callers only: a barrier (see ``sync``)
+            elif callable(msg):  # in process only: a barrier (``sync``) or a health check
                 msg()
         for client_index, result in results.items():
             self.send(client_index, result)
@@ -316,8 +324,18 @@ def run_engine_core(args: CoreProcessArgs) -> int:
         failed = failure_message(index, e)
         for client in range(len(outputs)):
             send(client, failed)
+        _stop_workers(core)
         return exit_with(1)
+    _stop_workers(core)
     return exit_with(0)
+
+
+def _stop_workers(core: Any) -> None:
+    """Stop the core's model-worker processes (tensor/pipeline parallelism), if any."""
+    try:
+        core.shutdown()
+    except Exception:  # noqa: BLE001 - exiting anyway; the workers watch this process
+        logger.exception("stopping the model workers failed")
 
 
 def _precompile(core: Any, msg: AddRequests) -> None:

@@ -1,17 +1,84 @@
-"""Token embedding and the LM head (tied to the embedding or separate)."""
+"""Token embedding and the LM head, split over the tensor-parallel ranks by vocabulary rows.
+
+Rank ``r`` of ``tp`` holds rows ``[r * P, (r + 1) * P)`` of the ``[vocab, hidden]`` matrix, with
+``P = ceil(vocab / tp)``; the last rank's rows past the vocabulary are zero padding. The
+embedding looks up the ids that fall in its rows and the ranks' partial embeddings are summed
+(all-reduce); the LM head computes the logits of its rows and the ranks' logits are concatenated
+(all-gather), padding dropped. With one rank both are a plain lookup / product.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.registry import Kernels
 from engine.layers.linear import linear_op
-from engine.layers.weight_utils import new_parameter
+from engine.layers.weight_utils import (
+    check_shape,
+    materialize,
+    narrow,
+    new_parameter,
+    set_weight_loader,
+)
+from engine.parallel import SINGLE_PROCESS, ParallelContext
+
+if TYPE_CHECKING:
+    from engine.kernels.registry import Kernels
 
 
-class VocabEmbedding(nn.Module):
+class _VocabRows(nn.Module):
+    """The vocabulary-row split shared by the embedding and the LM head."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype | None,
+        parallel: ParallelContext | None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel or SINGLE_PROCESS
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        tp = self.parallel.tp_size
+        self.rows_per_partition = math.ceil(vocab_size / tp)
+        self.vocab_start = self.parallel.tp_rank * self.rows_per_partition
+        self.vocab_end = min(self.vocab_start + self.rows_per_partition, vocab_size)
+        self.weight = new_parameter((self.rows_per_partition, hidden_size), dtype)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        """Copy this rank's rows of the checkpoint's ``[vocab, hidden]`` matrix."""
+        check_shape("vocabulary matrix", (self.vocab_size, self.hidden_size), tuple(loaded.shape))
+        n = self.vocab_end - self.vocab_start
+        if self.parallel.tp_size == 1:
+            self._adopt_or_copy(param, materialize(loaded))
+            return
+        param.data[:n].copy_(materialize(narrow(loaded, 0, self.vocab_start, n)))
+        param.data[n:].zero_()
+
+    @staticmethod
+    def _adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Use the loaded tensor as the storage when it already fits (a memory-mapped or GGUF
+        matrix of the right dtype): loading then never holds two copies of the largest matrix
+        (Gemma's 262k-row table)."""
+        if (
+            loaded.dtype == param.dtype
+            and loaded.device == param.device
+            and loaded.is_contiguous()
+            and not loaded.requires_grad
+            and param.device.type != "meta"
+        ):
+            param.data = loaded
+        else:
+            param.data.copy_(loaded)
+
+
+class VocabParallelEmbedding(_VocabRows):
     """Token id -> vector. ``embed_scale`` multiplies the result, rounded to the weight dtype
     first (Gemma scales by ``sqrt(hidden_size)`` that way)."""
 
@@ -21,24 +88,29 @@ class VocabEmbedding(nn.Module):
         hidden_size: int,
         dtype: torch.dtype | None = None,
         embed_scale: float | None = None,
+        *,
+        parallel: ParallelContext | None = None,
     ) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
+        super().__init__(vocab_size, hidden_size, dtype, parallel)
         self.embed_scale = embed_scale
-        self.weight = new_parameter((vocab_size, hidden_size), dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.weight)
+        if self.parallel.tp_size == 1:
+            x = F.embedding(input_ids, self.weight)
+        else:
+            mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+            local = torch.where(mine, input_ids - self.vocab_start, 0)
+            x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+            x = self.parallel.tp.all_reduce(x)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
         return x
 
 
-class LMHead(nn.Module):
-    """hidden [N, H] -> float32 logits [N, V]. ``tie(embedding)`` shares the embedding matrix;
-    ``final_logit_softcap`` applies ``cap * tanh(logits / cap)`` (Gemma 2). The product goes
-    through ``kernels.linear`` when ``kernels`` is given, else ``F.linear``."""
+class ParallelLMHead(_VocabRows):
+    """hidden [N, H] -> float32 logits [N, V]. ``tie(embedding)`` shares the embedding matrix
+    (same row split); ``final_logit_softcap`` applies ``cap * tanh(logits / cap)`` (Gemma 2).
+    The product goes through ``kernels.linear`` when ``kernels`` is given, else ``F.linear``."""
 
     def __init__(
         self,
@@ -48,21 +120,28 @@ class LMHead(nn.Module):
         final_logit_softcap: float | None = None,
         *,
         kernels: Kernels | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
+        super().__init__(vocab_size, hidden_size, dtype, parallel)
         self.final_logit_softcap = final_logit_softcap
-        self.weight = new_parameter((vocab_size, hidden_size), dtype)
         self._linear = linear_op(kernels)
 
-    def tie(self, embedding: VocabEmbedding) -> None:
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Use the embedding's weight as the output projection (no copy)."""
         self.weight = embedding.weight
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the raw logits, ``hidden @ weight.T`` (the CPU's prepacking
+        replaces this method)."""
+        return self._linear(hidden, self.weight, None)
 
     def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits in float32, or with ``float32=False`` in the weights' dtype when no softcap
         applies (enough for an argmax, and it skips converting [N, V])."""
-        return self.finish_logits(self._linear(hidden, self.weight, None), float32)
+        logits = self.local_logits(hidden)
+        if self.parallel.tp_size > 1:
+            logits = self.parallel.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]
+        return self.finish_logits(logits, float32)
 
     def finish_logits(self, logits: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The upcast and softcap applied to raw ``hidden @ weight.T`` logits."""

@@ -9,6 +9,7 @@ so loading never holds a second full copy of the model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,10 +26,24 @@ def check_shape(what: str, expected: Sequence[int], got: Sequence[int]) -> None:
         raise ModelLoadError(f"{what}: expected shape {tuple(expected)}, got {tuple(got)}")
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def narrow(tensor: Any, dim: int, start: int, length: int) -> Any:
+    """``tensor.narrow(dim, start, length)`` for a torch tensor or a lazy checkpoint tensor
+    (anything with ``shape`` and ``narrow``): a lazy one reads only the narrowed part when it is
+    materialised, so a tensor-parallel rank reads only its shard of the checkpoint."""
+    return tensor.narrow(dim, start, length)
+
+
+def materialize(tensor: Any) -> torch.Tensor:
+    """A torch tensor for ``tensor`` (a lazy checkpoint tensor reads its data now)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    return tensor.materialize()
+
+
+def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
     """Copy ``loaded`` into ``param`` whole (casting to its dtype and device)."""
-    check_shape("shape mismatch", param.shape, loaded.shape)
-    param.data.copy_(loaded)
+    check_shape("shape mismatch", param.shape, tuple(loaded.shape))
+    param.data.copy_(materialize(loaded))
 
 
 def set_weight_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:

@@ -359,20 +359,46 @@ class GGUFFile:
 
         Works a chunk of rows at a time, so peak extra memory is one chunk, not the tensor.
         """
+        info = self.tensors[name]
+        rows = math.prod(info.shape[:-1])
+        out, _ = self.load_window(name, dtype, (0, rows), (0, info.shape[-1]))
+        self._release(info)
+        return out.view(info.shape)
+
+    def load_window(
+        self, name: str, dtype: torch.dtype, rows: tuple[int, int], cols: tuple[int, int]
+    ) -> tuple[torch.Tensor, int]:
+        """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of tensor ``name`` seen as a matrix
+        ``[prod(shape[:-1]), shape[-1]]``, dequantized to ``dtype``; and the number of file
+        bytes read. Only those rows are read, and only the quantization blocks of those
+        columns when the column range falls on block boundaries (a tensor-parallel shard of
+        the input features); otherwise whole rows are dequantized and cut."""
         import torch
 
         self.check_supported(name)
         info = self.tensors[name]
-        raw = self.raw(name)
-        rows, cols = raw.shape[0], info.shape[-1]
-        out = torch.empty((rows, cols), dtype=dtype)
-        step = max(1, DEQUANT_CHUNK_ELEMENTS // cols)
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            out[start:stop].copy_(_dequantize_rows(raw[start:stop], info.ggml_type, cols))
+        raw = self.raw(name)[rows[0] : rows[1]]
+        full_cols = info.shape[-1]
+        c0, c1 = cols
+        block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+        cut = None
+        if (c0, c1) != (0, full_cols):
+            if c0 % block == 0 and (c1 % block == 0 or c1 == full_cols):
+                raw = raw[:, c0 // block * type_size : math.ceil(c1 / block) * type_size]
+            else:
+                cut = (c0, c1)  # dequantize whole rows, keep the columns
+        n_rows, n_cols = raw.shape[0], (c1 - c0 if cut is None else full_cols)
+        out = torch.empty((n_rows, n_cols), dtype=dtype)
+        step = max(1, DEQUANT_CHUNK_ELEMENTS // max(n_cols, 1))
+        for start in range(0, n_rows, step):
+            stop = min(n_rows, start + step)
+            chunk = np.ascontiguousarray(raw[start:stop])  # a column window is strided
+            out[start:stop].copy_(_dequantize_rows(chunk, info.ggml_type, n_cols))
+        num_bytes = raw.size
         del raw
-        self._release(info)
-        return out.view(info.shape)
+        if cut is not None:
+            out = out[:, cut[0] : cut[1]].contiguous()
+        return out, num_bytes
 
     def _release(self, info: GGUFTensorInfo) -> None:
         """Drop the tensor's file pages from this process's resident set: the mapped file would

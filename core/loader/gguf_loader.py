@@ -4,8 +4,9 @@ The contract the model loader calls:
 
 * ``load_config(path) -> transformers.PretrainedConfig`` maps GGUF metadata to the Hugging Face
   config of the same model (for ``gemma3`` a ``Gemma3TextConfig``).
-* ``iter_weights(path, hf_config, dtype)`` yields ``(hf_name, tensor)`` pairs under Hugging Face
-  parameter names, dequantized to ``dtype`` one tensor at a time, with the same values
+* ``iter_weights(path, hf_config, dtype, stats=None)`` yields ``(hf_name, lazy tensor)`` pairs
+  under Hugging Face parameter names, dequantized to ``dtype`` one tensor at a time when
+  materialised (only in the window a tensor-parallel shard narrows it to), with the same values
   ``transformers`` loads from the file (its GGUF conversion is the reference the tests check).
 * ``load_tokenizer(path, cache_dir)`` builds a fast tokenizer from the metadata once and caches
   it (converting a 262k vocabulary takes ~15 s; reloading the cached copy well under 1 s).
@@ -16,18 +17,26 @@ Conventions that differ between llama.cpp and Hugging Face, handled here:
   in; Hugging Face keeps ``w``. We yield ``w`` (the stored value minus one, computed in float32
   before the cast, exactly as ``transformers`` does), so HF-convention models load unchanged.
 * llama.cpp permutes the rows of Llama's q/k projections for its interleaved rotary embedding;
-  we undo it so the rows are in the Hugging Face (half-split, "neox") order. Gemma is stored
-  unpermuted.
+  we undo it so the rows are in the Hugging Face (half-split, "neox") order. Gemma and the Qwen
+  MoE models are stored unpermuted.
+* Mixture of experts (``qwen3moe``, ``qwen2moe``, and ``llama`` files with ``expert_count``,
+  i.e. Mixtral): llama.cpp stores each layer's experts stacked (``ffn_gate_exps`` /
+  ``ffn_up_exps`` ``[E, I, H]``, ``ffn_down_exps`` ``[E, H, I]``, router ``ffn_gate_inp``); we
+  yield them stacked, as ``<block>.experts.gate_proj`` etc., which the MoE models load whole.
+  llama.cpp renormalises the top-k weights of Qwen3-MoE and not those of Qwen2-MoE unless the
+  file says otherwise (``expert_weights_norm``); the configs say the same.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.loader.gguf_file import GGUFFile, GGUFLoadError
+from engine.loader.lazy_tensor import LazyTensor, ReadStats
+from engine.progress import activity
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +89,26 @@ _GEMMA3_LAYER = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+
+
+# Mixture of experts: router and stacked experts under the model's MoE block, the shared
+# expert of Qwen2-MoE (its gate is stored as a vector, HF keeps [1, H]).
+def _moe_layer(block: str) -> dict[str, str]:
+    return {
+        "ffn_gate_inp": f"{block}.gate",
+        "ffn_gate_exps": f"{block}.experts.gate_proj",
+        "ffn_up_exps": f"{block}.experts.up_proj",
+        "ffn_down_exps": f"{block}.experts.down_proj",
+    }
+
+
+_SHARED_EXPERT = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GLOBAL = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -224,7 +255,7 @@ def _gemma3_config(f: GGUFFile) -> PretrainedConfig:
 
 
 def _llama_config(f: GGUFFile) -> PretrainedConfig:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MixtralConfig
 
     if "rope_freqs.weight" in f.tensors:
         raise GGUFLoadError(
@@ -233,16 +264,83 @@ def _llama_config(f: GGUFFile) -> PretrainedConfig:
         )
     kw = _common_config(f)
     kw.update(
-        architectures=["LlamaForCausalLM"],
         rope_theta=_clean_float(f.arch_get("rope.freq_base", 10_000.0)),
         rope_scaling=_rope_scaling(f),
     )
+    experts = f.arch_get("expert_count", 0)
+    if experts:  # Mixtral: llama.cpp writes it as a llama with experts
+        kw.update(
+            architectures=["MixtralForCausalLM"],
+            num_local_experts=experts,
+            num_experts_per_tok=f.require("expert_used_count"),
+            sliding_window=None,
+        )
+        return MixtralConfig(**kw)
+    kw.update(architectures=["LlamaForCausalLM"])
     return LlamaConfig(**kw)
+
+
+def _qwen_moe_config(f: GGUFFile, shared: bool) -> dict[str, Any]:
+    kw = _common_config(f)
+    kw.update(
+        rope_theta=_clean_float(f.arch_get("rope.freq_base", 1_000_000.0)),
+        rope_scaling=_rope_scaling(f),
+        num_experts=f.require("expert_count"),
+        num_experts_per_tok=f.require("expert_used_count"),
+        moe_intermediate_size=f.require("expert_feed_forward_length"),
+        # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's.
+        norm_topk_prob=bool(f.arch_get("expert_weights_norm", not shared)),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    if kw["intermediate_size"] is None:  # no dense layers: any size will do
+        kw["intermediate_size"] = kw["moe_intermediate_size"]
+    if shared:
+        kw["shared_expert_intermediate_size"] = f.require("expert_shared_feed_forward_length")
+    return kw
+
+
+def _qwen3moe_config(f: GGUFFile) -> PretrainedConfig:
+    from transformers import Qwen3MoeConfig
+
+    kw = _qwen_moe_config(f, shared=False)
+    kw.update(
+        architectures=["Qwen3MoeForCausalLM"], attention_bias="blk.0.attn_q.bias" in f.tensors
+    )
+    return Qwen3MoeConfig(**kw)
+
+
+def _qwen2moe_config(f: GGUFFile) -> PretrainedConfig:
+    from transformers import Qwen2MoeConfig
+
+    kw = _qwen_moe_config(f, shared=True)
+    kw.update(architectures=["Qwen2MoeForCausalLM"], qkv_bias="blk.0.attn_q.bias" in f.tensors)
+    return Qwen2MoeConfig(**kw)
 
 
 _ARCHS: dict[str, _ArchSpec] = {
     "gemma3": _ArchSpec("Gemma3ForCausalLM", _gemma3_config, _GEMMA3_LAYER, 1.0, False),
-    "llama": _ArchSpec("LlamaForCausalLM", _llama_config, _LLAMA_LAYER, 0.0, True),
+    "llama": _ArchSpec(
+        "LlamaForCausalLM",
+        _llama_config,
+        {**_LLAMA_LAYER, **_moe_layer("block_sparse_moe")},
+        0.0,
+        True,
+    ),
+    "qwen2moe": _ArchSpec(
+        "Qwen2MoeForCausalLM",
+        _qwen2moe_config,
+        {**_LLAMA_LAYER, **_moe_layer("mlp"), **_SHARED_EXPERT},
+        0.0,
+        False,
+    ),
+    "qwen3moe": _ArchSpec(
+        "Qwen3MoeForCausalLM",
+        _qwen3moe_config,
+        {**_LLAMA_LAYER, **_QK_NORM, **_moe_layer("mlp")},
+        0.0,
+        False,
+    ),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -294,17 +392,89 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
+def num_tensors(path: str | os.PathLike[str]) -> int:
+    """How many tensors ``iter_weights`` yields for the file (one per tensor)."""
+    with GGUFFile(path) as f:
+        return len(f.tensors)
+
+
+class GGUFLazyTensor(LazyTensor):
+    """A tensor of an open GGUF file, dequantized only in its window when materialised (see
+    ``GGUFFile.load_window``), with this loader's conventions applied: the Gemma norm offset
+    taken off, llama.cpp's q/k row permutation undone (per head, so a window of whole heads
+    unpermutes on its own)."""
+
+    def __init__(
+        self,
+        f: GGUFFile,
+        name: str,
+        dtype: torch.dtype,
+        norm_offset: float = 0.0,
+        unpermute_heads: int | None = None,
+        stats: ReadStats | None = None,
+    ) -> None:
+        info = f.tensors[name]
+        super().__init__(info.shape, stats=stats)
+        self._file, self._name, self._dtype = f, name, dtype
+        self._norm_offset, self._unpermute_heads = norm_offset, unpermute_heads
+        if stats is not None:
+            stats.offered += info.n_bytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def _read(self, bounds: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int]:
+        shape = self._full_shape
+        if len(shape) > 2:  # stacked experts [E, rows, cols]
+            inner = math.prod(shape[1:-1])
+            if all(b == (0, n) for b, n in zip(bounds[1:-1], shape[1:-1], strict=True)):
+                # Whole experts (an expert-parallel rank's): only their rows are read.
+                (e0, e1), cols = bounds[0], bounds[-1]
+                part, num_bytes = self._matrix((e0 * inner, e1 * inner), cols)
+                return part.view(e1 - e0, *shape[1:-1], cols[1] - cols[0]), num_bytes
+            full, num_bytes = self._matrix((0, math.prod(shape[:-1])), (0, shape[-1]))
+            full = full.view(shape)
+            return full[tuple(slice(a, b) for a, b in bounds)], num_bytes
+        rows = bounds[0] if len(shape) == 2 else (0, 1)
+        tensor, num_bytes = self._matrix(rows, bounds[-1])
+        return (tensor if len(shape) == 2 else tensor.view(-1)).to(self._dtype), num_bytes
+
+    def _matrix(self, rows: tuple[int, int], cols: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        import torch
+
+        needs_f32 = self._norm_offset or self._unpermute_heads
+        tensor, num_bytes = self._file.load_window(
+            self._name, torch.float32 if needs_f32 else self._dtype, rows, cols
+        )
+        if self._norm_offset:
+            tensor -= self._norm_offset
+        if self._unpermute_heads:
+            head_rows = self._full_shape[0] // self._unpermute_heads
+            if rows[0] % head_rows or (rows[1] - rows[0]) % head_rows:
+                raise GGUFLoadError(
+                    f"{self._file.path}: {self._name}: rows {rows} do not cover whole heads of "
+                    f"{head_rows} rows; cannot undo llama.cpp's q/k permutation"
+                )
+            tensor = _unpermute(tensor, (rows[1] - rows[0]) // head_rows)
+        return tensor, num_bytes
+
+
 def iter_weights(
-    path: str | os.PathLike[str], hf_config: PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor in the file, in file order, dequantized to
-    float32 and cast to ``dtype`` (as ``transformers`` does), one tensor at a time.
+    path: str | os.PathLike[str],
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    stats: ReadStats | None = None,
+) -> Iterator[tuple[str, GGUFLazyTensor]]:
+    """Yield ``(hf_name, lazy tensor)`` for every tensor in the file, in file order. A tensor
+    is dequantized to float32 and cast to ``dtype`` (as ``transformers`` does) when
+    materialised, and only in the window its consumer narrowed it to (a tensor-parallel shard
+    reads about ``1 / tp`` of the file). Consume each before asking for the next.
 
-    Every tensor's type and name are checked before the first one is dequantized, so a bad
-    file fails fast and names the offending tensor.
+    Every tensor's type and name are checked before the first one is yielded, so a bad file
+    fails fast and names the offending tensor. ``stats`` counts the file bytes offered and
+    read.
     """
-    import torch
-
     with GGUFFile(path) as f:
         spec = _spec(f)
         names = {name: _hf_name(f, spec, name) for name in f.tensors}
@@ -314,14 +484,16 @@ def iter_weights(
         n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
         for name, hf_name in names.items():
             is_norm = hf_name.endswith("norm.weight")
-            needs_f32 = (is_norm and spec.norm_offset) or spec.unpermute_qk
-            tensor = f.load(name, torch.float32 if needs_f32 else dtype)
-            if is_norm and spec.norm_offset:
-                tensor -= spec.norm_offset
+            heads = None
             if spec.unpermute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = n_heads if "q_proj" in hf_name else n_kv
-                tensor = _unpermute(tensor, heads)
-            yield hf_name, tensor.to(dtype)
+            offset = spec.norm_offset if is_norm else 0.0
+            tensor = GGUFLazyTensor(f, name, dtype, offset, heads, stats)
+            if hf_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+                # llama.cpp keeps the [1, H] gate as a vector (a few KiB: read it now)
+                tensor = tensor.materialize()[None, :]
+            yield hf_name, tensor
+            f._release(f.tensors[name])
 
 
 # -- tokenizer ------------------------------------------------------------------------------
@@ -407,10 +579,26 @@ def load_tokenizer(
     with GGUFFile(path) as f:
         arch = f.architecture
         has_template = "tokenizer.chat_template" in f.metadata
+        tokens = f.metadata.get("tokenizer.ggml.tokens")
+    count = getattr(tokens, "length", None)  # a SkippedArray: the list is not decoded
+    if count is None and isinstance(tokens, list):
+        count = len(tokens)
+    size = f"{count:,}-token " if count else ""
+    logger.info(
+        "converting the %svocabulary of %s to a fast tokenizer (once: transformers reads the "
+        "GGUF vocabulary in Python, which takes a while for a large one; later starts load "
+        "it from %s)",
+        size,
+        path.name,
+        target,
+    )
+    start = time.perf_counter()
     try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with activity(f"Converting the tokenizer of {path.name}"):
+            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:  # transformers raises a variety of types for bad vocabularies
         raise GGUFLoadError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from e
+    logger.info("tokenizer converted in %.1f s", time.perf_counter() - start)
     if not has_template and arch in _CHAT_TEMPLATES:
         tok.chat_template = _CHAT_TEMPLATES[arch]
     # Write to a temporary sibling, then rename: concurrent first starts never see a half

@@ -12,10 +12,12 @@ missing or mis-shaped tensors — raises ``ModelLoadError`` before any weight is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,14 +25,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.layers.linear import process_weights_after_loading
 from engine.layers.weight_utils import ModelLoadError
+from engine.loader.lazy_tensor import LazySafetensor, ReadStats
 from engine.models.context import ModelContext
 from engine.models.registry import ModelRegistry
+from engine.parallel import SINGLE_PROCESS, ParallelContext
 
 if TYPE_CHECKING:
     from engine.attention_backends.interface import AttentionBackend
     from engine.config import ModelConfig
     from engine.kernels.registry import Kernels
+    from engine.layers.linear import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +61,10 @@ def resolve_model_path(model: str) -> Path:
             raise ModelLoadError(f"no config.json in model directory {path}")
         return path
     if not _REPO_ID.match(model) or model.startswith("."):
-        raise ModelLoadError(f"model path {path} does not exist")
+        raise ModelLoadError(
+            f"model path {path} does not exist; pass a Hugging Face model directory (with "
+            "config.json), a model id in the local Hugging Face cache, or a .gguf file"
+        )
     from huggingface_hub import snapshot_download
 
     try:
@@ -119,7 +128,13 @@ def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
     if model_config.dtype != "auto":
         return _DTYPES[model_config.dtype]
     for config in (hf_config, getattr(hf_config, "text_config", None)):
-        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        declared = getattr(config, "dtype", None)
+        if declared is None and not isinstance(
+            getattr(type(config), "torch_dtype", None), property
+        ):
+            # transformers < 4.56 has only torch_dtype; later ones alias it to dtype with a
+            # deprecation warning on every read, so it is read only where it is the field.
+            declared = getattr(config, "torch_dtype", None)
         if isinstance(declared, str):
             declared = getattr(torch, declared.replace("torch.", ""), None)
         if declared in _DTYPES.values():
@@ -166,10 +181,19 @@ def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def iter_safetensors(
-    files: list[Path], progress: Any = None, names: set[str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one tensor at a time (memory-mapped, CPU); with ``names``, only
-    those tensors (the others' data is never read)."""
+    files: list[Path],
+    progress: Any = None,
+    names: set[str] | None = None,
+    stats: ReadStats | None = None,
+) -> Iterator[tuple[str, LazySafetensor]]:
+    """Yield ``(name, lazy tensor)`` one tensor at a time; with ``names``, only those tensors.
+
+    Each ``LazySafetensor`` has a ``shape`` and ``narrow`` and reads its data (from the
+    memory-mapped file) only when materialised, so a tensor-parallel rank that narrows to its
+    shard reads about ``1 / tp`` of the checkpoint, and a pipeline stage never reads the layers
+    it does not hold. Consume each tensor before asking for the next (the file closes after its
+    last tensor). ``stats`` counts the bytes offered and read.
+    """
     from safetensors import safe_open
 
     for file in files:
@@ -177,7 +201,7 @@ def iter_safetensors(
             for name in f.keys():
                 if names is not None and name not in names:
                     continue
-                yield name, f.get_tensor(name)
+                yield name, LazySafetensor(f.get_slice(name), stats)
                 if progress is not None:
                     progress.update(1)
 
@@ -201,9 +225,7 @@ def _missing_message(model: nn.Module, missing: set[str], present: set[str]) -> 
 def _validate_checkpoint(model_cls: type, ctx: ModelContext, shapes: dict[str, tuple]) -> None:
     """Dry-run ``load_weights`` on a meta-device copy of the model with the header shapes, so
     missing, mis-shaped and unknown tensors are reported before any data is read."""
-    meta_ctx = ModelContext(
-        ctx.hf_config, ctx.dtype, ctx.kernels, ctx.attn_backend_cls, torch.device("meta")
-    )
+    meta_ctx = dataclasses.replace(ctx, device=torch.device("meta"))
     with torch.device("meta"):
         meta_model = model_cls(meta_ctx)
         loaded = meta_model.load_weights(
@@ -235,17 +257,63 @@ def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]
     return kept
 
 
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales."""
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights for ``load_format="dummy"`` (also a draft head's, for benchmarks)."""
+    _init_dummy(model, seed)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A generator seed for one parameter: the same on every rank and in every layout."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
+
+
+def _init_dummy(
+    model: nn.Module, seed: int, full_shapes: dict[str, tuple[int, ...]] | None = None
+) -> None:
+    """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales.
+
+    Each matrix is drawn whole, from a generator seeded by ``seed`` and its name, so every
+    parameter has the same values in every layout: under tensor or pipeline parallelism
+    (``full_shapes``: the unsharded shape of each parameter) a rank draws the whole matrix and
+    keeps its shard through the parameter's weight loader, exactly as from a checkpoint, so
+    TP=2 runs the model TP=1 runs."""
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            param.data.normal_(0.0, 0.02, generator=gen)
-        elif name.endswith("bias"):
-            param.data.zero_()
+        if param.dim() < 2:
+            if name.endswith("bias"):
+                param.data.zero_()
+            else:
+                param.data.fill_(1.0)
+            continue
+        source = name
+        if full_shapes is not None and name not in full_shapes:
+            # A tied head on a last pipeline stage: the embedding's values.
+            source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+        shape = full_shapes.get(source, tuple(param.shape)) if full_shapes else param.shape
+        gen = torch.Generator(device=device).manual_seed(_param_seed(seed, source))
+        full = torch.empty(shape, dtype=param.dtype, device=device).normal_(
+            0.0, 0.02, generator=gen
+        )
+        if full_shapes is None:
+            param.data.copy_(full)
         else:
-            param.data.fill_(1.0)
+            loader = getattr(param, "weight_loader", None)
+            kind = getattr(param, "moe_shard_kind", None)
+            if loader is None:
+                param.data.copy_(full)
+            elif kind is not None:
+                # Stacked experts: the single-process layout is the checkpoint's stacked form.
+                loader(param, full, kind)
+            else:
+                loader(param, full)
+
+
+def _full_shapes(model_cls: type, ctx: ModelContext) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the model on one process (built on the meta device)."""
+    single = dataclasses.replace(ctx, parallel=SINGLE_PROCESS, device=torch.device("meta"))
+    with torch.device("meta"):
+        model = model_cls(single)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def load_model(
@@ -254,11 +322,19 @@ def load_model(
     attn_backend_cls: type[AttentionBackend],
     device: torch.device | str = "cpu",
     registry: ModelRegistry | None = None,
+    *,
+    parallel: ParallelContext | None = None,
+    quant_config: QuantizationConfig | None = None,
+    stats: ReadStats | None = None,
 ) -> nn.Module:
     """Build the model for ``model_config`` on ``device`` and load its weights.
 
-    Reads the config first when ``model_config.hf_config`` is unset. Returns the model in eval
-    mode with frozen parameters.
+    Reads the config first when ``model_config.hf_config`` is unset. ``parallel`` says which
+    tensor-parallel shard and pipeline stage this process builds (default: all of it); each
+    checkpoint tensor is read only in the part this process holds. ``quant_config`` picks the
+    linear layers' quantization methods. Every linear layer's method gets its post-loading pass
+    (``process_weights_after_loading``). ``stats`` counts the checkpoint bytes offered and read.
+    Returns the model in eval mode with frozen parameters.
     """
     from tqdm.auto import tqdm
 
@@ -269,24 +345,38 @@ def load_model(
     _, model_cls = registry.resolve(getattr(hf_config, "architectures", None) or [])
     device = torch.device(device)
     dtype = resolve_dtype(model_config, hf_config)
-    ctx = ModelContext(hf_config, dtype, kernels, attn_backend_cls, device)
+    ctx = ModelContext(
+        hf_config,
+        dtype,
+        kernels,
+        attn_backend_cls,
+        device,
+        parallel=parallel or SINGLE_PROCESS,
+        quant_config=quant_config,
+    )
     path = resolve_model_path(model_config.model)
     fmt = model_config.load_format
     if fmt == "safetensors" and path.is_file():
         raise ModelLoadError(f"load_format=safetensors needs a model directory, got file {path}")
 
     if fmt == "dummy":
+        full_shapes = None
+        if ctx.parallel.world_size > 1:
+            full_shapes = _full_shapes(model_cls, ctx)
         with torch.device(device):
             model = model_cls(ctx)
-        _init_dummy(model, model_config.seed)
+        _init_dummy(model, model_config.seed, full_shapes)
+        process_weights_after_loading(model)
         return model.eval()
 
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
 
-        weights = gguf_loader.iter_weights(path, hf_config, dtype)
+        weights = gguf_loader.iter_weights(path, hf_config, dtype, stats=stats)
         present: set[str] | None = None
-        progress = tqdm(desc="Loading GGUF weights", unit="tensor")
+        progress = tqdm(
+            total=gguf_loader.num_tensors(path), desc="Loading GGUF weights", unit="tensor"
+        )
         weights = _counting(weights, progress)
     else:
         files = safetensors_files(path)
@@ -298,7 +388,7 @@ def load_model(
             desc=f"Loading {len(files)} safetensors shard(s)",
             unit="tensor",
         )
-        weights = iter_safetensors(files, progress, names=set(shapes))
+        weights = iter_safetensors(files, progress, names=set(shapes), stats=stats)
     with torch.device(device):
         model = model_cls(ctx)
     try:
@@ -308,6 +398,7 @@ def load_model(
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ModelLoadError(_missing_message(model, missing, present or set()))
+    process_weights_after_loading(model)
     return model.eval()
 
 

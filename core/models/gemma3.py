@@ -31,15 +31,28 @@ from torch import nn
 from engine.attention_backends.interface import AttentionMetadata
 from engine.layers import (
     Attention,
-    LMHead,
+    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
+    VocabParallelEmbedding,
     load_named_weights,
     rope_parameters,
 )
-from engine.layers.weight_utils import ModelLoadError, check_shape, set_weight_loader
-from engine.models.base import CausalLM, DecoderModel, SelfAttention, add_and_norm
+from engine.layers.weight_utils import (
+    ModelLoadError,
+    check_shape,
+    materialize,
+    set_weight_loader,
+)
+from engine.models.base import (
+    CausalLM,
+    DecoderModel,
+    SelfAttention,
+    add_and_norm,
+    make_layers,
+    on_first_stage,
+    on_last_stage,
+)
 from engine.models.context import ModelContext
 from engine.models.llama import FUSED_WEIGHTS, LlamaMLP
 
@@ -79,22 +92,9 @@ def _gemma_norm(size: int, cfg: Any, ctx: ModelContext) -> RMSNorm:
     return norm
 
 
-def _load_gemma_norm(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    check_shape("norm weight", param.shape, loaded.shape)
-    param.data.copy_(loaded.float() + 1.0)
-
-
-def _adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    check_shape("embedding", param.shape, loaded.shape)
-    if (
-        loaded.dtype == param.dtype
-        and loaded.device == param.device
-        and loaded.is_contiguous()
-        and not loaded.requires_grad
-    ):
-        param.data = loaded
-    else:
-        param.data.copy_(loaded)
+def _load_gemma_norm(param: nn.Parameter, loaded: Any) -> None:
+    check_shape("norm weight", param.shape, tuple(loaded.shape))
+    param.data.copy_(materialize(loaded).float() + 1.0)
 
 
 class Gemma3Attention(SelfAttention):
@@ -106,7 +106,7 @@ class Gemma3Attention(SelfAttention):
         super().__init__()
         cfg = ctx.hf_config
         bias = bool(getattr(cfg, "attention_bias", False))
-        self._build_projections(ctx, bias, bias)
+        self._build_projections(ctx, bias, bias, f"model.layers.{layer_idx}.self_attn")
         self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
         self.rotary_emb = rotary_emb
@@ -140,7 +140,13 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(ctx, layer_idx, layer_type, rotary_emb)
         # GeGLU: the Llama MLP with tanh-approximated GELU.
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, act or "gelu_pytorch_tanh", ctx)
+        self.mlp = LlamaMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            act or "gelu_pytorch_tanh",
+            ctx,
+            prefix=f"model.layers.{layer_idx}.mlp",
+        )
         self.input_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
         self.post_attention_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
         self.pre_feedforward_layernorm = _gemma_norm(cfg.hidden_size, cfg, ctx)
@@ -168,8 +174,16 @@ class Gemma3Model(DecoderModel):
     def __init__(self, ctx: ModelContext) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.embed_tokens = VocabEmbedding(
-            cfg.vocab_size, cfg.hidden_size, ctx.dtype, embed_scale=cfg.hidden_size**0.5
+        self.parallel = parallel = ctx.parallel
+        self.embed_tokens = on_first_stage(
+            parallel,
+            lambda: VocabParallelEmbedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                ctx.dtype,
+                embed_scale=cfg.hidden_size**0.5,
+                parallel=parallel,
+            ),
         )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         types = gemma3_layer_types(cfg)
@@ -180,10 +194,12 @@ class Gemma3Model(DecoderModel):
             )
             for kind in sorted(set(types))
         }
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(ctx, i, kind, rotary[kind]) for i, kind in enumerate(types)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            len(types), lambda i: Gemma3DecoderLayer(ctx, i, types[i], rotary[types[i]]), parallel
         )
-        self.norm = _gemma_norm(cfg.hidden_size, cfg, ctx)
+        if parallel.pp_size == 1:
+            self.end_layer = None  # every layer: no per-step slicing
+        self.norm = on_last_stage(parallel, lambda: _gemma_norm(cfg.hidden_size, cfg, ctx))
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -204,29 +220,28 @@ class Gemma3ForCausalLM(CausalLM):
         if tie_word_embeddings is None:
             tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.tie_word_embeddings = tie_word_embeddings
-        self.lm_head = LMHead(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            ctx.dtype,
-            final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
-            kernels=ctx.kernels,
+        self.lm_head = on_last_stage(
+            ctx.parallel,
+            lambda: ParallelLMHead(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                ctx.dtype,
+                final_logit_softcap=getattr(cfg, "final_logit_softcapping", None),
+                kernels=ctx.kernels,
+                parallel=ctx.parallel,
+            ),
         )
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and ctx.parallel.pp_size == 1:
             self.lm_head.tie(self.model.embed_tokens)
-        # The embedding (the 262k-row table of the real models) adopts the loaded tensor
-        # instead of copying it, so loading never holds two copies of the largest matrix.
-        set_weight_loader(self.model.embed_tokens.weight, _adopt_or_copy)
 
     def load_weights(self, weights: Any) -> set[str]:
         """Copy HF-named tensors in (q/k/v and gate/up into their fused slices, norms as
         ``1 + w``); returns the names of the parameters loaded."""
 
         def ignore(name: str) -> bool:
-            return "rotary_emb.inv_freq" in name or (
-                self.tie_word_embeddings and name.startswith("lm_head.")
-            )
+            return "rotary_emb.inv_freq" in name  # (a tied head's: dropped by stage_weights)
 
-        return load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
+        return load_named_weights(self, self.stage_weights(weights), FUSED_WEIGHTS, ignore)
 
 
 # Where the text model's tensors live in a Gemma3ForConditionalGeneration checkpoint, as

@@ -7,6 +7,7 @@ checkpoint tensor into its slice).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,16 +17,24 @@ from engine.attention_backends.interface import AttentionMetadata
 from engine.layers import (
     Attention,
     GatedActivation,
-    Linear,
-    LMHead,
-    MergedLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     load_named_weights,
     rope_parameters,
 )
-from engine.models.base import CausalLM, DecoderModel, SelfAttention, add_and_norm
+from engine.models.base import (
+    CausalLM,
+    DecoderModel,
+    SelfAttention,
+    add_and_norm,
+    make_layers,
+    on_first_stage,
+    on_last_stage,
+)
 from engine.models.context import ModelContext
 
 # Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
@@ -70,10 +79,11 @@ class LlamaAttention(SelfAttention):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self._build_projections(ctx, qkv_bias, o_bias)
+        self._build_projections(ctx, qkv_bias, o_bias, prefix)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
@@ -91,7 +101,8 @@ class LlamaAttention(SelfAttention):
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused (column-parallel, each
+    split over the ranks) and down row-parallel."""
 
     def __init__(
         self,
@@ -100,18 +111,27 @@ class LlamaMLP(nn.Module):
         hidden_act: str,
         ctx: ModelContext,
         bias: bool = False,
+        prefix: str = "",
+        reduce_results: bool = True,
     ) -> None:
+        """``reduce_results=False`` leaves the down projection's tensor-parallel partial sum
+        unreduced (a MoE block adds it to the experts' and reduces once)."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size,
             [intermediate_size, intermediate_size],
             bias,
-            ctx.dtype,
-            kernels=ctx.kernels,
+            ctx=ctx,
+            prefix=f"{prefix}.gate_up_proj",
         )
         self.act_fn = GatedActivation(hidden_act, ctx.kernels)
-        self.down_proj = Linear(
-            intermediate_size, hidden_size, bias, ctx.dtype, kernels=ctx.kernels
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias,
+            ctx=ctx,
+            prefix=f"{prefix}.down_proj",
+            reduce_results=reduce_results,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,13 +151,17 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.self_attn = LlamaAttention(ctx, layer_idx, rotary_emb, **attention_options)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = LlamaAttention(
+            ctx, layer_idx, rotary_emb, **attention_options, prefix=f"{prefix}.self_attn"
+        )
         self.mlp = LlamaMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
             cfg.hidden_act,
             ctx,
             bias=getattr(cfg, "mlp_bias", False),
+            prefix=f"{prefix}.mlp",
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
         self.post_attention_layernorm = RMSNorm(
@@ -160,20 +184,39 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(DecoderModel):
     """Embedding, decoder layers, final norm (HF's ``model.`` sub-module)."""
 
-    def __init__(self, ctx: ModelContext, attention_options: dict[str, bool]) -> None:
+    def __init__(
+        self,
+        ctx: ModelContext,
+        attention_options: dict[str, bool],
+        build_layer: Callable[..., nn.Module] | None = None,
+    ) -> None:
+        """``build_layer(ctx, layer_idx, rotary_emb, attention_options)`` makes each decoder
+        layer (default ``LlamaDecoderLayer``; MoE models build sparse layers)."""
         super().__init__()
         cfg = ctx.hf_config
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        build_layer = build_layer or LlamaDecoderLayer
+        self.parallel = parallel = ctx.parallel
+        self.embed_tokens = on_first_stage(
+            parallel,
+            lambda: VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, ctx.dtype, parallel=parallel
+            ),
+        )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # One rotary table shared by all layers.
         rotary_emb = RotaryEmbedding(
             head_dim, cfg.max_position_embeddings, rope_parameters(cfg), ctx.kernels
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, i, rotary_emb, attention_options)
-            for i in range(cfg.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers,
+            lambda i: build_layer(ctx, i, rotary_emb, attention_options),
+            parallel,
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+        if parallel.pp_size == 1:
+            self.end_layer = None  # every layer: no per-step slicing
+        self.norm = on_last_stage(
+            parallel, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
+        )
 
 
 class LlamaForCausalLM(CausalLM):
@@ -198,19 +241,38 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         cfg = ctx.hf_config
         self.config = cfg
-        self.model = LlamaModel(ctx, self.attention_options(cfg))
+        self.model = LlamaModel(ctx, self.attention_options(cfg), self.build_layer)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, ctx.dtype, kernels=ctx.kernels)
-        if self.tie_word_embeddings:
+        self.lm_head = on_last_stage(
+            ctx.parallel,
+            lambda: ParallelLMHead(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                ctx.dtype,
+                kernels=ctx.kernels,
+                parallel=ctx.parallel,
+            ),
+        )
+        if self.tie_word_embeddings and ctx.parallel.pp_size == 1:
             self.lm_head.tie(self.model.embed_tokens)
+
+    def build_layer(
+        self,
+        ctx: ModelContext,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attention_options: dict[str, bool],
+    ) -> nn.Module:
+        """Decoder layer ``layer_idx`` (subclasses with other layers override this)."""
+        return LlamaDecoderLayer(ctx, layer_idx, rotary_emb, attention_options)
+
+    def ignore_checkpoint_tensor(self, name: str) -> bool:
+        """Rotary inverse frequencies are recomputed (a tied head's checkpoint tensors, and
+        those of parts another pipeline stage holds, are dropped by ``stage_weights``)."""
+        return "rotary_emb.inv_freq" in name
 
     def load_weights(self, weights: Any) -> set[str]:
         """Copy HF-named checkpoint tensors into the parameters; returns the names loaded."""
-
-        def ignore(name: str) -> bool:
-            # Rotary inverse frequencies are recomputed; a tied head has no weight of its own.
-            return "rotary_emb.inv_freq" in name or (
-                self.tie_word_embeddings and name.startswith("lm_head.")
-            )
-
-        return load_named_weights(self, weights, FUSED_WEIGHTS, ignore)
+        return load_named_weights(
+            self, self.stage_weights(weights), FUSED_WEIGHTS, self.ignore_checkpoint_tensor
+        )

@@ -19,8 +19,11 @@ _BUILTIN_MODELS = {
     "Gemma3ForConditionalGeneration": "engine.models.gemma3:Gemma3ForConditionalGeneration",
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "engine.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "engine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
@@ -60,7 +63,8 @@ class ModelRegistry:
                 return name, self._load(name)
         raise ModelLoadError(
             f"unsupported model architecture {', '.join(names) or '(none in config.json)'}; "
-            f"supported architectures: {', '.join(self.supported())}"
+            f"supported architectures: {', '.join(self.supported())}. Use a model of one of "
+            "these, or install a plugin that adds it (`engine plugins` lists the installed ones)"
         )
 
     def _load(self, name: str) -> type:

@@ -21,7 +21,13 @@ from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
 from engine.server.errors import APIError, bad_request, error_response, install_error_handlers
 from engine.server.metrics import ServerMetrics
-from engine.server.middleware import AdmissionMiddleware, APIKeyMiddleware, BodyLimitMiddleware
+from engine.server.middleware import (
+    AdmissionMiddleware,
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    UnexpectedErrorMiddleware,
+)
+from engine.server.openapi import ServedLimits, install_openapi
 from engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,8 +38,9 @@ from engine.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
     VersionResponse,
 )
 from engine.server.serving import ServingContext, ServingOptions
@@ -55,6 +62,9 @@ class ServerOptions:
 
     api_keys: list[str] = field(default_factory=list)
     max_request_body_bytes: int = 16 * 1024 * 1024
+    # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info exposes the tokenizer's
+    # configuration and chat template, so it is off unless asked for.
+    enable_tokenizer_info_endpoint: bool = False
     serving: ServingOptions = field(default_factory=ServingOptions)
 
 
@@ -113,6 +123,11 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     )
     app.state.server = state
     install_error_handlers(app)
+    install_openapi(
+        app,
+        lambda: ServedLimits.of(state.ctx) if state.ctx is not None else None,
+        api_keys=bool(options.api_keys),
+    )
 
     @app.get("/health", tags=["operations"])
     async def health() -> Response:
@@ -158,7 +173,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         return await create_chat_completion(ctx, body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered with the chat template."""
         ctx = state.require_ctx()
         ctx.check_model(body.model)
@@ -168,6 +183,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tools=validate_tools(body.tools) if body.tools is not None else None,
+                chat_template=body.chat_template,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
             ids = await ctx.encode(text, add_special_tokens=False)
@@ -183,25 +199,37 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         """The text of token ids."""
         ctx = state.require_ctx()
         ctx.check_model(body.model)
-        ctx.check_token_ids(body.tokens, "tokens")
+        ctx.require_tokenizer("/detokenize", "tokens")
+        ctx.check_token_ids(body.tokens, "tokens", needs_row=False)
         return DetokenizeResponse(prompt=ctx.decode(body.tokens))
+
+    if options.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, tags=["tokenizer"])
+        async def tokenizer_info() -> JSONResponse:
+            """The tokenizer's configuration (vLLM's route, read by lm-evaluation-harness's
+            remote tokenizer): special tokens, chat template, ``tokenizer_class``."""
+            return JSONResponse(state.require_ctx().tokenizer_info())
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:
         return JSONResponse({"message": "engine OpenAI-compatible server", "docs": "/docs"})
 
-    # Outermost first: authenticate, then admit, then bound the body.
+    # Outermost first: answer unexpected errors, authenticate, admit, bound the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes)
     app.add_middleware(AdmissionMiddleware, refusal=state.refusal)
     if options.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
+    app.add_middleware(UnexpectedErrorMiddleware)
     return app
 
 
 def _warn_extra(body) -> None:
     extra = body.model_extra
     if extra:
-        logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(extra)))
+        # repr: a name may hold anything, lone surrogates included, and must stay loggable.
+        names = ", ".join(repr(name) for name in sorted(extra))
+        logger.warning("ignoring unsupported request fields: %s", names)
 
 
 __all__ = ["Phase", "ServerOptions", "ServerState", "build_app", "bad_request"]

@@ -15,7 +15,8 @@ step); non-streaming requests only their final one.
 A core that fails (an exception in a step, or its process dying) marks the engine dead: every
 in-flight request fails with ``EngineDeadError`` (HTTP 500; in-band for a stream already
 running), later requests fail at once, and ``/health`` answers 503. Nothing ever waits on a core
-that is gone.
+that is gone. A model worker process that dies (tensor/pipeline parallelism) is such a failure
+of its core: the executor wakes the core's loop, idle or not, and the core reports it.
 """
 
 from __future__ import annotations

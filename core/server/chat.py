@@ -105,23 +105,34 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         and "skip_special_tokens" not in req.model_fields_set
     ):
         req.skip_special_tokens = False  # keep call markers that are special tokens
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
     prompt = await ctx.render_chat(
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         tools=tool_plan.template_tools,
+        chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs,
     )
     # The template already wrote the special tokens it wants (BOS...).
     ids = await ctx.encode(prompt, add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
+    truncated = ctx.truncate_prompt(ids, req)
+    if truncated is not ids:
+        ids, prompt = truncated, None  # the text no longer matches the ids
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(ids))
     ctx.check_prompt_fits(len(ids), max_tokens, param="messages")
     top_n = req.top_logprobs or 0
     params = ctx.sampling_params(
-        req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None
+        req,
+        max_tokens=max_tokens,
+        logprobs=top_n if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
     )
     if tool_plan.json_schema is not None:
         _force_tool_schema(req, params, tool_plan.json_schema)
@@ -142,11 +153,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise rename_param(from_engine_error(e), field) from None
 
     created = int(time.time())
-    echo_text = _last_message_text(req) if req.echo else ""
+    role = _response_role(req)
+    echo_text = _echo_text(req, role) if req.echo else ""
     if req.stream:
         body = _stream(
-            ctx, req, channel, request_id, rid, model, created, len(ids), echo_text, tool_plan
-        )
+            ctx, req, channel, request_id, rid, model, created, len(ids), role, echo_text,
+            tool_plan,
+        )  # fmt: skip
         return EventStreamResponse(body, channel)
 
     try:
@@ -176,7 +189,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         choices.append(
             ChatCompletionChoice(
                 index=comp.index,
-                message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                message=ChatResponseMessage(role=role, content=content, tool_calls=tool_calls),
                 logprobs=logprobs,
                 finish_reason=finish_reason,
                 stop_reason=comp.stop_reason,
@@ -187,19 +200,34 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         completion_tokens=completion_tokens,
         total_tokens=len(ids) + completion_tokens,
     )
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None:
+        prompt_logprobs = ctx.prompt_logprobs(out.prompt_logprobs, req.return_tokens_as_token_ids)
     return ChatCompletionResponse(
-        id=request_id, created=created, model=model, choices=choices, usage=usage
+        id=request_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
-def _last_message_text(req: ChatCompletionRequest) -> str:
-    """vLLM's chat ``echo``: the last message's content when it is the assistant's."""
+def _response_role(req: ChatCompletionRequest) -> str:
+    """Who speaks in the response, as in vLLM: the assistant after a generation prompt, else
+    the author of the last message, whose turn the model continues."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def _echo_text(req: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat ``echo``: the last message's content, when that message has the
+    response's role (the response then reads as that whole message)."""
     last = req.messages[-1]
-    if last.role != "assistant" or last.content is None:
+    if last.role != role or last.content is None:
         return ""
     if isinstance(last.content, str):
         return last.content
-    return "\n".join(getattr(p, "text", "") for p in last.content)
+    return "\n".join(p.text if hasattr(p, "text") else str(p.get("text", "")) for p in last.content)
 
 
 async def _stream(
@@ -211,6 +239,7 @@ async def _stream(
     model: str,
     created: int,
     prompt_tokens: int,
+    role: str,
     echo_text: str,
     tool_plan: ToolPlan,
 ) -> AsyncIterator[bytes]:
@@ -238,9 +267,9 @@ async def _stream(
 
     try:
         # The role chunk goes first, before the engine produced anything (OpenAI does this).
-        role = to_json({"role": "assistant", "content": echo_text})
+        first = to_json({"role": role, "content": echo_text})
         for i in range(req.n):
-            yield chunk(i, role, None, None, None)
+            yield chunk(i, first, None, None, None)
         async for deltas in stream_deltas(channel, {rid: 0}, req.n):
             for d in deltas:
                 completion_tokens += len(d.token_ids)

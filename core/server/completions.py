@@ -96,6 +96,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 f"max_tokens must be >= 1 (0 is allowed only with echo=true), got {req.max_tokens}",
                 "max_tokens",
             )
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
     prompts = _prompts(req)
     if len(prompts) > ctx.options.limits.max_prompts:
         raise bad_request(
@@ -114,9 +118,15 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             texts.append(None)
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
+        truncated = ctx.truncate_prompt(ids, req)
+        if truncated is not ids:
+            ids, texts[-1] = truncated, None  # echo shows the tokens kept
         token_ids.append(ids)
 
-    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    # vLLM's rule: prompt_logprobs when asked, else echo's logprobs cover the prompt too.
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo:
+        prompt_logprobs = req.logprobs
     request_id = random_id("cmpl")
     params_list = []
     for ids in token_ids:
@@ -193,6 +203,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     logprobs=logprobs,
                     finish_reason="length" if echo_only else comp.finish_reason,
                     stop_reason=None if echo_only else comp.stop_reason,
+                    prompt_logprobs=ctx.prompt_logprobs(
+                        out.prompt_logprobs, req.return_tokens_as_token_ids
+                    )
+                    if req.prompt_logprobs is not None
+                    else None,
                 )
             )
     prompt_tokens = sum(len(ids) for ids in token_ids)

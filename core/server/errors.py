@@ -42,15 +42,22 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,  # noqa: A002 - the envelope's field name
     ) -> None:
+        message = _encodable(message)
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.param = param
+        self.param = _encodable(param) if param is not None else None
         self.code = code
         self.type = type or _TYPES.get(status_code, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def _encodable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX`` escapes, so that an error quoting
+    what the client sent can always be encoded as UTF-8 JSON."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -97,6 +104,17 @@ def from_engine_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
 
 
+def unexpected_error(exc: BaseException) -> APIError:
+    """The answer to an exception no route handled: a 400 for the engine's bad-input errors
+    (``ValueError`` subclasses carrying ``param``), else a logged 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError) and hasattr(exc, "param"):
+        return from_engine_error(exc)
+    logger.error("request failed: %r", exc, exc_info=exc)
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
 def context_length_error(
     max_model_len: int,
     num_tokens: int,
@@ -119,11 +137,11 @@ def context_length_error(
     )
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """A readable message and the offending field for pydantic's errors."""
     parts = []
     param = None
-    for err in exc.errors():
+    for err in errors:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
@@ -131,6 +149,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             continue
         # Union members add their type name to the location; keep what the user wrote.
         field_path = ".".join(p for p in loc if not _is_type_tag(p))
+        ctx = err.get("ctx") or {}
+        if "param" in ctx:  # a model-level check that names the field itself (lone_surrogate)
+            param = param or ctx["param"]
+            parts.append(err.get("msg", "invalid value"))
+            continue
         if not field_path and err.get("type") in ("model_attributes_type", "dict_type"):
             parts.append(
                 "The request body must be a JSON object, sent with Content-Type: application/json."
@@ -138,7 +161,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             continue
         if param is None and field_path:
             param = field_path
-        msg = err.get("msg", "invalid value")
+        msg = _error_text(err)
         parts.append(f"{field_path}: {msg}" if field_path else msg)
     # Unions report one error per member; the first few say enough.
     unique = list(dict.fromkeys(parts))
@@ -146,8 +169,102 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+_BOUNDS = {
+    "greater_than": ("gt", "greater than"),
+    "greater_than_equal": ("ge", "at least"),
+    "less_than": ("lt", "less than"),
+    "less_than_equal": ("le", "at most"),
+}
+_EXPECTED = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+    "list_type": "an array",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def _json_type(value: Any) -> str:
+    """What a parsed JSON value is, in the words of the JSON spec."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _number(value: Any) -> str:
+    return f"{value:.7g}" if isinstance(value, float) else str(value)
+
+
+def _error_text(err: dict[str, Any]) -> str:
+    """One pydantic error in the words of the API: the expected type and what came instead,
+    or the bound that was crossed and the value."""
+    kind = err.get("type", "")
+    ctx = err.get("ctx") or {}
+    if kind in _BOUNDS:
+        key, words = _BOUNDS[kind]
+        return f"must be {words} {_number(ctx.get(key))}, got {_number(err.get('input'))}"
+    if kind in _EXPECTED:
+        return f"expected {_EXPECTED[kind]}, got {_json_type(err.get('input'))}"
+    if kind == "string_unicode":  # a constrained string with a lone surrogate
+        return (
+            "contains a lone UTF-16 surrogate; text must be valid Unicode, where surrogates "
+            "only come in pairs"
+        )
+    if kind == "finite_number":
+        return f"must be a finite number, got {err.get('input')!r}"
+    if kind == "missing":
+        return "this field is required"
+    if kind == "none_required":  # a field only null may take: not supported
+        return "not supported (only null is accepted)"
+    if kind in ("too_short", "too_long"):
+        limit = ctx.get("min_length" if kind == "too_short" else "max_length")
+        words = "at least" if kind == "too_short" else "at most"
+        return f"must have {words} {limit} item{'s' if limit != 1 else ''}"
+    return err.get("msg", "invalid value")
+
+
+def _name_missing_body(request: Request, errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An empty body is FastAPI's one error "Field required" at ``body``; validate ``{}``
+    instead, so that the errors name the fields the route requires (``prompt``...)."""
+    if (
+        len(errors) != 1
+        or errors[0].get("type") != "missing"
+        or tuple(errors[0]["loc"]) != ("body",)
+    ):
+        return errors
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    if body_field is None:
+        return errors
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        TypeAdapter(body_field.field_info.annotation).validate_python({})
+    except ValidationError as e:
+        return [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+    return errors
+
+
 def _is_type_tag(part: str) -> bool:
-    return part.startswith(("list[", "dict[", "function-", "literal[")) or part in (
+    """Whether a location part is pydantic's name for a union member rather than a field:
+    ``list[int]``, ``str``..., or a model's class name (``TokenizeChatRequest``); request
+    fields are snake_case."""
+    if part[:1].isupper() and part.isidentifier() and "_" not in part:
+        return True
+    return part.startswith(("list[", "dict[", "function-", "literal[", "constrained-")) or part in (
         "str",
         "int",
         "float",
@@ -167,7 +284,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = _validation_message(_name_missing_body(request, exc.errors()))
         return error_response(bad_request(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -175,10 +292,16 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.url.path!r}"
+            if request.url.path == "/tokenizer_info":
+                message += " (start the server with --enable-tokenizer-info-endpoint)"
         elif exc.status_code == 405:
             message = f"method {request.method} not allowed on {request.url.path!r}"
-        return error_response(APIError(exc.status_code, message))
+        response = error_response(APIError(exc.status_code, message))
+        for name, value in (exc.headers or {}).items():  # 405's Allow (RFC 9110)
+            response.headers[name] = value
+        return response
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(from_engine_error(exc))
+    # No handler for ``Exception`` here: Starlette runs that one inside its outermost
+    # ServerErrorMiddleware, which re-raises after replying, and uvicorn then drops the
+    # keep-alive connection. ``UnexpectedErrorMiddleware`` (engine.server.middleware) answers
+    # unexpected exceptions instead, inside the app.

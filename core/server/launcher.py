@@ -168,6 +168,10 @@ class ApiServer:
                 await engine.shutdown()
             if self.state.ctx is not None:
                 self.state.ctx.close()
+            # Give back what _start_engine froze: frozen objects are never collected, not even
+            # at interpreter exit, so reference cycles among extension objects (Triton's
+            # nanobind IR attributes) would outlive their module and be reported as leaks.
+            gc.unfreeze()
             self.ready.set()
 
     _engine: AsyncEngine | None = None
@@ -194,9 +198,8 @@ class ApiServer:
             self._engine = engine
             await engine.start()
         except BaseException as e:  # noqa: BLE001 - re-raised by run() once uvicorn stopped
-            if isinstance(e, asyncio.CancelledError) or self._shutdown_started:
-                return
-            logger.error("failed to load the engine: %s", e)
+            # run() re-raises it for the caller (the CLI prints it once, as one line).
+            logger.info("the engine failed to load; stopping the server")
             self.state.startup_error = e
             self.exit_code = 1
             self._server.should_exit = True
@@ -326,3 +329,32 @@ def bind_socket(
         sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def listen_socket(host: str, port: int, **kwargs: Any) -> socket.socket:
+    """``bind_socket`` for a server the user started: bound before the model loads; a port that cannot be taken is a
+    ``ConfigError`` that says why and what to do."""
+    import errno
+
+    from engine.config import ConfigError
+
+    try:
+        return bind_socket(host, port, **kwargs)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"cannot listen on --host {host}: the address does not resolve ({e.strerror}); "
+            "use an IP address of this machine, 127.0.0.1, or 0.0.0.0 for every interface"
+        ) from e
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = "another process is already listening there"
+            fix = f"stop it, or choose a free port with --port (e.g. --port {port + 1})"
+        elif e.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges)"
+            fix = "choose a port of 1024 or more with --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = "that address is not one of this machine's"
+            fix = "use an address of this machine with --host, or 0.0.0.0 for every interface"
+        else:
+            why, fix = e.strerror or str(e), "check --host and --port"
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}; {fix}") from e

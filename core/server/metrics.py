@@ -2,7 +2,9 @@
 
 Metric names follow vLLM's with an ``engine:`` prefix, each labelled with ``model_name``; the
 engine cores' gauges and counters also carry an ``engine`` label (the data-parallel rank), as
-vLLM's do. Two sources feed them:
+vLLM's do (speculative decoding adds vLLM's ``spec_decode_*`` counters, the per-position one
+labelled with ``position`` too, and its "SpecDecoding metrics" line to the periodic log). Two
+sources feed them:
 
 * per-request latency histograms and the success counter are observed by the front end that
   served the request, as its outputs come back (``ServerMetrics`` implements
@@ -96,6 +98,29 @@ class _EngineStatsCollector:
                      "prefix_cache_hits")  # fmt: skip
         yield family(c, "engine:num_preemptions", "Requests preempted (KV cache full).",
                      "num_preemptions")  # fmt: skip
+        specs = [(labels, stats.spec_decoding) for labels, stats in rows if stats.spec_decoding]
+        if specs:  # speculative decoding: vLLM's spec_decode_* counters
+            for name, doc, field in (
+                ("engine:spec_decode_num_drafts",
+                 "Drafts verified (one per request and step that verified any).", "num_drafts"),
+                ("engine:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 "num_draft_tokens"),
+                ("engine:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 "num_accepted_tokens"),
+            ):  # fmt: skip
+                f = c(name, doc, labels=names)
+                for labels, spec in specs:
+                    f.add_metric(labels, getattr(spec, field))
+                yield f
+            per_pos = c(
+                "engine:spec_decode_num_accepted_tokens_per_pos",
+                "Drafts whose token at this position was accepted.",
+                labels=[*names, "position"],
+            )
+            for labels, spec in specs:
+                for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+                    per_pos.add_metric([*labels, str(pos)], value)
+            yield per_pos
 
 
 def observe_many(histogram: Any, pairs: list[tuple[float, int]]) -> None:
@@ -238,4 +263,15 @@ class StatsLogger:
             f"preemptions: {stats.num_preemptions - last.num_preemptions}"
         )
         logger.info(line)
+        spec, spec_last = (
+            getattr(stats, "spec_decoding", None),
+            getattr(last, "spec_decoding", None),
+        )
+        if spec is not None and spec_last is not None:
+            from engine.spec_decode.stats import log_line
+
+            spec_line = log_line(spec, spec_last, elapsed)
+            if spec_line is not None:
+                logger.info(spec_line)
+                line += "\n" + spec_line
         return line

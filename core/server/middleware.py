@@ -1,4 +1,5 @@
-"""ASGI middleware: API-key check, request-body size limit, refusing work while draining.
+"""ASGI middleware: API-key check, request-body size limit, refusing work while draining, and
+the 500 answer to unexpected exceptions.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so that streamed responses pass through untouched and
 each check costs a few dictionary look-ups.
@@ -10,9 +11,10 @@ import hmac
 import json
 from collections.abc import Callable
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.errors import APIError
+from engine.server.errors import APIError, unexpected_error
 
 
 async def send_error(send: Send, err: APIError) -> None:
@@ -144,3 +146,39 @@ class AdmissionMiddleware:
                 await send_error(send, err)
                 return
         await self.app(scope, receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """Answer an exception that escaped the routes with a complete 500 in the OpenAI envelope.
+
+    It sits inside the app, so the exception ends here: the response is whole (with its
+    ``Content-Length``) and the keep-alive connection stays usable. (A handler registered for
+    ``Exception`` would run in Starlette's ServerErrorMiddleware, which re-raises after
+    replying; uvicorn then closes the connection under the client's next request.) When the
+    response has already started there is nothing left to say in HTTP: the exception goes on,
+    and the server ends that connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except ClientDisconnect:
+            return  # the client left while its body was read: nobody to answer
+        except Exception as exc:  # noqa: BLE001 - the catch-all is this class's purpose
+            if started:
+                raise
+            await send_error(send, unexpected_error(exc))

@@ -63,13 +63,13 @@ def serve_multiprocess(config: Any, options: Any, launch: Any) -> int:
     """Run ``launch.api_server_count`` front ends and the engine cores; return the exit status."""
     from engine.engine_core.proc import EngineCoreProcesses
     from engine.engine_core.processes import spawn
-    from engine.server.launcher import bind_socket
+    from engine.server.launcher import listen_socket
     from engine.server.metrics import MULTIPROC_ENV
 
     count = launch.api_server_count
     reuse_port = _reuse_port_balances()
     # Taken before anything starts: a port in use fails here, at once.
-    guard = bind_socket(launch.host, launch.port, reuse_port=reuse_port, listen=not reuse_port)
+    guard = listen_socket(launch.host, launch.port, reuse_port=reuse_port, listen=not reuse_port)
     port = guard.getsockname()[1]
     metrics_dir = tempfile.mkdtemp(prefix="engine-metrics-")
     front_ends: list[Any] = []
@@ -150,8 +150,8 @@ def _supervise(front_ends: list[Any]) -> int:
 
 def run_front_end(args: FrontEndArgs) -> int:
     """A front-end process: one ``ApiServer`` on the shared port, a client of every core."""
+    from engine.cli.args import configure_logging
     from engine.cli.main import _user_errors, format_error
-    from engine.cli.serve import configure_logging
     from engine.engine_core.async_client import AsyncMPClient
     from engine.engine_core.processes import set_shutdown_handler
     from engine.server.launcher import ApiServer, bind_socket

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.server.async_engine import AsyncEngine
+from engine.server.chat_template import ChatTemplates, conversation_of, request_kwargs
 from engine.server.errors import APIError, bad_request, context_length_error
 from engine.server.protocol import ChatMessage, SamplingFields
 from engine.server.tools.parser import ToolParser, tool_parser_from_flags
-from engine.server.tools.request import prepare_tool_history
+from engine.tokenizer import TokenIdRange
 
 logger = logging.getLogger("engine.server.requests")
+
+# A logit_bias key: a token id in canonical decimal (no sign, space or leading zero).
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 @dataclass
@@ -48,6 +53,7 @@ class ServingOptions:
     log_requests: bool = False  # --enable-log-requests
     max_log_len: int | None = None
     chat_template: str | None = None
+    trust_request_chat_template: bool = False  # run a request's own chat_template (vLLM's flag)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
@@ -70,7 +76,7 @@ class ServingContext:
     def __init__(self, async_engine: AsyncEngine, options: ServingOptions) -> None:
         self.async_engine = async_engine
         self.options = options
-        self.tokenizer = async_engine.tokenizer
+        self.tokenizer = async_engine.tokenizer  # None with --skip-tokenizer-init
         engine_config = async_engine.config
         model_config = engine_config.model
         self.max_model_len: int = int(model_config.max_model_len)
@@ -84,6 +90,11 @@ class ServingContext:
             options.limits.max_logprobs, int(getattr(engine_config, "max_logprobs", 20))
         )
         self.chat_template = options.chat_template
+        self.templates = ChatTemplates(
+            self.tokenizer, options.chat_template, options.trust_request_chat_template
+        )
+        # Token ids requests may name: below max(tokenizer size, model vocabulary) (vLLM's rule).
+        self.token_ids = TokenIdRange.of(self.tokenizer, model_config.hf_config)
         self._token_text: dict[int, str] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
@@ -120,17 +131,31 @@ class ServingContext:
             return self._encode(text, add_special_tokens)
         return await self.run_tokenizer(self._encode, text, add_special_tokens)
 
+    def require_tokenizer(self, what: str, param: str | None = "prompt") -> None:
+        """400 when the server runs without a tokenizer (``--skip-tokenizer-init``)."""
+        if self.tokenizer is None:
+            raise bad_request(
+                f"{what} needs a tokenizer, and this server was started with "
+                "--skip-tokenizer-init: send prompts as token ids to /v1/completions",
+                param,
+            )
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.require_tokenizer("a text prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids``; empty without a tokenizer (``--skip-tokenizer-init``),
+        as the engine's outputs are."""
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (cached: the vocabulary bounds the cache)."""
         text = self._token_text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            text = self.decode([token_id])
             self._token_text[token_id] = text
         return text
 
@@ -141,13 +166,31 @@ class ServingContext:
         decoded = getattr(lp, "decoded_token", None) if lp is not None else None
         return decoded if decoded is not None else self.token_text(token_id)
 
-    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
-        vocab = len(self.tokenizer)
-        for t in ids:
-            if t < 0 or t >= vocab:
-                raise bad_request(
-                    f"token id {t} is out of range for the vocabulary (size {vocab})", param
-                )
+    def check_token_ids(self, ids: Any, param: str = "prompt", *, needs_row: bool = True) -> None:
+        """400 naming ``param`` unless every id is a valid token id (``TokenIdRange``);
+        ``needs_row``: the id indexes the model (a prompt's embedding, a logit)."""
+        try:
+            self.token_ids.check(ids, param, needs_row=needs_row)
+        except ValueError as e:
+            raise bad_request(str(e), param) from None
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info`` body: the tokenizer's init arguments (its
+        ``tokenizer_config.json``) made JSON (special tokens as their text), without file
+        paths, plus ``tokenizer_class`` and the chat template requests get by default."""
+        info = {
+            key: _jsonable(value)
+            for key, value in dict(getattr(self.tokenizer, "init_kwargs", None) or {}).items()
+            if key not in ("vocab_file", "merges_file", "tokenizer_file")
+        }
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if info.get(name) is None:
+                info[name] = getattr(self.tokenizer, name, None)
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        template = self.templates.default_template
+        if template:
+            info["chat_template"] = template
+        return info
 
     async def render_chat(
         self,
@@ -156,39 +199,76 @@ class ServingContext:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Apply the chat template; a clear 400 when the model has none or it fails."""
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise bad_request(
-                f"The model `{self.model_name}` has no chat template, so /v1/chat/completions "
-                "cannot format messages. Use /v1/completions with a plain prompt, or start the "
-                "server with --chat-template.",
-                param="messages",
-                code="chat_template_missing",
-            )
+        """Apply the chat template (``engine.server.chat_template``): the request's when it
+        brings one and the server trusts it, else the server's or the tokenizer's. A 400 when
+        there is none, it fails, a message has no content, or it drops a message's role."""
+        self.require_tokenizer("/v1/chat/completions (its chat template)", "messages")
         if continue_final_message and add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true",
                 "continue_final_message",
             )
-        conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
-        kwargs = dict(chat_template_kwargs or {})
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            return await self.run_tokenizer(
-                self.tokenizer.apply_chat_template,
-                conversation,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
+        kwargs = request_kwargs(chat_template_kwargs, tools)
+        template, param = self.templates.choose(chat_template, kwargs, self.model_name)
+        conversation = conversation_of(messages)
+        return await self.run_tokenizer(
+            self.templates.render,
+            conversation,
+            template,
+            param,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            kwargs=kwargs,
+        )
+
+    def truncate_prompt(self, ids: list[int], req: SamplingFields) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep the last N prompt tokens (-1: the last
+        ``max_model_len``), or the first N with ``truncation_side: "right"``."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            if req.truncation_side is not None:
+                raise bad_request(
+                    "truncation_side only applies with truncate_prompt_tokens", "truncation_side"
+                )
+            return ids
+        if keep == -1:
+            keep = self.max_model_len
+        elif keep > self.max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({self.max_model_len}); request a smaller truncation size",
+                "truncate_prompt_tokens",
             )
-        except Exception as e:  # noqa: BLE001 - jinja's raise_exception, bad roles...
-            raise bad_request(f"the chat template failed: {e}", param="messages") from e
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if req.truncation_side == "right" else ids[len(ids) - keep :]
+
+    def prompt_logprobs(
+        self, entries: list[dict[int, Any] | None] | None, as_ids: bool = False
+    ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs`` of a response: per prompt token (the first is null), its
+        candidates' ``{"logprob", "rank", "decoded_token"}`` keyed by token id."""
+        if entries is None:
+            return None
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            out.append(
+                {
+                    str(token): {
+                        "logprob": max(float(lp.logprob), -9999.0),  # JSON has no -inf
+                        "rank": lp.rank,
+                        "decoded_token": self.logprob_token(token, lp, as_ids),
+                    }
+                    for token, lp in entry.items()
+                }
+            )
+        return out
 
     # ------------------------------------------------------------ parameters
     def check_prompt_fits(
@@ -220,9 +300,10 @@ class ServingContext:
             raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", "n")
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= self.max_logprobs:
+                # Chat asks for the alternatives with top_logprobs: name the field it sent.
+                field = "top_logprobs" if name == "logprobs" and _is_chat(req) else name
                 raise bad_request(
-                    f"{name} must be in [0, {self.max_logprobs}], got {value}",
-                    "top_logprobs" if name == "logprobs" and _is_chat(req) else name,
+                    f"{field} must be in [0, {self.max_logprobs}], got {value}", field
                 )
         default_max = self.default_sampling.get("max_tokens")
         client_max = {"max_tokens", "max_completion_tokens"} & req.model_fields_set
@@ -259,26 +340,18 @@ class ServingContext:
                 value = self.default_sampling.get(name)
             if value is not None:
                 kwargs[name] = value
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids", needs_row=False)
         if req.logit_bias:
-            vocab = len(self.tokenizer)
             bias = {}
             for key, value in req.logit_bias.items():
-                try:
-                    token = int(key)
-                except ValueError:
+                if not _TOKEN_ID_KEY.fullmatch(key):
                     raise bad_request(
-                        f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-                    ) from None
-                if not 0 <= token < vocab:
-                    raise bad_request(
-                        f"logit_bias token id {token} is out of range (vocabulary size {vocab})",
+                        f'logit_bias keys must be token ids written in decimal ("42"), got {key!r}',
                         "logit_bias",
                     )
-                if not -100.0 <= value <= 100.0:
-                    raise bad_request(
-                        f"logit_bias values must be in [-100, 100], got {value}", "logit_bias"
-                    )
-                bias[token] = value
+                bias[int(key)] = value  # the values' range [-100, 100] is the protocol's
+            self.check_token_ids(bias, "logit_bias")
             kwargs["logit_bias"] = bias
         from engine.server.structured import structured_outputs_from_request
 
@@ -313,22 +386,15 @@ def _is_chat(req: SamplingFields) -> bool:
     return hasattr(req, "messages")
 
 
-def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
-    """A chat message as the template expects it; content parts joined into text."""
-    data = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            part_type = part.type if hasattr(part, "type") else part.get("type")
-            if part_type != "text":
-                raise bad_request(
-                    f"messages[{index}].content: only text parts are supported, got {part_type!r}",
-                    param=f"messages.{index}.content",
-                )
-            texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))
-        data["content"] = "\n".join(texts)
-    elif content is None:
-        data["content"] = ""
-    prepare_tool_history(data, index)
-    return data
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON can carry it: an ``AddedToken`` as its text, containers recursively,
+    anything else unknown as its ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "content") and isinstance(value.content, str):  # tokenizers.AddedToken
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    return str(value)

@@ -30,8 +30,6 @@ from engine.testing.inputs import (
 )
 
 KNOWN_DTYPES = tuple(DTYPES)
-# Kernels that write into some of their arguments: the positions of those arguments.
-IN_PLACE_ARGS = {"write_kv_cache": (2,), "qk_norm_rotary": (1, 2)}
 
 
 # ---- platform -------------------------------------------------------------------------------
@@ -60,21 +58,81 @@ def check_platform_detection(platform: type[Platform]) -> None:
     assert platform.is_available() is True
 
 
-def check_detection_is_cheap(platform_name: str, env: dict[str, str] | None = None) -> None:
-    """In a fresh interpreter, loading plugins and detecting ``platform_name`` imports neither
-    torch nor any device runtime."""
+# Modules detection must not import: frameworks and device runtimes (driver management
+# libraries such as pynvml and amdsmi are the cheap way and are allowed).
+HEAVY_MODULES = (
+    "torch",
+    "torch_xla",
+    "triton",
+    "jax",
+    "jaxlib",
+    "tensorflow",
+    "cupy",
+    "pycuda",
+    "cuda",
+    "numba",
+)
+# Shared libraries that mean a device runtime was loaded (a context is one call away); NVML
+# (libnvidia-ml) and amdsmi's library are management libraries and allowed.
+DEVICE_RUNTIME_LIBRARIES = (
+    "libcuda.so",
+    "libcudart.so",
+    "libamdhip64.so",
+    "libhsa-runtime64.so",
+    "libtpu.so",
+)
+
+_DETECTION_PROBE = """
+import json, sys
+from engine.plugins import PluginManager
+pm = PluginManager.from_env()
+entry = next(e for e in pm.platforms() if e.name == NAME)
+reasons = entry.unavailable_reasons()
+result = {"reasons": reasons, "modules": [m for m in HEAVY if m in sys.modules], "libraries": []}
+torch = sys.modules.get("torch")
+if torch is not None and getattr(torch, "cuda", None) is not None:
+    result["cuda_initialized"] = bool(torch.cuda.is_initialized())
+try:
+    maps = open("/proc/self/maps").read()
+except OSError:
+    maps = ""
+result["libraries"] = sorted({lib for lib in LIBS if lib in maps})
+print("RESULT " + json.dumps(result))
+"""
+
+
+def check_detection_is_cheap(
+    platform_name: str,
+    env: dict[str, str] | None = None,
+    heavy_modules: tuple[str, ...] = HEAVY_MODULES,
+) -> None:
+    """In a fresh interpreter, loading the plugins and running ``platform_name``'s detection
+    imports no framework or device runtime (``heavy_modules``), initialises no CUDA context
+    (checked through ``torch.cuda.is_initialized()`` if torch was imported anyway) and maps no
+    device runtime library (``/proc/self/maps``, on Linux)."""
+    import json
+
     code = (
-        "import sys\n"
-        "from engine.plugins import PluginManager\n"
-        "pm = PluginManager.from_env()\n"
-        f"[e.unavailable_reasons() for e in pm.platforms() if e.name == {platform_name!r}]\n"
-        "heavy = ('torch', 'torch_xla', 'triton', 'jax', 'tensorflow')\n"
-        "print(','.join(m for m in heavy if m in sys.modules))\n"
+        f"NAME = {platform_name!r}\nHEAVY = {tuple(heavy_modules)!r}\n"
+        f"LIBS = {DEVICE_RUNTIME_LIBRARIES!r}\n" + _DETECTION_PROBE
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
-    imported = out.stdout.strip()
-    assert not imported, f"detecting {platform_name} imported {imported}: keep detection cheap"
+    assert out.returncode == 0, f"the detection probe failed: {out.stderr.strip()[-2000:]}"
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, f"the detection probe printed no result: {out.stdout[-2000:]}"
+    result = json.loads(line[len("RESULT ") :])
+    problems = []
+    if result["modules"]:
+        problems.append(f"imported {', '.join(result['modules'])}")
+    if result.get("cuda_initialized"):
+        problems.append("initialised a CUDA context (torch.cuda.is_initialized() is True)")
+    if result["libraries"]:
+        problems.append(f"loaded device runtime libraries {', '.join(result['libraries'])}")
+    assert not problems, (
+        f"detecting platform {platform_name} {'; '.join(problems)}: answer "
+        "unavailable_reasons() with a driver management library (NVML, amdsmi), /proc, /sys or "
+        "/dev entries, or importlib.util.find_spec, and import the runtime only on use"
+    )
 
 
 def check_device_facts(platform: type[Platform]) -> None:
@@ -111,11 +169,27 @@ def check_config_validation(platform: type[Platform]) -> None:
     for dtype in platform.supported_dtypes:
         reasons = platform.check_config(EngineConfig(ModelConfig("conformance", dtype=dtype)))
         assert reasons == [], f"check_config refuses supported dtype {dtype}: {reasons}"
-    for dtype in set(KNOWN_DTYPES) - set(platform.supported_dtypes):
+    for dtype in sorted(set(KNOWN_DTYPES) - set(platform.supported_dtypes)):
         reasons = platform.check_config(EngineConfig(ModelConfig("conformance", dtype=dtype)))
-        assert reasons and all(isinstance(r, str) for r in reasons), (
+        assert isinstance(reasons, list) and reasons, (
             f"check_config accepts unsupported dtype {dtype}"
         )
+        assert all(isinstance(r, str) and r.strip() for r in reasons), (
+            f"check_config's reasons for dtype {dtype} must be non-empty strings: {reasons!r}"
+        )
+        assert any(dtype in r for r in reasons), (
+            f"check_config refuses dtype {dtype} without naming it: {reasons!r}"
+        )
+
+
+def check_fp8_dtype(platform: type[Platform]) -> None:
+    """``fp8_dtype()`` names a float8 torch dtype (or None: no fp8 on this platform)."""
+    from engine.testing.inputs import FP8_DTYPES
+
+    name = platform.fp8_dtype()
+    assert name is None or name in FP8_DTYPES, (
+        f"fp8_dtype() = {name!r}; expected None or one of {', '.join(FP8_DTYPES)}"
+    )
 
 
 def check_default_backends(platform: type[Platform], pm: Any) -> None:
@@ -128,14 +202,28 @@ def check_default_backends(platform: type[Platform], pm: Any) -> None:
         assert issubclass(backend, AttentionBackend)
 
 
-def check_single_rank_communicator(platform: type[Platform]) -> None:
-    """Without a process group every collective is an identity."""
-    comm = platform.communicator(None)
-    assert isinstance(comm, Communicator), f"communicator() returned {comm!r}"
-    assert comm.world_size == 1 and comm.rank == 0
+def check_single_rank_communicator(platform: type[Platform], pm: Any) -> None:
+    """Without a process group the platform's communicator (from ``engine_communicator``, else
+    the platform default) has one rank, and every collective is an identity."""
+    comm = pm.communicator(platform, None)
+    assert isinstance(comm, Communicator), f"the communicator is {comm!r}"
+    assert (comm.world_size, comm.rank) == (1, 0), (
+        f"without a process group world_size/rank are ({comm.world_size}, {comm.rank}), not (1, 0)"
+    )
     t = torch.arange(8, dtype=torch.float32, device=platform.torch_device(0))
-    for op in (comm.all_reduce, comm.all_gather, comm.reduce_scatter, comm.broadcast):
-        torch.testing.assert_close(op(t).cpu(), torch.arange(8, dtype=torch.float32))
+    ops = {
+        "all_reduce": comm.all_reduce,
+        "all_gather": comm.all_gather,
+        "reduce_scatter": comm.reduce_scatter,
+        "broadcast": comm.broadcast,
+        "all_to_all": comm.all_to_all,
+    }
+    for name, op in ops.items():
+        out = op(t)
+        assert tuple(out.shape) == (8,), f"{name} on one rank changed the shape to {out.shape}"
+        torch.testing.assert_close(
+            out.cpu(), torch.arange(8, dtype=torch.float32), msg=f"{name} on one rank"
+        )
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -150,50 +238,56 @@ def _cpu(value: Any) -> Any:
 def check_kernel(
     name: str, fn: Callable[..., Any], device: torch.device, dtype: str, seed: int = 0
 ) -> None:
-    """``fn`` matches ``engine.kernels.reference.<name>`` on random inputs in ``dtype``."""
+    """``fn`` matches ``engine.kernels.reference.<name>`` on random inputs in ``dtype``
+    (inputs from ``engine.testing.inputs.KERNEL_INPUTS``)."""
+    from engine.testing.inputs import KERNEL_INPUTS
+
     reference = REFERENCE_KERNELS[name]
     rtol, atol = KERNEL_TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(seed)
+    in_place = KERNEL_INPUTS[name].in_place if name in KERNEL_INPUTS else ()
     for case_id, args in kernel_cases(name, DTYPES[dtype], gen):
         ref_args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         dev_args = tuple(to_device(a, device) for a in args)
         expected = reference(*ref_args)
         got = fn(*dev_args)
-        if name in IN_PLACE_ARGS:  # in place: compare the arguments it writes
-            expected = tuple(ref_args[i] for i in IN_PLACE_ARGS[name])
-            got = tuple(dev_args[i] for i in IN_PLACE_ARGS[name])
+        if in_place:  # in place: compare the arguments it writes
+            expected = tuple(ref_args[i] for i in in_place)
+            got = tuple(dev_args[i] for i in in_place)
         try:
             torch.testing.assert_close(_cpu(got), expected, rtol=rtol, atol=atol)
         except AssertionError as exc:
             raise AssertionError(
-                f"kernel {name} [{case_id}, {dtype}] differs from the reference: {exc}"
+                f"kernel {name} [{case_id}, {dtype}, seed {seed}] differs from the reference: {exc}"
             ) from None
 
 
 # ---- attention ------------------------------------------------------------------------------
+def _pick(supported: tuple[int, ...] | None, preferred: int) -> int:
+    return preferred if supported is None or preferred in supported else supported[0]
+
+
 def attention_cases(
     backend: type[AttentionBackend], platform: type[Platform]
 ) -> list[AttentionCase]:
-    """The configurations to check ``backend`` on: each dtype both support, plus sliding window
-    and soft-capping when the backend declares them."""
-    head = (
-        64
-        if backend.supported_head_sizes is None or 64 in backend.supported_head_sizes
-        else backend.supported_head_sizes[0]
-    )
-    block = (
-        16
-        if backend.supported_block_sizes is None or 16 in backend.supported_block_sizes
-        else backend.supported_block_sizes[0]
-    )
+    """The configurations to check ``backend`` on: GQA in each dtype both support, MQA, then
+    sliding window, soft-capping and each fp8 KV-cache dtype when the backend declares them.
+    Every case runs the four-step plan of ``default_plan`` (prefill, chunked prefill, a cached
+    prefix, decodes, an odd number of blocks)."""
+    head = _pick(backend.supported_head_sizes, 64)
+    block = _pick(backend.supported_block_sizes, 16)
     dtypes = [d for d in platform.supported_dtypes if d in backend.supported_dtypes] or list(
         platform.supported_dtypes
     )
-    cases = [AttentionCase(d, head_size=head, block_size=block) for d in dtypes]
+    base = {"head_size": head, "block_size": block}
+    cases = [AttentionCase(d, **base) for d in dtypes]
+    cases.append(AttentionCase(dtypes[0], num_heads=8, num_kv_heads=1, **base))
     if backend.supports_sliding_window:
-        cases.append(AttentionCase(dtypes[0], head_size=head, block_size=block, sliding_window=8))
+        cases.append(AttentionCase(dtypes[0], sliding_window=8, **base))
     if backend.supports_logit_softcap:
-        cases.append(AttentionCase(dtypes[0], head_size=head, block_size=block, logit_softcap=5.0))
+        cases.append(AttentionCase(dtypes[0], logit_softcap=5.0, **base))
+    for kv_dtype in backend.supported_kv_cache_dtypes:
+        cases.append(AttentionCase(dtypes[0], kv_cache_dtype=kv_dtype, **base))
     return cases
 
 
@@ -207,6 +301,7 @@ def spec_for_case(case: AttentionCase, device_type: str) -> AttentionSpec:
         block_size=case.block_size,
         sliding_window=case.sliding_window is not None,
         logit_softcap=case.logit_softcap is not None,
+        kv_cache_dtype=case.kv_cache_dtype,
     )
 
 
@@ -217,12 +312,17 @@ def check_attention_backend(
     device: torch.device,
     seed: int = 0,
 ) -> None:
-    """Run a three-step paged batch (prefill, chunked prefill, decodes; GQA; shuffled blocks)
-    through ``backend`` on ``device`` and through ``reference`` on the CPU in float32; outputs
-    must match within the dtype's tolerance at every step (later steps read the cache written by
-    earlier ones, so cache writes are checked too)."""
+    """Run the four-step paged batch of ``default_plan`` (prefill, chunked prefill, a cached
+    prefix shared from another request, decodes; GQA; shuffled blocks, an odd pool) through
+    ``backend`` on ``device`` and through ``reference`` on the CPU in float32; outputs must
+    match within the dtype's tolerance at every step. Later steps read what earlier ones wrote,
+    so cache writes are checked too. With an fp8 KV cache the reference attends over the keys
+    and values rounded to that dtype (what the cache holds)."""
+    from engine.testing.inputs import FP8_DTYPES
+
     gen = torch.Generator().manual_seed(seed)
     dtype = DTYPES[case.dtype]
+    cache_dtype = FP8_DTYPES[case.kv_cache_dtype] if case.kv_cache_dtype else dtype
     plan = default_plan(case.block_size, gen)
     args = (
         case.num_heads,
@@ -239,9 +339,10 @@ def check_attention_backend(
     ref_shape = reference.kv_cache_shape(
         plan.num_blocks, case.block_size, case.num_kv_heads, case.head_size
     )
-    cache = torch.zeros(shape, dtype=dtype, device=device)
+    cache = torch.zeros(shape, dtype=cache_dtype, device=device)
     ref_cache = torch.zeros(ref_shape, dtype=torch.float32)
     rtol, atol = ATTENTION_TOLERANCE[case.dtype]
+    where = f"attention backend {backend.name} [{case.id}, seed {seed}]"
     for step, layout in enumerate(plan.layouts()):
         t = sum(layout.query_lens)
         q = torch.randn(t, case.num_heads, case.head_size, generator=gen).to(dtype)
@@ -249,21 +350,25 @@ def check_attention_backend(
         v = torch.randn(t, case.num_kv_heads, case.head_size, generator=gen).to(dtype)
         meta = backend.build_metadata(layout, device)
         out = impl.forward(q.to(device), k.to(device), v.to(device), cache, meta)
+        stored_k, stored_v = k.to(cache_dtype).float(), v.to(cache_dtype).float()
         expected = ref.forward(
             q.float(),
-            k.float(),
-            v.float(),
+            stored_k,
+            stored_v,
             ref_cache,
             reference.build_metadata(layout, torch.device("cpu")),
         )
-        assert tuple(out.shape) == (t, case.num_heads, case.head_size), (
-            f"step {step}: output shape {tuple(out.shape)}"
+        context = (
+            f"step {step + 1} (query_lens {layout.query_lens}, seq_lens {layout.seq_lens}, "
+            f"{layout.num_decodes} decodes)"
         )
-        assert out.dtype == dtype, f"step {step}: output dtype {out.dtype}, expected {dtype}"
+        assert tuple(out.shape) == (t, case.num_heads, case.head_size), (
+            f"{where}: output shape {tuple(out.shape)} at {context}"
+        )
+        assert out.dtype == dtype, f"{where}: output dtype {out.dtype}, expected {dtype}"
         try:
             torch.testing.assert_close(out.detach().cpu().float(), expected, rtol=rtol, atol=atol)
         except AssertionError as exc:
             raise AssertionError(
-                f"attention backend {backend.name} [{case.id}] differs from the reference at step {step} "
-                f"(query_lens {layout.query_lens}, seq_lens {layout.seq_lens}): {exc}"
+                f"{where} differs from the reference at {context}: {exc}"
             ) from None

@@ -4,6 +4,7 @@ batches that follow the conventions in ``engine.attention_backends.interface``."
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,91 +27,209 @@ def rope_cache(max_position: int, rot_dim: int, base: float = 10000.0) -> torch.
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+@dataclass(frozen=True)
+class KernelInputs:
+    """How the conformance kit checks one named kernel: ``cases(dtype, gen)`` returns
+    ``(case id, args)`` pairs on the CPU (the kit moves tensors to the device and calls the
+    reference with copies); ``in_place`` are the positions of arguments the kernel writes
+    (judged by what it writes, not by its return value); ``kind`` groups it in reports
+    (``"kernel"``, ``"moe"``, ...)."""
+
+    name: str
+    cases: Callable[[torch.dtype, torch.Generator], list[tuple[str, tuple]]]
+    in_place: tuple[int, ...] = ()
+    kind: str = "kernel"
+
+
+KERNEL_INPUTS: dict[str, KernelInputs] = {}
+
+
+def register_kernel_inputs(
+    name: str,
+    cases: Callable[[torch.dtype, torch.Generator], list[tuple[str, tuple]]],
+    *,
+    in_place: tuple[int, ...] = (),
+    kind: str = "kernel",
+) -> None:
+    """Teach the conformance kit a named kernel (see ``KernelInputs``). Every name in
+    ``engine.kernels.registry.KERNEL_NAMES`` must have inputs here (a test checks it), so a new
+    kernel — the MoE kernels, say — is checked in every plugin that overrides it."""
+    if name in KERNEL_INPUTS:
+        raise ValueError(f"conformance inputs for kernel {name!r} are registered twice")
+    KERNEL_INPUTS[name] = KernelInputs(name, cases, tuple(in_place), kind)
+
+
 def kernel_cases(name: str, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tuple]]:
     """``(case id, args)`` pairs for kernel ``name``, on the CPU (the caller moves tensors)."""
+    try:
+        inputs = KERNEL_INPUTS[name]
+    except KeyError:
+        raise KeyError(
+            f"the conformance kit has no inputs for kernel {name!r}; register them with "
+            "engine.testing.inputs.register_kernel_inputs"
+        ) from None
+    return inputs.cases(dtype, gen)
 
-    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
-    def weight(h: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(h, generator=gen)).to(dtype)
+def _randn(gen: torch.Generator, dtype: torch.dtype, *shape: int, scale: float = 1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
-    if name == "rms_norm":
-        return [(f"T{t}-H{h}", (randn(t, h), weight(h), 1e-6)) for t, h in ((7, 64), (1, 256))]
-    if name == "fused_add_rms_norm":
-        return [
-            (f"T{t}-H{h}", (randn(t, h), randn(t, h), weight(h), 1e-6))
-            for t, h in ((7, 64), (1, 256))
-        ]
-    if name == "rotary_embedding":
-        cases = []
-        for is_neox in (True, False):
-            for rot_dim in (64, 32):  # full and partial rotary
-                positions = torch.randint(0, 64, (5,), generator=gen, dtype=torch.int64)
-                args = (
-                    positions,
-                    randn(5, 4 * 64),
-                    randn(5, 2 * 64),
-                    rope_cache(64, rot_dim),
-                    64,
-                    is_neox,
-                )
-                cases.append((f"neox{int(is_neox)}-rot{rot_dim}", args))
-        return cases
-    if name == "qk_norm_rotary":
-        # q and k are column slices of one fused qkv output (strided rows), 4 query / 2 KV heads.
-        cases = []
-        for norm in (True, False):
-            for is_neox, rot_dim in ((True, 64), (False, 64), (True, 32)):
-                qkv = randn(5, (4 + 2 * 2) * 64)
-                positions = torch.randint(0, 64, (5,), generator=gen, dtype=torch.int64)
-                weights = (weight(64), weight(64)) if norm else (None, None)
-                args = (
-                    positions,
-                    qkv[:, : 4 * 64],
-                    qkv[:, 4 * 64 : 6 * 64],
-                    rope_cache(64, rot_dim),
-                    64,
-                    is_neox,
-                    *weights,
-                    1e-6,
-                )
-                cases.append((f"norm{int(norm)}-neox{int(is_neox)}-rot{rot_dim}", args))
-        return cases
-    if name in ("silu_and_mul", "gelu_tanh_and_mul"):
-        return [(f"T{t}-I{i}", (randn(t, 2 * i),)) for t, i in ((7, 48), (1, 128))]
-    if name == "write_kv_cache":
-        num_blocks, block_size, kv_heads, head = 4, 8, 2, 32
-        slots = torch.randperm(num_blocks * block_size, generator=gen)[:6].to(torch.int64)
-        slots[3] = -1  # a padding token: must not be written
-        cache = randn(2, num_blocks, block_size, kv_heads, head)
-        return [("T6-pad", (randn(6, kv_heads, head), randn(6, kv_heads, head), cache, slots))]
-    if name == "linear":
-        # Decode-sized (the Triton override's skinny kernel) and prefill-sized rows; odd sizes.
-        cases = []
-        for t, n, k, bias in ((3, 40, 72, True), (1, 33, 64, False), (20, 24, 48, True)):
-            args = (randn(t, k), randn(n, k, scale=k**-0.5), randn(n) if bias else None)
-            cases.append((f"T{t}-N{n}-K{k}-bias{int(bias)}", args))
-        return cases
-    if name == "argmax":
-        # Odd vocabularies; a tie planted far apart (the first index wins), an all -inf row
-        # (index 0), and rows of a padded-vocabulary view (row stride != V).
-        cases = []
-        for n, v in ((1, 4099), (5, 1000), (17, 333)):
-            x = randn(n, v)
-            x[0, v // 3] = x[0, v - 2] = x[0].max() + 1
-            if n > 1:
-                x[1] = float("-inf")
-            cases.append((f"N{n}-V{v}", (x,)))
-        cases.append(("N3-V999-view", (randn(3, 1024)[:, :999],)))
-        return cases
-    raise KeyError(f"no conformance inputs for kernel {name!r}")
+
+def _weight(gen: torch.Generator, dtype: torch.dtype, h: int) -> torch.Tensor:
+    return (1.0 + 0.1 * torch.randn(h, generator=gen)).to(dtype)
+
+
+def _rms_norm_cases(dtype, gen):
+    return [
+        (f"T{t}-H{h}", (_randn(gen, dtype, t, h), _weight(gen, dtype, h), 1e-6))
+        for t, h in ((7, 64), (1, 256))
+    ]
+
+
+def _fused_add_rms_norm_cases(dtype, gen):
+    return [
+        (
+            f"T{t}-H{h}",
+            (_randn(gen, dtype, t, h), _randn(gen, dtype, t, h), _weight(gen, dtype, h), 1e-6),
+        )
+        for t, h in ((7, 64), (1, 256))
+    ]
+
+
+def _rotary_cases(dtype, gen):
+    cases = []
+    for is_neox in (True, False):
+        for rot_dim in (64, 32):  # full and partial rotary
+            positions = torch.randint(0, 64, (5,), generator=gen, dtype=torch.int64)
+            args = (
+                positions,
+                _randn(gen, dtype, 5, 4 * 64),
+                _randn(gen, dtype, 5, 2 * 64),
+                rope_cache(64, rot_dim),
+                64,
+                is_neox,
+            )
+            cases.append((f"neox{int(is_neox)}-rot{rot_dim}", args))
+    return cases
+
+
+def _qk_norm_rotary_cases(dtype, gen):
+    # q and k are column slices of one fused qkv output (strided rows), 4 query / 2 KV heads.
+    cases = []
+    for norm in (True, False):
+        for is_neox, rot_dim in ((True, 64), (False, 64), (True, 32)):
+            qkv = _randn(gen, dtype, 5, (4 + 2 * 2) * 64)
+            positions = torch.randint(0, 64, (5,), generator=gen, dtype=torch.int64)
+            weights = (_weight(gen, dtype, 64), _weight(gen, dtype, 64)) if norm else (None, None)
+            args = (
+                positions,
+                qkv[:, : 4 * 64],
+                qkv[:, 4 * 64 : 6 * 64],
+                rope_cache(64, rot_dim),
+                64,
+                is_neox,
+                *weights,
+                1e-6,
+            )
+            cases.append((f"norm{int(norm)}-neox{int(is_neox)}-rot{rot_dim}", args))
+    return cases
+
+
+def _gated_activation_cases(dtype, gen):
+    return [(f"T{t}-I{i}", (_randn(gen, dtype, t, 2 * i),)) for t, i in ((7, 48), (1, 128))]
+
+
+def _write_kv_cache_cases(dtype, gen):
+    num_blocks, block_size, kv_heads, head = 5, 8, 2, 32  # an odd number of blocks
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:6].to(torch.int64)
+    slots[3] = -1  # a padding token: must not be written
+    cache = _randn(gen, dtype, 2, num_blocks, block_size, kv_heads, head)
+    args = (_randn(gen, dtype, 6, kv_heads, head), _randn(gen, dtype, 6, kv_heads, head))
+    return [("T6-pad", (*args, cache, slots))]
+
+
+def _linear_cases(dtype, gen):
+    # Decode-sized (the Triton override's skinny kernel) and prefill-sized rows; odd sizes.
+    cases = []
+    for t, n, k, bias in ((3, 40, 72, True), (1, 33, 64, False), (20, 24, 48, True)):
+        args = (
+            _randn(gen, dtype, t, k),
+            _randn(gen, dtype, n, k, scale=k**-0.5),
+            _randn(gen, dtype, n) if bias else None,
+        )
+        cases.append((f"T{t}-N{n}-K{k}-bias{int(bias)}", args))
+    return cases
+
+
+def _argmax_cases(dtype, gen):
+    # Odd vocabularies; a tie planted far apart (the first index wins), an all -inf row
+    # (index 0), and rows of a padded-vocabulary view (row stride != V).
+    cases = []
+    for n, v in ((1, 4099), (5, 1000), (17, 333)):
+        x = _randn(gen, dtype, n, v)
+        x[0, v // 3] = x[0, v - 2] = x[0].max() + 1
+        if n > 1:
+            x[1] = float("-inf")
+        cases.append((f"N{n}-V{v}", (x,)))
+    cases.append(("N3-V999-view", (_randn(gen, dtype, 3, 1024)[:, :999],)))
+    return cases
+
+
+def _moe_topk_softmax_cases(dtype, gen):
+    # Distinct logits, exactly representable in every dtype (multiples of 1/8 below 8), so
+    # the chosen experts are unambiguous and must match exactly.
+    cases = []
+    for t, e, k, renorm in ((5, 8, 2, True), (3, 64, 8, False), (1, 60, 6, True)):
+        logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)])
+        logits = ((logits - e // 2).float() / 8).to(dtype)
+        cases.append((f"T{t}-E{e}-top{k}-renorm{int(renorm)}", (logits, k, renorm)))
+    return cases
+
+
+def _fused_moe_cases(dtype, gen):
+    # Odd sizes; experts that get no token, one expert that gets most of them, and choices
+    # held by another expert-parallel rank (-1); decode-sized and prefill-sized batches.
+    cases = []
+    for t, e, k, h, i in ((3, 8, 2, 40, 24), (1, 16, 8, 64, 48), (33, 8, 2, 48, 40)):
+        x = _randn(gen, dtype, t, h)
+        w13 = _randn(gen, dtype, e, 2 * i, h, scale=h**-0.5)
+        w2 = _randn(gen, dtype, e, h, i, scale=i**-0.5)
+        scores = torch.rand(t, e, generator=gen)
+        scores[:, 1] += 0.5  # a popular expert
+        scores[:, e - 1] = -1.0  # never chosen
+        weights, ids = torch.topk(scores, k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).float()
+        ids = ids.to(torch.int32)
+        ids[0, -1] = -1  # held elsewhere
+        cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}", (x, w13, w2, weights, ids)))
+    return cases
+
+
+register_kernel_inputs("rms_norm", _rms_norm_cases)
+register_kernel_inputs("fused_add_rms_norm", _fused_add_rms_norm_cases)
+register_kernel_inputs("rotary_embedding", _rotary_cases)
+register_kernel_inputs("qk_norm_rotary", _qk_norm_rotary_cases, in_place=(1, 2))
+register_kernel_inputs("silu_and_mul", _gated_activation_cases)
+register_kernel_inputs("gelu_tanh_and_mul", _gated_activation_cases)
+register_kernel_inputs("write_kv_cache", _write_kv_cache_cases, in_place=(2,))
+register_kernel_inputs("linear", _linear_cases)
+register_kernel_inputs("argmax", _argmax_cases)
+register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
+register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
 
 
 def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     return value
+
+
+# fp8 KV-cache dtypes the kit knows (torch dtype names); a backend declares the ones it stores.
+FP8_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+}
 
 
 @dataclass
@@ -124,6 +243,7 @@ class AttentionCase:
     block_size: int = 16
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    kv_cache_dtype: str | None = None  # None: the model dtype; else an FP8_DTYPES name
 
     @property
     def id(self) -> str:
@@ -137,6 +257,8 @@ class AttentionCase:
             parts.append(f"window{self.sliding_window}")
         if self.logit_softcap:
             parts.append(f"softcap{self.logit_softcap:g}")
+        if self.kv_cache_dtype:
+            parts.append(f"kv-{self.kv_cache_dtype}")
         return "-".join(parts)
 
     @property
@@ -149,12 +271,16 @@ class PagedBatchPlan:
     """A multi-step schedule over a shared block pool, as the model runner would produce it.
 
     Each step is a list of ``(request, num_new_tokens)`` with decodes (1 token) first.
+    ``prefixes[req] = (other, n)`` makes ``req`` start with a cached prefix: the first ``n``
+    (full) blocks of ``other``'s table, already written by ``other`` in an earlier step, as
+    prefix caching shares them; its first chunk then starts at position ``n * block_size``.
     """
 
     block_size: int
     num_blocks: int
     steps: list[list[tuple[int, int]]]
     gen: torch.Generator
+    prefixes: dict[int, tuple[int, int]] = field(default_factory=dict)
     _tables: dict[int, list[int]] = field(default_factory=dict)
     _lens: dict[int, int] = field(default_factory=dict)
     _free: list[int] = field(default_factory=list)
@@ -169,6 +295,11 @@ class PagedBatchPlan:
             query_lens, seq_lens, tables, slots = [], [], [], []
             num_decodes = sum(1 for req, n in step if n == 1 and self._lens.get(req, 0) > 0)
             for req, n in step:
+                if req not in self._tables and req in self.prefixes:
+                    other, shared = self.prefixes[req]
+                    assert self._lens[other] >= shared * self.block_size, "prefix not written"
+                    self._tables[req] = list(self._tables[other][:shared])
+                    self._lens[req] = shared * self.block_size
                 start = self._lens.get(req, 0)
                 table = self._tables.setdefault(req, [])
                 while len(table) * self.block_size < start + n:
@@ -188,13 +319,24 @@ class PagedBatchPlan:
 
 
 def default_plan(block_size: int, gen: torch.Generator) -> PagedBatchPlan:
-    """Three steps mixing full prefills, chunked prefill, decodes and a late arrival:
-    step 1 prefills r0 (9), r1's first chunk (21) and r2 (3); step 2 decodes r0, r2 then
-    finishes r1 (11) and starts r3 (6); step 3 decodes everyone."""
+    """Four steps mixing full prefills, chunked prefill, a cached prefix, decodes and late
+    arrivals, over a pool with an odd number of blocks allocated in shuffled order:
+
+    1. prefill r0 (two full blocks and 3 more tokens), r1's first chunk (21), r2 (3);
+    2. decode r0, r2; finish r1 (11 more); start r3 (6); start r4 on r0's first two blocks as
+       a cached prefix with a chunk of 5 new tokens;
+    3. decode r0..r3; r4's next chunk (4);
+    4. decode all five.
+    """
+    r0 = 2 * block_size + 3
     steps = [
-        [(0, 9), (1, 21), (2, 3)],
-        [(0, 1), (2, 1), (1, 11), (3, 6)],
-        [(0, 1), (1, 1), (2, 1), (3, 1)],
+        [(0, r0), (1, 21), (2, 3)],
+        [(0, 1), (2, 1), (1, 11), (3, 6), (4, 5)],
+        [(0, 1), (1, 1), (2, 1), (3, 1), (4, 4)],
+        [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)],
     ]
-    need = sum(-(-(n) // block_size) + 1 for n in (11, 33, 5, 7))
-    return PagedBatchPlan(block_size, need + 4, steps, gen)
+    total = {0: r0 + 3, 1: 34, 2: 6, 3: 8, 4: 10}  # r4's new tokens only: its prefix is shared
+    need = sum(-(-n // block_size) + 1 for n in total.values())
+    num_blocks = need + 4
+    num_blocks += 1 - num_blocks % 2  # odd
+    return PagedBatchPlan(block_size, num_blocks, steps, gen, prefixes={4: (0, 2)})

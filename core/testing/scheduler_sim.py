@@ -16,7 +16,9 @@ preempted -- unless its KV was corrupted.
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.block_pool import NULL_BLOCK_ID
 from engine.request import Request, RequestStatus
@@ -57,7 +59,7 @@ class KVContentSim:
         bs = self.block_size
         self.apply_copies(out.blocks_to_copy)
         for entry in out.scheduled:
-            tokens = entry.request.all_token_ids
+            tokens = step_tokens(entry)
             for table in entry.block_ids:
                 for pos in range(entry.start, entry.start + entry.num_new_tokens):
                     block = table[pos // bs]
@@ -66,10 +68,11 @@ class KVContentSim:
         contexts = {}
         for entry in out.scheduled:
             request = entry.request
-            tokens = request.all_token_ids
+            tokens = step_tokens(entry)
             end = entry.start + entry.num_new_tokens
             for g, table in enumerate(entry.block_ids):
-                assert len(table) == -(-end // bs), (
+                # Exactly the step's tokens, plus a proposer's look-ahead slots.
+                assert -(-end // bs) <= len(table) <= -(-(end + entry.num_to_propose) // bs), (
                     f"{request.request_id}: group {g} table has {len(table)} blocks for {end} "
                     "tokens"
                 )
@@ -83,9 +86,37 @@ class KVContentSim:
                     f"{lo}..{end - 1}"
                 )
                 if g == 0:
-                    last_lo = 0 if window is None else max(0, end - 1 - window + 1)
-                    contexts[request.request_id] = got[last_lo - lo :]
+                    # What each query that samples sees: the last one, or for a verification
+                    # each of its last 1 + k positions.
+                    seen = []
+                    for q in range(end - 1 - len(entry.spec_token_ids), end):
+                        q_lo = 0 if window is None else max(0, q - window + 1)
+                        seen.append(got[q_lo - lo : q + 1 - lo])
+                    contexts[request.request_id] = seen
         return contexts
+
+
+def step_tokens(entry: Any) -> list[int]:
+    """The tokens of a scheduled entry's request as the step sees them: its known tokens,
+    then the draft tokens it verifies."""
+    tokens = entry.request.all_token_ids
+    if entry.spec_token_ids:
+        tokens = tokens[: entry.start + entry.num_known_tokens] + list(entry.spec_token_ids)
+    return tokens
+
+
+def true_continuation(tokens: list[int], num: int, window: int | None, vocab: int) -> list[int]:
+    """The next ``num`` tokens the fake model would produce after ``tokens`` (what a perfect
+    drafter proposes): query at ``p`` sees the ``(position, token)`` pairs of its window."""
+    tokens = list(tokens)
+    out = []
+    for _ in range(num):
+        q = len(tokens) - 1
+        lo = 0 if window is None else max(0, q - window + 1)
+        nxt = fake_next_token([(p, tokens[p]) for p in range(lo, q + 1)], 0, vocab)
+        tokens.append(nxt)
+        out.append(nxt)
+    return out
 
 
 def check_invariants(scheduler: Scheduler, mid_step: bool = False) -> None:
@@ -166,12 +197,21 @@ def run_simulation(
     max_steps: int = 10_000,
     check: bool = True,
     vocab: int = 50,
+    draft_accuracy: float | None = None,
+    seed: int = 0,
 ) -> SimResult:
     """Drive the scheduler like the engine does until every request finished or was rejected.
 
     With ``check`` it simulates the KV content and checks the invariants and per-step limits
     after every step; raises ``AssertionError`` on any violation and when ``max_steps`` pass.
+
+    ``draft_accuracy`` (a scheduler built with a ``speculative_config``) proposes drafts after
+    each step that asks for them: each draft token is the model's true next token with that
+    probability (else a random one), and a verification keeps drafts while they equal what
+    the fake model computes from the KV read back, as greedy verification does; the outputs
+    must equal a run without speculation.
     """
+    rng = random.Random(seed)
     result = SimResult()
     kv_sim = KVContentSim(scheduler) if check else None
     cfg = scheduler.scheduler_config
@@ -225,7 +265,8 @@ def run_simulation(
             assert kinds == sorted(kinds, reverse=True), "decodes must come first"
             for e in out.scheduled:
                 assert e.num_new_tokens >= 1
-                assert e.samples == (e.start + e.num_new_tokens == e.request.num_tokens)
+                assert e.samples == (e.start + e.num_known_tokens == e.request.num_tokens)
+                assert not e.spec_token_ids or e.num_known_tokens == 1
             if not forked:
                 assert len(scheduler.running) <= cfg.max_num_seqs
             check_invariants(scheduler, mid_step=True)
@@ -243,17 +284,37 @@ def run_simulation(
             if not e.samples:
                 continue
             rid = e.request.request_id
-            context = contexts.get(rid)
-            if context is None:  # unchecked run: the request's own history
-                context = list(enumerate(e.request.all_token_ids))
+            seen = contexts.get(rid)
+            if seen is None:  # unchecked run: the request's own history
+                seen = [list(enumerate(step_tokens(e)))[: e.start + e.num_known_tokens + j]
+                        for j in range(len(e.spec_token_ids) + 1)]  # fmt: skip
+            context = seen[0]
             if rid in n_of:
                 fork_tokens[rid] = [
                     fake_next_token(context, i, vocab) for i in range(n_of.pop(rid))
                 ]
                 sampled[rid] = fork_tokens[rid][:1]
             else:
-                sampled[rid] = [fake_next_token(context, 0, vocab)]
+                # Greedy verification: keep drafts while they equal the model's token.
+                tokens = [fake_next_token(context, 0, vocab)]
+                for j, draft in enumerate(e.spec_token_ids, start=1):
+                    if draft != tokens[-1]:
+                        break
+                    tokens.append(fake_next_token(seen[j], 0, vocab))
+                sampled[rid] = tokens
         scheduler.update_from_output(out, sampled)
+        if draft_accuracy is not None:
+            window = scheduler.kv.groups[0].sliding_window
+            drafts = {}
+            for e in out.scheduled:
+                request = e.request
+                if not e.num_to_propose or scheduler.get_request(request.request_id) is None:
+                    continue
+                true = true_continuation(request.all_token_ids, e.num_to_propose, window, vocab)
+                drafts[request.request_id] = [
+                    t if rng.random() < draft_accuracy else rng.randrange(vocab) for t in true
+                ]
+            scheduler.update_draft_token_ids(drafts)
 
         done_check = [rid for rid in sampled]
         for rid, tokens in fork_tokens.items():
@@ -278,6 +339,7 @@ def run_simulation(
         for rid in done_check:
             request = scheduler.get_request(rid)
             if request is not None and len(request.output_token_ids) >= request.max_tokens:
+                assert len(request.output_token_ids) == request.max_tokens, rid
                 result.outputs[rid] = list(request.output_token_ids)
                 scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
         if check:

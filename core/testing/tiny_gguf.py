@@ -256,3 +256,132 @@ def write_tiny_llama_gguf(
     return write_gguf(
         path, "llama", metadata, tensors, DEFAULT_TYPES if types is None else types, tiny_vocab()
     )
+
+
+# --- Mixture of experts: Qwen3-MoE (qwen3moe), Qwen2-MoE (qwen2moe), Mixtral (llama + experts).
+
+MOE_TO_GGUF = {
+    **LLAMA_TO_GGUF,
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# Stacked experts in transformers 5's in-memory layout -> GGUF (gate rows, up rows, down).
+_STACKED_EXPERTS = {
+    "mlp.experts.gate_up_proj": (("ffn_gate_exps", 0), ("ffn_up_exps", 1)),
+    "mlp.experts.down_proj": (("ffn_down_exps", None),),
+}
+MOE_TYPES = {
+    **DEFAULT_TYPES,
+    "ffn_gate_exps": "Q8_0",
+    "ffn_up_exps": "Q4_0",
+    "ffn_down_exps": "Q5_0",
+    "ffn_gate_inp": "F16",
+    "ffn_gate_shexp": "Q8_0",
+    "ffn_up_shexp": "BF16",
+    "ffn_down_shexp": "Q4_0",
+}
+MOE_GGUF_ARCHS = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
+                  "MixtralForCausalLM": "llama"}  # fmt: skip
+
+
+def _moe_entries(hf_model: Any) -> list[tuple[str, str, int | None]]:
+    """(GGUF name, HF state-dict name, half) of every tensor llama.cpp's converter writes:
+    ``half`` picks the gate (0) or up (1) rows of a fused ``gate_up_proj``."""
+    out = []
+    for name in hf_model.state_dict():
+        if name == "model.embed_tokens.weight":
+            out.append(("token_embd.weight", name, None))
+        elif name == "model.norm.weight":
+            out.append(("output_norm.weight", name, None))
+        elif name == "lm_head.weight":
+            if not getattr(hf_model.config, "tie_word_embeddings", False):
+                out.append(("output.weight", name, None))
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            if rest in _STACKED_EXPERTS:
+                for kind, half in _STACKED_EXPERTS[rest]:
+                    out.append((f"blk.{layer}.{kind}.weight", name, half))
+            else:
+                module, _, suffix = rest.rpartition(".")
+                out.append((f"blk.{layer}.{MOE_TO_GGUF[module]}.{suffix}", name, None))
+    return out
+
+
+def _moe_value(state: Mapping[str, Any], hf_name: str, half: int | None) -> np.ndarray:
+    value = state[hf_name].detach().float()
+    if half is not None:
+        value = value.chunk(2, dim=1)[half]
+    return value.numpy()
+
+
+def write_tiny_moe_gguf(
+    path: str | Path, hf_model: Any, types: Mapping[str, str] | None = None
+) -> Path:
+    """Write a (tiny) HF Qwen3-MoE, Qwen2-MoE or Mixtral model as llama.cpp's converter does:
+    stacked, quantized experts (``ffn_*_exps``), the router (``ffn_gate_inp``), Qwen2-MoE's
+    shared expert (``*_shexp``, its gate as a vector) and, for Mixtral (a ``llama`` file with
+    ``expert_count``), q/k rows permuted."""
+    cfg = hf_model.config
+    arch = MOE_GGUF_ARCHS[type(hf_model).__name__]
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+
+    def metadata(w: Any) -> None:
+        _decoder_metadata(w, f"tiny {arch}", cfg)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+    state = hf_model.state_dict()
+    tensors = {}
+    for gguf_name, hf_name, half in _moe_entries(hf_model):
+        value = _moe_value(state, hf_name, half)
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            value = value.reshape(-1)
+        if arch == "llama" and gguf_name.endswith("attn_q.weight"):
+            value = llama_permute(value, cfg.num_attention_heads)
+        elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
+            value = llama_permute(value, cfg.num_key_value_heads)
+        tensors[gguf_name] = value
+    return write_gguf(path, arch, metadata, tensors, MOE_TYPES if types is None else types,
+                      tiny_vocab())  # fmt: skip
+
+
+def gguf_round_trip_state_dict(hf_model: Any, types: Mapping[str, str] | None = None) -> dict:
+    """``hf_model``'s state dict with every tensor quantized and dequantized by the ``gguf``
+    library as ``write_tiny_moe_gguf`` stores it: the weights a correct GGUF loader must
+    produce (load it into the same architecture for a reference model)."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    types = MOE_TYPES if types is None else types
+    state = hf_model.state_dict()
+    parts: dict[str, list[tuple[int | None, np.ndarray]]] = {}
+    for gguf_name, hf_name, half in _moe_entries(hf_model):
+        value = _moe_value(state, hf_name, half)
+        kind = gguf_name.split(".")[-2]
+        qname = "F32" if value.ndim == 1 or kind == "ffn_gate_inp_shexp" else types.get(kind, "F32")
+        qtype = GGMLQuantizationType[qname]
+        if qtype == GGMLQuantizationType.F16:
+            value = value.astype(np.float16).astype(np.float32)
+        elif qtype != GGMLQuantizationType.F32:
+            value = dequantize(quantize(value, qtype), qtype).reshape(value.shape)
+        parts.setdefault(hf_name, []).append((half, value))
+    out = {}
+    for hf_name, pieces in parts.items():
+        arrays = [v for _, v in sorted(pieces, key=lambda p: -1 if p[0] is None else p[0])]
+        merged = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)
+        out[hf_name] = torch.from_numpy(np.ascontiguousarray(merged)).to(state[hf_name].dtype)
+    return out

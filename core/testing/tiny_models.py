@@ -28,6 +28,30 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+# Mixture-of-experts settings for build_tiny_model: many experts, top-2 and top-8, a shared
+# expert, dense layers among sparse ones (Qwen's decoder_sparse_step / mlp_only_layers).
+TINY_MOE = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+    "qwen3_moe": {
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "head_dim": 16,
+    },
 }
 
 
@@ -86,8 +110,9 @@ def build_tiny_model(
     dtype: str = "float32",
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3) with its tokenizer
-    to ``out_dir`` and return the path."""
+    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3, and the MoE
+    mixtral, qwen2_moe, qwen3_moe with ``TINY_MOE``'s expert settings) with its tokenizer to
+    ``out_dir`` and return the path."""
     import torch
     import transformers
 
@@ -110,6 +135,7 @@ def build_tiny_model(
     )
     if arch == "qwen3":
         kwargs["head_dim"] = hidden_size // num_heads
+    kwargs.update(TINY_MOE.get(arch, {}))
     kwargs.update(config_overrides)
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
@@ -176,6 +202,41 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_window_layers": 1,
     },
     "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 32, "tie_word_embeddings": True},
+    # Mixture of experts: many experts, top-2 / top-4 / top-8, with and without
+    # renormalisation, a shared expert, dense layers among the sparse ones. A wider init than
+    # transformers' default so that routing is decisive (near-uniform router logits would
+    # hide routing mistakes).
+    "mixtral": {
+        "model_type": "mixtral",
+        **_BASE,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "initializer_range": 0.1,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **_BASE,
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [2],
+        "initializer_range": 0.1,
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        **_BASE,
+        "num_hidden_layers": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+        "initializer_range": 0.1,
+    },
     "qwen3_yarn": {
         "model_type": "qwen3",
         **_BASE,
@@ -291,4 +352,114 @@ def build_tiny_gemma3_multimodal(
             elif p.dim() == 2:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
+    return out
+
+
+# --- EAGLE / EAGLE-3 draft heads in their published checkpoint layouts (random weights).
+
+
+def build_tiny_eagle_head(
+    out_dir: str | Path,
+    target_dir: str | Path,
+    kind: str = "eagle",
+    *,
+    fc_bias: bool = False,
+    draft_vocab_size: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+    fmt: str = "safetensors",
+    seed: int = 0,
+    scale: float = 0.05,
+) -> Path:
+    """Write a random EAGLE (``kind="eagle"``, as ``yuhuili/EAGLE-LLaMA3-Instruct-8B``: a
+    one-layer Llama config, ``fc`` over ``[embed; hidden]``, layer 0 without
+    ``input_layernorm``, no embedding or LM head of its own) or EAGLE-3 head (``"eagle3"``, as
+    ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``: ``LlamaForCausalLMEagle3``, ``fc`` over three
+    target hidden states, ``midlayer.*`` with ``hidden_norm``, ``norm``, its own ``lm_head``
+    over ``draft_vocab_size`` tokens with ``d2t``/``t2d``) for the target model at
+    ``target_dir``. ``fmt="bin"`` writes ``pytorch_model.bin`` as the original EAGLE releases
+    do. Returns the path."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(str(target_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    h = target.hidden_size
+    heads = target.num_attention_heads
+    kv_heads = getattr(target, "num_key_value_heads", None) or heads
+    hd = getattr(target, "head_dim", None) or h // heads
+    inter = target.intermediate_size
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale * 4
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(h, generator=gen)
+
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hd,
+        "max_position_embeddings": target.max_position_embeddings,
+        "rms_norm_eps": target.rms_norm_eps,
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        "rope_theta": getattr(target, "rope_theta", None)
+        or (getattr(target, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+        "torch_dtype": "float32",
+        "bos_token_id": target.bos_token_id,
+        "eos_token_id": target.eos_token_id,
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    if kind == "eagle":
+        config["architectures"] = ["LlamaForCausalLM"]
+        prefix = "layers.0."
+        tensors["fc.weight"] = rand(h, 2 * h)
+        if fc_bias:
+            tensors["fc.bias"] = rand(h)
+        qkv_in = h
+    elif kind == "eagle3":
+        dv = draft_vocab_size or vocab
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        config["draft_vocab_size"] = dv
+        if aux_layer_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+        prefix = "midlayer."
+        tensors["fc.weight"] = rand(h, 3 * h)
+        tensors[prefix + "input_layernorm.weight"] = norm()
+        tensors[prefix + "hidden_norm.weight"] = norm()
+        tensors["norm.weight"] = norm()
+        tensors["lm_head.weight"] = rand(dv, h)
+        # Draft token d is target token d + d2t[d]: here every other target token.
+        chosen = torch.arange(dv) * (vocab // dv) if dv < vocab else torch.arange(dv)
+        tensors["d2t"] = (chosen - torch.arange(dv)).to(torch.int64)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[chosen] = True
+        tensors["t2d"] = t2d
+        qkv_in = 2 * h
+    else:
+        raise ValueError(f"kind must be 'eagle' or 'eagle3', got {kind!r}")
+    tensors[prefix + "self_attn.q_proj.weight"] = rand(heads * hd, qkv_in)
+    tensors[prefix + "self_attn.k_proj.weight"] = rand(kv_heads * hd, qkv_in)
+    tensors[prefix + "self_attn.v_proj.weight"] = rand(kv_heads * hd, qkv_in)
+    tensors[prefix + "self_attn.o_proj.weight"] = rand(h, heads * hd)
+    tensors[prefix + "mlp.gate_proj.weight"] = rand(inter, h)
+    tensors[prefix + "mlp.up_proj.weight"] = rand(inter, h)
+    tensors[prefix + "mlp.down_proj.weight"] = rand(h, inter)
+    tensors[prefix + "post_attention_layernorm.weight"] = norm()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if fmt == "bin":
+        torch.save(tensors, out / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     return out

@@ -4,8 +4,12 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: spread, linear, kprofile, serve (HTTP against offline: issue
-# 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags). Logs go to $OUT/tests.log,
+# llama-nano, profile; optional: conformance, spread, linear, kprofile, serve (HTTP against
+# offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
+# mixture-of-experts steps moe-kernels, moe-b1, moe-nano, mixtral-b1, and spec-base, spec-ngram,
+# spec-draft, spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts
+# holding the model's own greedy continuation; docs/speculative-decoding.md). Logs go to
+# $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -22,6 +26,9 @@ elapsed() { echo $(($(date +%s) - T0)); }
 left() { echo $((DEADLINE - $(elapsed))); }
 JSONS=()
 
+# The pyproject files use PEP 639's SPDX `license = "..."`, which needs setuptools >= 77 to build.
+python3 -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
+  || { echo "INSTALL FAILED: setuptools >= 77 needed (pip install 'setuptools>=77')"; exit 1; }
 python3 -m pip install -q --no-deps --no-build-isolation --no-index \
   -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
   || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
@@ -48,6 +55,9 @@ bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for result
 NANO=(--num-prompts 256 --min-input-len 100 --max-input-len 1024 --min-output-len 100
   --max-output-len 1024 --seed 0 --load-format dummy --dtype bfloat16)
 B1=(--batch-sizes 1 --input-len 128 --output-len 512 --seed 3 --load-format dummy --dtype bfloat16)
+SPEC=(--model llama-3.1-8b --input-len 128 --output-len 512 --seed 3 --load-format dummy
+  --dtype bfloat16 --self-continuation --num-iters 2)
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 256}'
 
 for step in "${steps[@]}"; do
   case $step in
@@ -57,6 +67,17 @@ for step in "${steps[@]}"; do
         tests/triton_kernels tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -15 "$OUT/tests.log"
+      ;;
+    conformance)  # the conformance kit on cuda and on triton (reports: conformance-*.md)
+      for plugin in cuda triton; do
+        [ "$(left)" -lt 60 ] && { echo "SKIP conformance $plugin"; continue; }
+        echo "=== conformance $plugin at $(elapsed)s"
+        timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider -rs \
+          --engine-conformance=$plugin --engine-conformance-report="$OUT/conformance-$plugin.md" \
+          -m conformance tests/gpu >"$OUT/conformance-$plugin.log" 2>&1
+        echo "rc=$? at $(elapsed)s"
+        tail -4 "$OUT/conformance-$plugin.log"
+      done
       ;;
     kernels)
       [ "$(left)" -lt 90 ] && { echo "SKIP kernels"; continue; }
@@ -80,11 +101,31 @@ for step in "${steps[@]}"; do
       grep -A12 -E "^per decode step" "$OUT/linear.log"
       JSONS+=("linear")
       ;;
+    moe-kernels)  # fused MoE kernel per layer vs the bytes it must read (fills its tuning)
+      echo "=== moe kernel sweep at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --moe-only \
+        --json "$OUT/moe-kernels.json" >"$OUT/moe-kernels.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels.log"
+      JSONS+=("moe-kernels")
+      ;;
+    moe-b1) bench moe-b1 240 latency --model qwen3-30b-a3b "${B1[@]}" ;;
+    moe-nano) bench moe-nano 300 throughput --model qwen3-30b-a3b "${NANO[@]}" ;;
+    mixtral-b1) bench mixtral-b1 240 latency --model mixtral-8x7b "${B1[@]}" ;;
     qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
     qwen-b1) bench qwen-b1 150 latency --model qwen3-0.6b "${B1[@]}" ;;
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
       TRITON_CACHE_DIR=$(mktemp -d) bench llama-b1 200 latency --model llama-3.1-8b "${B1[@]}" ;;
     llama-nano) bench llama-nano 240 throughput --model llama-3.1-8b "${NANO[@]}" ;;
+    spec-base) bench spec-base 240 latency "${SPEC[@]}" --batch-sizes 1,32,128 ;;
+    spec-ngram) bench spec-ngram 300 latency "${SPEC[@]}" --batch-sizes 1,32,128 \
+      --speculative-config "$NGRAM" ;;
+    spec-draft) bench spec-draft 240 latency "${SPEC[@]}" --batch-sizes 1 \
+      --speculative-config '{"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 4}' ;;
+    spec-eagle) bench spec-eagle 200 latency "${SPEC[@]}" --batch-sizes 1 \
+      --speculative-config '{"method": "eagle", "model": "eagle-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
+    spec-eagle3) bench spec-eagle3 200 latency "${SPEC[@]}" --batch-sizes 1 \
+      --speculative-config '{"method": "eagle3", "model": "eagle3-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
     kprofile)  # GPU time per kernel of one decode step (torch.profiler)
       specs=${KPROFILE_SPECS:-"qwen3-0.6b:256:800 qwen3-0.6b:1:128 llama-3.1-8b:1:128 llama-3.1-8b:256:800"}
       for spec in $specs; do
@@ -136,14 +177,18 @@ for name in names:
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 for name, r in results.items():
-    if name in ("kernels", "spread", "linear"):
+    if name in ("kernels", "spread", "linear", "moe-kernels"):
         continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "
               f"{r['elapsed_s']} s, ready {r['start_to_ready_s']} s, split {r['step_split']}")
     else:
         for row in r.get("results", []):
+            extra = ""
+            if "acceptance_rate" in row:
+                extra = (f", acceptance {row['acceptance_rate']}, mean length "
+                         f"{row['mean_acceptance_length']}, {row['tokens_per_step']} tok/step")
             print(f"{name}: batch {row['batch_size']}: {row['output_tokens_per_s']} out tok/s, "
-                  f"step {row['decode_step_ms']} ms, ready {r['start_to_ready_s']} s")
+                  f"step {row['decode_step_ms']} ms, ready {r['start_to_ready_s']} s{extra}")
 EOF
 echo "done at $(elapsed)s"

@@ -1,4 +1,4 @@
-"""The ``sdpa`` fall-back backend (engine-cuda) against the float64 paged oracle.
+"""The ``sdpa`` fall-back backend (engine-llm-cuda) against the float64 paged oracle.
 
 It runs on the CPU as well, so these tests run everywhere; on a GPU they run there too.
 """

@@ -1,4 +1,4 @@
-"""engine-triton's kernels on a CUDA GPU at model-like sizes, against the torch references and
+"""engine-llm-triton's kernels on a CUDA GPU at model-like sizes, against the torch references and
 the float64 paged-attention oracle (fresh random inputs every run)."""
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def test_skinny_linear_model_shapes(shape, seed):
             assert use_skinny(x, w, b)
             out = linear(x, w, b)
             assert out.dtype == dtype and out.shape == (m, n)
-            torch.testing.assertclose(
+            torch.testing.assert_close(
                 out.float(), expected, **LINEAR_TOL[dtype],
                 msg=lambda msg, m=m, dtype=dtype: f"seed={seed} M={m} {dtype}: {msg}",
             )  # fmt: skip
@@ -197,7 +197,7 @@ def test_skinny_linear_every_candidate(shape, seed):
     for m in (1, 2, 3, 5, 8, 16):
         x, w, _, expected = _linear_inputs(m, n, k, torch.bfloat16, bias=False)
         for cfg in candidate_configs(m, n, k):
-            torch.testing.assertclose(
+            torch.testing.assert_close(
                 skinny_linear(x, w, None, cfg).float(), expected, **LINEAR_TOL[torch.bfloat16],
                 msg=lambda msg, m=m, cfg=cfg: f"seed={seed} M={m} {cfg}: {msg}",
             )  # fmt: skip
@@ -220,8 +220,8 @@ def test_skinny_linear_split_k_in_a_cuda_graph(seed):
         x.copy_(torch.randn_like(x))
         graph.replay()
         expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
-        torch.testing.assertclose(out.float(), expected, **LINEAR_TOL[torch.bfloat16],
-                                   msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
+        torch.testing.assert_close(out.float(), expected, **LINEAR_TOL[torch.bfloat16],
+                                    msg=lambda m: f"seed={seed}: {m}")  # fmt: skip
 
 
 @pytest.mark.parametrize("vocab", [151936, 128256])  # Qwen3, Llama 3

@@ -3,8 +3,11 @@ port, in a background thread) and the engine configuration they serve."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
+
+import httpx
 
 from engine.server.app import Phase, ServerOptions
 from engine.server.launcher import ApiServer, LaunchOptions
@@ -190,3 +193,34 @@ def metric_values(text: str, name: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             values[key[len(name) :]] = float(value)
     return values
+
+
+ENVELOPE_KEYS = {"message", "type", "param", "code"}
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == ENVELOPE_KEYS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def keep_alive_after(server, bad_body: str, expect_status: int) -> dict:
+    """Send ``bad_body`` then a valid request on one connection; both must be answered."""
+    from raw_http import RawConnection
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with RawConnection(host, int(port)) as conn:
+        first = conn.post("/v1/completions", bad_body, auth)
+        assert first.status == expect_status, first.body
+        assert first.headers.get("connection", "").lower() != "close"
+        err = first.json()["error"]
+        assert set(err) == ENVELOPE_KEYS
+        good = {"prompt": "Hello world", "max_tokens": 2, "temperature": 0}
+        second = conn.post("/v1/completions", json.dumps(good), auth)
+        assert second.status == 200, second.body
+        assert second.json()["usage"]["completion_tokens"] == 2
+        return err

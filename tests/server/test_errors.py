@@ -3,20 +3,11 @@ keeps answering correctly afterwards."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
-from server_harness import API_KEY, MAX_MODEL_LEN
-
-ENVELOPE_KEYS = {"message", "type", "param", "code"}
-
-
-def error_of(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == ENVELOPE_KEYS, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    return body["error"]
+from server_harness import API_KEY, MAX_MODEL_LEN, error_of, keep_alive_after
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +82,7 @@ def test_wrong_types_are_400_naming_the_field(http, path, body, param):
         ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
-        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
         ({"prompt": [1, 2, 10**9]}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
@@ -189,3 +180,22 @@ def test_request_log_line_shows_a_token_prompt_once_and_truncated(caplog):
     first, second = (r.getMessage() for r in caplog.records)
     assert first == "request r1: prompt: None, params: P, prompt_token_ids: [11, 12, 13]"
     assert second == "request r2: prompt: 'abc', params: P, prompt_token_ids: [1, 2, 3]"
+
+
+def test_unexpected_exception_is_a_whole_500_and_the_connection_lives_on(server, monkeypatch):
+    """An exception no route handles answers a complete 500 envelope, and the same keep-alive
+    connection serves the next request (it was reset before: the handler replied inside
+    Starlette's ServerErrorMiddleware, which re-raised)."""
+
+    async def broken_encode(text, add_special_tokens=True):
+        if text == "trigger an internal error":
+            raise RuntimeError("tokenizer exploded")
+        return await real_encode(text, add_special_tokens)
+
+    ctx = server.server.state.ctx
+    real_encode = ctx.encode
+    monkeypatch.setattr(ctx, "encode", broken_encode)
+    body = json.dumps({"prompt": "trigger an internal error", "max_tokens": 2})
+    err = keep_alive_after(server, body, 500)
+    assert err["type"] == "server_error"
+    assert err["message"] == "internal server error: RuntimeError: tokenizer exploded"

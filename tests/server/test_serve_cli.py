@@ -83,7 +83,7 @@ def test_chat_template_flag_reads_a_file(tmp_path):
     path.write_text("{{ messages[0]['content'] }}")
     assert _read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
     assert _read_chat_template("{{ x }}") == "{{ x }}"
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="no such file"):
         _read_chat_template(str(tmp_path / "missing.jinja"))
 
 

@@ -181,7 +181,7 @@ def test_streamed_choice_equals_the_whole_text(http):
         ),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "unknown field"),
         ({"structured_outputs": {}}, "structured_outputs", "got none"),
-        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_choice": []}, "guided_choice", "must have at least 1 item"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         (
             {"guided_regex": "a+", "response_format": {"type": "json_object"}},

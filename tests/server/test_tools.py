@@ -94,8 +94,8 @@ def tc(tool_server):
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
-        ({"tools": "get_weather"}, "tools", "valid list"),
-        ({"tools": []}, "tools", "non-empty list"),
+        ({"tools": "get_weather"}, "tools", "expected an array, got a string"),
+        ({"tools": []}, "tools", "must have at least 1 item"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type", "must be 'function'"),
         ({"tools": [{"type": "function", "function": {"description": "x"}}]},
          "tools.0.function.name", "got None"),
@@ -138,7 +138,7 @@ def test_auto_tool_choice_needs_the_server_flags(http):
         "/v1/chat/completions",
         json={"messages": USER, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 2},
     )
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
 
 
 def rendered(c: httpx.Client, messages, tools=None) -> tuple[str, int]:
@@ -199,7 +199,7 @@ def test_plain_answers_pass_through_the_parser_unchanged(tc):
     plain = chat(tc, tool_choice="none", skip_special_tokens=False, **base).json()["choices"][0]
     parsed = chat(tc, tool_choice="auto", **base).json()["choices"][0]
     assert parsed["message"] == plain["message"]
-    assert parsed["message"]["content"] and parsed["message"]["tool_calls"] == []
+    assert parsed["message"]["content"] and "tool_calls" not in parsed["message"]
     assert parsed["finish_reason"] == plain["finish_reason"] == "length"
     r = chat(tc, tool_choice="auto", stream=True, **base)
     events = sse_events(r)
@@ -314,7 +314,7 @@ def test_forced_call_cut_short_is_content(tc, tool_server):
     r = chat(tc, max_tokens=3, tools=[CITY], tool_choice=NAMED)
     choice = r.json()["choices"][0]
     assert r.status_code == 200 and choice["finish_reason"] == "length"
-    assert choice["message"]["tool_calls"] == [] and choice["message"]["content"].startswith("{")
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"].startswith("{")
     assert tool_server.engine.num_used_blocks == 0
 
 
@@ -403,7 +403,7 @@ def test_tool_calls_in_the_response(scripted, sc):
     # tool_choice none: no parsing, the text is the content.
     r = chat(sc, tools=[WEATHER, TIME], tool_choice="none")
     choice = r.json()["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": TWO_CALLS, "tool_calls": []}
+    assert choice["message"] == {"role": "assistant", "content": TWO_CALLS}
     assert choice["finish_reason"] == "stop"
 
 
@@ -489,7 +489,7 @@ def test_malformed_call_is_content(scripted, sc, stream):
         finish = choices[-1]["finish_reason"]
     else:
         choice = r.json()["choices"][0]
-        assert choice["message"]["tool_calls"] == []
+        assert "tool_calls" not in choice["message"]
         content, finish = choice["message"]["content"], choice["finish_reason"]
     assert content == engine.script and finish == "stop"
 
@@ -499,7 +499,7 @@ def test_call_cut_by_max_tokens(scripted, sc):
     engine.script = TWO_CALLS
     r = chat(sc, tools=[WEATHER, TIME], max_tokens=30)  # inside the first call
     choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] == []
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
     assert TWO_CALLS.startswith(choice["message"]["content"])
 
 
@@ -579,7 +579,6 @@ def test_mistral_parser_server(tokenizer):
         assert r.json()["choices"][0]["message"] == {
             "role": "assistant",
             "content": "It is -3C in Oslo.",
-            "tool_calls": [],
         }
 
 
@@ -604,7 +603,7 @@ def test_pythonic_parser_server(tokenizer):
         # A malformed call (positional argument) is content, streamed or not.
         engine.script = '[get_weather("Oslo")]'
         choice = chat(c, tools=[WEATHER, TIME]).json()["choices"][0]
-        assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] == []
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
         assert choice["message"]["content"] == engine.script
         content, deltas, finish = _streamed(sse_events(chat(c, tools=[WEATHER], stream=True)))
         assert (content, deltas, finish) == (engine.script, [], "stop")

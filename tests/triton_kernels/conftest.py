@@ -2,7 +2,7 @@
 
 Triton reads ``TRITON_INTERPRET`` when ``triton.language`` is imported (its own library
 functions are decorated then), so it is set here, while collecting, before anything imports
-Triton. It changes nothing for the rest of the suite: engine-triton registers its kernels for
+Triton. It changes nothing for the rest of the suite: engine-llm-triton registers its kernels for
 GPU platforms only, and its attention backend is never the CPU's default.
 """
 

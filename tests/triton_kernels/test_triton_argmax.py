@@ -1,4 +1,4 @@
-"""engine-triton's split-row ``argmax`` against ``torch.argmax`` (exact indices).
+"""engine-llm-triton's split-row ``argmax`` against ``torch.argmax`` (exact indices).
 
 Odd vocabularies, forced split counts (the cross-program combine through the workspace and the
 arrival counters), ties planted in different splits, all -inf and NaN rows, strided row views,
@@ -100,7 +100,7 @@ def test_registered_for_gpu_platforms():
     registry = KernelRegistry()
     register(registry)
     assert registry.resolve("cuda").argmax is argmax
-    assert registry.resolve("cpu").provider("argmax") == "engine (torch reference)"
+    assert registry.resolve("cpu").provider("argmax") == "engine-llm (torch reference)"
 
 
 @pytest.mark.parametrize("splits", [1, 2])

@@ -1,4 +1,4 @@
-"""engine-triton's paged attention (prefill, chunked prefill, split-KV decode) and the
+"""engine-llm-triton's paged attention (prefill, chunked prefill, split-KV decode) and the
 ``triton`` backend against a float64 oracle, on random paged batches with shuffled blocks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The whole engine on the CPU with engine-triton: its attention backend and every kernel run
+"""The whole engine on the CPU with engine-llm-triton: its attention backend and every kernel run
 in Triton's interpreter, and greedy tokens equal the torch reference path's exactly."""
 
 from __future__ import annotations

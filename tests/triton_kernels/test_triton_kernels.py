@@ -1,4 +1,4 @@
-"""engine-triton's elementwise kernels against ``engine.kernels.reference`` on random inputs.
+"""engine-llm-triton's elementwise kernels against ``engine.kernels.reference`` on random inputs.
 
 Odd sizes on purpose (masks), bf16 and fp32; grids stay tiny because every program costs about
 a millisecond in the interpreter.
@@ -177,10 +177,10 @@ def test_register_overrides_gpu_platforms_only():
     register(registry)
     for platform in ("cuda", "rocm"):
         kernels = registry.resolve(platform)
-        assert {kernels.provider(n) for n in KERNEL_NAMES} == {"engine-triton"}
+        assert {kernels.provider(n) for n in KERNEL_NAMES} == {"engine-llm-triton"}
     cpu = registry.resolve("cpu")
-    assert {cpu.provider(n) for n in KERNEL_NAMES} == {"engine (torch reference)"}
+    assert {cpu.provider(n) for n in KERNEL_NAMES} == {"engine-llm (torch reference)"}
 
     registry = KernelRegistry()
     register(registry, platforms=("cpu",))  # what interpreter tests do explicitly
-    assert registry.resolve("cpu").provider("rms_norm") == "engine-triton"
+    assert registry.resolve("cpu").provider("rms_norm") == "engine-llm-triton"

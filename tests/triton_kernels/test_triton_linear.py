@@ -1,4 +1,4 @@
-"""engine-triton's skinny GEMM (decode-sized ``linear``) against ``F.linear`` in float32 math.
+"""engine-llm-triton's skinny GEMM (decode-sized ``linear``) against ``F.linear`` in float32 math.
 
 Odd M, N and K (masks, clamped rows and features), every inner-product variant and split-K,
 fresh random inputs; sizes stay tiny for the interpreter. The real model shapes are checked on

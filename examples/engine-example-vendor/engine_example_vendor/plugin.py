@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from engine.hookspecs import hookimpl
 
-# The plugin API major version this plugin was built against; the engine refuses others.
-ENGINE_PLUGIN_API = "1"
+# The plugin API this plugin was built against: 1.1 added engine_communicator, which we use.
+ENGINE_PLUGIN_API = "1.1"
 
 
 @hookimpl
@@ -21,3 +21,14 @@ def engine_platform():
 def engine_attention_backends() -> dict[str, str]:
     """Our attention backend, by qualified name: imported only if it is selected."""
     return {"example": "engine_example_vendor.attention:ExampleAttentionBackend"}
+
+
+@hookimpl
+def engine_communicator(platform, group):
+    """Collectives for our platform only. The simulated device computes on the host, so gloo
+    through torch.distributed; a real vendor returns its own Communicator subclass here."""
+    if platform.name != "examplevendor":
+        return None
+    from engine.distributed import TorchDistributedCommunicator
+
+    return TorchDistributedCommunicator(group, backend="gloo")

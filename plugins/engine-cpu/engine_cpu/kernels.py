@@ -22,4 +22,4 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def register(registry) -> None:
     """Register the CPU overrides for the ``cpu`` platform."""
-    registry.register("argmax", argmax, platforms=("cpu",), provider="engine-cpu")
+    registry.register("argmax", argmax, platforms=("cpu",), provider="engine-llm-cpu")

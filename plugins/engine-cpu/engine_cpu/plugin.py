@@ -1,4 +1,4 @@
-"""Entry point of engine-cpu (``[project.entry-points.engine] cpu = "engine_cpu.plugin"``).
+"""Entry point of engine-llm-cpu (``[project.entry-points.engine] cpu = "engine_cpu.plugin"``).
 
 Kept import-light: the platform class module imports neither torch nor psutil at top level.
 """
@@ -24,3 +24,13 @@ def engine_kernels(registry) -> None:
     from engine_cpu import kernels
 
     kernels.register(registry)
+
+
+@hookimpl
+def engine_communicator(platform, group):
+    """gloo collectives through torch.distributed, for the cpu platform."""
+    if platform.name != "cpu":
+        return None
+    from engine.distributed import TorchDistributedCommunicator
+
+    return TorchDistributedCommunicator(group, backend="gloo")

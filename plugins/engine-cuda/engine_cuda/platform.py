@@ -58,7 +58,7 @@ class CudaPlatform(TorchCudaPlatform):
     # ---- engine integration -------------------------------------------------------------
     @classmethod
     def default_attention_backends(cls, config: Any = None) -> list[str]:
-        # "triton" comes from engine-triton; "flash-attn" (when flash_attn is installed) and
+        # "triton" comes from engine-llm-triton; "flash-attn" (when flash_attn is installed) and
         # "sdpa" from this plugin; "torch" is the portable reference and always installed.
         return ["triton", "flash-attn", "sdpa", "torch"]
 

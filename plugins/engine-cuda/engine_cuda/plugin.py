@@ -1,4 +1,4 @@
-"""Entry point of engine-cuda (``cuda = "engine_cuda.plugin"``). Import-light: no torch."""
+"""Entry point of engine-llm-cuda (``cuda = "engine_cuda.plugin"``). Import-light: no torch."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def engine_attention_backends() -> dict[str, str]:
         "sdpa": "engine_cuda.sdpa_backend:SdpaAttentionBackend",
         "flash-attn": "engine_cuda.flash_attn_backend:FlashAttnBackend",
     }
+
+
+@hookimpl
+def engine_communicator(platform, group):
+    """NCCL collectives through torch.distributed, for the cuda platform."""
+    if platform.name != "cuda":
+        return None
+    from engine.distributed import TorchDistributedCommunicator
+
+    return TorchDistributedCommunicator(group, backend="nccl")

@@ -1,3 +1,3 @@
-"""engine-rocm: the AMD ROCm platform for the engine."""
+"""engine-llm-rocm: the AMD ROCm platform for the engine."""
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Entry point of engine-rocm (``rocm = "engine_rocm.plugin"``). Import-light: no torch."""
+"""Entry point of engine-llm-rocm (``rocm = "engine_rocm.plugin"``). Import-light: no torch."""
 
 from __future__ import annotations
 
@@ -13,3 +13,20 @@ def engine_platform():
     from engine_rocm.platform import RocmPlatform
 
     return RocmPlatform
+
+
+@hookimpl
+def engine_attention_backends() -> dict[str, str]:
+    """``triton-rocm``: engine-triton's paged attention with AMD launch configurations per gfx
+    family (``engine_rocm.tuning``), by qualified name (imported only when selected)."""
+    return {"triton-rocm": "engine_rocm.attention:RocmTritonAttentionBackend"}
+
+
+@hookimpl
+def engine_communicator(platform, group):
+    """RCCL collectives (torch.distributed's ``nccl`` backend on a ROCm build), for rocm."""
+    if platform.name != "rocm":
+        return None
+    from engine_rocm.communicator import RcclCommunicator
+
+    return RcclCommunicator(group)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.distributed import Communicator
+from engine.distributed import Communicator, check_reduce_op
 
 
 def _xm() -> Any:
@@ -25,6 +25,8 @@ class XlaCommunicator(Communicator):
     ``send``/``recv`` use XLA Send/Recv with a channel id derived from the (source, destination)
     pair, so the matching ``recv`` on the destination computes the same channel.
     """
+
+    _REDUCE = {"sum": "REDUCE_SUM", "max": "REDUCE_MAX", "min": "REDUCE_MIN"}
 
     @property
     def world_size(self) -> int:
@@ -48,11 +50,24 @@ class XlaCommunicator(Communicator):
     def _groups(self) -> Any:
         return [list(g) for g in self.group] if self.group else None
 
-    def all_reduce(self, tensor):
+    def _ordinal(self, group_rank: int) -> int:
+        """The global replica ordinal of ``group_rank`` in this process's group."""
+        if not self.group:
+            return group_rank
+        import torch_xla.runtime as xr
+
+        ordinal = int(xr.global_ordinal())
+        for replicas in self.group:
+            if ordinal in replicas:
+                return int(list(replicas)[group_rank])
+        raise RuntimeError(f"replica {ordinal} is in none of the groups {self.group}")
+
+    def all_reduce(self, tensor, op: str = "sum"):
+        check_reduce_op(op)
         if self.world_size == 1:
             return tensor
         xm = _xm()
-        return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=self._groups())
+        return xm.all_reduce(getattr(xm, self._REDUCE[op]), tensor, groups=self._groups())
 
     def all_gather(self, tensor, dim: int = 0):
         if self.world_size == 1:
@@ -75,8 +90,22 @@ class XlaCommunicator(Communicator):
     def broadcast(self, tensor, src: int = 0):
         if self.world_size == 1:
             return tensor
-        _xm().collective_broadcast([tensor], root_ordinal=src, groups=self._groups())
+        # collective_broadcast updates the listed tensors in place (an in-graph all-reduce of
+        # the source's value and zeros elsewhere), with the root given as a global ordinal.
+        _xm().collective_broadcast([tensor], root_ordinal=self._ordinal(src), groups=self._groups())
         return tensor
+
+    def all_to_all(self, tensor, dim: int = 0):
+        n = self.world_size
+        if n == 1:
+            return tensor
+        return _xm().all_to_all(
+            tensor,
+            split_dimension=dim,
+            concat_dimension=dim,
+            split_count=n,
+            groups=self._groups(),
+        )
 
     def _channel(self, src: int, dst: int) -> int:
         # One channel per ordered (src, dst) pair; XLA channel ids must be positive.
@@ -87,3 +116,6 @@ class XlaCommunicator(Communicator):
 
     def recv(self, tensor, src: int):
         return _xm().recv(tensor, self._channel(src, self.rank))
+
+    def describe(self) -> str:
+        return f"torch_xla xm collectives ({super().describe()})"

@@ -1,4 +1,4 @@
-"""engine-triton: a Triton attention backend and Triton kernel overrides for the engine.
+"""engine-llm-triton: a Triton attention backend and Triton kernel overrides for the engine.
 
 It provides no platform of its own: its kernels serve the cuda and rocm platforms, and its
 attention backend runs wherever Triton does (on the CPU only under ``TRITON_INTERPRET=1``).

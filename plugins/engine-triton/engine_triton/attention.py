@@ -1,4 +1,4 @@
-"""The ``triton`` attention backend: paged attention through engine-triton's kernels.
+"""The ``triton`` attention backend: paged attention through engine-llm-triton's kernels.
 
 It keeps the default KV-cache layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``
 and the reference's slot convention, so a cache written by the reference ``write_kv_cache`` is
@@ -76,6 +76,13 @@ class TritonAttentionBackend(AttentionBackend):
             self._counters = buf
         return buf
 
+    def launch_configs(self, device: torch.device) -> dict[str, dict]:
+        """Launch configurations by kernel regime (``"prefill"``, ``"decode"``,
+        ``"decode_split"``, ``"decode_many_splits"``) overriding the kernels' defaults, which
+        were tuned on an H200. Empty here; a platform's subclass returns its tuning table
+        (engine-rocm's per gfx family)."""
+        return {}
+
     def forward(
         self,
         query: torch.Tensor,
@@ -90,6 +97,7 @@ class TritonAttentionBackend(AttentionBackend):
         from engine_triton.kernels.kv_cache import write_kv_cache
 
         out = torch.empty_like(query)
+        tuning = self.launch_configs(query.device)
         num_tokens = metadata.num_actual_tokens
         num_decodes = metadata.num_decodes
         if num_tokens > num_decodes:  # decodes append their own key/value (below)
@@ -114,6 +122,7 @@ class TritonAttentionBackend(AttentionBackend):
                 value=value,
                 slot_mapping=metadata.slot_mapping,
                 split_counters=self._split_counters(num_decodes * self.num_kv_heads, query.device),
+                configs=tuning,
             )
         if metadata.num_seqs > num_decodes:
             paged_prefill(
@@ -128,6 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 self.sliding_window,
                 self.logit_softcap,
+                config=tuning.get("prefill"),
             )
         if query.shape[0] > num_tokens:  # padding rows (e.g. a padded graph batch)
             out[num_tokens:].zero_()

@@ -19,7 +19,7 @@ def interpreter_enabled() -> bool:
 def triton_unavailable_reasons(device_type: str | None = None) -> list[str]:
     """Why Triton cannot run kernels on ``device_type`` (``cpu``/``cuda``; None: not known)."""
     if not module_available("triton"):
-        return ["the triton package is not installed (pip install engine-triton[triton])"]
+        return ["the triton package is not installed (pip install engine-llm-triton[triton])"]
     if device_type == "cpu" and not interpreter_enabled():
         return ["on the CPU Triton runs only under its interpreter: set TRITON_INTERPRET=1"]
     return []

@@ -1,4 +1,4 @@
-"""Microbenchmark of engine-triton's paged attention on a GPU: launch-configuration sweeps.
+"""Microbenchmark of engine-llm-triton's paged attention on a GPU: launch-configuration sweeps.
 
 ``python -m engine_triton.benchmark [--json FILE]`` times the decode kernel (with the fused
 cache append, as the backend runs it) over a grid of tile lengths, warps and pipeline depths on
@@ -13,6 +13,16 @@ Llama-3.1-8B for M = 1, 2, 4, 8, 16: every candidate configuration and the heuri
 each as a plain ``do_bench`` (L2 flushed) and per call inside a CUDA graph of 100 back-to-back
 calls over rotating weight copies (how the engine runs them). It prints achieved weight GB/s,
 the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the kernel module.
+
+``python -m engine_triton.benchmark --moe-only [--moe-shapes S] [--moe-tokens 1,8,...]`` times
+the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
+(128 experts, top-8, hidden 2048, 768 wide) and Mixtral-8x7B (8 experts, top-2, 4096, 14336)
+shapes, bf16, uniformly random routing, for each token count: both ways through the experts
+(decode GEMVs, grouped GEMMs) and a few launch configurations, each per call inside a CUDA
+graph over rotating weight copies and routings (HBM, not L2). It reports the bytes the call
+must read (the distinct experts hit, plus activations), the achieved GB/s against this GPU's
+measured copy bandwidth, the routing kernel's time, and the per-decode-step total over the
+model's layers against the time to read the model's active parameters once.
 """
 
 from __future__ import annotations
@@ -332,6 +342,180 @@ def sweep_linear(
     print(f"\nlinear sweep took {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+# Expert shapes: experts, top-k, hidden, expert intermediate, MoE layers, active parameters
+# outside the experts (attention, router, LM head) for the per-step floor.
+MOE_SHAPES = {
+    "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768, layers=48,
+                          other_params=48 * (2048 * 128 * 40 + 128 * 2048) + 151936 * 2048),
+    "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336, layers=32,
+                         other_params=32 * (4096 * 128 * 48 + 4096 * 128 * 32 + 8 * 4096)
+                         + 32000 * 4096),
+}  # fmt: skip
+MOE_ROTATE_BYTES = 1 << 30  # weight copies a graph cycles through
+
+
+def _copy_gbps(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
+    import torch
+    import triton.testing
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median")
+    return 2 * nbytes / ms / 1e6
+
+
+def _moe_call(x, weights, routes, kw):
+    """``call(j)``: the fused MoE on weight copy ``j`` and routing ``j`` (rotating)."""
+    from engine_triton.kernels import fused_moe as fm
+
+    def call(j):
+        w13, w2 = weights[j % len(weights)]
+        ids, w = routes[j % len(routes)]
+        return fm.fused_moe(x, w13, w2, w, ids, **kw)
+
+    return call
+
+
+def _topk_call(logits, top_k):
+    from engine_triton.kernels import fused_moe as fm
+
+    return lambda j: fm.moe_topk_softmax(logits, top_k, True)
+
+
+def _moe_candidates(tokens: int, top_k: int, experts: int) -> list[tuple[str, object]]:
+    """(variant, config) pairs the sweep times for one batch, the rule's choice first: decode
+    tilings while the decode kernels may serve it, grouped tilings sized to the pairs per
+    expert."""
+    from engine_triton.kernels import fused_moe as fm
+
+    D, G = fm.DecodeConfig, fm.GroupedConfig
+    pairs = tokens * top_k
+    rule = "decode" if fm.use_decode(tokens, top_k, experts) else "grouped"
+    out: list[tuple[str, object]] = [
+        (rule, D() if rule == "decode" else fm.grouped_config(pairs, experts))
+    ]
+    if pairs <= fm.DECODE_MAX_PAIRS:
+        out += [("decode", c) for c in (D(8, 256, 8, 256), D(32, 128, 16, 128),
+                                        D(16, 512, 8, 512, 8, 2), D(16, 256, 4, 256, 4, 4))]  # fmt: skip
+    avg = pairs / experts
+    if avg <= 16:
+        grouped = (G(16, 64, 128, 1), G(16, 128, 128, 1, 4, 4), G(32, 64, 128, 4))
+    elif avg <= 128:
+        grouped = (G(32, 64, 128, 4), G(64, 64, 64, 8), G(64, 128, 64, 8, 4, 4))
+    else:
+        grouped = (G(64, 128, 64, 8, 4, 4, 64), G(128, 128, 64, 8, 8, 3), G(128, 64, 64, 8, 4, 4),
+                   G(128, 256, 64, 8, 8, 3, 64))  # fmt: skip
+    out += [("grouped", c) for c in grouped]
+    return list(dict.fromkeys(out))
+
+
+def sweep_moe(
+    results: dict,
+    shapes: list[str] | None = None,
+    tokens: tuple[int, ...] = (1, 2, 4, 8, 32, 128, 512, 2048),
+    candidates: bool = True,
+    budget_s: float = 200.0,
+    device: str = "cuda",
+) -> None:
+    """Time the fused MoE kernel per layer on ``MOE_SHAPES`` (see the module docstring).
+    After ``budget_s`` seconds only the rule's choice is timed."""
+    import time
+
+    import torch
+
+    from engine.kernels import reference as ref
+    from engine_triton.kernels import fused_moe as fm
+
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16
+    copy = _copy_gbps(device)
+    print(f"moe: {torch.cuda.get_device_name(device)}, bf16, copy bandwidth {copy:.0f} GB/s; "
+          f"us = per call in a graph over rotating weights and routings", flush=True)  # fmt: skip
+    results["moe copy GBps"] = round(copy)
+    tuned = []
+    names = [s for s in MOE_SHAPES if not shapes or any(f in s for f in shapes)]
+    for name in names:
+        sh = MOE_SHAPES[name]
+        e, k, h, i = sh["experts"], sh["top_k"], sh["hidden"], sh["inter"]
+        expert_bytes = 3 * h * i * dtype.itemsize
+        copies = max(1, min(8, -(-MOE_ROTATE_BYTES // (e * expert_bytes))))
+        torch.manual_seed(0)
+        weights = [
+            (torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5,
+             torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5)
+            for _ in range(copies)
+        ]  # fmt: skip
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        floor_bytes = (sh["other_params"] + sh["layers"] * k * 3 * h * i) * dtype.itemsize
+        floor_us = floor_bytes / copy * 1e-3  # read once at the copy rate
+        print(f"\n{name}: {e} experts, top-{k}, hidden {h}, inter {i}, {sh['layers']} layers; "
+              f"batch-1 step reads {floor_bytes / 1e9:.2f} GB of active weights = "
+              f"{floor_us:.0f} us at copy speed (1.5x: {1.5 * floor_us:.0f} us)", flush=True)  # fmt: skip
+        for t in tokens:
+            rounds = max(4, 64 // max(1, t // 64))
+            x = torch.randn(t, h, generator=gen).to(dtype).to(device)
+            routes = []
+            for _ in range(rounds):
+                ids = torch.rand(t, e, generator=gen).topk(k, dim=-1).indices.to(torch.int32)
+                w = torch.rand(t, k, generator=gen)
+                routes.append((ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)))
+            distinct = sum(len(set(r[0].flatten().tolist())) for r in routes) / rounds
+            nbytes = distinct * expert_bytes + 2 * t * h * dtype.itemsize
+            w13, w2 = weights[0]
+            expected = ref.fused_moe(x, w13, w2, routes[0][1], routes[0][0]).float()
+            over = time.perf_counter() - t0 > budget_s
+            cands = (
+                _moe_candidates(t, k, e)
+                if candidates and not over
+                else _moe_candidates(t, k, e)[:1]
+            )
+            rows = []
+            for index, (variant, cfg) in enumerate(cands):
+                kw = {"variant": variant}
+                kw["decode_config" if variant == "decode" else "config"] = cfg
+
+                call = _moe_call(x, weights, routes, kw)
+                try:
+                    err = (fm.fused_moe(x, w13, w2, routes[0][1], routes[0][0], **kw).float()
+                           - expected).abs().max().item()  # fmt: skip
+                    us = _graph_us(call, calls=max(10, min(GRAPH_CALLS, 4 * rounds)))
+                except Exception as exc:  # a configuration the compiler refuses
+                    rows.append({"config": cfg.short(), "error": repr(exc)[:160]})
+                    continue
+                rows.append({"config": cfg.short(), "rule": index == 0, "us": round(us, 2),
+                             "GBps": round(nbytes / us / 1e3), "of_copy": round(nbytes / us / 1e3 / copy, 3),
+                             "max_err": round(err, 4)})  # fmt: skip
+            ok = [r for r in rows if "us" in r]
+            rule = next((r for r in ok if r["rule"]), None)
+            best = min(ok, key=lambda r: r["us"]) if ok else None
+            logits = torch.randn(t, e, device=device, dtype=dtype)
+            topk_us = _graph_us(_topk_call(logits, k), calls=50)
+            results[f"moe {name} T={t}"] = {
+                "bytes": round(nbytes), "distinct_experts": round(distinct, 1),
+                "topk_softmax_us": round(topk_us, 2), "rows": rows,
+            }  # fmt: skip
+            if rule is None:
+                print(f"  T={t:<5d} ERROR {rows[:1]}", flush=True)
+                continue
+            line = (f"  T={t:<5d} {rule['us']:8.1f} us/layer  {nbytes / 1e6:7.1f} MB "
+                    f"({distinct:5.1f} experts) {rule['GBps']:5d} GB/s = {rule['of_copy']:.2f} of "
+                    f"copy [{rule['config']}]  topk {topk_us:.1f} us; x{sh['layers']} layers "
+                    f"{sh['layers'] * (rule['us'] + topk_us) / 1e3:.2f} ms")  # fmt: skip
+            print(line, flush=True)
+            if best is not rule and best["us"] < 0.97 * rule["us"]:
+                print(f"  {'':7s} best {best['us']:8.1f} us [{best['config']}]", flush=True)
+                tuned.append(f"{name} T={t}: {best['config']} {best['us']} us vs rule "
+                             f"{rule['config']} {rule['us']} us")  # fmt: skip
+            bad = [r for r in ok if r["max_err"] > 0.06]
+            if bad:
+                print(f"  {'':7s} ERROR too large: {[(r['config'], r['max_err']) for r in bad]}")
+        del weights
+        torch.cuda.empty_cache()
+    results["moe better than the rule"] = tuned
+    print(f"\nmoe sweep took {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
@@ -357,8 +541,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--linear-no-candidates", action="store_true", help="time only the heuristic's choice"
     )
+    parser.add_argument(
+        "--moe-only", action="store_true", help="Only the fused-MoE kernel per-layer sweep."
+    )
+    parser.add_argument(
+        "--moe-shapes", default=None, help="comma-separated substrings of MOE_SHAPES to time"
+    )
+    parser.add_argument("--moe-tokens", default="1,2,4,8,32,128,512,2048", help="tokens per call")
+    parser.add_argument(
+        "--moe-no-candidates", action="store_true", help="time only the rule's configuration"
+    )
     args = parser.parse_args(argv)
     results: dict = {}
+    if args.moe_only:
+        sweep_moe(
+            results,
+            shapes=args.moe_shapes.split(",") if args.moe_shapes else None,
+            tokens=tuple(int(v) for v in args.moe_tokens.split(",")),
+            candidates=not args.moe_no_candidates,
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     if args.linear_only:
         sweep_linear(
             results,

@@ -25,6 +25,7 @@ def build_metadata_pinned(layout: BatchLayout, device: torch.device) -> Attentio
 
     num_seqs = len(layout.query_lens)
     width = max((len(t) for t in layout.block_tables), default=0) or 1
+    width = max(width, layout.table_width or 0)
     host32 = torch.empty(2 * num_seqs + 1 + num_seqs * width, dtype=torch.int32, pin_memory=True)
     a = host32.numpy()
     a[0] = 0

@@ -1,4 +1,4 @@
-"""Entry point of engine-triton (``triton = "engine_triton.plugin"``).
+"""Entry point of engine-llm-triton (``triton = "engine_triton.plugin"``).
 
 Import-light: neither triton nor torch is imported until a hook needs them.
 """

@@ -1,4 +1,4 @@
-"""engine-triton's kernels: Triton implementations of the named ops and of paged attention.
+"""engine-llm-triton's kernels: Triton implementations of the named ops and of paged attention.
 
 ``register(registry)`` is called from the plugin's ``engine_kernels`` hook. It overrides every
 named op for the GPU platforms (``cuda``, ``rocm``) at priority 10. Tests that run the engine
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 patch_if_interpreting()
 
-PROVIDER = "engine-triton"
+PROVIDER = "engine-llm-triton"
 PRIORITY = 10
 GPU_PLATFORMS = ("cuda", "rocm")
 
@@ -28,6 +28,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     """Register every Triton kernel with the engine's kernel registry for ``platforms``."""
     from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from engine_triton.kernels.argmax import argmax
+    from engine_triton.kernels.fused_moe import fused_moe, moe_topk_softmax
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
@@ -43,6 +44,8 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "write_kv_cache": write_kv_cache,
         "linear": linear,
         "argmax": argmax,
+        "moe_topk_softmax": moe_topk_softmax,
+        "fused_moe": fused_moe,
     }
     for name, fn in ops.items():
         registry.register(

@@ -6,7 +6,11 @@ dimension ("only 0-dimensional arrays can be converted to Python scalars"). Ever
 loops up to a runtime length, so we make ``__index__`` take the single element instead. It also
 computes ``tl.dot`` of bfloat16 operands on their raw 16-bit patterns (it stores bfloat16 as
 ``uint16``), so we widen bfloat16 operands to float32 first, which is what the GPU's bf16 matrix
-units do with a float32 accumulator. Nothing changes when the interpreter is not in use.
+units do with a float32 accumulator. And it rounds float32 -> bfloat16 casts toward zero
+(``x.to(tl.bfloat16)`` passes no rounding mode, and its converter then truncates the mantissa),
+where the GPU rounds to nearest even; we round to nearest even, so a kernel that rounds
+intermediate values (the fused MoE kernels round gate/up and each expert's output) is tested
+with the GPU's arithmetic. Nothing changes when the interpreter is not in use.
 """
 
 from __future__ import annotations
@@ -54,4 +58,27 @@ def patch_if_interpreting() -> None:
         return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder_cls.create_dot = create_dot
+
+    original_cast = builder_cls.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_float32_to_bfloat16_bits(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder_cls.cast_impl = cast_impl
     _patched = True
+
+
+def _float32_to_bfloat16_bits(values):
+    """bfloat16 bit patterns (uint16) of float32 ``values``, rounded to nearest even (NaNs stay
+    NaN)."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(
+        16
+    )
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    rounded = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), rounded)
+    return rounded.astype(np.uint16).reshape(np.shape(values))

@@ -484,6 +484,7 @@ def paged_decode(
     slot_mapping: torch.Tensor | None = None,
     split_counters: torch.Tensor | None = None,
     config: dict | None = None,
+    configs: dict[str, dict] | None = None,
 ) -> None:
     """One query token per request (request ``i`` is token ``i`` of ``query``/``out``
     [T, H, D]) over its paged context of ``seq_lens[i]`` tokens. Writes ``out[:num_seqs]``.
@@ -492,7 +493,9 @@ def paged_decode(
     the cache but taken from ``key``/``value`` [T, Hkv, D] and written to the cache at its slot
     in the same launch (no separate cache-write kernel). ``split_counters`` (int32, zeros, at
     least ``num_seqs * num_kv_heads``; left zeroed by every launch) lets split-KV reduce in the
-    same launch; one is allocated when not given.
+    same launch; one is allocated when not given. ``configs`` replaces the launch
+    configuration of a regime (``"decode"``, ``"decode_split"``, ``"decode_many_splits"``: no
+    split, some, 16 or more), e.g. with a platform's tuning table; ``config`` overrides on top.
     """
     if num_seqs == 0:
         return
@@ -504,12 +507,12 @@ def paged_decode(
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, query.device)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
-    base = DECODE_CONFIG
+    regime, base = "decode", DECODE_CONFIG
     if num_splits >= 16:
-        base = DECODE_MANY_SPLITS_CONFIG
+        regime, base = "decode_many_splits", DECODE_MANY_SPLITS_CONFIG
     elif num_splits > 1:
-        base = DECODE_SPLIT_CONFIG
-    cfg = dict(base, **(config or {}))
+        regime, base = "decode_split", DECODE_SPLIT_CONFIG
+    cfg = dict(base, **(configs or {}).get(regime, {}), **(config or {}))
     if interp:
         cfg = {"block_n": 16, "num_warps": 4, "num_stages": 1}
     head_pad = max(16, triton.next_power_of_2(head_size))

@@ -1,0 +1,552 @@
+"""The fused mixture-of-experts layer: routing, where the experts live, and their weights.
+
+``FusedMoE`` is the second layer family next to the dense linears, built the same way:
+
+* it knows its **parallel style** (``MoEParallel``): plain tensor parallelism shards every
+  expert's intermediate dim (w13 by rows: column parallel; w2 by columns: row parallel), expert
+  parallelism places ``num_experts / ep_size`` whole experts on each rank through a
+  global-to-local expert map. Either way each rank's output is a partial sum that one
+  collective of the group's ``Communicator`` completes: an all-reduce when every rank holds the
+  same tokens (the tensor-parallel case), an all-gather of the tokens before and a
+  reduce-scatter of the sums after when each rank brings its own (data-parallel attention);
+* it **routes** (``select_experts``: softmax top-k with or without renormalisation, through the
+  ``moe_topk_softmax`` kernel) and counts, when asked, how many tokens each expert received
+  (``enable_expert_load_counting``);
+* it delegates its parameters' creation, post-load processing and the expert computation to a
+  **method object** (``FusedMoEMethodBase``). ``UnquantizedFusedMoEMethod`` holds the stacked
+  weights ``w13_weight [E_local, 2 * I_local, H]`` (each expert's gate rows, then its up rows)
+  and ``w2_weight [E_local, H, I_local]`` and calls the ``fused_moe`` kernel; quantized methods
+  (FP8, W4A16) plug in at the same three calls.
+
+Checkpoints store experts one tensor per expert and projection (``experts.7.gate_proj.weight``,
+Mixtral's ``experts.7.w1.weight``), or already stacked (transformers 5's in-memory
+``experts.gate_up_proj``; GGUF's ``ffn_gate_exps``). ``ExpertCheckpointMapping`` routes either
+form to ``FusedMoE.weight_loader``, which copies each tensor straight into this rank's slice of
+the stacked parameter (experts held by other ranks are skipped), and names the tensors a
+checkpoint lacks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from engine.layers.weight_utils import (
+    ModelLoadError,
+    check_shape,
+    materialize,
+    narrow,
+    new_parameter,
+    set_weight_loader,
+)
+
+if TYPE_CHECKING:
+    from engine.distributed import Communicator
+    from engine.kernels.registry import Kernels
+
+# Checkpoint projection names -> the shard of the stacked weights they fill.
+QWEN_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w3": "w3", "w2": "w2"}
+SCORING_FUNCS = ("softmax",)
+
+
+@dataclass(frozen=True)
+class MoEParallel:
+    """How a MoE layer's experts are split over the ranks of its process group.
+
+    ``tp_size > 1``: every rank holds every expert, ``intermediate_size / tp_size`` of each
+    one's intermediate features (rank ``tp_rank``'s slice). ``ep_size > 1``: rank ``ep_rank``
+    holds whole experts, a contiguous run of ``num_experts // ep_size`` (the first
+    ``num_experts % ep_size`` ranks one more). ``tokens_partitioned``: each rank brings its own
+    tokens (the same number on every rank, padded by the caller), so they are all-gathered
+    before the experts and the sums reduce-scattered back; otherwise every rank holds the same
+    tokens and the partial sums are all-reduced. One rank (the default) needs no collective.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    tokens_partitioned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1:
+            raise ValueError(
+                f"tp_size and ep_size must be >= 1, got {self.tp_size}, {self.ep_size}"
+            )
+        if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(
+                f"rank out of range: tp_rank {self.tp_rank} of {self.tp_size}, "
+                f"ep_rank {self.ep_rank} of {self.ep_size}"
+            )
+
+    @classmethod
+    def for_group(
+        cls,
+        rank: int,
+        world_size: int,
+        enable_expert_parallel: bool = False,
+        tokens_partitioned: bool = False,
+    ) -> MoEParallel:
+        """The style for rank ``rank`` of a group of ``world_size``: experts placed across the
+        ranks with ``enable_expert_parallel`` (vLLM's ``--enable-expert-parallel``), else every
+        expert sharded."""
+        if enable_expert_parallel:
+            return cls(ep_rank=rank, ep_size=world_size, tokens_partitioned=tokens_partitioned)
+        return cls(tp_rank=rank, tp_size=world_size, tokens_partitioned=tokens_partitioned)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks whose partial outputs one collective combines."""
+        return self.tp_size * self.ep_size
+
+    def expert_range(self, num_experts: int) -> range:
+        """The global ids of the experts this rank holds."""
+        base, extra = divmod(num_experts, self.ep_size)
+        start = self.ep_rank * base + min(self.ep_rank, extra)
+        return range(start, start + base + (1 if self.ep_rank < extra else 0))
+
+
+def moe_parallel_from_context(ctx: Any) -> tuple[MoEParallel, Communicator | None]:
+    """The MoE parallel style and communicator of a model context: its ``ParallelContext``'s
+    tensor-parallel group (``ctx.parallel.tp_rank`` / ``tp_size`` / ``tp``), with the experts
+    placed across that group when ``enable_expert_parallel`` is set (on the parallel context,
+    or on the model context) and sharded otherwise. No parallel context: one device."""
+    parallel = getattr(ctx, "parallel", None)
+    if parallel is None:
+        return MoEParallel(), None
+    enable_ep = bool(
+        getattr(parallel, "enable_expert_parallel", False)
+        or getattr(ctx, "enable_expert_parallel", False)
+    )
+    style = MoEParallel.for_group(parallel.tp_rank, parallel.tp_size, enable_ep)
+    return style, parallel.tp
+
+
+class FusedMoEMethodBase:
+    """How a ``FusedMoE`` stores and runs its experts (unquantized, FP8, W4A16, ...).
+
+    ``create_weights`` registers the parameters on the layer, each with a ``weight_loader``
+    (usually ``layer.weight_loader``) and a ``moe_shard_kind`` of ``"w13"`` or ``"w2"`` saying
+    which stacked layout it has; ``process_weights_after_loading`` runs once every checkpoint
+    tensor is in (repacking, scale folding); ``apply`` computes the routed experts' weighted sum
+    for this rank's experts (no collective: the layer reduces).
+    """
+
+    def create_weights(
+        self,
+        layer: FusedMoE,
+        num_local_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        dtype: torch.dtype | None,
+    ) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Post-load processing (none by default)."""
+
+    def apply(
+        self,
+        layer: FusedMoE,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Experts in the activation dtype: ``w13_weight`` and ``w2_weight``, computed by the
+    platform's ``fused_moe`` kernel."""
+
+    def create_weights(
+        self,
+        layer: FusedMoE,
+        num_local_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        dtype: torch.dtype | None,
+    ) -> None:
+        i = intermediate_size_per_partition
+        w13 = new_parameter((num_local_experts, 2 * i, hidden_size), dtype)
+        w2 = new_parameter((num_local_experts, hidden_size, i), dtype)
+        for name, param, kind in (("w13_weight", w13, "w13"), ("w2_weight", w2, "w2")):
+            param.moe_shard_kind = kind  # type: ignore[attr-defined]
+            set_weight_loader(param, layer.weight_loader)
+            layer.register_parameter(name, param)
+
+    def apply(
+        self,
+        layer: FusedMoE,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return layer.kernels.fused_moe(
+            hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
+        )
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE block: ``forward(hidden [T, H], router_logits [T, E])``
+    routes every token to its ``top_k`` experts and returns their weighted sum ``[T, H]``.
+
+    ``intermediate_size`` is one expert's (global) intermediate size. ``renormalize`` divides
+    the chosen softmax weights by their sum (Mixtral; Qwen's ``norm_topk_prob``).
+    ``reduce_results=False`` leaves the partial sum unreduced so that the block can add a
+    shared expert's partial output first and reduce once (``reduce``).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        renormalize: bool,
+        kernels: Kernels,
+        dtype: torch.dtype | None = None,
+        parallel: MoEParallel | None = None,
+        communicator: Communicator | None = None,
+        quant_method: FusedMoEMethodBase | None = None,
+        quant_config: Any = None,
+        prefix: str = "",
+        reduce_results: bool = True,
+        scoring_func: str = "softmax",
+    ) -> None:
+        """``quant_config`` (the model's, or None) picks the method by ``prefix`` (the layer's
+        checkpoint name) through its ``get_moe_method(layer, prefix)``; ``quant_method``
+        forces one."""
+        super().__init__()
+        parallel = parallel or MoEParallel()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"MoE scoring function {scoring_func!r} is not supported; supported: "
+                f"{', '.join(SCORING_FUNCS)}"
+            )
+        if intermediate_size % parallel.tp_size:
+            raise ValueError(
+                f"expert intermediate size {intermediate_size} is not divisible by the "
+                f"tensor-parallel size {parallel.tp_size}"
+            )
+        if parallel.ep_size > num_experts:
+            raise ValueError(
+                f"expert-parallel size {parallel.ep_size} exceeds the {num_experts} experts"
+            )
+        if parallel.world_size > 1 and communicator is None:
+            raise ValueError(
+                f"a MoE layer split over {parallel.world_size} ranks needs a communicator"
+            )
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.intermediate_size_per_partition = intermediate_size // parallel.tp_size
+        self.renormalize = renormalize
+        self.scoring_func = scoring_func
+        self.kernels = kernels
+        self.parallel = parallel
+        self.communicator = communicator
+        self.reduce_results = reduce_results
+        self.local_experts = parallel.expert_range(num_experts)
+        self.num_local_experts = len(self.local_experts)
+        if parallel.ep_size > 1:
+            # Global id -> local index, -1 for experts other ranks hold (their choices add
+            # nothing here); int32 like the routing kernel's ids.
+            expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
+            expert_map[self.local_experts.start : self.local_experts.stop] = torch.arange(
+                self.num_local_experts, dtype=torch.int32
+            )
+            self.register_buffer("expert_map", expert_map, persistent=False)
+        else:
+            self.expert_map = None
+        # Tokens routed to each (global) expert since counting was enabled; None: not counted.
+        self.expert_load: torch.Tensor | None = None
+        self.prefix = prefix
+        if quant_method is None and quant_config is not None:
+            getter = getattr(quant_config, "get_moe_method", None)
+            if getter is None:
+                raise NotImplementedError(
+                    f"quantization {getattr(quant_config, 'name', type(quant_config).__name__)!r}"
+                    f" has no method for MoE experts ({prefix or 'FusedMoE'})"
+                )
+            quant_method = getter(self, prefix)
+        self.quant_method = quant_method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(
+            self, self.num_local_experts, hidden_size, self.intermediate_size_per_partition, dtype
+        )
+
+    # ---- compute ----------------------------------------------------------------------------
+    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights float32 [T, K], topk_ids int32 [T, K])`` with global expert ids."""
+        return self.kernels.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, E] -> [T, H] (reduced across the group unless
+        ``reduce_results`` is off). ``token_mask`` (bool [T], false for padding rows) only
+        matters while expert load is counted."""
+        gather = self.parallel.tokens_partitioned and self.parallel.world_size > 1
+        if gather:
+            assert self.communicator is not None
+            hidden = self.communicator.all_gather(hidden, 0)
+            router_logits = self.communicator.all_gather(router_logits, 0)
+            if token_mask is not None:
+                token_mask = self.communicator.all_gather(token_mask.to(torch.int64), 0)
+        topk_weights, topk_ids = self.select_experts(router_logits)
+        if self.expert_load is not None:
+            self._count_load(topk_ids, token_mask)
+        if self.expert_map is not None:
+            topk_ids = self.expert_map[topk_ids]
+        out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        return self.reduce(out) if self.reduce_results else out
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """Complete a partial output across the group: all-reduce, or reduce-scatter back to
+        each rank's own tokens; the identity on one rank."""
+        if self.parallel.world_size == 1:
+            return out
+        assert self.communicator is not None
+        if self.parallel.tokens_partitioned:
+            return self.communicator.reduce_scatter(out, 0)
+        return self.communicator.all_reduce(out)
+
+    def _count_load(self, topk_ids: torch.Tensor, token_mask: torch.Tensor | None) -> None:
+        # Device-side only (no host sync), so it can run inside a captured graph.
+        assert self.expert_load is not None
+        ids = topk_ids.reshape(-1).long()
+        if token_mask is None:
+            ones = torch.ones_like(ids)
+        else:
+            ones = token_mask.to(torch.int64)[:, None].expand(topk_ids.shape).reshape(-1)
+        self.expert_load.index_add_(0, ids, ones)
+
+    # ---- loading ----------------------------------------------------------------------------
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        shard_id: str,
+        expert_id: int | None = None,
+    ) -> None:
+        """Copy a checkpoint tensor into this rank's part of a stacked expert parameter.
+
+        ``shard_id`` is ``"w1"`` (gate), ``"w3"`` (up), ``"w13"`` (gate then up, fused) or
+        ``"w2"`` (down); ``expert_id`` the global expert, or None when ``loaded`` stacks all
+        ``num_experts`` along its first dim. Experts other ranks hold are skipped."""
+        if expert_id is None:
+            if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
+                raise ModelLoadError(
+                    f"stacked {shard_id}: expected {self.num_experts} experts along dim 0, got "
+                    f"shape {tuple(loaded.shape)}"
+                )
+            # One read of this rank's experts (a lazy checkpoint tensor reads only them).
+            experts = self.local_experts
+            mine = materialize(narrow(loaded, 0, experts.start, len(experts)))
+            for local in range(len(experts)):
+                self._load_expert(param, mine[local], shard_id, local)
+            return
+        if not 0 <= expert_id < self.num_experts:
+            raise ModelLoadError(
+                f"expert {expert_id} out of range: the layer has {self.num_experts}"
+            )
+        if expert_id in self.local_experts:
+            self._load_expert(param, loaded, shard_id, expert_id - self.local_experts.start)
+
+    def _load_expert(self, param: nn.Parameter, w: torch.Tensor, shard_id: str, local: int) -> None:
+        kind = getattr(param, "moe_shard_kind", None)
+        h, i = self.hidden_size, self.intermediate_size
+        ip, rank = self.intermediate_size_per_partition, self.parallel.tp_rank
+        dst = param.data[local]
+        if kind == "w13" and shard_id in ("w1", "w3", "w13"):
+            if shard_id == "w13":
+                check_shape("fused gate/up projection", (2 * i, h), w.shape)
+                halves = (("w1", narrow(w, 0, 0, i)), ("w3", narrow(w, 0, i, i)))
+            else:
+                check_shape(f"{shard_id} projection", (i, h), w.shape)
+                halves = ((shard_id, w),)
+            for which, half in halves:
+                offset = 0 if which == "w1" else ip
+                dst.narrow(0, offset, ip).copy_(materialize(narrow(half, 0, rank * ip, ip)))
+        elif kind == "w2" and shard_id == "w2":
+            check_shape("w2 (down) projection", (h, i), w.shape)
+            dst.copy_(materialize(narrow(w, 1, rank * ip, ip)))
+        else:
+            raise ModelLoadError(f"shard {shard_id!r} does not fit a {kind} expert parameter")
+
+    def process_weights_after_loading(self) -> None:
+        """Let the method repack or fold what it loaded (called once by the loader)."""
+        self.quant_method.process_weights_after_loading(self)
+
+    def extra_repr(self) -> str:
+        p = self.parallel
+        return (
+            f"experts={self.num_experts} (local {self.num_local_experts}), top_k={self.top_k}, "
+            f"hidden={self.hidden_size}, intermediate={self.intermediate_size} "
+            f"(per rank {self.intermediate_size_per_partition}), renormalize={self.renormalize}, "
+            f"tp={p.tp_rank}/{p.tp_size}, ep={p.ep_rank}/{p.ep_size}"
+        )
+
+
+# ---- checkpoint names -------------------------------------------------------------------------
+_PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_STACKED = re.compile(r"^(?P<layer>.+)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)$")
+_STACKED_SHARDS = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+class ExpertCheckpointMapping:
+    """Routes a model's expert tensors from a checkpoint to its ``FusedMoE`` layers.
+
+    ``proj_names`` maps the checkpoint's per-expert projection names to shards (Qwen's
+    ``gate_proj/up_proj/down_proj`` or Mixtral's ``w1/w3/w2``). Names understood, for a layer
+    at module path ``P`` (e.g. ``model.layers.0.mlp.experts``):
+
+    * ``P.<expert>.<proj>.weight``: one expert's ``[I, H]`` gate/up or ``[H, I]`` down;
+    * ``P.gate_up_proj`` ``[E, 2I, H]``, ``P.gate_proj`` / ``P.up_proj`` ``[E, I, H]``,
+      ``P.down_proj`` ``[E, H, I]`` (``.weight`` suffix optional): every expert at once.
+
+    ``filter(weights)`` loads those and yields every other tensor; ``loaded()`` then returns
+    the complete stacked parameters, or raises ``ModelLoadError`` naming the missing tensors.
+    """
+
+    def __init__(self, model: nn.Module, proj_names: Mapping[str, str] = QWEN_EXPERT_NAMES):
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+        self.proj_names = dict(proj_names)
+        self._seen: dict[str, set[tuple[str, int]]] = {name: set() for name in self.layers}
+
+    def _route(self, name: str) -> tuple[str, str, int | None] | None:
+        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        m = _STACKED.match(base)
+        if m and m["layer"] in self.layers:
+            return m["layer"], _STACKED_SHARDS[m["proj"]], None
+        m = _PER_EXPERT.match(name)
+        if m and m["layer"] in self.layers:
+            shard = self.proj_names.get(m["proj"])
+            if shard is None:
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r}: unknown expert projection {m['proj']!r} "
+                    f"(expected one of {', '.join(self.proj_names)})"
+                )
+            return m["layer"], shard, int(m["expert"])
+        return None
+
+    def filter(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Load every expert tensor of ``weights``; yield the others unchanged."""
+        for name, tensor in weights:
+            route = self._route(name)
+            if route is None:
+                yield name, tensor
+                continue
+            layer_name, shard, expert = route
+            layer = self.layers[layer_name]
+            param = layer.w2_weight if shard == "w2" else layer.w13_weight
+            try:
+                layer.weight_loader(param, tensor, shard, expert)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
+            experts = range(layer.num_experts) if expert is None else (expert,)
+            parts = ("w1", "w3") if shard == "w13" else (shard,)
+            self._seen[layer_name].update((p, e) for p in parts for e in experts)
+
+    def loaded(self) -> set[str]:
+        """Names of the stacked parameters every expert tensor arrived for; raises
+        ``ModelLoadError`` listing (in the checkpoint's per-expert names) what is missing."""
+        shard_names = {v: k for k, v in self.proj_names.items()}
+        missing: list[str] = []
+        done: set[str] = set()
+        for layer_name, layer in self.layers.items():
+            seen = self._seen[layer_name]
+            for param, parts in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+                absent = [
+                    f"{layer_name}.{e}.{shard_names[p]}.weight"
+                    for e in range(layer.num_experts)
+                    for p in parts
+                    if (p, e) not in seen
+                ]
+                if absent:
+                    missing += absent
+                else:
+                    done.add(f"{layer_name}.{param}")
+        if missing:
+            shown = ", ".join(missing[:12])
+            more = f" (and {len(missing) - 12} more)" if len(missing) > 12 else ""
+            raise ModelLoadError(
+                f"checkpoint is missing {len(missing)} expert tensor(s): {shown}{more}"
+            )
+        return done
+
+
+# ---- expert load ------------------------------------------------------------------------------
+def moe_layers(model: nn.Module) -> list[FusedMoE]:
+    """The model's ``FusedMoE`` layers, in module order."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def enable_expert_load_counting(model: nn.Module, enabled: bool = True) -> int:
+    """Start (or stop) counting the tokens routed to each expert of every MoE layer; returns
+    the number of MoE layers. Counting costs a few small device ops per layer and step (none
+    while off, the default); it is recorded into CUDA graphs captured while it is on, and
+    padding rows of a captured batch (cache slot -1) are not counted."""
+    layers = moe_layers(model)
+    for layer in layers:
+        if enabled:
+            device = next(layer.parameters()).device
+            layer.expert_load = torch.zeros(layer.num_experts, dtype=torch.int64, device=device)
+        else:
+            layer.expert_load = None
+    return len(layers)
+
+
+def read_expert_load(model: nn.Module, reset: bool = False) -> torch.Tensor | None:
+    """Tokens routed to each expert per MoE layer since counting started (or the last reset):
+    int64 ``[num_moe_layers, num_experts]`` on the CPU, or None when not counting. One device
+    synchronisation."""
+    layers = [m for m in moe_layers(model) if m.expert_load is not None]
+    if not layers:
+        return None
+    counts = torch.stack([m.expert_load for m in layers]).cpu()  # type: ignore[misc]
+    if reset:
+        for m in layers:
+            m.expert_load.zero_()  # type: ignore[union-attr]
+    return counts
+
+
+def expert_load_summary(counts: torch.Tensor) -> dict[str, Any]:
+    """Imbalance figures of ``read_expert_load``'s counts: per layer the tokens per expert,
+    the busiest expert's load over the mean (1.0 is perfectly balanced) and the idle experts."""
+    per_layer = []
+    for row in counts.tolist():
+        total = sum(row)
+        mean = total / len(row) if row else 0.0
+        per_layer.append(
+            {
+                "tokens_per_expert": row,
+                "max_over_mean": round(max(row) / mean, 3) if mean else 0.0,
+                "idle_experts": sum(1 for c in row if c == 0),
+            }
+        )
+    ratios = [layer["max_over_mean"] for layer in per_layer]
+    worst = max(range(len(ratios)), key=ratios.__getitem__) if ratios else -1
+    return {
+        "layers": len(per_layer),
+        "routed_tokens": int(counts.sum()),
+        "mean_max_over_mean": round(sum(ratios) / len(ratios), 3) if ratios else 0.0,
+        "worst_layer": worst,
+        "worst_max_over_mean": ratios[worst] if ratios else 0.0,
+        "per_layer": per_layer,
+    }

@@ -1,0 +1,671 @@
+"""Mixture-of-experts kernels: softmax top-k routing and the routed experts' SwiGLU MLPs.
+
+``moe_topk_softmax``: one program per token holds the token's E router logits in registers,
+takes the float32 softmax, picks the top k by k rounds of max/argmax (ties to the lower index)
+and renormalises when asked: one launch per layer instead of torch's softmax, topk, sum and
+divide.
+
+``fused_moe`` runs the experts one of two ways, chosen from the number of (token, choice)
+pairs P = T * top_k (``use_decode``):
+
+* **decode** (few pairs; always at batch 1): no sorting at all, two launches.
+  ``_decode_gate_up``: grid (P, I / BLOCK_N); each program streams BLOCK_N gate rows and the
+  matching BLOCK_N up rows of its pair's expert against the token's hidden vector (a GEMV:
+  float32 FMA accumulators of [BLOCK_N, BLOCK_K], reduced once after the loop), applies
+  SiLU-and-mul and writes the pair's slice of the intermediate ``[P, I]``.
+  ``_decode_down``: grid (P, H / BLOCK_N); each program streams BLOCK_N rows of its pair's
+  expert's down projection against the pair's intermediate vector and scales by the routing
+  weight; the top-k sum happens in the same launch: each program leaves its float32 partial in
+  a workspace and the last of a token's K programs to arrive at a counter adds them in choice
+  order (deterministic) and writes the output, as the skinny linear's split-K does. The split
+  over (pairs x intermediate blocks) and (pairs x hidden blocks) gives the Qwen3-30B-A3B shape
+  at batch 1 384 and 2048 programs, enough bytes in flight to keep every SM of an H200
+  streaming. Each pair reads its expert's weights once, so a batch whose tokens
+  share experts reads those twice: ``use_decode`` sends a batch here only while the expected
+  re-reads stay under 15%.
+* **grouped** (everything else): the pairs are grouped by expert (``moe_align``: a count with
+  atomics that also gives each pair its rank within its expert, then a scatter of the pair ids
+  into per-expert runs padded to BLOCK_M), and two grouped GEMMs run over blocks of BLOCK_M
+  pairs of one expert on the tensor cores: gate/up with SiLU-and-mul fused into the epilogue,
+  then down with the routing weight applied in the epilogue, writing each pair's weighted
+  output; a last kernel sums the top-k per token in float32. Every program recomputes the
+  per-expert offsets from the E counts (a cumulative sum over E lanes), so no block-to-expert
+  table is materialised. Grids are sized for the worst case padding (no host sync: the whole
+  path can be captured in a CUDA graph); blocks past the padded total exit at once.
+
+Ids of -1 (choices held by another expert-parallel rank) are skipped everywhere. Arithmetic is
+float32; the gate/up results are rounded to the activation dtype before SiLU-and-mul and each
+expert's down result before it is weighted, as the torch reference does; the grouped path also
+stores each weighted expert output in the activation dtype before the top-k sum (within one
+rounding of the reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import reference as ref
+from engine_triton.kernels.linear import _Scratch
+
+MAX_ROUTER_EXPERTS = 1024  # register-resident softmax; more experts take the torch reference
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---- routing ----------------------------------------------------------------------------------
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    stride_t,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, E_POW2)
+    valid = lanes < E
+    x = tl.load(logits_ptr + t * stride_t + lanes, mask=valid, other=-float("inf"))
+    x = x.to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(valid, p, 0.0)
+    p = p / tl.sum(p, 0)
+    candidates = tl.where(valid, p, -1.0)
+    kk = tl.arange(0, K_POW2)
+    values = tl.zeros([K_POW2], dtype=tl.float32)
+    chosen = tl.zeros([K_POW2], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(candidates, 0)
+        index = tl.min(tl.where(candidates == best, lanes, E_POW2), 0)
+        values = tl.where(kk == k, best, values)
+        chosen = tl.where(kk == k, index, chosen)
+        candidates = tl.where(lanes == index, -2.0, candidates)
+    if RENORMALIZE:
+        values = values / tl.sum(values, 0)  # lanes past TOP_K hold 0
+    out = kk < TOP_K
+    tl.store(weights_ptr + t * TOP_K + kk, values, mask=out)
+    tl.store(ids_ptr + t * TOP_K + kk, chosen, mask=out)
+
+
+def moe_topk_softmax(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``engine.kernels.reference.moe_topk_softmax``: [T, E] logits -> (float32 [T, K]
+    weights, int32 [T, K] ids), in descending weight order."""
+    t, e = router_logits.shape
+    if e > MAX_ROUTER_EXPERTS or not 1 <= top_k <= e:
+        return ref.moe_topk_softmax(router_logits, top_k, renormalize)
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    e_pow2 = triton.next_power_of_2(e)
+    _topk_softmax_kernel[(t,)](
+        logits,
+        weights,
+        ids,
+        e,
+        logits.stride(0),
+        TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
+        E_POW2=e_pow2,
+        RENORMALIZE=bool(renormalize),
+        num_warps=1 if e_pow2 <= 256 else 4,
+    )
+    return weights, ids
+
+
+# ---- configurations ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode (GEMV) kernels: output rows per program and the K chunk
+    of the gate/up kernel (``*_n``, ``*_k``) and of the down kernel."""
+
+    gate_up_n: int = 16
+    gate_up_k: int = 256
+    down_n: int = 8
+    down_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def short(self) -> str:
+        return (
+            f"decode gu n{self.gate_up_n} k{self.gate_up_k} | down n{self.down_n} "
+            f"k{self.down_k} w{self.num_warps} s{self.num_stages}"
+        )
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch parameters of the grouped GEMMs (``block_m`` pairs of one expert per block).
+    ``block_n`` output columns per program for the down GEMM, ``gate_up_n`` (default the
+    same) for gate/up, which holds two accumulators (gate and up) of that width."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    gate_up_n: int | None = None
+
+    @property
+    def gate_up_block_n(self) -> int:
+        return self.gate_up_n or self.block_n
+
+    def short(self) -> str:
+        gu = f"/{self.gate_up_n}" if self.gate_up_n else ""
+        return (
+            f"grouped m{self.block_m} n{self.block_n}{gu} k{self.block_k} g{self.group_m} "
+            f"w{self.num_warps} s{self.num_stages}"
+        )
+
+
+def expected_distinct_experts(num_pairs: int, num_experts: int) -> float:
+    """How many distinct experts ``num_pairs`` uniformly routed choices hit on average."""
+    return num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** num_pairs)
+
+
+DECODE_MAX_PAIRS = 64
+DECODE_MAX_REREAD = 1.15
+
+
+def use_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether the decode kernels serve this batch: at batch 1 always; otherwise while the
+    pairs would re-read at most 15% more expert weights than the grouped path (uniform
+    routing), up to 64 pairs. Qwen3-30B-A3B (128 experts, top-8): up to 4 tokens; Mixtral
+    (8 experts, top-2): 1 token."""
+    pairs = num_tokens * top_k
+    if num_tokens <= 1:
+        return True
+    if pairs > DECODE_MAX_PAIRS:
+        return False
+    return pairs <= DECODE_MAX_REREAD * expected_distinct_experts(pairs, num_experts)
+
+
+def grouped_config(num_pairs: int, num_experts: int) -> GroupedConfig:
+    """Rule of thumb for the grouped GEMMs from the average pairs per expert: 16-row blocks
+    while most of a block would be padding (decode batches), 64 rows for mixed steps, 128 for
+    prefill. Three configurations only, so that the decode graphs, the warm-up and the
+    profiling run compile all of them before any timed step."""
+    avg = num_pairs / num_experts
+    if avg <= 16:
+        return GroupedConfig(16, 64, 128, 1, 4, 3)
+    if avg <= 128:
+        return GroupedConfig(64, 64, 64, 8, 4, 3)
+    return GroupedConfig(128, 128, 64, 8, 8, 3, gate_up_n=64)  # 2 x 128x64 accumulators
+
+
+# ---- decode kernels ---------------------------------------------------------------------------
+@triton.jit
+def _silu_mul(gate, up, out_dtype: tl.constexpr):
+    """SiLU(gate) * up in float32 from gate/up rounded to the activation dtype, rounded."""
+    g = gate.to(out_dtype).to(tl.float32)
+    u = up.to(out_dtype).to(tl.float32)
+    return (g / (1.0 + tl.exp(-g)) * u).to(out_dtype)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _decode_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    ids_ptr,
+    inter_ptr,
+    num_pairs,
+    H,
+    INTER,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair)
+    if expert < 0:
+        return
+    token = pair // TOP_K
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_c = tl.minimum(cols, INTER - 1)  # clamped, so the weight loads need no mask
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    gate_rows = w_base + cols_c.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_base + (cols_c + INTER).to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + token.to(tl.int64) * stride_xt
+    kk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs = k0 + kk
+        if EVEN_K:
+            x = tl.load(x_row + offs).to(tl.float32)
+            wg = tl.load(gate_rows + offs[None, :])
+            wu = tl.load(up_rows + offs[None, :])
+        else:
+            k_ok = offs < H
+            x = tl.load(x_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+            wg = tl.load(gate_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+            wu = tl.load(up_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+        acc_g += wg.to(tl.float32) * x[None, :]
+        acc_u += wu.to(tl.float32) * x[None, :]
+    h = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), inter_ptr.dtype.element_ty)
+    tl.store(inter_ptr + pair.to(tl.int64) * INTER + cols, h, mask=cols < INTER)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _decode_down_kernel(
+    inter_ptr,
+    w2_ptr,
+    ids_ptr,
+    topk_w_ptr,
+    out_ptr,
+    ws_ptr,
+    counter_ptr,
+    num_tokens,
+    H,
+    INTER,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = pair // TOP_K
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_c = tl.minimum(rows, H - 1)
+    row_ok = rows < H
+    expert = tl.load(ids_ptr + pair)
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if expert >= 0:
+        w_rows = w2_ptr + expert.to(tl.int64) * stride_we + rows_c.to(tl.int64)[:, None] * stride_wn
+        a_row = inter_ptr + pair.to(tl.int64) * INTER
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            offs = k0 + kk
+            if EVEN_K:
+                a = tl.load(a_row + offs).to(tl.float32)
+                w = tl.load(w_rows + offs[None, :])
+            else:
+                k_ok = offs < INTER
+                a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.load(topk_w_ptr + pair)
+    # The top-k sum: every choice of the token leaves its weighted rows in the float32
+    # workspace and arrives at the (token, row block) counter; the last to arrive adds the
+    # K partials in choice order (deterministic), writes the output and re-zeroes the counter.
+    tl.store(ws_ptr + pair.to(tl.int64) * H + rows, y, mask=row_ok)
+    tl.debug_barrier()  # every warp's partial is stored before the (one-thread) arrival
+    counter = counter_ptr + token * tl.num_programs(1) + pid_n
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == TOP_K - 1:
+        tl.atomic_xchg(counter, 0)
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            part = ws_ptr + (token * TOP_K + k).to(tl.int64) * H + rows
+            total += tl.load(part, mask=row_ok, other=0.0, cache_modifier=".cg")
+        out = out_ptr + token.to(tl.int64) * stride_ot + rows
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# ---- grouped kernels --------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, E, BLOCK: tl.constexpr):
+    """counts[e] += 1 per pair; each pair's rank within its expert is the count it saw."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (expert >= 0) & (expert < E)
+    rank = tl.atomic_add(counts_ptr + tl.where(valid, expert, 0), 1, mask=valid)
+    tl.store(rank_ptr + offs, rank, mask=valid)
+
+
+@triton.jit
+def _expert_offsets(counts_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """(lanes, counts, padded starts, padded ends) of every expert's run, from the counts."""
+    lanes = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + lanes, mask=lanes < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    return lanes, counts, ends - padded, ends
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_scatter_kernel(
+    ids_ptr,
+    rank_ptr,
+    counts_ptr,
+    sorted_ptr,
+    num_pairs,
+    E,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """sorted[start(e) + rank] = pair: the pair ids in per-expert runs padded to BLOCK_M."""
+    lanes, _, starts, _ = _expert_offsets(counts_ptr, E, BLOCK_M, E_POW2)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    valid = in_range & (expert >= 0) & (expert < E)
+    rank = tl.load(rank_ptr + offs, mask=valid, other=0)
+    start = tl.sum(tl.where(expert[:, None] == lanes[None, :], starts[None, :], 0), axis=1)
+    tl.store(sorted_ptr + start + rank, offs, mask=valid)
+
+
+@triton.jit
+def _grouped_block(
+    pid, counts_ptr, sorted_ptr, E, num_n, max_m_blocks,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """The (expert, pair ids, row mask, n block) a grouped-GEMM program works on; expert is
+    -1 for programs past the padded total."""
+    # Programs of GROUP_M consecutive M blocks sweep N together (weight tiles reused in L2).
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(max_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    lanes, counts, starts, ends = _expert_offsets(counts_ptr, E, BLOCK_M, E_POW2)
+    block_start = pid_m * BLOCK_M
+    expert = tl.sum((ends <= block_start).to(tl.int32), axis=0)
+    start = tl.sum(tl.where(lanes == expert, starts, 0), axis=0)
+    count = tl.sum(tl.where(lanes == expert, counts, 0), axis=0)
+    rows = block_start - start + tl.arange(0, BLOCK_M)
+    row_ok = (rows < count) & (expert < E)
+    pairs = tl.load(sorted_ptr + block_start + tl.arange(0, BLOCK_M), mask=row_ok, other=0)
+    expert = tl.where(expert < E, expert, -1)
+    return expert, pairs, row_ok, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_m_blocks"])
+def _grouped_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    counts_ptr,
+    sorted_ptr,
+    inter_ptr,
+    num_pairs,
+    max_m_blocks,
+    H,
+    INTER,
+    E,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    num_n = tl.cdiv(INTER, BLOCK_N)
+    expert, pairs, row_ok, pid_n = _grouped_block(
+        tl.program_id(0), counts_ptr, sorted_ptr, E, num_n, max_m_blocks,
+        BLOCK_M, E_POW2, GROUP_M,
+    )  # fmt: skip
+    if expert < 0:
+        return
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_c = tl.minimum(cols, INTER - 1)
+    kk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + kk[None, :]
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    # [BLOCK_K, BLOCK_N] views of the gate and up rows (K contiguous in memory).
+    g_ptrs = w_base + cols_c.to(tl.int64)[None, :] * stride_wn + kk[:, None]
+    u_ptrs = w_base + (cols_c + INTER).to(tl.int64)[None, :] * stride_wn + kk[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            k_ok = (k0 + kk) < H
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = _silu_mul(acc_g, acc_u, inter_ptr.dtype.element_ty)
+    out = inter_ptr + pairs.to(tl.int64)[:, None] * INTER + cols[None, :]
+    tl.store(out, h, mask=row_ok[:, None] & (cols < INTER)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_m_blocks"])
+def _grouped_down_kernel(
+    inter_ptr,
+    w2_ptr,
+    counts_ptr,
+    sorted_ptr,
+    topk_w_ptr,
+    pair_out_ptr,
+    num_pairs,
+    max_m_blocks,
+    H,
+    INTER,
+    E,
+    stride_we,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    num_n = tl.cdiv(H, BLOCK_N)
+    expert, pairs, row_ok, pid_n = _grouped_block(
+        tl.program_id(0), counts_ptr, sorted_ptr, E, num_n, max_m_blocks,
+        BLOCK_M, E_POW2, GROUP_M,
+    )  # fmt: skip
+    if expert < 0:
+        return
+    pairs64 = pairs.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_c = tl.minimum(cols, H - 1)
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + pairs64[:, None] * INTER + kk[None, :]
+    w_ptrs = (
+        w2_ptr + expert.to(tl.int64) * stride_we + cols_c.to(tl.int64)[None, :] * stride_wn
+        + kk[:, None]
+    )  # fmt: skip
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k0 + kk) < INTER
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = pair_out_ptr.dtype.element_ty
+    weight = tl.load(topk_w_ptr + pairs64, mask=row_ok, other=0.0)
+    y = acc.to(dtype).to(tl.float32) * weight[:, None]
+    out = pair_out_ptr + pairs64[:, None] * H + cols[None, :]
+    tl.store(out, y.to(dtype), mask=row_ok[:, None] & (cols < H)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _topk_sum_kernel(
+    pair_out_ptr, ids_ptr, out_ptr, num_tokens, H, stride_ot,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pair = token * TOP_K + k
+        held = tl.load(ids_ptr + pair) >= 0
+        y = tl.load(pair_out_ptr + pair * H + cols, mask=ok & held, other=0.0)
+        total += y.to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---- host side --------------------------------------------------------------------------------
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(hidden, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+    t, h = hidden.shape
+    e, two_i, h2 = w13.shape
+    i = two_i // 2
+    k = topk_ids.shape[1]
+    if (
+        h2 != h
+        or two_i % 2
+        or tuple(w2.shape) != (e, h, i)
+        or topk_weights.shape != topk_ids.shape
+        or topk_ids.shape[0] != t
+    ):
+        raise ValueError(
+            f"fused_moe shapes do not fit: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, "
+            f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, topk_ids "
+            f"{tuple(topk_ids.shape)}"
+        )
+    return t, h, e, i, k
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    variant: str | None = None,
+    decode_config: DecodeConfig | None = None,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """See ``engine.kernels.reference.fused_moe``. ``variant`` ("decode" / "grouped") and the
+    configurations override the rules (tests and the benchmark use them)."""
+    t, h, e, i, k = _check(hidden, w13, w2, topk_weights, topk_ids)
+    out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
+    if t == 0:
+        return out
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    w13 = w13 if w13.stride(2) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    if variant is None:
+        variant = "decode" if use_decode(t, k, e) else "grouped"
+    if variant == "decode":
+        _run_decode(x, w13, w2, weights, ids, out, decode_config or DecodeConfig())
+    elif variant == "grouped":
+        _run_grouped(x, w13, w2, weights, ids, out, config or grouped_config(t * k, e))
+    else:
+        raise ValueError(f"unknown fused_moe variant {variant!r} (decode, grouped)")
+    return out
+
+
+def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig) -> None:
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    i = two_i // 2
+    k = ids.shape[1]
+    pairs = t * k
+    inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
+    grid_n = triton.cdiv(h, cfg.down_n)
+    ws, counters = _SCRATCH.get(x.device, pairs * h, t * grid_n)
+    _decode_gate_up_kernel[(pairs, triton.cdiv(i, cfg.gate_up_n))](
+        x, w13, ids, inter, pairs, h, i, x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k, EVEN_K=h % cfg.gate_up_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    _decode_down_kernel[(pairs, grid_n)](
+        inter, w2, ids, weights, out, ws, counters, t, h, i, w2.stride(0), w2.stride(1),
+        out.stride(0),
+        TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN_K=i % cfg.down_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+# The decode path's top-k sum workspace (float32 partials) and arrival counters (kept zeroed
+# by the kernel), per device; grown, never shrunk (captured graphs keep their addresses).
+_SCRATCH = _Scratch()
+ALIGN_BLOCK = 256
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """Group the pairs of ``ids`` ([T, K] int32) by expert: returns ``(counts [E] int32,
+    sorted [max_m_blocks * block_m] int32, max_m_blocks)`` where expert e's pairs occupy
+    ``sorted[start_e : start_e + counts[e]]`` with ``start_e`` the sum of the earlier
+    experts' counts rounded up to ``block_m``; slots past a run are padding (never read)."""
+    pairs = ids.numel()
+    device = ids.device
+    max_m_blocks = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(max_m_blocks * block_m, dtype=torch.int32, device=device)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    grid = (triton.cdiv(pairs, ALIGN_BLOCK),)
+    _align_count_kernel[grid](ids, counts, rank, pairs, num_experts, BLOCK=ALIGN_BLOCK)
+    scatter_block = max(16, min(ALIGN_BLOCK, 16384 // e_pow2))
+    _align_scatter_kernel[(triton.cdiv(pairs, scatter_block),)](
+        ids, rank, counts, sorted_pairs, pairs, num_experts,
+        BLOCK_M=block_m, E_POW2=e_pow2, BLOCK=scatter_block,
+    )  # fmt: skip
+    return counts, sorted_pairs, max_m_blocks
+
+
+def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig) -> None:
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    i = two_i // 2
+    k = ids.shape[1]
+    pairs = t * k
+    counts, sorted_pairs, max_m = moe_align(ids, e, cfg.block_m)
+    e_pow2 = triton.next_power_of_2(e)
+    precision = _precision(x.dtype)
+    inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
+    gu_n = cfg.gate_up_block_n
+    _grouped_gate_up_kernel[(max_m * triton.cdiv(i, gu_n),)](
+        x, w13, counts, sorted_pairs, inter, pairs, max_m, h, i, e,
+        x.stride(0), w13.stride(0), w13.stride(1),
+        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=gu_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, E_POW2=e_pow2, EVEN_K=h % cfg.block_k == 0, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    pair_out = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
+    _grouped_down_kernel[(max_m * triton.cdiv(h, cfg.block_n),)](
+        inter, w2, counts, sorted_pairs, weights, pair_out, pairs, max_m, h, i, e,
+        w2.stride(0), w2.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        E_POW2=e_pow2, EVEN_K=i % cfg.block_k == 0, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(h))
+    _topk_sum_kernel[(t, triton.cdiv(h, block))](
+        pair_out, ids, out, t, h, out.stride(0), TOP_K=k, BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
+    )  # fmt: skip

@@ -1,0 +1,230 @@
+"""schemathesis hooks for tests/schemathesis/run.py: what a JSON schema cannot say.
+
+The OpenAPI document (core/server/openapi.py) states every constraint on a single field. A
+few rules relate fields to each other, to the prompt's length in tokens, or to whether a
+regex, grammar or JSON schema compiles; the document says them in words and the server
+answers 400 naming the field. A generated *positive* case (one schemathesis expects the
+server to accept) may break such a rule; ``map_case`` below brings it within the rules the
+way a client would, so that ``positive_data_acceptance`` checks everything else strictly.
+Negative cases (expected to be refused) are left as generated.
+
+Each repair names the rule it applies. The context budget asks the live server's
+``/tokenize`` for the prompt's length, and caps the tokens to generate at a few, since the
+run is about the API, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from typing import Any
+
+import schemathesis
+from schemathesis import GenerationMode
+
+BASE_URL = os.environ["ENGINE_SCHEMATHESIS_URL"]
+MAX_MODEL_LEN = int(os.environ["ENGINE_SCHEMATHESIS_MAX_MODEL_LEN"])
+MAX_NEW_TOKENS = 4  # enough to exercise streaming, stops and logprobs; keeps the run short
+STRUCTURED = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+@schemathesis.hook
+def map_case(context, case):
+    meta = case.meta
+    if meta is None or meta.generation.mode != GenerationMode.POSITIVE:
+        return case
+    body = case.body
+    if not isinstance(body, dict):
+        return case
+    if case.path == "/v1/completions":
+        _completion(body)
+    elif case.path == "/v1/chat/completions":
+        _chat(body)
+    elif case.path == "/tokenize" and "messages" in body:
+        _messages(body)
+    return case
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def _sampling(body: dict[str, Any]) -> None:
+    # At most one structured-outputs field, and one that compiles (the schema cannot say
+    # whether a regex, grammar or JSON schema does).
+    used = [name for name in STRUCTURED if _constrains(name, body.get(name))]
+    for name in used[1:]:
+        body.pop(name)
+    if used:
+        _compilable(used[0], body)
+        body["min_tokens"] = 0  # min_tokens cannot combine with a grammar
+    if body.get("stream") and body.get("prompt_logprobs") is not None:
+        body.pop("prompt_logprobs")  # not available when streaming (vLLM's rule)
+    if body.get("truncation_side") is not None and body.get("truncate_prompt_tokens") is None:
+        body.pop("truncation_side")  # applies only with truncate_prompt_tokens
+
+
+def _constrains(name: str, value: Any) -> bool:
+    if value is None:
+        return False
+    if name == "response_format":
+        return value.get("type", "text") != "text"
+    return True
+
+
+def _compilable(name: str, body: dict[str, Any]) -> None:
+    if name == "response_format":
+        spec = body[name].get("json_schema")
+        if isinstance(spec, dict) and spec.get("schema") is not None:
+            spec["schema"] = {"type": "object"}
+    elif name == "structured_outputs":
+        keep = {k: v for k, v in body[name].items() if k == "disable_any_whitespace"}
+        body[name] = {**keep, "choice": ["yes", "no"]}
+    elif name == "guided_json":
+        body[name] = {"type": "object"}
+    elif name == "guided_regex":
+        body[name] = "[a-z]{1,8}"
+    elif name == "guided_grammar":
+        body[name] = 'root ::= "yes" | "no"'
+
+
+def _budget(body: dict[str, Any], prompt_tokens: int, fields: tuple[str, ...]) -> None:
+    """The prompt plus the tokens to generate fit the context; few tokens to generate."""
+    keep = body.get("truncate_prompt_tokens")
+    if keep is not None:
+        prompt_tokens = min(prompt_tokens, MAX_MODEL_LEN if keep == -1 else keep)
+    room = max(1, MAX_MODEL_LEN - prompt_tokens)
+    for name in fields:
+        value = body.get(name)
+        if value is None and name == fields[0]:
+            value = MAX_NEW_TOKENS  # "until the context is full" would take minutes
+        if value is not None:
+            lowest = 0 if name == "max_tokens" and _echo_only(body) else 1
+            body[name] = max(lowest, min(value, room, MAX_NEW_TOKENS))
+    limit = min(body[f] for f in fields if body.get(f) is not None)
+    if body.get("min_tokens"):
+        body["min_tokens"] = min(body["min_tokens"], limit)  # min_tokens <= max_tokens
+
+
+def _echo_only(body: dict[str, Any]) -> bool:
+    return bool(body.get("echo")) and body.get("max_tokens") == 0
+
+
+def _completion(body: dict[str, Any]) -> None:
+    _sampling(body)
+    if body.get("best_of") is not None:
+        body["best_of"] = body.get("n", 1)  # best_of must equal n
+    if body.get("max_tokens") == 0 and not body.get("echo"):
+        body["max_tokens"] = 1  # 0 only with echo
+    prompt = body["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    lengths = []
+    for i, p in enumerate(prompts):
+        n = len(p) if not isinstance(p, str) else _count(p, body.get("add_special_tokens", True))
+        if n == 0 or n >= MAX_MODEL_LEN and body.get("truncate_prompt_tokens") is None:
+            prompts[i] = "Hi" if isinstance(p, str) else [1, 5]  # a prompt of no tokens, or
+            n = _count("Hi", True)  # one that cannot fit, is refused
+        lengths.append(n)
+    if not (isinstance(prompt, str) or _is_ids(prompt)):
+        body["prompt"] = prompts
+    else:
+        body["prompt"] = prompts[0]
+    _budget(body, max(lengths), ("max_tokens",))
+
+
+def _is_ids(prompt: Any) -> bool:
+    """One prompt of token ids (JSON integers; schemathesis may write them as 5.0)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (int, float))
+
+
+def _chat(body: dict[str, Any]) -> None:
+    _sampling(body)
+    if body.get("top_logprobs") is not None:
+        body["logprobs"] = True  # top_logprobs requires logprobs
+    _messages(body)
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto") and any(body.get(n) is not None for n in STRUCTURED):
+        # Forced tool calls constrain the output already: no second constraint.
+        for name in STRUCTURED:
+            body.pop(name, None)
+    if choice not in (None, "none", "auto"):
+        body["min_tokens"] = 0
+    n = _count_chat(body)
+    if n >= MAX_MODEL_LEN and body.get("truncate_prompt_tokens") is None:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+        body.pop("tools", None)
+        body.pop("tool_choice", None)
+        body["add_generation_prompt"], body["continue_final_message"] = True, False
+        n = _count_chat(body)
+    _budget(body, n, ("max_completion_tokens", "max_tokens"))
+
+
+def _messages(body: dict[str, Any]) -> None:
+    """Chat messages and tools within the rules the server checks beyond their types."""
+    if body.get("continue_final_message"):
+        body["add_generation_prompt"] = False  # the two cannot both be true
+    for message in body["messages"]:
+        calls = message.get("tool_calls")
+        if calls is not None and message["role"] != "assistant":
+            message.pop("tool_calls")  # only assistant messages make tool calls
+            calls = None
+        for call in calls or ():
+            function = call["function"]
+            if not isinstance(function.get("arguments", "{}"), dict):
+                function["arguments"] = "{}"  # arguments must be a JSON text
+        if message.get("content") is None and not calls:
+            message["content"] = ""  # content is required unless the message made calls
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+            message["tool_call_id"] = "call_0"  # a tool message says which call it answers
+    tools = body.get("tools")
+    if tools:
+        unique = {}
+        for tool in tools:
+            unique.setdefault(tool["function"]["name"], tool)  # tool names are unique
+        body["tools"] = list(unique.values())
+        for tool in body["tools"]:
+            if tool["function"].get("parameters") is not None:
+                tool["function"]["parameters"] = {"type": "object"}  # a schema that compiles
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if tools:
+            choice["function"]["name"] = body["tools"][0]["function"]["name"]  # a given tool
+        else:
+            body.pop("tool_choice")
+    elif choice in ("auto", "required") and not tools:
+        body.pop("tool_choice")  # tool_choice needs tools
+
+
+# ---------------------------------------------------------------- token counts
+
+
+def _post(path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        BASE_URL + path,
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.load(r)
+
+
+def _count(text: str, add_special_tokens: bool) -> int:
+    return _post("/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})["count"]
+
+
+def _count_chat(body: dict[str, Any]) -> int:
+    fields = ("messages", "add_generation_prompt", "continue_final_message", "tools")
+    payload = {k: body[k] for k in fields if body.get(k) is not None}
+    if body.get("chat_template_kwargs") is not None:
+        payload["chat_template_kwargs"] = body["chat_template_kwargs"]
+    try:
+        return _post("/tokenize", payload)["count"]
+    except OSError:
+        return MAX_MODEL_LEN  # the server refuses these messages: replaced above

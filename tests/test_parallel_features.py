@@ -1,0 +1,121 @@
+"""Main's features under tensor parallelism, end to end on the CPU (gloo, one worker process
+per rank), against the same model on one process:
+
+* n-gram speculative decoding at TP=2: the drafts travel in the step messages, every rank
+  verifies them, the reporting rank proposes the next ones; greedy tokens equal one process's
+  (and plain decoding's), and a seeded sampled request's tokens too (rejection sampling draws
+  from the same generators on every rank);
+* a tiny Qwen3-MoE (64 experts, top-8) with its experts split over two ranks (TP=2) and placed
+  on them (``enable_expert_parallel``, 32 whole experts each): greedy tokens equal, logprobs
+  close;
+* layouts that cannot work are refused at start, before any worker starts, saying why.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError
+from engine.testing.tiny_models import build_tiny_model, build_tokenizer, save_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}  # fmt: skip
+KW = dict(dtype="float32", block_size=4, max_num_batched_tokens=48, max_num_seqs=8,
+          num_gpu_blocks_override=120, max_model_len=256)  # fmt: skip
+
+
+def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def spec_llama(tmp_path_factory):
+    """A tiny Llama whose greedy output falls into repeating patterns (prompt lookup pays)."""
+    path = tmp_path_factory.mktemp("llama_tp_spec")
+    tok = build_tokenizer(path)
+    return save_tiny_model("llama", path, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                           initializer_range=0.05)  # fmt: skip
+
+
+def test_ngram_speculation_under_tensor_parallelism_matches_one_process(spec_llama):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 300) for _ in range(n)] for n in (3, 9, 25)]
+    prompts.append((prompts[1] * 4)[:30])  # a repeated phrase: lookup drafts it
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    seeded = [SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)]
+    single = LLM(str(spec_llama), speculative_config=NGRAM, **KW)
+    try:
+        want = token_ids(single, prompts, greedy)
+        want_seeded = token_ids(single, prompts[3:], seeded)
+    finally:
+        single.llm_engine.shutdown()
+    llm = LLM(str(spec_llama), speculative_config=NGRAM, tensor_parallel_size=2, **KW)
+    try:
+        engine = llm.llm_engine
+        assert engine.runner.name == "mp"
+        assert token_ids(llm, prompts, greedy) == want
+        stats = engine.get_stats().spec_decoding
+        assert stats.num_accepted_tokens > 0  # drafts were proposed by the workers, verified
+        assert stats.num_draft_tokens > stats.num_accepted_tokens  # and some rejected
+        assert token_ids(llm, prompts[3:], seeded) == want_seeded
+        assert engine.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    finally:
+        llm.llm_engine.shutdown()
+    plain = LLM(str(spec_llama), **KW)
+    try:
+        assert token_ids(plain, prompts, greedy) == want  # speculation changed nothing
+    finally:
+        plain.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("qwen3_moe_tp"), "qwen3_moe", seed=2))
+
+
+def test_moe_experts_split_and_placed_over_two_ranks_match_one_process(qwen3_moe):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 300) for _ in range(n)] for n in (2, 7, 19, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    single = LLM(qwen3_moe, **KW)
+    try:
+        want = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        single.llm_engine.shutdown()
+    for expert_parallel in (False, True):
+        llm = LLM(qwen3_moe, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **KW)
+        try:
+            shapes = [
+                r["parameters"]["model.layers.0.mlp.experts.w13_weight"]
+                for r in llm.llm_engine.runner.collective_rpc("describe")
+            ]
+            # 64 experts of intermediate size 32: split (each rank 16 rows of each expert's
+            # gate and up) or placed (32 whole experts per rank).
+            assert shapes == ([(32, 64, 64)] * 2 if expert_parallel else [(64, 32, 64)] * 2)
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            for out, ref in zip(got, want, strict=True):
+                assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+                for lp, ref_lp in zip(
+                    out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True
+                ):
+                    for token, entry in lp.items():
+                        assert abs(entry.logprob - ref_lp[token].logprob) < 1e-4
+            assert llm.llm_engine.num_used_blocks == 0
+        finally:
+            llm.llm_engine.shutdown()
+
+
+def test_layouts_that_cannot_work_are_refused_at_start(spec_llama, qwen3_moe, tmp_path):
+    with pytest.raises(ConfigError, match="does not run under pipeline parallelism"):
+        LLM(str(spec_llama), speculative_config=NGRAM, pipeline_parallel_size=2, **KW)
+    draft = {"method": "draft_model", "model": str(spec_llama), "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the 'draft_model' proposer"):
+        LLM(str(spec_llama), speculative_config=draft, tensor_parallel_size=2, **KW)
+    odd = build_tiny_model(tmp_path / "odd_moe", "qwen3_moe", moe_intermediate_size=33)
+    with pytest.raises(ConfigError, match=r"experts' intermediate size \(33\).*expert-parallel"):
+        LLM(str(odd), tensor_parallel_size=2, **KW)

@@ -296,12 +296,12 @@ class LLM:
     @staticmethod
     def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
         if isinstance(prompt, str):
-            return prompt, None
+            return _encodable(prompt), None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], None
+                return _encodable(prompt["prompt"]), None
             raise InvalidRequestError(
                 "a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompts"
             )
@@ -346,3 +346,20 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _encodable(text: str) -> str:
+    """``text`` if a tokenizer can take it; a lone UTF-16 surrogate (``"a\\ud800"``, which
+    Python strings may hold but UTF-8 cannot encode) is the caller's mistake, said as such
+    rather than as the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"prompt contains a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X} at index "
+            f"{exc.start}); prompts must be valid Unicode text",
+            "prompts",
+        ) from None
+    except AttributeError:  # not a string: the type check downstream says what is allowed
+        pass
+    return text

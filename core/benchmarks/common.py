@@ -9,6 +9,7 @@ import os
 import platform as host_platform
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_builtin_model
@@ -153,3 +154,19 @@ def write_json(path: str | None, record: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(record, f, indent=2)
+
+
+def run_and_release(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)``, then the device memory its engine held given back: a second benchmark in
+    the same process (a test, a notebook) sizes its KV cache from the device as the first
+    found it, instead of counting the first engine's unreachable tensors as its activations."""
+    try:
+        return run(args)
+    finally:
+        import gc
+
+        import torch
+
+        gc.collect()  # the engine, runner and graphs hold one another: only a collection frees them
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()

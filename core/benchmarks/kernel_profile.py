@@ -22,6 +22,7 @@ from engine.benchmarks.common import (
     add_common_args,
     build_llm,
     hardware,
+    run_and_release,
     sampling_params,
     write_json,
 )
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m engine.benchmarks.kernel_profile", description=__doc__.split("\n\n")[0]
     )
     add_cli_args(parser)
-    return run(parser.parse_args(argv))
+    return run_and_release(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from engine.benchmarks.common import (
     engine_settings,
     generate,
     hardware,
+    run_and_release,
     write_json,
 )
 from engine.benchmarks.workload import length_range, random_workload, warmup_workload
@@ -160,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="engine bench throughput", description=__doc__.split("\n\n")[0]
     )
     add_cli_args(parser)
-    return run(parser.parse_args(argv))
+    return run_and_release(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -63,8 +63,10 @@ class UniProcExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def capture_graphs(self) -> float | None:
-        return self.runner.capture_graphs()
+    def capture_graphs(self, eager: bool = False) -> float | None:
+        """The runner's ``capture_graphs`` (``eager=True``: its replay machinery without
+        recorded graphs, which tests drive on the CPU)."""
+        return self.runner.capture_graphs(eager=eager)
 
     def execute_async(self, sched_out, sampling_rows, prompt_logprobs=None):  # noqa: D102
         return self.runner.execute_async(sched_out, sampling_rows, prompt_logprobs)

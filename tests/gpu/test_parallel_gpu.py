@@ -26,7 +26,12 @@ from engine import LLM, SamplingParams
 from engine.executor import WorkerFailedError
 from engine.testing.tiny_models import build_tiny_gemma3_multimodal, build_tiny_model
 
-pytestmark = pytest.mark.gpu
+# Every test here needs two GPUs or more: skipping the module up front keeps a one-GPU run
+# from building the single-GPU reference fixtures for nothing.
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs"),
+]
 NUM_NEW = 24
 
 

@@ -245,5 +245,5 @@ def test_decode_top_k_sum_leaves_its_counters_zeroed(device, seed):
         weights, ids = _route(t, e, k)
         out = _run("decode", x, w13, w2, weights, ids, device)
         close(out, ref.fused_moe(x, w13, w2, weights, ids), dtype, seed)
-        counters = fm._SCRATCH.counters[torch.device(device)]
+        counters = fm._SCRATCH.counters[out.device]  # cuda:0, not cuda
         assert int(counters.abs().sum()) == 0

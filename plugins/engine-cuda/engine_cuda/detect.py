@@ -1,8 +1,10 @@
 """Counting NVIDIA GPUs without creating a CUDA context.
 
-Tried in order, stopping at the first that answers: NVML through ``pynvml`` (from the
-``nvidia-ml-py`` package, when installed), the driver's ``/proc/driver/nvidia/gpus`` directory,
-and ``nvidia-smi -L``. Each failure is kept as a note for the "why not" message.
+Tried in order, stopping at the first that answers: the driver's ``/proc/driver/nvidia/gpus``
+directory, NVML through ``pynvml`` (from the ``nvidia-ml-py`` package, when installed), and
+``nvidia-smi -L``. ``/proc`` comes first because it maps no library into the process: on the
+H200 machine (driver 580) ``nvmlInit`` mapped ``libcuda.so``, which the conformance kit's
+detection-is-cheap check caught. Each failure is kept as a note for the "why not" message.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def nvidia_gpu_count() -> tuple[int, str]:
     """``(count, how)``: the number of NVIDIA GPUs the driver sees and which probe said so;
     ``(0, notes)`` with every probe's failure when none could tell."""
     notes = []
-    for probe in (_nvml_count, _proc_count, _smi_count):
+    for probe in (_proc_count, _nvml_count, _smi_count):
         count, how = probe()
         if count is not None:
             return count, how

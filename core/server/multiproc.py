@@ -151,7 +151,7 @@ def _supervise(front_ends: list[Any]) -> int:
 def run_front_end(args: FrontEndArgs) -> int:
     """A front-end process: one ``ApiServer`` on the shared port, a client of every core."""
     from engine.cli.args import configure_logging
-    from engine.cli.main import _user_errors, format_error
+    from engine.cli.main import format_error, is_user_error
     from engine.engine_core.async_client import AsyncMPClient
     from engine.engine_core.processes import set_shutdown_handler
     from engine.server.launcher import ApiServer, bind_socket
@@ -170,7 +170,7 @@ def run_front_end(args: FrontEndArgs) -> int:
     try:
         return server.run()
     except Exception as exc:
-        if isinstance(exc, _user_errors()):
+        if is_user_error(exc):
             if launch.api_server_index == 0:  # the same error in every front end: say it once
                 print(format_error(exc), file=sys.stderr)
             return 2

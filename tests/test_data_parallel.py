@@ -23,6 +23,66 @@ def test_router_balances_equal_loads_and_follows_the_least_loaded():
     assert router.choose([7, 8, 9])[0] == 0
 
 
+class _FakeGpuPlatform:
+    name = "cuda"
+    device_type = "cuda"
+    device_control_env_var = "CUDA_VISIBLE_DEVICES"
+
+    @staticmethod
+    def device_count() -> int:
+        return 4
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    import engine.plugins
+
+    class Manager:
+        def resolve_platform(self, requested):
+            return _FakeGpuPlatform
+
+    monkeypatch.setattr(engine.plugins.PluginManager, "from_env", staticmethod(Manager))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def _config(dp: int, tp: int = 1, pp: int = 1):
+    from engine.config import EngineConfig, ModelConfig, ParallelConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=None),
+        platform="cuda",
+        parallel=ParallelConfig(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp
+        ),
+    )
+
+
+def test_each_engine_core_gets_its_own_devices_with_tensor_parallelism(fake_gpus, monkeypatch):
+    from engine.engine_core.proc import data_parallel_env
+
+    assert data_parallel_env(_config(dp=4), 4) == [
+        {"CUDA_VISIBLE_DEVICES": str(i)} for i in range(4)
+    ]
+    assert data_parallel_env(_config(dp=2, tp=2), 2) == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"},
+        {"CUDA_VISIBLE_DEVICES": "2,3"},
+    ]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,5,3,1")
+    assert data_parallel_env(_config(dp=2, pp=2), 2) == [
+        {"CUDA_VISIBLE_DEVICES": "7,5"},
+        {"CUDA_VISIBLE_DEVICES": "3,1"},
+    ]
+
+
+def test_too_few_devices_for_data_x_tensor_parallelism_is_a_clear_error(fake_gpus):
+    from engine.config import ConfigError
+    from engine.engine_core.proc import data_parallel_env
+
+    with pytest.raises(ConfigError, match=r"needs 6 cuda devices, 2 \(tensor x pipeline ranks\) "
+                       r"per engine core; 4 are visible"):  # fmt: skip
+        data_parallel_env(_config(dp=3, tp=2), 3)
+
+
 def test_router_prefers_the_core_holding_the_prefix_unless_it_is_much_busier():
     router = DataParallelRouter(2, block_size=4)
     prefix = list(range(10, 22))  # three full blocks

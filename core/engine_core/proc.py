@@ -353,9 +353,10 @@ def _precompile(core: Any, msg: AddRequests) -> None:
 
 # ------------------------------------------------------------------------- starting cores
 def data_parallel_env(config: Any, dp: int) -> list[dict[str, str]]:
-    """The environment of each of ``dp`` engine-core processes: one device each where the
-    platform has a device-selection variable (``CUDA_VISIBLE_DEVICES``), the CPU's threads
-    split evenly on the CPU."""
+    """The environment of each of ``dp`` engine-core processes: its own ``world_size``
+    devices (tensor x pipeline ranks; one without them) where the platform has a
+    device-selection variable (``CUDA_VISIBLE_DEVICES``), the CPU's threads split evenly on
+    the CPU."""
     if dp == 1:
         return [{}]
     from engine.config import ConfigError
@@ -370,12 +371,14 @@ def data_parallel_env(config: Any, dp: int) -> list[dict[str, str]]:
             devices = [d.strip() for d in visible.split(",") if d.strip()]
         else:
             devices = [str(i) for i in range(platform.device_count())]
-        if len(devices) < dp:
+        per_core = int(config.parallel.world_size)
+        if len(devices) < dp * per_core:
+            layout = "one" if per_core == 1 else f"{per_core} (tensor x pipeline ranks)"
             raise ConfigError(
-                f"data_parallel_size={dp} needs {dp} {platform.name} devices, one per engine "
-                f"core; {len(devices)} are visible ({var}={visible!r})"
+                f"data_parallel_size={dp} needs {dp * per_core} {platform.name} devices, "
+                f"{layout} per engine core; {len(devices)} are visible ({var}={visible!r})"
             )
-        return [{var: devices[i]} for i in range(dp)]
+        return [{var: ",".join(devices[i * per_core : (i + 1) * per_core])} for i in range(dp)]
     if platform.device_type == "cpu":
         total = int(os.environ.get("OMP_NUM_THREADS") or 0) or _usable_cpus()
         per_core = str(max(1, total // dp))

@@ -11,6 +11,11 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
   a negative slot marks a padding token whose key/value must not be written.
 * Query ``i`` at position ``p`` sees key position ``j`` iff ``j <= p`` and, with a sliding window
   ``W``, ``p - j < W`` (the Hugging Face convention).
+* **Bidirectional spans** (a backend that sets ``supports_bidirectional_spans``): a request may
+  name position spans ``[s, e)`` (``BatchLayout.bidirectional_spans``, the placeholder tokens of
+  one image in Gemma 3) inside which every query also sees the keys after it: a query at ``p``
+  in ``[s, e)`` sees ``j`` iff ``j <= p`` or ``j < e`` (and the window, ``p - j < W``, still
+  holds). A span lies whole inside one step's new tokens or already-cached ones plus them.
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
 * An fp8 KV cache (a backend lists the float8 dtypes it stores in
   ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
@@ -28,6 +33,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# ``AttentionSpec.kv_cache_dtype`` spellings -> the float8 torch dtype name (None: the model
+# dtype). "auto" and "fp8" are the engine's ``--kv-cache-dtype`` values.
+KV_CACHE_DTYPE_NAMES: dict[str | None, str | None] = {"auto": None, "fp8": "float8_e4m3fn"}
+
+
 @dataclass
 class AttentionSpec:
     """What a model and cache ask of an attention backend. ``None`` means "not known yet"
@@ -42,8 +52,12 @@ class AttentionSpec:
     sliding_window: bool = False
     logit_softcap: bool = False
     # The KV cache's dtype when it differs from the model dtype: a float8 torch dtype name
-    # ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"); None stores the model dtype.
+    # ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"); None (or "auto") stores the model
+    # dtype. The engine's ``--kv-cache-dtype fp8`` asks for "float8_e4m3fn" (``fp8`` is
+    # accepted as that name).
     kv_cache_dtype: str | None = None
+    # Queries see later keys inside given spans (image tokens of Gemma 3; see the module doc).
+    bidirectional_spans: bool = False
 
 
 @dataclass
@@ -62,6 +76,9 @@ class BatchLayout:
     # The block table's width when it must be wider than the longest table (static shapes:
     # ``engine.shape_buckets``); None: the longest table's length.
     table_width: int | None = None
+    # Per request, the position spans [start, end) whose queries attend bidirectionally within
+    # the span (see the module docstring); None: none in this step.
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
 
 @dataclass
@@ -81,6 +98,8 @@ class AttentionMetadata:
     # Host copies, for backends that loop over requests in Python.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # Per request, bidirectional position spans (BatchLayout.bidirectional_spans), or None.
+    bidirectional_spans_cpu: list[list[tuple[int, int]]] | None = None
 
 
 class AttentionBackend(ABC):
@@ -98,12 +117,18 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_logit_softcap: ClassVar[bool] = False
     # Float8 dtypes (torch names) this backend can keep the KV cache in, besides the model
-    # dtype; empty: none. Since plugin API 1.1.
+    # dtype; empty: none. Since plugin API 1.1. A cache of such a dtype stores
+    # ``key / k_scale`` and ``value / v_scale`` (the layer's ``k_scale`` / ``v_scale``, 1.0
+    # unless the checkpoint gives them) rounded to it, as the reference ``write_kv_cache`` does,
+    # and attention multiplies them back; ``--kv-cache-dtype fp8`` is "float8_e4m3fn".
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
     # True when ``forward`` on a pure-decode batch reads every length and table from the
     # metadata's tensors (never from its Python numbers or host lists beyond the batch size), so
     # the model runner may capture it in a CUDA graph and replay it with new tensors.
     supports_decode_graphs: ClassVar[bool] = False
+    # True when ``forward`` honours ``AttentionMetadata.bidirectional_spans_cpu`` (queries see
+    # later keys inside a span: image tokens of Gemma 3).
+    supports_bidirectional_spans: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -142,13 +167,17 @@ class AttentionBackend(ABC):
             reasons.append("sliding-window attention not supported")
         if spec.logit_softcap and not cls.supports_logit_softcap:
             reasons.append("logit soft-capping not supported")
-        if spec.kv_cache_dtype is not None and spec.kv_cache_dtype not in (
-            cls.supported_kv_cache_dtypes
-        ):
-            supported = ", ".join(cls.supported_kv_cache_dtypes) or "none"
+        if spec.bidirectional_spans and not cls.supports_bidirectional_spans:
             reasons.append(
-                f"KV cache dtype {spec.kv_cache_dtype} not supported (fp8 caches supported: "
-                f"{supported})"
+                "bidirectional attention within image tokens (Gemma 3 vision) not supported; "
+                "serve text-only with --limit-mm-per-prompt '{\"image\": 0}' to use this backend"
+            )
+        kv = KV_CACHE_DTYPE_NAMES.get(spec.kv_cache_dtype, spec.kv_cache_dtype)
+        if kv is not None and kv not in cls.supported_kv_cache_dtypes:
+            supported = ", ".join(cls.supported_kv_cache_dtypes) or "none"
+            asked = kv if kv == spec.kv_cache_dtype else f"{spec.kv_cache_dtype} ({kv})"
+            reasons.append(
+                f"KV cache dtype {asked} not supported (fp8 caches supported: {supported})"
             )
         return reasons
 
@@ -198,6 +227,7 @@ class AttentionBackend(ABC):
             slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.int64, device=device),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(layout.seq_lens),
+            bidirectional_spans_cpu=layout.bidirectional_spans,
         )
 
     def __init__(
@@ -215,6 +245,9 @@ class AttentionBackend(ABC):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # Per-layer scales of an FP8 KV cache (the loader sets them from the checkpoint).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @abstractmethod
     def forward(
@@ -228,3 +261,9 @@ class AttentionBackend(ABC):
         """Write ``key``/``value`` ([T, num_kv_heads, head_size]) into ``kv_cache`` at
         ``metadata.slot_mapping``, then attend ``query`` ([T, num_heads, head_size]) over each
         request's cached context. Returns [T, num_heads, head_size] in the query's dtype."""
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8

@@ -10,7 +10,10 @@ over speed, while staying usable on a CPU:
   attention call with an explicit mask (``is_causal`` when there is no prefix to see).
 
 Scores, softmax and the weighted sum run in float32 whatever the model dtype, so bf16/fp16
-results differ from an exact computation only by the final rounding.
+results differ from an exact computation only by the final rounding. An FP8 cache
+(``--kv-cache-dtype fp8``: e4m3; the conformance kit also runs e4m3fnuz and e5m2) holds
+``key / k_scale`` and ``value / v_scale`` in that dtype; they are multiplied back as they are
+gathered.
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_backends.interface import AttentionBackend, AttentionMetadata
-from engine.kernels.reference import write_kv_cache
+from engine.kernels.reference import from_cache_dtype, write_kv_cache
+
+
+def _select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache.index_select(0, index)``; an FP8 cache is gathered as bytes (portable)."""
+    if cache.element_size() == 1 and cache.is_floating_point():
+        return cache.view(torch.uint8).index_select(0, index).view(cache.dtype)
+    return cache.index_select(0, index)
 
 
 class TorchReferenceBackend(AttentionBackend):
-    """Reference paged attention in plain torch: any device, fp32/bf16/fp16, GQA, sliding window
-    and logit soft-capping."""
+    """Reference paged attention in plain torch: any device, fp32/bf16/fp16, GQA, sliding window,
+    logit soft-capping and bidirectional spans."""
 
     name: ClassVar[str] = "torch"
     # Plain torch ops only, so any device torch can drive (ROCm presents itself as "cuda").
@@ -34,6 +44,7 @@ class TorchReferenceBackend(AttentionBackend):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
+    supports_bidirectional_spans: ClassVar[bool] = True
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
         "float8_e4m3fn",
         "float8_e4m3fnuz",
@@ -51,7 +62,12 @@ class TorchReferenceBackend(AttentionBackend):
         """See ``AttentionBackend.forward``."""
         num_tokens = metadata.num_actual_tokens
         write_kv_cache(
-            key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens]
+            key[:num_tokens],
+            value[:num_tokens],
+            kv_cache,
+            metadata.slot_mapping[:num_tokens],
+            self.k_scale,
+            self.v_scale,
         )
         # Rows past num_actual_tokens (padding) stay zero.
         out = torch.zeros_like(query)
@@ -95,25 +111,29 @@ class TorchReferenceBackend(AttentionBackend):
         b = physical.shape[0]
         flat = physical.flatten()
         # index_select rather than advanced indexing: the same gather, far faster on CPU. An
-        # fp8 cache is gathered as bytes (CPU index kernels have no float8 versions) and read
-        # back as float32.
-        cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+        # fp8 cache is gathered as bytes (portable) and read back as float32, times the
+        # layer's scales.
         shape = (b, num_blocks * block_size, *kv_cache.shape[3:])
-        keys = cache[0].index_select(0, flat).view(shape)
-        values = cache[1].index_select(0, flat).view(shape)
-        if cache is not kv_cache:
-            keys, values = keys.view(kv_cache.dtype).float(), values.view(kv_cache.dtype).float()
+        keys = _select(kv_cache[0], flat).view(shape)
+        values = _select(kv_cache[1], flat).view(shape)
+        if kv_cache.element_size() == 1:  # an fp8 cache: scaled values
+            keys = from_cache_dtype(keys, torch.float32, self.k_scale)
+            values = from_cache_dtype(values, torch.float32, self.v_scale)
         positions = (
             logical[:, :, None] * block_size + torch.arange(block_size, device=logical.device)
         ).view(b, -1)
         return keys.transpose(1, 2), values.transpose(1, 2), positions
 
-    def _visible(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    def _visible(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, key_limit: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mask [..., Lq, Lk]: True where a query at ``query_pos`` [..., Lq] sees a key at
-        ``key_pos`` [..., Lk] (causal, plus the sliding window when set)."""
+        ``key_pos`` [..., Lk] (causal, plus the sliding window when set). ``key_limit``
+        [..., Lq], when given, is the last key position each query sees (its own position, or
+        the end of its bidirectional span minus one)."""
         q = query_pos[..., :, None]
         k = key_pos[..., None, :]
-        mask = k <= q
+        mask = k <= (q if key_limit is None else key_limit[..., :, None])
         if self.sliding_window is not None:
             mask &= (q - k) < self.sliding_window
         return mask
@@ -200,10 +220,18 @@ class TorchReferenceBackend(AttentionBackend):
         lk = seq_len - first * bs
         keys, values, key_pos = keys[:, :, :lk], values[:, :, :lk], key_pos[:, :lk]
         q = query.transpose(0, 1)[None]  # [1, H, Lq, D]
-        if lk == lq and self.sliding_window is None:
+        spans = md.bidirectional_spans_cpu[i] if md.bidirectional_spans_cpu else None
+        if lk == lq and self.sliding_window is None and not spans:
             mask = None  # no prefix: plain causal attention over the new tokens
         else:
             query_pos = torch.arange(first_pos, seq_len, device=device)[None]
-            mask = self._visible(query_pos, key_pos)
+            limit = None
+            if spans:
+                limit = query_pos.clone()
+                for start, end in spans:  # queries in [start, end) see keys up to end - 1
+                    lo, hi = max(start, first_pos) - first_pos, min(end, seq_len) - first_pos
+                    if hi > lo:
+                        limit[:, lo:hi] = min(end, seq_len) - 1
+            mask = self._visible(query_pos, key_pos, limit)
         out = self._attend(q, keys, values, mask)
         return out[0].transpose(0, 1).to(query.dtype)

@@ -11,6 +11,7 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
+    "LoRARequest",
     "__version__",
     "PLUGIN_API_VERSION",
     "hookimpl",
@@ -22,6 +23,7 @@ _LAZY = {
     "StructuredOutputsParams": ("engine.sampling_params", "StructuredOutputsParams"),
     "RequestOutput": ("engine.outputs", "RequestOutput"),
     "CompletionOutput": ("engine.outputs", "CompletionOutput"),
+    "LoRARequest": ("engine.lora.request", "LoRARequest"),
     "hookimpl": ("engine.hookspecs", "hookimpl"),
 }
 

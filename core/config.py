@@ -7,7 +7,10 @@ match vLLM's so users switch by name) and handed to every component.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {
@@ -17,6 +20,9 @@ DTYPE_ALIASES = {
     "fp16": "float16",
     "bf16": "bfloat16",
 }
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 
 
 class ConfigError(ValueError):
@@ -47,9 +53,17 @@ class ModelConfig:
     # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
     # only its EOS ids; or a directory to read it from (see engine.generation_config).
     generation_config: str = "auto"
+    # A quantization method name (engine.quantization; vLLM's names: fp8, gptq, awq,
+    # compressed-tensors); None: the checkpoint's quantization_config decides (unquantized
+    # when it has none).
+    quantization: str | None = None
+    # auto | native | transformers (engine.models.selection): a native class when one is
+    # registered, else the transformers modeling backend.
+    model_impl: str = "auto"
     # Filled in by the loader once the config is read:
     hf_config: Any = None
     architecture: str | None = None
+    implementation: str | None = None  # the model_impl chosen: native | transformers
     # SamplingParams defaults from the generation config (engine.generation_config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -64,6 +78,11 @@ class ModelConfig:
             raise ConfigError(
                 f"load_format={self.load_format!r} is not supported; choose one of "
                 "auto, safetensors, gguf, dummy"
+            )
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ConfigError(
+                f"model_impl={self.model_impl!r} is not supported; choose one of "
+                "auto, native, transformers"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -106,6 +125,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None
     cpu_kv_cache_gb: float | None = None
+    # KV-cache element type: "auto" (the model dtype) or "fp8" (e4m3 with a per-layer scale:
+    # about twice the tokens in the same memory). vLLM's --kv-cache-dtype.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -118,6 +140,12 @@ class CacheConfig:
             raise ConfigError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
         if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
             raise ConfigError(f"cpu_kv_cache_gb must be > 0 (GiB), got {self.cpu_kv_cache_gb}")
+        self.cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.cache_dtype, self.cache_dtype)
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported; choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)} (fp8 = fp8_e4m3)"
+            )
 
 
 @dataclass
@@ -345,6 +373,79 @@ class SpeculativeConfig:
         return 0 if self.method == "ngram" else int(self.num_speculative_tokens or 0)
 
 
+# Items of one modality a prompt may carry when --limit-mm-per-prompt does not name it (vLLM's).
+DEFAULT_MM_LIMIT = 999
+
+
+@dataclass
+class MultiModalConfig:
+    """Image inputs of multimodal models (vLLM's names where vLLM has the setting).
+
+    ``limit_mm_per_prompt``: the most items of each modality one prompt may carry
+    (``{"image": 4}``; a modality not named gets ``DEFAULT_MM_LIMIT``); ``{"image": 0}`` serves
+    the model as a text model and does not load its vision tower. ``mm_encoder_cache_gb``: the
+    device memory (GiB) that caches image embeddings by content hash, so a repeated image is
+    encoded once. ``max_num_encoder_input_tokens``: image tokens the encoder may produce in one
+    step (None: ``max_num_batched_tokens``). ``disable_chunked_mm_input``: never split one
+    image's placeholder tokens over two steps (forced on for models whose image tokens attend to
+    each other bidirectionally, Gemma 3). Front end: ``allowed_local_media_path`` (a directory
+    whose files ``file://`` URLs may name; None refuses them), ``allowed_media_domains`` (hosts
+    that ``http(s)://`` image URLs may be fetched from; None refuses every fetch),
+    ``max_image_bytes`` (encoded size) and ``max_image_pixels`` (width x height) per image,
+    ``media_fetch_timeout`` (seconds per fetch).
+    """
+
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    mm_encoder_cache_gb: float = 0.25
+    max_num_encoder_input_tokens: int | None = None
+    disable_chunked_mm_input: bool = False
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    max_image_bytes: int = 10 * 1024 * 1024
+    max_image_pixels: int = 8192 * 8192
+    media_fetch_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        limits = self.limit_mm_per_prompt
+        if isinstance(limits, str):
+            import json
+
+            try:
+                limits = json.loads(limits)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--limit-mm-per-prompt is not valid JSON: {e}") from None
+        if not isinstance(limits, dict):
+            raise ConfigError(
+                'limit_mm_per_prompt must be an object of modality -> count, e.g. {"image": 4}'
+            )
+        for modality, count in limits.items():
+            if modality not in ("image",):
+                raise ConfigError(
+                    f"limit_mm_per_prompt: modality {modality!r} is not supported; supported: image"
+                )
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ConfigError(
+                    f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0, got {count!r}"
+                )
+        self.limit_mm_per_prompt = dict(limits)
+        if not self.mm_encoder_cache_gb > 0:
+            raise ConfigError(f"mm_encoder_cache_gb must be > 0, got {self.mm_encoder_cache_gb}")
+        tokens = self.max_num_encoder_input_tokens
+        if tokens is not None and tokens < 1:
+            raise ConfigError(f"max_num_encoder_input_tokens must be >= 1, got {tokens}")
+        for name in ("max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.media_fetch_timeout > 0:
+            raise ConfigError(f"media_fetch_timeout must be > 0, got {self.media_fetch_timeout}")
+        if isinstance(self.allowed_media_domains, str):
+            self.allowed_media_domains = [self.allowed_media_domains]
+
+    def limit(self, modality: str) -> int:
+        """Items of ``modality`` one prompt may carry."""
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMIT)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, in one object passed to every component."""
@@ -361,6 +462,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Threads of torch's CPU kernels; None: the physical cores available (engine.cpu_threads).
     cpu_threads: int | None = None
+    # Image inputs (multimodal models); see MultiModalConfig.
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    # Multi-LoRA serving (--enable-lora); None: off (engine.lora.config.LoRAConfig).
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from engine.kernels.registry import KernelRegistry
     from engine.models.registry import ModelRegistry
     from engine.platforms.interface import Platform
+    from engine.quantization.registry import QuantizationRegistry
 
 PROJECT_NAME = "engine"
 
@@ -85,6 +86,17 @@ def engine_communicator(platform: type[Platform], group: Any) -> Communicator | 
 @hookspec
 def engine_models(registry: ModelRegistry) -> None:
     """Register extra model architectures with ``registry.register(arch_name, "module:Class")``."""
+
+
+@hookspec
+def engine_quantization_methods(registry: QuantizationRegistry) -> None:
+    """Register quantization methods with ``registry.register(name, "module:Class")``: each a
+    ``engine.quantization.QuantizationConfig`` subclass (which checkpoint formats it reads,
+    where it runs, with reasons; how it creates, loads and multiplies a linear layer's weights).
+    Names are global (a name already registered is a load error) and become
+    ``--quantization NAME``. A vendor bringing only a faster kernel for an existing method (its
+    own INT4 GEMM for ``wna16_linear``) registers that kernel through ``engine_kernels``
+    instead. Called once per engine; import heavy modules inside the hook."""
 
 
 @hookspec

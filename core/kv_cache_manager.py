@@ -12,11 +12,13 @@ their table entries become the null block (``NULL_BLOCK_ID``) so indices stay al
 positions.
 
 Prefix caching. A full block's identity is a chained hash: ``h_0 = sha256(root)``, where the root
-encodes the request's extra keys (``cache_salt``), and ``h_k = sha256(h_{k-1} || token ids of
-block k)`` with fixed-width token encoding. Hashes are SHA-256 digests used as the keys
-themselves: the encoding is injective and SHA-256 is collision resistant, so two different token
-prefixes (or salts) get the same key with probability ~2^-128 and a request never reads another
-prompt's KV. Python's built-in ``hash`` is *not* used: it is 64-bit and trivially collidable on
+encodes the request's extra keys (its LoRA adapter and ``cache_salt``), and ``h_k = sha256(h_{k-1}
+|| token ids of block k || image hashes)`` with fixed-width token encoding, where the image
+hashes are those of the images whose placeholder tokens block k holds (none for text). Hashes
+are SHA-256 digests used as the keys themselves: the encoding is injective and SHA-256 is
+collision resistant, so two different token prefixes (or adapters, salts, or images) get the
+same key with probability ~2^-128 and a request never reads another prompt's KV. Python's
+built-in ``hash`` is *not* used: it is 64-bit and trivially collidable on
 integer tuples, which a client could exploit to read someone else's cached prompt.
 
 A hit must be valid for *every* group. Full-attention groups need every block of the prefix;
@@ -51,10 +53,15 @@ class KVCacheGroupSpec:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
 
 
-def root_hash(cache_salt: str | None) -> bytes:
+def root_hash(cache_salt: str | None, lora_id: int = 0) -> bytes:
     """The hash every block chain of a request starts from: folds in the request's extra keys,
-    so requests with different salts never share a cached block."""
+    so requests with different salts or LoRA adapters never share a cached block (the same
+    tokens give other KV under another adapter). Without an adapter the digest is the same as
+    before adapters existed."""
     h = hashlib.sha256(_ROOT_TAG)
+    if lora_id:
+        # Starts with b"l", unlike either salt encoding below: the encoding stays injective.
+        h.update(b"lora\x00" + int(lora_id).to_bytes(8, "little"))
     if cache_salt is None:
         h.update(b"\x00")
     else:
@@ -62,10 +69,25 @@ def root_hash(cache_salt: str | None) -> bytes:
     return h.digest()
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
     """The chained hash of one full block: SHA-256 of the parent's 32-byte digest followed by
-    the block's token ids as fixed-width 64-bit integers."""
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+    the block's token ids as fixed-width 64-bit integers, then its extra keys (the content
+    hashes of the images whose placeholders the block holds; see ``mm_extra_keys``)."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra_keys).digest()
+
+
+def mm_extra_keys(features: Sequence, start: int, end: int) -> bytes:
+    """The extra keys of the block holding token positions ``start .. end - 1``: the hash of
+    every image with a placeholder there (so the same prompt tokens with another image never
+    share a block). ``features`` are sorted by offset; empty when no image overlaps."""
+    keys = []
+    for f in features:
+        if f.offset >= end:
+            break
+        if f.offset + f.length > start:
+            identifier = f.identifier.encode()
+            keys.append(len(identifier).to_bytes(2, "little") + identifier)
+    return b"\x01mm" + b"".join(keys) if keys else b""
 
 
 def slot_mapping(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -204,7 +226,7 @@ class KVCacheManager:
         if request.request_id in self._reqs:
             raise ValueError(f"request {request.request_id!r} already has KV-cache state")
         self._reqs[request.request_id] = _RequestBlocks(
-            self.num_groups, root_hash(request.cache_salt)
+            self.num_groups, root_hash(request.cache_salt, request.lora_id)
         )
 
     def has_request(self, request_id: str) -> bool:
@@ -544,6 +566,7 @@ class KVCacheManager:
             output = request.output_token_ids
             num_prompt = len(prompt)
             parent = hashes[-1] if hashes else st.root
+            features = request.mm_features
             for k in range(len(hashes), num_blocks):
                 start, end = k * bs, k * bs + bs
                 if end <= num_prompt:
@@ -552,6 +575,7 @@ class KVCacheManager:
                     tokens = output[start - num_prompt : end - num_prompt]
                 else:
                     tokens = prompt[start:] + output[: end - num_prompt]
-                parent = hash_block(parent, tokens)
+                extra = mm_extra_keys(features, start, end) if features else b""
+                parent = hash_block(parent, tokens, extra)
                 hashes.append(parent)
         return hashes

@@ -4,6 +4,12 @@ from engine import LLM, SamplingParams
 llm = LLM(model="path/to/model", dtype="float32")
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 print(outputs[0].outputs[0].text)
+
+With LoRA adapters (PEFT format), as in vLLM::
+
+    from engine.lora.request import LoRARequest
+    llm = LLM(model="path/to/model", enable_lora=True, max_loras=4, max_lora_rank=16)
+    llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "path/to/sql-lora"))
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -49,7 +57,18 @@ class LLM:
     ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
     ``engine.cpu_threads``), ``data_parallel_size`` (N > 1: N engine-core processes, each with
     its own copy of the model, one device each on a GPU host; requests go to the least loaded,
-    preferring the one that holds their prefix). Unknown keywords are an error that lists them.
+    preferring the one that holds their prefix), ``quantization`` (a method name such as "fp8",
+    "awq", "gptq", "compressed-tensors"; None: the checkpoint's quantization_config decides),
+    ``kv_cache_dtype`` ("auto" or "fp8"), ``enable_lora``, ``max_loras``, ``max_lora_rank``,
+    ``max_cpu_loras``, ``lora_fused_shrink`` (multi-LoRA serving, ``engine.lora``),
+    ``model_impl`` ("auto": the native implementation when there is one, else the
+    transformers modeling backend; "native"; "transformers"). Image inputs (multimodal models,
+    ``engine.config.MultiModalConfig``): ``limit_mm_per_prompt`` (``{"image": N}``; 0 serves
+    the model text-only), ``allowed_local_media_path`` (where ``file://`` image URLs in
+    ``chat`` may point), ``allowed_media_domains`` (hosts ``http(s)://`` image URLs may be
+    fetched from; none by default), ``mm_encoder_cache_gb``, ``max_num_encoder_input_tokens``,
+    ``disable_chunked_mm_input``, ``max_image_bytes``, ``max_image_pixels``. Unknown keywords
+    are an error that lists them.
 
     With one data-parallel rank the engine core runs in this process (``llm.llm_engine.core``);
     call ``shutdown()`` (or use ``with LLM(...) as llm``) to stop engine-core processes early,
@@ -89,6 +108,22 @@ class LLM:
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         skip_tokenizer_init: bool = False,
         cpu_threads: int | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        allowed_local_media_path: str | None = None,
+        allowed_media_domains: list[str] | None = None,
+        mm_encoder_cache_gb: float = 0.25,
+        max_num_encoder_input_tokens: int | None = None,
+        disable_chunked_mm_input: bool = False,
+        max_image_bytes: int = MultiModalConfig.max_image_bytes,
+        max_image_pixels: int = MultiModalConfig.max_image_pixels,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        lora_fused_shrink: bool | None = None,
+        model_impl: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -105,6 +140,8 @@ class LLM:
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
                 skip_tokenizer_init=skip_tokenizer_init,
+                quantization=quantization,
+                model_impl=model_impl,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -112,6 +149,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 num_gpu_blocks=num_gpu_blocks_override,
                 cpu_kv_cache_gb=cpu_kv_cache_gb,
+                cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -136,11 +174,25 @@ class LLM:
                 else None
             ),
             cpu_threads=cpu_threads,
+            multimodal=MultiModalConfig(
+                limit_mm_per_prompt=limit_mm_per_prompt or {},
+                allowed_local_media_path=allowed_local_media_path,
+                allowed_media_domains=allowed_media_domains,
+                mm_encoder_cache_gb=mm_encoder_cache_gb,
+                max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+                disable_chunked_mm_input=disable_chunked_mm_input,
+                max_image_bytes=max_image_bytes,
+                max_image_pixels=max_image_pixels,
+            ),
+            lora=_lora_config(
+                enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_fused_shrink
+            ),
         )
         from engine.llm_engine import LLMEngine
 
         self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
+        self._images: Any = None
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, multiprocess: bool | None = None) -> LLM:
@@ -151,6 +203,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.llm_engine = LLMEngine.from_config(config, multiprocess=multiprocess)
         llm._counter = itertools.count()
+        llm._images = None
         return llm
 
     def shutdown(self) -> None:
@@ -177,13 +230,18 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in the prompts' order.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a list of
-        token ids. ``sampling_params`` is one ``SamplingParams`` for all prompts or one per
-        prompt. Every prompt is validated before any work starts.
+        token ids. A multimodal model takes ``{"prompt": str, "multi_modal_data": {"image":
+        image or [images]}}`` (PIL images; the prompt writes the model's image placeholder,
+        ``<start_of_image>`` for Gemma 3, where each goes). ``sampling_params`` is one
+        ``SamplingParams`` for all prompts or one per prompt; ``lora_request`` one
+        ``LoRARequest`` for all prompts or one (or None: the base model) per prompt. Every
+        prompt is validated before any work starts.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -204,11 +262,22 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError("priority needs one value per prompt", "priority")
+        loras = _per_prompt_loras(lora_request, len(prompts))
 
+        parsed = [self._with_images(*self._parse_prompt(p)) for p in prompts]
+        return self._generate_parsed(parsed, params_list, use_tqdm, priority, loras)
+
+    def _generate_parsed(
+        self,
+        parsed: list[tuple[str | None, list[int] | None, list[Any]]],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None],
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
-        parsed = [self._parse_prompt(p) for p in prompts]
         # Validate everything first: a bad prompt in the middle must not leave work queued.
-        for (text, ids), params in zip(parsed, params_list, strict=True):
+        for (text, ids, _), params in zip(parsed, params_list, strict=True):
             if ids is None and engine.tokenizer is None:
                 raise InvalidRequestError(
                     "text prompts cannot be used with skip_tokenizer_init=True (no tokenizer is "
@@ -222,9 +291,10 @@ class LLM:
                 raise PromptTooLongError(n, engine.max_model_len)
             params.validate()
         batch = []
-        for i, ((text, ids), params) in enumerate(zip(parsed, params_list, strict=True)):
+        for i, ((text, ids, images), params) in enumerate(zip(parsed, params_list, strict=True)):
             prio = priority[i] if priority is not None else 0
-            batch.append((str(next(self._counter)), text, params, ids, prio, None, True))
+            request_id = str(next(self._counter))
+            batch.append((request_id, text, params, ids, prio, None, True, images, loras[i]))
         engine.add_requests(batch)  # all or none
         return self._run([r[0] for r in batch], use_tqdm)
 
@@ -245,6 +315,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and
         generate a reply for each.
@@ -275,8 +346,29 @@ class LLM:
                 "chat_template=... or use generate()",
                 "messages",
             )
-        prompts: list[PromptType] = []
+        parsed: list[tuple[str | None, list[int] | None, list[Any]]] = []
         for conversation in conversations:
+            from engine.multimodal.chat import take_image_parts
+
+            try:
+                conversation, image_urls = take_image_parts(list(conversation))
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "messages") from None
+            if image_urls:
+                parsed.append(
+                    self._chat_with_images(
+                        conversation,
+                        image_urls,
+                        dict(
+                            chat_template=chat_template,
+                            add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message,
+                            tools=tools,
+                            **(chat_template_kwargs or {}),
+                        ),
+                    )
+                )
+                continue
             ids = tokenizer.apply_chat_template(
                 conversation,
                 chat_template=chat_template,
@@ -289,24 +381,148 @@ class LLM:
             )
             if hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            parsed.append((None, list(ids), []))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(parsed)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(parsed):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} SamplingParams for {len(parsed)} conversations; "
+                    "pass one or one per conversation",
+                    "sampling_params",
+                )
+        loras = _per_prompt_loras(lora_request, len(parsed))
+        return self._generate_parsed(parsed, params_list, use_tqdm, None, loras)
+
+    # ------------------------------------------------------------------ images
+    def _image_processor(self) -> Any:
+        """The model's processor for image inputs (built on first use)."""
+        if self._images is None:
+            engine = self.llm_engine
+            spec = engine.image_input_spec
+            if spec is None:
+                raise InvalidRequestError(
+                    "this model takes no image inputs (a text model, or one served with "
+                    'limit_mm_per_prompt={"image": 0})',
+                    "multi_modal_data",
+                )
+            from engine.multimodal.media import MediaConnector
+            from engine.multimodal.processing import MultiModalProcessor
+            from engine.runtime import _model_dir
+
+            model_dir = _model_dir(engine.config.model.model)
+            try:
+                processor = MultiModalProcessor.from_model_dir(model_dir, engine.tokenizer, spec)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "multi_modal_data") from None
+            self._images = (processor, MediaConnector(engine.config.multimodal))
+        return self._images
+
+    def _with_images(
+        self, text: str | None, ids: list[int] | None, images: list[Any]
+    ) -> tuple[str | None, list[int] | None, list[Any]]:
+        """A parsed prompt with its images processed into token ids and features."""
+        if not images:
+            return text, ids, []
+        if text is None:
+            raise InvalidRequestError(
+                "multi_modal_data needs a text prompt ({'prompt': ..., 'multi_modal_data': "
+                "...}) that places the images; token-id prompts with images are not supported",
+                "prompts",
+            )
+        processor, media = self._image_processor()
+        self._check_image_count(len(images))
+        try:
+            images = [media.check_image(image) for image in images]
+            ids, features = processor.process(text, images, add_special_tokens=True)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "multi_modal_data") from None
+        return text, ids, features
+
+    def _check_image_count(self, n: int) -> None:
+        limit = self.llm_engine.config.multimodal.limit("image")
+        if n > limit:
+            raise InvalidRequestError(
+                f"the prompt has {n} images; at most {limit} are allowed per prompt "
+                "(limit_mm_per_prompt)",
+                "multi_modal_data",
+            )
+
+    def _chat_with_images(
+        self,
+        conversation: list[Message],
+        image_urls: list[tuple[str, str]],
+        template_kwargs: dict[str, Any],
+    ) -> tuple[str | None, list[int] | None, list[Any]]:
+        from engine.multimodal.chat import render_with_images
+
+        processor, media = self._image_processor()
+        self._check_image_count(len(image_urls))
+        tokenizer = self.get_tokenizer()
+        images = []
+        try:
+            for url, where in image_urls:
+                try:
+                    images.append(media.load_image(url))
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+            prompt = render_with_images(
+                lambda conv: tokenizer.apply_chat_template(
+                    conv, tokenize=False, return_dict=False, **template_kwargs
+                ),
+                conversation,
+                len(images),
+                processor.image_placeholder,
+            )
+            # The template wrote the special tokens it wants (BOS...).
+            ids, features = processor.process(prompt, images, add_special_tokens=False)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "messages") from None
+        return prompt, ids, features
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter ahead of the requests that use it (raises with the reason when
+        it cannot be served)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter (False: not loaded)."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the loaded LoRA adapters."""
+        return self.llm_engine.list_loras()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    def _parse_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None, list[Any]]:
+        """``(text, token ids, images)`` of a prompt."""
         if isinstance(prompt, str):
-            return _encodable(prompt), None
+            return _encodable(prompt), None, []
         if isinstance(prompt, dict):
+            images: list[Any] = []
+            data = prompt.get("multi_modal_data")
+            if data is not None:
+                if not isinstance(data, dict) or set(data) - {"image"}:
+                    raise InvalidRequestError(
+                        'multi_modal_data must be {"image": image or [images]}', "prompts"
+                    )
+                value = data.get("image")
+                images = list(value) if isinstance(value, (list, tuple)) else [value]
+                images = [i for i in images if i is not None]
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), images
             if "prompt" in prompt:
-                return _encodable(prompt["prompt"]), None
+                return _encodable(prompt["prompt"]), None, images
             raise InvalidRequestError(
                 "a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompts"
             )
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+            return None, list(prompt), []
         raise InvalidRequestError(
             f"unsupported prompt type {type(prompt).__name__}; pass a "
             "string, a list of token ids or a dict",
@@ -363,3 +579,43 @@ def _encodable(text: str) -> str:
     except AttributeError:  # not a string: the type check downstream says what is allowed
         pass
     return text
+
+
+def _lora_config(
+    enable_lora: bool,
+    max_loras: int,
+    max_lora_rank: int,
+    max_cpu_loras: int | None,
+    fused_shrink: bool | None,
+) -> Any:
+    if not enable_lora:
+        return None
+    from engine.lora.config import LoRAConfig
+
+    return LoRAConfig(
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
+        fused_shrink=fused_shrink,
+    )
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """``generate``'s ``lora_request``: one for every prompt, or one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(loras)} LoRA requests for {num_prompts} prompts; pass one or one per prompt",
+            "lora_request",
+        )
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(
+                f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}",
+                "lora_request",
+            )
+    return loras

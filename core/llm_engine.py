@@ -111,19 +111,39 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         final_only: bool = False,
+        mm_features: list[Any] | None = None,
+        lora_request: Any = None,
     ) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` (or
         ``SamplingParamsError``) before any work starts; the engine stays usable.
 
         ``final_only`` requests produce a ``RequestOutput`` only when they finish (what offline
         batch generation needs; it saves copying every running request's tokens each step).
-        Others produce one after every step in which they progressed, for streaming."""
+        Others produce one after every step in which they progressed, for streaming.
+
+        ``mm_features`` are the prompt's images (``engine.multimodal.MultiModalFeature``, from
+        the front end's processor); ``lora_request`` (an ``engine.lora.request.LoRARequest``)
+        runs it with that adapter, which the engine core loads if it does not have it yet.
+        Both travel with the request to the core."""
         self.add_requests(
-            [(request_id, prompt, params, prompt_token_ids, priority, arrival_time, final_only)]
+            [
+                (
+                    request_id,
+                    prompt,
+                    params,
+                    prompt_token_ids,
+                    priority,
+                    arrival_time,
+                    final_only,
+                    mm_features,
+                    lora_request,
+                )
+            ]
         )
 
     def add_requests(self, requests: list[tuple]) -> None:
-        """Add several requests at once: tuples of ``add_request``'s arguments, in its order.
+        """Add several requests at once: tuples of ``add_request``'s arguments, in its order
+        (the last two, ``mm_features`` and ``lora_request``, may be left out).
         With engine-core processes they travel in one message per core. If one is refused,
         none stays queued and the error is raised."""
         batch: list[EngineCoreRequest] = []
@@ -131,7 +151,8 @@ class LLMEngine:
         processor = self.output_processor
         now = time.monotonic()
         try:
-            for request_id, prompt, params, ids, priority, arrival, final_only in requests:
+            for request_id, prompt, params, ids, priority, arrival, final_only, *extra in requests:
+                mm_features, lora_request = (*extra, None, None)[:2]
                 if request_id in processor or request_id in seen:
                     raise InvalidRequestError(
                         f"request id {request_id!r} is already in use", "request_id"
@@ -151,7 +172,17 @@ class LLMEngine:
                 processor.add_request(
                     request_id, prompt, ids, params, arrival, FINAL_ONLY if final_only else 1
                 )
-                batch.append(EngineCoreRequest(request_id, ids, params, arrival, priority))
+                batch.append(
+                    EngineCoreRequest(
+                        request_id,
+                        ids,
+                        params,
+                        arrival,
+                        priority,
+                        mm_features=mm_features or None,
+                        lora_request=lora_request,
+                    )
+                )
                 seen.add(request_id)
             self.client.add_requests(batch)
         except BaseException:
@@ -165,6 +196,27 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.output_processor.abort_requests(ids)
         self.client.abort_requests(ids)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter in every engine core (vLLM's ``add_lora``): later requests
+        naming it start at once. Raises ``InvalidRequestError`` with the reason when it cannot
+        be served."""
+        return self.client.call_utility("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Remove a LoRA adapter from every engine core (False: none had it). Requests already
+        using it finish on it; it is unloaded after the last one."""
+        return self.client.call_utility("remove_lora", lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ``lora_int_id`` of every loaded adapter (over every engine core)."""
+        return self.client.call_utility("list_loras")
+
+    @property
+    def image_input_spec(self) -> Any:
+        """How the model takes images (``engine.multimodal.ImageInputSpec``; None: text only)."""
+        return self.client.image_input_spec
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished (or, in process, a step is still in flight)."""

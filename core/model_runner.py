@@ -104,6 +104,8 @@ class _Batch:
     ends: list[int] | None = None
     # The target layers' hidden states an EAGLE-3 head reads, [tokens, 3 * hidden].
     aux_hidden: torch.Tensor | None = None
+    # Image inputs: (placeholder rows, their embeddings) for the model's forward, or None.
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def end(self, i: int) -> int:
         """One past request ``i``'s last token row."""
@@ -144,13 +146,16 @@ class ModelRunner:
         model_registry: ModelRegistry | None = None,
         parallel: ParallelContext | None = None,
         device_index: int = 0,
+        quant_config: Any = None,
     ) -> None:
         """``sampler`` is a ready ``engine.sampler.Sampler``-like object; without one,
         ``sampler_cls(vocab_size, device)`` (default ``engine.sampler.Sampler``) is built once
         the model is loaded. ``plugins`` (a ``PluginManager``) contributes model architectures
         through ``engine_models`` unless ``model_registry`` is given. ``parallel`` is this
         rank's place in a tensor x pipeline parallel replica (one process by default) and
-        ``device_index`` the platform device it runs on."""
+        ``device_index`` the platform device it runs on. ``quant_config`` (an
+        ``engine.quantization.QuantizationConfig``, None: unquantized) picks each linear
+        layer's quantization method."""
         self.config = config
         self.platform = platform
         self.kernels = kernels
@@ -165,6 +170,7 @@ class ModelRunner:
         self.dtype: torch.dtype | None = None  # the model's, once loaded
         self.load_stats = ReadStats()
         self.ranks_on_host = 1  # processes sharing this host's memory (set by a worker)
+        self.quant_config = quant_config
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
         self.num_blocks = 0
@@ -172,6 +178,7 @@ class ModelRunner:
         self._groups: list[int | None] | None = None
         self.graphs: Any = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.verify_graphs: Any = None  # the same for speculative verification steps
+        self.lora: Any = None  # engine.lora.model_manager.LoRAModelManager with --enable-lora
         # On-device feedback for asynchronous scheduling: the previous step's first sample of
         # each sampling row (a fixed buffer, so captured graphs can read it) and the row of
         # each request in it.
@@ -183,6 +190,7 @@ class ModelRunner:
         buckets = getattr(platform, "shape_buckets", None)  # duck-typed test platforms lack it
         self.shape_buckets = buckets(config) if buckets is not None else None
         self.proposer: Any = None  # speculative decoding (engine.spec_decode), see load_model
+        self.mm: Any = None  # image inputs (engine.multimodal.runner.EncoderRunner), see load_model
 
     def _no_grad(self) -> Any:
         """``torch.inference_mode()``, or ``no_grad`` on XLA: torch_xla's functionalization
@@ -203,8 +211,10 @@ class ModelRunner:
             self.attn_backend_cls,
             self.device,
             registry,
+            multimodal_config=getattr(self.config, "multimodal", None),
             parallel=self.parallel,
             stats=self.load_stats,
+            quant_config=self.quant_config,
         )
         self.dtype = resolve_dtype(self.config.model, self.config.model.hf_config)
         if self.parallel.world_size > 1 and self.load_stats.offered:
@@ -218,6 +228,14 @@ class ModelRunner:
                 self.load_stats.describe(),
             )
         self._pack_linears()
+        spec = getattr(self.model, "image_input_spec", None)
+        spec = spec() if callable(spec) else None
+        if spec is not None:
+            from engine.multimodal.runner import EncoderRunner
+
+            self.mm = EncoderRunner(self.model, self.device, spec)
+        if self.config.lora is not None:
+            self._wrap_lora()
         if self.sampler is None:
             if self.sampler_cls is None:
                 from engine.sampler import Sampler
@@ -244,6 +262,37 @@ class ModelRunner:
         )
         pack_linears(self.model, shared_weights=embeddings)
 
+    def _wrap_lora(self) -> None:
+        """Wrap the linear layers for LoRA (after packing, which swaps their methods; before
+        the KV cache is sized, so the adapter slots count in the memory profile)."""
+        from engine.lora.model_manager import LoRAModelManager
+
+        sched = self.config.scheduler
+        self.lora = LoRAModelManager(
+            self.model,
+            self.config.lora,
+            self.kernels,
+            self.device,
+            max(sched.max_num_batched_tokens, sched.max_num_seqs),
+        )
+
+    def add_lora(self, key: int, lora_request: Any) -> None:
+        """Load, check and register a LoRA adapter under the engine's ``key`` (raises
+        ``engine.lora.errors.LoRAAdapterError`` with the reason)."""
+        if self.lora is None:
+            raise ConfigError("LoRA is not enabled: start the engine with --enable-lora")
+        self.lora.add_adapter(key, lora_request)
+
+    def remove_lora(self, key: int) -> None:
+        """Forget a LoRA adapter (host copy and device slot)."""
+        if self.lora is not None:
+            self.lora.remove_adapter(key)
+
+    @property
+    def image_input_spec(self) -> Any:
+        """How the model takes images (``engine.multimodal.ImageInputSpec``), None without."""
+        return self.mm.spec if self.mm is not None else None
+
     @property
     def vocab_size(self) -> int:
         """The model's vocabulary size (logits width)."""
@@ -259,10 +308,25 @@ class ModelRunner:
         return n
 
     def weights_bytes(self) -> int:
-        """Bytes held by the model's parameters and buffers."""
+        """Bytes held by the model's parameters and buffers, and by the weights the CPU's
+        oneDNN prepacking keeps outside them (``packed_weight``), each storage once."""
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        total = sum(t.numel() * t.element_size() for t in tensors)
+        tensors += [
+            m.packed_weight
+            for m in self.model.modules()
+            if isinstance(getattr(m, "packed_weight", None), torch.Tensor)
+        ]
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            if t.is_mkldnn:  # an opaque oneDNN tensor: no storage pointer to share
+                total += t.numel() * t.element_size()
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
         if self.proposer is not None and self.proposer.uses_model:
             total += self.proposer.weights_bytes()
         return total
@@ -332,7 +396,11 @@ class ModelRunner:
         )
 
     def _kv_dtype(self) -> torch.dtype:
+        """The cache's element type: e4m3 for ``--kv-cache-dtype fp8`` (half the bytes of
+        bf16, so about twice the tokens in the same memory), else the model's dtype."""
         assert self.model is not None
+        if self.config.cache.cache_dtype == "fp8":
+            return torch.float8_e4m3fn
         # The model's dtype: a pipeline stage's or a quantized model's first parameter may
         # have another one (a float32 norm, packed int4).
         return self.dtype or next(self.model.parameters()).dtype
@@ -422,7 +490,7 @@ class ModelRunner:
         platform.synchronize(index)
         peak = platform.peak_memory(index) - profile_cache_bytes
         budget = int(platform.total_memory(index) * self.config.cache.gpu_memory_utilization)
-        available = budget - peak
+        available = budget - peak - self._encoder_cache_bytes()
         num_blocks = max(0, available // per_block)
         if num_blocks < per_request + 1:  # + the scheduler's reserved null block
             raise ConfigError(
@@ -437,6 +505,12 @@ class ModelRunner:
                 "gpu_memory_utilization"
             )
         return num_blocks
+
+    def _encoder_cache_bytes(self) -> int:
+        """Device memory the encoder cache of image embeddings may take (0 without images)."""
+        if self.mm is None:
+            return 0
+        return int(self.config.multimodal.mm_encoder_cache_gb * _GiB)
 
     def _profile_run(self) -> int:
         """Run a forward at ``max_num_batched_tokens`` (plus logits for ``max_num_seqs`` rows)
@@ -482,6 +556,9 @@ class ModelRunner:
                     self.proposer.profile(input_ids, positions_t, [md] * len(groups), hidden, aux)
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
+                if self.mm is not None:  # the vision encoder's activations at its step budget
+                    mm = self.config.multimodal
+                    self.mm.profile(mm.max_num_encoder_input_tokens or num_tokens)
                 if isinstance(self.model, CausalLM) and hasattr(self.sampler, "warm_up"):
                     self.sampler.warm_up(self.model.compute_logits(hidden[:1], False))
         finally:
@@ -534,6 +611,8 @@ class ModelRunner:
             logger.info("decode graphs are not captured under pipeline parallelism (eager steps)")
             return None
         assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
+        from contextlib import nullcontext
+
         from engine.cuda_graphs import DecodeGraphs
 
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
@@ -555,22 +634,24 @@ class ModelRunner:
             extra=extra,
             capture_error_mode=capture_error_mode,
         )
-        seconds = self.graphs.capture()
-        spec = self.config.speculative
-        if spec is not None:
-            self.verify_graphs = DecodeGraphs(
-                *args,
-                min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
-                self.device,
-                self._feedback,
-                query_len=int(spec.num_speculative_tokens) + 1,
-                eager=eager,
-                extra=extra,
-                capture_error_mode=capture_error_mode,
-            )
-            seconds += self.verify_graphs.capture()
-            if self.proposer is not None and self.proposer.uses_model:
-                seconds += self.proposer.capture_graphs(eager)
+        # With LoRA the graphs contain the adapter kernels, reading the mapping buffers.
+        with self.lora.capturing() if self.lora is not None else nullcontext():
+            seconds = self.graphs.capture()
+            spec = self.config.speculative
+            if spec is not None:
+                self.verify_graphs = DecodeGraphs(
+                    *args,
+                    min(max_num_seqs, int(spec.disable_by_batch_size or max_num_seqs)),
+                    self.device,
+                    self._feedback,
+                    query_len=int(spec.num_speculative_tokens) + 1,
+                    eager=eager,
+                    extra=extra,
+                    capture_error_mode=capture_error_mode,
+                )
+                seconds += self.verify_graphs.capture()
+                if self.proposer is not None and self.proposer.uses_model:
+                    seconds += self.proposer.capture_graphs(eager)
         return seconds
 
     # ---- one step ---------------------------------------------------------------------------
@@ -608,12 +689,18 @@ class ModelRunner:
                 self.attn_backend_cls.copy_blocks(cache, pairs[:, 0], pairs[:, 1])
         pending = PendingStep(RunnerOutput())
         scheduled = sched_out.scheduled
+        if self.mm is not None and sched_out.free_encoder_hashes:
+            self.mm.free(sched_out.free_encoder_hashes)
         if not scheduled:
             self._feedback_rows = {}
             return pending
         with self._no_grad():
+            if self.lora is not None:
+                self.lora.prepare(scheduled)  # adapter slots and the per-token mapping
             hidden = None
-            if self.graphs is not None:
+            if self.graphs is not None and not (
+                self.mm is not None and self.mm.spans_any(scheduled)
+            ):
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
                 ids = self.graphs.last_input_ids(len(scheduled))
@@ -633,7 +720,15 @@ class ModelRunner:
                     batch.aux_hidden = self.verify_graphs.last_extra(len(scheduled))
             if hidden is None:
                 batch = self._prepare(scheduled)
-                if self.parallel.pp_size == 1:
+                if batch.mm_embeds is not None:
+                    # Images run only with pp_size == 1 (engine.runtime refuses them otherwise).
+                    hidden = self.model(
+                        batch.input_ids,
+                        batch.positions,
+                        batch.attn_metadata,
+                        mm_embeds=batch.mm_embeds,
+                    )
+                elif self.parallel.pp_size == 1:
                     hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
                 else:
                     hidden = self._run_stage(batch)
@@ -730,6 +825,7 @@ class ModelRunner:
             [s.start for s in scheduled],
             [s.num_new_tokens for s in scheduled],
             [s.block_ids for s in scheduled],
+            bidirectional_spans=self.mm.spans(scheduled) if self.mm is not None else None,
         )
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
@@ -746,16 +842,22 @@ class ModelRunner:
             positions=positions,
             attn_metadata=metadata,
             query_start_loc=qsl.tolist(),
+            mm_embeds=self.mm.embeddings(scheduled, qsl) if self.mm is not None else None,
         )
 
     def layout(
-        self, starts: list[int], query_lens: list[int], block_ids: list[list[list[int]]]
+        self,
+        starts: list[int],
+        query_lens: list[int],
+        block_ids: list[list[list[int]]],
+        bidirectional_spans: list[list[tuple[int, int]]] | None = None,
     ) -> tuple[torch.Tensor, list[AttentionMetadata], np.ndarray]:
         """Positions (on the device), per-group attention metadata and query start locations
         of a batch where request ``i`` computes ``query_lens[i]`` tokens from ``starts[i]``
         with tables ``block_ids[i]`` (one per KV-cache group; leading one-token requests are
-        the backend's decodes). A draft model's forward uses it too: its layers share the
-        target's block tables."""
+        the backend's decodes), and request ``i``'s queries attend bidirectionally inside
+        ``bidirectional_spans[i]`` (image tokens). A draft model's forward uses it too: its
+        layers share the target's block tables."""
         bs = self.block_size
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
         lens = np.asarray(query_lens, dtype=np.int64)
@@ -779,7 +881,15 @@ class ModelRunner:
             for i, t in enumerate(tables):
                 padded[i, : len(t)] = t
             slots = padded[req_of_token, block_of_token] * bs + positions % bs
-            layout = BatchLayout(lens.tolist(), seq_lens, tables, slots.tolist(), bs, num_decodes)
+            layout = BatchLayout(
+                lens.tolist(),
+                seq_lens,
+                tables,
+                slots.tolist(),
+                bs,
+                num_decodes,
+                bidirectional_spans=bidirectional_spans,
+            )
             if self.shape_buckets is not None:
                 layout = self.shape_buckets.pad_layout(layout, num_tokens)
             metadata.append(self.attn_backend_cls.build_metadata(layout, self.device))

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from engine.distributed import Communicator
     from engine.kernels.registry import KernelRegistry
     from engine.platforms.interface import Platform
+    from engine.quantization.registry import QuantizationRegistry
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 ENGINE_PLUGINS_ENV = "ENGINE_PLUGINS"
@@ -181,6 +182,7 @@ class PluginManager:
         self._platforms: list[PlatformEntry] | None = None
         self._backends: AttentionBackendRegistry | None = None
         self._kernels: KernelRegistry | None = None
+        self._quantization: QuantizationRegistry | None = None
         self._register_builtin()
         self._load_entry_points()
 
@@ -432,6 +434,20 @@ class PluginManager:
                     self._invoke(info, impl, "engine_kernels", {"registry": registry})
             self._kernels = registry
         return self._kernels
+
+    def quantization_methods(self) -> QuantizationRegistry:
+        """The quantization methods: the core's plus every plugin's
+        ``engine_quantization_methods`` registrations (nothing is imported until a method
+        is used)."""
+        if self._quantization is None:
+            from engine.quantization.registry import QuantizationRegistry
+
+            registry = QuantizationRegistry()
+            for info, impl in self._hookimpls("engine_quantization_methods"):
+                with registry.providing(info.distribution):
+                    self._invoke(info, impl, "engine_quantization_methods", {"registry": registry})
+            self._quantization = registry
+        return self._quantization
 
 
 @functools.cache

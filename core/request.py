@@ -41,6 +41,14 @@ class Request:
     priority: int = 0  # lower value = scheduled first (vLLM's convention)
     # Extra keys folded into the prefix hash of every block (e.g. a LoRA id or a cache salt).
     cache_salt: str | None = None
+    # The request's images (engine.multimodal.MultiModalFeature: content hash, placeholder
+    # offset and length, pixel values), sorted by offset. Blocks holding part of an image fold
+    # its hash into their prefix hash.
+    mm_features: list = field(default_factory=list)
+    # The engine's key of the request's LoRA adapter (0: the base model). It is folded into the
+    # prefix hash, counted by the scheduler (at most max_loras per step) and mapped to a device
+    # slot by the model runner (``engine.lora``).
+    lora_id: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on admission

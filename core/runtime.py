@@ -96,7 +96,41 @@ def attention_spec_for(hf_config: Any, config: EngineConfig, platform: Any) -> A
         sliding_window=bool(getattr(text, "sliding_window", None))
         and getattr(text, "use_sliding_window", True) is not False,
         logit_softcap=bool(getattr(text, "attn_logit_softcapping", None)),
+        kv_cache_dtype=config.cache.cache_dtype,
     )
+
+
+def _encoder_budget(config: EngineConfig, runner: Any) -> Any:
+    """The scheduler's image-encoder budget (None for a model without image inputs)."""
+    spec = getattr(runner, "image_input_spec", None)
+    if spec is None:
+        return None
+    from engine.multimodal.encoder_cache import encoder_budget_for
+
+    # Remote executors report the workers' element size; in-process, read the model's.
+    dtype_bytes = (
+        getattr(runner, "dtype_bytes", None) or next(runner.model.parameters()).element_size()
+    )
+    budget = encoder_budget_for(
+        config.multimodal, spec, dtype_bytes, config.scheduler.max_num_batched_tokens
+    )
+    if spec.bidirectional and not config.multimodal.disable_chunked_mm_input:
+        logger.info(
+            "image tokens attend to each other bidirectionally: one image's %d placeholder "
+            "tokens always run in one step (disable_chunked_mm_input)",
+            spec.tokens_per_image,
+        )
+    return budget
+
+
+def resolve_quantization(
+    config: EngineConfig, hf_config: Any, platform: Any, kernels: Any, plugins: Any
+) -> Any:
+    """``engine.quantization.resolve.resolve_quantization`` (the engine process's and every
+    worker's quantization config)."""
+    from engine.quantization.resolve import resolve_quantization as resolve
+
+    return resolve(config, hf_config, platform, kernels, plugins)
 
 
 def tensor_parallel_sizes(hf_config: Any, limit: int = 64) -> list[int]:
@@ -117,7 +151,8 @@ def tensor_parallel_sizes(hf_config: Any, limit: int = 64) -> list[int]:
 def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -> None:
     """Refuse, before any worker starts, a layout this model or host cannot run: a
     tensor-parallel size that does not split the heads (or the MLP), more pipeline stages than
-    layers, more ranks than this host has devices (``mp``). Each error lists what is allowed."""
+    layers, more ranks than this host has devices (``mp``), a layout the transformers modeling
+    backend cannot split. Each error lists what is allowed."""
     par = config.parallel
     tp, pp, world = par.tensor_parallel_size, par.pipeline_parallel_size, par.world_size
     text = getattr(hf_config, "text_config", None) or hf_config
@@ -135,6 +170,21 @@ def check_parallel_config(config: EngineConfig, hf_config: Any, platform: Any) -
             )
     if tp > 1:
         _check_experts(text, tp, par.enable_expert_parallel)
+    if pp > 1 and getattr(config, "lora", None) is not None:
+        # A stage holds only its layers, and adapters name every layer's modules.
+        raise ConfigError(
+            f"--enable-lora with pipeline_parallel_size={pp} is not supported yet (a pipeline "
+            "stage holds only its layers' LoRA targets); use tensor_parallel_size instead "
+            "(LoRA runs under tensor parallelism), or pipeline_parallel_size=1"
+        )
+    if config.model.implementation == "transformers" and world > 1:
+        from engine.models.transformers_backend import transformers_backend_parallel_problems
+
+        problems = transformers_backend_parallel_problems(
+            hf_config, tp, pp, config.model.model_impl
+        )
+        if problems:
+            raise ConfigError("; ".join(problems))
     layers = getattr(text, "num_hidden_layers", None)
     if pp > 1 and layers is not None and pp > layers:
         raise ConfigError(
@@ -200,12 +250,37 @@ def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
         )
 
 
+def _check_image_parallel(config: EngineConfig, model_cls: type) -> None:
+    """Refuse image inputs under pipeline parallelism: image embeddings replace token
+    embeddings on the first stage only, which the stage hand-off does not do yet. Tensor
+    parallelism is supported (every rank runs its shard of the vision tower; the step message
+    carries the images). The model still runs text-only across stages
+    (``limit_mm_per_prompt={"image": 0}``)."""
+    par = config.parallel
+    if par.pipeline_parallel_size == 1 or not hasattr(model_cls, "encode_images"):
+        return
+    if config.multimodal.limit("image") == 0:
+        return
+    raise ConfigError(
+        f"image inputs are not supported with pipeline_parallel_size="
+        f"{par.pipeline_parallel_size} ({model_cls.__name__}): serve images with "
+        "pipeline_parallel_size=1 (tensor_parallel_size may be > 1), or serve the model "
+        "text-only across stages with --limit-mm-per-prompt '{\"image\": 0}'"
+    )
+
+
 def build_executor(
-    config: EngineConfig, platform: Any, kernels: Any, backend_cls: Any, models: Any
+    config: EngineConfig,
+    platform: Any,
+    kernels: Any,
+    backend_cls: Any,
+    models: Any,
+    quant_config: Any = None,
 ) -> Any:
     """The executor of ``config.parallel``: the model loaded on its workers (in this process
-    for ``uni``)."""
-    from engine.executor.base import executor_class
+    for ``uni``). ``quant_config`` is the resolved quantization (``resolve_quantization``);
+    a worker process resolves its own from the same configuration."""
+    from engine.executor.backends import executor_class
 
     backend = config.parallel.executor_backend
     if backend != "uni":
@@ -216,7 +291,15 @@ def build_executor(
 
     text_config = getattr(config.model.hf_config, "text_config", None) or config.model.hf_config
     sampler = Sampler(text_config.vocab_size, platform.torch_device(), argmax=kernels.argmax)
-    runner = ModelRunner(config, platform, kernels, backend_cls, sampler, model_registry=models)
+    runner = ModelRunner(
+        config,
+        platform,
+        kernels,
+        backend_cls,
+        sampler,
+        model_registry=models,
+        quant_config=quant_config,
+    )
     runner.load_model()
     return UniProcExecutor(runner)
 
@@ -261,9 +344,31 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     )
 
     kernels = plugins.kernel_registry().resolve(platform.name)
+    quant_config = resolve_quantization(config, hf_config, platform, kernels, plugins)
     spec = attention_spec_for(hf_config, config, platform)
+    # Image tokens that attend to each other both ways (Gemma 3) need a backend that can.
+    _, model_cls = models.resolve(getattr(hf_config, "architectures", None) or [])
+    spec.bidirectional_spans = bool(
+        getattr(model_cls, "bidirectional_image_attention", False)
+        and config.multimodal.limit("image") > 0
+    )
+    _check_image_parallel(config, model_cls)
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)
+    if quant_config is not None:
+        from engine.loader.model_loader import check_quantized_layout
+
+        # Before any worker starts or weight is read: the quantized layers can be built, and
+        # sharded over the tensor-parallel ranks (QuantizationError saying why not).
+        check_quantized_layout(
+            config.model,
+            kernels,
+            backend_cls,
+            models,
+            quant_config,
+            config.parallel.tensor_parallel_size,
+            config.parallel.enable_expert_parallel,
+        )
 
     if config.speculative is not None:
         from engine.spec_decode import ProposerRegistry
@@ -278,7 +383,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
             par.pipeline_parallel_size,
             par.executor_backend,
         )
-    executor = build_executor(config, platform, kernels, backend_cls, models)
+    executor = build_executor(config, platform, kernels, backend_cls, models, quant_config)
     try:
         groups = executor.kv_cache_groups()
         # The smallest over the ranks. An unset max_model_len may be lowered to fit a CPU KV
@@ -304,6 +409,8 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         [KVCacheGroupSpec(sliding_window=w) for w in groups],
         speculative_config=config.speculative,
         pipeline_parallel_size=par.pipeline_parallel_size,
+        encoder_budget=_encoder_budget(config, executor),
+        lora_config=config.lora,
     )
     logger.info(
         "engine ready in %.1f s: %d KV blocks of %d tokens",

@@ -17,6 +17,11 @@ keeps its output tokens and goes back to the front of the waiting queue, to be r
 recomputing prompt + outputs (often mostly from the prefix cache, as freed blocks keep their
 hashes). No new request is admitted in a step that preempted.
 
+With LoRA (``lora_config``), at most ``max_loras`` distinct adapters run at once
+(``engine.lora.scheduling``): a waiting request whose adapter would exceed it is held back,
+without blocking requests that need no new adapter slot, and no later request with an adapter
+overtakes it.
+
 The engine loop calls ``schedule`` -> runs the model -> ``update_from_output`` -> checks stop
 conditions and calls ``finish_request``. Everything here is device-free.
 
@@ -52,12 +57,18 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_cache_manager import KVCacheGroupSpec, KVCacheManager
+from engine.lora.scheduling import LoRAAdmission
+from engine.multimodal.encoder_cache import EncoderBudget, EncoderCacheManager, EncoderPlan
 from engine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.spec_decode.stats import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -88,6 +99,9 @@ class SchedulerStats:
     num_preemptions: int
     num_rejected: int
     spec_decoding: SpecDecodingStats | None = None
+    # Image inputs: images first reached by a request's chunk, and of which already cached.
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 class _WaitingQueue:
@@ -145,7 +159,9 @@ class Scheduler:
 
     ``num_blocks`` is the number of physical KV blocks per layer that the model runner
     allocates, including the reserved null block 0. ``kv_groups[g]`` describes KV-cache group
-    ``g``; ``ScheduledRequest.block_ids[g]`` is a request's table for it.
+    ``g``; ``ScheduledRequest.block_ids[g]`` is a request's table for it. ``encoder_budget``
+    (image inputs) is the per-step encoder budget and the encoder cache's size: the scheduler
+    then acquires a request's images as its chunks reach them (``EncoderCacheManager``).
     """
 
     def __init__(
@@ -158,7 +174,10 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         *,
         pipeline_parallel_size: int = 1,
+        encoder_budget: EncoderBudget | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
+        """``lora_config`` (None: LoRA off) limits the adapters per step to ``max_loras``."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -192,6 +211,12 @@ class Scheduler:
         self._lookahead = spec.num_lookahead_slots if spec is not None else 0
         self._spec_max_batch = int(spec.disable_by_batch_size or 0) if spec is not None else 0
         self.spec_stats = SpecDecodingStats(self._spec_k) if spec is not None else None
+        # Image inputs: the encoder cache's mirror, this step's unused encoder budget and the
+        # images this step encodes, per request.
+        self.encoder_cache = EncoderCacheManager(encoder_budget) if encoder_budget else None
+        self._enc_left = 0
+        self._step_encodes: dict[str, list[str]] = {}
+        self.lora = LoRAAdmission(lora_config.max_loras) if lora_config is not None else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, *, allow_prefix_hit: bool = True) -> None:
@@ -227,9 +252,13 @@ class Scheduler:
             return
         if request.status is _RUNNING:
             self.running.remove(request)
+            if self.lora is not None:
+                self.lora.stopped(request)
         else:
             self.waiting.remove(request)
         self.kv.remove(request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(request_id)
         del self._seq[request_id]
         self._no_prefix_hit.discard(request_id)
         request.status = status
@@ -277,6 +306,8 @@ class Scheduler:
             self._seq[cid] = next(self._counter)
             self.kv.fork(parent_id, child)
             self.running.append(child)
+            if self.lora is not None:
+                self.lora.started(child)
         self._running_sorted = False
 
     def has_unfinished(self) -> bool:
@@ -326,6 +357,11 @@ class Scheduler:
         entries = (decodes, verifies, prefills)
         # Speculative decoding in this step: only while the batch is small enough to pay.
         speculate = bool(self._spec_k) and len(self.running) <= self._spec_max_batch
+        images = self.encoder_cache
+        if images is not None:
+            images.begin_step()
+            self._enc_left = images.budget.max_tokens_per_step
+            self._step_encodes = {}
         running_budget = seq_budget
         if self._pp > 1:
             # About 1/pp of the running requests per micro-batch, so each stage gets work.
@@ -350,6 +386,11 @@ class Scheduler:
                 # Its last token is still in flight (asynchronous scheduling): with pipeline
                 # stages it cannot be fed back on the device in time, so the request waits.
                 continue
+            plan = None
+            if images is not None and request.mm_features and start < len(request.prompt_token_ids):
+                ok, plan = images.plan(request, start, 1, self._enc_left)  # a 1-token chunk
+                if not ok:
+                    continue
             drafts = request.spec_token_ids
             if speculate:
                 if drafts:
@@ -381,6 +422,8 @@ class Scheduler:
                 seq_budget += seqs_back
                 if tables is None:
                     continue
+            if plan is not None:
+                self._commit_images(request, plan)
             entry = ScheduledRequest(request, start, num_new, tables, True)
             if speculate:
                 entry.num_to_propose = propose
@@ -405,6 +448,11 @@ class Scheduler:
             start = request.num_computed_tokens
             num_tokens = request.num_tokens
             n = min(num_tokens - start, token_budget)
+            plan = None
+            if images is not None and request.mm_features:
+                n, plan = images.plan(request, start, n, self._enc_left)
+                if not n:
+                    continue  # its next image does not fit this step's encoder budget
             ends = start + n == num_tokens
             propose = self._num_to_propose(request, start, n) if speculate and ends else 0
             need = n + (propose if self._lookahead else 0)
@@ -417,6 +465,8 @@ class Scheduler:
                 seq_budget += seqs_back
                 if tables is None:
                     continue
+            if plan is not None:
+                self._commit_images(request, plan)
             entry = ScheduledRequest(request, start, n, tables, ends)
             entry.num_to_propose = propose
             prefills.append(entry)
@@ -434,12 +484,25 @@ class Scheduler:
         decodes.extend(prefills)
         if self.async_output:
             self._advance(decodes)
-        return SchedulerOutput(
+        out = SchedulerOutput(
             scheduled=decodes,
             num_batched_tokens=self._max_tokens - token_budget,
             blocks_to_copy=self.kv.take_copies(),
             preempted_ids=preempted,
         )
+        if images is not None:
+            out.free_encoder_hashes = images.end_step()
+            out.scheduled_encoder_inputs = self._step_encodes
+        return out
+
+    def _commit_images(self, request: Request, plan: EncoderPlan) -> None:
+        """Acquire the images a scheduled chunk reaches; charge the misses to the step."""
+        if not plan.items:
+            return
+        to_encode = self.encoder_cache.commit(request, plan)
+        self._enc_left -= plan.cost
+        if to_encode:
+            self._step_encodes.setdefault(request.request_id, []).extend(to_encode)
 
     @staticmethod
     def _advance(scheduled: list[ScheduledRequest]) -> None:
@@ -465,7 +528,16 @@ class Scheduler:
         still gets it: it resumes by recomputing its tokens)."""
         if self.async_output:
             self._fill_placeholders(sched_out, sampled)
-            return
+        else:
+            self._update_synchronously(sched_out, sampled)
+        if self.encoder_cache is not None:
+            # Images whose placeholders are all computed are released (they stay cached).
+            for entry in sched_out.scheduled:
+                self.encoder_cache.release_computed(entry.request)
+
+    def _update_synchronously(
+        self, sched_out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> None:
         kv = self.kv
         caching = kv.enable_prefix_caching
         bs = self.block_size
@@ -566,6 +638,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_rejected=self.num_rejected,
             spec_decoding=self.spec_stats.copy() if self.spec_stats is not None else None,
+            encoder_cache_queries=self.encoder_cache.num_queries if self.encoder_cache else 0,
+            encoder_cache_hits=self.encoder_cache.num_hits if self.encoder_cache else 0,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -579,6 +653,8 @@ class Scheduler:
     ) -> tuple[int, int]:
         kv = self.kv
         waiting = self.waiting
+        lora = self.lora
+        held: list[Request] = []  # held back by the LoRA limit, put back in order below
         while waiting and token_budget > 0 and seq_budget > 0:
             if len(self.running) >= self._max_seqs:
                 break
@@ -588,6 +664,11 @@ class Scheduler:
                 # Preempted while its token was in flight: its recomputation needs that token
                 # on the host first (a micro-batch in flight cannot feed it back).
                 break
+            if lora is not None and request.lora_id and (held or not lora.fits(request)):
+                if len(held) >= self._max_seqs:
+                    break  # a bounded look past held-back requests for ones without adapter
+                held.append(waiting.pop())
+                continue
             if request.request_id in self._no_prefix_hit:
                 num_hit, hit_tables = 0, None
             else:
@@ -600,6 +681,12 @@ class Scheduler:
                 if not self._chunked and request.num_preemptions == 0:
                     break
                 n = token_budget
+            plan = None
+            if self.encoder_cache is not None and request.mm_features:
+                wanted = n
+                n, plan = self.encoder_cache.plan(request, num_hit, n, self._enc_left)
+                if not n or (n < wanted and not self._chunked and request.num_preemptions == 0):
+                    break  # its images do not fit this step's encoder budget or cache
             lookup = request.request_id not in self._no_prefix_hit
             ends = num_hit + n == num_tokens
             propose = self._num_to_propose(request, num_hit, n) if speculate and ends else 0
@@ -607,11 +694,15 @@ class Scheduler:
             if not kv.admit(request, num_hit, hit_tables, need, count_query=lookup):
                 break  # head-of-line: later requests wait for blocks too
             waiting.pop()
+            if plan is not None:
+                self._commit_images(request, plan)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
             request.status = _RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
+            if lora is not None:
+                lora.started(request)
             self._running_sorted = False
             entry = ScheduledRequest(request, num_hit, n, kv.block_tables(request.request_id), ends)
             entry.num_to_propose = propose
@@ -621,6 +712,8 @@ class Scheduler:
                 prefills.append(entry)
             token_budget -= n
             seq_budget -= 1
+        for request in reversed(held):
+            waiting.push(request, self._seq[request.request_id], front=True)
         return token_budget, seq_budget
 
     def _preempt_until_fits(
@@ -653,7 +746,12 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        if self.lora is not None:
+            self.lora.stopped(request)
         self.kv.free(request.request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(request.request_id)
+            self._step_encodes.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []  # proposed for KV it no longer holds
@@ -689,6 +787,12 @@ class Scheduler:
                 f"request {rid!r} has a prompt of {num_prompt} tokens but chunked prefill is "
                 f"off and max_num_batched_tokens={self._max_tokens}"
             )
+        if request.mm_features and self.encoder_cache is not None:
+            reason = self.encoder_cache.rejection_reason(request, self._max_tokens)
+            if reason is not None:
+                return reason
+        elif request.mm_features:
+            return f"request {rid!r} has images but this engine takes no image inputs"
         # A proposer that writes KV for its drafts may reach num_lookahead slots further.
         need = self.kv.max_blocks_needed(
             min(total + self._lookahead, self.max_model_len), self._max_tokens

@@ -60,6 +60,10 @@ class SchedulerOutput:
     # (src_block, dst_block) copies for copy-on-write, to run before the forward pass.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Image inputs: the content hashes the runner's encoder cache must drop before this step
+    # (evicted to make room), and, per request, those this step encodes (cache misses).
+    free_encoder_hashes: list[str] = field(default_factory=list)
+    scheduled_encoder_inputs: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

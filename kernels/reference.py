@@ -9,12 +9,23 @@ optional renormalisation) and ``fused_moe`` runs the routed experts (gate/up, Si
 down, weighted sum over the top-k). The reference groups the token/expert pairs by expert with
 one sort and runs one matmul pair per expert that received tokens: no loop over tokens, and
 the weights of experts nobody chose are never read.
+
+The quantized matmuls (``fp8_linear``, ``fp8_block_linear``, ``int8_linear``,
+``wna16_linear``) are specified in ``engine.kernels.quantized``.
+
+Multi-LoRA: ``add_lora_linear`` adds each token's own adapter (or none) to a linear layer's
+output, for every fused output slice, in place (punica's shrink and expand; see its docstring);
+``lora_expand_augmented`` is the expand alone, for layers whose base GEMM also computed every
+adapter slot's shrink (their A matrices appended to the weight).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.gguf import gguf_linear
+from engine.kernels.quantized import QUANTIZED_REFERENCE_KERNELS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,22 +125,51 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter key/value ([T, num_kv_heads, head_size]) into ``kv_cache``
     ([2, num_blocks, block_size, num_kv_heads, head_size]) at ``slot_mapping`` (int64 [T]);
-    negative slots (padding) are skipped. Values are cast to the cache's dtype (an fp8 cache
-    stores them rounded, unscaled)."""
+    negative slots (padding) are skipped.
+
+    An fp8 cache (a float8 dtype; ``float8_e4m3fn`` is ``--kv-cache-dtype fp8``) stores
+    ``key / k_scale`` and ``value / v_scale`` rounded to that dtype and saturated at its
+    largest finite value (+-448 for e4m3); readers multiply back. Other caches store the values
+    cast to their dtype (the scales are not used)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
-    if kv_cache.element_size() == 1:  # an fp8 cache: CPU index kernels have no float8 versions
-        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    k = to_cache_dtype(key, kv_cache.dtype, k_scale)
+    v = to_cache_dtype(value, kv_cache.dtype, v_scale)
+    if kv_cache.element_size() == 1:  # index_copy_ has no float8 kernels: copy the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a KV cache of ``dtype``: fp8 caches hold ``x / scale`` saturated."""
+    if _is_fp8(dtype):
+        top = torch.finfo(dtype).max
+        return (x.float() / scale).clamp(-top, top).to(dtype)
+    return x.to(dtype)
+
+
+def from_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached keys/values in ``dtype`` (an fp8 cache's are multiplied back by ``scale``)."""
+    if _is_fp8(x.dtype):
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,7 +250,99 @@ def fused_moe(
     return out.to(hidden.dtype)
 
 
+def add_lora_linear(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    slot_starts: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+) -> torch.Tensor:
+    """A batch of LoRA adapters on one linear layer: for every token ``t`` with
+    ``l = token_slots[t] >= 0`` and every output slice ``s`` (columns ``[o_s, o_s + n_s)`` of
+    ``y``, ``n_s = slice_sizes[s]``)::
+
+        y[t, o_s : o_s + n_s] += (x[t] @ lora_a[l, s*R : (s+1)*R].T) @ lora_b[l, o_s : o_s + n_s].T
+
+    in place; tokens with slot -1 (no adapter) keep their row. Returns ``y``.
+
+    y: [T, N] with ``N = sum(slice_sizes)`` (the base layer's output); x: [T, K] (its input);
+    lora_a: [L, S*R, K] (``S`` slices' A matrices stacked, each zero-padded to the rank ``R``);
+    lora_b: [L, N, R] (the slices' B matrices, the LoRA scaling folded in); token_slots: int32
+    [T], the slot of each token in ``0..L-1`` or -1. ``sorted_tokens`` (int32 [T], every token
+    grouped by slot in slot order, the tokens without a slot last) and ``slot_starts`` (int32
+    [L + 1]: slot ``l``'s tokens are ``sorted_tokens[slot_starts[l] : slot_starts[l + 1]]``)
+    hold the same mapping grouped (``engine.lora.mapping.group_by_slot``): the GPU kernels run
+    one shrink and one expand launch over every slot with them; this reference reads
+    ``token_slots``.
+
+    Rounding points (the spec for overrides): the shrink ``x @ A^T`` accumulates in float32 and
+    stays float32 (an override may round it to the activation dtype before the expand); the
+    expand accumulates in float32 and is added to ``y`` in float32, rounding once.
+    """
+    rank = lora_b.shape[2]
+    slots = token_slots[: x.shape[0]].long()
+    for slot in torch.unique(slots).tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(slots == slot).squeeze(1)
+        shrunk = x.index_select(0, rows).float() @ lora_a[slot].float().T  # [n, S*R]
+        out = y.index_select(0, rows).float()
+        start = 0
+        for s, size in enumerate(slice_sizes):
+            b = lora_b[slot, start : start + size].float()  # [size, R]
+            out[:, start : start + size] += shrunk[:, s * rank : (s + 1) * rank] @ b.T
+            start += size
+        y.index_copy_(0, rows, out.to(y.dtype))
+    return y
+
+
+def lora_expand_augmented(
+    y_aug: torch.Tensor,
+    out_features: int,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    sorted_tokens: torch.Tensor,
+    slot_starts: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+) -> torch.Tensor:
+    """The expand of a LoRA layer whose base GEMM also computed the shrink: ``y_aug`` is
+    ``x @ [W; A_0; ...; A_{L-1}]^T`` ([T, N + L*S*R]: the base output, then every slot's
+    shrunk values, ``S*R`` columns per slot, the A matrices stacked as ``add_lora_linear``'s
+    ``lora_a``). Returns a new contiguous [T, N] (``N = out_features = sum(slice_sizes)``)::
+
+        out[t] = y_aug[t, :N] + per slice s: shrunk_l[t, s*R:(s+1)*R] @ lora_b[l, slice s].T
+
+    with ``l = token_slots[t]`` and ``shrunk_l = y_aug[:, N + l*S*R : N + (l+1)*S*R]``; a token
+    with slot -1 gets its base row unchanged. The mapping arguments are ``add_lora_linear``'s.
+    Rounding: the shrunk values are as the GEMM rounded them (the activation dtype); the
+    expand accumulates in float32 and is added to the base row in float32, rounding once.
+    """
+    rank = lora_b.shape[2]
+    width = len(slice_sizes) * rank
+    out = y_aug[:, :out_features].contiguous().clone()
+    slots = token_slots[: y_aug.shape[0]].long()
+    for slot in torch.unique(slots).tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(slots == slot).squeeze(1)
+        first = out_features + slot * width
+        shrunk = y_aug.index_select(0, rows)[:, first : first + width].float()
+        acc = out.index_select(0, rows).float()
+        start = 0
+        for s, size in enumerate(slice_sizes):
+            b = lora_b[slot, start : start + size].float()
+            acc[:, start : start + size] += shrunk[:, s * rank : (s + 1) * rank] @ b.T
+            start += size
+        out.index_copy_(0, rows, acc.to(out.dtype))
+    return out
+
+
 REFERENCE_KERNELS = {
+    **QUANTIZED_REFERENCE_KERNELS,
+    "gguf_linear": gguf_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
@@ -222,4 +354,6 @@ REFERENCE_KERNELS = {
     "argmax": argmax,
     "moe_topk_softmax": moe_topk_softmax,
     "fused_moe": fused_moe,
+    "add_lora_linear": add_lora_linear,
+    "lora_expand_augmented": lora_expand_augmented,
 }

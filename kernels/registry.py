@@ -28,7 +28,20 @@ KERNEL_NAMES = (
     "argmax",
     "moe_topk_softmax",
     "fused_moe",
+    # Quantized matmuls (engine.kernels.quantized); wna16_linear carries its own prepack.
+    "fp8_linear",
+    "fp8_block_linear",
+    "int8_linear",
+    "wna16_linear",
+    "add_lora_linear",
+    "lora_expand_augmented",
+    # GGUF blocks kept quantized (engine.kernels.gguf), with their own prepack too.
+    "gguf_linear",
 )
+
+# Ops with their own weight layout: an implementation is an object with a ``prepack`` method
+# (run once at load) besides ``__call__`` (see ``engine.kernels.quantized``).
+PREPACKED_KERNELS = frozenset({"wna16_linear", "gguf_linear"})
 
 
 class KernelError(ValueError):
@@ -60,6 +73,11 @@ class Kernels:
 
     def provider(self, name: str) -> str:
         return self.impls[name].provider
+
+    def is_reference(self, name: str) -> bool:
+        """Whether op ``name`` is bound to the core's torch reference (no plugin overrides it
+        on this platform)."""
+        return self.impls[name].priority <= 0
 
 
 class KernelRegistry:
@@ -93,6 +111,12 @@ class KernelRegistry:
             )
         if not callable(fn):
             raise KernelError(f"{provider} registered a non-callable for kernel {name!r}")
+        if name in PREPACKED_KERNELS and not callable(getattr(fn, "prepack", None)):
+            raise KernelError(
+                f"{provider} registered kernel {name!r} without a prepack method: this op has "
+                "its own weight layout, so an implementation is an object with prepack(...) "
+                "(run once at load) and __call__(x, packed, ...); see engine.kernels.quantized"
+            )
         plats = tuple(platforms) if platforms is not None else None
         self._impls[name].append(KernelImpl(name, fn, plats, priority, provider))
 

@@ -66,14 +66,18 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert backends["triton"]["distribution"] == "engine-llm-triton"
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
     assert report["auto_order"] == ["torch"]
-    # Overrides: engine-llm-triton's (when triton is installed) target GPUs; the CPU's only
-    # override is engine-llm-cpu's argmax.
+    # Overrides: engine-llm-triton's (when triton is installed) target GPUs; the CPU's are
+    # engine-llm-cpu's argmax and quantized matmuls.
     on_cpu = [
         (o["kernel"], o["provider"])
         for o in report["kernel_overrides"]
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
-    assert on_cpu == [("argmax", "engine-llm-cpu")], report["kernel_overrides"]
+    quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "gguf_linear"]
+    assert on_cpu == [(k, "engine-llm-cpu") for k in ["argmax", *quantized]], on_cpu
+    methods = {m["name"]: m for m in report["quantization_methods"]}
+    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]
+    assert all(m["usable"] and m["provider"] == "engine-llm" for m in methods.values())
     comms = {c["platform"]: c for c in report["communicators"]}
     assert comms["cpu"]["provider"] == "engine-llm-cpu" and "gloo" in comms["cpu"]["communicator"]
     assert (

@@ -90,8 +90,8 @@ def test_rope_parameters_nested_per_layer_type():
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ValueError, match="longrope"):
-        compute_inv_freq(8, {"rope_type": "longrope", "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+        compute_inv_freq(8, {"rope_type": "dynamic", "rope_theta": 1e4})
 
 
 def test_partial_rotary_leaves_tail_untouched():

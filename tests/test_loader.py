@@ -71,14 +71,17 @@ def test_unreadable_config(tmp_path):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
+    """No native class and an attention the transformers backend cannot replace: the error
+    lists the native architectures and the backend's reason."""
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+        json.dumps({"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
     )
     mc = ModelConfig(model=str(tmp_path))
     with pytest.raises(ModelLoadError) as e:
         load_hf_config(mc)
-    assert "GPT2LMHeadModel" in str(e.value)
+    assert "FalconForCausalLM" in str(e.value)
     assert "LlamaForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
+    assert "the transformers backend cannot serve it" in str(e.value)
 
 
 def test_no_weights(tmp_path, llama_dir):
@@ -211,7 +214,9 @@ def test_model_id_from_local_hf_cache(tmp_path, llama_dir, monkeypatch):
 
 
 def test_plugin_registered_architecture(tmp_path, llama_dir, plugin_env):
-    """A plugin's engine_models hook adds an architecture; without the plugin it is refused."""
+    """A plugin's engine_models hook adds an architecture; without the plugin there is no
+    native class, and the transformers backend does not serve a class name transformers does
+    not have either (as vLLM's backend refuses it), though the model_type is known."""
     from plugin_helpers import install_fixtures
 
     from engine.plugins import PluginManager
@@ -221,12 +226,14 @@ def test_plugin_registered_architecture(tmp_path, llama_dir, plugin_env):
     d = copy_with_weights(llama_dir, tmp_path / "m", lambda s: None)
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="ExtraLlamaForCausalLM"):
+        load_hf_config(ModelConfig(model=str(d), model_impl="native"))
+    with pytest.raises(ModelLoadError, match="transformers has no class ExtraLlamaForCausalLM"):
         load_hf_config(ModelConfig(model=str(d)))
     install_fixtures(plugin_env, "engine-extra-model")
     plugins = PluginManager.from_env({"ENGINE_PLUGINS": "extramodel"})
     mc = ModelConfig(model=str(d))
     assert load_hf_config(mc, plugins=plugins) is mc.hf_config
-    assert mc.architecture == "ExtraLlamaForCausalLM"
+    assert mc.architecture == "ExtraLlamaForCausalLM" and mc.implementation == "native"
     registry = ModelRegistry.with_plugins(plugins)
     model = load_model(mc, KERNELS, TorchReferenceBackend, registry=registry)
     assert type(model).__name__ == "LlamaForCausalLM"
@@ -244,11 +251,16 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
         calls.append(("config", path))
         return AutoConfig.from_pretrained(llama_dir)
 
-    def iter_weights(path, hf_config, dtype, stats=None):
+    def quantization_config(path):
+        calls.append(("quantization", path))
+        return {"quant_method": "gguf", "tensor_types": {}}
+
+    def iter_weights(path, hf_config, dtype, stats=None, keep_quantized=None):
         calls.append(("weights", path, dtype))
         yield from load_file(llama_dir / "model.safetensors").items()
 
     fake.load_config = load_config
+    fake.quantization_config = quantization_config
     fake.iter_weights = iter_weights
     fake.num_tensors = lambda path: len(
         load_file(llama_dir / "model.safetensors")
@@ -260,8 +272,8 @@ def test_gguf_path_dispatches_to_gguf_loader(tmp_path, llama_dir, monkeypatch):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     model = load(gguf, dtype="float32")
-    assert [c[0] for c in calls] == ["config", "weights"]
-    assert calls[1][2] == torch.float32
+    assert [c[0] for c in calls] == ["config", "quantization", "weights"]
+    assert calls[2][2] == torch.float32
     assert torch.equal(
         dict(model.named_parameters())["model.norm.weight"],
         load_file(llama_dir / "model.safetensors")["model.norm.weight"],

@@ -7,7 +7,7 @@ process (float32), with logprobs close to them; every rank of the last stage sam
 tokens; no KV block leaks. The models: tiny random Llama (4 heads, 2 KV
 heads), Qwen3 (q/k norms) and Gemma 3 (2 heads, 1 KV head: replicated over the ranks; sliding
 and global layers split over the stages; tied embeddings on a last stage without the
-embedding). Engines are module-scoped: starting worker processes is the slow part.
+embedding; served text-only there, images under TP=2 in their own test, refused under PP). Engines are module-scoped: starting worker processes is the slow part.
 """
 
 from __future__ import annotations
@@ -109,12 +109,71 @@ def run_and_compare(llm: LLM, kind: str, prompts, expected) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parallel_layout_matches_one_process(reference, layout):
     kind, path, prompts, expected = reference
-    llm = LLM(path, **ENGINE_KW, **LAYOUTS[layout])
+    # Gemma 3 served text-only here (images: test_images_under_tensor_parallelism).
+    text_only = {"limit_mm_per_prompt": {"image": 0}} if kind == "gemma3" else {}
+    llm = LLM(path, **ENGINE_KW, **LAYOUTS[layout], **text_only)
     try:
         assert llm.llm_engine.runner.name == "mp"
+        assert llm.llm_engine.image_input_spec is None
         run_and_compare(llm, kind, prompts, expected)
     finally:
         llm.llm_engine.shutdown()
+
+
+def _image(seed: int):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (40, 70, 3), dtype=np.uint8))
+
+
+def test_images_under_tensor_parallelism(tmp_path):
+    """Gemma 3 with images on two ranks: the step message carries each new request's images
+    and the encoder-cache plan, every rank runs its shard of the vision tower, and the greedy
+    tokens equal the single process's (which tests/test_gemma3_vision.py checks against
+    transformers); a repeated image is encoded once on every rank; nothing leaks."""
+    path = str(build_tiny_gemma3_multimodal(tmp_path / "gemma3", seed=1))
+    kw = {**ENGINE_KW, "num_gpu_blocks_override": 80}
+    prompts = [
+        {
+            "prompt": "Compare <start_of_image> with <start_of_image> please",
+            "multi_modal_data": {"image": [_image(1), _image(2)]},
+        },
+        "A text prompt about the quick brown fox",
+        {"prompt": "Again: <start_of_image>", "multi_modal_data": {"image": _image(1)}},
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    reference = LLM(path, **kw)
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    reference.llm_engine.shutdown()
+    llm = LLM(path, **kw, tensor_parallel_size=2)
+    try:
+        engine = llm.llm_engine
+        assert engine.runner.name == "mp" and engine.image_input_spec is not None
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        assert engine.num_used_blocks == 0
+        assert engine.scheduler.encoder_cache.num_held == 0
+        stats = engine.get_stats()
+        assert (stats.encoder_cache_queries, stats.encoder_cache_hits) == (3, 1)
+        encoded = engine.runner.collective_rpc("num_images_encoded")
+        assert encoded == [2, 2]  # two distinct images, on each rank
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_images_under_pipeline_parallelism_are_refused_at_start(tmp_path):
+    """Image embeddings would have to replace token embeddings on the first stage: refused
+    before any worker starts, with what to do instead."""
+    from engine.config import ConfigError
+
+    path = build_tiny_gemma3_multimodal(tmp_path / "gemma3", seed=1)
+    with pytest.raises(ConfigError) as e:
+        LLM(str(path), **ENGINE_KW, pipeline_parallel_size=2)
+    message = str(e.value)
+    assert "image inputs are not supported with pipeline_parallel_size=2" in message
+    assert "--limit-mm-per-prompt '{\"image\": 0}'" in message
 
 
 def test_tp2_x_pp2_on_four_processes(reference):

@@ -184,3 +184,18 @@ def test_heads_that_cannot_serve_are_refused(target, heads, tmp_path):
         make_llm(target, {"method": "eagle", "model": str(wrong), "num_speculative_tokens": 2})
     assert "hidden size 32 differs from the target's 64" in str(e.value)
     assert "vocabulary has 200 tokens, the target's 384" in str(e.value)
+
+
+def test_eagle_on_a_transformers_backend_target(target, heads, plain):
+    """EAGLE reads only the target's final hidden states, embedding and head, which the
+    transformers backend has too: its greedy tokens equal plain decoding's. EAGLE-3 hooks the
+    native decoder layers, so it is refused at start for such a target, saying why."""
+    prompts = copy_heavy_prompts(plain, 6, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = spec_llm(target, heads, "eagle", model_impl="transformers")
+    assert llm.llm_engine.config.model.implementation == "transformers"
+    assert tokens(llm, prompts, params) == tokens(plain, prompts, params)
+    assert llm.llm_engine.get_stats().spec_decoding.num_draft_tokens > 0
+    assert llm.llm_engine.num_used_blocks == 0
+    with pytest.raises(ConfigError, match="EAGLE-3 reads the target's inner layer hidden states"):
+        spec_llm(target, heads, "eagle3", model_impl="transformers")

@@ -217,3 +217,38 @@ def test_a_bitmask_per_verified_position_keeps_its_rows():
     rows = {"m": SamplingRow(SamplingParams(), [1, 2, 3], [], [None], token_bitmask=mask)}
     decoded = decoder.decode(encoder.encode(scheduler.schedule(), rows)[1])
     assert torch.equal(decoded.sampling_rows["m"].token_bitmask, mask)
+
+
+def test_a_new_request_carries_its_images_and_its_lora_adapter():
+    """Workers mirror a request with images and a LoRA adapter with both: the images (for the
+    tower every rank runs) and the adapter key (for each rank's slot of that adapter)."""
+    import numpy as np
+
+    from engine.lora.config import LoRAConfig
+    from engine.multimodal.encoder_cache import EncoderBudget
+    from engine.multimodal.inputs import MultiModalFeature
+
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        CacheConfig(block_size=4),
+        256,
+        64,
+        [KVCacheGroupSpec()],
+        encoder_budget=EncoderBudget(64, 1 << 20, 16),
+        lora_config=LoRAConfig(max_loras=2),
+    )
+    through = CodecScheduler(scheduler)
+    pixels = np.arange(12, dtype=np.float32).reshape(3, 2, 2)
+    image = MultiModalFeature("img-1", offset=2, length=4, pixel_values=pixels)
+    request = Request("a", [1, 2, 9, 9, 9, 9, 3], max_tokens=4, mm_features=[image])
+    request.lora_id = 7
+    scheduler.add_request(request)
+    text = Request("b", [4, 5, 6], max_tokens=4)
+    scheduler.add_request(text)
+    through.schedule()
+    mirrors = through.decoder.requests
+    assert mirrors["a"].lora_id == 7 and mirrors["b"].lora_id == 0
+    (got,) = mirrors["a"].mm_features
+    assert (got.identifier, got.offset, got.length) == ("img-1", 2, 4)
+    np.testing.assert_array_equal(got.pixel_values, pixels)
+    assert mirrors["b"].mm_features == []

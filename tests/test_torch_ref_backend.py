@@ -183,3 +183,84 @@ def test_supports_declares_features():
     )
     assert TorchReferenceBackend.supports(spec) == []
     assert TorchReferenceBackend.name == "torch"
+
+
+def dense_with_spans(q, k, v, scale, spans, sliding_window=None, softcap=None):
+    """Naive attention of one request whose queries also see later keys inside ``spans``."""
+    lq, h, _ = q.shape
+    lk, hkv, _ = k.shape
+    group = h // hkv
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    qpos = torch.arange(lk - lq, lk)[:, None]
+    kpos = torch.arange(lk)[None, :]
+    same_span = torch.zeros(lq, lk, dtype=torch.bool)
+    for s, e in spans:
+        same_span |= (qpos >= s) & (qpos < e) & (kpos >= s) & (kpos < e)
+    visible = (kpos <= qpos) | same_span
+    if sliding_window is not None:
+        visible &= (qpos - kpos) < sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 20.0), (9, 10.0)])
+def test_bidirectional_spans_match_dense(window, softcap):
+    """Spans (an image's placeholder tokens in Gemma 3) let their queries see later keys of the
+    span: a fresh prefill with two spans, a chunk over a cached prefix whose span starts in the
+    cache, and a decode batched with them, against a dense mask per request."""
+    heads, kv_heads, head_size, bs = 4, 2, 16, 4
+    rng = torch.Generator().manual_seed(7)
+    backend = TorchReferenceBackend(heads, head_size, kv_heads, head_size**-0.5, window, softcap)
+    assert TorchReferenceBackend.supports(AttentionSpec(bidirectional_spans=True)) == []
+    kv_cache = torch.zeros(TorchReferenceBackend.kv_cache_shape(32, bs, kv_heads, head_size))
+    ctx = [torch.randn(n, kv_heads, head_size, generator=rng) for n in (5, 21, 18)]
+    vals = [torch.randn(n, kv_heads, head_size, generator=rng) for n in (5, 21, 18)]
+    tables = [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12]]
+    # (request, computed before, new tokens, spans); request 2's span 6..10 starts in the cache.
+    plans = [
+        [(0, 0, 4, []), (1, 0, 21, [(3, 7), (12, 16)]), (2, 0, 8, [])],
+        [(0, 4, 1, []), (2, 8, 10, [(6, 10), (14, 17)])],
+    ]
+    for plan in plans:
+        qs, ks, vs, qlens, slens, tabs, slots, spans, want = [], [], [], [], [], [], [], [], []
+        for r, done, new, sp in plan:
+            q = torch.randn(new, heads, head_size, generator=rng)
+            qs.append(q)
+            ks.append(ctx[r][done : done + new])
+            vs.append(vals[r][done : done + new])
+            qlens.append(new)
+            slens.append(done + new)
+            tabs.append(tables[r])
+            spans.append(sp)
+            slots += [tables[r][p // bs] * bs + p % bs for p in range(done, done + new)]
+            want.append(
+                dense_with_spans(
+                    q, ctx[r][: done + new], vals[r][: done + new], backend.scale, sp, window,
+                    softcap,
+                )
+            )  # fmt: skip
+        nd = sum(1 for n in qlens if n == 1)
+        layout = BatchLayout(qlens, slens, tabs, slots, bs, nd, bidirectional_spans=spans)
+        md = TorchReferenceBackend.build_metadata(layout, torch.device("cpu"))
+        out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, md)
+        torch.testing.assert_close(out, torch.cat(want), atol=1e-5, rtol=1e-5)
+    # The spans change the result (a causal-only backend would fail this test).
+    causal = dense_attention(qs[-1], ctx[2], vals[2], backend.scale, window, softcap)
+    assert not torch.allclose(causal, want[-1], atol=1e-3)
+
+
+def test_backend_without_span_support_says_why():
+    from engine.attention_backends.interface import AttentionBackend
+
+    class Causal(AttentionBackend):
+        name = "causal-only"
+
+        def forward(self, *a):  # pragma: no cover - never called
+            raise NotImplementedError
+
+    reasons = Causal.supports(AttentionSpec(bidirectional_spans=True))
+    assert any("bidirectional attention within image tokens" in r for r in reasons), reasons

@@ -12,6 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.benchmarks.lora import (
+    add_lora_bench_args,
+    bench_lora_requests,
+    configure_engine_for_loras,
+    lora_settings,
+)
 from engine.benchmarks.workload import BUILTIN_SHAPES, builtin_shape, write_builtin_model
 
 
@@ -27,6 +33,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_args(parser)
     add_log_level_arg(parser)
+    add_lora_bench_args(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="Write the results here.")
 
 
@@ -54,12 +61,14 @@ def resolve_model(args: argparse.Namespace) -> str:
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     """The ``LLM`` for these flags and its start-to-ready seconds (weights, KV sizing, graph
     capture, kernel compilation). ``--engine-core-process`` (where a benchmark has it) puts
-    the engine core in a process of its own."""
+    the engine core in a process of its own. With ``--num-loras`` the adapters are written and
+    loaded afterwards (not counted) and kept as ``args.lora_requests``."""
     from engine.cli.args import configure_logging, engine_config_from_args
     from engine.llm import LLM
 
     configure_logging(getattr(args, "log_level", "info"))
     args.model = resolve_model(args)
+    configure_engine_for_loras(args)
     config = engine_config_from_args(args)
     spec = config.speculative
     if spec is not None and spec.model and not os.path.exists(spec.model):
@@ -69,7 +78,9 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     llm = LLM.from_engine_config(
         config, multiprocess=True if getattr(args, "engine_core_process", False) else None
     )
-    return llm, time.perf_counter() - start
+    ready = time.perf_counter() - start
+    args.lora_requests = bench_lora_requests(llm, args)
+    return llm, ready
 
 
 def engine_settings(llm: Any) -> dict[str, Any]:
@@ -86,6 +97,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         graphs, backend, num_blocks = None, ready.attention_backend, ready.num_blocks
     return {
         "platform": cfg.platform,
+        "model_impl": cfg.model.implementation,
         "attention_backend": backend,
         "dtype": cfg.model.dtype,
         "max_model_len": cfg.model.max_model_len,
@@ -103,7 +115,39 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
         "executor": getattr(runner, "name", "uni"),
         "async_scheduling": cfg.scheduler.async_scheduling,
+        "quantization": _quantization(runner),
+        "kv_cache_dtype": cfg.cache.cache_dtype,
+        "lora": lora_settings(llm),
     }
+
+
+def _quantization(runner: Any) -> str | None:
+    quant = getattr(runner, "quant_config", None)
+    return None if quant is None else quant.describe()
+
+
+def memory_report(llm: Any) -> dict[str, Any]:
+    """Where the memory went: the weights as held (quantized weights stay packed), the KV
+    cache, the device's peak and reserved memory (torch's allocator) and the process's RSS."""
+    import psutil
+
+    runner = llm.llm_engine.runner
+    gib = 1 << 30
+    kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    report: dict[str, Any] = {
+        "weights_gib": round(runner.weights_bytes() / gib, 3),
+        "kv_cache_gib": round(kv / gib, 3),
+        "num_kv_blocks": runner.num_blocks,
+        "process_rss_gib": round(psutil.Process().memory_info().rss / gib, 3),
+    }
+    if runner.device.type == "cuda":
+        import torch
+
+        report["gpu_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / gib, 3)
+        report["gpu_reserved_gib"] = round(torch.cuda.memory_reserved() / gib, 3)
+        free, total = torch.cuda.mem_get_info()
+        report["gpu_used_gib"] = round((total - free) / gib, 3)
+    return report
 
 
 def hardware() -> dict[str, Any]:
@@ -127,11 +171,20 @@ def sampling_params(max_tokens: int) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
-def generate(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> tuple[list[Any], float]:
-    """Run the prompts (token ids) to completion; returns the outputs and the seconds taken."""
+def generate(
+    llm: Any, prompts: list[list[int]], output_lens: list[int], loras: list[Any] | None = None
+) -> tuple[list[Any], float]:
+    """Run the prompts (token ids) to completion; returns the outputs and the seconds taken.
+    With ``loras``, request ``i`` uses ``loras[i % len(loras)]``."""
     params = [sampling_params(n) for n in output_lens]
+    lora_request = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=False,
+        lora_request=lora_request,
+    )
     return outs, time.perf_counter() - start
 
 

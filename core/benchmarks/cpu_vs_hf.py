@@ -2,13 +2,16 @@
 
     python -m engine.benchmarks.cpu_vs_hf [--arch llama|qwen3] [--batch-sizes 1,8,32]
         [--prompt-len 64] [--gen-len 64] [--hidden-size 512] [--layers 8] [--vocab 32000]
+        [--model-impls native,transformers]
 
 Builds one random model (default: a ~58M-parameter Llama) in a temporary directory, then for
 each batch size runs the same greedy workload (``batch`` prompts of ``prompt_len`` random tokens,
 exactly ``gen_len`` new tokens each, EOS ignored) through transformers and through the engine's
 offline ``LLM`` API, alternating the two. Each side runs in its own worker process so its peak
 RSS is its own. Prints output tokens/s per side, the ratio, whether the greedy tokens agree, and
-peak RSS against the weights' size.
+peak RSS against the weights' size. ``--model-impls native,transformers`` runs one engine side
+per implementation (the transformers modeling backend next to the native path), all
+alternating.
 """
 
 from __future__ import annotations
@@ -117,7 +120,12 @@ def _gen_hf(batch: int, prompt_len: int, gen_len: int, vocab: int) -> tuple:
 
 
 def _init_engine(
-    path: str, vocab: int, threads: int, max_model_len: int, max_num_seqs: int
+    path: str,
+    vocab: int,
+    threads: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    model_impl: str = "native",
 ) -> None:
     """engine worker: build an ``LLM`` and warm it up."""
     import torch
@@ -136,6 +144,7 @@ def _init_engine(
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
         cpu_kv_cache_gb=1.0,
+        model_impl=model_impl,
     )
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     llm.generate(make_prompts(1, 8, vocab, seed=999), warm, use_tqdm=False)
@@ -169,8 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per side (0: torch's default)"
     )
+    parser.add_argument(
+        "--model-impls",
+        default="native",
+        help="engine sides, comma-separated: native and/or transformers (default: native)",
+    )
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    impls = [i.strip() for i in args.model_impls.split(",") if i.strip()]
+    if not impls or any(i not in ("native", "transformers") for i in impls):
+        parser.error(f"--model-impls takes native and/or transformers, got {args.model_impls!r}")
 
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
         path = Path(tmp) / args.arch
@@ -186,45 +203,57 @@ def main(argv: list[str] | None = None) -> int:
         )
         ctx = multiprocessing.get_context("spawn")
         max_len = args.prompt_len + args.gen_len + 8
-        with (
-            ctx.Pool(1, _init_hf, (str(path), args.vocab, args.threads)) as hf_pool,
-            ctx.Pool(
-                1, _init_engine, (str(path), args.vocab, args.threads, max_len, max(batches))
-            ) as en_pool,
-        ):
-            # Alternate the two sides and keep each one's fastest run: the machine may be
-            # shared, and alternating spreads any interference over both.
-            hf: dict[int, tuple] = {}
-            eng: dict[int, tuple] = {}
+        sides = {
+            "transformers.generate": (_init_hf, (str(path), args.vocab, args.threads), _gen_hf)
+        }
+        for impl in impls:
+            init_args = (str(path), args.vocab, args.threads, max_len, max(batches), impl)
+            sides[f"engine {impl}"] = (_init_engine, init_args, _gen_engine)
+        pools = {name: ctx.Pool(1, init, init_args) for name, (init, init_args, _) in sides.items()}
+        try:
+            # Alternate the sides and keep each one's fastest run: the machine may be shared,
+            # and alternating spreads any interference over all of them.
+            best: dict[str, dict[int, tuple]] = {name: {} for name in sides}
             for b in batches:
                 for _ in range(args.repeat):
-                    for pool, fn, best in ((hf_pool, _gen_hf, hf), (en_pool, _gen_engine, eng)):
+                    for name, pool in pools.items():
+                        fn = sides[name][2]
                         r = pool.apply(fn, (b, args.prompt_len, args.gen_len, args.vocab))
-                        if b not in best or r[0] < best[b][0]:
-                            best[b] = r
-            hf_rss = hf_pool.apply(_peak_rss_bytes), hf[batches[0]][3]
-            en_rss = en_pool.apply(_peak_rss_bytes), eng[batches[0]][3]
-            for pool in (hf_pool, en_pool):  # a clean exit (terminate() leaks a semaphore)
+                        if b not in best[name] or r[0] < best[name][b][0]:
+                            best[name][b] = r
+            rss = {
+                name: (pool.apply(_peak_rss_bytes), best[name][batches[0]][3])
+                for name, pool in pools.items()
+            }
+        finally:
+            for pool in pools.values():  # a clean exit (terminate() leaks a semaphore)
                 pool.close()
                 pool.join()
 
+    hf = best.pop("transformers.generate")
     print()
-    print(f"{'batch':>5} | {'HF tok/s':>9} | {'engine tok/s':>12} | {'ratio':>6} | tokens equal")
-    print("-" * 58)
+    header = f"{'batch':>5} | {'HF tok/s':>9}"
+    for name in best:
+        header += f" | {name + ' tok/s':>22} | {'ratio':>6} | tokens equal"
+    print(header)
+    print("-" * len(header))
     for b in batches:
         hf_tps = b * args.gen_len / hf[b][0]
-        en_tps = b * args.gen_len / eng[b][0]
-        same = sum(x == y for x, y in zip(hf[b][1], eng[b][1], strict=True))
-        print(f"{b:>5} | {hf_tps:>9.1f} | {en_tps:>12.1f} | {en_tps / hf_tps:>5.2f}x | {same}/{b}")
+        row = f"{b:>5} | {hf_tps:>9.1f}"
+        for runs in best.values():
+            tps = b * args.gen_len / runs[b][0]
+            same = sum(x == y for x, y in zip(hf[b][1], runs[b][1], strict=True))
+            row += f" | {tps:>22.1f} | {tps / hf_tps:>5.2f}x | {f'{same}/{b}':>12}"
+        print(row)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"(output tokens/s, best of {args.repeat} alternating runs per side; "
         f"{os.cpu_count()} CPUs, load average {load})"
     )
     print()
-    for name, (peak, base) in (("transformers", hf_rss), ("engine", en_rss)):
+    for name, (peak, base) in rss.items():
         print(
-            f"peak RSS {name:>12}: {peak / _MiB:7.0f} MiB ({(peak - base) / _MiB:6.0f} MiB above "
+            f"peak RSS {name:>22}: {peak / _MiB:7.0f} MiB ({(peak - base) / _MiB:6.0f} MiB above "
             f"the process after imports; weights {weights / _MiB:.0f} MiB)"
         )
     return 0

@@ -63,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
     vocab = engine.runner.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
     total = args.steps + 40
+    loras = args.lora_requests
     for i in range(args.batch_size):
         prompt = [10 + (i * 7919 + j * 31) % (vocab - 20) for j in range(args.context_len)]
-        engine.add_request(f"p{i}", None, sampling_params(total), prompt_token_ids=prompt)
+        lora = {"lora_request": loras[i % len(loras)]} if loras else {}
+        engine.add_request(f"p{i}", None, sampling_params(total), prompt_token_ids=prompt, **lora)
     if args.phase == "decode":
         # Past the prefill and a few decode steps (graphs warm, allocator settled).
         for _ in range(200):
@@ -100,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
         calls = len(times) / args.steps
         table.append({"kernel": name, "us_per_step": round(us, 2), "calls_per_step": calls})
         print(f"{us:9.1f} {100 * us / max(gpu_us, 1e-9):5.1f}% {calls:6.1f}  {name[:110]}")
+    lora_us = sum(sum(t) for name, t in per_name.items() if "lora" in name.lower()) / args.steps
+    lora_calls = sum(len(t) for name, t in per_name.items() if "lora" in name.lower()) / args.steps
+    if loras or lora_calls:
+        print(
+            f"LoRA kernels: {lora_us:.1f} us/step ({100 * lora_us / max(gpu_us, 1e-9):.1f}% of "
+            f"the kernel time), {lora_calls:.0f} launches/step"
+        )
     write_json(
         args.json,
         {
@@ -109,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
             "wall_ms_per_step": round(1e3 * wall / args.steps, 4),
             "kernel_ms_per_step": round(gpu_us / 1e3, 4),
             "kernels": table,
+            "lora_kernel_us_per_step": round(lora_us, 2),
+            "lora_kernel_share": round(lora_us / max(gpu_us, 1e-9), 4),
+            "num_loras": args.num_loras,
             "hardware": hardware(),
             "start_to_ready_s": round(ready_s, 2),
         },

@@ -37,6 +37,7 @@ from engine.benchmarks.common import (
     engine_settings,
     generate,
     hardware,
+    memory_report,
     run_and_release,
     write_json,
 )
@@ -105,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
     llm, ready_s = build_llm(args)
     vocab = llm.llm_engine.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
+    loras = args.lora_requests
     warm = warmup_workload(vocab)
-    generate(llm, warm.prompts, warm.output_lens)
+    generate(llm, warm.prompts, warm.output_lens, loras)
     counter = _StepCounter(llm.llm_engine)
     rows = []
     # Multi-process executors: time the workers' collectives during the timed runs.
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 [10 + (it * 7919 + i) % (vocab - 20)] + p[1:] for i, p in enumerate(work.prompts)
             ]
             steps_before = counter.steps
-            _, pre = generate(llm, prompts, [1] * batch)
+            _, pre = generate(llm, prompts, [1] * batch, loras)
             pre_steps = counter.steps - steps_before
             prompts = [
                 [10 + (it * 7919 + i + batch) % (vocab - 20)] + p[1:]
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             steps_before = counter.steps
             if comm is not None and it:
                 comm.start()
-            outs, sec = generate(llm, prompts, work.output_lens)
+            outs, sec = generate(llm, prompts, work.output_lens, loras)
             if comm is not None and it:
                 comm.stop()
             if it:  # the first run warms this batch size up
@@ -205,9 +207,12 @@ def run(args: argparse.Namespace) -> int:
                 if llm.llm_engine.config.speculative is None
                 else vars(llm.llm_engine.config.speculative)
             ),
+            "num_loras": args.num_loras,
+            "lora_rank": args.lora_rank if args.num_loras else None,
             "start_to_ready_s": round(ready_s, 2),
             "results": rows,
             "settings": engine_settings(llm),
+            "memory": memory_report(llm),
             "hardware": hardware(),
         },
     )

@@ -25,16 +25,29 @@ from engine.benchmarks.common import (
     engine_settings,
     generate,
     hardware,
+    memory_report,
     run_and_release,
     write_json,
 )
-from engine.benchmarks.workload import length_range, random_workload, warmup_workload
+from engine.benchmarks.workload import (
+    length_range,
+    mixed_workload,
+    random_workload,
+    warmup_workload,
+)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``engine bench throughput``."""
     add_common_args(parser)
     w = parser.add_argument_group("workload (random token ids)")
+    w.add_argument(
+        "--workload",
+        choices=("random", "mixed"),
+        default="random",
+        help="random: lengths from the flags below; mixed: chat / long-context / generation "
+        "requests (engine.benchmarks.workload.MIXED_KINDS) (default: %(default)s).",
+    )
     w.add_argument("--num-prompts", type=int, default=1000, help="Requests (default: %(default)s).")
     w.add_argument(
         "--input-len", type=int, default=1024, help="Prompt tokens (default: %(default)s)."
@@ -83,24 +96,31 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.llm_engine
     vocab = engine.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
+    loras = args.lora_requests
     if not args.no_warmup:
         warm = warmup_workload(vocab)
-        generate(llm, warm.prompts, warm.output_lens)
-    work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
+        generate(llm, warm.prompts, warm.output_lens, loras)
+    if args.workload == "mixed":
+        work = mixed_workload(args.num_prompts, vocab, args.seed)
+    else:
+        work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
     # The per-step split needs the engine core in this process (not with data parallelism).
     in_process = getattr(engine.client, "core", None) is not None
     profiler = StepProfiler(engine, expert_load=args.expert_load) if in_process else None
     with TritonCompileWatch() as jit:
-        outs, seconds = generate(llm, work.prompts, work.output_lens)
+        outs, seconds = generate(llm, work.prompts, work.output_lens, loras)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = work.input_tokens
     result = {
         "benchmark": "throughput",
         "model": args.model,
         "num_prompts": args.num_prompts,
+        "workload": args.workload,
         "input_len_range": list(input_range),
         "output_len_range": list(output_range),
         "seed": args.seed,
+        "num_loras": args.num_loras,
+        "lora_rank": args.lora_rank if args.num_loras else None,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
         "expected_output_tokens": work.output_tokens,
@@ -112,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         "step_split": profiler.summary() if profiler is not None else None,
         "triton_variants_compiled_in_run": jit.variants,
         "settings": engine_settings(llm),
+        "memory": memory_report(llm),
         "hardware": hardware(),
     }
     print(

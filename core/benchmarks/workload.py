@@ -120,6 +120,18 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         torch_dtype="bfloat16",
     ),
 }
+# The 8B shape as an AWQ 4-bit checkpoint (the vLLM kit's ``llama3-8b-awq``): config.json
+# with its quantization_config, for --load-format dummy (random packed weights).
+BUILTIN_SHAPES["llama-3.1-8b-awq"] = dict(
+    BUILTIN_SHAPES["llama-3.1-8b"],
+    quantization_config={
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+    },
+)
 ALIASES = {
     "llama3-8b": "llama-3.1-8b",
     "llama-3-8b": "llama-3.1-8b",
@@ -127,6 +139,7 @@ ALIASES = {
     "qwen3-30b": "qwen3-30b-a3b",
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "mixtral": "mixtral-8x7b",
+    "llama3-8b-awq": "llama-3.1-8b-awq",
 }
 # Draft shapes for speculative decoding with the Llama-3.1-8B shape (same vocabulary): a
 # Llama-3.2-1B draft model, and EAGLE / EAGLE-3 heads as yuhuili's for Llama-3.1-8B-Instruct.
@@ -253,6 +266,45 @@ def random_workload(
     for _ in range(num_prompts):
         n = rng.randint(*input_range)
         prompts.append([rng.randrange(10, vocab_size - 10) for _ in range(n)])
+        outs.append(rng.randint(*output_range))
+    return Workload(prompts, outs)
+
+
+# The mixed serving workload (``--workload mixed``), three request kinds drawn per request:
+# (share, input range, output range). Chat turns open with one of four 256-token system
+# prompts (prefix-cache hits, as in real chat traffic); long-context requests are prefill-heavy;
+# generation requests are decode-heavy.
+MIXED_KINDS = (
+    ("chat", 0.5, (64, 512), (64, 384)),
+    ("long-context", 0.3, (1024, 3072), (64, 256)),
+    ("generation", 0.2, (32, 256), (512, 1536)),
+)
+MIXED_SYSTEM_PROMPT_LEN = 256
+
+
+def mixed_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> Workload:
+    """The mixed workload: per request, in this order from ``random.Random(seed)``, a kind (by
+    ``MIXED_KINDS`` shares), a prompt length, the prompt's token ids (uniform in
+    ``[10, vocab - 10)``; chat prompts start with system prompt ``i % 4``, drawn first from
+    ``random.Random(seed + 1)``) and an output length. 512 requests with seed 0 hold about 400k
+    prompt and 190k output tokens."""
+    sys_rng = random.Random(seed + 1)
+    systems = [
+        [sys_rng.randrange(10, vocab_size - 10) for _ in range(MIXED_SYSTEM_PROMPT_LEN)]
+        for _ in range(4)
+    ]
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for i in range(num_prompts):
+        u, acc = rng.random(), 0.0
+        for kind in MIXED_KINDS:
+            acc += kind[1]
+            if u < acc or kind is MIXED_KINDS[-1]:
+                break
+        name, _, input_range, output_range = kind
+        n = rng.randint(*input_range)
+        body = [rng.randrange(10, vocab_size - 10) for _ in range(n)]
+        prompts.append(systems[i % 4] + body if name == "chat" else body)
         outs.append(rng.randint(*output_range))
     return Workload(prompts, outs)
 

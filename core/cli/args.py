@@ -15,6 +15,7 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -111,6 +112,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s).",
     )
     model.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=("auto", "native", "transformers"),
+        help="auto: the engine's own implementation of the architecture when it has one, else "
+        "the transformers modeling backend (any AutoModelForCausalLM with replaceable "
+        "attention); native / transformers force one (default: %(default)s).",
+    )
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Allow custom model and tokenizer code from the model directory (auto_map).",
+    )
+    model.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -135,6 +149,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "prompts must be token ids, outputs carry token ids only, stop strings and chat are "
         "refused.",
     )
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        metavar="NAME",
+        help="Quantization method (fp8, gptq, awq, compressed-tensors, gguf, or a plugin's; `engine "
+        "plugins` lists them). Default: the checkpoint's quantization_config decides; fp8 on "
+        "an unquantized checkpoint quantizes its weights to FP8 at load; a .gguf file runs "
+        "kept quantized (gguf), and 'none' dequantizes it at load.",
+    )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
 
     cache = parser.add_argument_group("KV cache")
@@ -156,6 +180,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Reuse the KV cache of shared prompt prefixes (default: on).",
+    )
+    cache.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="KV-cache element type: auto (the model dtype) or fp8 (e4m3 with a per-layer "
+        "scale, about twice the tokens in the same memory) (default: %(default)s).",
     )
     cache.add_argument(
         "--num-gpu-blocks-override",
@@ -216,6 +247,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '\'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\'; '
         '"disable_by_batch_size" turns it off in larger batches (default: off).',
     )
+
+    add_multimodal_args(parser)
 
     device = parser.add_argument_group("device and parallelism")
     device.add_argument(
@@ -280,6 +313,122 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "core, or to the one that holds their prompt prefix (default: %(default)s).",
     )
 
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Serve LoRA adapters (PEFT format) on top of the model, several per batch.",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="Adapters one batch may use (device slots) (default: %(default)s).",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="Largest adapter rank accepted; sizes the device slots (default: %(default)s).",
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="Adapters kept loaded in host memory (an LRU cache; at least --max-loras, "
+        "default: --max-loras).",
+    )
+    lora.add_argument(
+        "--lora-fused-shrink",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Compute the adapters' shrink inside the base GEMM of unquantized layers (their "
+        "A matrices appended to the weight) instead of a separate kernel (default: on for "
+        "GPUs, off on the CPU).",
+    )
+
+
+def add_multimodal_args(parser: argparse.ArgumentParser) -> None:
+    """Image inputs of multimodal models (vLLM's flag names where vLLM has the setting)."""
+    mm = parser.add_argument_group("image inputs (multimodal models)")
+    mm.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        metavar="JSON",
+        help="Most images one prompt may carry, e.g. '{\"image\": 4}' (default: 999); "
+        "'{\"image\": 0}' serves the model as a text model without loading its vision tower.",
+    )
+    mm.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="Let requests read images from file:// URLs under this directory (a security "
+        "risk: only in trusted environments). Default: file:// URLs are refused.",
+    )
+    mm.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="Hosts that http(s):// image URLs may be fetched from. Default: none - the server "
+        "never fetches from the network (vLLM fetches any host unless this is set); clients "
+        "send images as data: URLs.",
+    )
+    mm.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=MultiModalConfig.max_image_bytes,
+        metavar="N",
+        help="Largest encoded image accepted, in bytes (default: %(default)s = 10 MiB; a "
+        "data: URL also counts against --max-request-body-bytes).",
+    )
+    mm.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MultiModalConfig.max_image_pixels,
+        metavar="N",
+        help="Largest image accepted, width x height, checked before decoding "
+        "(default: %(default)s = 8192 x 8192).",
+    )
+    mm.add_argument(
+        "--mm-encoder-cache-gb",
+        type=float,
+        default=MultiModalConfig.mm_encoder_cache_gb,
+        metavar="GIB",
+        help="Device memory for image embeddings cached by content hash, so a repeated image "
+        "is encoded once (default: %(default)s).",
+    )
+    mm.add_argument(
+        "--max-num-encoder-input-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Image embeddings the vision encoder may produce in one step (default: "
+        "--max-num-batched-tokens).",
+    )
+    mm.add_argument(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="Never split one image's placeholder tokens over two prefill chunks (always on "
+        "for Gemma 3, whose image tokens attend to each other bidirectionally).",
+    )
+
+
+def multimodal_config_from_args(args: argparse.Namespace) -> MultiModalConfig:
+    """The ``MultiModalConfig`` of flags added by ``add_multimodal_args`` (defaults for
+    namespaces without them)."""
+    defaults = MultiModalConfig()
+    return MultiModalConfig(
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None) or {},
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        allowed_media_domains=getattr(args, "allowed_media_domains", None),
+        max_image_bytes=getattr(args, "max_image_bytes", defaults.max_image_bytes),
+        max_image_pixels=getattr(args, "max_image_pixels", defaults.max_image_pixels),
+        mm_encoder_cache_gb=getattr(args, "mm_encoder_cache_gb", defaults.mm_encoder_cache_gb),
+        max_num_encoder_input_tokens=getattr(args, "max_num_encoder_input_tokens", None),
+        disable_chunked_mm_input=getattr(args, "disable_chunked_mm_input", False),
+    )
+
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the ``EngineConfig`` from flags added by ``add_engine_args`` (+ a ``model`` attr)."""
@@ -300,6 +449,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,
             skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
+            quantization=getattr(args, "quantization", None),
+            model_impl=getattr(args, "model_impl", "auto"),
+            trust_remote_code=getattr(args, "trust_remote_code", False),
         ),
         cache=CacheConfig(
             block_size=args.block_size,
@@ -307,6 +459,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             num_gpu_blocks=args.num_gpu_blocks_override,
             cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+            cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -330,4 +483,34 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             else None
         ),
         cpu_threads=getattr(args, "cpu_threads", None),
+        multimodal=multimodal_config_from_args(args),
+        lora=lora_config_from_args(args),
+    )
+
+
+def lora_config_from_args(args: argparse.Namespace):
+    """The ``LoRAConfig`` of ``--enable-lora`` and its limits (None without the flag; the
+    limits given without it are an error, as they would silently do nothing)."""
+    from engine.config import ConfigError
+    from engine.lora.config import LoRAConfig
+
+    if not getattr(args, "enable_lora", False):
+        changed = [
+            flag
+            for flag, value, default in (
+                ("--max-loras", getattr(args, "max_loras", 1), 1),
+                ("--max-lora-rank", getattr(args, "max_lora_rank", 16), 16),
+                ("--max-cpu-loras", getattr(args, "max_cpu_loras", None), None),
+                ("--lora-fused-shrink", getattr(args, "lora_fused_shrink", None), None),
+            )
+            if value != default
+        ]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} need --enable-lora")
+        return None
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        fused_shrink=getattr(args, "lora_fused_shrink", None),
     )

@@ -2,8 +2,10 @@
 
 Lists every loaded plugin (distribution, version, entry point), every platform (available, or
 why not), every attention backend (usable on the chosen platform for a generic spec, or the
-reasons), each platform's communicator and who supplies it, every kernel override, and the
-conformance kit's suites (what ``pytest --engine-conformance=PLUGIN`` checks). When no platform can be chosen the listing is still printed,
+reasons), each platform's communicator and who supplies it, every quantization method (the
+checkpoint formats it reads; usable on the chosen platform, or the reasons), every kernel
+override, and the conformance kit's suites (what ``pytest --engine-conformance=PLUGIN``
+checks). When no platform can be chosen the listing is still printed,
 then the error, and the exit status is 2.
 """
 
@@ -20,7 +22,8 @@ def register(subparsers: Any) -> None:
     """Add the ``plugins`` subcommand."""
     parser = subparsers.add_parser(
         "plugins",
-        help="list plugins, platforms, attention backends and kernel overrides",
+        help="list plugins, platforms, attention backends, quantization methods and kernel "
+        "overrides",
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -106,6 +109,7 @@ def collect_report(pm: Any, platform: str | None = None) -> dict[str, Any]:
     ]
     return {
         "engine": {"version": __version__, "plugin_api": PLUGIN_API_VERSION},
+        "quantization_methods": quantization_report(pm, chosen),
         "plugins": [info.as_dict() for info in pm.plugins],
         "platforms": [entry.describe() for entry in pm.platforms()],
         "chosen_platform": chosen.name if chosen is not None else None,
@@ -116,6 +120,47 @@ def collect_report(pm: Any, platform: str | None = None) -> dict[str, Any]:
         "communicators": communicators,
         "conformance_suites": describe_suites(),
     }
+
+
+def quantization_report(pm: Any, chosen: Any) -> list[dict[str, Any]]:
+    """Every quantization method, the checkpoint formats it reads and whether it can run on
+    the chosen platform (with the reasons when not)."""
+    from engine.quantization import QuantizationError, QuantizationSpec
+
+    spec = QuantizationSpec()
+    if chosen is not None:
+        capability = None
+        if chosen.cls.device_type != "cpu":
+            try:
+                capability = chosen.cls.device_capability(0)
+            except Exception:  # a device that cannot be queried: capability unknown
+                capability = None
+        spec = QuantizationSpec(
+            platform=chosen.name,
+            device_type=chosen.cls.device_type,
+            capability=capability,
+            kernels=pm.kernel_registry().resolve(chosen.name),
+        )
+    rows = []
+    for entry in pm.quantization_methods():
+        try:
+            cls = entry.load()
+            reasons = cls.supports(spec)
+            formats, description = list(cls.checkpoint_formats), cls.description
+        except QuantizationError as exc:
+            reasons, formats, description = [str(exc)], [], ""
+        rows.append(
+            {
+                "name": entry.name,
+                "provider": entry.provider,
+                "qualname": entry.qualname,
+                "checkpoint_formats": formats,
+                "description": description,
+                "usable": not reasons,
+                "reasons": reasons,
+            }
+        )
+    return rows
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -164,12 +209,21 @@ def render_text(report: dict[str, Any]) -> str:
     lines += ["", "Conformance kit suites (pytest --engine-conformance=PLUGIN):"]
     for suite in report["conformance_suites"]:
         lines.append(f"  {suite['name']:<12} {suite['description']}")
+    lines += ["", f"Quantization methods {where}:"]
+    for q in report["quantization_methods"]:
+        state = "usable" if q["usable"] else "not usable"
+        formats = ", ".join(q["checkpoint_formats"]) or "-"
+        lines.append(
+            f"  {q['name']:<19} {state:<11} reads {formats:<19} (from {q['provider']}) "
+            f"{q['description']}"
+        )
+        lines += [f"      - {reason}" for reason in q["reasons"]]
 
     lines += ["", "Kernel overrides:"]
     for k in report["kernel_overrides"]:
         platforms = ", ".join(k["platforms"]) if k["platforms"] is not None else "all platforms"
         lines.append(
-            f"  {k['kernel']:<20} {k['provider']:<16} priority {k['priority']:<4} "
+            f"  {k['kernel']:<21} {k['provider']:<16} priority {k['priority']:<4} "
             f"on {platforms}: {k['function']}"
         )
     if not report["kernel_overrides"]:

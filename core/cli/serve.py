@@ -113,6 +113,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "them; new requests get 503 meanwhile (default: %(default)s).",
     )
 
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve from the start, as name=path or as JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request picks one by its '
+        "`model`. With VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 adapters can also be loaded and "
+        "unloaded at run time (/v1/load_lora_adapter, /v1/unload_lora_adapter).",
+    )
+
     tools = parser.add_argument_group("tool calling")
     tools.add_argument(
         "--enable-auto-tool-choice",
@@ -185,6 +198,31 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _lora_module(text: str) -> dict:
+    """One ``--lora-modules`` value: ``name=path`` or a JSON object (vLLM's two forms)."""
+    import json
+
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON LoRA module {text!r}: {e}") from None
+        if not isinstance(value, dict) or not value.get("name") or not value.get("path"):
+            raise argparse.ArgumentTypeError(
+                f'a JSON LoRA module needs "name" and "path", got {text!r}'
+            )
+        unknown = set(value) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown LoRA module fields {sorted(unknown)} (name, path, base_model_name)"
+            )
+        return {k: value.get(k) for k in ("name", "path", "base_model_name")}
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is name=path or JSON, got {text!r}")
+    return {"name": name, "path": path, "base_model_name": None}
+
+
 def _tool_parser_names() -> list[str]:
     from engine.server.tools.parser import TOOL_PARSERS
 
@@ -241,9 +279,20 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from engine.server.app import ServerOptions
     from engine.server.launcher import ApiServer, LaunchOptions, listen_socket
+    from engine.server.models import LoRAModulePath
     from engine.server.serving import ServerLimits, ServingOptions
 
     config = engine_config_from_args(args)  # validates flags before the port is taken
+    lora_modules = [LoRAModulePath(**m) for m in args.lora_modules or []]
+    if lora_modules and config.lora is None:
+        from engine.config import ConfigError
+
+        raise ConfigError("--lora-modules needs --enable-lora")
+    names = [m.name for m in lora_modules]
+    if len(set(names)) != len(names):
+        from engine.config import ConfigError
+
+        raise ConfigError(f"--lora-modules names an adapter twice: {names}")
     quiet = [p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()]
     options = ServerOptions(
         api_keys=list(args.api_key or []),
@@ -258,6 +307,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            lora_modules=lora_modules,
         ),
     )
     if config.model.model is None:

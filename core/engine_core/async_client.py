@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.engine_core.messages import (
+    UTILITY_METHODS,
     AbortRequests,
     AddRequests,
     AddResult,
@@ -34,6 +35,8 @@ from engine.engine_core.messages import (
     EngineStats,
     FinishSequences,
     FrontEndReady,
+    UtilityCall,
+    UtilityResult,
     raise_request_error,
 )
 from engine.engine_core.routing import DataParallelRouter
@@ -49,6 +52,9 @@ class _AsyncClient:
         self.dead: BaseException | None = None
         self.stats: dict[int, EngineStats] = {}
         self._acks: dict[str, asyncio.Future] = {}
+        # Utility calls waiting for their cores: call id -> (method, future, results by core).
+        self._calls: dict[int, tuple[str, asyncio.Future, dict[int, Any]]] = {}
+        self._next_call_id = 0
         self._on_outputs: Callable[[list[Any]], None] = lambda outputs: None
         self._on_stats: Callable[[int, EngineStats], None] = lambda engine, stats: None
         self._on_dead: Callable[[BaseException], None] = lambda exc: None
@@ -91,6 +97,25 @@ class _AsyncClient:
                         raise_request_error(err)
                     except Exception as e:  # noqa: BLE001 - handed to the waiting request
                         fut.set_exception(e)
+        elif isinstance(msg, UtilityResult):
+            call = self._calls.get(msg.call_id)
+            if call is None:
+                return
+            method, fut, results = call
+            results[msg.engine_index] = msg
+            if len(results) < self.num_engines:
+                return
+            del self._calls[msg.call_id]
+            if fut.done():
+                return
+            from engine.engine_core.client import combine_utility_results
+
+            try:
+                fut.set_result(
+                    combine_utility_results(method, [results[i] for i in sorted(results)])
+                )
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
         elif isinstance(msg, CoreFailed):
             from engine.engine_core.client import dead_error
 
@@ -105,6 +130,10 @@ class _AsyncClient:
             if not fut.done():
                 fut.set_exception(exc)
         self._acks.clear()
+        for _, fut, _ in self._calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._calls.clear()
         self._on_dead(exc)
 
     def _send(self, engine: int, msg: Any) -> None:
@@ -130,6 +159,26 @@ class _AsyncClient:
             self._acks.pop(req.request_id, None)
             self.router.request_done(req.request_id)
             raise
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` (``UTILITY_METHODS``) on every core between
+        steps and return their combined answer (``combine_utility_results``), or raise what
+        a core raised: a LoRA adapter is loaded or removed in every data-parallel rank."""
+        if self.dead is not None:
+            raise self.dead
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown engine utility call {method!r}")
+        self._next_call_id += 1
+        call_id = self._next_call_id
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (method, fut, {})
+        msg = UtilityCall(call_id, method, list(args), self.client_index)
+        for engine in range(self.num_engines):
+            self._send(engine, msg)
+        try:
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
 
     def _by_engine(self, items: list[Any], key: Callable[[Any], str]) -> dict[int, list[Any]]:
         groups: dict[int, list[Any]] = {}
@@ -168,6 +217,7 @@ class ThreadedCoreClient(_AsyncClient):
         self.tokenizer = core.tokenizer
         self.config = core.config
         self.eos_token_ids = list(getattr(core, "eos_token_ids", []))
+        self.image_input_spec = getattr(core, "image_input_spec", None)
         self._loop_runner: Any = None
         self._thread: threading.Thread | None = None
 
@@ -246,6 +296,7 @@ class AsyncMPClient(_AsyncClient):
         self.tokenizer: Any = None
         self.eos_token_ids: list[int] = []
         self.vocab_size = 0
+        self.image_input_spec: Any = None
         self.ready: list[CoreReady] = []
         self._ctx: Any = None
         self._out: Any = None
@@ -314,6 +365,7 @@ class AsyncMPClient(_AsyncClient):
         apply_ready(self.config, first)
         self.vocab_size = first.vocab_size
         self.eos_token_ids = list(first.eos_token_ids)
+        self.image_input_spec = first.image_input_spec
         self.router = DataParallelRouter(
             len(self.ready), first.block_size, enable_prefix_caching=first.enable_prefix_caching
         )

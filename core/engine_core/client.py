@@ -31,6 +31,10 @@ class InprocClient:
     def vocab_size(self) -> int:
         return int(self.core.runner.vocab_size)
 
+    @property
+    def image_input_spec(self) -> Any:
+        return self.core.image_input_spec
+
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
             self.core.add_request(request)
@@ -61,12 +65,37 @@ class InprocClient:
     def set_failure_callback(self, callback: Any) -> None:
         self.core.set_failure_callback(callback)
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """``core.<method>(*args)`` (``UTILITY_METHODS``: the LoRA adapter calls)."""
+        from engine.engine_core.messages import UTILITY_METHODS
+
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown engine utility call {method!r}")
+        return getattr(self.core, method)(*args)
+
     def shutdown(self) -> None:
         """Stop the core's model workers, if any (tensor/pipeline parallelism)."""
         self.core.shutdown()
 
 
 # ------------------------------------------------------------------------- shared by MP clients
+def combine_utility_results(method: str, results: list[Any]) -> Any:
+    """One answer from every core's ``UtilityResult`` (each core holds its own adapters: a
+    load or unload goes to all of them). The first error is raised; ``list_loras`` is the
+    union, ``remove_lora`` whether any core had the adapter, else every core's answer holds."""
+    from engine.engine_core.messages import raise_utility_error
+
+    for r in results:
+        if r.error is not None:
+            raise_utility_error(r.error)
+    values = [r.result for r in results]
+    if method == "list_loras":
+        return set().union(*(v or [] for v in values))
+    if method == "remove_lora":
+        return any(values)
+    return values[0] if values else None
+
+
 def apply_ready(config: Any, ready: Any) -> None:
     """Fill the front end's copy of the config with what the core resolved while loading."""
     model = config.model
@@ -137,6 +166,7 @@ class SyncMPClient:
         apply_ready(config, first)
         self.vocab_size = first.vocab_size
         self.eos_token_ids = list(first.eos_token_ids)
+        self.image_input_spec = first.image_input_spec
         self.router = DataParallelRouter(
             len(ready), first.block_size, enable_prefix_caching=first.enable_prefix_caching
         )
@@ -308,6 +338,27 @@ class SyncMPClient:
     def num_used_blocks(self) -> int:
         return self.get_stats().num_used_blocks
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` on every core (a LoRA adapter is loaded or
+        removed in each data-parallel rank) and combine their answers."""
+        from engine.engine_core.messages import UtilityCall, UtilityResult
+
+        self._check()
+        self._call_id = call_id = getattr(self, "_call_id", 0) + 1
+        for sock in self._ins:
+            sock.send(self._codec.encode(UtilityCall(call_id, method, list(args), 0)))
+        results: dict[int, Any] = {}
+        while len(results) < len(self._ins):
+            msg = self._receive(100)
+            if msg is None:
+                continue
+            if isinstance(msg, UtilityResult):
+                if msg.call_id == call_id:
+                    results[msg.engine_index] = msg
+                continue
+            self._pending += self._handle(msg)
+        return combine_utility_results(method, [results[i] for i in sorted(results)])
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -333,6 +384,8 @@ def sum_stats(stats: list[EngineStats]) -> EngineStats:
         total.prompt_tokens_total += s.prompt_tokens_total
         total.generation_tokens_total += s.generation_tokens_total
         total.num_used_blocks += s.num_used_blocks
+        total.encoder_cache_queries += s.encoder_cache_queries
+        total.encoder_cache_hits += s.encoder_cache_hits
         total.kv_cache_usage += s.kv_cache_usage / len(stats)
         if s.spec_decoding is not None:
             total.spec_decoding = _add_spec_stats(total.spec_decoding, s.spec_decoding)

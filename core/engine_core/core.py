@@ -16,6 +16,10 @@ A user request with ``n > 1`` becomes one sequence until its prompt is computed;
 samples ``n`` tokens from the same logits and forks ``n - 1`` child sequences that share the
 prompt's KV blocks (copy-on-write for the last, partial block).
 
+A request with a ``lora_request`` runs with that LoRA adapter (``engine.lora``): the adapter is
+loaded and checked when first used (or by ``add_lora``), and ``engine.lora.registry`` counts
+its requests in flight so that ``remove_lora`` unloads it only after they finished.
+
 A request with ``structured_outputs`` gets one xgrammar matcher per sequence (see
 ``engine.structured_output``): ``_launch`` turns each matcher's state into its row's token
 bitmask, ``_append_tokens`` advances the matcher by every sampled token and finishes the
@@ -79,6 +83,7 @@ class _RequestState:
     first_scheduled_time: float | None = None
     reported_scheduled: bool = False
     pending_child_generators: list[Any] = field(default_factory=list)
+    lora_id: int = 0  # the core's key of the request's LoRA adapter (0: none)
 
     @property
     def plain(self) -> bool:
@@ -131,6 +136,11 @@ class EngineCore:
         self._max_in_flight = max(1, int(getattr(runner, "max_concurrent_batches", 1)))
         self._structured: Any = None  # StructuredOutputManager, built on first use
         self._structured_lock = threading.Lock()  # grammars may compile on other threads
+        self.lora: Any = None  # engine.lora.registry.LoRARegistry with --enable-lora
+        if getattr(config, "lora", None) is not None:
+            from engine.lora.registry import LoRARegistry
+
+            self.lora = LoRARegistry(runner.add_lora, runner.remove_lora)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -170,8 +180,15 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` (or
-        ``SamplingParamsError``) before any work starts; the engine stays usable."""
+        ``SamplingParamsError``) before any work starts; the engine stays usable.
+
+        ``req.mm_features`` are the prompt's images (``engine.multimodal.MultiModalFeature``,
+        from the front end's processor: plain arrays, placeholder offsets in
+        ``prompt_token_ids``). ``req.lora_request`` (an ``engine.lora.request.LoRARequest``)
+        runs it with that adapter, loading it first if the core does not have it (a bad
+        adapter is an ``InvalidRequestError`` naming the reason)."""
         request_id, params = req.request_id, req.sampling_params
+        mm_features, lora_request = req.mm_features, req.lora_request
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not isinstance(params, SamplingParams):
@@ -194,6 +211,8 @@ class EngineCore:
         ids.check(params.stop_token_ids, "stop_token_ids")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        if mm_features:
+            mm_features = self._check_images(mm_features, prompt_token_ids)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         matcher = None
@@ -222,16 +241,50 @@ class EngineCore:
             max_tokens=max_tokens,
             arrival_time=req.arrival_time,
             priority=req.priority,
+            mm_features=mm_features or [],
         )
         state.seqs.append(_Sequence(0, request, generators[0], matcher=matcher))
         state.pending_child_generators = generators[1:]
         # Prompt logprobs need logits at every prompt position, so no prefix-cache skipping.
-        self.scheduler.add_request(
-            request, allow_prefix_hit=params.prompt_logprobs is None
-        )  # may raise RequestRejectedError (a ValueError)
+        # The adapter is loaded (and checked) here, after everything else was validated.
+        state.lora_id = request.lora_id = self._acquire_lora(lora_request)
+        try:
+            self.scheduler.add_request(
+                request, allow_prefix_hit=params.prompt_logprobs is None
+            )  # may raise RequestRejectedError (a ValueError)
+        except BaseException:
+            self._release_lora(state)
+            raise
         self._requests[request_id] = state
         self._seq_owner[request_id] = (state, state.seqs[0])
         self._prompt_tokens_total += len(prompt_token_ids)
+
+    @property
+    def image_input_spec(self) -> Any:
+        """How the model takes images (``engine.multimodal.ImageInputSpec``; None: text only)."""
+        return getattr(self.runner, "image_input_spec", None)
+
+    def _check_images(self, features: list[Any], prompt_token_ids: list[int]) -> list[Any]:
+        from engine.multimodal.inputs import check_features
+
+        spec = self.image_input_spec
+        limit = self.config.multimodal.limit("image")
+        if spec is None or limit == 0:
+            raise InvalidRequestError(
+                "this model takes no image inputs (a text model, or one served with "
+                'limit_mm_per_prompt={"image": 0})',
+                "multi_modal_data",
+            )
+        if len(features) > limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(features)} images; at most {limit} are allowed per prompt "
+                "(--limit-mm-per-prompt)",
+                "multi_modal_data",
+            )
+        try:
+            return check_features(features, prompt_token_ids, spec)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "multi_modal_data") from None
 
     def abort_requests(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their KV blocks; unknown ids are ignored."""
@@ -239,6 +292,7 @@ class EngineCore:
             state = self._requests.pop(request_id, None)
             if state is None:
                 continue
+            self._release_lora(state)
             for seq in state.seqs:
                 self.scheduler.finish_request(
                     seq.request.request_id, RequestStatus.FINISHED_ABORTED
@@ -259,6 +313,41 @@ class EngineCore:
             seq = state.seqs[index]
             if seq.finish_reason is None:
                 self._finish(state, seq, "stop")
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter now (vLLM's ``add_lora``): later requests naming it start at
+        once. Raises ``InvalidRequestError`` with the reason when it cannot be served."""
+        self._require_lora()
+        self.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Remove a LoRA adapter (False: not loaded). Requests already using it finish on it;
+        it is unloaded after the last one."""
+        return self._require_lora().remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ``lora_int_id`` of every loaded adapter."""
+        return set() if self.lora is None else self.lora.list_ids()
+
+    def _require_lora(self) -> Any:
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA is not enabled: start the engine with --enable-lora (LLM(enable_lora=True))",
+                "lora_request",
+            )
+        return self.lora
+
+    def _acquire_lora(self, lora_request: Any) -> int:
+        if lora_request is None:
+            return 0
+        return self._require_lora().acquire(lora_request)
+
+    def _release_lora(self, state: _RequestState) -> None:
+        if state.lora_id and self.lora is not None:
+            self.lora.release(state.lora_id)
+            state.lora_id = 0
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is unfinished, or a step is still in flight."""
@@ -300,6 +389,8 @@ class EngineCore:
             num_used_blocks=s.num_used_blocks,
             time=time.monotonic(),
             spec_decoding=getattr(s, "spec_decoding", None),
+            encoder_cache_queries=getattr(s, "encoder_cache_queries", 0),
+            encoder_cache_hits=getattr(s, "encoder_cache_hits", 0),
         )
 
     # ------------------------------------------------------------------ the step
@@ -488,6 +579,8 @@ class EngineCore:
                 priority=parent.request.priority,
                 output_token_ids=[tokens[i]],
                 parent_id=parent.request.request_id,
+                mm_features=parent.request.mm_features,  # recomputed after a preemption
+                lora_id=parent.request.lora_id,
             )
             seq = _Sequence(i, child, state.pending_child_generators[i - 1])
             seq.matcher = child_matchers[i - 1]
@@ -642,6 +735,7 @@ class EngineCore:
         self._seq_owner.pop(seq.request.request_id, None)
         if not state.needs_fork and all(s.finish_reason is not None for s in state.seqs):
             self._requests.pop(state.request_id, None)
+            self._release_lora(state)
         if out is not None:
             out.finish_reason = reason
         return out

@@ -1,9 +1,12 @@
 """What front ends and engine cores say to each other: msgspec Structs, msgpack on the wire.
 
-Front end -> core: ``AddRequests`` (token ids plus ``SamplingParams``), ``AbortRequests``,
+Front end -> core: ``AddRequests`` (token ids plus ``SamplingParams``, the prompt's images and
+its ``LoRARequest``), ``AbortRequests``,
 ``FinishSequences`` (a stop string found by the front end's detokenizer), ``GetStats`` (answered
 by an ``EngineCoreOutputs`` carrying only stats), ``FrontEndReady`` (a start-up barrier of
-several front ends, answered by ``AllFrontEndsReady``), ``Shutdown``.
+several front ends, answered by ``AllFrontEndsReady``), ``UtilityCall`` (vLLM's engine utility
+calls, ``add_lora`` / ``remove_lora`` / ``list_loras``, answered by ``UtilityResult``),
+``Shutdown``.
 
 Core -> front end: ``EngineCoreOutputs`` once per step for every front end whose requests
 progressed (new token ids, logprobs, finish reasons: token level, no text), ``AddResult`` (which
@@ -13,8 +16,9 @@ loading or a step fails (then the core exits).
 
 Every message is a tagged Struct with ``array_like=True`` (fields by position, no names on the
 wire) and ``gc=False`` (no cycles, so the collector need not track them). ``SamplingParams`` and
-``Logprob`` are dataclasses, which msgspec encodes natively; nothing is pickled. The in-process
-client passes the same objects without encoding them.
+``Logprob``, ``LoRARequest`` and ``MultiModalFeature`` are dataclasses, which msgspec encodes
+natively; an image's pixel array travels as its dtype, shape and raw bytes (``Codec``'s hooks).
+Nothing is pickled. The in-process client passes the same objects without encoding them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
+from engine.lora.request import LoRARequest
+from engine.multimodal.inputs import ImageInputSpec, MultiModalFeature
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.stats import SpecDecodingStats
@@ -47,6 +54,9 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     time: float = 0.0
     # Speculative decoding counters (cumulative), None when speculative decoding is off.
     spec_decoding: SpecDecodingStats | None = None
+    # Image inputs: images first reached by a request's chunk, and of which already encoded.
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -59,6 +69,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     # Which front end sent it: where its outputs go.
     client_index: int = 0
+    # The prompt's images (the front end's processor: placeholder runs in prompt_token_ids).
+    mm_features: list[MultiModalFeature] | None = None
+    # The LoRA adapter it runs with (the core loads it on first use).
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -124,7 +138,29 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
     pass
 
 
-ToCore = AddRequests | AbortRequests | FinishSequences | GetStats | FrontEndReady | Shutdown
+class UtilityCall(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Run ``EngineCore.<method>(*args)`` between steps (one of ``UTILITY_METHODS``) and answer
+    ``client_index`` with a ``UtilityResult`` carrying ``call_id``."""
+
+    call_id: int
+    method: str
+    args: list[LoRARequest | int | str | None] = []
+    client_index: int = 0
+
+
+# What a front end may call on a core (vLLM's engine utility calls for LoRA adapters).
+UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
+
+
+ToCore = (
+    AddRequests
+    | AbortRequests
+    | FinishSequences
+    | GetStats
+    | FrontEndReady
+    | UtilityCall
+    | Shutdown
+)
 
 
 # --------------------------------------------------------------------- core -> front end
@@ -165,10 +201,22 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
     async_scheduling: bool
     attention_backend: str
     load_seconds: float
+    # How the model takes images (None: text only); the front end's processor needs it.
+    image_input_spec: ImageInputSpec | None = None
 
 
 class AllFrontEndsReady(msgspec.Struct, tag=True, array_like=True, gc=False):
     pass
+
+
+class UtilityResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """The answer to a ``UtilityCall``: its result (a set comes as a sorted list) or the
+    error it raised (``RequestError``'s kinds: a bad adapter is "invalid", a 400)."""
+
+    call_id: int
+    engine_index: int = 0
+    result: bool | int | list[int] | None = None
+    error: RequestError | None = None
 
 
 class CoreFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -182,7 +230,30 @@ class CoreFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
     traceback: str = ""
 
 
-FromCore = EngineCoreOutputs | AddResult | CoreReady | CoreFailed | AllFrontEndsReady
+FromCore = (
+    EngineCoreOutputs | AddResult | CoreReady | CoreFailed | AllFrontEndsReady | UtilityResult
+)
+
+
+def run_utility(core: Any, msg: UtilityCall, engine_index: int) -> UtilityResult:
+    """Run a ``UtilityCall`` on ``core``; its error comes back as a ``RequestError``."""
+    if msg.method not in UTILITY_METHODS:
+        err = ValueError(f"unknown engine utility call {msg.method!r}")
+        return UtilityResult(msg.call_id, engine_index, error=request_error("", err))
+    try:
+        result = getattr(core, msg.method)(*msg.args)
+    except Exception as e:  # noqa: BLE001 - refused (a bad adapter...), the core is intact
+        return UtilityResult(msg.call_id, engine_index, error=request_error("", e))
+    if isinstance(result, set):
+        result = sorted(result)
+    return UtilityResult(msg.call_id, engine_index, result)
+
+
+def raise_utility_error(err: RequestError) -> None:
+    """Raise in the front end what a utility call raised in the core."""
+    if err.kind == "internal":
+        raise RuntimeError(f"the engine core failed: {err.message}")
+    raise_request_error(err)
 
 
 def request_error(request_id: str, exc: BaseException) -> RequestError:
@@ -220,9 +291,23 @@ class Codec:
     """The msgpack encoder and the two decoders (one per direction), built once."""
 
     def __init__(self) -> None:
-        self.encoder = msgspec.msgpack.Encoder()
-        self.to_core = msgspec.msgpack.Decoder(ToCore)
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self.to_core = msgspec.msgpack.Decoder(ToCore, dec_hook=_dec_hook)
         self.from_core = msgspec.msgpack.Decoder(FromCore)
 
     def encode(self, message: Any) -> bytes:
         return self.encoder.encode(message)
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):  # an image's pixels: dtype, shape, raw bytes
+        array = np.ascontiguousarray(obj)
+        return (array.dtype.str, list(array.shape), array.tobytes())
+    raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine core")
+
+
+def _dec_hook(type_: type, obj: Any) -> Any:
+    if type_ is np.ndarray:
+        dtype, shape, data = obj
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+    raise NotImplementedError(f"cannot decode a {type_}")

@@ -42,7 +42,9 @@ from engine.engine_core.messages import (
     FrontEndReady,
     GetStats,
     Shutdown,
+    UtilityCall,
     request_error,
+    run_utility,
 )
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,8 @@ class CoreLoop:
                 self.send(
                     msg.client_index, EngineCoreOutputs([], self.engine_index, core.get_stats())
                 )
+            elif isinstance(msg, UtilityCall):
+                self.send(msg.client_index, run_utility(core, msg, self.engine_index))
             elif isinstance(msg, Shutdown) or msg is None:
                 self._stopping = True
             elif callable(msg):  # in process only: a barrier (``sync``) or a health check
@@ -236,6 +240,7 @@ def ready_message(core: Any, engine_index: int, load_seconds: float) -> CoreRead
         async_scheduling=bool(config.scheduler.async_scheduling),
         attention_backend=str(backend),
         load_seconds=load_seconds,
+        image_input_spec=getattr(core, "image_input_spec", None),
     )
 
 

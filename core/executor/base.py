@@ -124,20 +124,3 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop the workers and release what they hold (idempotent)."""
         return None
-
-
-def executor_class(backend: str) -> type[Executor]:
-    """The executor class for a ``--distributed-executor-backend`` name."""
-    if backend == "uni":
-        from engine.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor
-    if backend == "mp":
-        from engine.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor
-    if backend == "ray":
-        from engine.executor.ray_executor import RayExecutor
-
-        return RayExecutor
-    raise ValueError(f"unknown distributed executor backend {backend!r}; choose uni, mp or ray")

@@ -100,6 +100,10 @@ class RemoteExecutor(Executor):
             time.perf_counter() - t2,
         )
         self.load_stats = loads  # per rank: checkpoint bytes offered and read (logged there)
+        # Image inputs: every rank runs the vision tower (sharded like the text model) and
+        # mirrors the scheduler's encoder cache; the step message carries the images.
+        self.image_input_spec = loads[0].get("image_input_spec")
+        self.dtype_bytes = int(loads[0].get("dtype_bytes") or 0)
 
     # ---- what subclasses provide -------------------------------------------------------------
     def _channel_host(self) -> str | None:
@@ -179,6 +183,22 @@ class RemoteExecutor(Executor):
         times = [t for t in self.collective_rpc("capture_graphs") if t is not None]
         return max(times) if times else None
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def add_lora(self, key: int, lora_request: Any) -> None:
+        """Load a LoRA adapter on every rank (the engine's ``LoRARegistry`` calls this between
+        steps). An adapter some rank cannot serve is dropped from every rank and raised here
+        as the ``LoRAAdapterError`` that rank gave; the workers stay up."""
+        from engine.lora.errors import LoRAAdapterError
+
+        errors = [e for e in self.collective_rpc("add_lora", key, lora_request) if e]
+        if errors:
+            self.collective_rpc("remove_lora", key)
+            message, param = errors[0]
+            raise LoRAAdapterError(message, param)
+
+    def remove_lora(self, key: int) -> None:
+        self.collective_rpc("remove_lora", key)
+
     # ---- RPC ----------------------------------------------------------------------------------
     def collective_rpc(
         self, method: str, *args: Any, ranks: list[int] | None = None, **kwargs: Any
@@ -198,6 +218,11 @@ class RemoteExecutor(Executor):
                 got_id, rank, result = messaging.loads(payload)
                 if got_id == rpc_id:
                     replies[rank] = result
+            elif kind == messaging.OUTPUT:
+                # A step still in flight (asynchronous scheduling; an adapter loaded by
+                # add_request): keep its output for collect().
+                step_id, out = messaging.loads(payload)
+                self._results[step_id] = out
         return [replies[r] for r in sorted(replies)]
 
     # ---- steps --------------------------------------------------------------------------------

@@ -37,8 +37,15 @@ if TYPE_CHECKING:
 
 
 class NewRequest(msgspec.Struct, array_like=True):
+    """A request the workers do not hold yet; ``mm_features`` is its images
+    (``MultiModalFeature`` list, pickled: pixel arrays and placeholder ranges; empty: none);
+    ``lora_id`` is the engine's key of its LoRA adapter (0: none), which every rank maps to its
+    own slot of that adapter."""
+
     req_id: str
     prompt: list[int]
+    mm_features: bytes = b""
+    lora_id: int = 0
 
 
 class Entry(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -90,6 +97,9 @@ class Step(msgspec.Struct, array_like=True):
     new_generators: list[tuple[int, int]]  # (handle, seed)
     freed_generators: list[int]
     finished: list[str]  # dropped by the workers after this step ran
+    # Image inputs: encoder-cache entries to drop before the step, images to encode in it.
+    free_encoder_hashes: list[str] = msgspec.field(default_factory=list)
+    encoder_inputs: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -153,7 +163,12 @@ class StepEncoder:
                 groups = len(sr.block_ids)
                 m = _Sent(request, len(request.prompt_token_ids), [None] * groups, [[]] * groups)
                 sent[rid] = m
-                new_requests.append(NewRequest(rid, request.prompt_token_ids))
+                images = b""
+                if request.mm_features:
+                    images = pickle.dumps(request.mm_features, protocol=pickle.HIGHEST_PROTOCOL)
+                new_requests.append(
+                    NewRequest(rid, request.prompt_token_ids, images, request.lora_id)
+                )
             entries.append(self._entry(sr, m))
         rows: list[Row] = []
         new_generators: list[tuple[int, int]] = []
@@ -200,6 +215,8 @@ class StepEncoder:
             new_generators=new_generators,
             freed_generators=freed,
             finished=finished,
+            free_encoder_hashes=list(sched_out.free_encoder_hashes),
+            encoder_inputs=dict(sched_out.scheduled_encoder_inputs),
         )
         return self._step_id, _ENCODER.encode(step)
 
@@ -289,7 +306,11 @@ class StepDecoder:
 
         step = _DECODER.decode(message)
         for new in step.new_requests:
-            self.requests[new.req_id] = Request(new.req_id, list(new.prompt), max_tokens=0)
+            mirror = Request(new.req_id, list(new.prompt), max_tokens=0)
+            if new.mm_features:
+                mirror.mm_features = pickle.loads(new.mm_features)
+            mirror.lora_id = new.lora_id
+            self.requests[new.req_id] = mirror
             self.tables.pop(new.req_id, None)
         for handle, seed in step.new_generators:
             gen = torch.Generator(device=self.device)
@@ -347,6 +368,8 @@ class StepDecoder:
             scheduled=scheduled,
             num_batched_tokens=step.num_batched_tokens,
             blocks_to_copy=[tuple(p) for p in step.blocks_to_copy],
+            free_encoder_hashes=step.free_encoder_hashes,
+            scheduled_encoder_inputs=step.encoder_inputs,
         )
         return DecodedStep(
             step.step_id,

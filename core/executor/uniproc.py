@@ -15,10 +15,16 @@ class UniProcExecutor(Executor):
     are this executor's, bound once, so a step costs what it cost before executors existed).
 
     Attributes the executor does not define are the runner's (``model``, ``kv_caches``,
-    ``num_blocks``, ``graphs``...), so code that inspects ``engine.runner`` keeps working.
+    ``num_blocks``, ``graphs``...), so code that inspects ``engine.runner`` keeps working;
+    so are writes to them (``engine.runner.proposer = ...`` installs a proposer on the
+    runner rather than a dead attribute on the executor).
     """
 
     name = "uni"
+    # What the executor itself holds; every other attribute is the runner's, read or written.
+    _OWN = frozenset(
+        {"runner", "config", "attn_backend_cls", "execute_async", "collect", "execute"}
+    )
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -27,6 +33,12 @@ class UniProcExecutor(Executor):
         self.execute_async = runner.execute_async  # type: ignore[method-assign]
         self.collect = runner.collect  # type: ignore[method-assign]
         self.execute = runner.execute  # type: ignore[method-assign]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.runner, name, value)
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found on the executor itself.

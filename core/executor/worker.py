@@ -120,6 +120,7 @@ class Worker:
 
         from engine.model_runner import ModelRunner
         from engine.models.registry import ModelRegistry
+        from engine.quantization.resolve import resolve_quantization
         from engine.sampler import Sampler
 
         config = self.spec.config
@@ -129,6 +130,8 @@ class Worker:
         hf = config.model.hf_config
         vocab = (getattr(hf, "text_config", None) or hf).vocab_size
         sampler = Sampler(vocab, self.device, argmax=kernels.argmax)
+        # The same method the engine process resolved (same flags, checkpoint and platform).
+        quant_config = resolve_quantization(config, hf, self.platform, kernels, self.plugins)
         self.runner = ModelRunner(
             config,
             self.platform,
@@ -138,12 +141,20 @@ class Worker:
             model_registry=ModelRegistry.with_plugins(self.plugins),
             parallel=self.parallel,
             device_index=self.spec.local_rank,
+            quant_config=quant_config,
         )
         # The ranks on this host share its memory (what a CPU KV cache may take of it).
         self.runner.ranks_on_host = self.spec.local_world_size
         self.runner.load_model()
         stats = self.runner.load_stats
-        return {"rank": self.rank, "bytes_offered": stats.offered, "bytes_read": stats.read}
+        return {
+            "rank": self.rank,
+            "bytes_offered": stats.offered,
+            "bytes_read": stats.read,
+            # How the model takes images (None: text only) and its embeddings' element size.
+            "image_input_spec": self.runner.image_input_spec,
+            "dtype_bytes": next(self.runner.model.parameters()).element_size(),
+        }
 
     def kv_cache_windows(self) -> list[int | None]:
         return sorted(self._runner.kv_cache_windows(), key=lambda w: (w is not None, w or 0))
@@ -174,6 +185,21 @@ class Worker:
 
     def capture_graphs(self) -> float | None:
         return self._runner.capture_graphs()
+
+    def add_lora(self, key: int, lora_request: Any) -> tuple[str, str | None] | None:
+        """Load a LoRA adapter into this rank's slots-to-be (each rank reads the PEFT files and
+        keeps its shard of A/B). An adapter that cannot be served comes back as
+        ``(message, param)`` instead of failing the worker; the executor raises it."""
+        from engine.lora.errors import LoRAAdapterError
+
+        try:
+            self._runner.add_lora(key, lora_request)
+        except LoRAAdapterError as exc:
+            return str(exc), exc.param
+        return None
+
+    def remove_lora(self, key: int) -> None:
+        self._runner.remove_lora(key)
 
     def describe(self) -> dict[str, Any]:
         """Where this rank runs and what it holds (tests, ``engine`` logs)."""
@@ -207,6 +233,11 @@ class Worker:
         if self._digest is None or self.parallel is None or not self.parallel.is_last_stage:
             return None
         return self._digest.hexdigest()
+
+    def num_images_encoded(self) -> int:
+        """Images this rank's vision tower encoded (0 for a text model)."""
+        mm = getattr(self._runner, "mm", None)
+        return mm.num_encoded if mm is not None else 0
 
     def ping(self) -> int:
         return self.rank

@@ -55,6 +55,7 @@ from torch import nn
 from engine.layers.weight_utils import (
     ModelLoadError,
     check_shape,
+    init_dummy_parameter,
     materialize,
     narrow,
     new_parameter,
@@ -145,6 +146,14 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Called once after loading; the default keeps the weights as loaded."""
 
+    def init_dummy_weights(self, layer: LinearBase, generator: torch.Generator) -> None:
+        """Seeded random values for ``--load-format dummy`` (benchmarks of big shapes), before
+        ``process_weights_after_loading``. The default fills floating-point parameters by the
+        loader's rule (normal(0, 0.02) matrices, zero biases, unit vectors); a quantized format
+        overrides it with random packed values and sane positive scales."""
+        for name, param in layer.named_parameters(recurse=False):
+            init_dummy_parameter(name, param, generator)
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -209,7 +218,9 @@ class LinearBase(nn.Module):
         self.parallel: ParallelContext = parallel
         self.prefix = prefix
         self.params_dtype = dtype if dtype is not None else (ctx.dtype if ctx else None)
-        self.linear_op = linear_op(kernels if kernels is not None else (ctx and ctx.kernels))
+        # The platform's bound ops (None in tests that build layers alone: references then).
+        self.kernels: Kernels | None = kernels if kernels is not None else (ctx and ctx.kernels)
+        self.linear_op = linear_op(self.kernels)
         self.input_size = input_size
         self.output_full_sizes = [int(s) for s in output_sizes]
         self.output_size = sum(self.output_full_sizes)

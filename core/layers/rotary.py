@@ -17,7 +17,7 @@ from torch import nn
 from engine.kernels.registry import Kernels
 from engine.layers.layernorm import RMSNorm
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -40,8 +40,16 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
     partial = getattr(hf_config, "partial_rotary_factor", None)
     if partial is not None:
         params.setdefault("partial_rotary_factor", partial)
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    if params["rope_type"] == "su":  # Phi-3's name for LongRoPE before transformers 4.42
+        params["rope_type"] = "longrope"
+    if params["rope_type"] in ("llama3", "longrope"):
+        # Phi-3 keeps it at the top level of its config.
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        params.setdefault(
+            "original_max_position_embeddings", original or hf_config.max_position_embeddings
+        )
+    if params["rope_type"] == "longrope":
+        params.setdefault("max_position_embeddings", hf_config.max_position_embeddings)
     return params
 
 
@@ -76,7 +84,33 @@ def compute_inv_freq(rot_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor
         return torch.where(medium, smoothed, scaled), 1.0
     if rope_type == "yarn":
         return _yarn(rot_dim, base, params)
+    if rope_type == "longrope":
+        return longrope_inv_freq(rot_dim, params, long=False)
     return inv_freq, 1.0
+
+
+def longrope_inv_freq(
+    rot_dim: int, params: dict[str, Any], long: bool
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 / Phi-4): each frequency divided by its ``short_factor`` (or, with
+    ``long``, ``long_factor``) entry; cos/sin scaled by ``attention_factor``, by default
+    ``sqrt(1 + ln(s) / ln(original_max))`` with ``s = max_position_embeddings /
+    original_max_position_embeddings`` (transformers' formulas, in float32)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    ext = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if ext.numel() != rot_dim // 2:
+        raise ValueError(
+            f"longrope {'long' if long else 'short'}_factor has {ext.numel()} entries, the "
+            f"rotary dims need {rot_dim // 2}"
+        )
+    exponents = torch.arange(0, rot_dim, 2, dtype=torch.int64).to(torch.float32) / rot_dim
+    return 1.0 / (ext * float(params["rope_theta"]) ** exponents), float(attention_factor)
 
 
 def _yarn(rot_dim: int, base: float, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -116,6 +150,16 @@ def _yarn(rot_dim: int, base: float, params: dict[str, Any]) -> tuple[torch.Tens
     return inv_freq, float(attention_factor)
 
 
+def get_rope(
+    head_size: int, max_position: int, params: dict[str, Any], kernels: Kernels
+) -> RotaryEmbedding:
+    """The rotary embedding for ``params`` (``rope_parameters(...)``): a
+    ``LongRopeRotaryEmbedding`` for ``longrope``, else a ``RotaryEmbedding``."""
+    if params.get("rope_type") == "longrope":
+        return LongRopeRotaryEmbedding(head_size, max_position, params, kernels)
+    return RotaryEmbedding(head_size, max_position, params, kernels)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to the first ``rot_dim`` dims of every query/key head, after
     the optional per-head q/k RMSNorm, in one ``kernels.qk_norm_rotary`` call."""
@@ -129,6 +173,11 @@ class RotaryEmbedding(nn.Module):
         is_neox: bool = True,
     ) -> None:
         super().__init__()
+        if params.get("rope_type") == "longrope" and not isinstance(self, LongRopeRotaryEmbedding):
+            raise ValueError(
+                "longrope needs both factor tables: build it with get_rope (a "
+                "LongRopeRotaryEmbedding), whose rope_positions the model must apply"
+            )
         self.head_size = head_size
         self.rot_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))
         self.is_neox = is_neox
@@ -136,13 +185,7 @@ class RotaryEmbedding(nn.Module):
         self.params = params
         # Computed on the CPU so every device gets the same values, then moved with the model.
         with torch.device("cpu"):
-            inv_freq, scale = compute_inv_freq(self.rot_dim, params)
-            positions = torch.arange(max_position, dtype=torch.float32)
-            freqs = torch.outer(positions, inv_freq)
-            cos, sin = freqs.cos(), freqs.sin()
-            if scale != 1.0:
-                cos, sin = cos * scale, sin * scale
-            cache = torch.cat((cos, sin), dim=-1)
+            cache = _cos_sin(max_position, *compute_inv_freq(self.rot_dim, params))
         self.register_buffer(
             "cos_sin_cache", cache.to(torch.get_default_device()), persistent=False
         )
@@ -182,3 +225,57 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rot_dim={self.rot_dim}, type={self.params['rope_type']}, theta={self.params['rope_theta']}"
+
+
+def _cos_sin(max_position: int, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 ``[max_position, rot_dim]``: cosines then sines of ``position * inv_freq``,
+    times ``scale``."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return torch.cat((cos, sin), dim=-1)
+
+
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """LongRoPE with both factor sets: the cache holds the short-factor table for positions
+    ``[0, max_position)`` and the long-factor one after it, and ``rope_positions`` picks, per
+    token, the long table when its request's context exceeds ``original_max_position_
+    embeddings``.
+
+    That is transformers' rule (long factors once the sequence is longer than the original
+    context) applied to each request of the batch on its own, so a request's result does not
+    depend on what it is batched with. Keys already in the KV cache keep the rotation they were
+    written with: a request that grows past the original context in decode (or in a later
+    prefill chunk), or that reuses prefix-cache blocks written by a shorter request, attends to
+    short-rotated keys there, where transformers' ``generate`` would recompute the whole
+    sequence once with the long factors.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        params: dict[str, Any],
+        kernels: Kernels,
+        is_neox: bool = True,
+    ) -> None:
+        super().__init__(head_size, max_position, params, kernels, is_neox)
+        self.max_position = max_position
+        self.original_max_position = int(params["original_max_position_embeddings"])
+        with torch.device("cpu"):
+            long = _cos_sin(max_position, *longrope_inv_freq(self.rot_dim, params, long=True))
+        cache = torch.cat((self.cos_sin_cache, long.to(self.cos_sin_cache.device)))
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def rope_positions(
+        self, positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Cache rows for ``positions`` [T]: ``position`` for tokens of requests whose context
+        (``seq_lens``, after this step) is within the original length, ``position +
+        max_position`` (the long table) for the others. Device ops only (graph-capturable)."""
+        tokens = torch.arange(positions.shape[0], device=positions.device, dtype=torch.int32)
+        request = torch.searchsorted(query_start_loc[1:].to(torch.int32), tokens, right=True)
+        request = request.clamp(max=max(seq_lens.shape[0] - 1, 0))
+        long = seq_lens.to(torch.int64)[request] > self.original_max_position
+        return positions + long.to(positions.dtype) * self.max_position

@@ -46,6 +46,23 @@ def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
     param.data.copy_(materialize(loaded))
 
 
+def init_dummy_parameter(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
+    """The dummy-weights rule (``--load-format dummy``): normal(0, 0.02) matrices, zero biases,
+    unit vectors (norm scales). Integer and FP8 parameters belong to a quantization method,
+    which fills them itself (``LinearMethod.init_dummy_weights``)."""
+    if not param.dtype.is_floating_point or param.element_size() == 1:
+        raise ModelLoadError(
+            f"dummy weights: parameter {name!r} is {param.dtype}; its quantization method must "
+            "fill it (LinearMethod.init_dummy_weights)"
+        )
+    if param.dim() >= 2:
+        param.data.normal_(0.0, 0.02, generator=generator)
+    elif name.endswith("bias"):
+        param.data.zero_()
+    else:
+        param.data.fill_(1.0)
+
+
 def set_weight_loader(param: nn.Parameter, loader: Callable[..., None]) -> nn.Parameter:
     """Attach a custom ``weight_loader`` to ``param`` and return it."""
     param.weight_loader = loader  # type: ignore[attr-defined]

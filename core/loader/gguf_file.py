@@ -400,6 +400,10 @@ class GGUFFile:
             out = out[:, cut[0] : cut[1]].contiguous()
         return out, num_bytes
 
+    def release(self, name: str) -> None:
+        """Drop tensor ``name``'s file pages from the resident set (after copying it out)."""
+        self._release(self.tensors[name])
+
     def _release(self, info: GGUFTensorInfo) -> None:
         """Drop the tensor's file pages from this process's resident set: the mapped file would
         otherwise count fully in RSS by the end of loading (the data is in ``out`` now)."""

@@ -4,7 +4,7 @@ The contract the model loader calls:
 
 * ``load_config(path) -> transformers.PretrainedConfig`` maps GGUF metadata to the Hugging Face
   config of the same model (for ``gemma3`` a ``Gemma3TextConfig``).
-* ``iter_weights(path, hf_config, dtype, stats=None)`` yields ``(hf_name, lazy tensor)`` pairs
+* ``iter_weights(path, hf_config, dtype, stats=None, keep_quantized=None)`` yields ``(hf_name, lazy tensor)`` pairs
   under Hugging Face parameter names, dequantized to ``dtype`` one tensor at a time when
   materialised (only in the window a tensor-parallel shard narrows it to), with the same values
   ``transformers`` loads from the file (its GGUF conversion is the reference the tests check).
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from engine.loader.gguf_file import GGUFFile, GGUFLoadError
 from engine.loader.lazy_tensor import LazyTensor, ReadStats
@@ -460,21 +461,42 @@ class GGUFLazyTensor(LazyTensor):
         return tensor, num_bytes
 
 
+def quantization_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``quantization_config`` the model loader gives a GGUF model's config (read by
+    ``engine.quantization.gguf``): ``{"quant_method": "gguf", "tensor_types": {module: GGML
+    type name}}`` for every matrix of the file (header only)."""
+    with GGUFFile(path) as f:
+        spec = _spec(f)
+        types = {}
+        for name, info in f.tensors.items():
+            if name.endswith(".weight") and len(info.shape) == 2:
+                module = _hf_name(f, spec, name).removesuffix(".weight")
+                types[module] = info.ggml_type.name
+    return {"quant_method": "gguf", "tensor_types": types}
+
+
 def iter_weights(
     path: str | os.PathLike[str],
     hf_config: PretrainedConfig,
     dtype: torch.dtype,
     stats: ReadStats | None = None,
-) -> Iterator[tuple[str, GGUFLazyTensor]]:
+    keep_quantized: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, lazy tensor)`` for every tensor in the file, in file order. A tensor
     is dequantized to float32 and cast to ``dtype`` (as ``transformers`` does) when
     materialised, and only in the window its consumer narrowed it to (a tensor-parallel shard
     reads about ``1 / tp`` of the file). Consume each before asking for the next.
 
+    A matrix of a module for which ``keep_quantized(module)`` is true comes raw instead, as
+    ``(f"{module}.qweight", uint8 [rows, K / block_size, type_size])`` (its GGUF blocks; Llama's
+    q/k rows unpermuted), for ``engine.quantization.gguf``, which shards it by whole blocks.
+
     Every tensor's type and name are checked before the first one is yielded, so a bad file
     fails fast and names the offending tensor. ``stats`` counts the file bytes offered and
     read.
     """
+    import torch
+
     with GGUFFile(path) as f:
         spec = _spec(f)
         names = {name: _hf_name(f, spec, name) for name in f.tensors}
@@ -483,6 +505,17 @@ def iter_weights(
         n_heads = hf_config.num_attention_heads
         n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
         for name, hf_name in names.items():
+            module = hf_name.removesuffix(".weight")
+            if keep_quantized is not None and module != hf_name and keep_quantized(module):
+                info = f.tensors[name]
+                block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+                blocks = torch.from_numpy(f.raw(name).copy())
+                blocks = blocks.view(blocks.shape[0], info.shape[-1] // block, type_size)
+                f.release(name)
+                if spec.unpermute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                    blocks = _unpermute(blocks, n_heads if "q_proj" in hf_name else n_kv)
+                yield f"{module}.qweight", blocks
+                continue
             is_norm = hf_name.endswith("norm.weight")
             heads = None
             if spec.unpermute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.layers.linear import process_weights_after_loading
+from engine.layers.linear import UNQUANTIZED, LinearBase, process_weights_after_loading
 from engine.layers.weight_utils import ModelLoadError
 from engine.loader.lazy_tensor import LazySafetensor, ReadStats
 from engine.models.context import ModelContext
@@ -99,6 +99,9 @@ def load_hf_config(
         from engine.loader import gguf_loader
 
         hf_config = gguf_loader.load_config(path)
+        if (model_config.quantization or "").lower() != "none":
+            # Kept quantized by engine.quantization.gguf unless --quantization none.
+            hf_config.quantization_config = gguf_loader.quantization_config(path)
     else:
         from transformers import AutoConfig
 
@@ -111,14 +114,28 @@ def load_hf_config(
         except Exception as e:
             raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
     registry = registry or ModelRegistry.with_plugins(plugins)
-    arch, _ = registry.resolve(getattr(hf_config, "architectures", None) or [])
+    choice = _select(model_config, hf_config, registry, log=True)
     if model_config.max_model_len is None:
         # The engine (runtime.resolve_max_model_len) validates a user-given value.
         text = getattr(hf_config, "text_config", None) or hf_config
         model_config.max_model_len = getattr(text, "max_position_embeddings", None)
     model_config.hf_config = hf_config
-    model_config.architecture = arch
+    model_config.architecture = choice.architecture
+    model_config.implementation = choice.implementation
     return hf_config
+
+
+def _select(model_config: ModelConfig, hf_config: Any, registry: ModelRegistry, log: bool) -> Any:
+    """The ``engine.models.selection.ModelChoice`` for ``model_config.model_impl``."""
+    from engine.models.selection import select_model
+
+    return select_model(
+        hf_config,
+        getattr(model_config, "model_impl", "auto"),
+        registry,
+        trust_remote_code=model_config.trust_remote_code,
+        log=log,
+    )
 
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
@@ -231,15 +248,29 @@ def _validate_checkpoint(model_cls: type, ctx: ModelContext, shapes: dict[str, t
         loaded = meta_model.load_weights(
             (name, torch.empty(shape, dtype=ctx.dtype)) for name, shape in shapes.items()
         )
-    missing = {name for name, _ in meta_model.named_parameters()} - loaded
+    missing = _required_parameters(meta_model) - loaded
     if missing:
         raise ModelLoadError(_missing_message(meta_model, missing, set(shapes)))
 
 
-def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]:
+def _required_parameters(model: nn.Module) -> set[str]:
+    """The parameters a checkpoint must fill: all but those a quantization method marks
+    ``optional`` (e.g. GPTQ's ``g_idx`` without act-order, which it then ignores)."""
+    return {name for name, p in model.named_parameters() if not getattr(p, "optional", False)}
+
+
+def _drop_skipped(
+    model_cls: type, shapes: dict[str, tuple], ctx: ModelContext | None = None
+) -> dict[str, tuple]:
     """``shapes`` without the tensors ``model_cls.skip_checkpoint_prefixes`` names (parts of the
-    checkpoint the model does not run); logs what was skipped and why."""
+    checkpoint the model does not run; a class whose choice depends on the context, e.g. a
+    multimodal model served text-only, answers ``checkpoint_prefixes_to_skip(ctx) -> (prefixes,
+    reason)`` instead); logs what was skipped and why."""
     prefixes = tuple(getattr(model_cls, "skip_checkpoint_prefixes", ()))
+    reason = getattr(model_cls, "skip_checkpoint_reason", "")
+    if ctx is not None and hasattr(model_cls, "checkpoint_prefixes_to_skip"):
+        prefixes, reason = model_cls.checkpoint_prefixes_to_skip(ctx)
+        prefixes = tuple(prefixes)
     if not prefixes:
         return shapes
     kept = {name: shape for name, shape in shapes.items() if not name.startswith(prefixes)}
@@ -252,9 +283,58 @@ def _drop_skipped(model_cls: type, shapes: dict[str, tuple]) -> dict[str, tuple]
             len(skipped),
             f"{numel:,}",
             ", ".join(p for p in prefixes if any(n.startswith(p) for n in shapes)),
-            getattr(model_cls, "skip_checkpoint_reason", "") or "not used by this model",
+            reason or "not used by this model",
         )
     return kept
+
+
+# Checkpoint names of FP8 KV-cache scales (compressed-tensors' kv_cache_scheme, fp8 exports):
+# suffix -> (how many module levels up the attention block is, which scales it sets).
+_KV_SCALE_SUFFIXES = {
+    ".k_scale": (1, "k"),
+    ".v_scale": (1, "v"),
+    ".kv_scale": (1, "kv"),
+    ".k_proj.output_scale": (2, "k"),
+    ".v_proj.output_scale": (2, "v"),
+}
+
+
+def _kv_scale_target(name: str) -> tuple[str, str] | None:
+    """(module holding the layer's attention, "k"/"v"/"kv") for a KV-cache scale tensor name
+    (``model.layers.3.self_attn.k_scale``, ``...self_attn.k_proj.k_scale``), else None."""
+    for suffix, (_, which) in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            head = name[: -len(suffix)]
+            if head.endswith((".k_proj", ".v_proj")) and suffix in (".k_scale", ".v_scale"):
+                head = head.rsplit(".", 1)[0]
+            return head, which
+    return None
+
+
+def _load_kv_scales(model: nn.Module, files: list[Path], names: set[str]) -> None:
+    """Set each attention layer's FP8 KV-cache scales from the checkpoint (they are used when
+    the cache is FP8, ``--kv-cache-dtype fp8``; 1.0 where a checkpoint has none)."""
+    from engine.layers.attention import Attention
+
+    for name, tensor in iter_safetensors(files, names=names):
+        head, which = _kv_scale_target(name)  # type: ignore[misc]
+        try:
+            block = model.get_submodule(head)
+        except AttributeError:
+            block = None
+        layers = [m for m in block.modules() if isinstance(m, Attention)] if block else []
+        if len(layers) != 1 or tensor.numel() != 1:
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r}: a KV-cache scale needs one element and one "
+                f"attention layer under {head!r}"
+            )
+        value = float(tensor.float().reshape(()))
+        if not value > 0:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: KV-cache scale {value} is not > 0")
+        for part in which:
+            setattr(layers[0].impl, f"{part}_scale", value)
+    if names:
+        logger.info("FP8 KV-cache scales from the checkpoint for %d tensors", len(names))
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -278,7 +358,10 @@ def _init_dummy(
     keeps its shard through the parameter's weight loader, exactly as from a checkpoint, so
     TP=2 runs the model TP=1 runs."""
     device = next(model.parameters()).device
+    quantized = _quantized_linear_params(model)
     for name, param in model.named_parameters():
+        if name in quantized:
+            continue  # filled by the layer's quantization method (below)
         if param.dim() < 2:
             if name.endswith("bias"):
                 param.data.zero_()
@@ -306,6 +389,24 @@ def _init_dummy(
                 loader(param, full, kind)
             else:
                 loader(param, full)
+    for name, module in {id(m): (n, m) for n, m in quantized.values()}.values():
+        # A quantization method fills its own packed values and scales (random, positive),
+        # from a generator seeded by the seed and the layer's name. Under tensor parallelism
+        # each rank fills its shard, so dummy quantized values differ between layouts (dummy
+        # weights only serve benchmarks of big shapes).
+        gen = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+        module.quant_method.init_dummy_weights(module, gen)
+
+
+def _quantized_linear_params(model: nn.Module) -> dict[str, tuple[str, LinearBase]]:
+    """Parameter name -> (layer name, layer) for the parameters of the linear layers whose
+    method is a quantization method (one entry per layer is enough to visit each once)."""
+    out: dict[str, tuple[str, LinearBase]] = {}
+    for layer_name, module in model.named_modules():
+        if isinstance(module, LinearBase) and module.quant_method is not UNQUANTIZED:
+            for pname, _ in module.named_parameters(recurse=False):
+                out[f"{layer_name}.{pname}" if layer_name else pname] = (layer_name, module)
+    return out
 
 
 def _full_shapes(model_cls: type, ctx: ModelContext) -> dict[str, tuple[int, ...]]:
@@ -325,6 +426,7 @@ def load_model(
     *,
     parallel: ParallelContext | None = None,
     quant_config: QuantizationConfig | None = None,
+    multimodal_config: Any = None,
     stats: ReadStats | None = None,
 ) -> nn.Module:
     """Build the model for ``model_config`` on ``device`` and load its weights.
@@ -332,9 +434,10 @@ def load_model(
     Reads the config first when ``model_config.hf_config`` is unset. ``parallel`` says which
     tensor-parallel shard and pipeline stage this process builds (default: all of it); each
     checkpoint tensor is read only in the part this process holds. ``quant_config`` picks the
-    linear layers' quantization methods. Every linear layer's method gets its post-loading pass
-    (``process_weights_after_loading``). ``stats`` counts the checkpoint bytes offered and read.
-    Returns the model in eval mode with frozen parameters.
+    linear layers' quantization methods; ``multimodal_config`` (``MultiModalConfig``) tells a
+    multimodal model whether to build its vision tower. Every linear layer's method gets its
+    post-loading pass (``process_weights_after_loading``). ``stats`` counts the checkpoint bytes
+    offered and read. Returns the model in eval mode with frozen parameters.
     """
     from tqdm.auto import tqdm
 
@@ -342,9 +445,14 @@ def load_model(
     if model_config.hf_config is None:
         load_hf_config(model_config, registry)
     hf_config = model_config.hf_config
-    _, model_cls = registry.resolve(getattr(hf_config, "architectures", None) or [])
+    choice = _select(model_config, hf_config, registry, log=False)
+    model_cls = choice.model_cls
+    model_config.implementation = choice.implementation
     device = torch.device(device)
     dtype = resolve_dtype(model_config, hf_config)
+    if quant_config is not None and hasattr(model_cls, "packed_modules_mapping"):
+        # Which checkpoint modules each fused layer stands for (ignore lists name those).
+        quant_config.packed_modules_mapping = dict(model_cls.packed_modules_mapping)
     ctx = ModelContext(
         hf_config,
         dtype,
@@ -353,6 +461,7 @@ def load_model(
         device,
         parallel=parallel or SINGLE_PROCESS,
         quant_config=quant_config,
+        multimodal_config=multimodal_config,
     )
     path = resolve_model_path(model_config.model)
     fmt = model_config.load_format
@@ -369,10 +478,13 @@ def load_model(
         process_weights_after_loading(model)
         return model.eval()
 
+    kv_scales: set[str] = set()
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
 
-        weights = gguf_loader.iter_weights(path, hf_config, dtype, stats=stats)
+        kept = getattr(quant_config, "kept_modules", None)  # GGUFConfig: raw blocks
+        keep = kept.__contains__ if kept is not None and quant_config.name == "gguf" else None
+        weights = gguf_loader.iter_weights(path, hf_config, dtype, stats=stats, keep_quantized=keep)
         present: set[str] | None = None
         progress = tqdm(
             total=gguf_loader.num_tensors(path), desc="Loading GGUF weights", unit="tensor"
@@ -380,7 +492,9 @@ def load_model(
         weights = _counting(weights, progress)
     else:
         files = safetensors_files(path)
-        shapes = _drop_skipped(model_cls, safetensors_shapes(files))
+        shapes = _drop_skipped(model_cls, safetensors_shapes(files), ctx)
+        kv_scales = {name for name in shapes if _kv_scale_target(name) is not None}
+        shapes = {name: shape for name, shape in shapes.items() if name not in kv_scales}
         _validate_checkpoint(model_cls, ctx, shapes)
         present = set(shapes)
         progress = tqdm(
@@ -395,9 +509,11 @@ def load_model(
         loaded = model.load_weights(weights)
     finally:
         progress.close()
-    missing = {name for name, _ in model.named_parameters()} - loaded
+    missing = _required_parameters(model) - loaded
     if missing:
         raise ModelLoadError(_missing_message(model, missing, present or set()))
+    if kv_scales:
+        _load_kv_scales(model, files, kv_scales)
     process_weights_after_loading(model)
     return model.eval()
 
@@ -406,3 +522,112 @@ def _counting(weights: Any, progress: Any) -> Iterator[tuple[str, torch.Tensor]]
     for item in weights:
         yield item
         progress.update(1)
+
+
+def check_quantized_layout(
+    model_config: ModelConfig,
+    kernels: Kernels,
+    attn_backend_cls: type[AttentionBackend],
+    registry: ModelRegistry,
+    quant_config: QuantizationConfig,
+    tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+) -> None:
+    """Refuse, before any weight is read or worker started, a quantized model that cannot be
+    built or sharded: the model is built on the meta device as a tensor-parallel rank builds
+    it (each quantization method checks its per-rank sizes: a group size that does not divide
+    a row-parallel layer's input features on a rank, a packing that splits), and every rank's
+    shard of every packed or grouped parameter must start on a packed element (an int32 of
+    eight 4-bit values, a quantization group, an FP8 scale block). Mixture-of-experts layers
+    need a quantization method for their experts. Raises ``QuantizationError`` (a
+    ``ConfigError``) naming the layer, the sizes and ``tensor_parallel_size``."""
+    from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from engine.quantization import QuantizationError
+
+    hf_config = model_config.hf_config
+    _, model_cls = registry.resolve(getattr(hf_config, "architectures", None) or [])
+    if hasattr(model_cls, "packed_modules_mapping"):
+        quant_config.packed_modules_mapping = dict(model_cls.packed_modules_mapping)
+    tp = tensor_parallel_size
+    parallel = ParallelContext(tp_rank=0, tp_size=tp, enable_expert_parallel=enable_expert_parallel)
+    ctx = ModelContext(
+        hf_config,
+        resolve_dtype(model_config, hf_config),
+        kernels,
+        attn_backend_cls,
+        torch.device("meta"),
+        parallel=parallel,
+        quant_config=quant_config,
+    )
+    method = getattr(quant_config, "name", type(quant_config).__name__)
+    where = f" at tensor_parallel_size={tp}" if tp > 1 else ""
+    try:
+        with torch.device("meta"):
+            model = model_cls(ctx)
+    except NotImplementedError as exc:  # e.g. FusedMoE without a method for its experts
+        raise QuantizationError(
+            f"quantization {method!r} cannot run this model: {exc}; quantized mixture-of-"
+            "experts checkpoints are not supported yet (serve the unquantized checkpoint)"
+        ) from None
+    except QuantizationError as exc:
+        raise QuantizationError(f"quantization {method!r}{where}: {exc}") from None
+    if tp == 1:
+        return
+    for name, layer in model.named_modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            act_order = getattr(layer.quant_method, "act_order", False)
+            group = getattr(layer.quant_method, "group_size", -1)
+            if isinstance(layer, RowParallelLinear) and act_order and group != -1:
+                raise QuantizationError(
+                    f"quantization {method!r}{where}: {name} is row-parallel and the "
+                    f"checkpoint is act-order (desc_act) with group_size {group}: a rank's "
+                    "share of the input features falls in any group, which the wna16_linear "
+                    "kernels cannot run; use tensor_parallel_size=1, or a checkpoint without "
+                    "act-order (or with group_size -1)"
+                )
+            for pname, param in layer.named_parameters(recurse=False):
+                try:
+                    _check_shard_alignment(layer, param, tp)
+                except ModelLoadError as exc:
+                    raise QuantizationError(
+                        f"quantization {method!r}{where}: {name}.{pname}: {exc}"
+                    ) from None
+
+
+def _check_shard_alignment(layer: Any, param: torch.Tensor, tp: int) -> None:
+    """Every rank's shard of ``param`` starts on a packed element (``_packed_extent``)."""
+    from engine.layers.linear import (
+        ColumnParallelLinear,
+        QKVParallelLinear,
+        _packed_extent,
+        shard_layout,
+    )
+
+    layout = shard_layout(param)
+    if isinstance(layer, ColumnParallelLinear):
+        if layout.output_dim is None or layout.per_slice or layout.output_pack == 1:
+            return
+        for s, (full, part) in enumerate(
+            zip(layer.output_full_sizes, layer.output_partition_sizes, strict=True)
+        ):
+            for rank in range(tp):
+                shard = rank
+                if isinstance(layer, QKVParallelLinear) and s > 0:
+                    shard = rank // layer.kv_replicas
+                what = (
+                    f"output slice {s} ({full} features, {part} per rank) in "
+                    f"{layout.output_pack}-wide packed elements"
+                )
+                _packed_extent(shard * part, part, layout.output_pack, full, what)
+            offset = sum(layer.output_partition_sizes[:s])
+            _packed_extent(
+                offset, part, layout.output_pack, layer.output_size_per_partition, "fused slices"
+            )
+    elif layout.input_dim is not None and layout.input_pack > 1:
+        part = layer.input_size_per_partition
+        for rank in range(tp):
+            what = (
+                f"{layer.input_size} input features, {part} per rank, in "
+                f"{layout.input_pack}-wide groups or packed elements"
+            )
+            _packed_extent(rank * part, part, layout.input_pack, layer.input_size, what)

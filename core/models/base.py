@@ -214,9 +214,13 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         attn_metadata: list[AttentionMetadata],
         intermediate: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
+        """``inputs_embeds`` [T, hidden] replaces the token embedding on the first stage (a
+        multimodal model passes text embeddings with image embeddings merged in)."""
         if self.parallel.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             assert intermediate is not None, "a later pipeline stage needs the previous one's"
             hidden, residual = intermediate.hidden, intermediate.residual

@@ -25,7 +25,9 @@ class ModelContext:
     model lives (parameters are created under it as the default device by the loader);
     ``parallel`` this process's tensor/pipeline-parallel place (one process by default), which
     the linear and embedding layers shard by; ``quant_config`` the model's quantization (None:
-    unquantized), which picks each linear layer's method.
+    unquantized), which picks each linear layer's method; ``multimodal_config`` the engine's
+    ``MultiModalConfig`` (None: its defaults), which tells a multimodal model whether to build
+    its vision tower (``limit_mm_per_prompt`` of 0 images: text only).
     """
 
     hf_config: Any
@@ -35,3 +37,4 @@ class ModelContext:
     device: torch.device
     parallel: ParallelContext = field(default=SINGLE_PROCESS)
     quant_config: QuantizationConfig | None = None
+    multimodal_config: Any = None

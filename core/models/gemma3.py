@@ -1,5 +1,5 @@
 """Gemma 3 text decoder: ``Gemma3ForCausalLM`` (270M, 1B) and the text half of
-``Gemma3ForConditionalGeneration`` (4B, 12B, 27B; served text-only, see that class).
+``Gemma3ForConditionalGeneration`` (4B, 12B, 27B; the vision half is in ``gemma3_mm``).
 
 What sets it apart from Llama, all read from the HF config:
 
@@ -22,7 +22,6 @@ float32 in every model dtype (the kernels multiply by ``weight.float()`` anyway)
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -39,7 +38,6 @@ from engine.layers import (
     rope_parameters,
 )
 from engine.layers.weight_utils import (
-    ModelLoadError,
     check_shape,
     materialize,
     set_weight_loader,
@@ -85,9 +83,10 @@ def gemma3_rope(cfg: Any, layer_type: str) -> dict[str, Any]:
     return rope_parameters(cfg)
 
 
-def _gemma_norm(size: int, cfg: Any, ctx: ModelContext) -> RMSNorm:
-    """A float32 RMSNorm whose loader stores ``1 + w`` (see the module docstring)."""
-    norm = RMSNorm(size, cfg.rms_norm_eps, ctx.kernels, torch.float32)
+def _gemma_norm(size: int, cfg: Any, ctx: ModelContext, eps: float | None = None) -> RMSNorm:
+    """A float32 RMSNorm whose loader stores ``1 + w`` (see the module docstring); ``eps``
+    defaults to the config's ``rms_norm_eps``."""
+    norm = RMSNorm(size, cfg.rms_norm_eps if eps is None else eps, ctx.kernels, torch.float32)
     set_weight_loader(norm.weight, _load_gemma_norm)
     return norm
 
@@ -100,6 +99,9 @@ def _load_gemma_norm(param: nn.Parameter, loaded: Any) -> None:
 class Gemma3Attention(SelfAttention):
     """Fused QKV projection, per-head q/k RMSNorm, rotary, paged attention, output projection."""
 
+    #: per-head q/k RMSNorm (Gemma 2 has none)
+    qk_norm = True
+
     def __init__(
         self, ctx: ModelContext, layer_idx: int, layer_type: str, rotary_emb: RotaryEmbedding
     ) -> None:
@@ -107,8 +109,11 @@ class Gemma3Attention(SelfAttention):
         cfg = ctx.hf_config
         bias = bool(getattr(cfg, "attention_bias", False))
         self._build_projections(ctx, bias, bias, f"model.layers.{layer_idx}.self_attn")
-        self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
-        self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
+        if self.qk_norm:
+            self.q_norm = _gemma_norm(self.head_dim, cfg, ctx)
+            self.k_norm = _gemma_norm(self.head_dim, cfg, ctx)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb
         scalar = getattr(cfg, "query_pre_attn_scalar", None) or self.head_dim
         self.attn = Attention(
@@ -131,13 +136,15 @@ class Gemma3DecoderLayer(nn.Module):
     residual add use ``fused_add_rms_norm``.
     """
 
+    attention_cls: type[Gemma3Attention] = Gemma3Attention
+
     def __init__(
         self, ctx: ModelContext, layer_idx: int, layer_type: str, rotary_emb: RotaryEmbedding
     ) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.layer_type = layer_type
-        self.self_attn = Gemma3Attention(ctx, layer_idx, layer_type, rotary_emb)
+        self.self_attn = self.attention_cls(ctx, layer_idx, layer_type, rotary_emb)
         # GeGLU: the Llama MLP with tanh-approximated GELU.
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         self.mlp = LlamaMLP(
@@ -242,64 +249,3 @@ class Gemma3ForCausalLM(CausalLM):
             return "rotary_emb.inv_freq" in name  # (a tied head's: dropped by stage_weights)
 
         return load_named_weights(self, self.stage_weights(weights), FUSED_WEIGHTS, ignore)
-
-
-# Where the text model's tensors live in a Gemma3ForConditionalGeneration checkpoint, as
-# (checkpoint prefix, our prefix). The released checkpoints and transformers 5's save_pretrained
-# write ``language_model.model.*``; transformers 4.52-4.57 wrote ``model.language_model.*`` and a
-# top-level ``lm_head``.
-_MULTIMODAL_TEXT_PREFIXES = (
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-    ("model.language_model.", "model."),
-)
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The Gemma 3 4B/12B/27B checkpoints (text + SigLIP vision), served as text models.
-
-    The model is the Gemma 3 text decoder built from the config's ``text_config``; the vision
-    tower and multimodal projector are not implemented, so their checkpoint tensors are skipped
-    by the loader without being read (``skip_checkpoint_prefixes``) and prompts are text only.
-    Embeddings are tied as the top-level config says (as transformers 5 does).
-    """
-
-    skip_checkpoint_prefixes = (
-        "vision_tower.",
-        "multi_modal_projector.",
-        "model.vision_tower.",
-        "model.multi_modal_projector.",
-    )
-    skip_checkpoint_reason = (
-        "Gemma3ForConditionalGeneration is served as a text-only model: the vision tower and "
-        "multimodal projector are not implemented, image inputs are not supported"
-    )
-
-    def __init__(self, ctx: ModelContext) -> None:
-        top = ctx.hf_config
-        text = getattr(top, "text_config", None)
-        if text is None:
-            raise ModelLoadError(
-                "Gemma3ForConditionalGeneration config has no text_config; a text-only "
-                "checkpoint should declare architectures=['Gemma3ForCausalLM']"
-            )
-        tie = getattr(top, "tie_word_embeddings", None)
-        if tie is None:
-            tie = getattr(text, "tie_word_embeddings", True)
-        super().__init__(dataclasses.replace(ctx, hf_config=text), tie_word_embeddings=bool(tie))
-
-    def load_weights(self, weights: Any) -> set[str]:
-        """Rename the text model's tensors to ``Gemma3ForCausalLM``'s names and load them;
-        vision/projector tensors (normally dropped by the loader already) are skipped."""
-
-        def text_weights() -> Any:
-            for name, tensor in weights:
-                if name.startswith(self.skip_checkpoint_prefixes):
-                    continue
-                for theirs, ours in _MULTIMODAL_TEXT_PREFIXES:
-                    if name.startswith(theirs):
-                        name = ours + name[len(theirs) :]
-                        break
-                yield name, tensor
-
-        return super().load_weights(text_weights())

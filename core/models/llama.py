@@ -26,6 +26,7 @@ from engine.layers import (
     load_named_weights,
     rope_parameters,
 )
+from engine.layers.rotary import LongRopeRotaryEmbedding, get_rope
 from engine.models.base import (
     CausalLM,
     DecoderModel,
@@ -36,6 +37,7 @@ from engine.models.base import (
     on_last_stage,
 )
 from engine.models.context import ModelContext
+from engine.parallel import IntermediateTensors
 
 # Checkpoint name fragments -> our fused parameters (fragment, checkpoint fragment, shard).
 FUSED_WEIGHTS = (
@@ -204,7 +206,7 @@ class LlamaModel(DecoderModel):
         )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # One rotary table shared by all layers.
-        rotary_emb = RotaryEmbedding(
+        rotary_emb = get_rope(
             head_dim, cfg.max_position_embeddings, rope_parameters(cfg), ctx.kernels
         )
         self.start_layer, self.end_layer, self.layers = make_layers(
@@ -217,6 +219,21 @@ class LlamaModel(DecoderModel):
         self.norm = on_last_stage(
             parallel, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
         )
+        # LongRoPE picks its table per request from the step's metadata (see forward).
+        self._long_rope = rotary_emb if isinstance(rotary_emb, LongRopeRotaryEmbedding) else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self._long_rope is not None:
+            # Every pipeline stage sees the same metadata, so each picks the same table.
+            md = attn_metadata[0]
+            positions = self._long_rope.rope_positions(positions, md.query_start_loc, md.seq_lens)
+        return super().forward(input_ids, positions, attn_metadata, intermediate)
 
 
 class LlamaForCausalLM(CausalLM):

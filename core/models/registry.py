@@ -15,11 +15,13 @@ from typing import Any
 from engine.layers.weight_utils import ModelLoadError
 
 _BUILTIN_MODELS = {
+    "Gemma2ForCausalLM": "engine.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
-    "Gemma3ForConditionalGeneration": "engine.models.gemma3:Gemma3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "engine.models.gemma3_mm:Gemma3ForConditionalGeneration",
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
+    "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "engine.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "engine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.server.async_engine import AsyncEngine
@@ -27,6 +27,12 @@ from engine.server.middleware import (
     BodyLimitMiddleware,
     UnexpectedErrorMiddleware,
 )
+from engine.server.models import (
+    RUNTIME_LORA_ENV,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    runtime_lora_updating_allowed,
+)
 from engine.server.openapi import ServedLimits, install_openapi
 from engine.server.protocol import (
     ChatCompletionRequest,
@@ -35,7 +41,6 @@ from engine.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
@@ -150,13 +155,29 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
 
     @app.get("/v1/models", response_model=ModelList, tags=["openai"])
     async def models() -> ModelList:
+        """The served model names, then the LoRA adapters (``parent``: their base model)."""
         ctx = state.require_ctx()
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
-                for name in ctx.model_names
-            ]
+        return ModelList(data=ctx.models.cards())
+
+    if runtime_lora_updating_allowed():
+        logger.warning(
+            "%s is set: LoRA adapters may be loaded and unloaded at run time "
+            "(/v1/load_lora_adapter, /v1/unload_lora_adapter)",
+            RUNTIME_LORA_ENV,
         )
+
+        @app.post("/v1/load_lora_adapter", tags=["lora"], response_class=PlainTextResponse)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            """Load a LoRA adapter (PEFT format) under ``lora_name``; 400 with the reason when
+            it cannot be served."""
+            ctx = state.require_ctx()
+            return PlainTextResponse(await ctx.models.load(ctx.async_engine, body))
+
+        @app.post("/v1/unload_lora_adapter", tags=["lora"], response_class=PlainTextResponse)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            """Stop serving an adapter; its requests in flight finish first."""
+            ctx = state.require_ctx()
+            return PlainTextResponse(await ctx.models.unload(ctx.async_engine, body))
 
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["openai"])
     async def completions(body: CompletionRequest, request: Request):

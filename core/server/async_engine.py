@@ -191,6 +191,12 @@ class AsyncEngine:
         return getattr(self.client, "core", None)
 
     @property
+    def image_input_spec(self) -> Any:
+        """How the model takes images (``engine.multimodal.ImageInputSpec``; None: text only),
+        as the engine cores reported it."""
+        return getattr(self.client, "image_input_spec", None)
+
+    @property
     def is_running(self) -> bool:
         return self._started and self.dead is None and not self._stopping
 
@@ -228,8 +234,12 @@ class AsyncEngine:
         params: Any,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        mm_features: list[Any] | None = None,
+        lora_request: Any = None,
     ) -> None:
-        """Hand a request to an engine core; return once the core accepted it.
+        """Hand a request to an engine core; return once the core accepted it. ``mm_features``
+        are the prompt's images (``engine.multimodal.MultiModalFeature``), ``lora_request``
+        the ``LoRARequest`` it runs with (both travel with the request to the core).
 
         Raises what the core raised (``InvalidRequestError``...), or ``EngineDeadError`` /
         ``EngineStoppedError``.
@@ -247,7 +257,15 @@ class AsyncEngine:
         self._tracked[request_id] = channel
         channel.request_ids.append(request_id)
         channel.unfinished.add(request_id)
-        req = EngineCoreRequest(request_id, prompt_token_ids, params, now, priority)
+        req = EngineCoreRequest(
+            request_id,
+            prompt_token_ids,
+            params,
+            now,
+            priority,
+            mm_features=mm_features or None,
+            lora_request=lora_request,
+        )
         try:
             await self.client.add_request(req)
         except asyncio.CancelledError:
@@ -266,6 +284,16 @@ class AsyncEngine:
         channel.unfinished.discard(request_id)
         if request_id in channel.request_ids:
             channel.request_ids.remove(request_id)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` on every engine core between steps and return
+        the combined result (or raise what a core raised): vLLM's engine utility calls
+        (``add_lora``, ``remove_lora``, ``list_loras``)."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        if self._stopping:
+            raise EngineStoppedError("the engine is shutting down")
+        return await self.client.call_utility(method, *args)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests by id (never blocks)."""

@@ -86,6 +86,7 @@ def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     """Serve one chat completions request."""
     model = ctx.check_model(req.model)
+    lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
@@ -109,7 +110,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise bad_request(
             "prompt_logprobs are not available when stream is true", "prompt_logprobs"
         )
-    prompt = await ctx.render_chat(
+    prompt, ids, images = await ctx.render_chat_prompt(
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
@@ -117,12 +118,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs,
     )
-    # The template already wrote the special tokens it wants (BOS...).
-    ids = await ctx.encode(prompt, add_special_tokens=False)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", "messages")
     truncated = ctx.truncate_prompt(ids, req)
     if truncated is not ids:
+        if images:
+            raise bad_request(
+                "truncate_prompt_tokens cannot be used with image inputs (it would cut images)",
+                "truncate_prompt_tokens",
+            )
         ids, prompt = truncated, None  # the text no longer matches the ids
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(ids))
@@ -143,7 +147,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     rid = f"{request_id}-0"
     ctx.log_request(rid, prompt, ids, params)
     try:
-        await engine.add_request(channel, rid, prompt, params, ids, req.priority)
+        await engine.add_request(
+            channel,
+            rid,
+            prompt,
+            params,
+            ids,
+            req.priority,
+            mm_features=images or None,
+            lora_request=lora,
+        )
     except BaseException as e:
         channel.abort()
         if not isinstance(e, Exception):

@@ -183,22 +183,44 @@ class ChatTemplates:
         return dropped
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def has_image_parts(messages: list[ChatMessage]) -> bool:
+    """Whether any message has an ``image_url`` content part."""
+    return any(
+        isinstance(m.content, list)
+        and any(not hasattr(p, "type") and p.get("type") == "image_url" for p in m.content)
+        for m in messages
+    )
+
+
+def conversation_of(
+    messages: list[ChatMessage], allow_images: bool = False
+) -> list[dict[str, Any]]:
     """The messages as templates take them: text parts joined, tool history shaped, content
-    required (400 naming the message) except on an assistant message with tool calls."""
-    return [_message_dict(m, i) for i, m in enumerate(messages)]
+    required (400 naming the message) except on an assistant message with tool calls. With
+    ``allow_images`` a message with ``image_url`` parts keeps its part list (for
+    ``engine.multimodal.chat``); otherwise such a part is a 400."""
+    return [_message_dict(m, i, allow_images) for i, m in enumerate(messages)]
 
 
-def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+def _message_dict(message: ChatMessage, index: int, allow_images: bool = False) -> dict[str, Any]:
     data = message.model_dump(exclude_none=True)
     content = message.content
     if isinstance(content, list):
         texts = []
         for part in content:
             part_type = part.type if hasattr(part, "type") else part.get("type")
+            if part_type == "image_url" and allow_images:
+                prepare_tool_history(data, index)
+                return data  # the parts as sent; engine.multimodal.chat reads them
             if part_type != "text":
+                what = (
+                    "image parts are not supported here (this model takes no images, or the "
+                    "endpoint reads text only)"
+                    if part_type == "image_url"
+                    else "only text and image_url parts are supported"
+                )
                 raise bad_request(
-                    f"messages[{index}].content: only text parts are supported, got {part_type!r}",
+                    f"messages[{index}].content: {what}, got {part_type!r}",
                     param=f"messages.{index}.content",
                 )
             texts.append(part.text if hasattr(part, "text") else str(part.get("text", "")))
@@ -229,4 +251,4 @@ def request_kwargs(
     return kwargs
 
 
-__all__ = ["ChatTemplates", "conversation_of", "request_kwargs"]
+__all__ = ["ChatTemplates", "conversation_of", "has_image_parts", "request_kwargs"]

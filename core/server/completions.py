@@ -83,6 +83,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     """Serve one completions request (all prompts share one output channel)."""
     model = ctx.check_model(req.model)
+    lora = ctx.lora_request(model)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -149,7 +150,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         for i, (text, ids, params) in enumerate(zip(texts, token_ids, params_list, strict=True)):
             rid = f"{request_id}-{i}"
             ctx.log_request(rid, text if text is not None else ids, ids, params)
-            await engine.add_request(channel, rid, text, params, ids, req.priority)
+            await engine.add_request(
+                channel, rid, text, params, ids, req.priority, lora_request=lora
+            )
             prompt_index[rid] = i
     except BaseException as e:
         channel.abort()

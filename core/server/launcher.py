@@ -31,6 +31,7 @@ import uvicorn
 from engine.server.app import Phase, ServerOptions, ServerState, build_app
 from engine.server.async_engine import AsyncEngine
 from engine.server.metrics import ServerMetrics
+from engine.server.models import preload_lora_adapters
 from engine.server.serving import ServingContext
 
 logger = logging.getLogger("engine.server")
@@ -197,6 +198,8 @@ class ApiServer:
             )
             self._engine = engine
             await engine.start()
+            # --lora-modules, in every engine core, before the server serves
+            await preload_lora_adapters(engine, self.options.serving.lora_requests)
         except BaseException as e:  # noqa: BLE001 - re-raised by run() once uvicorn stopped
             # run() re-raises it for the caller (the CLI prints it once, as one line).
             logger.info("the engine failed to load; stopping the server")

@@ -158,6 +158,25 @@ _TEXT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }
+_IMAGE_URL_PART = {
+    "type": "object",
+    "required": ["type", "image_url"],
+    "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {
+            "type": "object",
+            "required": ["url"],
+            "properties": {
+                "url": {
+                    "type": "string",
+                    "description": "data:image/...;base64,... or, when the server allows "
+                    "it, a file:// or http(s):// URL",
+                }
+            },
+        },
+    },
+}
+_CONTENT_PART = {"oneOf": [_TEXT_PART, _IMAGE_URL_PART]}
 
 
 class _Body(BaseModel):
@@ -307,16 +326,19 @@ class TextContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    """One chat message; ``content`` is a string or a list of text parts.
+    """One chat message; ``content`` is a string or a list of text and ``image_url`` parts.
 
     An assistant message may carry the ``tool_calls`` it made, and a ``tool`` message the
     ``tool_call_id`` it answers (checked in ``engine.server.tools.prepare_tool_history``).
     """
 
     role: str = Field(min_length=1)
-    # Other part types (image_url...) are refused by name (engine.server.chat_template).
+    # image_url parts are read by engine.multimodal.chat for models that take images; other
+    # part types, or images for a text model, are refused by name (engine.server.chat_template).
     content: (
-        str | list[Annotated[TextContentPart | dict[str, Any], WithJsonSchema(_TEXT_PART)]] | None
+        str
+        | list[Annotated[TextContentPart | dict[str, Any], WithJsonSchema(_CONTENT_PART)]]
+        | None
     ) = None
     name: str | None = None
     tool_calls: list[Annotated[dict[str, Any], WithJsonSchema(_TOOL_CALL)]] | None = None
@@ -481,6 +503,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "engine"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -15,9 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora.request import LoRARequest
 from engine.server.async_engine import AsyncEngine
-from engine.server.chat_template import ChatTemplates, conversation_of, request_kwargs
-from engine.server.errors import APIError, bad_request, context_length_error
+from engine.server.chat_template import (
+    ChatTemplates,
+    conversation_of,
+    has_image_parts,
+    request_kwargs,
+)
+from engine.server.errors import bad_request, context_length_error
+from engine.server.models import LoRAModulePath, ServingModels, lora_requests_for
 from engine.server.protocol import ChatMessage, SamplingFields
 from engine.server.tools.parser import ToolParser, tool_parser_from_flags
 from engine.tokenizer import TokenIdRange
@@ -42,6 +49,8 @@ class ServingOptions:
     """Server-side behaviour chosen on the command line.
 
     ``served_model_names`` overrides the engine config's names (empty: the config's).
+    ``lora_modules`` are the ``--lora-modules`` adapters (``lora_requests``: theirs, ids 1..n),
+    loaded before the server is ready.
     ``enable_auto_tool_choice`` with ``tool_call_parser`` (a name from
     ``engine.server.tools.TOOL_PARSERS`` or ``module:Class``) parses tool calls from chat
     output; one without the other is a ``ConfigError``, raised here so that ``engine serve``
@@ -57,12 +66,15 @@ class ServingOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)
     tool_parser: ToolParser | None = field(init=False, default=None, repr=False)
+    lora_requests: list[LoRARequest] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.tool_parser = tool_parser_from_flags(
             self.enable_auto_tool_choice, self.tool_call_parser
         )
+        self.lora_requests = lora_requests_for(self.lora_modules)
 
 
 def random_id(prefix: str) -> str:
@@ -86,6 +98,13 @@ class ServingContext:
         )
         self.model_path: str = str(model_config.model)
         self.model_names = list(options.served_model_names) or model_config.served_model_names
+        self.models = ServingModels(
+            self.model_names,
+            self.model_path,
+            self.max_model_len,
+            options.lora_requests,
+            lora_enabled=getattr(engine_config, "lora", None) is not None,
+        )
         self.max_logprobs = min(
             options.limits.max_logprobs, int(getattr(engine_config, "max_logprobs", 20))
         )
@@ -97,6 +116,9 @@ class ServingContext:
         self.token_ids = TokenIdRange.of(self.tokenizer, model_config.hf_config)
         self._token_text: dict[int, str] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # Image inputs: (the model's processor, the URL loader), built on the first image.
+        self._engine = async_engine
+        self._images: Any = None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -107,17 +129,13 @@ class ServingContext:
         return self.model_names[0]
 
     def check_model(self, name: str | None) -> str:
-        """The served name to report; 404 if ``name`` is not one of ours (None: the default)."""
-        if not name:
-            return self.model_name
-        if name not in self.model_names:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist. Served models: {', '.join(self.model_names)}.",
-                param="model",
-                code="model_not_found",
-            )
-        return name
+        """The served name to report; 404 if ``name`` is neither the model's nor a LoRA
+        adapter's (None: the default), listing every served name."""
+        return self.models.resolve(name)[0]
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        return self.models.resolve(name)[1]
 
     # ------------------------------------------------------------ tokenization
     async def run_tokenizer(self, fn, *args, **kwargs) -> Any:
@@ -223,6 +241,103 @@ class ServingContext:
             continue_final_message=continue_final_message,
             kwargs=kwargs,
         )
+
+    async def render_chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int], list[Any]]:
+        """The chat prompt's text, token ids and images (``MultiModalFeature``s; empty for a
+        text conversation). ``image_url`` parts are loaded (``engine.multimodal.media``),
+        placed by the chat template and expanded by the model's processor; a bad image, too
+        many images, or images for a model that takes none are 400s naming the part."""
+        if not has_image_parts(messages):
+            prompt = await self.render_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            # The template already wrote the special tokens it wants (BOS...).
+            return prompt, await self.encode(prompt, add_special_tokens=False), []
+        from engine.multimodal.chat import render_with_images, take_image_parts
+        from engine.multimodal.media import MediaError
+
+        self.require_tokenizer("/v1/chat/completions (its chat template)", "messages")
+        processor, media = self._image_inputs()
+        if continue_final_message and add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        kwargs = request_kwargs(chat_template_kwargs, tools)
+        template, param = self.templates.choose(chat_template, kwargs, self.model_name)
+        try:
+            conversation, urls = take_image_parts(conversation_of(messages, allow_images=True))
+        except MediaError as e:
+            raise bad_request(str(e), "messages") from None
+        limit = self._engine.config.multimodal.limit("image")
+        if len(urls) > limit:
+            raise bad_request(
+                f"the messages have {len(urls)} images; at most {limit} are allowed per prompt "
+                "(--limit-mm-per-prompt)",
+                urls[limit][1],
+            )
+
+        def build() -> tuple[str, list[int], list[Any]]:
+            images = []
+            for url, where in urls:
+                try:
+                    images.append(media.load_image(url))
+                except MediaError as e:
+                    raise bad_request(f"{where}: {e}", where) from None
+            try:
+                prompt = render_with_images(
+                    lambda conv: self.templates.render(
+                        conv,
+                        template,
+                        param,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        kwargs=kwargs,
+                    ),
+                    conversation,
+                    len(images),
+                    processor.image_placeholder,
+                )
+                ids, features = processor.process(prompt, images, add_special_tokens=False)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from None
+            return prompt, ids, features
+
+        return await self.run_tokenizer(build)
+
+    def _image_inputs(self) -> tuple[Any, Any]:
+        """The model's image processor and the URL loader; 400 when the model takes none."""
+        if self._images is None:
+            spec = getattr(self._engine, "image_input_spec", None)
+            if spec is None:
+                raise bad_request(
+                    "this model takes no image inputs (a text model, or one served with "
+                    "--limit-mm-per-prompt '{\"image\": 0}'); send text content only",
+                    "messages",
+                )
+            from engine.multimodal.media import MediaConnector
+            from engine.multimodal.processing import MultiModalProcessor
+            from engine.runtime import _model_dir
+
+            processor = MultiModalProcessor.from_model_dir(
+                _model_dir(self.model_path), self.tokenizer, spec
+            )
+            self._images = (processor, MediaConnector(self._engine.config.multimodal))
+        return self._images
 
     def truncate_prompt(self, ids: list[int], req: SamplingFields) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: keep the last N prompt tokens (-1: the last

@@ -103,6 +103,15 @@ class EagleProposer(ModelProposer):
                     f"the EAGLE-3 head reads {head_target_h}-wide target hidden states, the "
                     f"target's are {target_h}"
                 )
+            if getattr(config.model, "implementation", None) == "transformers":
+                # AuxHiddenStates hooks the native decoder layers, which return (hidden,
+                # residual); transformers' layers return the residual stream itself.
+                reasons.append(
+                    "EAGLE-3 reads the target's inner layer hidden states through the native "
+                    "decoder layers, and this target runs through the transformers modeling "
+                    "backend; use --model-impl auto (or native) where the architecture has a "
+                    "native implementation, or method 'eagle'"
+                )
             n = int(target.num_hidden_layers)
             ids = aux_layer_ids(head, n)
             if len(ids) != 3 or any(not 0 <= i < n for i in ids):

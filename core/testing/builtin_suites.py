@@ -162,7 +162,7 @@ class KernelSuite(ConformanceSuite):
     description: ClassVar[str] = (
         "every kernel override the plugin registers (and every one serving its platform), per "
         "supported dtype, against engine.kernels.reference on fresh random inputs; MoE "
-        "kernels report under 'moe'"
+        "kernels report under 'moe', LoRA kernels under 'lora'"
     )
 
     def checks(self, target: ConformanceTarget) -> Iterator[ConformanceCheck]:

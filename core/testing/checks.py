@@ -18,6 +18,7 @@ import torch
 from engine.attention_backends.interface import AttentionBackend, AttentionSpec
 from engine.distributed import Communicator
 from engine.kernels.reference import REFERENCE_KERNELS
+from engine.kernels.registry import PREPACKED_KERNELS
 from engine.platforms.interface import Platform
 from engine.testing.inputs import (
     ATTENTION_TOLERANCE,
@@ -229,7 +230,10 @@ def check_single_rank_communicator(platform: type[Platform], pm: Any) -> None:
 # ---- kernels --------------------------------------------------------------------------------
 def _cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        value = value.detach().cpu()
+        # fp8 tensors (an fp8 KV cache) are compared by value.
+        fp8 = value.dtype.is_floating_point and value.element_size() == 1
+        return value.float() if fp8 else value
     if isinstance(value, (tuple, list)):
         return type(value)(_cpu(v) for v in value)
     return value
@@ -249,17 +253,29 @@ def check_kernel(
     for case_id, args in kernel_cases(name, DTYPES[dtype], gen):
         ref_args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         dev_args = tuple(to_device(a, device) for a in args)
-        expected = reference(*ref_args)
-        got = fn(*dev_args)
+        expected = call_kernel(name, reference, ref_args)
+        got = call_kernel(name, fn, dev_args)
         if in_place:  # in place: compare the arguments it writes
             expected = tuple(ref_args[i] for i in in_place)
             got = tuple(dev_args[i] for i in in_place)
         try:
-            torch.testing.assert_close(_cpu(got), expected, rtol=rtol, atol=atol)
+            torch.testing.assert_close(_cpu(got), _cpu(expected), rtol=rtol, atol=atol)
         except AssertionError as exc:
             raise AssertionError(
                 f"kernel {name} [{case_id}, {dtype}, seed {seed}] differs from the reference: {exc}"
             ) from None
+
+
+def call_kernel(name: str, fn: Callable[..., Any], args: tuple) -> Any:
+    """Call kernel ``name`` on its conformance args. A kernel with its own weight layout
+    (``wna16_linear``) gets the canonical tensors through its ``prepack`` first."""
+    if name not in PREPACKED_KERNELS:
+        return fn(*args)
+    x, qweight, scales, zeros, bits, group_size, perm, bias = args
+    packed = fn.prepack(
+        qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm, dtype=x.dtype
+    )
+    return fn(x, packed, bits=bits, group_size=group_size, bias=bias)
 
 
 # ---- attention ------------------------------------------------------------------------------

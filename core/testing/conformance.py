@@ -12,7 +12,8 @@ pytest collects (``-m conformance`` runs only the kit), built by the suites in
   profiling, ``check_config`` reasons, ...);
 * ``communicator[NAME]::…`` — its communicator on one rank and on 2 processes;
 * ``backend[NAME]::CASE`` — every attention backend against the torch reference;
-* ``kernel[NAME]::…`` / ``moe[NAME]::…`` — every kernel override against its reference.
+* ``kernel[NAME]::…`` / ``moe[NAME]::…`` / ``lora[NAME]::…`` — every kernel override against
+  its reference.
 
 The checks run on the plugin's own platform; a plugin without one (engine-triton) is checked on
 the platform the engine would choose, or on ``--engine-conformance-platform=NAME``. Inputs are

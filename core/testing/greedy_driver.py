@@ -25,7 +25,7 @@ class _CpuPlatform:
     device_type = "cpu"
 
     @staticmethod
-    def torch_device() -> torch.device:
+    def torch_device(index: int = 0) -> torch.device:  # the Platform hook's signature
         return torch.device("cpu")
 
 

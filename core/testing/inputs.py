@@ -145,7 +145,16 @@ def _write_kv_cache_cases(dtype, gen):
     slots[3] = -1  # a padding token: must not be written
     cache = _randn(gen, dtype, 2, num_blocks, block_size, kv_heads, head)
     args = (_randn(gen, dtype, 6, kv_heads, head), _randn(gen, dtype, 6, kv_heads, head))
-    return [("T6-pad", (*args, cache, slots))]
+    cases = [("T6-pad", (*args, cache, slots))]
+    # An FP8 cache with per-layer scales: values e4m3-exact after the (power-of-two)
+    # scaling, some past +-448 to check saturation.
+    k = (_fp8_rows(6, kv_heads * head, gen).float() * 2.0**-3).view(6, kv_heads, head)
+    v = (_fp8_rows(6, kv_heads * head, gen).float() * 2.0**-2).view(6, kv_heads, head)
+    v[0, 0, :4] = 1000.0
+    fp8_cache = torch.zeros(2, num_blocks, block_size, kv_heads, head).to(torch.float8_e4m3fn)
+    args = (k.to(dtype), v.to(dtype), fp8_cache, slots.clone(), 2.0**-3, 2.0**-2)
+    cases.append(("T6-pad-fp8-scaled", args))
+    return cases
 
 
 def _linear_cases(dtype, gen):
@@ -205,6 +214,190 @@ def _fused_moe_cases(dtype, gen):
     return cases
 
 
+# ---- the quantized matmuls --------------------------------------------------------------------
+# Inputs are built so that quantizing the activations is exact (every row's largest magnitude
+# is the type's maximum and scales are powers of two): an implementation that computes the
+# dynamic scale a little differently (a reciprocal, a fused reduction) still rounds every
+# element the same way, and the comparison measures the product alone.
+def _fp8_rows(rows: int, cols: int, gen: torch.Generator, group: int | None = None):
+    """Random e4m3 values with +-448 in every row (every ``group``-wide group of a row)."""
+    values = (torch.randn(rows, cols, generator=gen) * 96).clamp(-448, 448)
+    width = group or cols
+    for start in range(0, cols, width):
+        pos = torch.randint(start, start + width, (rows,), generator=gen)
+        sign = torch.where(torch.rand(rows, generator=gen) < 0.5, -1.0, 1.0)
+        values[torch.arange(rows), pos] = 448.0 * sign
+    return values.to(torch.float8_e4m3fn)
+
+
+def _pow2(shape: tuple[int, ...], lo: int, hi: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.pow(2.0, torch.randint(lo, hi, shape, generator=gen).float())
+
+
+def _fp8_linear_cases(dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tuple]]:
+    cases = []
+    # (rows, N, K, per-channel weight scale, static input scale, W8A8, bias)
+    for t, n, k, channel, static, act, bias in (
+        (3, 40, 64, True, False, True, True),
+        (1, 33, 64, False, False, True, False),
+        (20, 24, 96, True, True, True, True),
+        (17, 48, 128, True, False, True, False),
+        (5, 32, 64, True, False, False, True),
+    ):
+        weight = _fp8_rows(n, k, gen)
+        w_scale = _pow2((n,) if channel else (1,), -12, -9, gen)
+        if static:
+            s = 2.0**-5
+            xq = (torch.randn(t, k, generator=gen) * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
+            x, input_scale = (xq.float() * s).to(dtype), torch.tensor([s])
+        else:
+            x = (_fp8_rows(t, k, gen).float() * _pow2((t, 1), -7, -4, gen)).to(dtype)
+            input_scale = None
+        b = torch.randn(n, generator=gen).to(dtype) if bias else None
+        case = f"T{t}-N{n}-K{k}-{'ch' if channel else 'tensor'}-{'static' if static else 'dyn'}"
+        cases.append(
+            (case + ("" if act else "-weight-only"), (x, weight, w_scale, input_scale, b, act))
+        )
+    return cases
+
+
+def _fp8_block_cases(dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tuple]]:
+    cases = []
+    for t, n, k, (bn, bk), act in (
+        (3, 64, 128, (32, 32), True),
+        (1, 40, 64, (16, 32), True),
+        (18, 32, 64, (32, 32), True),
+        (4, 32, 64, (32, 32), False),
+    ):
+        weight = _fp8_rows(n, k, gen)
+        scale = _pow2((-(-n // bn), k // bk), -12, -9, gen)
+        x = (
+            _fp8_rows(t, k, gen, group=bk).float()
+            * _pow2((t, k // bk), -7, -4, gen).repeat_interleave(bk, 1)
+        ).to(dtype)
+        case = f"T{t}-N{n}-K{k}-b{bn}x{bk}" + ("" if act else "-weight-only")
+        cases.append((case, (x, weight, scale, (bn, bk), None, act)))
+    return cases
+
+
+def _int8_linear_cases(dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tuple]]:
+    cases = []
+    for t, n, k, channel, static, zero in (
+        (3, 40, 64, True, False, False),
+        (1, 33, 64, False, False, False),
+        (20, 24, 96, True, True, False),
+        (6, 32, 64, True, True, True),
+    ):
+        weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        w_scale = _pow2((n,) if channel else (1,), -12, -9, gen)
+        if static:
+            s = 2.0**-5
+            zp = torch.tensor([5], dtype=torch.int32) if zero else None
+            q = torch.randint(-128, 128, (t, k), generator=gen)
+            x = ((q - (5 if zero else 0)).float() * s).to(dtype)
+            args = (x, weight, w_scale, torch.tensor([s]), zp, None)
+        else:
+            q = torch.randint(-126, 127, (t, k), generator=gen).float()
+            q[torch.arange(t), torch.randint(0, k, (t,), generator=gen)] = 127.0
+            x = (q * _pow2((t, 1), -7, -4, gen)).to(dtype)
+            args = (x, weight, w_scale, None, None, torch.randn(n, generator=gen).to(dtype))
+        kind = ("static-zp" if zero else "static") if static else "dyn"
+        cases.append((f"T{t}-N{n}-K{k}-{'ch' if channel else 'tensor'}-{kind}", args))
+    return cases
+
+
+def _wna16_cases(dtype: torch.dtype, gen: torch.Generator) -> list[tuple[str, tuple]]:
+    """Args ``(x, qweight, scales, zeros, bits, group_size, perm, bias)``: the canonical
+    tensors ``prepack`` takes (see ``checks.call_kernel``)."""
+    cases = []
+    for t, n, k, bits, group, act_order, bias in (
+        (3, 40, 64, 4, 32, False, True),  # N not a multiple of 16
+        (1, 64, 128, 4, 64, False, False),
+        (18, 48, 128, 4, 128, True, False),  # act-order permutation
+        (2, 32, 64, 4, 64, False, True),  # one group per row (group_size -1)
+        (5, 32, 64, 8, 32, False, False),
+        (1, 48, 64, 8, 64, False, False),  # 8-bit per channel
+    ):
+        maxq = (1 << bits) - 1
+        q = torch.randint(0, maxq + 1, (n, k), generator=gen, dtype=torch.uint8)
+        groups = k // group
+        scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.005).to(torch.float16)
+        zeros = torch.randint(0, maxq + 1, (n, groups), generator=gen, dtype=torch.uint8)
+        if bits == 8 and group == k:
+            zeros.fill_(128)  # symmetric
+        perm = torch.randperm(k, generator=gen) if act_order else None
+        x = torch.randn(t, k, generator=gen).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype) if bias else None
+        case = f"T{t}-N{n}-K{k}-w{bits}-g{group}" + ("-act-order" if act_order else "")
+        cases.append((case, (x, q, scales, zeros, bits, group, perm, b)))
+    return cases
+
+
+def _add_lora_linear_cases(dtype, gen):
+    """Mixed batches: tokens of several adapter slots and tokens without one (-1), fused q/k/v
+    and gate/up slices and a single one, odd sizes, decode- and prefill-sized batches, a rank
+    padded past what the adapter uses (zero rows of A, zero columns of B)."""
+    from engine.lora.mapping import group_by_slot
+
+    cases = []
+    for t, k, slices, rank, slots in (
+        (1, 64, (40, 24, 24), 16, 4),
+        (7, 72, (48,), 8, 3),
+        (40, 48, (56, 56), 16, 4),
+    ):
+        n, s = sum(slices), len(slices)
+        x = _randn(gen, dtype, t, k)
+        lora_a = _randn(gen, dtype, slots, s * rank, k, scale=k**-0.5)
+        lora_b = _randn(gen, dtype, slots, n, rank, scale=rank**-0.5)
+        lora_a[:, -2:] = 0  # the last slice's padded rank
+        lora_b[..., -2:] = 0
+        token_slots = torch.randint(-1, slots, (t,), generator=gen, dtype=torch.int32)
+        token_slots[0] = slots - 1  # the decode case has an adapter
+        sorted_tokens, starts = group_by_slot(token_slots.numpy(), slots)
+        args = (
+            _randn(gen, dtype, t, n),
+            x,
+            lora_a,
+            lora_b,
+            token_slots,
+            torch.from_numpy(sorted_tokens),
+            torch.from_numpy(starts),
+            slices,
+        )
+        cases.append((f"T{t}-K{k}-N{'+'.join(map(str, slices))}-R{rank}-L{slots}", args))
+    return cases
+
+
+def _lora_expand_augmented_cases(dtype, gen):
+    """The base GEMM's output with every slot's shrunk values appended; mixed slots and
+    tokens without an adapter (their rows must come back unchanged)."""
+    from engine.lora.mapping import group_by_slot
+
+    cases = []
+    for t, slices, rank, slots in (
+        (1, (40, 24, 24), 16, 4),
+        (9, (48,), 8, 3),
+        (33, (56, 56), 16, 2),
+    ):
+        n, s = sum(slices), len(slices)
+        y_aug = _randn(gen, dtype, t, n + slots * s * rank)
+        lora_b = _randn(gen, dtype, slots, n, rank, scale=rank**-0.5)
+        token_slots = torch.randint(-1, slots, (t,), generator=gen, dtype=torch.int32)
+        token_slots[0] = slots - 1
+        sorted_tokens, starts = group_by_slot(token_slots.numpy(), slots)
+        args = (
+            y_aug,
+            n,
+            lora_b,
+            token_slots,
+            torch.from_numpy(sorted_tokens),
+            torch.from_numpy(starts),
+            slices,
+        )
+        cases.append((f"T{t}-N{'+'.join(map(str, slices))}-R{rank}-L{slots}", args))
+    return cases
+
+
 register_kernel_inputs("rms_norm", _rms_norm_cases)
 register_kernel_inputs("fused_add_rms_norm", _fused_add_rms_norm_cases)
 register_kernel_inputs("rotary_embedding", _rotary_cases)
@@ -216,6 +409,12 @@ register_kernel_inputs("linear", _linear_cases)
 register_kernel_inputs("argmax", _argmax_cases)
 register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
 register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
+register_kernel_inputs("fp8_linear", _fp8_linear_cases)
+register_kernel_inputs("fp8_block_linear", _fp8_block_cases)
+register_kernel_inputs("int8_linear", _int8_linear_cases)
+register_kernel_inputs("wna16_linear", _wna16_cases)  # canonical tensors: see checks.call_kernel
+register_kernel_inputs("add_lora_linear", _add_lora_linear_cases, in_place=(0,), kind="lora")
+register_kernel_inputs("lora_expand_augmented", _lora_expand_augmented_cases, kind="lora")
 
 
 def to_device(value: Any, device: torch.device) -> Any:

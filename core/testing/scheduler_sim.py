@@ -11,6 +11,11 @@ preempted -- unless its KV was corrupted.
 ``run_simulation`` drives ``schedule -> write/read KV -> update_from_output -> stop checks`` like
 ``EngineCore`` does (including ``n > 1`` forks after the first sample and aborts), and
 ``check_invariants`` verifies the block accounting after every step.
+
+A request with a LoRA adapter (``SimRequest.lora_id``) writes ``(position, token, adapter)``:
+the same tokens under another adapter are other KV, as in a real model, so a prefix hit across
+adapters reads back the wrong content; and no step may hold more than the scheduler's
+``max_loras`` adapters.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class KVContentSim:
                 for pos in range(entry.start, entry.start + entry.num_new_tokens):
                     block = table[pos // bs]
                     assert block != NULL_BLOCK_ID, f"position {pos} maps to the null block"
-                    self.slots[block * bs + pos % bs] = (pos, tokens[pos])
+                    self.slots[block * bs + pos % bs] = _kv(pos, tokens[pos], entry.request)
         contexts = {}
         for entry in out.scheduled:
             request = entry.request
@@ -80,7 +85,7 @@ class KVContentSim:
                 # The first new query (at entry.start) sees the oldest keys of the step.
                 lo = 0 if window is None else max(0, entry.start - window + 1)
                 got = [self.slots.get(table[p // bs] * bs + p % bs) for p in range(lo, end)]
-                want = [(p, tokens[p]) for p in range(lo, end)]
+                want = [_kv(p, tokens[p], request) for p in range(lo, end)]
                 assert got == want, (
                     f"{request.request_id}: group {g} reads back the wrong KV for positions "
                     f"{lo}..{end - 1}"
@@ -117,6 +122,11 @@ def true_continuation(tokens: list[int], num: int, window: int | None, vocab: in
         tokens.append(nxt)
         out.append(nxt)
     return out
+
+
+def _kv(position: int, token: int, request: Request) -> tuple[int, ...]:
+    """What the KV of one token stands for: its position and token, and its adapter."""
+    return (position, token, request.lora_id) if request.lora_id else (position, token)
 
 
 def check_invariants(scheduler: Scheduler, mid_step: bool = False) -> None:
@@ -177,6 +187,7 @@ class SimRequest:
     n: int = 1
     abort_step: int | None = None
     cache_salt: str | None = None
+    lora_id: int = 0
 
 
 @dataclass
@@ -234,6 +245,7 @@ def run_simulation(
                 arrival_time=float(step),
                 priority=spec.priority,
                 cache_salt=spec.cache_salt,
+                lora_id=spec.lora_id,
             )
             try:
                 scheduler.add_request(request)
@@ -269,6 +281,9 @@ def run_simulation(
                 assert not e.spec_token_ids or e.num_known_tokens == 1
             if not forked:
                 assert len(scheduler.running) <= cfg.max_num_seqs
+            if scheduler.lora is not None:
+                adapters = {e.request.lora_id for e in out.scheduled} - {0}
+                assert len(adapters) <= scheduler.lora.max_loras, f"step uses {adapters}"
             check_invariants(scheduler, mid_step=True)
             stats = scheduler.stats()
             if stats.kv_usage >= result.peak_usage:
@@ -328,6 +343,7 @@ def run_simulation(
                     priority=parent.priority,
                     output_token_ids=[tokens[i]],
                     cache_salt=parent.cache_salt,
+                    lora_id=parent.lora_id,
                 )
                 for i in range(1, len(tokens))
             ]

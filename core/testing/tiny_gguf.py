@@ -97,13 +97,69 @@ def tiny_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+# The block scale ``d`` of random blocks per type (and ``dmin`` / ``m`` as a multiple of it),
+# chosen so the dequantized values have a standard deviation of about 0.05.
+_RANDOM_BLOCK_SCALE = {
+    "Q4_0": (0.011, None),
+    "Q4_1": (0.011, -8.0),
+    "Q5_0": (0.0054, None),
+    "Q5_1": (0.0054, -16.0),
+    "Q8_0": (0.00068, None),
+    "Q4_K": (0.00033, 7.5),
+    "Q5_K": (0.00014, 15.5),
+    "Q6_K": (0.00004, None),
+}
+# Byte offset of the float16 ``d`` (and of ``dmin`` / ``m``) in each type's block.
+_SCALE_OFFSETS = {
+    "Q4_0": (0, None),
+    "Q4_1": (0, 2),
+    "Q5_0": (0, None),
+    "Q5_1": (0, 2),
+    "Q8_0": (0, None),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208, None),
+}
+RANDOM_BLOCK_TYPES = tuple(_RANDOM_BLOCK_SCALE)
+
+
+def random_blocks(rows: int, cols: int, qtype_name: str, seed: int = 0) -> np.ndarray:
+    """Random valid GGUF blocks ``uint8 [rows, cols / block_size * type_size]`` of type
+    ``qtype_name``: random quants and sub-block scales, finite float16 block scales of a size
+    that keeps the values near N(0, 0.05). ``gguf.quants`` cannot quantize to the K-quants, so
+    tests of those types use blocks like these (and the file's own dequantization as the
+    reference)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype_name]]
+    if cols % block:
+        raise ValueError(f"{qtype_name} rows need a multiple of {block} values, not {cols}")
+    rng = np.random.default_rng(seed)
+    nb = rows * cols // block
+    out = rng.integers(0, 256, size=(nb, type_size), dtype=np.uint8)
+    d_scale, m_ratio = _RANDOM_BLOCK_SCALE[qtype_name]
+    d_at, m_at = _SCALE_OFFSETS[qtype_name]
+    d = (d_scale * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
+    out[:, d_at : d_at + 2] = d.view(np.uint8).reshape(nb, 2)
+    if m_at is not None:
+        m = (d.astype(np.float32) * m_ratio).astype(np.float16)
+        out[:, m_at : m_at + 2] = m.view(np.uint8).reshape(nb, 2)
+    return out.reshape(rows, -1)
+
+
 def _write_tensor(writer: Any, name: str, value: np.ndarray, qtype_name: str) -> None:
+    """Write ``value`` in ``qtype_name``; the K-quants (``gguf.quants`` has no quantizer for
+    them) are written as ``random_blocks`` of the tensor's shape, not as ``value``."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     qtype = GGMLQuantizationType[qtype_name]
     value = np.ascontiguousarray(value, dtype=np.float32)
-    if qtype == GGMLQuantizationType.F32:
+    if qtype_name.endswith("_K"):
+        seed = sum(map(ord, name))
+        blocks = random_blocks(value.shape[0], value.shape[1], qtype_name, seed)
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
+    elif qtype == GGMLQuantizationType.F32:
         writer.add_tensor(name, value)
     elif qtype == GGMLQuantizationType.F16:
         writer.add_tensor(name, value.astype(np.float16))

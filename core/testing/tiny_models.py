@@ -31,6 +31,41 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    # Natively implemented too (core/models/phi3.py, gemma2.py); the others run through the
+    # transformers modeling backend.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+}
+# Settings that make each architecture's peculiarities bite on tiny sizes: small sliding
+# windows (prompts exceed them), soft-caps and multipliers away from 1, partial rotary.
+TINY_EXTRA: dict[str, dict[str, Any]] = {
+    "phi3": {"partial_rotary_factor": 0.75},
+    "gemma2": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 10.0,
+        "final_logit_softcapping": 8.0,
+        "tie_word_embeddings": True,
+    },
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 2.0,
+    },
+    "cohere": {"logit_scale": 0.5, "tie_word_embeddings": True},
+    "starcoder2": {"sliding_window": 8, "use_bias": True},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "phi": {"partial_rotary_factor": 0.5},
+    "gpt2": {"tie_word_embeddings": True},
 }
 # Mixture-of-experts settings for build_tiny_model: many experts, top-2 and top-8, a shared
 # expert, dense layers among sparse ones (Qwen's decoder_sparse_step / mlp_only_layers).
@@ -110,8 +145,9 @@ def build_tiny_model(
     dtype: str = "float32",
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3, and the MoE
-    mixtral, qwen2_moe, qwen3_moe with ``TINY_MOE``'s expert settings) with its tokenizer to
+    """Write a tiny random model of ``arch`` (a key of ``ARCHITECTURES``: llama, mistral,
+    qwen2, qwen3, phi3, gemma2, ...; the MoE mixtral, qwen2_moe, qwen3_moe with ``TINY_MOE``'s
+    expert settings; ``TINY_EXTRA``'s settings for the others) with its tokenizer to
     ``out_dir`` and return the path."""
     import torch
     import transformers
@@ -136,6 +172,7 @@ def build_tiny_model(
     if arch == "qwen3":
         kwargs["head_dim"] = hidden_size // num_heads
     kwargs.update(TINY_MOE.get(arch, {}))
+    kwargs.update(TINY_EXTRA.get(arch, {}))
     kwargs.update(config_overrides)
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
@@ -202,6 +239,30 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_window_layers": 1,
     },
     "qwen3": {"model_type": "qwen3", **_BASE, "head_dim": 32, "tie_word_embeddings": True},
+    # Phi-3 / Phi-4: q/k/v and gate/up fused in the checkpoint, partial rotary (Phi-4-mini),
+    # and LongRoPE (short factors below original_max_position_embeddings, with the attention
+    # factor sqrt(1 + ln 2 / ln 256)).
+    "phi3": {"model_type": "phi3", **_BASE, "partial_rotary_factor": 0.75},
+    "phi3_longrope": {
+        "model_type": "phi3",
+        **_BASE,
+        "original_max_position_embeddings": 256,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0],
+            "long_factor": [1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0],
+        },
+    },
+    # Gemma 2: alternating window, attention and final logit soft-capping, query_pre_attn_scalar.
+    "gemma2": {
+        "model_type": "gemma2",
+        **_BASE,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 5,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+    },
     # Mixture of experts: many experts, top-2 / top-4 / top-8, with and without
     # renormalisation, a shared expert, dense layers among the sparse ones. A wider init than
     # transformers' default so that routing is decisive (near-uniform router logits would
@@ -304,28 +365,68 @@ TINY_SIGLIP: dict[str, Any] = {
     "intermediate_size": 64,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
-    "image_size": 28,
+    "image_size": 56,  # a 4 x 4 patch grid, average-pooled to 2 x 2 = 4 tokens per image
     "patch_size": 14,
+    "vision_use_head": False,  # as the released Gemma 3 vision configs
 }
+TINY_GEMMA3_TOKENS_PER_IMAGE = 4
+
+# Gemma 3's chat template, shortened: turns with text and image parts (an image part renders
+# as <start_of_image>, which the processor expands into the image's placeholder tokens).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 def build_tiny_gemma3_multimodal(
-    out_dir: str | Path, seed: int = 0, dtype: str = "float32", **text_overrides: Any
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    vision_use_head: bool = False,
+    **text_overrides: Any,
 ) -> Path:
     """Write a random ``Gemma3ForConditionalGeneration`` (``TINY_GEMMA3_TEXT`` text model, a
-    ``TINY_SIGLIP`` vision tower, the projector) with a tokenizer to ``out_dir``; returns it.
+    ``TINY_SIGLIP`` vision tower, the projector) with its tokenizer and processor to
+    ``out_dir``; returns it.
 
-    The vocabulary is the tokenizer's, with its last id as the image token (as the released
-    models keep it inside the vocabulary). Norm weights are randomised too (HF initialises
-    Gemma's to zero, which would hide a missing ``1 + w``) and matrices widened so greedy
-    decoding is decisive.
+    The tokenizer has Gemma 3's image tokens (``<start_of_image>``, ``<end_of_image>``,
+    ``<image_soft_token>``, as special tokens inside the vocabulary like the released models'),
+    an image-aware chat template (``GEMMA3_CHAT_TEMPLATE``), and a ``Gemma3Processor``
+    (56 x 56 images, ``TINY_GEMMA3_TOKENS_PER_IMAGE`` soft tokens per image) is saved beside it,
+    so ``AutoProcessor.from_pretrained(out_dir)`` works as for a released checkpoint. Norm
+    weights are randomised too (HF initialises Gemma's to zero, which would hide a missing
+    ``1 + w``) and matrices widened so greedy decoding is decisive.
     """
     import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    import transformers
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
+    build_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(out),
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out))
     vocab = len(tokenizer)
     text = dict(
         TINY_GEMMA3_TEXT,
@@ -335,13 +436,20 @@ def build_tiny_gemma3_multimodal(
         pad_token_id=tokenizer.pad_token_id,
         **text_overrides,
     )
+    size = TINY_SIGLIP["image_size"]
+    processor = Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": size, "width": size}),
+        tokenizer=tokenizer,
+        image_seq_length=TINY_GEMMA3_TOKENS_PER_IMAGE,
+    )
+    processor.save_pretrained(str(out))
     config = Gemma3Config(
         text_config=text,
-        vision_config=TINY_SIGLIP,
-        mm_tokens_per_image=4,
-        boi_token_index=vocab - 3,
-        eoi_token_index=vocab - 2,
-        image_token_index=vocab - 1,
+        vision_config={**TINY_SIGLIP, "vision_use_head": vision_use_head},
+        mm_tokens_per_image=TINY_GEMMA3_TOKENS_PER_IMAGE,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id,
     )
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
@@ -349,8 +457,8 @@ def build_tiny_gemma3_multimodal(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 1.0 / p[0].numel() ** 0.5)
     model.to(getattr(torch, dtype)).save_pretrained(str(out))
     return out
 

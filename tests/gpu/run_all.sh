@@ -6,10 +6,13 @@
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
 # llama-nano, profile; optional: conformance, spread, linear, kprofile, serve (HTTP against
 # offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
-# mixture-of-experts steps moe-kernels, moe-b1, moe-nano, mixtral-b1, and spec-base, spec-ngram,
+# mixture-of-experts steps moe-kernels, moe-b1, moe-nano, mixtral-b1, spec-base, spec-ngram,
 # spec-draft, spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts
-# holding the model's own greedy continuation; docs/speculative-decoding.md). Logs go to
-# $OUT/tests.log,
+# holding the model's own greedy continuation; docs/speculative-decoding.md), the multi-LoRA
+# steps lora-kernels, lora-b1, lora-nano, lora-kprofile, lora-b1-sep (Llama-3.1-8B with 8
+# rank-16 adapters on every linear layer, requests spread evenly; compare with llama-b1 /
+# llama-nano), and llama-hf-b1 / llama-hf-nano (the llama steps through the transformers
+# modeling backend, --model-impl transformers). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -109,6 +112,29 @@ for step in "${steps[@]}"; do
       grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels.log"
       JSONS+=("moe-kernels")
       ;;
+    lora-kernels)  # the LoRA op per 8B projection vs the base projection, in CUDA graphs
+      echo "=== lora kernel sweep at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --lora-only \
+        --json "$OUT/lora-kernels.json" >"$OUT/lora-kernels.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "per decode step|ERROR|Error" "$OUT/lora-kernels.log"
+      JSONS+=("lora-kernels")
+      ;;
+    lora-b1) bench lora-b1 240 latency --model llama-3.1-8b "${B1[@]}" --num-loras 8 --lora-rank 16 ;;
+    lora-nano) bench lora-nano 300 throughput --model llama-3.1-8b "${NANO[@]}" --num-loras 8 --lora-rank 16 ;;
+    lora-b1-sep)  # the same with a separate shrink kernel (no shrink in the base GEMM)
+      bench lora-b1-sep 240 latency --model llama-3.1-8b "${B1[@]}" --num-loras 8 --lora-rank 16 \
+        --enable-lora --max-loras 8 --max-lora-rank 16 --no-lora-fused-shrink ;;
+    lora-kprofile)  # the LoRA kernels' share of a decode step, batch 1 and 256
+      for spec in 1:128 256:800; do
+        [ "$(left)" -lt 60 ] && { echo "SKIP lora-kprofile $spec"; continue; }
+        echo "=== lora kernel profile $spec at $(elapsed)s"
+        timeout -k 10 150 python3 -m engine.benchmarks.kernel_profile --model llama-3.1-8b \
+          --batch-size ${spec%:*} --context-len ${spec#*:} --load-format dummy --dtype bfloat16 \
+          --steps 10 --num-loras 8 --lora-rank 16 2>&1 | grep -vE "it/s\]|s/it\]|^Loading" \
+          | tee -a "$OUT/lora-kprofile.log" | grep -E "batch|LoRA|lora" | head -12
+      done
+      ;;
     moe-b1) bench moe-b1 240 latency --model qwen3-30b-a3b "${B1[@]}" ;;
     moe-nano) bench moe-nano 300 throughput --model qwen3-30b-a3b "${NANO[@]}" ;;
     mixtral-b1) bench mixtral-b1 240 latency --model mixtral-8x7b "${B1[@]}" ;;
@@ -126,6 +152,8 @@ for step in "${steps[@]}"; do
       --speculative-config '{"method": "eagle", "model": "eagle-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
     spec-eagle3) bench spec-eagle3 200 latency "${SPEC[@]}" --batch-sizes 1 \
       --speculative-config '{"method": "eagle3", "model": "eagle3-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
+    llama-hf-b1) bench llama-hf-b1 200 latency --model llama-3.1-8b "${B1[@]}" --model-impl transformers ;;
+    llama-hf-nano) bench llama-hf-nano 300 throughput --model llama-3.1-8b "${NANO[@]}" --model-impl transformers ;;
     kprofile)  # GPU time per kernel of one decode step (torch.profiler)
       specs=${KPROFILE_SPECS:-"qwen3-0.6b:256:800 qwen3-0.6b:1:128 llama-3.1-8b:1:128 llama-3.1-8b:256:800"}
       for spec in $specs; do
@@ -177,7 +205,7 @@ for name in names:
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
 for name, r in results.items():
-    if name in ("kernels", "spread", "linear", "moe-kernels"):
+    if name in ("kernels", "spread", "linear", "moe-kernels", "lora-kernels"):
         continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "

@@ -56,7 +56,13 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
+def _takes_images(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "preprocessor_config.json"))
+
+
 def _run(path: str, **kwargs):
+    if kwargs.get("pipeline_parallel_size", 1) > 1 and _takes_images(path):
+        kwargs["limit_mm_per_prompt"] = {"image": 0}  # images are refused under PP
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=256, **kwargs)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     try:
@@ -89,6 +95,41 @@ def test_tp2_matches_one_gpu(tiny_model, one_gpu_tokens, enforce_eager):
         assert all(graphs) and graphs[0] == graphs[1]  # captured on both ranks alike
     blocks = {i["num_blocks"] for i in info}
     assert len(blocks) == 1 and blocks.pop() > 0  # profiled per rank, the smallest kept
+
+
+def test_tp2_with_images_matches_one_gpu(tiny_model):
+    """Gemma 3 with images on two GPUs: the step message carries the images, each rank runs
+    its shard of the vision tower; greedy tokens equal one GPU's."""
+    if not _takes_images(tiny_model):
+        pytest.skip("a text model")
+    needs_gpus(2)
+    import numpy as np
+    from PIL import Image
+
+    def image(seed):
+        rng = np.random.default_rng(seed)
+        return Image.fromarray(rng.integers(0, 256, (40, 70, 3), dtype=np.uint8))
+
+    prompts = [
+        {"prompt": "Compare <start_of_image> with <start_of_image>",
+         "multi_modal_data": {"image": [image(1), image(2)]}},
+        "A text prompt about the quick brown fox",
+        {"prompt": "Again: <start_of_image>", "multi_modal_data": {"image": image(1)}},
+    ]  # fmt: skip
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(tiny_model, dtype="float32", block_size=16, tensor_parallel_size=tp)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got[tp] = [o.outputs[0].token_ids for o in outs]
+            assert llm.llm_engine.num_used_blocks == 0
+        finally:
+            llm.llm_engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert got[2] == got[1]
 
 
 def test_pp2_matches_one_gpu(tiny_model, one_gpu_tokens):

@@ -132,3 +132,36 @@ def test_request_logging_is_opt_in(caplog):
     with caplog.at_level(logging.WARNING, logger="engine.server"):
         assert not log_requests(build_parser().parse_args(["serve", "--disable-log-requests"]))
     assert "--disable-log-requests is deprecated" in caplog.text
+
+
+def test_image_input_flags():
+    from engine.cli.args import engine_config_from_args
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/m",
+            "--limit-mm-per-prompt",
+            '{"image": 2}',
+            "--allowed-local-media-path",
+            "/data/images",
+            "--allowed-media-domains",
+            "images.example.com",
+            "cdn.example.com",
+            "--max-image-pixels",
+            "1000000",
+            "--mm-encoder-cache-gb",
+            "0.5",
+        ]
+    )
+    mm = engine_config_from_args(args).multimodal
+    assert mm.limit("image") == 2
+    assert mm.allowed_local_media_path == "/data/images"
+    assert mm.allowed_media_domains == ["images.example.com", "cdn.example.com"]
+    assert (mm.max_image_pixels, mm.mm_encoder_cache_gb) == (1000000, 0.5)
+    defaults = engine_config_from_args(build_parser().parse_args(["serve", "/m"])).multimodal
+    assert defaults.allowed_local_media_path is None and defaults.allowed_media_domains is None
+    for bad, message in (("{image: 2}", "not valid JSON"), ('{"video": 1}', "'video' is not")):
+        args = build_parser().parse_args(["serve", "/m", "--limit-mm-per-prompt", bad])
+        with pytest.raises(ConfigError, match=message):
+            engine_config_from_args(args)

@@ -20,13 +20,15 @@ if TYPE_CHECKING:
 
 
 class SdpaAttentionBackend(AttentionBackend):
-    """Gather-then-SDPA paged attention (GQA, sliding window, soft-cap); CUDA and CPU."""
+    """Gather-then-SDPA paged attention (GQA, sliding window, soft-cap, bidirectional spans);
+    CUDA and CPU."""
 
     name: ClassVar[str] = "sdpa"
     device_types: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
+    supports_bidirectional_spans: ClassVar[bool] = True
 
     def forward(
         self,
@@ -58,7 +60,16 @@ class SdpaAttentionBackend(AttentionBackend):
             v = flat[1, slots].transpose(0, 1)
             q = query[lo:hi].transpose(0, 1)  # [H, q_len, D]
             q_pos = positions[seq_len - (hi - lo) :, None]
-            mask = positions[None, :] <= q_pos
+            limit = q_pos
+            spans = metadata.bidirectional_spans_cpu
+            if spans and spans[i]:
+                limit = q_pos.clone()
+                first = seq_len - (hi - lo)
+                for start, end in spans[i]:  # queries in a span see keys up to its end
+                    a, b = max(start, first) - first, min(end, seq_len) - first
+                    if b > a:
+                        limit[a:b] = min(end, seq_len) - 1
+            mask = positions[None, :] <= limit
             if self.sliding_window:
                 mask &= q_pos - positions[None, :] < self.sliding_window
             out[lo:hi] = self._attend(q, k, v, mask).transpose(0, 1)

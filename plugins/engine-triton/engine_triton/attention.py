@@ -26,7 +26,8 @@ def _interpreting() -> bool:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention in Triton: GQA, sliding window, logit soft-cap, any block size."""
+    """Paged attention in Triton: GQA, sliding window, logit soft-cap, any block size, and an
+    FP8 (e4m3, per-layer scales) KV cache."""
 
     name: ClassVar[str] = "triton"
     # The CPU only through Triton's interpreter (TRITON_INTERPRET=1, for tests): ``supports``
@@ -36,6 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
     supports_decode_graphs: ClassVar[bool] = True  # lengths come from tensors; see kernels
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("float8_e4m3fn",)
     max_head_size: ClassVar[int] = 256
 
     @classmethod
@@ -106,6 +108,8 @@ class TritonAttentionBackend(AttentionBackend):
                 value[num_decodes:num_tokens],
                 kv_cache,
                 metadata.slot_mapping[num_decodes:num_tokens],
+                self.k_scale,
+                self.v_scale,
             )
         if num_decodes:
             paged_decode(
@@ -123,6 +127,8 @@ class TritonAttentionBackend(AttentionBackend):
                 slot_mapping=metadata.slot_mapping,
                 split_counters=self._split_counters(num_decodes * self.num_kv_heads, query.device),
                 configs=tuning,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         if metadata.num_seqs > num_decodes:
             paged_prefill(
@@ -138,6 +144,8 @@ class TritonAttentionBackend(AttentionBackend):
                 self.sliding_window,
                 self.logit_softcap,
                 config=tuning.get("prefill"),
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         if query.shape[0] > num_tokens:  # padding rows (e.g. a padded graph batch)
             out[num_tokens:].zero_()

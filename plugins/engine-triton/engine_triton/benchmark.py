@@ -23,6 +23,14 @@ graph over rotating weight copies and routings (HBM, not L2). It reports the byt
 must read (the distinct experts hit, plus activations), the achieved GB/s against this GPU's
 measured copy bandwidth, the routing kernel's time, and the per-decode-step total over the
 model's layers against the time to read the model's active parameters once.
+
+``python -m engine_triton.benchmark --lora-only [--lora-tokens 1,8,...] [--lora-rank 16]``
+times the multi-LoRA op (``engine_triton.kernels.lora``: one shrink and one expand launch) on
+the four Llama-3.1-8B projections (fused q/k/v, o, fused gate/up, down), bf16, 8 adapter slots
+with the tokens spread evenly over them, per call inside a CUDA graph, next to the base
+projection (``linear``) at the same token count; the shrink's split-K is swept around the
+rule's choice. It prints the per-decode-step total over 32 layers and its ratio to the base
+projections' (the decode-step overhead LoRA adds to the linear layers).
 """
 
 from __future__ import annotations
@@ -516,6 +524,119 @@ def sweep_moe(
     print(f"\nmoe sweep took {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+LORA_PROJECTIONS = {  # Llama-3.1-8B: (input features, fused output slices)
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+
+
+def _lora_projection(t, k, sizes, rank, slots, st, ss, dtype) -> dict:
+    """Times of one projection at ``t`` tokens: the base ``linear`` and the LoRA op for the
+    rule's shrink configuration and split-K variants around it (rotating weight copies, so
+    each call reads HBM as a real step does)."""
+    import torch
+
+    from engine_triton.kernels.linear import linear
+    from engine_triton.kernels.lora import (
+        _sm_count,
+        lora_expand,
+        lora_expand_augmented,
+        lora_shrink,
+        shrink_config,
+    )
+
+    n = sum(sizes)
+    x = torch.randn(t, k, dtype=dtype, device="cuda")
+    w_copies = max(1, L2_ROTATE_BYTES // (n * k * 2) + 1)
+    ws = [torch.randn(n, k, dtype=dtype, device="cuda") * k**-0.5 for _ in range(w_copies)]
+    ab_bytes = slots * rank * (len(sizes) * k + n) * 2
+    ab = [
+        (
+            torch.randn(slots, len(sizes) * rank, k, dtype=dtype, device="cuda") * k**-0.5,
+            torch.randn(slots, n, rank, dtype=dtype, device="cuda") * 0.01,
+        )
+        for _ in range(max(1, L2_ROTATE_BYTES // ab_bytes + 1))
+    ]
+    y = torch.zeros(t, n, dtype=dtype, device="cuda")
+    base_us = _graph_us(_rotating(linear, x, ws))
+    rule = shrink_config(t, len(sizes) * rank, k, slots, _sm_count(x.device))
+    variants = {rule} | {
+        (rule[0], rule[1], rule[2], split) for split in (1, 2, 4, 8, 16) if k >= 2 * rule[2] * split
+    }
+    timed = {}
+    for cfg in sorted(variants, key=lambda c: c[3]):
+
+        def call(i, cfg=cfg):
+            a, b = ab[i % len(ab)]
+            lora_expand(y, lora_shrink(x, a, st, ss, config=cfg), b, st, ss, sizes)
+
+        timed[cfg] = _graph_us(call)
+    best = min(timed, key=timed.get)
+    # The shrink in the base GEMM: x @ [W; A_0..A_7]^T, then one expand launch.
+    augs = [
+        (torch.cat([w, ab[i % len(ab)][0].reshape(-1, k)]), ab[i % len(ab)][1])
+        for i, w in enumerate(ws)
+    ]
+    ts = torch.zeros(t, dtype=torch.int32, device="cuda")  # read by the reference only
+
+    def fused(i):
+        w_aug, b = augs[i % len(augs)]
+        lora_expand_augmented(linear(x, w_aug), n, b, ts, st, ss, sizes)
+
+    fused_us = _graph_us(fused)
+    return {
+        "base_us": round(base_us, 2),
+        "fused_us": round(fused_us, 2),
+        "lora_us": round(timed[rule], 2),
+        "rule": list(rule),
+        "best": list(best),
+        "best_us": round(timed[best], 2),
+        "by_split": {c[3]: round(v, 2) for c, v in timed.items()},
+    }
+
+
+def sweep_lora(
+    results: dict, tokens: tuple[int, ...] = (1, 8, 32, 64, 128, 256), rank: int = 16
+) -> None:
+    """The LoRA op per projection and per decode step (see the module docstring)."""
+    import numpy as np
+    import torch
+
+    from engine.lora.mapping import group_by_slot
+
+    slots, layers = 8, 32
+    out: dict = {}
+    for t in tokens:
+        sorted_tokens, starts = group_by_slot(np.arange(t, dtype=np.int32) % slots, slots)
+        st = torch.from_numpy(sorted_tokens).cuda()
+        ss = torch.from_numpy(starts).cuda()
+        row: dict = {}
+        for name, (k, sizes) in LORA_PROJECTIONS.items():
+            r = row[name] = _lora_projection(t, k, sizes, rank, slots, st, ss, torch.bfloat16)
+            print(
+                f"T={t:4d} {name:8s} base {r['base_us']:7.2f} us  separate shrink+expand "
+                f"+{r['lora_us']:6.2f} us (split {r['rule'][3]}; best split {r['best'][3]}: "
+                f"{r['best_us']:6.2f} us)  shrink in the GEMM: GEMM+expand {r['fused_us']:7.2f} us",
+                flush=True,
+            )
+        step_lora = sum(row[n]["lora_us"] for n in LORA_PROJECTIONS) * layers / 1e3
+        step_base = sum(row[n]["base_us"] for n in LORA_PROJECTIONS) * layers / 1e3
+        step_fused = sum(row[n]["fused_us"] for n in LORA_PROJECTIONS) * layers / 1e3
+        row["step_lora_ms"] = round(step_lora, 3)
+        row["step_fused_ms"] = round(step_fused, 3)
+        row["step_base_linear_ms"] = round(step_base, 3)
+        print(
+            f"T={t:4d} per decode step ({layers} layers): base projections {step_base:.3f} ms; "
+            f"separate shrink+expand +{step_lora:.3f} ms (+{100 * step_lora / step_base:.1f}%); "
+            f"shrink in the GEMM {step_fused:.3f} ms (+{100 * (step_fused / step_base - 1):.1f}%)",
+            flush=True,
+        )
+        out[str(t)] = row
+    results["lora"] = out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
@@ -551,8 +672,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--moe-no-candidates", action="store_true", help="time only the rule's configuration"
     )
+    parser.add_argument("--lora-only", action="store_true", help="Only the multi-LoRA op sweep.")
+    parser.add_argument("--lora-tokens", default="1,8,32,64,128,256", help="tokens per call")
+    parser.add_argument("--lora-rank", type=int, default=16, help="adapter rank")
     args = parser.parse_args(argv)
     results: dict = {}
+    if args.lora_only:
+        sweep_lora(results, tuple(int(v) for v in args.lora_tokens.split(",")), args.lora_rank)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     if args.moe_only:
         sweep_moe(
             results,

@@ -28,11 +28,16 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     """Register every Triton kernel with the engine's kernel registry for ``platforms``."""
     from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from engine_triton.kernels.argmax import argmax
+    from engine_triton.kernels.fp8_linear import fp8_block_linear, fp8_linear
     from engine_triton.kernels.fused_moe import fused_moe, moe_topk_softmax
+    from engine_triton.kernels.gguf_linear import gguf_linear
+    from engine_triton.kernels.int8_linear import int8_linear
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
+    from engine_triton.kernels.lora import add_lora_linear, lora_expand_augmented
     from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
     from engine_triton.kernels.rotary import qk_norm_rotary, rotary_embedding
+    from engine_triton.kernels.wna16_linear import wna16_linear
 
     ops = {
         "rms_norm": rms_norm,
@@ -46,6 +51,13 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "argmax": argmax,
         "moe_topk_softmax": moe_topk_softmax,
         "fused_moe": fused_moe,
+        "fp8_linear": fp8_linear,
+        "fp8_block_linear": fp8_block_linear,
+        "int8_linear": int8_linear,
+        "wna16_linear": wna16_linear,
+        "add_lora_linear": add_lora_linear,
+        "lora_expand_augmented": lora_expand_augmented,
+        "gguf_linear": gguf_linear,
     }
     for name, fn in ops.items():
         registry.register(

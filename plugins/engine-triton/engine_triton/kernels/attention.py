@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_triton.kernels.kv_cache import _to_fp8
+
 LOG2E = 1.4426950408889634
 
 
@@ -60,15 +62,20 @@ def _load_kv_tile(
 def _attend_tile(
     q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, visible, kv_head, stride_blk,
     stride_tok, stride_head, d, d_mask, scale, softcap, USE_SOFTCAP: tl.constexpr,
-    PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One key/value tile of online-softmax attention: scores of ``q`` against the cached keys
     at positions ``n`` (``visible``: [rows, keys] or [1, keys] mask), folded into the running
-    max ``m_i``, sum ``l_i`` and output ``acc`` (log2 domain). Returns the three updated."""
+    max ``m_i``, sum ``l_i`` and output ``acc`` (log2 domain). Returns the three updated.
+
+    An FP8 cache's tiles are converted to the query dtype (exact); its scales are folded into
+    ``scale`` (the key scale) and into the final output (the value scale) by the caller."""
     k = _load_kv_tile(
         k_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d, d_mask,
         PAGE,
     )  # fmt: skip
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = _scores(q, k, scale, softcap, USE_SOFTCAP, PRECISION)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -79,6 +86,8 @@ def _attend_tile(
         v_cache_ptr, bt_row, n, n_mask, kv_head, stride_blk, stride_tok, stride_head, d, d_mask,
         PAGE,
     )  # fmt: skip
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -127,6 +136,7 @@ def _prefill_kernel(
     softcap,
     window,
     head_size,
+    v_scale,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -135,6 +145,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     pid = tl.program_id(0)
@@ -181,11 +192,13 @@ def _prefill_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, visible, kv_head,
             stride_blk, stride_tok, stride_head, d, d_mask, scale, softcap, USE_SOFTCAP, PAGE,
-            PRECISION,
+            PRECISION, KV_FP8,
         )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * v_scale
     o_rows = (q_start + tok).to(tl.int64) * o_stride_t + head.to(tl.int64) * o_stride_h
     tl.store(
         out_ptr + o_rows[:, None] + d[None, :],
@@ -232,6 +245,8 @@ def _decode_kernel(
     num_heads,
     num_kv_heads,
     num_splits,
+    k_scale,
+    v_scale,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
@@ -243,6 +258,7 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -280,13 +296,18 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, n, n_mask, n_mask[None, :],
             kv_head, stride_blk, stride_tok, stride_head, d, d_mask, scale, softcap, USE_SOFTCAP,
-            PAGE, PRECISION,
+            PAGE, PRECISION, KV_FP8,
         )  # fmt: skip
 
     if APPEND:
         new_mask = d_mask & owns_new
         k_new = tl.load(k_new_ptr + seq * kn_stride_t + kv_head * kn_stride_h + d, mask=new_mask)
         v_new = tl.load(v_new_ptr + seq * vn_stride_t + kv_head * vn_stride_h + d, mask=new_mask)
+        if KV_FP8:
+            # As the cache will hold it (and the reference attends over it): e4m3 of
+            # value / scale, in the cache's units like the tiles above.
+            k_new = _to_fp8(k_new, k_scale)
+            v_new = _to_fp8(v_new, v_scale)
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
         if USE_SOFTCAP:
             s_new = softcap * _tanh(s_new / softcap)
@@ -306,6 +327,8 @@ def _decode_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     o_rows = seq * o_stride_t + head.to(tl.int64) * o_stride_h
     o_mask = g_ok[:, None] & d_mask[None, :]
     if not SPLIT_KV:
@@ -378,6 +401,8 @@ def paged_prefill(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     config: dict | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention for ``num_seqs`` requests with query lengths from ``query_start_loc`` (absolute
     token indices into ``query``/``out`` [T, H, D]) over their paged context; writes ``out``.
@@ -396,6 +421,7 @@ def paged_prefill(
     block_n = cfg["block_n"]
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -413,10 +439,11 @@ def paged_prefill(
         k_cache.stride(1),
         k_cache.stride(2),
         block_table.stride(0),
-        scale,
+        scale * k_scale if fp8 else scale,
         logit_softcap or 0.0,
         sliding_window or 0,
         head_size,
+        float(v_scale),
         G=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -425,6 +452,7 @@ def paged_prefill(
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(logit_softcap),
         PRECISION=_precision(query.dtype),
+        KV_FP8=fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -485,6 +513,8 @@ def paged_decode(
     split_counters: torch.Tensor | None = None,
     config: dict | None = None,
     configs: dict[str, dict] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """One query token per request (request ``i`` is token ``i`` of ``query``/``out``
     [T, H, D]) over its paged context of ``seq_lens[i]`` tokens. Writes ``out[:num_seqs]``.
@@ -532,6 +562,7 @@ def paged_decode(
         part_out = part_lse = out  # unused
         split_counters = seq_lens  # unused
     append = key is not None
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if not append:
         key = value = query  # unused
         slot_mapping = seq_lens  # unused
@@ -560,13 +591,15 @@ def paged_decode(
         k_cache.stride(1),
         k_cache.stride(2),
         block_table.stride(0),
-        scale,
+        scale * k_scale if fp8 else scale,
         logit_softcap or 0.0,
         sliding_window or 0,
         head_size,
         num_heads,
         num_kv_heads,
         num_splits,
+        float(k_scale),
+        float(v_scale),
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         SPLIT_KV=num_splits > 1,
@@ -578,6 +611,7 @@ def paged_decode(
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(logit_softcap),
         PRECISION=_precision(query.dtype),
+        KV_FP8=fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

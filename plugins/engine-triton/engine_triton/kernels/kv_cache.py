@@ -28,8 +28,11 @@ def _write_kv_kernel(
     half_stride,
     num_kv_heads,
     head_size,
+    k_scale,
+    v_scale,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -41,16 +44,31 @@ def _write_kv_kernel(
     dst = cache_ptr + slot * row + h * head_size + d
     ty = cache_ptr.dtype.element_ty
     k = tl.load(k_ptr + tok * k_stride_t + h * k_stride_h + d, mask=mask)
-    tl.store(dst, k.to(ty), mask=mask)
     v = tl.load(v_ptr + tok * v_stride_t + h * v_stride_h + d, mask=mask)
+    if FP8:  # e4m3 of value / scale, saturated (the reference's to_cache_dtype)
+        k = _to_fp8(k, k_scale)
+        v = _to_fp8(v, v_scale)
+    tl.store(dst, k.to(ty), mask=mask)
     tl.store(dst + half_stride, v.to(ty), mask=mask)
 
 
+@triton.jit
+def _to_fp8(x, scale):
+    y = tl.div_rn(x.to(tl.float32), scale)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+
+
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value ``[T, num_kv_heads, head_size]`` into ``kv_cache`` at ``slot_mapping``
-    (``[T]``; negative entries are skipped). In place."""
+    (``[T]``; negative entries are skipped). In place. An FP8 cache stores ``key / k_scale``
+    and ``value / v_scale`` in e4m3."""
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
@@ -74,7 +92,10 @@ def write_kv_cache(
         kv_cache.stride(0),
         num_kv_heads,
         head_size,
+        float(k_scale),
+        float(v_scale),
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_size),
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )

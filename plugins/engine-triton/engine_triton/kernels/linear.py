@@ -33,6 +33,7 @@ calls ``torch.nn.functional.linear`` otherwise.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -167,20 +168,42 @@ def _rule_of_thumb(mb: int, n: int, k: int, sms: int) -> SkinnyConfig:
 _RULE_CACHE: dict[tuple[int, int, int, int], SkinnyConfig] = {}
 
 
+# A shape within this fraction of a measured one's N (same K and row bucket) takes its entry:
+# the kernel depends on N only through the number of feature blocks. A LoRA layer whose shrink
+# runs in its GEMM appends a few percent of rows (the adapters' A slots) to a tuned weight.
+NEAR_N = 0.1
+
+
+def _tuned_key(mb: int, n: int, k: int) -> tuple[int, int, int] | None:
+    """The ``TUNED`` key for this shape: its own, else the nearest measured N within
+    ``NEAR_N`` (same K and row bucket); None when there is none."""
+    key = (mb, n, k)
+    return key if key in TUNED else _nearest_tuned(mb, n, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _nearest_tuned(mb: int, n: int, k: int) -> tuple[int, int, int] | None:
+    near = [t for t in TUNED if t[0] == mb and t[2] == k and abs(t[1] - n) <= NEAR_N * t[1]]
+    return min(near, key=lambda t: abs(t[1] - n)) if near else None
+
+
 def prefers_cublas(m: int, n: int, k: int) -> bool:
-    """Whether ``linear`` leaves this shape to cuBLAS: measured faster there (``TUNED`` maps it
-    to None), or an unmeasured shape of more than one row."""
-    key = (m_bucket(m), n, k)
-    if key in TUNED:
+    """Whether ``linear`` leaves this shape to cuBLAS: measured faster there (``TUNED`` maps it,
+    or the measured shape nearest to it, to None), or an unmeasured shape of more than one
+    row."""
+    mb = m_bucket(m)
+    key = _tuned_key(mb, n, k)
+    if key is not None:
         return TUNED[key] is None
-    return key[0] > 1
+    return mb > 1
 
 
 def config_for(m: int, n: int, k: int, sms: int = SM_COUNT_FALLBACK) -> SkinnyConfig:
     """The configuration the skinny kernel launches for ``m`` rows, ``n`` features, ``k``
     inputs (the measured one, else the rule of thumb)."""
     mb = m_bucket(m)
-    cfg = TUNED.get((mb, n, k))
+    tuned = _tuned_key(mb, n, k)
+    cfg = TUNED[tuned] if tuned is not None else None
     if cfg is None:
         key = (mb, n, k, sms)
         cfg = _RULE_CACHE.get(key)

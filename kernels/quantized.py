@@ -1,0 +1,220 @@
+"""Torch references of the quantized matmuls: the spec every override must match.
+
+Each op computes ``x @ W^T + bias`` for one weight format, in float32, and returns ``x``'s
+dtype. ``x`` is ``[..., K]`` (any leading shape); ``W`` is logically ``[N, K]``.
+
+* ``fp8_linear`` — FP8 (e4m3) weights ``[N, K]`` with a per-tensor (``[1]``) or per-channel
+  (``[N]``) float32 scale. With ``activation_quant`` (W8A8) the activations are quantized to
+  e4m3 too: per token with a dynamic scale ``amax(|row|) / 448`` (``input_scale`` None), or
+  with one static scale (``input_scale`` ``[1]``). Without it (weight-only, for devices with no
+  FP8 arithmetic) ``x`` is multiplied as it is.
+* ``fp8_block_linear`` — FP8 weights with one float32 scale per ``block_size = (bn, bk)``
+  block (``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]``, the multiplier despite its
+  checkpoint name), activations quantized per token and per ``bk``-wide group (dynamic).
+* ``int8_linear`` — int8 weights ``[N, K]`` with a per-tensor / per-channel scale;
+  activations quantized to int8 per token (dynamic, symmetric) or with a static scale and an
+  optional zero point (asymmetric); the integer product is exact.
+* ``wna16_linear`` — 4- or 8-bit integer weights in groups of ``group_size`` along K, each
+  group with a scale and an integer zero point: ``W = (q - z) * s``, activations unquantized.
+  It is the one op with its **own weight layout**: ``wna16_linear.prepack(...)`` turns the
+  canonical tensors (below) into whatever the implementation multiplies, once at load, and
+  ``wna16_linear(x, packed, ...)`` uses that. An override provides both (a callable object
+  with a ``prepack`` method); the layer never looks inside ``packed``.
+
+Rounding to a quantized type is round-to-nearest-even with saturation at the type's range;
+a dynamic scale is never below ``FP8_MIN_SCALE`` / ``INT8_MIN_SCALE`` (an all-zero row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# The smallest dynamic FP8 scale (vLLM's): an all-zero row still gets a finite scale.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+INT8_MIN_SCALE = 1e-10
+
+
+# ---- activation quantization (what the ops do to x first) ------------------------------------
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` rounded to e4m3, saturated at +-448 (``scale`` broadcasts against ``x``)."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def fp8_dynamic_scale(x2d: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """Per-token dynamic FP8 scales of ``x2d`` ``[M, K]``: ``[M, 1]`` float32, or per token and
+    ``group_size``-wide group ``[M, K / group_size]``."""
+    xf = x2d.float().abs()
+    if group_size is None:
+        amax = xf.amax(dim=-1, keepdim=True)
+    else:
+        amax = xf.unflatten(-1, (-1, group_size)).amax(dim=-1)
+    return (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+
+
+def int8_quantize(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``round(x / scale) (+ zero_point)``, saturated to [-128, 127], as int32 values."""
+    q = torch.round(x.float() / scale.float())
+    if zero_point is not None:
+        q = q + zero_point.float()
+    return q.clamp(-128, 127).to(torch.int32)
+
+
+def int8_dynamic_scale(x2d: torch.Tensor) -> torch.Tensor:
+    """Per-token symmetric int8 scales of ``x2d`` ``[M, K]``: ``[M, 1]`` float32."""
+    return (x2d.float().abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=INT8_MIN_SCALE)
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
+# ---- the ops ---------------------------------------------------------------------------------
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation_quant: bool = True,
+) -> torch.Tensor:
+    """``x @ (weight * weight_scale)^T + bias`` with FP8 ``weight`` ``[N, K]`` and float32
+    ``weight_scale`` ``[1]`` or ``[N]``; see the module docstring for ``input_scale`` and
+    ``activation_quant``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    w = weight.float() * weight_scale.float().reshape(-1, 1)
+    if activation_quant:
+        sx = (
+            fp8_dynamic_scale(x2)
+            if input_scale is None
+            else input_scale.float().reshape(1, 1).expand(x2.shape[0], 1)
+        )
+        xf = fp8_quantize(x2, sx).float() * sx
+    else:
+        xf = x2.float()
+    return _finish(xf @ w.T, bias, x)
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_size: tuple[int, int] | list[int],
+    bias: torch.Tensor | None = None,
+    activation_quant: bool = True,
+) -> torch.Tensor:
+    """``x @ W^T + bias`` with FP8 ``weight`` ``[N, K]`` scaled per ``(bn, bk)`` block by
+    ``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]``; with ``activation_quant`` the
+    activations are quantized per token and ``bk``-wide group (K must be a multiple of bk)."""
+    bn, bk = int(block_size[0]), int(block_size[1])
+    n, k = weight.shape
+    scale = weight_scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    w = weight.float() * scale
+    x2 = x.reshape(-1, k)
+    if activation_quant:
+        sx = fp8_dynamic_scale(x2, bk).repeat_interleave(bk, 1)
+        xf = fp8_quantize(x2, sx).float() * sx
+    else:
+        xf = x2.float()
+    return _finish(xf @ w.T, bias, x)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
+    input_zero_point: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ (weight * weight_scale)^T + bias`` with int8 ``weight`` ``[N, K]`` and float32
+    ``weight_scale`` ``[1]`` or ``[N]``, the activations quantized to int8: per token and
+    symmetric when ``input_scale`` is None, else with that static scale (``[1]``) and the
+    optional static zero point ``input_zero_point`` (int32 ``[1]``)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if input_scale is None:
+        sx = int8_dynamic_scale(x2)
+        q = int8_quantize(x2, sx)
+    else:
+        sx = input_scale.float().reshape(1, 1)
+        q = int8_quantize(x2, sx, input_zero_point)
+        if input_zero_point is not None:
+            q = q - input_zero_point.to(torch.int32).reshape(1, 1)
+    # Exact integer dot products (float64 holds them exactly for any practical K).
+    acc = q.double() @ weight.double().T
+    y = acc * sx.double() * weight_scale.double().reshape(1, -1)
+    return _finish(y.float(), bias, x)
+
+
+class WNA16Linear:
+    """``wna16_linear``: weights of ``bits`` (4 or 8) bits, ``W = (q - z) * s`` per group of
+    ``group_size`` input features, multiplied by unquantized activations.
+
+    The canonical tensors a quantization method hands to ``prepack`` (whatever the checkpoint
+    format was):
+
+    * ``qweight``: uint8 ``[N, K]``, each value in ``[0, 2**bits)``;
+    * ``scales``: ``[N, K / group_size]`` float (the checkpoint's dtype, usually float16);
+    * ``zeros``: uint8 ``[N, K / group_size]``, the integer zero points (``2**(bits-1)`` for a
+      symmetric format);
+    * ``perm``: int64 ``[K]`` or None. With it (GPTQ act-order checkpoints, whose groups were
+      formed in a permuted order), the weight's input features are stored in that order and the
+      product reads ``x[..., perm]``.
+
+    This reference keeps 4-bit values two to a byte and dequantizes on every call (float32).
+    """
+
+    def prepack(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        *,
+        bits: int,
+        group_size: int,
+        perm: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The tensors ``__call__`` reads (``dtype``, the activations' dtype, is a hint)."""
+        q = qweight.to(torch.uint8)
+        if bits == 4:
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        packed = {"qweight": q.contiguous(), "scales": scales, "zeros": zeros.to(torch.uint8)}
+        if perm is not None:
+            packed["perm"] = perm.to(torch.int64)
+        return packed
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: dict[str, torch.Tensor],
+        *,
+        bits: int,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        q = packed["qweight"]
+        if bits == 4:
+            q = torch.stack((q & 0xF, q >> 4), dim=-1).flatten(-2)
+        w = (q.float() - packed["zeros"].float().repeat_interleave(group_size, dim=1)) * packed[
+            "scales"
+        ].float().repeat_interleave(group_size, dim=1)
+        x2 = x.reshape(-1, x.shape[-1])
+        if "perm" in packed:
+            x2 = x2.index_select(-1, packed["perm"])
+        return _finish(x2.float() @ w.T, bias, x)
+
+
+wna16_linear = WNA16Linear()
+
+QUANTIZED_REFERENCE_KERNELS = {
+    "fp8_linear": fp8_linear,
+    "fp8_block_linear": fp8_block_linear,
+    "int8_linear": int8_linear,
+    "wna16_linear": wna16_linear,
+}

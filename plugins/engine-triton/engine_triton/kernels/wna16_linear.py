@@ -1,0 +1,323 @@
+"""W4A16 / W8A16 matmuls: ``wna16_linear`` (spec: ``engine.kernels.quantized.WNA16Linear``).
+
+``prepack`` stores the weights as int32 ``[K / p, N]`` (p = 32 / bits values along the input
+features per word, lowest bits first — GPTQ's own layout), the scales and zero points
+transposed to ``[K / group, N]`` in the checkpoint's scale dtype, and an act-order permutation
+as int32. Rows of ``N`` are contiguous, so a program's loads of its ``BLOCK_N`` features are
+coalesced.
+
+The product is reorganised so that the weights are never dequantized element by element: per
+K tile (inside one group) ``sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k)``,
+so each weight costs a shift, a mask, a conversion and one multiply-add; scale and zero point
+apply once per tile and feature. The integer values are exact in bf16/fp16, so the tensor-core
+path (``tl.dot`` of x against the integer tile) loses nothing either.
+
+* ``_wna16_skinny_kernel`` — decode (M <= 16): a stream over the 4-bit weights (half a byte per
+  weight, read once), ``BLOCK_N`` features per program, split-K with the last-arriving program
+  summing the partials (``linear.py``'s scheme and workspace), FMA for one row, ``tl.dot``
+  (rows padded to 16) for more.
+* ``_wna16_gemm_kernel`` — prefill and large decode batches: tiled ``tl.dot`` GEMM with the
+  same per-tile correction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quantization.utils import pack_int32
+from engine_triton.kernels.linear import _SCRATCH, _sm_count, m_bucket
+
+MAX_SKINNY_M = 16
+
+
+@triton.jit
+def _unpack_tile(q_ptr, rows, cols_c, stride_qk, BITS: tl.constexpr, R: tl.constexpr):
+    """int32 words ``[R, BLOCK_N]`` at packed rows ``rows`` -> values ``[R, PACK, BLOCK_N]``
+    (int32), value ``j`` of row ``r`` being input feature ``r * PACK + j``."""
+    PACK: tl.constexpr = 32 // BITS
+    words = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qk + cols_c[None, :])
+    shifts = tl.arange(0, PACK) * BITS
+    return (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _wna16_skinny_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    GROUP,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_ym,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_K // PACK
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_c = tl.minimum(rows, M - 1)
+    cols_c = tl.minimum(cols, N - 1)
+    x_rows = x_ptr + rows_c.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    r_idx = tl.arange(0, R)
+    j_idx = tl.arange(0, PACK)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_sg + cols_c).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + cols_c).to(tl.float32)
+        q = _unpack_tile(q_ptr, k0 // PACK + r_idx, cols_c, stride_qk, BITS, R)
+        offs2 = k0 + r_idx[:, None] * PACK + j_idx[None, :]  # [R, PACK]
+        if HAS_PERM:
+            offs2 = tl.load(perm_ptr + offs2)
+        if DOT:
+            xk = tl.load(x_rows + tl.reshape(offs2, (BLOCK_K,))[None, :])  # [BLOCK_M, BLOCK_K]
+            # int -> float32 -> activation dtype: exact, and the interpreter converts int32 to
+            # bfloat16 wrongly in one step.
+            qk = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32).to(xk.dtype)
+            dq = tl.dot(xk, qk, input_precision=PRECISION)
+            xsum = tl.sum(xk.to(tl.float32), axis=1)
+            acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
+        else:
+            x2 = tl.load(x_ptr + offs2).to(tl.float32)  # one row: [R, PACK]
+            dq = tl.sum(tl.sum(q.to(tl.float32) * x2[:, :, None], axis=1), axis=0)
+            xsum = tl.sum(tl.sum(x2, axis=1), axis=0)
+            acc += (s * (dq - z * xsum))[None, :]
+
+    out_mask = (rows < M)[:, None] & (cols < N)[None, :]
+    y_offs = rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    if SPLIT_K > 1:
+        part_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    part_ptr + i * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                total += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
+            tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+# M changes from step to step: not specialized (one compiled variant for every batch size).
+@triton.jit(do_not_specialize=["M"])
+def _wna16_gemm_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    GROUP,
+    stride_xm,
+    stride_qk,
+    stride_sg,
+    stride_ym,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_K // PACK
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_c = tl.minimum(rows, M - 1)
+    cols_c = tl.minimum(cols, N - 1)
+    x_rows = x_ptr + rows_c.to(tl.int64)[:, None] * stride_xm
+    r_idx = tl.arange(0, R)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * stride_sg + cols_c).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + cols_c).to(tl.float32)
+        q = tl.reshape(
+            _unpack_tile(q_ptr, k0 // PACK + r_idx, cols_c, stride_qk, BITS, R),
+            (BLOCK_K, BLOCK_N),
+        )
+        offs = k0 + kk
+        if HAS_PERM:
+            offs = tl.load(perm_ptr + offs)
+        xk = tl.load(x_rows + offs[None, :])
+        dq = tl.dot(xk, q.to(tl.float32).to(xk.dtype), input_precision=PRECISION)
+        xsum = tl.sum(xk.to(tl.float32), axis=1)
+        acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(
+        y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def _block_k(group: int, k: int, pack: int, limit: int) -> int:
+    """The largest power-of-two K tile (at most ``limit``) inside one group that divides K."""
+    block = limit
+    while block > pack and (group % block or k % block):
+        block //= 2
+    if group % block or k % block:
+        raise ValueError(f"no K tile fits group {group} and K {k}")
+    return block
+
+
+def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):
+    """(block_n, block_k, num_warps, split_k, dot): half a byte per weight, so wide feature
+    blocks; split K until about two waves over the SMs."""
+    mb = m_bucket(m)
+    dot = mb >= 2
+    block_k = _block_k(group, k, pack, 128 if dot else 256)
+    block_n, warps = (64, 4) if dot else (128, 4)
+    while block_n > 32 and triton.cdiv(n, block_n) < 2 * sms:
+        block_n //= 2
+    split = 1
+    while (
+        triton.cdiv(n, block_n) * split < 2 * sms
+        and split < 16
+        and k % (block_k * split * 2) == 0
+        and k // (split * 2) >= 2 * block_k
+    ):
+        split *= 2
+    return block_n, block_k, warps, split, dot
+
+
+class TritonWNA16Linear:
+    """``wna16_linear`` through the Triton kernels above."""
+
+    def prepack(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        *,
+        bits: int,
+        group_size: int,
+        perm: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> dict[str, torch.Tensor]:
+        # Scales travel with the weights: 2 bytes each where that is exact (checkpoints store
+        # float16; the loader holds them in float32), zero points as float16 integers.
+        scale_dtype = scales.dtype
+        if scale_dtype == torch.float32 and torch.equal(scales.half().float(), scales):
+            scale_dtype = torch.float16
+        packed = {
+            "qweight": pack_int32(qweight.t().contiguous(), bits, dim=0),  # [K / p, N]
+            "scales": scales.t().to(scale_dtype).contiguous(),  # [K / group, N]
+            "zeros": zeros.t().to(scale_dtype).contiguous(),
+        }
+        if perm is not None:
+            packed["perm"] = perm.to(torch.int32).contiguous()
+        return packed
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: dict[str, torch.Tensor],
+        *,
+        bits: int,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        q, s, z = packed["qweight"], packed["scales"], packed["zeros"]
+        perm = packed.get("perm")
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m, k = x2.shape
+        n = q.shape[1]
+        pack = 32 // bits
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if m == 0:
+            return y.view(*x.shape[:-1], n)
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        common = dict(
+            BITS=bits,
+            HAS_PERM=perm is not None,
+            HAS_BIAS=bias is not None,
+            PRECISION=precision,
+        )
+        perm_arg = perm if perm is not None else q
+        bias_arg = bias if bias is not None else s
+        if m <= MAX_SKINNY_M:
+            block_n, block_k, warps, split, dot = _skinny_config(
+                m, n, k, group_size, pack, _sm_count(x.device)
+            )
+            grid_n = triton.cdiv(n, block_n)
+            if split > 1:
+                part, counters = _SCRATCH.get(x.device, split * m * n, grid_n)
+            else:
+                part, counters = y, y
+            _wna16_skinny_kernel[(grid_n, split)](
+                x2, q, s, z, perm_arg, bias_arg, y, part, counters,
+                m, n, k, k // split, group_size,
+                x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
+                BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                DOT=dot, num_warps=warps, num_stages=3, **common,
+            )  # fmt: skip
+        else:
+            block_m = 64 if m > 32 else 32
+            block_n = 128
+            block_k = _block_k(group_size, k, pack, 64)
+            grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+            _wna16_gemm_kernel[grid](
+                x2, q, s, z, perm_arg, bias_arg, y,
+                m, n, k, group_size,
+                x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                num_warps=4, num_stages=3, **common,
+            )  # fmt: skip
+        return y.view(*x.shape[:-1], n)
+
+
+wna16_linear = TritonWNA16Linear()

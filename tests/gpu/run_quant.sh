@@ -1,0 +1,130 @@
+#!/bin/bash
+# The quantization GPU recipe in one command: install, the quantized-kernel tests, kernel
+# timings, then the Llama-3.1-8B-shape benchmarks of docs/benchmarks.md (dummy weights).
+#
+#   OUT=/path/for/results bash tests/gpu/run_quant.sh [STEP ...]
+#
+# Steps (default: tests qkernels fp8-b1 awq-b1 fp8-nano awq-nano fp8-mixed awq-mixed; in this
+# order); optional: bf16-mixed, kv-fp8 (the bf16 nano run with --kv-cache-dtype fp8: about
+# twice the KV blocks), sweep (M=1 skinny-kernel configurations), vllm-mixed (the vLLM kit on
+# the same mixed workload, FP8 then AWQ; needs .peers/ as its README describes, about 100 s of
+# engine start each). Logs go to $OUT/*.log, every benchmark's JSON into $OUT/results.json.
+# A step is skipped when less than a minute of DEADLINE (seconds, default 560) is left.
+set -u
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/gpu-results}
+mkdir -p "$OUT"
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-560}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+elapsed() { echo $(($(date +%s) - T0)); }
+left() { echo $((DEADLINE - $(elapsed))); }
+JSONS=()
+
+python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+  -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
+  || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+echo "installed at $(elapsed)s"
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests qkernels fp8-b1 awq-b1 fp8-nano awq-nano fp8-mixed awq-mixed)
+
+bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for results.json
+  local name=$1 limit=$2
+  shift 2
+  [ "$(left)" -lt 60 ] && { echo "SKIP $name: $(left)s left"; return; }
+  [ "$limit" -gt "$(left)" ] && limit=$(left)
+  echo "=== $name (limit ${limit}s) at $(elapsed)s: engine bench $*"
+  echo "=== $name: engine bench $*" >>"$OUT/bench.log"
+  timeout -k 10 "$limit" python3 -m engine.cli.main bench "$@" --json "$OUT/$name.json" >/tmp/$name.log 2>&1
+  echo "rc=$? at $(elapsed)s"
+  grep -vE "it/s\]|s/it\]|^Loading" /tmp/$name.log | tee -a "$OUT/bench.log" | tail -8
+  JSONS+=("$name")
+}
+
+COMMON=(--seed 0 --load-format dummy --dtype bfloat16)
+NANO=(--num-prompts 256 --min-input-len 100 --max-input-len 1024 --min-output-len 100
+  --max-output-len 1024 "${COMMON[@]}")
+MIXED=(--workload mixed --num-prompts 512 "${COMMON[@]}")
+B1=(--batch-sizes 1 --input-len 128 --output-len 512 --seed 3 --load-format dummy --dtype bfloat16)
+FP8=(--model llama-3.1-8b --quantization fp8)
+AWQ=(--model llama-3.1-8b-awq)
+
+for step in "${steps[@]}"; do
+  case $step in
+    tests)
+      echo "=== quantization GPU tests at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_quant_gpu.py tests/gpu/test_gguf_gpu.py tests/triton_kernels/test_triton_quant.py \
+        tests/triton_kernels/test_triton_gguf.py -m "gpu or triton" \
+        >"$OUT/tests.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      tail -15 "$OUT/tests.log"
+      ;;
+    qkernels|sweep)
+      [ "$(left)" -lt 90 ] && { echo "SKIP $step"; continue; }
+      echo "=== quantized kernel timings at $(elapsed)s"
+      extra=(); [ "$step" = sweep ] && extra=(--sweep --rows 1)
+      timeout -k 10 $(($(left) - 60)) python3 -m engine_triton.quant_benchmark "${extra[@]}" \
+        --json "$OUT/$step.json" >"$OUT/$step.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "M=    1|M=   16|M=  256|sweep|per decode|ms$" "$OUT/$step.log" | head -40
+      JSONS+=("$step")
+      ;;
+    fp8-b1) bench fp8-b1 200 latency "${FP8[@]}" "${B1[@]}" ;;
+    awq-b1) bench awq-b1 200 latency "${AWQ[@]}" "${B1[@]}" ;;
+    fp8-nano) bench fp8-nano 240 throughput "${FP8[@]}" "${NANO[@]}" ;;
+    awq-nano) bench awq-nano 240 throughput "${AWQ[@]}" "${NANO[@]}" ;;
+    fp8-mixed) bench fp8-mixed 300 throughput "${FP8[@]}" "${MIXED[@]}" ;;
+    awq-mixed) bench awq-mixed 300 throughput "${AWQ[@]}" "${MIXED[@]}" ;;
+    bf16-mixed) bench bf16-mixed 300 throughput --model llama-3.1-8b "${MIXED[@]}" ;;
+    kv-fp8) bench kv-fp8 240 throughput --model llama-3.1-8b --kv-cache-dtype fp8 "${NANO[@]}" ;;
+    vllm-mixed)
+      [ -f .peers/vllm_peer.py ] || { echo "SKIP vllm-mixed: no .peers/ (see shared/peers/vllm/README.md)"; continue; }
+      for shape in llama3-8b-fp8 llama3-8b-awq; do
+        [ "$(left)" -lt 150 ] && { echo "SKIP vllm $shape"; continue; }
+        echo "=== vllm $shape mixed at $(elapsed)s"
+        PEER_KIT=.peers timeout -k 10 $(($(left) - 10)) bash .peers/run_on_gpu.sh check >/dev/null 2>&1
+        PYTHONPATH=${PEER_HOME:-$HOME/vllm-peer}/site:${PYTHONPATH:-} PEER_KIT=.peers \
+          timeout -k 10 $(($(left) - 10)) python3 tests/gpu/vllm_peer_mixed.py $shape mixed \
+          >"$OUT/vllm_$shape.log" 2>&1
+        echo "rc=$? at $(elapsed)s"
+        grep -E "RESULT|^init |Traceback|Error" "$OUT/vllm_$shape.log" | cut -c1-400 | tail -5
+      done
+      ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+
+# One results file (the device returns at most 8 files).
+python3 - "$OUT" "${JSONS[@]}" <<'PY'
+import json, os, sys
+out, names = sys.argv[1], sys.argv[2:]
+results = {}
+for name in names:
+    path = os.path.join(out, name + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            results[name] = json.load(f)
+        os.remove(path)
+with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+for name, r in results.items():
+    if name in ("qkernels", "sweep"):
+        print(name, "decode-step matmuls (us, M=1):", r.get("decode_step_matmul_us_m1"))
+        continue
+    mem = r.get("memory", {})
+    memtxt = (f"weights {mem.get('weights_gib')} GiB, KV {mem.get('kv_cache_gib')} GiB "
+              f"({mem.get('num_kv_blocks')} blocks), GPU used {mem.get('gpu_used_gib')} GiB")
+    if r.get("benchmark") == "throughput":
+        print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "
+              f"{r['elapsed_s']} s, ready {r['start_to_ready_s']} s; {memtxt}")
+    else:
+        for row in r.get("results", []):
+            print(f"{name}: batch {row['batch_size']}: {row['output_tokens_per_s']} out tok/s, "
+                  f"step {row['decode_step_ms']} ms, ready {r['start_to_ready_s']} s; {memtxt}")
+PY
+echo "done at $(elapsed)s"

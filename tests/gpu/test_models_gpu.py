@@ -1,0 +1,106 @@
+"""The transformers modeling backend and the native Phi-3 / Gemma 2 paths on a CUDA GPU against
+the CPU: tiny float32 models, mixed-length prompts (longer than the sliding windows, and across
+the LongRoPE switch), greedy tokens identical. The backend runs under the triton attention
+backend with decode CUDA graphs and eager, and with the sdpa backend."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.testing.tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.gpu
+NUM_NEW = 16
+ORIGINAL = 64  # LongRoPE's original_max_position_embeddings in the phi3-longrope model
+
+MODELS = {
+    "llama": ("llama", {}),
+    "gemma2": ("gemma2", {}),
+    "phi3-window": ("phi3", {"sliding_window": 6}),
+    "phi3-longrope": (
+        "phi3",
+        {
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+                "long_factor": [1.0, 2.0, 4.0, 6.0, 9.0, 12.0],
+            },
+            "max_position_embeddings": 4 * ORIGINAL,
+            "original_max_position_embeddings": ORIGINAL,
+        },
+    ),
+    "gpt_neox": ("gpt_neox", {}),
+    "starcoder2": ("starcoder2", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    built = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            arch, overrides = MODELS[name]
+            built[name] = str(build_tiny_model(tmp_path_factory.mktemp(name), arch, **overrides))
+        return built[name]
+
+    return get
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    lengths = [1, 3, 7, 16, 17, 40, 60, 70, 100, 129]
+    prompts = [[rng.randrange(10, 300) for _ in range(n)] for n in lengths]
+    prompts.append(prompts[8][:96] + [rng.randrange(10, 300) for _ in range(5)])  # prefix hit
+    return prompts
+
+
+def _run(path: str, **kwargs) -> tuple[list[list[int]], bool]:
+    # One prefill chunk holds any prompt (as transformers prefills it), so LongRoPE's choice is
+    # the same on every path.
+    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=512, **kwargs)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    assert llm.llm_engine.num_used_blocks == 0
+    graphs = llm.llm_engine.runner.graphs is not None
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, graphs
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "phi3-window", "gpt_neox", "starcoder2"])
+def test_transformers_backend_on_gpu_matches_cpu(name, model_dir):
+    path = model_dir(name)
+    want, _ = _run(path, platform="cpu", attention_backend="torch", model_impl="transformers")
+    graphs_tokens, graphs = _run(
+        path, platform="cuda", attention_backend="triton", model_impl="transformers"
+    )
+    assert graphs, "decode graphs were not captured"
+    assert graphs_tokens == want
+    eager, _ = _run(
+        path,
+        platform="cuda",
+        attention_backend="triton",
+        model_impl="transformers",
+        enforce_eager=True,
+    )
+    assert eager == want
+    sdpa, _ = _run(path, platform="cuda", attention_backend="sdpa", model_impl="transformers")
+    assert sdpa == want
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3-window", "phi3-longrope"])
+def test_native_phi3_gemma2_on_gpu_match_cpu(name, model_dir):
+    """Triton attention with soft-caps and windows, the LongRoPE table switch inside decode
+    graphs (prompts of 60 and 70 tokens straddle the original 64)."""
+    path = model_dir(name)
+    want, _ = _run(path, platform="cpu", attention_backend="torch")
+    got, graphs = _run(path, platform="cuda", attention_backend="triton")
+    assert graphs, "decode graphs were not captured"
+    assert got == want

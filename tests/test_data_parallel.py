@@ -170,3 +170,32 @@ def test_data_parallel_llm_gives_the_same_greedy_outputs_and_routes_prefixes(mod
             engine.runner  # noqa: B018 - no in-process core
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, "engine-core processes outlived LLM.shutdown()"
+
+
+def test_data_parallel_llm_serves_lora_adapters_on_every_core(model_dir, tmp_path):
+    """``LLM(data_parallel_size=2, enable_lora=True)``: the requests' LoRARequests cross to
+    both engine-core processes (transformers' tokens with the adapter merged, on both cores),
+    add_lora / remove_lora / list_loras reach every core."""
+    from engine.llm import LLM
+    from engine.lora.request import LoRARequest
+    from engine.testing.lora import hf_greedy, make_peft_adapter, merged_model
+
+    adapter = make_peft_adapter(model_dir, tmp_path / "a", rank=4, seed=5)
+    prompts = [[1, 30 + i, 31 + i, 32 + i] for i in range(4)]
+    hf = merged_model(model_dir, adapter)
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    lora = LoRARequest("a", 1, str(adapter))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(model_dir), data_parallel_size=2, enable_lora=True, max_lora_rank=8, **KW) as dp:
+        assert dp.add_lora(lora) is True and dp.list_loras() == {1}
+        got = dp.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora
+        )
+        assert [o.outputs[0].token_ids for o in got] == want
+        stats = dp.llm_engine.client.get_stats_by_engine()
+        assert all(s.generation_tokens_total > 0 for s in stats.values()), stats
+        assert dp.remove_lora(1) is True and dp.list_loras() == set()
+        assert dp.remove_lora(1) is False
+        with pytest.raises(ValueError, match="does not exist"):
+            dp.add_lora(LoRARequest("b", 2, str(tmp_path / "missing")))
+        assert dp.llm_engine.num_used_blocks == 0

@@ -118,3 +118,47 @@ def test_a_refusal_raises_the_same_error_in_the_front_end(exc, cls, param):
 def test_an_internal_failure_is_not_a_bad_request():
     with pytest.raises(RuntimeError, match="KeyError"):
         raise_request_error(request_error("r", KeyError("x")))
+
+
+def test_a_requests_lora_adapter_and_images_cross_the_wire():
+    """The LoRARequest and the processed images (pixel arrays: dtype, shape, bytes) reach the
+    core as the front end built them; utility calls and their answers round-trip too."""
+    import numpy as np
+
+    from engine.engine_core.messages import UtilityCall, UtilityResult
+    from engine.lora.request import LoRARequest
+    from engine.multimodal.inputs import ImageInputSpec, MultiModalFeature, hash_pixel_values
+
+    codec = Codec()
+    pixels = np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5) / 7
+    feature = MultiModalFeature(hash_pixel_values(pixels), 1, 4, pixels)
+    lora = LoRARequest("sql", 3, "/adapters/sql", base_model_name="tiny")
+    req = EngineCoreRequest(
+        "r", [1, 9, 9, 9, 9, 2], SamplingParams(), 1.0, mm_features=[feature], lora_request=lora
+    )
+    got = codec.to_core.decode(codec.encode(AddRequests([req]))).requests[0]
+    assert got.lora_request == lora and isinstance(got.lora_request, LoRARequest)
+    (f,) = got.mm_features
+    assert isinstance(f, MultiModalFeature) and (f.identifier, f.offset, f.length) == (
+        feature.identifier,
+        1,
+        4,
+    )
+    assert f.pixel_values.dtype == np.float32 and f.pixel_values.shape == (3, 4, 5)
+    assert np.array_equal(f.pixel_values, pixels) and f.pixel_values.flags.writeable
+    assert hash_pixel_values(f.pixel_values) == feature.identifier
+    for call in (UtilityCall(1, "add_lora", [lora], 1), UtilityCall(2, "remove_lora", [3])):
+        assert codec.to_core.decode(codec.encode(call)) == call
+    err = request_error("", InvalidRequestError("bad adapter", "lora_request"))
+    for result in (
+        UtilityResult(1, 1, [1, 3]),
+        UtilityResult(2, 0, True),
+        UtilityResult(3, error=err),
+    ):
+        assert codec.from_core.decode(codec.encode(result)) == result
+    spec = ImageInputSpec(7, 4, 16, bidirectional=True, pixel_shape=(3, 4, 5))
+    ready = CoreReady(
+        0, 1, "m", 64, 100, [2], "float32", "cpu", None, {}, 16, 8, True, 4, 20, False, "t", 0.1,
+        image_input_spec=spec,
+    )  # fmt: skip
+    assert codec.from_core.decode(codec.encode(ready)).image_input_spec == spec

@@ -108,6 +108,8 @@ def apply_ready(config: Any, ready: Any) -> None:
     config.platform = ready.platform
     config.scheduler.async_scheduling = ready.async_scheduling
     config.max_logprobs = ready.max_logprobs
+    if ready.implementation is not None:
+        model.implementation = ready.implementation
 
 
 def startup_error(failed: Any) -> BaseException:

@@ -203,6 +203,8 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
     load_seconds: float
     # How the model takes images (None: text only); the front end's processor needs it.
     image_input_spec: ImageInputSpec | None = None
+    # The implementation the loader chose for --model-impl auto ("native" / "transformers").
+    implementation: str | None = None
 
 
 class AllFrontEndsReady(msgspec.Struct, tag=True, array_like=True, gc=False):

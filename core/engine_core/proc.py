@@ -241,6 +241,7 @@ def ready_message(core: Any, engine_index: int, load_seconds: float) -> CoreRead
         attention_backend=str(backend),
         load_seconds=load_seconds,
         image_input_spec=getattr(core, "image_input_spec", None),
+        implementation=config.model.implementation,
     )
 
 

@@ -263,3 +263,26 @@ def test_text_model_refuses_images(tiny_model_dir):
     with RunningServer(lambda: EngineCore.from_config(engine_config(tiny_model_dir))) as running:
         err = error_of(_post(running, [_image_part(data_url(make_image(1)))]), 400)
         assert "this model takes no image inputs" in err["message"]
+
+
+def test_images_through_the_engine_core_process(model_dir, media_dir, hf, tmp_path):
+    """``engine serve`` as users run it: the processed images cross the front end -> engine
+    core transport (pixel arrays as bytes) and give transformers' tokens."""
+    import openai
+    from server_harness import ServeProcess
+
+    flags = ("--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media_dir))
+    with ServeProcess(model_dir, tmp_path / "server.log", *flags) as running:
+        client = openai.OpenAI(
+            base_url=running.base_url + "/v1", api_key="x", max_retries=0, timeout=60
+        )
+        two = [make_image(4), make_image(5, (64, 32))]
+        cases = [
+            ("Compare these two.", two, [data_url(two[0]), data_url(two[1], "JPEG")]),
+            ("And this file?", [make_image(7)], [(media_dir / "seven.png").as_uri()]),
+        ]
+        for text, images, urls in cases:
+            want, n = hf_chat(hf, text, images)
+            r = chat(client, text, urls)
+            assert token_ids(r.choices[0]) == want, text
+            assert r.usage.prompt_tokens == n

@@ -186,16 +186,21 @@ class ParallelConfig:
     ``enable_expert_parallel`` places a mixture-of-experts model's experts across the
     tensor-parallel ranks of a stage (``E / tp`` whole experts each) instead of splitting
     every expert over them (no effect on dense models or on one rank).
+    ``data_parallel_size`` engine cores (processes) each hold a whole replica: one device each
+    (times the world size) on a GPU host, a share of the CPU threads on the CPU.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ConfigError(

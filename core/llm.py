@@ -55,8 +55,10 @@ class LLM:
     "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
     token ids, outputs carry token ids and empty text, stop strings and chat are refused),
     ``cpu_threads`` (threads of the CPU kernels; None: the physical cores available, see
-    ``engine.cpu_threads``), ``quantization`` (a method name such as "fp8", "awq", "gptq",
-    "compressed-tensors"; None: the checkpoint's quantization_config decides),
+    ``engine.cpu_threads``), ``data_parallel_size`` (N > 1: N engine-core processes, each with
+    its own copy of the model, one device each on a GPU host; requests go to the least loaded,
+    preferring the one that holds their prefix), ``quantization`` (a method name such as "fp8",
+    "awq", "gptq", "compressed-tensors"; None: the checkpoint's quantization_config decides),
     ``kv_cache_dtype`` ("auto" or "fp8"), ``enable_lora``, ``max_loras``, ``max_lora_rank``,
     ``max_cpu_loras``, ``lora_fused_shrink`` (multi-LoRA serving, ``engine.lora``),
     ``model_impl`` ("auto": the native implementation when there is one, else the
@@ -67,6 +69,10 @@ class LLM:
     fetched from; none by default), ``mm_encoder_cache_gb``, ``max_num_encoder_input_tokens``,
     ``disable_chunked_mm_input``, ``max_image_bytes``, ``max_image_pixels``. Unknown keywords
     are an error that lists them.
+
+    With one data-parallel rank the engine core runs in this process (``llm.llm_engine.core``);
+    call ``shutdown()`` (or use ``with LLM(...) as llm``) to stop engine-core processes early,
+    else they stop when the interpreter exits.
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         generation_config: str = "auto",
+        data_parallel_size: int = 1,
         speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
         skip_tokenizer_init: bool = False,
         cpu_threads: int | None = None,
@@ -155,6 +162,7 @@ class LLM:
                 pipeline_parallel_size=pipeline_parallel_size,
                 distributed_executor_backend=distributed_executor_backend,
                 enable_expert_parallel=enable_expert_parallel,
+                data_parallel_size=data_parallel_size,
             ),
             platform=platform,
             attention_backend=attention_backend,
@@ -180,22 +188,33 @@ class LLM:
                 enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_fused_shrink
             ),
         )
-        from engine.engine import LLMEngine
+        from engine.llm_engine import LLMEngine
 
         self.llm_engine = LLMEngine.from_config(config)
         self._counter = itertools.count()
         self._images: Any = None
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig) -> LLM:
-        """Build from a complete ``EngineConfig`` (what the CLI commands do)."""
-        from engine.engine import LLMEngine
+    def from_engine_config(cls, config: EngineConfig, *, multiprocess: bool | None = None) -> LLM:
+        """Build from a complete ``EngineConfig`` (what the CLI commands do); ``multiprocess``
+        as in ``LLMEngine.from_config``."""
+        from engine.llm_engine import LLMEngine
 
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine.from_config(config)
+        llm.llm_engine = LLMEngine.from_config(config, multiprocess=multiprocess)
         llm._counter = itertools.count()
         llm._images = None
         return llm
+
+    def shutdown(self) -> None:
+        """Stop the engine-core processes, if any (idempotent; the engine is unusable then)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
 
     @property
     def config(self) -> EngineConfig:
@@ -271,27 +290,13 @@ class LLM:
 
                 raise PromptTooLongError(n, engine.max_model_len)
             params.validate()
-        ids_in_order = []
-        try:
-            for i, ((text, ids, images), params) in enumerate(
-                zip(parsed, params_list, strict=True)
-            ):
-                request_id = str(next(self._counter))
-                engine.add_request(
-                    request_id,
-                    text,
-                    params,
-                    prompt_token_ids=ids,
-                    priority=priority[i] if priority is not None else 0,
-                    final_only=True,
-                    mm_features=images or None,
-                    lora_request=loras[i],
-                )
-                ids_in_order.append(request_id)
-        except Exception:
-            engine.abort_request(ids_in_order)
-            raise
-        return self._run(ids_in_order, use_tqdm)
+        batch = []
+        for i, ((text, ids, images), params) in enumerate(zip(parsed, params_list, strict=True)):
+            prio = priority[i] if priority is not None else 0
+            request_id = str(next(self._counter))
+            batch.append((request_id, text, params, ids, prio, None, True, images, loras[i]))
+        engine.add_requests(batch)  # all or none
+        return self._run([r[0] for r in batch], use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the model's recommended defaults from its

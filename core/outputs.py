@@ -1,4 +1,7 @@
-"""Results handed back to callers, shaped like vLLM's ``RequestOutput``/``CompletionOutput``."""
+"""Results handed back to callers, shaped like vLLM's ``RequestOutput``/``CompletionOutput``.
+
+The output classes use ``__slots__``: a server builds one per streaming request per step.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One of the ``n`` completions of a request."""
 
@@ -35,7 +38,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps (time.monotonic seconds) for latency metrics."""
 
@@ -46,7 +49,7 @@ class RequestMetrics:
     finished_time: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step (streamed) or at the end (offline)."""
 

@@ -30,6 +30,10 @@ class Platform:
             accelerators use 100, the CPU 0; an out-of-tree vendor plugin should use 200+
             to win over a built-in plugin for the same device.
         supports_graph_capture: whether the model runner may capture/replay decode graphs.
+        device_control_env_var: the environment variable that selects which devices a
+            process sees (``CUDA_VISIBLE_DEVICES``); data parallelism gives each engine-core
+            process one device through it. ``None``: the platform cannot be split that way
+            (the CPU splits its threads instead).
     """
 
     name: ClassVar[str] = "unknown"
@@ -38,6 +42,7 @@ class Platform:
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
     priority: ClassVar[int] = 0
     supports_graph_capture: ClassVar[bool] = False
+    device_control_env_var: ClassVar[str | None] = None
 
     # ---- detection: cheap, no device context -------------------------------------------
     @classmethod

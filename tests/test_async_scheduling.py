@@ -51,7 +51,7 @@ def test_greedy_matches_transformers_with_preemption_and_prefix_hits(llama_path,
 
     hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
     engine = async_llm.llm_engine
-    assert engine._async and engine.scheduler.async_output
+    assert engine.core._async and engine.scheduler.async_output
     prompts = make_prompts(hf.config.vocab_size)
     # Different lengths, so requests finish (and free blocks) while a step is in flight.
     params = [
@@ -78,7 +78,7 @@ def test_steps_really_overlap(async_llm):
     engine.add_request("a", None, params, prompt_token_ids=[11, 12, 13])
     engine.add_request("b", None, params, prompt_token_ids=[21, 22, 23, 24, 25])
     engine.step()
-    assert len(engine._in_flight) == 1
+    assert len(engine.core._in_flight) == 1
     engine.step()
     request = engine.scheduler.get_request("a")
     assert request.output_token_ids[-1] == PLACEHOLDER_TOKEN
@@ -161,7 +161,7 @@ def test_abort_while_a_step_is_in_flight(async_llm):
         engine.add_request(f"x{i}", None, params, prompt_token_ids=[40 + i] * (5 + i))
     for _ in range(3):
         engine.step()
-    assert len(engine._in_flight) == 1
+    assert len(engine.core._in_flight) == 1
     engine.abort_request(["x1", "x2"])
     seen = set()
     while engine.has_unfinished_requests():

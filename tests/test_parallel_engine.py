@@ -76,7 +76,7 @@ def run_and_compare(llm: LLM, kind: str, prompts, expected) -> None:
 
     def recording_step():
         out = step()
-        in_flight.append(len(engine._in_flight))
+        in_flight.append(len(engine.core._in_flight))
         return out
 
     engine.step = recording_step

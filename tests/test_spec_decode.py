@@ -113,7 +113,7 @@ def test_preemption_many_rejections_and_async_scheduling(llama_path, plain_llm):
     for async_scheduling in (False, True):
         llm = make_llm(llama_path, NGRAM, num_gpu_blocks_override=48, max_num_batched_tokens=32,
                        async_scheduling=async_scheduling)  # fmt: skip
-        engine = llm.llm_engine
+        engine = llm.llm_engine.core
         assert engine._async is async_scheduling
         assert tokens(llm, prompts, params) == want
         stats = engine.get_stats()
@@ -121,6 +121,13 @@ def test_preemption_many_rejections_and_async_scheduling(llama_path, plain_llm):
         sd = stats.spec_decoding
         assert sd.num_accepted_tokens > 0 and sd.num_draft_tokens - sd.num_accepted_tokens > 100
         assert engine.num_used_blocks == 0
+
+
+def use_proposer(llm, proposer) -> None:
+    """Make ``proposer`` the model runner's (behind the in-process executor: setting it on
+    the executor would leave the runner's own proposer in place)."""
+    executor = llm.llm_engine.runner
+    getattr(executor, "runner", executor).proposer = proposer
 
 
 class OracleProposer:
@@ -155,8 +162,7 @@ def oracle_llm(llama_path):
 
     llm = make_llm(llama_path, {"method": "ngram", "num_speculative_tokens": 4})
     hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
-    # The ModelRunner inside the uni executor (setting it on the executor would not reach it).
-    llm.llm_engine.runner.runner.proposer = OracleProposer(hf)
+    use_proposer(llm, OracleProposer(hf))
     return llm
 
 
@@ -183,7 +189,7 @@ def test_stops_inside_accepted_drafts(plain_llm, ngram_llm, oracle_llm, which):
                                                  ignore_eos=True, stop=[text.strip()])))  # fmt: skip
     inputs = [{"prompt_token_ids": p} for p, _ in cases]
     params = [sp for _, sp in cases]
-    engine = spec_llm.llm_engine
+    engine = spec_llm.llm_engine.core
     cut = []
     real = engine._tokens_before_stop
 
@@ -302,7 +308,7 @@ def test_sampling_keeps_the_target_distribution(tiny_path, tmp_path, proposer):
     if proposer == "point-mass":
         llm = make_llm(tiny_path, {"method": "ngram", "num_speculative_tokens": 2},
                        max_num_seqs=64)  # fmt: skip
-        llm.llm_engine.runner.runner.proposer = OracleProposer(hf)  # the uni executor's runner
+        use_proposer(llm, OracleProposer(hf))
     else:
         # The target with every weight perturbed: close, but not the same distribution.
         draft = perturbed_copy(tiny_path, tmp_path / "draft", scale=0.08)

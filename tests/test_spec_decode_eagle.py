@@ -139,7 +139,7 @@ def test_drafts_equal_the_head_from_scratch(target, heads, plain, method):
     from transformers import AutoModelForCausalLM
 
     llm = spec_llm(target, heads, method, num_gpu_blocks_override=36, max_num_batched_tokens=24)
-    engine = llm.llm_engine
+    engine = llm.llm_engine.core
     events = []
     real = engine._set_drafts
 

@@ -133,7 +133,8 @@ def test_sampling_params_take_a_dict_and_refuse_min_tokens():
 
 def test_xgrammar_is_imported_only_when_used():
     code = (
-        "import sys, engine, engine.engine, engine.llm, engine.sampler, engine.server.app;"
+        "import sys, engine, engine.engine_core.core, engine.llm_engine, engine.llm, engine.sampler,"
+        " engine.server.app;"
         "assert 'xgrammar' not in sys.modules, 'xgrammar imported at startup'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -384,7 +385,7 @@ def test_preemption_by_recompute_keeps_the_grammar_state(model_path, reference):
 
 def test_async_scheduling_gives_the_same_tokens(model_path, reference):
     async_llm = make_llm(model_path, async_scheduling=True)
-    assert async_llm.llm_engine._async
+    assert async_llm.llm_engine.core._async
     inputs, params, want = reference
     got = run(async_llm, inputs, params)
     for g, w in zip(got, want, strict=True):
@@ -424,8 +425,8 @@ def test_abort_and_finish_release_matchers_and_blocks(llm):
     engine = llm.llm_engine
     engine.add_request("keep", "hello", structured(regex=r"[a-z]{20,30}", max_tokens=40))
     engine.add_request("done", "hello", structured(choice=["x"]))
-    kept = engine._seq_owner["keep"][1]
-    done = engine._seq_owner["done"][1]
+    kept = engine.core._seq_owner["keep"][1]
+    done = engine.core._seq_owner["done"][1]
     assert kept.matcher is not None and done.matcher is not None
     finished = []
     for _ in range(4):

@@ -60,8 +60,9 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     """The ``LLM`` for these flags and its start-to-ready seconds (weights, KV sizing, graph
-    capture, kernel compilation). With ``--num-loras`` the adapters are written and loaded
-    afterwards (not counted) and kept as ``args.lora_requests``."""
+    capture, kernel compilation). ``--engine-core-process`` (where a benchmark has it) puts
+    the engine core in a process of its own. With ``--num-loras`` the adapters are written and
+    loaded afterwards (not counted) and kept as ``args.lora_requests``."""
     from engine.cli.args import configure_logging, engine_config_from_args
     from engine.llm import LLM
 
@@ -74,7 +75,9 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
         if builtin_shape(spec.model) is not None:  # a draft shape, random like the target
             spec.model = write_builtin_model(spec.model, tempfile.mkdtemp(prefix="engine-bench-"))
     start = time.perf_counter()
-    llm = LLM.from_engine_config(config)
+    llm = LLM.from_engine_config(
+        config, multiprocess=True if getattr(args, "engine_core_process", False) else None
+    )
     ready = time.perf_counter() - start
     args.lora_requests = bench_lora_requests(llm, args)
     return llm, ready
@@ -84,16 +87,24 @@ def engine_settings(llm: Any) -> dict[str, Any]:
     """The settings that shape a benchmark's numbers, for the JSON record."""
     engine = llm.llm_engine
     cfg = engine.config
-    runner = engine.runner
-    graphs = getattr(runner, "graphs", None)
+    core = getattr(engine.client, "core", None)
+    if core is not None:
+        runner = core.runner
+        graphs = getattr(runner, "graphs", None)
+        backend, num_blocks = runner.attn_backend_cls.name, runner.num_blocks
+    else:  # engine-core processes: what the first one reported
+        ready = engine.client.ready[0]
+        graphs, backend, num_blocks = None, ready.attention_backend, ready.num_blocks
     return {
         "platform": cfg.platform,
         "model_impl": cfg.model.implementation,
-        "attention_backend": runner.attn_backend_cls.name,
+        "attention_backend": backend,
         "dtype": cfg.model.dtype,
         "max_model_len": cfg.model.max_model_len,
         "block_size": cfg.cache.block_size,
-        "num_kv_blocks": runner.num_blocks,
+        "num_kv_blocks": num_blocks,
+        "data_parallel_size": cfg.parallel.data_parallel_size,
+        "engine_core_in_process": core is not None,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "enable_prefix_caching": cfg.cache.enable_prefix_caching,

@@ -19,7 +19,7 @@ import tempfile
 
 def run(args: argparse.Namespace) -> dict:
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from engine.engine import LLMEngine
+    from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     model = args.model

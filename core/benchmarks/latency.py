@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) < 1 or args.output_len < 2:
         raise SystemExit("--batch-sizes needs positive integers and --output-len >= 2")
     llm, ready_s = build_llm(args)
-    vocab = llm.llm_engine.runner.vocab_size
+    vocab = llm.llm_engine.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
     loras = args.lora_requests
     warm = warmup_workload(vocab)

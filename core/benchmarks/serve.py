@@ -17,9 +17,14 @@ gamma distribution of the gaps (1 = Poisson, lower = burstier, as in vLLM), and
 - E2EL, end-to-end latency;
 
 and prints throughput and the mean, median and chosen percentiles of each, in vLLM's layout.
-``--json FILE`` writes everything, per-request figures included. The client runs in one
-asyncio loop; on a small machine it shares the cores with the server, so compare runs made the
-same way.
+``--json FILE`` writes everything, per-request figures included.
+
+A Python client can be the bottleneck: parsing hundreds of streams' chunks in one asyncio loop
+saturates a core long before a fast server does. ``--num-workers K`` spreads the requests over
+K client processes (request ``i`` goes to worker ``i % K``, at the same arrival time it would
+have had; ``--max-concurrency`` is shared out between them); each worker's CPU time is
+reported, as a share of the run, so a run can show that its client did not saturate. On a small
+machine the client shares the cores with the server, so compare runs made the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from engine.benchmarks.common import write_json
@@ -91,6 +97,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps.")
     p.add_argument("--max-concurrency", type=int, help="At most this many requests in flight.")
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=1,
+        help="Client processes sharing the requests, so that the client is not what limits "
+        "a fast server; their CPU use is reported (default: %(default)s).",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="Generate every output token.")
     p.add_argument(
         "--percentile-metrics",
@@ -111,6 +124,8 @@ def _check_args(args: argparse.Namespace) -> None:
         problems.append(f"--burstiness must be > 0, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         problems.append(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.num_workers < 1:
+        problems.append(f"--num-workers must be >= 1, got {args.num_workers}")
     unknown = set(args.percentile_metrics.split(",")) - set(METRICS)
     if unknown:
         problems.append(f"--percentile-metrics: unknown {sorted(unknown)}; use {METRICS}")
@@ -212,44 +227,154 @@ def _gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     return [rng.gammavariate(burstiness, theta) for _ in range(n)]
 
 
-async def _run_requests(args: argparse.Namespace) -> tuple[list[RequestResult], float, str]:
+@dataclass
+class ClientStats:
+    """What one client process spent (seconds) during the timed run."""
+
+    cpu_s: float
+    wall_s: float
+
+    @property
+    def utilization(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _http_client(concurrency: int) -> Any:
     import httpx
 
-    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
-    timeout = httpx.Timeout(None, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model, root = await _served_model(client, args)
-        vocab = _vocab_size(args, root)
-        workload = random_workload(
-            args.num_prompts,
-            length_range(args.random_input_len, args.random_range_ratio),
-            length_range(args.random_output_len, args.random_range_ratio),
-            vocab,
-            args.seed,
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=30.0))
+
+
+async def _run_schedule(
+    client: Any,
+    args: argparse.Namespace,
+    model: str,
+    schedule: list[tuple[int, list[int], int, float]],
+    concurrency: int,
+) -> tuple[list[tuple[int, RequestResult]], float, float]:
+    """Send ``(index, prompt, max_tokens, offset)`` requests, each ``offset`` seconds after the
+    start, at most ``concurrency`` at a time; return the results by index and the wall-clock
+    start and end (``time.time()``)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(index: int, prompt: list[int], max_tokens: int) -> tuple[int, Any]:
+        async with gate:
+            return index, await _one(client, args, model, prompt, max_tokens)
+
+    start_wall, start = time.time(), time.perf_counter()
+    tasks = []
+    for index, prompt, max_tokens, offset in schedule:
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(limited(index, prompt, max_tokens)))
+    results = await asyncio.gather(*tasks)
+    return list(results), start_wall, time.time()
+
+
+def _schedule(args: argparse.Namespace, vocab: int) -> list[tuple[int, list[int], int, float]]:
+    workload = random_workload(
+        args.num_prompts,
+        length_range(args.random_input_len, args.random_range_ratio),
+        length_range(args.random_output_len, args.random_range_ratio),
+        vocab,
+        args.seed,
+    )
+    offsets = accumulate(_gaps(args.num_prompts, args.request_rate, args.burstiness, args.seed))
+    return [
+        (i, prompt, out_len, offset)
+        for i, (prompt, out_len, offset) in enumerate(
+            zip(workload.prompts, workload.output_lens, offsets, strict=True)
         )
-        gate = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+    ]
 
-        async def limited(prompt: list[int], max_tokens: int) -> RequestResult:
-            async with gate:
-                return await _one(client, args, model, prompt, max_tokens)
 
+def _worker_concurrency(total: int, workers: int, index: int) -> int:
+    return max(1, total // workers + (1 if index < total % workers else 0))
+
+
+def _worker_main(args, model, schedule, concurrency, barrier, results) -> None:
+    """A client process of ``--num-workers``: its share of the schedule, then its figures."""
+
+    async def main() -> tuple[list, float, float]:
+        async with _http_client(concurrency) as client:
+            await asyncio.to_thread(barrier.wait)  # every worker starts together
+            return await _run_schedule(client, args, model, schedule, concurrency)
+
+    cpu = time.process_time()
+    try:
+        done, start, end = asyncio.run(main())
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        results.put(("error", f"{type(e).__name__}: {e}"))
+        raise
+    results.put(("ok", [(i, asdict(r)) for i, r in done], start, end, time.process_time() - cpu))
+
+
+async def _prepare(args: argparse.Namespace) -> tuple[str, list]:
+    """The model name and the schedule, after one short warm-up request."""
+    async with _http_client(4) as client:
+        model, root = await _served_model(client, args)
+        schedule = _schedule(args, _vocab_size(args, root))
         # One short request first: connection set-up and first-request costs stay out.
-        warm = await _one(client, args, model, workload.prompts[0][:16], 4)
+        warm = await _one(client, args, model, schedule[0][1][:16], 4)
         if warm.error:
             raise SystemExit(f"engine bench serve: the warm-up request failed: {warm.error}")
-        tasks = []
-        start = time.perf_counter()
-        for prompt, out_len, gap in zip(
-            workload.prompts,
-            workload.output_lens,
-            _gaps(args.num_prompts, args.request_rate, args.burstiness, args.seed),
-            strict=True,
-        ):
-            if gap:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(prompt, out_len)))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start, model
+    return model, schedule
+
+
+def _run_requests(
+    args: argparse.Namespace,
+) -> tuple[list[RequestResult], float, str, list[ClientStats]]:
+    """Run the workload; returns the results in request order, the duration, the model and
+    the client processes' CPU use."""
+    model, schedule = asyncio.run(_prepare(args))
+    total = args.max_concurrency or args.num_prompts
+    workers = min(args.num_workers, args.num_prompts)
+    if workers == 1:
+
+        async def alone() -> tuple[list, float, float]:
+            async with _http_client(total) as client:
+                return await _run_schedule(client, args, model, schedule, total)
+
+        cpu = time.process_time()
+        done, start, end = asyncio.run(alone())
+        clients = [ClientStats(time.process_time() - cpu, end - start)]
+        return [r for _, r in sorted(done, key=lambda x: x[0])], end - start, model, clients
+
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(workers)
+    queue = ctx.Queue()
+    procs = []
+    for w in range(workers):
+        share = [item for item in schedule if item[0] % workers == w]
+        concurrency = _worker_concurrency(total, workers, w)
+        args_copy = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+        procs.append(
+            ctx.Process(
+                target=_worker_main,
+                args=(args_copy, model, share, concurrency, barrier, queue),
+                name=f"bench-serve-{w}",
+            )
+        )
+    for p in procs:
+        p.start()
+    replies = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [r[1] for r in replies if r[0] == "error"]
+    if errors:
+        raise SystemExit(f"engine bench serve: a client worker failed: {errors[0]}")
+    by_index: dict[int, RequestResult] = {}
+    for _, done, _, _, _ in replies:
+        for i, r in done:
+            by_index[i] = RequestResult(**r)
+    start = min(r[2] for r in replies)
+    end = max(r[3] for r in replies)
+    clients = [ClientStats(r[4], r[3] - r[2]) for r in replies]
+    return [by_index[i] for i in sorted(by_index)], end - start, model, clients
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -316,6 +441,16 @@ def format_summary(summary: dict[str, Any], metrics: list[str], percentiles: lis
         rows.append(f"{f'Median {short} (ms):':<40}{summary[f'median_{name}_ms']:<10.2f}")
         for q in percentiles:
             rows.append(f"{f'P{q:g} {short} (ms):':<40}{summary[f'p{q:g}_{name}_ms']:<10.2f}")
+    if "client_cpu_s" in summary:
+        utilization = summary["client_cpu_utilization"]
+        rows.append("{s:{c}^50}".format(s="Client", c="-"))
+        rows.append(f"{'Client processes:':<40}{len(utilization):<10}")
+        rows.append(
+            f"{'Client CPU, busiest process (s):':<40}{max(summary['client_cpu_s']):<10.2f}"
+        )
+        rows.append(
+            f"{'Client CPU, busiest process (% of run):':<40}{100 * max(utilization):<10.1f}"
+        )
     rows.append("=" * 50)
     return "\n".join(rows)
 
@@ -325,8 +460,10 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     metrics = args.percentile_metrics.split(",")
     percentiles = [float(q) for q in args.metric_percentiles.split(",")]
-    results, duration, model = asyncio.run(_run_requests(args))
+    results, duration, model, clients = _run_requests(args)
     summary = summarize(results, duration, metrics, percentiles)
+    summary["client_cpu_s"] = [round(c.cpu_s, 3) for c in clients]
+    summary["client_cpu_utilization"] = [round(c.utilization, 3) for c in clients]
     print(format_summary(summary, metrics, percentiles))
     failures = [r.error for r in results if r.error]
     if failures:

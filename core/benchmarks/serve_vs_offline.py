@@ -7,8 +7,9 @@ Without ``--model`` a tiny random Llama is built in a temporary directory. The s
 against ``engine serve`` (a subprocess with the same engine flags), all requests at once from a
 minimal raw-socket asyncio client, streaming and non-streaming. The modes alternate
 ``--repeats`` times (the idle server costs nothing while the offline engine runs) and the best
-run of each counts. It prints tokens/s, the engine process's CPU seconds per 1000 tokens
-(steadier than wall time on a shared machine), the client's, and the time from launching
+run of each counts. It prints tokens/s, the CPU seconds per 1000 tokens (steadier than wall
+time on a shared machine) of the engine (offline: the process; served: the engine-core
+process, and apart the HTTP front end), the client's, and the time from launching
 ``engine serve`` to ``/health`` answering 200.
 
 Both engines are alive at once, so on a GPU they share it: each gets half of
@@ -170,22 +171,6 @@ async def _one(host: str, port: int, prompt: list[int], output_len: int, stream:
     return usage["completion_tokens"]
 
 
-def _tree_cpu_seconds(process) -> float:
-    """User + system CPU seconds of ``process`` and its live descendants: the server may run
-    its work in a child (a re-executed interpreter, an engine-core or worker process), whose
-    time the launcher's own counters never see."""
-    import psutil
-
-    total = 0.0
-    for proc in [process, *process.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
 async def _saturate(
     base: str, prompts: list, output_len: int, stream: bool, server_pid: int
 ) -> dict:
@@ -194,17 +179,22 @@ async def _saturate(
     host, port = base.removeprefix("http://").split(":")
     port = int(port)
     server = psutil.Process(server_pid)
+    cores = server.children(recursive=True)  # the engine-core process(es)
+
+    def cpu_of(procs: list) -> float:
+        return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
     await asyncio.gather(*(_one(host, port, p, output_len, stream) for p in prompts[:4]))
-    cpu = _tree_cpu_seconds(server)
+    front, core = cpu_of([server]), cpu_of(cores)
     client_cpu = time.process_time()
     start = time.perf_counter()
     counts = await asyncio.gather(*(_one(host, port, p, output_len, stream) for p in prompts))
     elapsed = time.perf_counter() - start
-    after = _tree_cpu_seconds(server)
     return {
         "elapsed": elapsed,
         "tokens": sum(counts),
-        "cpu": after - cpu,
+        "cpu": cpu_of(cores) - core,
+        "front_end_cpu": cpu_of([server]) - front,
         "client_cpu": time.process_time() - client_cpu,
     }
 
@@ -282,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu_memory_utilization {_engine_flags(args)['gpu_memory_utilization']:g} per "
             "engine on an accelerator"
         )
-        # The server idles (its engine thread sleeps) while the offline engine runs, and the
+        # The server idles (its engine core sleeps) while the offline engine runs, and the
         # runs alternate, so that load drifting on a shared machine hits every mode alike.
         proc = base = None
         if "stream" in modes or "plain" in modes:
@@ -318,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rates = sorted(r["tokens"] / r["elapsed"] for r in runs)
             best = rates[-1]
-            # CPU seconds the engine's process spent per 1000 generated tokens (least of the
+            # CPU seconds the engine (core) spent per 1000 generated tokens (least of the
             # runs): robust to other load on the machine, unlike wall-clock rates.
             cpu_per_k = min(1000 * r["cpu"] / r["tokens"] for r in runs)
             if name == "offline":
@@ -327,12 +317,13 @@ def main(argv: list[str] | None = None) -> int:
             cpu_share = f" = {100 * offline_cpu / cpu_per_k:5.1f}%" if offline_cpu else ""
             client = ""
             if "client_cpu" in runs[0]:
+                front_k = min(1000 * r["front_end_cpu"] / r["tokens"] for r in runs)
                 client_k = min(1000 * r["client_cpu"] / r["tokens"] for r in runs)
-                client = f", client {client_k:.3f}"
+                client = f", front end {front_k:.3f}, client {client_k:.3f}"
             all_rates = ", ".join(f"{x:.0f}" for x in rates)
             print(
                 f"{labels[name]:21s} {best:8.1f} tokens/s{share} | "
-                f"engine process CPU {cpu_per_k:.3f} s/1k tokens{cpu_share}{client}"
+                f"engine CPU {cpu_per_k:.3f} s/1k tokens{cpu_share}{client}"
                 f"   (runs: {all_rates} tokens/s)"
             )
     return 0

@@ -64,6 +64,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         w.add_argument(f"--max-{kind}-len", type=int, default=None, help=f"Explicit {kind} range.")
     w.add_argument("--no-warmup", action="store_true", help="Skip the untimed warm-up requests.")
     parser.add_argument(
+        "--engine-core-process",
+        action="store_true",
+        help="Run the engine core in a process of its own, behind the same ZMQ client as "
+        "engine serve (default: in this process, as LLM does; always with "
+        "--data-parallel-size > 1).",
+    )
+    parser.add_argument(
         "--expert-load",
         action="store_true",
         help="MoE models: count the tokens routed to each expert of every layer during the run "
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     input_range, output_range = _range(args, "input"), _range(args, "output")
     llm, ready_s = build_llm(args)
     engine = llm.llm_engine
-    vocab = engine.runner.vocab_size
+    vocab = engine.vocab_size
     print(f"engine ready in {ready_s:.1f} s", flush=True)
     loras = args.lora_requests
     if not args.no_warmup:
@@ -97,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         work = mixed_workload(args.num_prompts, vocab, args.seed)
     else:
         work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
-    profiler = StepProfiler(engine, expert_load=args.expert_load)
+    # The per-step split needs the engine core in this process (not with data parallelism).
+    in_process = getattr(engine.client, "core", None) is not None
+    profiler = StepProfiler(engine, expert_load=args.expert_load) if in_process else None
     with TritonCompileWatch() as jit:
         outs, seconds = generate(llm, work.prompts, work.output_lens, loras)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "total_tokens_per_s": round((in_tokens + out_tokens) / seconds, 1),
         "output_tokens_per_s": round(out_tokens / seconds, 1),
         "start_to_ready_s": round(ready_s, 2),
-        "step_split": profiler.summary(),
+        "step_split": profiler.summary() if profiler is not None else None,
         "triton_variants_compiled_in_run": jit.variants,
         "settings": engine_settings(llm),
         "memory": memory_report(llm),
@@ -134,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"Total num prompt tokens:  {in_tokens}")
     print(f"Total num output tokens:  {out_tokens}")
     split = result["step_split"]
-    if getattr(engine.runner, "model", None) is None:  # the model runs in worker processes
+    if split is None:
+        pass
+    elif getattr(engine.runner, "model", None) is None:  # the model runs in worker processes
         print(
             f"Steps: {split['steps']} ({split['decode_only_steps']} decode-only), mean "
             f"{split['mean_step_ms']:.2f} ms (no GPU/host split: the model runs in the "
@@ -147,19 +158,21 @@ def run(args: argparse.Namespace) -> int:
             f"host-only {split['mean_host_only_ms']:.2f} ms (schedule "
             f"{split['mean_schedule_ms']:.2f} ms)"
         )
-    print(
-        f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of GPU "
-        f"span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met in the "
-        f"run: {len(jit.variants)} {sorted(set(jit.variants))}"
-    )
-    load = split.get("expert_load")
-    if load:
+    if split is not None:
         print(
-            f"Expert load over {load['layers']} MoE layers: busiest expert / mean "
-            f"{load['mean_max_over_mean']:.2f} on average, worst layer {load['worst_layer']} at "
-            f"{load['worst_max_over_mean']:.2f}"
+            f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of "
+            f"GPU span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met "
+            f"in the run: {len(jit.variants)} {sorted(set(jit.variants))}"
         )
+        load = split.get("expert_load")
+        if load:
+            print(
+                f"Expert load over {load['layers']} MoE layers: busiest expert / mean "
+                f"{load['mean_max_over_mean']:.2f} on average, worst layer {load['worst_layer']} "
+                f"at {load['worst_max_over_mean']:.2f}"
+            )
     write_json(args.json, result)
+    llm.shutdown()
     return 0 if out_tokens == work.output_tokens else 1
 
 

@@ -171,10 +171,13 @@ def builtin_shape(name: str) -> str | None:
     return key if key in BUILTIN_SHAPES else None
 
 
-def write_builtin_model(name: str, root: str) -> str:
-    """Write ``config.json`` (and a small stand-in tokenizer, which the engine loads but the
-    benchmarks never use: prompts are token ids and outputs are not detokenized) for a
-    built-in shape under ``root``; returns the directory."""
+def write_builtin_model(name: str, root: str, word_level_tokenizer: bool = False) -> str:
+    """Write ``config.json`` for a built-in shape under ``root`` and return the directory.
+
+    The tokenizer is a small stand-in, which the engine loads but the offline benchmarks never
+    use (prompts are token ids and outputs are not detokenized), or, with
+    ``word_level_tokenizer``, one that covers the whole vocabulary (token ``i`` is the word
+    ``t<i>``), so that a server streams real text for random weights."""
     import transformers
 
     shape = builtin_shape(name)
@@ -186,10 +189,44 @@ def write_builtin_model(name: str, root: str) -> str:
     os.makedirs(path, exist_ok=True)
     config = transformers.AutoConfig.for_model(model_type, **values)
     config.save_pretrained(path)
+    if word_level_tokenizer:
+        eos = values["eos_token_id"]
+        write_word_level_tokenizer(
+            values["vocab_size"],
+            path,
+            values["bos_token_id"],
+            eos if isinstance(eos, int) else eos[0],
+        )
+        return path
     from engine.testing.tiny_models import build_tokenizer
 
     build_tokenizer(path)
     return path
+
+
+def write_word_level_tokenizer(
+    vocab_size: int, out_dir: str | None = None, bos_id: int = 1, eos_id: int = 2
+) -> Any:
+    """A fast tokenizer whose token ``i`` is the word ``t<i>``: every id decodes to text, so
+    detokenization and streaming cost what they cost for a real model. Saved to ``out_dir``
+    when given, with a plain chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=f"t{bos_id}", eos_token=f"t{eos_id}", unk_token="t0"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}t3{% endif %}"
+    )
+    if out_dir is not None:
+        fast.save_pretrained(out_dir)
+    return fast
 
 
 @dataclass

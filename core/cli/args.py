@@ -74,13 +74,14 @@ def add_log_level_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
     )
 
 
-def configure_logging(level: str = "info") -> None:
-    """One format for every log line on stderr (engine, and uvicorn's, which propagate)."""
+def configure_logging(level: str = "info", tag: str = "") -> None:
+    """One format for every log line on stderr (engine, and uvicorn's, which propagate);
+    ``tag`` names the process among several (``[api 1]``, ``[core 0]``)."""
     import logging
 
     logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO if level == "trace" else getattr(logging, level.upper()),
+        format=f"%(asctime)s %(levelname)s %(name)s{' ' + tag if tag else ''}: %(message)s",
         datefmt="%H:%M:%S",
     )
 
@@ -302,6 +303,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Mixture-of-experts models: place whole experts across the tensor-parallel ranks "
         "(E / tp each) instead of splitting every expert over them.",
     )
+    device.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="Engine cores, each with a whole copy of the model: one device each on a GPU "
+        "host, the CPU threads split among them on the CPU; requests go to the least loaded "
+        "core, or to the one that holds their prompt prefix (default: %(default)s).",
+    )
 
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument(
@@ -459,6 +469,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=getattr(args, "data_parallel_size", 1),
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
             enable_expert_parallel=getattr(args, "enable_expert_parallel", False),

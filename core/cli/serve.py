@@ -91,6 +91,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="Largest n (completions per prompt) a request may ask for (default: %(default)s).",
     )
     server.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        help="HTTP front-end processes sharing the port (SO_REUSEPORT) and the engine cores; "
+        "more of them take tokenization, detokenization and streaming off one process's "
+        "cores (default: %(default)s).",
+    )
+    server.add_argument(
+        "--stream-interval",
+        type=_positive_int,
+        default=1,
+        help="Tokens per streamed chunk: 1 sends every token as it comes; larger values send "
+        "fewer, bigger chunks, at less cost per token (default: %(default)s).",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -263,7 +278,7 @@ def run_serve(args: argparse.Namespace) -> int:
     started_at = time.monotonic()
     configure_logging(args.log_level)
     from engine.server.app import ServerOptions
-    from engine.server.launcher import ApiServer, LaunchOptions
+    from engine.server.launcher import ApiServer, LaunchOptions, listen_socket
     from engine.server.models import LoRAModulePath
     from engine.server.serving import ServerLimits, ServingOptions
 
@@ -318,11 +333,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
         resolve_model_path(config.model.model)
 
-    def load_engine():
-        from engine.engine import LLMEngine
-
-        return LLMEngine.from_config(config)
-
     launch = LaunchOptions(
         host=args.host,
         port=args.port,
@@ -332,37 +342,18 @@ def run_serve(args: argparse.Namespace) -> int:
         quiet_paths=quiet,
         log_level=args.uvicorn_log_level,
         started_at=started_at,
+        stream_interval=args.stream_interval,
+        api_server_count=args.api_server_count,
     )
-    sock = _listen(args.host, args.port)
-    return ApiServer(load_engine, options, launch, sock=sock).run()
+    if args.api_server_count > 1:
+        from engine.server.multiproc import serve_multiprocess
 
+        return serve_multiprocess(config, options, launch)
 
-def _listen(host: str, port: int):
-    """The server's socket, bound before the model loads; a port that cannot be taken is a
-    ``ConfigError`` that says why and what to do."""
-    import errno
-    import socket
+    def start_engine_cores():
+        from engine.engine_core.async_client import AsyncMPClient
 
-    from engine.config import ConfigError
-    from engine.server.launcher import bind_socket
+        return AsyncMPClient.launch(config, log_level=args.uvicorn_log_level)
 
-    try:
-        return bind_socket(host, port)
-    except socket.gaierror as e:
-        raise ConfigError(
-            f"cannot listen on --host {host}: the address does not resolve ({e.strerror}); "
-            "use an IP address of this machine, 127.0.0.1, or 0.0.0.0 for every interface"
-        ) from e
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            why = "another process is already listening there"
-            fix = f"stop it, or choose a free port with --port (e.g. --port {port + 1})"
-        elif e.errno == errno.EACCES:
-            why = "permission denied (ports below 1024 need privileges)"
-            fix = "choose a port of 1024 or more with --port"
-        elif e.errno == errno.EADDRNOTAVAIL:
-            why = "that address is not one of this machine's"
-            fix = "use an address of this machine with --host, or 0.0.0.0 for every interface"
-        else:
-            why, fix = e.strerror or str(e), "check --host and --port"
-        raise ConfigError(f"cannot listen on {host}:{port}: {why}; {fix}") from e
+    sock = listen_socket(args.host, args.port)
+    return ApiServer(start_engine_cores, options, launch, sock=sock).run()

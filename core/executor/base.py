@@ -1,8 +1,8 @@
 """The ``Executor`` interface: what the engine asks of the workers of one model replica.
 
-The engine loop (``engine.engine.LLMEngine``) schedules; the executor runs each scheduled step
-on the replica's workers (one per device: ``tensor_parallel_size x pipeline_parallel_size``
-ranks) and returns the sampled tokens. Three implementations, chosen by
+The engine loop (``engine.engine_core.core.EngineCore``) schedules; the executor runs each
+scheduled step on the replica's workers (one per device: ``tensor_parallel_size x
+pipeline_parallel_size`` ranks) and returns the sampled tokens. Three implementations, chosen by
 ``ParallelConfig.distributed_executor_backend``:
 
 * ``uni`` (``UniProcExecutor``): one ``ModelRunner`` in the engine's own process, world size 1;

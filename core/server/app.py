@@ -100,7 +100,7 @@ class ServerState:
             )
         engine = self.engine
         if engine is not None and engine.dead is not None:
-            return APIError(500, f"The engine failed: {engine.dead!r}", code="engine_dead")
+            return APIError(500, f"The engine failed: {engine.dead}", code="engine_dead")
         return None
 
     def require_ctx(self) -> ServingContext:

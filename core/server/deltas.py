@@ -39,6 +39,10 @@ async def stream_deltas(
 
     Ends when every choice has finished.
     """
+    if n == 1 and len(prompt_index) == 1:
+        async for deltas in _single_choice_deltas(channel):
+            yield deltas
+        return
     total = len(prompt_index) * n
     sent = [0] * total  # tokens delivered per choice
     started = [False] * total
@@ -91,3 +95,30 @@ async def stream_deltas(
                         remaining -= 1
         if merged:
             yield list(merged.values()) if len(merged) == 1 else [merged[k] for k in sorted(merged)]
+
+
+async def _single_choice_deltas(channel: OutputChannel) -> AsyncIterator[list[ChoiceDelta]]:
+    """``stream_deltas`` for the common case of one prompt and ``n == 1`` (one choice): the
+    same deltas, without the bookkeeping of several choices."""
+    first = True
+    sent = 0
+    while True:
+        outs = await channel.get()
+        out = outs[-1]
+        comp = out.outputs[0]
+        if len(outs) == 1:
+            ids = out.new_token_ids[0] if out.new_token_ids else []
+            text = out.new_texts[0] if out.new_texts else ""
+        else:  # a slow reader: merge the steps
+            ids = [t for o in outs if o.new_token_ids for t in o.new_token_ids[0]]
+            text = "".join(o.new_texts[0] for o in outs if o.new_texts)
+        logprobs = None
+        if ids and comp.logprobs is not None:
+            logprobs = comp.logprobs[sent : sent + len(ids)]
+        sent += len(ids)
+        finished = out.finished or comp.finish_reason is not None
+        finish = (comp.finish_reason or "abort") if finished else None
+        yield [ChoiceDelta(0, 0, ids, text, logprobs, finish, comp.stop_reason, first, out)]
+        first = False
+        if finished:
+            return

@@ -1,9 +1,17 @@
 """Run the app under uvicorn: load the engine behind a live port, drain on SIGTERM.
 
-The listening socket is bound first, so ``/health`` answers 503 while the model loads (in a
-worker thread). The first SIGTERM/SIGINT starts a drain: ``/health`` and new requests get 503,
-in-flight requests get up to ``shutdown_timeout`` seconds to finish, the rest are aborted, then
-the process exits 0. A second signal exits at once.
+The listening socket is bound first, so ``/health`` answers 503 while the model loads (in the
+engine-core processes, while this process loads the tokenizer). The first SIGTERM/SIGINT
+starts a drain: ``/health`` and new requests get 503, in-flight requests get up to
+``shutdown_timeout`` seconds to finish, the rest are aborted, then the process exits 0. A
+second signal exits at once.
+
+If an engine core dies (``kill -9``, a device error, out of memory), every in-flight request
+ends at once with an ``engine_dead`` error (in-band for streams), ``/health`` answers 503, and
+once those responses are written (at most ``_DEATH_FLUSH_S`` seconds) the server exits with
+status 1, so that a supervisor (systemd, Kubernetes) restarts it: a fresh start is the one
+recovery that cannot leave half a server behind. ``LaunchOptions.exit_on_engine_death=False``
+keeps it up instead, answering every request with that error.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from engine.server.serving import ServingContext
 
 logger = logging.getLogger("engine.server")
 
+# After an engine core died: how long the failed responses get to reach their clients.
+_DEATH_FLUSH_S = 5.0
+
 
 @dataclass
 class LaunchOptions:
@@ -41,6 +52,11 @@ class LaunchOptions:
     quiet_paths: Iterable[str] = field(default_factory=tuple)
     log_level: str = "info"
     started_at: float | None = None  # time.monotonic() when the command started
+    stream_interval: int = 1  # tokens per streamed chunk (--stream-interval)
+    exit_on_engine_death: bool = True  # exit 1 once an engine core died (module docstring)
+    # Of --api-server-count front ends: this one's index (front end 0 logs the stats line).
+    api_server_index: int = 0
+    api_server_count: int = 1
 
 
 class _QuietPaths(logging.Filter):
@@ -76,8 +92,11 @@ class _Uvicorn(uvicorn.Server):
 class ApiServer:
     """The OpenAI-compatible server around an engine built by ``engine_factory``.
 
-    ``run()`` blocks (signals handled when it runs in the main thread); tests run ``serve()``
-    in a thread and call ``request_shutdown()``.
+    ``engine_factory()`` runs in a worker thread and returns an asynchronous engine-core
+    client, not started (``AsyncMPClient.launch(config)``: engine-core processes), or an
+    ``EngineCore`` (which then runs in a thread of this process). ``run()`` blocks (signals
+    handled when it runs in the main thread); tests run ``serve()`` in a thread and call
+    ``request_shutdown()``.
     """
 
     def __init__(
@@ -98,6 +117,8 @@ class ApiServer:
         self.ready = threading.Event()  # set once the engine serves (or failed to load)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown_started = False
+        self._tasks: set[asyncio.Task] = set()
+        self._stats_timer: asyncio.TimerHandle | None = None
         access_logger = logging.getLogger("uvicorn.access")
         if launch.quiet_paths:
             access_logger.addFilter(_QuietPaths(launch.quiet_paths))
@@ -139,12 +160,13 @@ class ApiServer:
         try:
             await self._server.serve(sockets=[self.sock])
         finally:
-            engine = self.state.engine
+            if self._stats_timer is not None:
+                self._stats_timer.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            engine = self._engine
             if engine is not None:
-                await asyncio.to_thread(engine.stop)
-                shutdown = getattr(engine.engine, "shutdown", None)
-                if shutdown is not None:  # the model's worker processes, if any
-                    await asyncio.to_thread(shutdown)
+                await engine.shutdown()
             if self.state.ctx is not None:
                 self.state.ctx.close()
             # Give back what _start_engine froze: frozen objects are never collected, not even
@@ -153,14 +175,31 @@ class ApiServer:
             gc.unfreeze()
             self.ready.set()
 
+    _engine: AsyncEngine | None = None
+
     def _on_started(self) -> None:
         logger.info("listening on http://%s:%d (loading the model)", self.launch.host, self.port)
-        threading.Thread(target=self._load_engine, name="engine-load", daemon=True).start()
+        self._spawn(self._load_engine())
 
-    def _load_engine(self) -> None:
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _load_engine(self) -> None:
+        from engine.engine_core.async_client import ThreadedCoreClient
+
+        launch = self.launch
         try:
-            engine = self.engine_factory()
-            preload_lora_adapters(engine, self.options.serving.lora_requests)  # --lora-modules
+            source = await asyncio.to_thread(self.engine_factory)
+            client = source if hasattr(source, "set_callbacks") else ThreadedCoreClient(source)
+            engine = AsyncEngine(
+                client, stream_interval=launch.stream_interval, on_dead=self._on_engine_dead
+            )
+            self._engine = engine
+            await engine.start()
+            # --lora-modules, in every engine core, before the server serves
+            await preload_lora_adapters(engine, self.options.serving.lora_requests)
         except BaseException as e:  # noqa: BLE001 - re-raised by run() once uvicorn stopped
             # run() re-raises it for the caller (the CLI prints it once, as one line).
             logger.info("the engine failed to load; stopping the server")
@@ -169,39 +208,69 @@ class ApiServer:
             self._server.should_exit = True
             self.ready.set()
             return
-        loop = self._loop
-        assert loop is not None
-        loop.call_soon_threadsafe(self._start_engine, engine)
-
-    def _start_engine(self, engine: Any) -> None:
         if self._shutdown_started:
             return
         serving = self.options.serving
         names = list(serving.served_model_names) or engine.config.model.served_model_names
-        metrics = ServerMetrics(names[0], log_stats_interval_s=self.launch.log_stats_interval)
-        async_engine = AsyncEngine(
-            engine, observer=metrics, idle_wakeup_s=max(self.launch.log_stats_interval or 10.0, 1.0)
-        )
-        # Everything allocated so far (model, tokenizer, imported modules) lives as long as the
+        stats_interval = launch.log_stats_interval if launch.api_server_index == 0 else 0.0
+        metrics = ServerMetrics(names[0], log_stats_interval_s=stats_interval)
+        engine.observer = metrics
+        if stats_interval > 0:
+            self._schedule_stats_tick(metrics, stats_interval)
+        # Everything allocated so far (tokenizer, imported modules) lives as long as the
         # server: keep the garbage collector from re-scanning it on every collection, which
         # otherwise costs a noticeable share of the per-token streaming time.
         gc.collect()
         gc.freeze()
-        async_engine.start(self._loop)
-        ctx = ServingContext(async_engine, serving)
+        ctx = ServingContext(engine, serving)
         self.state.set_ready(ctx, metrics)
         took = ""
-        if self.launch.started_at is not None:
-            took = f" in {time.monotonic() - self.launch.started_at:.2f} s"
+        if launch.started_at is not None:
+            took = f" in {time.monotonic() - launch.started_at:.2f} s"
+        where = ""
+        if launch.api_server_count > 1:
+            where = f" (API server {launch.api_server_index} of {launch.api_server_count})"
+        cores = engine.client.num_engines
         logger.info(
-            "ready%s: serving %s (max_model_len=%d) on http://%s:%d",
+            "ready%s: serving %s (max_model_len=%d) on http://%s:%d%s with %d engine core%s",
             took,
             ", ".join(ctx.model_names),
             ctx.max_model_len,
-            self.launch.host,
+            launch.host,
             self.port,
+            where,
+            cores,
+            "" if cores == 1 else "s",
         )
         self.ready.set()
+
+    def _schedule_stats_tick(self, metrics: ServerMetrics, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            metrics.stats_logger.tick(time.monotonic())
+            self._stats_timer = loop.call_later(interval, tick)
+
+        self._stats_timer = loop.call_later(interval, tick)
+
+    def _on_engine_dead(self, exc: BaseException) -> None:
+        """An engine core died (loop thread): the failed responses flush, then we exit 1."""
+        if not self.launch.exit_on_engine_death or self._shutdown_started:
+            return
+        self._shutdown_started = True
+        self.exit_code = 1
+        self._spawn(self._exit_after_death())
+
+    async def _exit_after_death(self) -> None:
+        state = self.state
+        engine = self._engine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _DEATH_FLUSH_S
+        while engine is not None and engine.num_open_channels and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        logger.error("exiting (status 1): an engine core is gone")
+        state.phase = Phase.STOPPED
+        self._server.should_exit = True
 
     # ---------------------------------------------------------------- shutdown
     def request_shutdown(self) -> None:
@@ -212,7 +281,7 @@ class ApiServer:
             self._server.force_exit = True
             return
         self._shutdown_started = True
-        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+        loop.call_soon_threadsafe(lambda: self._spawn(self._drain()))
 
     async def _drain(self) -> None:
         state = self.state
@@ -238,7 +307,7 @@ class ApiServer:
                 "shutdown timeout: aborting %d unfinished request(s)", engine.num_open_channels
             )
         state.phase = Phase.STOPPED
-        await asyncio.to_thread(engine.stop)
+        await engine.shutdown()
         # Let the aborted requests write their error responses before uvicorn closes.
         for _ in range(40):
             if not engine.num_open_channels:
@@ -247,12 +316,48 @@ class ApiServer:
         self._server.should_exit = True
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0: a free one), bound before the model loads."""
+def bind_socket(
+    host: str, port: int, *, reuse_port: bool = False, listen: bool = True
+) -> socket.socket:
+    """A TCP socket (port 0: a free one), bound before the model loads, listening unless
+    ``listen=False``. ``reuse_port``: several processes bind the same port
+    (``SO_REUSEPORT``) and the kernel spreads new connections evenly over those listening."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def listen_socket(host: str, port: int, **kwargs: Any) -> socket.socket:
+    """``bind_socket`` for a server the user started: bound before the model loads; a port that cannot be taken is a
+    ``ConfigError`` that says why and what to do."""
+    import errno
+
+    from engine.config import ConfigError
+
+    try:
+        return bind_socket(host, port, **kwargs)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"cannot listen on --host {host}: the address does not resolve ({e.strerror}); "
+            "use an IP address of this machine, 127.0.0.1, or 0.0.0.0 for every interface"
+        ) from e
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = "another process is already listening there"
+            fix = f"stop it, or choose a free port with --port (e.g. --port {port + 1})"
+        elif e.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges)"
+            fix = "choose a port of 1024 or more with --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = "that address is not one of this machine's"
+            fix = "use an address of this machine with --host, or 0.0.0.0 for every interface"
+        else:
+            why, fix = e.strerror or str(e), "check --host and --port"
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}; {fix}") from e

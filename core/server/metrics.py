@@ -1,33 +1,38 @@
 """Prometheus metrics and the periodic stats log line of the server.
 
-Metric names follow vLLM's with an ``engine:`` prefix, each labelled with ``model_name``
-(speculative decoding adds vLLM's ``spec_decode_*`` counters, the per-position one labelled
-with ``position`` too, and its "SpecDecoding metrics" line to the periodic log). Every
-app gets its own ``CollectorRegistry`` (no process-global state), so several servers can live in
-one process (tests) without clashing.
+Metric names follow vLLM's with an ``engine:`` prefix, each labelled with ``model_name``; the
+engine cores' gauges and counters also carry an ``engine`` label (the data-parallel rank), as
+vLLM's do (speculative decoding adds vLLM's ``spec_decode_*`` counters, the per-position one
+labelled with ``position`` too, and its "SpecDecoding metrics" line to the periodic log). Two
+sources feed them:
 
-Two sources feed the metrics:
+* per-request latency histograms and the success counter are observed by the front end that
+  served the request, as its outputs come back (``ServerMetrics`` implements
+  ``async_engine.EngineObserver``);
+* gauges and token counters are the engine cores' own cumulative ``EngineStats``, read at
+  scrape time (a custom collector) from the latest stats every core sent, so nothing is
+  double-counted.
 
-* latency histograms and the success counter are observed by the engine thread as requests
-  progress (``ServerMetrics`` implements ``async_engine.EngineObserver``);
-* gauges and token counters are read from the engine's cumulative ``EngineStats`` snapshot when
-  Prometheus scrapes (a custom collector), so nothing is double-counted.
+One front end: every app has its own ``CollectorRegistry`` (several servers can live in one
+process, as in tests). Several front ends (``--api-server-count``): prometheus-client's
+multiprocess mode, with ``PROMETHEUS_MULTIPROC_DIR`` set by the parent before the front ends
+start; each front end's observations go to files there and a scrape of any front end sums
+them all (``MultiProcessCollector``). Every front end receives every core's stats, so the
+engine metrics are rendered once, not summed across front ends.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import threading
+import os
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.engine_core.client import sum_stats
 
 logger = logging.getLogger("engine.server.stats")
 
@@ -44,148 +49,144 @@ _E2E_BUCKETS = (
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_mode() -> bool:
+    """Whether this process writes its metrics for a multiprocess scrape."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
 
 class _EngineStatsCollector:
-    """Exposes the latest ``EngineStats`` snapshot as gauges and counters at scrape time."""
+    """Exposes the latest ``EngineStats`` of every engine core as gauges and counters."""
 
     def __init__(self, model_name: str, snapshot_source: Any) -> None:
         self._model_name = model_name
-        self._source = snapshot_source  # a callable returning EngineStats or None
+        self._source = snapshot_source  # a callable returning {engine index: EngineStats}
 
     def describe(self) -> list:
         return []  # values only exist once the engine runs; nothing to check at registration
 
     def collect(self):
-        stats = self._source()
-        if stats is None:
+        by_engine = self._source()
+        if not by_engine:
             return
-        labels = [self._model_name]
+        names = ["model_name", "engine"]
+        rows = [([self._model_name, str(i)], by_engine[i]) for i in sorted(by_engine)]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(labels, value)
-            return g
+        def family(kind: Any, name: str, doc: str, field: str) -> Any:
+            f = kind(name, doc, labels=names)
+            for labels, stats in rows:
+                f.add_metric(labels, getattr(stats, field))
+            return f
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            return c
-
-        yield gauge("engine:num_requests_running", "Requests in the running batch.",
-                    stats.num_running)  # fmt: skip
-        yield gauge("engine:num_requests_waiting", "Requests waiting to be scheduled.",
-                    stats.num_waiting)  # fmt: skip
-        yield gauge("engine:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-                    stats.kv_cache_usage)  # fmt: skip
-        yield counter("engine:prompt_tokens", "Prompt tokens processed.",
-                      stats.prompt_tokens_total)  # fmt: skip
-        yield counter("engine:generation_tokens", "Tokens generated.",
-                      stats.generation_tokens_total)  # fmt: skip
-        yield counter("engine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)  # fmt: skip
-        yield counter("engine:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      stats.prefix_cache_hits)  # fmt: skip
-        yield counter("engine:num_preemptions", "Requests preempted (KV cache full).",
-                      stats.num_preemptions)  # fmt: skip
-        spec = getattr(stats, "spec_decoding", None)
-        if spec is not None:  # speculative decoding: vLLM's spec_decode_* counters
-            yield counter("engine:spec_decode_num_drafts",
-                          "Drafts verified (one per request and step that verified any).",
-                          spec.num_drafts)  # fmt: skip
-            yield counter("engine:spec_decode_num_draft_tokens", "Draft tokens verified.",
-                          spec.num_draft_tokens)  # fmt: skip
-            yield counter("engine:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                          spec.num_accepted_tokens)  # fmt: skip
-            per_pos = CounterMetricFamily(
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield family(g, "engine:num_requests_running", "Requests in the running batch.",
+                     "num_running")  # fmt: skip
+        yield family(g, "engine:num_requests_waiting", "Requests waiting to be scheduled.",
+                     "num_waiting")  # fmt: skip
+        yield family(g, "engine:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                     "kv_cache_usage")  # fmt: skip
+        yield family(c, "engine:prompt_tokens", "Prompt tokens processed.",
+                     "prompt_tokens_total")  # fmt: skip
+        yield family(c, "engine:generation_tokens", "Tokens generated.",
+                     "generation_tokens_total")  # fmt: skip
+        yield family(c, "engine:prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache.",
+                     "prefix_cache_queries")  # fmt: skip
+        yield family(c, "engine:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     "prefix_cache_hits")  # fmt: skip
+        yield family(c, "engine:num_preemptions", "Requests preempted (KV cache full).",
+                     "num_preemptions")  # fmt: skip
+        specs = [(labels, stats.spec_decoding) for labels, stats in rows if stats.spec_decoding]
+        if specs:  # speculative decoding: vLLM's spec_decode_* counters
+            for name, doc, field in (
+                ("engine:spec_decode_num_drafts",
+                 "Drafts verified (one per request and step that verified any).", "num_drafts"),
+                ("engine:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 "num_draft_tokens"),
+                ("engine:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 "num_accepted_tokens"),
+            ):  # fmt: skip
+                f = c(name, doc, labels=names)
+                for labels, spec in specs:
+                    f.add_metric(labels, getattr(spec, field))
+                yield f
+            per_pos = c(
                 "engine:spec_decode_num_accepted_tokens_per_pos",
                 "Drafts whose token at this position was accepted.",
-                labels=["model_name", "position"],
+                labels=[*names, "position"],
             )
-            for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
-                per_pos.add_metric([self._model_name, str(pos)], value)
+            for labels, spec in specs:
+                for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
+                    per_pos.add_metric([*labels, str(pos)], value)
             yield per_pos
 
 
-class _BulkHistogram:
-    """A Prometheus histogram that takes ``count`` equal observations in one call.
+def observe_many(histogram: Any, pairs: list[tuple[float, int]]) -> None:
+    """``count`` observations of ``value`` for each pair, at the cost of one per pair.
 
-    The engine thread reports inter-token latencies once per step, grouped (a decode batch
-    mostly shares one interval), so observing costs one lock per step, not one per token.
-    """
-
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str) -> None:
-        self.name, self.doc, self.model_name = name, doc, model_name
-        self.bounds = list(buckets)
-        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
-        self.sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe_many(self, pairs: list[tuple[float, int]]) -> None:
-        with self._lock:
-            for value, count in pairs:
-                self.counts[bisect.bisect_left(self.bounds, value)] += count
-                self.sum += value * count
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self):
-        with self._lock:
-            counts, total_sum = list(self.counts), self.sum
-        cumulative, buckets = 0, []
-        for bound, count in zip([*self.bounds, float("inf")], counts, strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
-        family.add_metric([self.model_name], buckets, sum_value=total_sum)
-        yield family
+    The front end reports inter-token latencies once per core step, grouped (a decode batch
+    mostly shares one interval), so this is one bucket increment per group, not one observe
+    per token. It adds to the histogram's own bucket and sum values (what ``observe`` does),
+    which works in both the single-process and the multiprocess mode."""
+    bounds = histogram._upper_bounds
+    buckets = histogram._buckets
+    total = histogram._sum
+    for value, count in pairs:
+        total.inc(value * count)
+        buckets[bisect.bisect_left(bounds, value)].inc(count)
 
 
 class ServerMetrics:
-    """The metrics of one server app, in their own registry; an ``EngineObserver``."""
+    """The metrics of one server app; an ``EngineObserver``."""
 
     def __init__(self, model_name: str, log_stats_interval_s: float = 10.0) -> None:
         self.model_name = model_name
+        self.multiprocess = multiprocess_mode()
+        # Multiprocess: the metrics live in the shared files, a scrape gathers them.
         self.registry = CollectorRegistry(auto_describe=False)
-        self._latest_stats: Any = None
-        self.registry.register(_EngineStatsCollector(model_name, lambda: self._latest_stats))
+        metric_registry = None if self.multiprocess else self.registry
+        self._latest_stats: dict[int, Any] = {}
+        self._engine_collector = _EngineStatsCollector(model_name, lambda: self._latest_stats)
+        self.registry.register(self._engine_collector)
         label = ["model_name"]
         self._ttft = Histogram(
             "engine:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
             label,
             buckets=_TTFT_BUCKETS,
-            registry=self.registry,
+            registry=metric_registry,
         ).labels(model_name)
-        self._itl = _BulkHistogram(
+        self._itl = Histogram(
             "engine:inter_token_latency_seconds",
             "Time between two generated tokens of a request.",
-            _ITL_BUCKETS,
-            model_name,
-        )
-        self.registry.register(self._itl)
+            label,
+            buckets=_ITL_BUCKETS,
+            registry=metric_registry,
+        ).labels(model_name)
         self._e2e = Histogram(
             "engine:e2e_request_latency_seconds",
             "Time from arrival to the last token.",
             label,
             buckets=_E2E_BUCKETS,
-            registry=self.registry,
+            registry=metric_registry,
         ).labels(model_name)
         self._success = Counter(
             "engine:request_success",
             "Completions finished, by finish reason.",
             ["model_name", "finished_reason"],
-            registry=self.registry,
+            registry=metric_registry,
         )
         self._success_by_reason: dict[str, Any] = {}
         self.stats_logger = StatsLogger(log_stats_interval_s)
 
-    # EngineObserver (engine thread)
+    # EngineObserver (the event loop's thread)
     def on_first_token(self, ttft_s: float) -> None:
         self._ttft.observe(ttft_s)
 
     def on_inter_tokens(self, intervals: list[tuple[float, int]]) -> None:
-        self._itl.observe_many(intervals)
+        observe_many(self._itl, intervals)
 
     def on_finished(self, e2e_s: float, finish_reasons: list[str | None]) -> None:
         self._e2e.observe(e2e_s)
@@ -197,13 +198,20 @@ class ServerMetrics:
                 self._success_by_reason[reason] = child
             child.inc()
 
-    def on_stats(self, stats: Any, now: float) -> None:
+    def on_stats(self, stats: dict[int, Any], now: float) -> None:
         self._latest_stats = stats
-        self.stats_logger.maybe_log(stats, now)
+        self.stats_logger.update(sum_stats([stats[i] for i in sorted(stats)]), now)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of this app's metrics."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of this server's metrics."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry)
+        registry.register(self._engine_collector)
+        return generate_latest(registry)
 
 
 class StatsLogger:
@@ -213,6 +221,18 @@ class StatsLogger:
         self.interval_s = interval_s
         self._last_time = time.monotonic()
         self._last: Any = None
+        self._latest: Any = None
+
+    def update(self, stats: Any, now: float) -> None:
+        """New stats from the engine cores (logged if the interval elapsed)."""
+        self._latest = stats
+        self.maybe_log(stats, now)
+
+    def tick(self, now: float) -> None:
+        """A timer's call: log the latest stats if the interval elapsed (the cores send none
+        while idle, so this gives a busy period its last line)."""
+        if self._latest is not None:
+            self.maybe_log(self._latest, now)
 
     def maybe_log(self, stats: Any, now: float) -> str | None:
         """Log (and return) a stats line when the interval elapsed and anything happened."""

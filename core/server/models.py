@@ -56,11 +56,12 @@ def lora_requests_for(modules: list[LoRAModulePath]) -> list[LoRARequest]:
     ]
 
 
-def preload_lora_adapters(engine: Any, requests: list[LoRARequest]) -> None:
-    """Load the ``--lora-modules`` adapters into a freshly built engine (before it serves)."""
+async def preload_lora_adapters(engine: Any, requests: list[LoRARequest]) -> None:
+    """Load the ``--lora-modules`` adapters into a freshly started ``AsyncEngine`` (every
+    engine core, before the server serves)."""
     for request in requests:
         try:
-            engine.add_lora(request)
+            await engine.call("add_lora", request)
         except ValueError as e:
             from engine.config import ConfigError
 

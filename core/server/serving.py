@@ -86,11 +86,11 @@ class ServingContext:
     """The engine as the HTTP endpoints see it."""
 
     def __init__(self, async_engine: AsyncEngine, options: ServingOptions) -> None:
-        engine = async_engine.engine
         self.async_engine = async_engine
         self.options = options
-        self.tokenizer = engine.tokenizer  # None with --skip-tokenizer-init
-        model_config = engine.config.model
+        self.tokenizer = async_engine.tokenizer  # None with --skip-tokenizer-init
+        engine_config = async_engine.config
+        model_config = engine_config.model
         self.max_model_len: int = int(model_config.max_model_len)
         # Defaults from the model's generation_config.json for fields a request leaves unset.
         self.default_sampling: dict[str, Any] = dict(
@@ -103,10 +103,10 @@ class ServingContext:
             self.model_path,
             self.max_model_len,
             options.lora_requests,
-            lora_enabled=getattr(engine.config, "lora", None) is not None,
+            lora_enabled=getattr(engine_config, "lora", None) is not None,
         )
         self.max_logprobs = min(
-            options.limits.max_logprobs, int(getattr(engine.config, "max_logprobs", 20))
+            options.limits.max_logprobs, int(getattr(engine_config, "max_logprobs", 20))
         )
         self.chat_template = options.chat_template
         self.templates = ChatTemplates(
@@ -117,7 +117,7 @@ class ServingContext:
         self._token_text: dict[int, str] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         # Image inputs: (the model's processor, the URL loader), built on the first image.
-        self._engine = engine
+        self._engine = async_engine
         self._images: Any = None
 
     def close(self) -> None:

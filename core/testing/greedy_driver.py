@@ -1,5 +1,5 @@
 """A minimal greedy engine loop over the real scheduler and model runner, for model tests and
-benchmarks that must not depend on the full ``LLMEngine`` (no detokenizer, no stop strings).
+benchmarks that must not depend on the full engine (no detokenizer, no stop strings).
 
 ``GreedyDriver(model_path, dtype=...)`` builds a CPU ``ModelRunner`` with the torch reference
 attention backend and a ``Scheduler`` with one KV-cache group per sliding window, then

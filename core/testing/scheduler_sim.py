@@ -9,7 +9,7 @@ what was read back, so a request produces the same tokens however it was schedul
 preempted -- unless its KV was corrupted.
 
 ``run_simulation`` drives ``schedule -> write/read KV -> update_from_output -> stop checks`` like
-``LLMEngine`` does (including ``n > 1`` forks after the first sample and aborts), and
+``EngineCore`` does (including ``n > 1`` forks after the first sample and aborts), and
 ``check_invariants`` verifies the block accounting after every step.
 
 A request with a LoRA adapter (``SimRequest.lora_id``) writes ``(position, token, adapter)``:

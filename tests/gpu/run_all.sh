@@ -4,14 +4,15 @@
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: conformance, spread, linear, kprofile, the mixture-of-experts
-# steps moe-kernels, moe-b1, moe-nano, mixtral-b1, spec-base, spec-ngram, spec-draft,
-# spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts holding the
-# model's own greedy continuation; docs/speculative-decoding.md), the multi-LoRA steps
-# lora-kernels, lora-b1, lora-nano, lora-kprofile, lora-b1-sep (Llama-3.1-8B with 8 rank-16
-# adapters on every linear layer, requests spread evenly; compare with llama-b1 / llama-nano),
-# and llama-hf-b1 / llama-hf-nano (the llama steps through the transformers modeling
-# backend, --model-impl transformers). Logs go to $OUT/tests.log,
+# llama-nano, profile; optional: conformance, spread, linear, kprofile, serve (HTTP against
+# offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
+# mixture-of-experts steps moe-kernels, moe-b1, moe-nano, mixtral-b1, spec-base, spec-ngram,
+# spec-draft, spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts
+# holding the model's own greedy continuation; docs/speculative-decoding.md), the multi-LoRA
+# steps lora-kernels, lora-b1, lora-nano, lora-kprofile, lora-b1-sep (Llama-3.1-8B with 8
+# rank-16 adapters on every linear layer, requests spread evenly; compare with llama-b1 /
+# llama-nano), and llama-hf-b1 / llama-hf-nano (the llama steps through the transformers
+# modeling backend, --model-impl transformers). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -164,6 +165,17 @@ for step in "${steps[@]}"; do
           --context-len $3 --phase ${4:-decode} --load-format dummy --dtype bfloat16 --steps 10 2>&1 \
           | grep -vE "it/s\]|s/it\]|^Loading" | tee -a "$OUT/kprofile.log" | head -${KPROFILE_LINES:-30}
       done
+      ;;
+    serve)  # engine serve (1 and 4 front ends) loaded by engine bench serve, against offline
+      [ "$(left)" -lt 120 ] && { echo "SKIP serve"; continue; }
+      echo "=== serve vs offline at $(elapsed)s"
+      timeout -k 10 $(($(left) - 10)) python3 -m engine.benchmarks.http_vs_offline \
+        --shape qwen3-0.6b --num-prompts 512 --input-len 256 --output-len 256 \
+        --api-server-count ${SERVE_API_SERVERS:-1,4} --num-workers ${SERVE_WORKERS:-4} \
+        --engine-args "--dtype bfloat16" --out "$OUT/serve" ${SERVE_ARGS:-} >"$OUT/serve.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "^\||requests x|^\$" "$OUT/serve.log"
+      rm -rf "$OUT/serve/model"
       ;;
     profile)  # where the host time of a throughput step goes (cProfile, top functions)
       [ "$(left)" -lt 60 ] && { echo "SKIP profile"; continue; }

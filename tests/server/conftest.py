@@ -28,10 +28,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_model_dir) -> RunningServer:
     """A real server on the tiny model, requiring ``API_KEY`` (loaded once per session)."""
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     def factory():
-        return LLMEngine.from_config(engine_config(tiny_model_dir))
+        return EngineCore.from_config(engine_config(tiny_model_dir))
 
     with RunningServer(factory, ServerOptions(api_keys=[API_KEY])) as running:
         yield running

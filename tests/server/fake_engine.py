@@ -1,15 +1,15 @@
-"""A small deterministic stand-in for ``LLMEngine`` (same interface), for unit tests of the
-async loop and the HTTP layer that must not depend on model numerics (engine death, slow
-steps). The end-to-end tests use the real engine."""
+"""A small deterministic stand-in for ``EngineCore`` (same interface: token ids in,
+``EngineCoreOutput``s out), for unit tests of the front end and the HTTP layer that must not
+depend on model numerics (engine death, slow steps). The end-to-end tests use the real core."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 from engine.config import EngineConfig, ModelConfig
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.engine_core.messages import EngineCoreOutput, EngineStats
+from engine.outputs import Logprob
 
 
 class FakeInvalidRequest(ValueError):
@@ -25,28 +25,20 @@ class FakePromptTooLong(FakeInvalidRequest):
         self.num_tokens = num_tokens
 
 
-@dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
+class _Seq:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
 
 
 class _Req:
-    def __init__(self, rid, prompt, ids, params):
-        self.rid, self.prompt, self.ids, self.params = rid, prompt, ids, params
-        self.outputs = [CompletionOutput(i, "", []) for i in range(params.n)]
-        if params.logprobs is not None:
-            for c in self.outputs:
-                c.logprobs = []
-        self.metrics = RequestMetrics(time.monotonic())
+    def __init__(self, req) -> None:
+        self.rid = req.request_id
+        self.ids = list(req.prompt_token_ids)
+        self.params = req.sampling_params
+        self.seqs = [_Seq(i) for i in range(self.params.n)]
         self.prefilled = False
-        self.prompt_lps = None
 
 
 class FakeEngine:
@@ -55,30 +47,41 @@ class FakeEngine:
     def __init__(self, tokenizer, max_model_len: int = 128, step_delay: float = 0.001) -> None:
         self.tokenizer = tokenizer
         self.config = EngineConfig(ModelConfig(model="fake-model", max_model_len=max_model_len))
+        self.eos_token_ids: list[int] = []
         self.step_delay = step_delay
         self.vocab = len(tokenizer)
         self.requests: dict[str, _Req] = {}
-        self.stats = FakeStats()
+        self.stats = EngineStats()
         self.fail_on_step: BaseException | None = None
         self.num_total_blocks = 1000
 
-    def add_request(self, request_id, prompt, params, prompt_token_ids=None, priority=0):
-        if request_id in self.requests:
-            raise FakeInvalidRequest(f"duplicate request id {request_id}", "request_id")
-        ids = prompt_token_ids
-        if ids is None:
-            ids = self.tokenizer(prompt)["input_ids"]
+    @property
+    def _requests(self) -> dict[str, _Req]:  # what CoreLoop looks at with several clients
+        return self.requests
+
+    def add_request(self, req) -> None:
+        if req.request_id in self.requests:
+            raise FakeInvalidRequest(f"duplicate request id {req.request_id}", "request_id")
+        ids = req.prompt_token_ids
         if 0 in ids:
             raise FakeInvalidRequest("token 0 is reserved", "prompt")
         if len(ids) >= self.config.model.max_model_len:
             raise FakePromptTooLong(self.config.model.max_model_len, len(ids))
-        self.requests[request_id] = _Req(request_id, prompt, list(ids), params)
+        self.requests[req.request_id] = _Req(req)
 
-    def abort_request(self, request_ids):
+    def abort_requests(self, request_ids):
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
             self.requests.pop(rid, None)
+
+    def finish_sequences(self, sequences) -> None:
+        for rid, index in sequences:
+            r = self.requests.get(rid)
+            if r is not None:
+                r.seqs[index].finish_reason = "stop"
+                if all(s.finish_reason is not None for s in r.seqs):
+                    del self.requests[rid]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -86,68 +89,50 @@ class FakeEngine:
     @property
     def num_used_blocks(self) -> int:
         return sum(
-            math.ceil((len(r.ids) + len(c.token_ids)) / 16)
+            math.ceil((len(r.ids) + len(s.token_ids)) / 16)
             for r in self.requests.values()
-            for c in r.outputs
+            for s in r.seqs
         )
 
-    def get_stats(self) -> FakeStats:
+    def get_stats(self) -> EngineStats:
         s = self.stats
         s.num_running = len(self.requests)
-        s.kv_cache_usage = self.num_used_blocks / self.num_total_blocks
-        return FakeStats(**vars(s))
+        s.num_used_blocks = self.num_used_blocks
+        s.kv_cache_usage = s.num_used_blocks / self.num_total_blocks
+        s.time = time.monotonic()
+        return EngineStats(**{f: getattr(s, f) for f in s.__struct_fields__})
 
     def token_for(self, ids: list[int], position: int, index: int) -> int:
         return (sum(ids) + 7 * position + index) % self.vocab
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         if self.fail_on_step is not None:
             raise self.fail_on_step
         time.sleep(self.step_delay)
         results = []
-        now = time.monotonic()
         for rid, r in list(self.requests.items()):
+            prompt_chunk = None
             if not r.prefilled:
                 r.prefilled = True
                 self.stats.prompt_tokens_total += len(r.ids)
                 if r.params.prompt_logprobs is not None:
-                    r.prompt_lps = [None] + [
-                        {t: Logprob(-1.0, 1, self.tokenizer.decode([t]))} for t in r.ids[1:]
-                    ]
-            new_ids, new_texts = [], []
-            for c in r.outputs:
-                if c.finish_reason is not None:
-                    new_ids.append([])
-                    new_texts.append("")
+                    prompt_chunk = [{t: Logprob(-1.0, 1)} for t in r.ids[1:]]
+            for s in r.seqs:
+                if s.finish_reason is not None:
                     continue
-                tok = self.token_for(r.ids, len(c.token_ids), c.index)
-                c.token_ids.append(tok)
-                text = self.tokenizer.decode([tok])
-                c.text += text
-                if c.logprobs is not None:
-                    c.logprobs.append({tok: Logprob(-0.5, 1, text)})
+                tok = self.token_for(r.ids, len(s.token_ids), s.index)
+                s.token_ids.append(tok)
                 self.stats.generation_tokens_total += 1
-                new_ids.append([tok])
-                new_texts.append(text)
+                out = EngineCoreOutput(rid, [tok], s.index, prompt_logprobs=prompt_chunk)
+                prompt_chunk = None
+                if r.params.logprobs is not None:
+                    out.new_logprobs = [{tok: Logprob(-0.5, 1)}]
                 if tok in r.params.stop_token_ids:
-                    c.finish_reason, c.stop_reason = "stop", tok
-                elif len(c.token_ids) >= r.params.max_tokens:
-                    c.finish_reason = "length"
-            finished = all(c.finish_reason is not None for c in r.outputs)
-            if finished:
+                    s.finish_reason = out.finish_reason = "stop"
+                    out.stop_reason = tok
+                elif len(s.token_ids) >= r.params.max_tokens:
+                    s.finish_reason = out.finish_reason = "length"
+                results.append(out)
+            if all(s.finish_reason is not None for s in r.seqs):
                 del self.requests[rid]
-                r.metrics.finished_time = now
-            results.append(
-                RequestOutput(
-                    rid,
-                    r.prompt,
-                    r.ids,
-                    [CompletionOutput(**vars(c)) for c in r.outputs],
-                    finished,
-                    prompt_logprobs=r.prompt_lps,
-                    metrics=r.metrics,
-                    new_token_ids=new_ids,
-                    new_texts=new_texts,
-                )
-            )
         return results

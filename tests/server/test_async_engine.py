@@ -125,3 +125,35 @@ def test_rejected_request_leaves_engine_usable(tokenizer):
             "code": None,
         }
         assert c.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_stream_interval_sends_a_chunk_every_n_tokens(tokenizer):
+    """--stream-interval 4: the first token streams at once, then every 4 tokens (chunks
+    merge for a reader that fell behind), the rest with the finish; the text is the
+    non-streamed text."""
+    from engine.server.launcher import LaunchOptions
+
+    fake = FakeEngine(tokenizer, step_delay=0.002)
+    launch = LaunchOptions(
+        port=0, log_stats_interval=0, access_log=False, exit_on_engine_death=False,
+        stream_interval=4,
+    )  # fmt: skip
+    with (
+        RunningServer(lambda: fake, launch=launch) as srv,
+        httpx.Client(base_url=srv.base_url, timeout=30) as c,
+    ):
+        body = {"prompt": "interval", "max_tokens": 18, "logprobs": 0}
+        full = c.post("/v1/completions", json=body).json()["choices"][0]
+        sizes, text = [], ""
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = httpx.Response(200, content=line[6:]).json()["choices"][0]
+                    sizes.append(len(choice["logprobs"]["tokens"]))
+                    text += choice["text"]
+    assert text == full["text"] and sum(sizes) == 18
+    assert len(sizes) >= 3, sizes
+    sent = 0
+    for size in sizes[:-1]:  # after 1 token, then after 1 + 4k tokens
+        sent += size
+        assert size > 0 and sent % 4 == 1, sizes

@@ -56,6 +56,22 @@ def test_figures_add_up_to_what_was_served(server, tmp_path, capsys):
     assert server.engine.num_used_blocks == 0
 
 
+def test_several_client_processes_send_the_same_workload(server, tmp_path, capsys):
+    args = bench_args(server, tmp_path, num_workers=2, max_concurrency=3)
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "Client processes:" in out and "Client CPU, busiest process (% of run):" in out
+    record = json.loads((tmp_path / "result.json").read_text())
+    summary, requests = record["summary"], record["requests"]
+    workload = random_workload(6, (6, 18), (2, 7), len(server.engine.tokenizer), seed=0)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert [r["prompt_len"] for r in requests] == list(map(len, workload.prompts))  # in order
+    assert [r["output_tokens"] for r in requests] == workload.output_lens
+    assert len(summary["client_cpu_s"]) == 2
+    assert all(0 < u < 1.5 for u in summary["client_cpu_utilization"])
+    assert server.engine.num_used_blocks == 0
+
+
 def test_failed_requests_are_counted_and_fail_the_run(server, tmp_path, capsys):
     args = bench_args(server, tmp_path, random_input_len=300, random_range_ratio=0.0)
     assert bench.run(args) == 1  # prompts longer than max_model_len (256): 400s
@@ -81,3 +97,5 @@ def test_bad_flags_are_refused(server, tmp_path):
         bench.run(bench_args(server, tmp_path, request_rate=0.0))
     with pytest.raises(SystemExit, match="unknown \\['ttfb'\\]"):
         bench.run(bench_args(server, tmp_path, percentile_metrics="ttft,ttfb"))
+    with pytest.raises(SystemExit, match="--num-workers must be >= 1"):
+        bench.run(bench_args(server, tmp_path, num_workers=0))

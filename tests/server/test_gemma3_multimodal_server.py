@@ -50,7 +50,7 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, media_dir):
     from engine.config import CacheConfig, MultiModalConfig
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     def factory():
         config = engine_config(
@@ -63,7 +63,7 @@ def server(model_dir, media_dir):
             ),
         )
         config.cache = CacheConfig(block_size=4, cpu_kv_cache_gb=0.05, enable_prefix_caching=True)
-        return LLMEngine.from_config(config)
+        return EngineCore.from_config(config)
 
     with RunningServer(factory) as running:
         yield running
@@ -242,10 +242,10 @@ def test_text_only_serving_refuses_images(model_dir):
     """``--limit-mm-per-prompt '{"image": 0}'``: the vision tower is not loaded, text chat
     works, an image is a 400 that says why."""
     from engine.config import MultiModalConfig
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     def factory():
-        return LLMEngine.from_config(
+        return EngineCore.from_config(
             engine_config(model_dir, multimodal=MultiModalConfig(limit_mm_per_prompt={"image": 0}))
         )
 
@@ -258,8 +258,31 @@ def test_text_only_serving_refuses_images(model_dir):
 
 
 def test_text_model_refuses_images(tiny_model_dir):
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
-    with RunningServer(lambda: LLMEngine.from_config(engine_config(tiny_model_dir))) as running:
+    with RunningServer(lambda: EngineCore.from_config(engine_config(tiny_model_dir))) as running:
         err = error_of(_post(running, [_image_part(data_url(make_image(1)))]), 400)
         assert "this model takes no image inputs" in err["message"]
+
+
+def test_images_through_the_engine_core_process(model_dir, media_dir, hf, tmp_path):
+    """``engine serve`` as users run it: the processed images cross the front end -> engine
+    core transport (pixel arrays as bytes) and give transformers' tokens."""
+    import openai
+    from server_harness import ServeProcess
+
+    flags = ("--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media_dir))
+    with ServeProcess(model_dir, tmp_path / "server.log", *flags) as running:
+        client = openai.OpenAI(
+            base_url=running.base_url + "/v1", api_key="x", max_retries=0, timeout=60
+        )
+        two = [make_image(4), make_image(5, (64, 32))]
+        cases = [
+            ("Compare these two.", two, [data_url(two[0]), data_url(two[1], "JPEG")]),
+            ("And this file?", [make_image(7)], [(media_dir / "seven.png").as_uri()]),
+        ]
+        for text, images, urls in cases:
+            want, n = hf_chat(hf, text, images)
+            r = chat(client, text, urls)
+            assert token_ids(r.choices[0]) == want, text
+            assert r.usage.prompt_tokens == n

@@ -89,11 +89,11 @@ def test_a_generation_config_elsewhere_and_bad_options(tiny_model_dir, tmp_path)
 
 
 def test_server_requests_default_to_the_model_settings(tiny_model_dir, tmp_path, caplog):
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     model = _with_generation_config(tiny_model_dir, tmp_path / "m", **RECOMMENDED)
     options = ServerOptions(serving=ServingOptions(log_requests=True))
-    with RunningServer(lambda: LLMEngine.from_config(engine_config(model)), options) as running:
+    with RunningServer(lambda: EngineCore.from_config(engine_config(model)), options) as running:
         with httpx.Client(base_url=running.base_url, timeout=60) as c:
             with caplog.at_level(logging.INFO, logger="engine.server.requests"):
                 r = c.post("/v1/completions", json={"prompt": "hello there", "seed": 1})

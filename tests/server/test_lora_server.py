@@ -42,10 +42,10 @@ def adapters(tiny_model_dir, tmp_path_factory):
 def lora_server(tiny_model_dir, adapters):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     def factory():
-        return LLMEngine.from_config(
+        return EngineCore.from_config(
             engine_config(tiny_model_dir, lora=LoRAConfig(max_loras=2, max_lora_rank=16))
         )
 

@@ -45,6 +45,9 @@ def test_serve_help_is_grouped(capsys):
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "--exclude-tools-when-tool-choice-none",
+        "--api-server-count",
+        "--stream-interval",
+        "--data-parallel-size",
     ):
         assert flag in text, flag
     assert "\ntool calling:\n" in text
@@ -58,6 +61,12 @@ def test_serve_defaults_and_engine_config():
     assert args.model is None  # the embedded default model, resolved when the engine loads
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
     assert args.max_request_body_bytes == 16 * 1024 * 1024
+    assert (args.api_server_count, args.stream_interval, args.data_parallel_size) == (1, 1, 1)
+    for flag in ("--api-server-count", "--stream-interval"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", flag, "0"])
+    args = build_parser().parse_args(["serve", "/m", "-dp", "2", "--api-server-count", "3"])
+    assert engine_config_from_args(args).parallel.data_parallel_size == 2
     args = build_parser().parse_args(
         ["serve", "/m", "--max-model-len", "64", "--no-enable-prefix-caching", "--api-key", "k"]
     )

@@ -20,12 +20,12 @@ def no_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(no_tokenizer_dir):
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     def factory():
         config = engine_config(no_tokenizer_dir)
         config.model.skip_tokenizer_init = True
-        return LLMEngine.from_config(config)
+        return EngineCore.from_config(config)
 
     with RunningServer(factory) as running:
         yield running

@@ -16,13 +16,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 @pytest.fixture(scope="module")
 def spec_server(tiny_model_dir):
     from engine.config import SpeculativeConfig
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                              prompt_lookup_max=3)  # fmt: skip
 
     def factory():
-        return LLMEngine.from_config(engine_config(tiny_model_dir, speculative=spec))
+        return EngineCore.from_config(engine_config(tiny_model_dir, speculative=spec))
 
     with RunningServer(factory, ServerOptions(api_keys=[API_KEY])) as running:
         yield running
@@ -57,13 +57,13 @@ def test_spec_decode_metrics(spec_server, spec_client):
     assert stats.num_drafts > 0
     text = httpx.get(spec_server.base_url + "/metrics",
                      headers={"Authorization": f"Bearer {API_KEY}"}).text  # fmt: skip
-    labels = '{model_name="tiny"}'
+    labels = '{engine="0",model_name="tiny"}'  # the engine core's data-parallel rank, as vLLM
     assert f"engine:spec_decode_num_drafts_total{labels} {float(stats.num_drafts)}" in text
     assert (f"engine:spec_decode_num_draft_tokens_total{labels} "
             f"{float(stats.num_draft_tokens)}") in text  # fmt: skip
     assert "engine:spec_decode_num_accepted_tokens_total{" in text
     for pos in range(3):
-        assert (f'engine:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",'
+        assert (f'engine:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",'
                 f'position="{pos}"}}') in text  # fmt: skip
 
 
@@ -75,7 +75,7 @@ def test_n_above_one_is_a_bad_request(spec_client):
 
 
 def test_stats_log_line():
-    from engine.engine import EngineStats
+    from engine.engine_core.messages import EngineStats
     from engine.server.metrics import StatsLogger
     from engine.spec_decode.stats import SpecDecodingStats
 

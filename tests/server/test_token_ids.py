@@ -33,12 +33,12 @@ def padded_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def padded(padded_model):
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
     from engine.llm import LLM
 
     path, size = padded_model
     offline = LLM.from_engine_config(engine_config(path))
-    with RunningServer(lambda: LLMEngine.from_config(engine_config(path))) as server:
+    with RunningServer(lambda: EngineCore.from_config(engine_config(path))) as server:
         with httpx.Client(base_url=server.base_url, timeout=60) as http:
             yield http, offline, size, size + PADDING
     assert offline.llm_engine.num_used_blocks == 0
@@ -135,7 +135,7 @@ def test_offline_checks_the_same_ids(padded):
 
 def test_tokenizer_larger_than_the_model(tmp_path):
     """A tokenizer token without an embedding row is refused by name, not by a crash."""
-    from engine.engine import LLMEngine
+    from engine.llm_engine import LLMEngine
     from engine.testing.tiny_models import build_tiny_model, build_tokenizer
 
     size = len(build_tokenizer(tmp_path))

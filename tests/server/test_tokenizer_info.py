@@ -13,10 +13,10 @@ from engine.server.app import ServerOptions
 
 @pytest.fixture(scope="module")
 def info_server(tiny_model_dir):
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     options = ServerOptions(enable_tokenizer_info_endpoint=True)
-    with RunningServer(lambda: LLMEngine.from_config(engine_config(tiny_model_dir)), options) as s:
+    with RunningServer(lambda: EngineCore.from_config(engine_config(tiny_model_dir)), options) as s:
         with httpx.Client(base_url=s.base_url, timeout=60) as http:
             yield s, http
 

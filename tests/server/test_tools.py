@@ -16,7 +16,7 @@ import pytest
 from fake_engine import FakeEngine
 from server_harness import RunningServer, engine_config
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.engine_core.messages import EngineCoreOutput
 from engine.server.app import ServerOptions
 from engine.server.serving import ServingOptions
 
@@ -75,11 +75,11 @@ def sse_events(response: httpx.Response) -> list[dict]:
 @pytest.fixture(scope="module")
 def tool_server(tiny_model_dir):
     """The tiny model under two names, the tool template and the hermes parser."""
-    from engine.engine import LLMEngine
+    from engine.engine_core.core import EngineCore
 
     def factory():
         config = engine_config(tiny_model_dir, served_model_name=["tiny", "tiny-alias"])
-        return LLMEngine.from_config(config)
+        return EngineCore.from_config(config)
 
     with RunningServer(factory, tool_options()) as running:
         yield running
@@ -328,39 +328,27 @@ class ScriptedEngine(FakeEngine):
     script = ""
     last_params = None
 
-    def add_request(self, request_id, prompt, params, prompt_token_ids=None, priority=0):
-        self.last_params = params
-        super().add_request(request_id, prompt, params, prompt_token_ids, priority)
+    def add_request(self, req):
+        self.last_params = req.sampling_params
+        super().add_request(req)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         script_ids = self.tokenizer(self.script, add_special_tokens=False)["input_ids"]
         results = []
         for rid, r in list(self.requests.items()):
-            new_ids, new_texts = [], []
-            for c in r.outputs:
+            for c in r.seqs:
                 pos = len(c.token_ids)
                 if c.finish_reason is not None or pos >= len(script_ids):
                     c.finish_reason = c.finish_reason or "stop"
-                    new_ids.append([])
-                    new_texts.append("")
                     continue
-                before = self.tokenizer.decode(script_ids[:pos])
                 c.token_ids.append(script_ids[pos])
-                text = self.tokenizer.decode(script_ids[: pos + 1])[len(before) :]
-                c.text += text
-                new_ids.append([script_ids[pos]])
-                new_texts.append(text)
+                out = EngineCoreOutput(rid, [script_ids[pos]], c.index)
                 if pos + 1 >= min(len(script_ids), r.params.max_tokens):
                     c.finish_reason = "stop" if pos + 1 >= len(script_ids) else "length"
-            finished = all(c.finish_reason is not None for c in r.outputs)
-            if finished:
+                    out.finish_reason = c.finish_reason
+                results.append(out)
+            if all(c.finish_reason is not None for c in r.seqs):
                 del self.requests[rid]
-            results.append(
-                RequestOutput(
-                    rid, r.prompt, r.ids, [CompletionOutput(**vars(c)) for c in r.outputs],
-                    finished, new_token_ids=new_ids, new_texts=new_texts,
-                )
-            )  # fmt: skip
         return results
 
 

@@ -28,6 +28,7 @@ class CudaPlatform(TorchCudaPlatform):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     priority: ClassVar[int] = 100
     supports_graph_capture: ClassVar[bool] = True
+    device_control_env_var: ClassVar[str | None] = "CUDA_VISIBLE_DEVICES"
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

@@ -31,6 +31,8 @@ class RocmPlatform(TorchCudaPlatform):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     priority: ClassVar[int] = 100
     supports_graph_capture: ClassVar[bool] = True
+    # HIP honours CUDA_VISIBLE_DEVICES too, but ROCm's own variable is the documented one.
+    device_control_env_var: ClassVar[str | None] = "HIP_VISIBLE_DEVICES"
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

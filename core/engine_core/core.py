@@ -1,9 +1,16 @@
-"""``LLMEngine``: the step loop that ties scheduler, model runner, sampler and detokenizer.
+"""``EngineCore``: the step loop that ties scheduler, model runner and sampler together.
 
-One ``step()`` asks the scheduler for a batch, runs it through the model runner (which samples),
-feeds the sampled tokens back to the scheduler, detokenizes them, checks stop conditions and
-returns a ``RequestOutput`` for every request that progressed. The offline ``LLM`` class and the
-HTTP server's async front end both drive this loop.
+It takes requests as token ids plus ``SamplingParams`` (``EngineCoreRequest``) and returns, per
+step, token-level outputs (``EngineCoreOutput``: new token ids, logprobs, finish reason, cached
+prompt tokens). One ``step()`` asks the scheduler for a batch, runs it through the model runner
+(which samples), feeds the sampled tokens back to the scheduler and checks the token-level stop
+conditions (EOS, stop token ids, ``max_tokens``, the context length, a grammar's end). Text is
+the front end's business (``engine.output_processor``): detokenization, stop strings (the front
+end then ends the sequence here with ``finish_sequences``) and ``RequestOutput``.
+
+The core runs in the caller's process (``engine.engine_core.client.InprocClient``, what the
+offline ``LLM`` uses by default) or in an engine-core process of its own
+(``engine.engine_core.proc``) behind ZMQ, which is how ``engine serve`` runs it.
 
 A user request with ``n > 1`` becomes one sequence until its prompt is computed; its first step
 samples ``n`` tokens from the same logits and forks ``n - 1`` child sequences that share the
@@ -31,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.detokenizer import pending_stop_chars
+from engine.engine_core.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import Logprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.tokenizer import TokenIdRange
@@ -42,39 +49,13 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EngineStats:
-    """Counters and gauges for the periodic log line and Prometheus."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    # Speculative decoding counters (engine.spec_decode.SpecDecodingStats), None when off.
-    spec_decoding: Any = None
-    # Image inputs: images first reached by a request's chunk, and of which already encoded.
-    encoder_cache_queries: int = 0
-    encoder_cache_hits: int = 0
-
-
-@dataclass
 class _Sequence:
-    """Engine-side state of one completion (one scheduler ``Request``)."""
+    """Core-side state of one completion (one scheduler ``Request``)."""
 
     index: int
     request: Request
-    detokenizer: Any
     generator: Any
-    text: str = ""
-    emitted_text_len: int = 0
-    emitted_token_len: int = 0
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
     # xgrammar GrammarMatcher of a structured-outputs sequence: its state is that after every
     # token in ``request.output_token_ids``.
     matcher: Any = None
@@ -91,21 +72,18 @@ class _InFlight:
 
 @dataclass
 class _RequestState:
-    """Engine-side state of one user request (one or ``n`` sequences)."""
+    """Core-side state of one user request (one or ``n`` sequences)."""
 
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[_Sequence]
-    metrics: RequestMetrics
     needs_fork: bool
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    finished: bool = False
-    num_cached_tokens: int = 0
+    client_index: int = 0
+    first_scheduled_time: float | None = None
+    reported_scheduled: bool = False
     pending_child_generators: list[Any] = field(default_factory=list)
-    final_only: bool = False
-    lora_id: int = 0  # the engine's key of the request's LoRA adapter (0: none)
+    lora_id: int = 0  # the core's key of the request's LoRA adapter (0: none)
 
     @property
     def plain(self) -> bool:
@@ -124,36 +102,14 @@ def _is_plain(params: SamplingParams) -> bool:
     )
 
 
-def _check_without_tokenizer(prompt_token_ids: list[int] | None, params: SamplingParams) -> None:
-    """What a request may not ask of an engine built with ``skip_tokenizer_init``."""
-    flag = "the engine was started with skip_tokenizer_init=True (--skip-tokenizer-init)"
-    if prompt_token_ids is None:
-        raise InvalidRequestError(
-            f"text prompts cannot be used: {flag}, so no tokenizer is loaded; pass token ids "
-            "(prompt_token_ids)",
-            "prompt",
-        )
-    if params.stop:
-        raise SamplingParamsError(
-            f"stop strings cannot be matched: {flag}, so the output is not detokenized; use "
-            "stop_token_ids",
-            "stop",
-        )
-    if params.structured_outputs is not None:
-        raise SamplingParamsError(
-            f"structured outputs need the tokenizer's vocabulary, and {flag}",
-            "structured_outputs",
-        )
-
-
 def _discarded_row() -> Any:
     from engine.sampler import SamplingRow
 
     return SamplingRow(SamplingParams(temperature=0.0), [], [], [None])
 
 
-class LLMEngine:
-    """The engine loop. Build with ``LLMEngine.from_config(config)``."""
+class EngineCore:
+    """The engine loop. Build with ``EngineCore.from_config(config)``."""
 
     def __init__(
         self,
@@ -179,7 +135,7 @@ class LLMEngine:
         self._in_flight: deque[_InFlight] = deque()
         self._max_in_flight = max(1, int(getattr(runner, "max_concurrent_batches", 1)))
         self._structured: Any = None  # StructuredOutputManager, built on first use
-        self._structured_lock = threading.Lock()  # the server compiles on worker threads
+        self._structured_lock = threading.Lock()  # grammars may compile on other threads
         self.lora: Any = None  # engine.lora.registry.LoRARegistry with --enable-lora
         if getattr(config, "lora", None) is not None:
             from engine.lora.registry import LoRARegistry
@@ -188,7 +144,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig) -> EngineCore:
         """Load plugins, choose the platform and attention backend, load the model and
         tokenizer, size the KV cache and build the scheduler."""
         from engine.runtime import build_engine_parts
@@ -222,30 +178,17 @@ class LLMEngine:
             return self._structured
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        params: SamplingParams,
-        prompt_token_ids: list[int] | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        final_only: bool = False,
-        mm_features: list[Any] | None = None,
-        lora_request: Any = None,
-    ) -> None:
+    def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue a request. Raises ``InvalidRequestError`` (or
         ``SamplingParamsError``) before any work starts; the engine stays usable.
 
-        ``final_only`` requests produce a ``RequestOutput`` only when they finish (what offline
-        batch generation needs; it saves copying every running request's tokens each step).
-        Others produce one after every step in which they progressed, for streaming.
-
-        ``mm_features`` are the prompt's images (``engine.multimodal.MultiModalFeature``, from
-        the front end's processor: plain arrays, placeholder offsets in ``prompt_token_ids``).
-        ``lora_request`` (an ``engine.lora.request.LoRARequest``) runs it with that adapter,
-        loading it first if the engine does not have it (a bad adapter is an
-        ``InvalidRequestError`` naming the reason)."""
+        ``req.mm_features`` are the prompt's images (``engine.multimodal.MultiModalFeature``,
+        from the front end's processor: plain arrays, placeholder offsets in
+        ``prompt_token_ids``). ``req.lora_request`` (an ``engine.lora.request.LoRARequest``)
+        runs it with that adapter, loading it first if the core does not have it (a bad
+        adapter is an ``InvalidRequestError`` naming the reason)."""
+        request_id, params = req.request_id, req.sampling_params
+        mm_features, lora_request = req.mm_features, req.lora_request
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if not isinstance(params, SamplingParams):
@@ -258,13 +201,7 @@ class LLMEngine:
                 raise SamplingParamsError(
                     f"{name} must be at most {self.config.max_logprobs}, got {value}", name
                 )
-        if self.tokenizer is None:
-            _check_without_tokenizer(prompt_token_ids, params)
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise InvalidRequestError("a request needs a prompt or prompt_token_ids", "prompt")
-            prompt_token_ids = self.tokenizer(prompt).input_ids
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = req.prompt_token_ids
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         ids = self.token_id_range  # below max(tokenizer size, model vocabulary), as in vLLM
@@ -289,28 +226,24 @@ class LLMEngine:
             # Compiling here makes a bad schema/regex/grammar an error of add_request.
             matcher = self.structured_outputs.new_matcher(params.structured_outputs)
 
-        now = time.monotonic()
         state = _RequestState(
             request_id=request_id,
-            prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             params=params,
             seqs=[],
-            metrics=RequestMetrics(arrival_time=arrival_time or now),
             needs_fork=params.n > 1,
-            final_only=final_only,
+            client_index=req.client_index,
         )
         generators = [self._make_generator(params, i) for i in range(params.n)]
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             max_tokens=max_tokens,
-            arrival_time=state.metrics.arrival_time,
-            priority=priority,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
             mm_features=mm_features or [],
         )
-        state.seqs.append(self._new_sequence(0, request, prompt_token_ids, params, generators[0]))
-        state.seqs[0].matcher = matcher
+        state.seqs.append(_Sequence(0, request, generators[0], matcher=matcher))
         state.pending_child_generators = generators[1:]
         # Prompt logprobs need logits at every prompt position, so no prefix-cache skipping.
         # The adapter is loaded (and checked) here, after everything else was validated.
@@ -353,7 +286,7 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidRequestError(str(e), "multi_modal_data") from None
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_requests(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their KV blocks; unknown ids are ignored."""
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self._requests.pop(request_id, None)
@@ -366,6 +299,20 @@ class LLMEngine:
                 )
                 self._seq_owner.pop(seq.request.request_id, None)
                 seq.matcher = None
+
+    def finish_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        """End sequences the front end stopped (a stop string matched its text): ``(request
+        id, completion index)`` pairs. Their KV blocks are freed now; nothing more is output
+        for them. Unknown or already finished ones are ignored."""
+        for request_id, index in sequences:
+            state = self._requests.get(request_id)
+            # Text exists only after the fork (its step samples every first token), so the
+            # index names a sequence of its own.
+            if state is None or index >= len(state.seqs):
+                continue
+            seq = state.seqs[index]
+            if seq.finish_reason is None:
+                self._finish(state, seq, "stop")
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_request: Any) -> bool:
@@ -424,6 +371,10 @@ class LLMEngine:
         if stop is not None:
             stop()
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats()
         return EngineStats(
@@ -435,14 +386,16 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            num_used_blocks=s.num_used_blocks,
+            time=time.monotonic(),
             spec_decoding=getattr(s, "spec_decoding", None),
             encoder_cache_queries=getattr(s, "encoder_cache_queries", 0),
             encoder_cache_hits=getattr(s, "encoder_cache_hits", 0),
         )
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch and return the requests that progressed.
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduled batch and return what each progressed sequence gained.
 
         With asynchronous scheduling (``SchedulerConfig.async_scheduling``) one step may be
         in flight between calls: a call schedules and launches the next step, then completes
@@ -461,7 +414,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._complete(in_flight.popleft()) if in_flight else []
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineCoreOutput] = []
         overlap = self._overlappable(sched)
         if not overlap:
             while in_flight:  # this step's sampling reads those tokens
@@ -502,8 +455,8 @@ class LLMEngine:
                     rows[sr.request.request_id] = _discarded_row()
                 continue
             state, seq = owner
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
             params = state.params
             if sr.samples:
                 forking = state.needs_fork and seq.index == 0
@@ -548,11 +501,11 @@ class LLMEngine:
         pending = self.runner.execute_async(sched, rows, prompt_logprobs)
         return _InFlight(sched, pending, now)
 
-    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+    def _complete(self, step: _InFlight) -> list[EngineCoreOutput]:
         """Wait for a launched step's results, feed them to the scheduler and the requests'
-        state, and return the outputs of the requests that progressed."""
+        state, and return what every sequence that progressed gained."""
         out = self.runner.collect(step.pending)
-        sched, now = step.sched, step.time
+        sched = step.sched
         owner = self._seq_owner
         forks: list[tuple[_RequestState, list[int], list[Any]]] = []
         to_scheduler: dict[str, list[int]] = {}
@@ -566,29 +519,30 @@ class LLMEngine:
             to_scheduler[seq_id] = tokens
         self.scheduler.update_from_output(sched, to_scheduler)
 
-        touched: dict[str, _RequestState] = {}
+        outputs: list[EngineCoreOutput] = []
+        prompt_chunks: dict[str, list] = {}
         for seq_id, chunk in out.prompt_logprobs.items():
             if seq_id in owner:
-                self._add_prompt_logprobs(owner[seq_id][0], chunk)
+                prompt_chunks[seq_id] = chunk
         forked_ids = set()
         for state, tokens, logprobs in forks:
             forked_ids.add(state.seqs[0].request.request_id)
-            self._fork(state, tokens, logprobs)
-            touched[state.request_id] = state
+            self._fork(state, tokens, logprobs, outputs, prompt_chunks.pop(state.request_id, None))
         for seq_id, tokens in to_scheduler.items():
             if seq_id in forked_ids:  # the fork above accounted for this sample
                 continue
             state, seq = owner[seq_id]
-            touched[state.request_id] = state
-            self._append_tokens(state, seq, tokens, out.logprobs.get(seq_id))
+            outputs.append(
+                self._append_tokens(
+                    state, seq, tokens, out.logprobs.get(seq_id), prompt_chunks.pop(seq_id, None)
+                )
+            )
+        for seq_id, chunk in prompt_chunks.items():  # a prompt chunk that sampled nothing
+            state, seq = owner[seq_id]
+            outputs.append(EngineCoreOutput(state.request_id, [], prompt_logprobs=chunk))
         if out.draft_token_ids:
             self._set_drafts(out.draft_token_ids)
-
-        return [
-            self._make_output(state, now)
-            for state in touched.values()
-            if not state.final_only or self._is_finished(state)
-        ]
+        return outputs
 
     # ------------------------------------------------------------------ helpers
     def _make_generator(self, params: SamplingParams, index: int) -> Any:
@@ -600,35 +554,14 @@ class LLMEngine:
         gen.manual_seed(params.seed + index)
         return gen
 
-    def _new_sequence(
+    def _fork(
         self,
-        index: int,
-        request: Request,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        generator: Any,
-    ) -> _Sequence:
-        from engine.detokenizer import IncrementalDetokenizer
-
-        detok = (
-            IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-            )
-            if params.detokenize and self.tokenizer is not None
-            else None
-        )
-        return _Sequence(
-            index=index,
-            request=request,
-            detokenizer=detok,
-            generator=generator,
-            logprobs=[] if params.logprobs is not None else None,
-        )
-
-    def _fork(self, state: _RequestState, tokens: list[int], logprobs: Any) -> None:
+        state: _RequestState,
+        tokens: list[int],
+        logprobs: Any,
+        outputs: list[EngineCoreOutput],
+        prompt_chunk: list | None,
+    ) -> None:
         """Split a parent that sampled ``n`` first tokens into ``n`` sequences."""
         parent = state.seqs[0]
         children = []
@@ -649,13 +582,7 @@ class LLMEngine:
                 mm_features=parent.request.mm_features,  # recomputed after a preemption
                 lora_id=parent.request.lora_id,
             )
-            seq = self._new_sequence(
-                i,
-                child,
-                state.prompt_token_ids,
-                state.params,
-                state.pending_child_generators[i - 1],
-            )
+            seq = _Sequence(i, child, state.pending_child_generators[i - 1])
             seq.matcher = child_matchers[i - 1]
             state.seqs.append(seq)
             self._seq_owner[child.request_id] = (state, seq)
@@ -666,7 +593,11 @@ class LLMEngine:
         for seq in state.seqs:
             token = tokens[seq.index]
             lp = [logprobs[seq.index]] if logprobs else None
-            self._append_tokens(state, seq, [token], lp)
+            outputs.append(
+                self._append_tokens(
+                    state, seq, [token], lp, prompt_chunk if seq.index == 0 else None
+                )
+            )
 
     def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Hand the drafts proposed after a step to the scheduler, for sequences still
@@ -685,31 +616,17 @@ class LLMEngine:
                 keep[seq_id] = tokens
         self.scheduler.update_draft_token_ids(keep)
 
-    def _add_prompt_logprobs(self, state: _RequestState, chunk: list) -> None:
-        if state.prompt_logprobs is None:
-            state.prompt_logprobs = [None]  # the first prompt token has no logprob
-        room = len(state.prompt_token_ids) - len(state.prompt_logprobs)
-        for entry in chunk[:room]:
-            if entry is not None:
-                self._decode_logprobs(entry)
-            state.prompt_logprobs.append(entry)
-
-    def _decode_logprobs(self, entry: dict[int, Logprob]) -> None:
-        if self.tokenizer is None:  # skip_tokenizer_init: decoded_token stays None (as vLLM)
-            return
-        for token_id, lp in entry.items():
-            if lp.decoded_token is None:
-                lp.decoded_token = self.tokenizer.decode([token_id])
-
     def _append_tokens(
         self,
         state: _RequestState,
         seq: _Sequence,
         tokens: list[int],
         logprobs: list[dict[int, Logprob]] | None,
-    ) -> None:
+        prompt_chunk: list | None = None,
+    ) -> EngineCoreOutput:
         """Account for newly sampled tokens (already appended to the scheduler's request),
-        detokenize them and check every stop condition. ``logprobs`` has one entry per token.
+        check the token-level stop conditions and return the sequence's output. ``logprobs``
+        has one entry per token.
 
         Several tokens come from a speculative verification; the first that ends the
         sequence (EOS, a stop token, ``max_tokens``, the grammar's end) is its last, and the
@@ -721,21 +638,20 @@ class LLMEngine:
             if keep < len(tokens):
                 del request.output_token_ids[len(request.output_token_ids) - len(tokens) + keep :]
                 tokens = tokens[:keep]
-        now = time.monotonic()
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.metrics.last_token_time = now
+                if logprobs:
+                    logprobs = logprobs[:keep]
         self._generation_tokens_total += len(tokens)
-        if logprobs and seq.logprobs is not None:
-            for token, entry in zip(tokens, logprobs, strict=False):
-                self._decode_logprobs(entry)
-                seq.logprobs.append(entry)
-                if token in entry:
-                    seq.cumulative_logprob += entry[token].logprob
-        new_text = ""
-        if seq.detokenizer is not None:
-            new_text = seq.detokenizer.add_tokens(tokens)
-            seq.text += new_text
+        out = EngineCoreOutput(
+            state.request_id,
+            tokens,
+            seq.index,
+            request.num_cached_tokens,
+            new_logprobs=list(logprobs) if logprobs else None,
+            prompt_logprobs=prompt_chunk,
+        )
+        if not state.reported_scheduled:
+            state.reported_scheduled = True
+            out.first_scheduled_time = state.first_scheduled_time
 
         num_out = request.num_output_tokens
         last = tokens[-1]
@@ -749,33 +665,21 @@ class LLMEngine:
                         request.request_id,
                         token,
                     )
-                    self._finish(state, seq, "abort", None)
-                    return
+                    return self._finish(state, seq, "abort", out)
             if seq.matcher.is_terminated():
                 # The grammar accepted its end (an EOS): the structured value is complete.
-                self._finish(state, seq, "stop", None if last in self.eos_token_ids else last)
-                return
+                out.stop_reason = None if last in self.eos_token_ids else last
+                return self._finish(state, seq, "stop", out)
         if not params.ignore_eos and last in self.eos_token_ids and num_out >= params.min_tokens:
-            self._finish(state, seq, "stop", None)
-            return
+            return self._finish(state, seq, "stop", out)
         if last in params.stop_token_ids and num_out >= params.min_tokens:
-            self._finish(state, seq, "stop", last)
-            return
-        if params.stop and seq.detokenizer is not None and num_out >= params.min_tokens:
-            from engine.detokenizer import check_stop_strings
-
-            hit = check_stop_strings(
-                seq.text, len(new_text), params.stop, params.include_stop_str_in_output
-            )
-            if hit is not None:
-                truncate_to, stop_str = hit
-                seq.text = seq.text[:truncate_to]
-                self._finish(state, seq, "stop", stop_str)
-                return
+            out.stop_reason = last
+            return self._finish(state, seq, "stop", out)
         if num_out >= request.max_tokens or (
             request.num_prompt_tokens + num_out >= self.max_model_len
         ):
-            self._finish(state, seq, "length", None)
+            return self._finish(state, seq, "length", out)
+        return out
 
     def _tokens_before_stop(self, state: _RequestState, seq: _Sequence, tokens: list[int]) -> int:
         """How many of ``tokens`` (the newest of the request's outputs) to keep: up to and
@@ -810,12 +714,13 @@ class LLMEngine:
         return keep
 
     def _finish(
-        self, state: _RequestState, seq: _Sequence, reason: str, stop_reason: int | str | None
-    ) -> None:
-        if seq.detokenizer is not None and not isinstance(stop_reason, str):
-            seq.text += seq.detokenizer.flush()  # an incomplete character held back, if any
+        self,
+        state: _RequestState,
+        seq: _Sequence,
+        reason: str,
+        out: EngineCoreOutput | None = None,
+    ) -> EngineCoreOutput | None:
         seq.finish_reason = reason
-        seq.stop_reason = stop_reason
         seq.matcher = None
         request = seq.request
         if request.num_output_placeholders:  # a step already scheduled past the end
@@ -828,54 +733,9 @@ class LLMEngine:
         }[reason]
         self.scheduler.finish_request(seq.request.request_id, status)
         self._seq_owner.pop(seq.request.request_id, None)
-
-    @staticmethod
-    def _is_finished(state: _RequestState) -> bool:
-        return not state.needs_fork and all(seq.finish_reason is not None for seq in state.seqs)
-
-    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
-        finished = self._is_finished(state)
-        completions, new_ids, new_texts = [], [], []
-        params = state.params
-        for seq in state.seqs:
-            ids = seq.request.output_token_ids
-            if seq.request.num_output_placeholders:
-                ids = ids[: seq.request.num_output_tokens]
-            visible = len(seq.text)
-            if seq.finish_reason is None and params.stop and not params.include_stop_str_in_output:
-                # Hold back a tail that may be the start of a stop string still to come.
-                visible -= pending_stop_chars(seq.text, params.stop)
-            visible = max(visible, seq.emitted_text_len)
-            new_texts.append(seq.text[seq.emitted_text_len : visible])
-            seq.emitted_text_len = visible
-            new_ids.append(list(ids[seq.emitted_token_len :]))
-            seq.emitted_token_len = len(ids)
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.text,
-                    token_ids=list(ids),
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=seq.logprobs,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        if finished:
-            state.finished = True
-            state.metrics.finished_time = now
+        if not state.needs_fork and all(s.finish_reason is not None for s in state.seqs):
             self._requests.pop(state.request_id, None)
             self._release_lora(state)
-        state.num_cached_tokens = state.seqs[0].request.num_cached_tokens
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            prompt_logprobs=state.prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=state.metrics,
-            new_token_ids=new_ids,
-            new_texts=new_texts,
-        )
+        if out is not None:
+            out.finish_reason = reason
+        return out

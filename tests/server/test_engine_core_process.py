@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import threading
 import time
@@ -144,8 +145,25 @@ def test_responses_equal_the_in_process_servers(one, server):
         want = httpx.post(server.base_url + path, json=body, timeout=60,
                           headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
         assert got.status_code == want.status_code == 200, (got.text, want.text)
-        assert got.json()["choices"] == want.json()["choices"], body
+        assert _same(got.json()["choices"], want.json()["choices"]), (body, got.text, want.text)
         assert got.json()["usage"] == want.json()["usage"]
+
+
+def _same(a, b) -> bool:
+    """Equal JSON, floats to 1e-4: the tokens, texts and structure must match exactly; the
+    logprobs may differ in the last digits, since the two engines may run with different CPU
+    thread counts (a matmul's reduction order changes with them)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return (
+            isinstance(a, (int, float))
+            and isinstance(b, (int, float))
+            and (math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5))
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def _engine_idle(base: str) -> tuple[bool, str]:
@@ -318,6 +336,7 @@ def test_killed_engine_core_fails_every_request_within_2_s_and_the_server_exits(
         results: dict[str, object] = {}
         first = threading.Event()
         ends: dict[int, float] = {}
+        finished: dict[int, float] = {}  # streams that completed normally, and when
 
         def stream(i: int) -> None:
             body = {"prompt": f"long {i}", "max_tokens": 240, "ignore_eos": True, "stream": True}
@@ -330,6 +349,8 @@ def test_killed_engine_core_fails_every_request_within_2_s_and_the_server_exits(
                         first.set()
                         if '"engine_dead"' in line:
                             ends[i] = time.monotonic()
+                        elif '"finish_reason":"' in line:
+                            finished[i] = time.monotonic()
             results[f"stream{i}"] = (r.status_code, lines)
 
         def plain() -> None:
@@ -348,7 +369,9 @@ def test_killed_engine_core_fails_every_request_within_2_s_and_the_server_exits(
         deadline = time.monotonic() + 30
         while True:
             text = httpx.get(server.base_url + "/metrics").text
-            if sum(metric_values(text, "engine:num_requests_waiting").values()) == 3:
+            # Kill once a request queues behind the running one (the tiny model may finish
+            # a whole stream before the others arrive: the exact queue state is not waited for).
+            if sum(metric_values(text, "engine:num_requests_waiting").values()) >= 1:
                 break
             assert time.monotonic() < deadline, text
             time.sleep(0.02)
@@ -360,10 +383,20 @@ def test_killed_engine_core_fails_every_request_within_2_s_and_the_server_exits(
         for i in range(3):  # the streams had started: the error comes in-band
             status, lines = results[f"stream{i}"]
             assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+            if i in finished:
+                # The running stream may complete between the metrics read and the kill (the
+                # tiny model is fast); then it must have completed before the kill.
+                assert finished[i] <= killed_at + 0.05 and i not in ends, (i, lines[-3:])
+                continue
             assert lines[-2].startswith("data: {") and '"engine_dead"' in lines[-2], lines[-3:]
             assert "killed by SIGKILL" in lines[-2]
         plain_r = results["plain"]
-        assert plain_r.status_code == 500 and plain_r.json()["error"]["code"] == "engine_dead"
+        if plain_r.status_code == 200:  # it ran and completed before the kill
+            assert ends[-1] <= killed_at + 0.05, "a request completed after its core was killed"
+            del ends[-1]
+        else:
+            assert plain_r.status_code == 500 and plain_r.json()["error"]["code"] == "engine_dead"
+        assert ends, "no request was in the core when it was killed"
         latency = max(ends.values()) - killed_at
         assert latency < 2.0, f"the errors took {latency:.2f} s"
         others = [p for p in server.descendants() if p.pid != core.pid]

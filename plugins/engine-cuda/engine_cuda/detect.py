@@ -2,9 +2,10 @@
 
 Tried in order, stopping at the first that answers: the driver's ``/proc/driver/nvidia/gpus``
 directory, NVML through ``pynvml`` (from the ``nvidia-ml-py`` package, when installed), and
-``nvidia-smi -L``. ``/proc`` comes first because it maps no library into the process: on the
-H200 machine (driver 580) ``nvmlInit`` mapped ``libcuda.so``, which the conformance kit's
-detection-is-cheap check caught. Each failure is kept as a note for the "why not" message.
+``nvidia-smi -L``. ``/proc`` comes first because reading it maps no library into the process:
+on the H200 machine (driver 580), with NVML probed first, the conformance kit's
+detection-is-cheap check found ``libcuda.so`` mapped after detection; with ``/proc`` first it
+passes. Each failure is kept as a note for the "why not" message.
 """
 
 from __future__ import annotations

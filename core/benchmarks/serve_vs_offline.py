@@ -314,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             if name == "offline":
                 offline_tps, offline_cpu = best, cpu_per_k
             share = f" = {100 * best / offline_tps:5.1f}%" if offline_tps else ""
-            cpu_share = f" = {100 * offline_cpu / cpu_per_k:5.1f}%" if offline_cpu else ""
+            # No share when a run's CPU time rounds to 0 (too short for the clock to see).
+            cpu_share = (
+                f" = {100 * offline_cpu / cpu_per_k:5.1f}%" if offline_cpu and cpu_per_k else ""
+            )
             client = ""
             if "client_cpu" in runs[0]:
                 front_k = min(1000 * r["front_end_cpu"] / r["tokens"] for r in runs)

@@ -3,6 +3,7 @@
 #
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
+# GPU_TEST_WORKERS=N runs the tests step on N pytest-xdist workers.
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
 # llama-nano, profile; optional: conformance, spread, linear, kprofile, serve (HTTP against
 # offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
@@ -32,6 +33,14 @@ JSONS=()
 # The pyproject files use PEP 639's SPDX `license = "..."`, which needs setuptools >= 77 to build.
 python3 -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
   || { echo "INSTALL FAILED: setuptools >= 77 needed (pip install 'setuptools>=77')"; exit 1; }
+# Python packages the GPU image lacks (fastapi, uvicorn, pydantic, pyzmq, msgspec, gguf, xgrammar...)
+# travel as wheels in .whl/ (docs/testing.md says how to fetch them) and go onto PYTHONPATH.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/tmp/wheels.log 2>&1 \
+    || { echo "WHEELS FAILED"; tail -20 /tmp/wheels.log; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index \
   -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
   || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
@@ -66,10 +75,14 @@ for step in "${steps[@]}"; do
   case $step in
     tests)
       echo "=== GPU tests at $(elapsed)s"
-      timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider \
-        tests/triton_kernels tests/gpu -m "gpu or triton" >"$OUT/tests.log" 2>&1
+      # GPU_TEST_WORKERS=N spreads the test files over N pytest-xdist processes on the one GPU
+      # (the tests size their KV caches by block count, so they fit side by side).
+      xdist=()
+      [ "${GPU_TEST_WORKERS:-1}" -gt 1 ] && xdist=(-n "$GPU_TEST_WORKERS" --dist loadfile)
+      timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" \
+        -rfE tests/triton_kernels tests/gpu -m "gpu or triton" ${GPU_TEST_ARGS:-} >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
-      tail -15 "$OUT/tests.log"
+      tail -40 "$OUT/tests.log"
       ;;
     conformance)  # the conformance kit on cuda and on triton (reports: conformance-*.md)
       for plugin in cuda triton; do

@@ -259,9 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                     max_position_embeddings=args.max_model_len,
                 )
             )
-        from transformers import AutoTokenizer
+        from engine.config import ModelConfig
+        from engine.tokenizer import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(model)
+        # The engine's own loader: a .gguf file's tokenizer is converted and cached there.
+        tok = load_tokenizer(ModelConfig(model=str(model)))
         prompts = _prompts(
             len(tok), set(tok.all_special_ids), args.num_prompts, args.input_len, args.seed
         )

@@ -144,7 +144,7 @@ async def render_chat_request(
 
 
 async def start_chat(
-    ctx: ServingContext, req: ChatCompletionRequest, id_prefix: str = "chatcmpl"
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str | None = None
 ) -> ChatRun:
     """Validate a chat request, render its prompt and add it to the engine (a 400/404 naming
     the field when it cannot be served). The OpenAI and Anthropic routes both start here."""
@@ -174,7 +174,7 @@ async def start_chat(
     if tool_plan.json_schema is not None:
         _force_tool_schema(req, params, tool_plan.json_schema)
 
-    request_id = random_id(id_prefix)
+    request_id = request_id or random_id("chatcmpl")
     engine = ctx.async_engine
     channel = engine.open_channel(stream=req.stream)
     rid = f"{request_id}-0"

@@ -471,3 +471,27 @@ def test_tool_use_stream_events(scripted):
                    if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]  # fmt: skip
     assert [json.loads(j) for j in json_deltas] == [{"city": "Paris"}, {"tz": "CET"}]
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+# ------------------------------------------------------------ the OpenAPI document
+
+
+def test_openapi_documents_the_messages_routes(http, server):
+    spec = http.get("/openapi.json").json()
+    anthropic_envelope = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        post = spec["paths"][path]["post"]
+        for status in ("400", "401", "404", "413", "500", "503"):
+            schema = post["responses"][status]["content"]["application/json"]["schema"]
+            assert schema == anthropic_envelope, (path, status)
+        assert {"bearer": []} in post["security"] and {"apiKey": []} in post["security"]
+    assert spec["components"]["securitySchemes"]["apiKey"]["name"] == "x-api-key"
+    messages = spec["paths"]["/v1/messages"]["post"]["responses"]["200"]["content"]
+    assert set(messages) == {"application/json", "text/event-stream"}
+    request = spec["components"]["schemas"]["MessagesRequest"]
+    assert {"model", "messages", "max_tokens"} <= set(request["required"])
+    max_tokens = request["properties"]["max_tokens"]
+    assert max_tokens["maximum"] == server.server.state.ctx.max_model_len - 1
+    # The OpenAI routes keep OpenAI's envelope.
+    chat = spec["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]
+    assert chat["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")

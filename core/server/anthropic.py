@@ -164,18 +164,11 @@ def _chat_messages(message: AnthropicMessage, index: int) -> list[dict[str, Any]
 
 
 def _function_tools(tools: list[AnthropicTool]) -> list[dict[str, Any]]:
-    """Anthropic tools as the chat path's function tools (names checked here, so that a 400
-    names the Anthropic field)."""
+    """Anthropic tools as the chat path's function tools (duplicate names checked here, so
+    that the 400 names the Anthropic field)."""
     out = []
     seen: set[str] = set()
     for i, tool in enumerate(tools):
-        if not all(c.isascii() and (c.isalnum() or c in "_-") for c in tool.name) or not (
-            1 <= len(tool.name) <= 64
-        ):
-            raise bad_request(
-                f"tools.{i}.name must be 1-64 letters, digits, '_' or '-', got {tool.name!r}",
-                f"tools.{i}.name",
-            )
         if tool.name in seen:
             raise bad_request(f"tools.{i}.name: duplicate tool name {tool.name!r}", "tools")
         seen.add(tool.name)

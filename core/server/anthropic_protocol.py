@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from engine.server.protocol import FLOAT32_TINY, NonEmptyText, Positive, _Body, _Request
 
@@ -67,24 +67,47 @@ class ToolResultBlock(_Body):
     is_error: bool = False
 
 
-ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+
+
+class UserMessage(_Body):
+    """A user turn: a string, or ``text``, ``image`` and ``tool_result`` blocks."""
+
+    role: Literal["user"]
+    content: str | Annotated[list[UserBlock], Field(min_length=1)]
+
+
+class AssistantMessage(_Body):
+    """An assistant turn: a string, or ``text`` and ``tool_use`` blocks. A last assistant
+    turn is a prefill: the response continues it."""
+
+    role: Literal["assistant"]
+    content: str | Annotated[list[AssistantBlock], Field(min_length=1)]
+
+
+def _role(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return {"user": "UserMessage", "assistant": "AssistantMessage"}.get(role)
+
+
+# The role decides which blocks a turn takes, so that the schema states it too.
+AnthropicMessage = Annotated[
+    Annotated[UserMessage, Tag("UserMessage")]
+    | Annotated[AssistantMessage, Tag("AssistantMessage")],
+    Discriminator(
+        _role,
+        custom_error_type="invalid_role",
+        custom_error_message="role must be 'user' or 'assistant'",
+    ),
 ]
-
-
-class AnthropicMessage(_Body):
-    """One turn: ``role`` user or assistant, ``content`` a string or content blocks. A last
-    assistant turn is a prefill: the response continues it."""
-
-    role: Literal["user", "assistant"]
-    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
 
 class AnthropicTool(_Body):
     """A client tool: ``name``, ``description`` and the JSON schema of its ``input``."""
 
     type: Literal["custom"] | None = None
-    name: NonEmptyText
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     input_schema: dict[str, Any]
 

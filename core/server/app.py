@@ -16,6 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.server.anthropic import count_message_tokens, create_message
+from engine.server.anthropic_protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+)
 from engine.server.async_engine import AsyncEngine
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
@@ -192,6 +199,22 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         ctx = state.require_ctx()
         _warn_extra(body)
         return await create_chat_completion(ctx, body, request)
+
+    @app.post("/v1/messages", response_model=MessagesResponse, tags=["anthropic"])
+    async def messages(body: MessagesRequest, request: Request):
+        """Anthropic's Messages API through the chat template (``stream=true`` answers
+        Anthropic's server-sent events); errors in Anthropic's envelope."""
+        ctx = state.require_ctx()
+        _warn_extra(body)
+        return await create_message(ctx, body, request)
+
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, tags=["anthropic"])
+    async def count_tokens(body: CountTokensRequest) -> CountTokensResponse:
+        """The ``input_tokens`` a Messages request with these messages, system prompt and tools
+        would have."""
+        ctx = state.require_ctx()
+        _warn_extra(body)
+        return await count_message_tokens(ctx, body)
 
     @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

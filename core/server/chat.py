@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -83,15 +84,24 @@ def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
     return req.max_tokens, "max_tokens"
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
-    """Serve one chat completions request."""
-    model = ctx.check_model(req.model)
-    lora = ctx.lora_request(model)
-    max_tokens, max_tokens_param = _max_tokens(req)
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+@dataclass
+class ChatRun:
+    """A chat request added to the engine: what its response is built from.
+
+    ``prompt_ids`` are the tokens the engine sees (the usage's prompt tokens); ``channel``
+    delivers the outputs of engine request ``rid``.
+    """
+
+    request_id: str
+    rid: str
+    model: str
+    prompt_ids: list[int]
+    tool_plan: ToolPlan
+    channel: OutputChannel
+
+
+def plan_chat_tools(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan:
+    """The request's tool plan (``plan_tool_use`` with the server's parser flags)."""
     tool_plan = plan_tool_use(
         req.tools,
         req.tool_choice,
@@ -99,22 +109,24 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         parallel_tool_calls=req.parallel_tool_calls,
         exclude_tools_when_tool_choice_none=ctx.options.exclude_tools_when_tool_choice_none,
     )
-
     if (
         tool_plan.parser is not None
         and tool_plan.parser.needs_special_tokens
         and "skip_special_tokens" not in req.model_fields_set
     ):
         req.skip_special_tokens = False  # keep call markers that are special tokens
-    if req.stream and req.prompt_logprobs is not None:
-        raise bad_request(
-            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
-        )
+    return tool_plan
+
+
+async def render_chat_request(
+    ctx: ServingContext, req: ChatCompletionRequest, template_tools: list[dict] | None
+) -> tuple[str | None, list[int], list[Any]]:
+    """The prompt text (None once truncated), token ids and images the engine gets."""
     prompt, ids, images = await ctx.render_chat_prompt(
         req.messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
-        tools=tool_plan.template_tools,
+        tools=template_tools,
         chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs,
     )
@@ -127,7 +139,28 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 "truncate_prompt_tokens cannot be used with image inputs (it would cut images)",
                 "truncate_prompt_tokens",
             )
-        ids, prompt = truncated, None  # the text no longer matches the ids
+        return None, truncated, images  # the text no longer matches the ids
+    return prompt, ids, images
+
+
+async def start_chat(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str | None = None
+) -> ChatRun:
+    """Validate a chat request, render its prompt and add it to the engine (a 400/404 naming
+    the field when it cannot be served). The OpenAI and Anthropic routes both start here."""
+    model = ctx.check_model(req.model)
+    lora = ctx.lora_request(model)
+    max_tokens, max_tokens_param = _max_tokens(req)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", max_tokens_param)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    tool_plan = plan_chat_tools(ctx, req)
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
+    prompt, ids, images = await render_chat_request(ctx, req, tool_plan.template_tools)
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(ids))
     ctx.check_prompt_fits(len(ids), max_tokens, param="messages")
@@ -141,7 +174,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if tool_plan.json_schema is not None:
         _force_tool_schema(req, params, tool_plan.json_schema)
 
-    request_id = random_id("chatcmpl")
+    request_id = request_id or random_id("chatcmpl")
     engine = ctx.async_engine
     channel = engine.open_channel(stream=req.stream)
     rid = f"{request_id}-0"
@@ -164,6 +197,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         # A schema/regex/grammar the engine cannot compile: name the field the client used.
         field = structured_outputs_field(req) or ("tool_choice" if tool_plan.json_schema else None)
         raise rename_param(from_engine_error(e), field) from None
+    return ChatRun(request_id, rid, model, ids, tool_plan, channel)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
+    """Serve one chat completions request."""
+    run = await start_chat(ctx, req)
+    request_id, rid, model, channel, tool_plan = (
+        run.request_id, run.rid, run.model, run.channel, run.tool_plan
+    )  # fmt: skip
+    ids, top_n = run.prompt_ids, req.top_logprobs or 0
 
     created = int(time.time())
     role = _response_role(req)

@@ -4,6 +4,12 @@ Every error the server returns has the body
 ``{"error": {"message": str, "type": str, "param": str | None, "code": str | None}}``.
 Validation failures are 400 (never FastAPI's default 422), so OpenAI clients raise their usual
 ``BadRequestError``.
+
+The Anthropic Messages routes (``/v1/messages...``) answer the same errors in Anthropic's
+envelope instead, ``{"type": "error", "error": {"type": str, "message": str}}``, with
+Anthropic's type names (``not_found_error``, ``api_error``, ``overloaded_error``...), so that
+Anthropic clients raise their own typed errors. Which envelope is a question of the path only
+(``error_body_for``), so the middleware that answers before any route runs gets it right too.
 """
 
 from __future__ import annotations
@@ -29,6 +35,27 @@ _TYPES = {
     503: "service_unavailable",
 }
 
+# Anthropic's error types by status. Its own overload status is 529; this server says 503
+# (starting, draining) and keeps that status, with Anthropic's type for it.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def uses_anthropic_envelope(path: str) -> bool:
+    """Whether errors on ``path`` take Anthropic's envelope (the Messages API routes)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
 
 class APIError(Exception):
     """An error answered to the client with ``status_code`` and the OpenAI envelope."""
@@ -53,6 +80,18 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's envelope: its type for the status, and the message."""
+        status = self.status_code
+        kind = _ANTHROPIC_TYPES.get(
+            status, "api_error" if status >= 500 else "invalid_request_error"
+        )
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The envelope the route at ``path`` answers errors in."""
+        return self.anthropic_body() if uses_anthropic_envelope(path) else self.body()
+
 
 def _encodable(text: str) -> str:
     """``text`` with lone surrogates written as ``\\udXXX`` escapes, so that an error quoting
@@ -72,10 +111,10 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(err: APIError) -> JSONResponse:
-    """A JSON response carrying ``err``."""
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """A JSON response carrying ``err``, in the envelope of the route at ``path``."""
     headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
-    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+    return JSONResponse(err.body_for(path), status_code=err.status_code, headers=headers)
 
 
 def from_engine_error(exc: BaseException) -> APIError:
@@ -276,16 +315,17 @@ def _is_type_tag(part: str) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make every error (validation, HTTP, engine, unexpected) answer the OpenAI envelope."""
+    """Make every error (validation, HTTP, engine, unexpected) answer the OpenAI envelope, or
+    Anthropic's on the Messages routes."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(_name_missing_body(request, exc.errors()))
-        return error_response(bad_request(message, param=param))
+        return error_response(bad_request(message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -296,7 +336,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 message += " (start the server with --enable-tokenizer-info-endpoint)"
         elif exc.status_code == 405:
             message = f"method {request.method} not allowed on {request.url.path!r}"
-        response = error_response(APIError(exc.status_code, message))
+        response = error_response(APIError(exc.status_code, message), request.url.path)
         for name, value in (exc.headers or {}).items():  # 405's Allow (RFC 9110)
             response.headers[name] = value
         return response

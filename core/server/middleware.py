@@ -17,9 +17,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.server.errors import APIError, unexpected_error
 
 
-async def send_error(send: Send, err: APIError) -> None:
-    """Answer ``err`` with the OpenAI envelope without involving the app."""
-    body = json.dumps(err.body()).encode()
+async def send_error(send: Send, err: APIError, path: str = "") -> None:
+    """Answer ``err`` without involving the app, in the envelope of the route at ``path``
+    (OpenAI's, or Anthropic's on the Messages routes)."""
+    body = json.dumps(err.body_for(path)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -38,7 +39,8 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <key>`` on ``/v1`` routes (constant-time compare)."""
+    """Require an API key on ``/v1`` routes (constant-time compare): ``Authorization: Bearer
+    <key>`` as OpenAI clients send it, or ``x-api-key: <key>`` as Anthropic clients do."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
@@ -52,17 +54,24 @@ class APIKeyMiddleware:
             and scope["method"] != "OPTIONS"
         ):
             auth = _header(scope, b"authorization") or b""
+            x_api_key = _header(scope, b"x-api-key")
             scheme, _, token = auth.partition(b" ")
-            ok = scheme.lower() == b"bearer" and any(
-                hmac.compare_digest(token.strip(), key) for key in self._keys
-            )
+            offered = [token.strip()] if scheme.lower() == b"bearer" else []
+            if x_api_key is not None:
+                offered.append(x_api_key.strip())
+            # Every offered key is compared with every key, so the time says nothing either.
+            ok = False
+            for candidate in offered:
+                for key in self._keys:
+                    ok |= hmac.compare_digest(candidate, key)
             if not ok:
                 message = (
-                    "Missing API key: send 'Authorization: Bearer <key>'."
-                    if not auth
+                    "Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
+                    if not auth and x_api_key is None
                     else "Incorrect API key provided."
                 )
-                await send_error(send, APIError(401, message, code="invalid_api_key"))
+                err = APIError(401, message, code="invalid_api_key")
+                await send_error(send, err, scope["path"])
                 return
         await self.app(scope, receive, send)
 
@@ -95,10 +104,11 @@ class BodyLimitMiddleware:
             try:
                 declared = int(length)
             except ValueError:
-                await send_error(send, APIError(400, "invalid Content-Length header"))
+                err = APIError(400, "invalid Content-Length header")
+                await send_error(send, err, scope["path"])
                 return
             if declared > self.max_bytes:
-                await send_error(send, self._too_large())
+                await send_error(send, self._too_large(), scope["path"])
                 return
             await self.app(scope, receive, send)
             return
@@ -115,7 +125,7 @@ class BodyLimitMiddleware:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_bytes:
-                await send_error(send, self._too_large())
+                await send_error(send, self._too_large(), scope["path"])
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -143,13 +153,13 @@ class AdmissionMiddleware:
         if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
             err = self._refusal()
             if err is not None:
-                await send_error(send, err)
+                await send_error(send, err, scope["path"])
                 return
         await self.app(scope, receive, send)
 
 
 class UnexpectedErrorMiddleware:
-    """Answer an exception that escaped the routes with a complete 500 in the OpenAI envelope.
+    """Answer an exception that escaped the routes with a complete 500 in the route's envelope.
 
     It sits inside the app, so the exception ends here: the response is whole (with its
     ``Content-Length``) and the keep-alive connection stays usable. (A handler registered for
@@ -181,4 +191,4 @@ class UnexpectedErrorMiddleware:
         except Exception as exc:  # noqa: BLE001 - the catch-all is this class's purpose
             if started:
                 raise
-            await send_error(send, unexpected_error(exc))
+            await send_error(send, unexpected_error(exc), scope["path"])

@@ -5,8 +5,10 @@ answers 422 and does answer 400/401/404/413/500/503 with the OpenAI error envelo
 module builds the document from FastAPI's and then:
 
 - replaces ``422`` by the statuses each route really answers, each with the ``ErrorResponse``
-  schema (``401`` and the bearer security scheme only when ``--api-key`` is set);
-- documents ``text/event-stream`` next to JSON for the generation routes (``stream: true``);
+  schema, or ``AnthropicErrorResponse`` on the Anthropic Messages routes (``401`` and the
+  security schemes, bearer or ``x-api-key``, only when ``--api-key`` is set);
+- documents ``text/event-stream`` next to JSON for the generation routes (``stream: true``):
+  OpenAI's ``data:`` chunks ending in ``[DONE]``, or Anthropic's named events;
 - writes the served model's limits into the request schemas once the engine is loaded: the
   largest ``n``, ``logprobs``, ``top_logprobs`` and ``prompt_logprobs``, token ids below the
   vocabulary, ``logit_bias`` keys that are token ids, ``max_tokens`` and
@@ -27,14 +29,17 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from engine.server.anthropic_protocol import AnthropicErrorResponse
 from engine.server.chat_template import reserved_template_args
+from engine.server.errors import uses_anthropic_envelope
 from engine.server.protocol import INT64_MAX, INT64_MIN, ErrorResponse
 
 _ENVELOPE = {"$ref": "#/components/schemas/ErrorResponse"}
+_ANTHROPIC_ENVELOPE = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 _DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a wrong type or value (`param` names the field), "
     "or a prompt too long for the context (`code: context_length_exceeded`).",
-    401: "Missing or wrong API key (`Authorization: Bearer KEY`).",
+    401: "Missing or wrong API key (`Authorization: Bearer KEY` or `x-api-key: KEY`).",
     404: "Unknown model (`code: model_not_found`).",
     413: "Request body over `--max-request-body-bytes`.",
     500: "The engine failed (`code: engine_dead`), or an unexpected server error.",
@@ -44,6 +49,8 @@ _DESCRIPTIONS = {
 _ROUTE_ERRORS = {
     ("post", "/v1/completions"): (400, 404, 413, 500, 503),
     ("post", "/v1/chat/completions"): (400, 404, 413, 500, 503),
+    ("post", "/v1/messages"): (400, 404, 413, 500, 503),
+    ("post", "/v1/messages/count_tokens"): (400, 404, 413, 500, 503),
     ("post", "/tokenize"): (400, 404, 413, 500, 503),
     ("post", "/detokenize"): (400, 404, 413, 500, 503),
     ("get", "/v1/models"): (500, 503),
@@ -53,6 +60,16 @@ _ROUTE_ERRORS = {
     ("get", "/version"): (),
 }
 _STREAMING = ("/v1/completions", "/v1/chat/completions")
+_ANTHROPIC_EVENTS = (
+    "message_start",
+    "content_block_start",
+    "ping",
+    "content_block_delta",
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+    "error",
+)
 
 
 class ServedLimits:
@@ -127,7 +144,13 @@ def build_document(app: FastAPI, limits: ServedLimits | None, api_keys: bool) ->
             _document_responses(method, path, operation, api_keys)
     if api_keys:
         doc["components"]["securitySchemes"] = {
-            "bearer": {"type": "http", "scheme": "bearer", "description": "--api-key"}
+            "bearer": {"type": "http", "scheme": "bearer", "description": "--api-key"},
+            "apiKey": {
+                "type": "apiKey",
+                "in": "header",
+                "name": "x-api-key",
+                "description": "--api-key, as Anthropic clients send it",
+            },
         }
     if limits is not None:
         _served_limits(schemas, limits)
@@ -135,9 +158,12 @@ def build_document(app: FastAPI, limits: ServedLimits | None, api_keys: bool) ->
 
 
 def _error_schemas() -> dict[str, Any]:
-    schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = schema.pop("$defs", {})
-    return {"ErrorResponse": schema, **defs}
+    out: dict[str, Any] = {}
+    for model in (ErrorResponse, AnthropicErrorResponse):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
 
 
 def _document_responses(method: str, path: str, operation: dict, api_keys: bool) -> None:
@@ -146,11 +172,12 @@ def _document_responses(method: str, path: str, operation: dict, api_keys: bool)
     errors = list(_ROUTE_ERRORS.get((method, path), (400, 500, 503)))
     if api_keys and path.startswith("/v1"):
         errors.append(401)
-        operation["security"] = [{"bearer": []}]
+        operation["security"] = [{"bearer": []}, {"apiKey": []}]  # either one
+    envelope = _ANTHROPIC_ENVELOPE if uses_anthropic_envelope(path) else _ENVELOPE
     for status in sorted(errors):
         responses[str(status)] = {
             "description": _DESCRIPTIONS[status],
-            "content": {"application/json": {"schema": _ENVELOPE}},
+            "content": {"application/json": {"schema": envelope}},
         }
     if path == "/health":
         responses["200"] = {"description": "Serving requests (an empty body)."}
@@ -179,6 +206,28 @@ def _document_responses(method: str, path: str, operation: dict, api_keys: bool)
                             },
                         ]
                     }
+                },
+            }
+        }
+
+    if path == "/v1/messages" and "200" in responses:
+        content = responses["200"].setdefault("content", {})
+        content["text/event-stream"] = {
+            "schema": {
+                "type": "object",
+                "description": "With `stream: true`, Anthropic's events: `message_start`, per "
+                "content block `content_block_start`, its `content_block_delta`s and "
+                "`content_block_stop` (a `ping` after the first block starts), `message_delta` "
+                "(stop reason, usage), `message_stop`; an `error` event on failure. `data` is "
+                "the JSON event, whose `type` is the event's name.",
+                "required": ["event", "data"],
+                "properties": {
+                    "event": {"enum": list(_ANTHROPIC_EVENTS)},
+                    "data": {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"type": "object", "required": ["type"]},
+                    },
                 },
             }
         }
@@ -218,6 +267,9 @@ def _served_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
         _integers(props["max_tokens"], maximum=limits.max_model_len - 1)
         _integers(props["min_tokens"], maximum=limits.max_model_len - 1)
         _logit_bias_keys(props["logit_bias"], limits.row_limit)
+    # A prompt has at least one token, so at most max_model_len - 1 can be generated.
+    _integers(schemas["MessagesRequest"]["properties"]["max_tokens"],
+              maximum=limits.max_model_len - 1)  # fmt: skip
     completion = schemas["CompletionRequest"]["properties"]
     _integers(completion["logprobs"], maximum=limits.max_logprobs)
     _prompt(completion["prompt"], limits)

@@ -8,6 +8,7 @@ from engine.version import PLUGIN_API_VERSION, __version__
 __all__ = [
     "LLM",
     "SamplingParams",
+    "BeamSearchParams",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
@@ -20,6 +21,7 @@ __all__ = [
 _LAZY = {
     "LLM": ("engine.llm", "LLM"),
     "SamplingParams": ("engine.sampling_params", "SamplingParams"),
+    "BeamSearchParams": ("engine.beam_search", "BeamSearchParams"),
     "StructuredOutputsParams": ("engine.sampling_params", "StructuredOutputsParams"),
     "RequestOutput": ("engine.outputs", "RequestOutput"),
     "CompletionOutput": ("engine.outputs", "CompletionOutput"),

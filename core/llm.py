@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, logprob_dict
 from engine.config import (
     CacheConfig,
     ConfigError,
@@ -297,6 +298,86 @@ class LLM:
             batch.append((request_id, text, params, ids, prio, None, True, images, loras[i]))
         engine.add_requests(batch)  # all or none
         return self._run([r[0] for r in batch], use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``); one ``BeamSearchOutput``
+        per prompt, its ``beam_width`` sequences best first.
+
+        The search runs above the engine (``engine.beam_search``): each step is one
+        ``generate`` call with one single-token request per live beam of every prompt, and the
+        beams' common prefixes are shared through the prefix cache. Prompts as in
+        ``generate`` (images excepted)."""
+        from engine.beam_search import BeamSearch, check_beam_width
+
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError("params must be a BeamSearchParams", "params")
+        params.validate()
+        engine = self.llm_engine
+        eos = list(engine.eos_token_ids)
+        check_beam_width(params, len(set(eos)), int(engine.config.max_logprobs))
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        searches = []
+        for prompt in prompts:
+            text, ids, images = self._parse_prompt(prompt)
+            if images:
+                raise InvalidRequestError("beam search takes no image inputs", "prompts")
+            if ids is None:
+                if engine.tokenizer is None:
+                    raise InvalidRequestError(
+                        "text prompts need a tokenizer (skip_tokenizer_init=True)", "prompts"
+                    )
+                ids = list(engine.tokenizer(text).input_ids)
+            if len(ids) + params.max_tokens > engine.max_model_len:
+                raise InvalidRequestError(
+                    f"a prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds "
+                    f"the model's context ({engine.max_model_len} tokens)",
+                    "max_tokens",
+                )
+            searches.append(BeamSearch(ids, params, eos))
+        max_logprobs = int(engine.config.max_logprobs)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=params.max_tokens, desc="Beam search steps", dynamic_ncols=True)
+        try:
+            while True:
+                live = [(s, lora) for s, lora in zip(searches, loras, strict=True) if not s.done]
+                if not live:
+                    break
+                batch, batch_params, batch_loras, owners = [], [], [], []
+                for search, lora in live:
+                    step = search.step_params(max_logprobs)
+                    for seq in search.live_sequences():
+                        batch.append((None, seq, []))
+                        batch_params.append(step)
+                        batch_loras.append(lora)
+                    owners.append((search, len(search.live_sequences())))
+                outputs = self._generate_parsed(batch, batch_params, False, None, batch_loras)
+                at = 0
+                for search, count in owners:
+                    scored = outputs[at : at + count]
+                    at += count
+                    search.advance([logprob_dict(o.outputs[0].logprobs[0]) for o in scored])
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        tokenizer = engine.tokenizer
+        decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
+        return [search.results(decode) for search in searches]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the model's recommended defaults from its

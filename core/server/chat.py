@@ -164,6 +164,8 @@ async def start_chat(
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(ids))
     ctx.check_prompt_fits(len(ids), max_tokens, param="messages")
+    if req.use_beam_search:
+        return await _beam_search(ctx, req, raw, model, lora, ids, images, max_tokens)
     top_n = req.top_logprobs or 0
     params = ctx.sampling_params(
         req,
@@ -266,6 +268,58 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         choices=choices,
         usage=usage,
         prompt_logprobs=prompt_logprobs,
+    )
+
+
+async def _beam_search(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    raw: Request,
+    model: str,
+    lora: Any,
+    ids: list[int],
+    images: list[Any],
+    max_tokens: int,
+):
+    """``use_beam_search``: ``n`` replies, best first (``engine.server.beam``); their text is
+    plain content (tool calls are not parsed)."""
+    from engine.server.beam import beam_search_params, run_beam_search
+
+    if images:
+        raise bad_request("use_beam_search takes no image inputs", "messages")
+    params = beam_search_params(ctx, req, max_tokens)
+    request_id = random_id("chatcmpl")
+    try:
+        [result] = await unless_disconnected(
+            run_beam_search(ctx, request_id, [ids], params, lora, req.priority), raw
+        )
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    except APIError:
+        raise
+    except Exception as e:
+        raise from_engine_error(e) from e
+    role = _response_role(req)
+    echo_text = _echo_text(req, role) if req.echo else ""
+    choices = []
+    completion_tokens = 0
+    for j, seq in enumerate(result.sequences):
+        completion_tokens += len(seq.output_tokens)
+        choices.append(
+            ChatCompletionChoice(
+                index=j,
+                message=ChatResponseMessage(role=role, content=echo_text + (seq.text or "")),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+        )
+    usage = UsageInfo(
+        prompt_tokens=len(ids),
+        completion_tokens=completion_tokens,
+        total_tokens=len(ids) + completion_tokens,
+    )
+    return ChatCompletionResponse(
+        id=request_id, created=int(time.time()), model=model, choices=choices, usage=usage
     )
 
 

@@ -124,6 +124,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
             ids, texts[-1] = truncated, None  # echo shows the tokens kept
         token_ids.append(ids)
 
+    if req.use_beam_search:
+        if echo_only:
+            raise bad_request("max_tokens must be >= 1 with use_beam_search", "max_tokens")
+        return await _beam_search(ctx, req, raw, model, lora, texts, token_ids)
+
     # vLLM's rule: prompt_logprobs when asked, else echo's logprobs cover the prompt too.
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo:
@@ -293,6 +298,59 @@ async def _stream(
     finally:
         channel.abort()  # no-op when everything finished; frees KV blocks on disconnect
     yield DONE
+
+
+async def _beam_search(
+    ctx: ServingContext,
+    req: CompletionRequest,
+    raw: Request,
+    model: str,
+    lora: Any,
+    texts: list[str | None],
+    token_ids: list[list[int]],
+):
+    """``use_beam_search``: ``n`` sequences per prompt, best first (``engine.server.beam``)."""
+    from engine.server.beam import beam_search_params, run_beam_search
+
+    longest = max(len(ids) for ids in token_ids)
+    max_tokens = req.max_tokens or ctx.max_model_len - longest
+    for ids in token_ids:
+        ctx.check_prompt_fits(len(ids), max_tokens)
+    params = beam_search_params(ctx, req, max_tokens)
+    request_id = random_id("cmpl")
+    try:
+        results = await unless_disconnected(
+            run_beam_search(ctx, request_id, token_ids, params, lora, req.priority), raw
+        )
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    except APIError:
+        raise
+    except Exception as e:
+        raise from_engine_error(e) from e
+    choices = []
+    completion_tokens = 0
+    for p, (text, ids, result) in enumerate(zip(texts, token_ids, results, strict=True)):
+        prefix = (text if text is not None else ctx.decode(ids)) if req.echo else ""
+        for j, seq in enumerate(result.sequences):
+            completion_tokens += len(seq.output_tokens)
+            choices.append(
+                CompletionChoice(
+                    index=p * req.n + j,
+                    text=prefix + (seq.text or ""),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+    prompt_tokens = sum(len(ids) for ids in token_ids)
+    usage = UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+    return CompletionResponse(
+        id=request_id, created=int(time.time()), model=model, choices=choices, usage=usage
+    )
 
 
 def _as_dict(lp: CompletionLogprobs) -> dict[str, Any]:

@@ -249,6 +249,11 @@ class SamplingFields(_Request):
     priority: Int64 = 0
     # vLLM's: logprob tokens as "token_id:<id>" (exact ids, for clients that compare tokens).
     return_tokens_as_token_ids: bool = False
+    # vLLM's beam search extension (engine.server.beam): n is the beam width and the number
+    # of sequences returned; early_stopping is transformers' (true, false or "never").
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX)
+    early_stopping: bool | Literal["never"] = "never"
     # Structured outputs (see engine.server.structured): OpenAI's response_format, vLLM's
     # structured_outputs, or vLLM's older guided_* fields; at most one of them.
     response_format: Annotated[dict[str, Any], WithJsonSchema(_RESPONSE_FORMAT)] | None = None

@@ -143,11 +143,22 @@ async def render_chat_request(
     return prompt, ids, images
 
 
-async def start_chat(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str | None = None
-) -> ChatRun:
-    """Validate a chat request, render its prompt and add it to the engine (a 400/404 naming
-    the field when it cannot be served). The OpenAI and Anthropic routes both start here."""
+@dataclass
+class PreparedChat:
+    """A validated chat request, rendered: what the engine is asked to continue."""
+
+    model: str
+    lora: Any
+    max_tokens: int
+    tool_plan: ToolPlan
+    prompt: str | None
+    prompt_ids: list[int]
+    images: list[Any]
+
+
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
+    """Validate a chat request and render its prompt (a 400/404 naming the field when it
+    cannot be served)."""
     model = ctx.check_model(req.model)
     lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)
@@ -164,8 +175,20 @@ async def start_chat(
     if max_tokens is None:
         max_tokens = max(1, ctx.max_model_len - len(ids))
     ctx.check_prompt_fits(len(ids), max_tokens, param="messages")
-    if req.use_beam_search:
-        return await _beam_search(ctx, req, raw, model, lora, ids, images, max_tokens)
+    return PreparedChat(model, lora, max_tokens, tool_plan, prompt, ids, images)
+
+
+async def start_chat(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    request_id: str | None = None,
+    prepared: PreparedChat | None = None,
+) -> ChatRun:
+    """Validate a chat request, render its prompt and add it to the engine (a 400/404 naming
+    the field when it cannot be served). The OpenAI and Anthropic routes both start here."""
+    p = prepared or await prepare_chat(ctx, req)
+    model, lora, max_tokens, tool_plan = p.model, p.lora, p.max_tokens, p.tool_plan
+    prompt, ids, images = p.prompt, p.prompt_ids, p.images
     top_n = req.top_logprobs or 0
     params = ctx.sampling_params(
         req,
@@ -204,7 +227,13 @@ async def start_chat(
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     """Serve one chat completions request."""
-    run = await start_chat(ctx, req)
+    prepared = await prepare_chat(ctx, req)
+    if req.use_beam_search:
+        return await _beam_search(
+            ctx, req, raw, prepared.model, prepared.lora, prepared.prompt_ids,
+            prepared.images, prepared.max_tokens,
+        )  # fmt: skip
+    run = await start_chat(ctx, req, prepared=prepared)
     request_id, rid, model, channel, tool_plan = (
         run.request_id, run.rid, run.model, run.channel, run.tool_plan
     )  # fmt: skip

@@ -86,6 +86,7 @@ def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     """Serve one chat completions request."""
     model = ctx.check_model(req.model)
+    ctx.require_runner("generate", "/v1/chat/completions")
     lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)
     if max_tokens is not None and max_tokens < 1:

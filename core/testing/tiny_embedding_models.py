@@ -47,6 +47,7 @@ def save_st_model(
     normalize: bool,
     seed: int = 0,
     config_extra: dict[str, Any] | None = None,
+    max_position_embeddings: int = 128,
 ) -> Path:
     """Build ``kind`` (``bert`` | ``xlm-roberta`` | ``qwen3``: a head-less ``BertModel`` /
     ``XLMRobertaModel`` / ``Qwen3Model``) with random weights and save it as a
@@ -69,7 +70,7 @@ def save_st_model(
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
-        max_position_embeddings=128,
+        max_position_embeddings=max_position_embeddings,
         pad_token_id=tok.pad_token_id,
         **(config_extra or {}),
     )

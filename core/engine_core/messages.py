@@ -86,7 +86,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     the sequence: "stop" (EOS, a stop token (``stop_reason``), the grammar's end), "length" or
     "abort". Stop *strings* are the front end's business. ``prompt_logprobs`` is the chunk
     computed by this step, for prompt positions after those sent before. On the wire a plain
-    decode output is ``[id, [token], 0, 0, nil, nil, nil, nil, nil]``: 13 bytes besides the id
+    decode output is ``[id, [token], 0, 0, nil, nil, nil, nil, nil, nil]``: 14 bytes besides the id
     (msgspec writes every field of an array-like Struct).
     """
 

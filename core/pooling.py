@@ -141,7 +141,9 @@ def resolve_pooler_config(
             if k.startswith("pooling_mode_") and k not in _ST_MODES and v
         ]
         if other or len(chosen) > 1:
-            raise ValueError(
+            from engine.config import ConfigError
+
+            raise ConfigError(
                 f"{model_dir / folder / 'config.json'}: pooling modes "
                 f"{sorted(set(other) | {k for k in _ST_MODES if pooling.get(k)})} are not "
                 "supported; one of cls, mean, lasttoken is"

@@ -246,3 +246,46 @@ def test_scheduler_runs_pooling_prompts_whole(chunked):
     assert sched.num_used_blocks == 0
     with pytest.raises(RequestRejectedError, match="max_num_batched_tokens=16"):
         sched.add_request(_pooling_request("long", 17))
+
+
+def test_asynchronous_scheduling_gives_the_same_vectors(qwen3_last, qwen3_llm):
+    """With a step in flight while the next is scheduled (the GPU default), a pooling request
+    is accounted when scheduled, gets no placeholder token and finishes once."""
+    want = _embed(qwen3_llm, TEXTS * 2)
+    llm = LLM(str(qwen3_last), dtype="float32", async_scheduling=True, max_num_batched_tokens=64)
+    torch.testing.assert_close(_embed(llm, TEXTS * 2), want, atol=0, rtol=0)
+    assert llm.llm_engine.num_used_blocks == 0 and not llm.llm_engine.has_unfinished_requests()
+    llm.shutdown()
+
+
+def test_runner_and_pooler_resolution(qwen3_last, tmp_path):
+    import json
+
+    from engine.config import ConfigError, ModelConfig
+    from engine.pooling import resolve_pooler_config, resolve_runner
+
+    # A generative architecture with sentence-transformers files is an embedding model.
+    assert resolve_runner("auto", ["Qwen3ForCausalLM"], qwen3_last)[0] == "pooling"
+    assert resolve_runner("auto", ["Qwen3ForCausalLM"], tmp_path)[0] == "generate"
+    assert resolve_runner("auto", ["XLMRobertaModel"], None)[0] == "pooling"
+    assert resolve_runner("generate", ["BertModel"], None)[0] == "generate"
+    assert ModelConfig("m", task="embed").runner == "pooling"
+    with pytest.raises(ConfigError, match="contradicts"):
+        ModelConfig("m", task="embed", runner="generate")
+    with pytest.raises(ConfigError, match="runner="):
+        ModelConfig("m", runner="classify")
+
+    class Cfg:
+        hidden_size = 32
+
+    (tmp_path / "modules.json").write_text(
+        json.dumps([{"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = tmp_path / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
+    with pytest.raises(ValueError, match="weightedmean"):
+        resolve_pooler_config(tmp_path, Cfg(), ["BertModel"])
+    pooling.write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    cfg = resolve_pooler_config(tmp_path, Cfg(), ["BertModel"])
+    assert (cfg.pooling_type, cfg.normalize, cfg.is_matryoshka) == ("MEAN", False, False)

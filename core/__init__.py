@@ -13,6 +13,8 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "LoRARequest",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
     "__version__",
     "PLUGIN_API_VERSION",
     "hookimpl",
@@ -27,6 +29,8 @@ _LAZY = {
     "CompletionOutput": ("engine.outputs", "CompletionOutput"),
     "LoRARequest": ("engine.lora.request", "LoRARequest"),
     "hookimpl": ("engine.hookspecs", "hookimpl"),
+    "PoolingParams": ("engine.pooling_params", "PoolingParams"),
+    "EmbeddingRequestOutput": ("engine.outputs", "EmbeddingRequestOutput"),
 }
 
 

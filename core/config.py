@@ -60,8 +60,16 @@ class ModelConfig:
     # auto | native | transformers (engine.models.selection): a native class when one is
     # registered, else the transformers modeling backend.
     model_impl: str = "auto"
+    # auto | generate | pooling (--runner, vLLM's flag; engine.pooling): pooling runs prefill
+    # only and returns one embedding per prompt; auto picks pooling for an architecture without
+    # an LM head or a sentence-transformers checkpoint. ``task`` is vLLM's older spelling
+    # ("embed" means pooling, "generate" generate).
+    runner: str = "auto"
+    task: str | None = None
     # Filled in by the loader once the config is read:
     hf_config: Any = None
+    runner_type: str = "generate"  # the runner chosen: generate | pooling
+    pooler_config: Any = None  # engine.pooling.PoolerConfig of a pooling model
     architecture: str | None = None
     implementation: str | None = None  # the model_impl chosen: native | transformers
     # SamplingParams defaults from the generation config (engine.generation_config).
@@ -83,6 +91,22 @@ class ModelConfig:
             raise ConfigError(
                 f"model_impl={self.model_impl!r} is not supported; choose one of "
                 "auto, native, transformers"
+            )
+        from engine.pooling import RUNNERS, TASK_RUNNERS
+
+        if self.task is not None:
+            if self.task not in TASK_RUNNERS:
+                raise ConfigError(
+                    f"task={self.task!r} is not supported; choose one of "
+                    f"{', '.join(TASK_RUNNERS)} (or use runner=generate|pooling)"
+                )
+            by_task = TASK_RUNNERS[self.task]
+            if self.runner not in ("auto", by_task):
+                raise ConfigError(f"task={self.task!r} contradicts runner={self.runner!r}")
+            self.runner = by_task
+        if self.runner not in RUNNERS:
+            raise ConfigError(
+                f"runner={self.runner!r} is not supported; choose one of {', '.join(RUNNERS)}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

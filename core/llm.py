@@ -32,7 +32,8 @@ from engine.config import (
 )
 from engine.errors import InvalidRequestError
 from engine.lora.request import LoRARequest
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
@@ -125,6 +126,8 @@ class LLM:
         max_cpu_loras: int | None = None,
         lora_fused_shrink: bool | None = None,
         model_impl: str = "auto",
+        runner: str = "auto",
+        task: str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -143,6 +146,8 @@ class LLM:
                 skip_tokenizer_init=skip_tokenizer_init,
                 quantization=quantization,
                 model_impl=model_impl,
+                runner=runner,
+                task=task,
             ),
             cache=CacheConfig(
                 block_size=block_size,
@@ -267,6 +272,55 @@ class LLM:
 
         parsed = [self._with_images(*self._parse_prompt(p)) for p in prompts]
         return self._generate_parsed(parsed, params_list, use_tqdm, priority, loras)
+
+    # ------------------------------------------------------------------ embed
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the prompts' order (a pooling model: ``runner=
+        "pooling"``, or chosen automatically for embedding checkpoints; see docs/models.md).
+
+        Prompts are as for ``generate`` (text or token ids; no images). ``pooling_params`` is
+        one ``PoolingParams`` for all prompts or one per prompt (``dimensions``, ``normalize``).
+        Every prompt is validated before any work starts.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} PoolingParams for {len(prompts)} prompts; pass one "
+                    "or one per prompt",
+                    "pooling_params",
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequestError("priority needs one value per prompt", "priority")
+        batch = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            text, ids, images = self._parse_prompt(prompt)
+            if images:
+                raise InvalidRequestError("embedding prompts take no images", "prompts")
+            if ids is None and self.llm_engine.tokenizer is None:
+                raise InvalidRequestError(
+                    "text prompts need a tokenizer (skip_tokenizer_init=True); pass token ids",
+                    "prompts",
+                )
+            prio = priority[i] if priority is not None else 0
+            batch.append((str(next(self._counter)), text, params, ids, prio, None, True))
+        self.llm_engine.add_requests(batch)  # all or none
+        return self._run([r[0] for r in batch], use_tqdm)  # type: ignore[return-value]
 
     def _generate_parsed(
         self,
@@ -629,7 +683,8 @@ class LLM:
                         finished[output.request_id] = output
                         if bar is not None:
                             in_toks += len(output.prompt_token_ids)
-                            out_toks += sum(len(c.token_ids) for c in output.outputs)
+                            if isinstance(output, RequestOutput):
+                                out_toks += sum(len(c.token_ids) for c in output.outputs)
                             elapsed = max(time.perf_counter() - start, 1e-9)
                             bar.set_postfix_str(
                                 f"input: {in_toks / elapsed:.1f} toks/s, "

@@ -18,6 +18,7 @@ from engine.engine_core.messages import EngineCoreRequest, EngineStats
 from engine.errors import InvalidRequestError
 from engine.output_processor import FINAL_ONLY, OutputProcessor, check_without_tokenizer
 from engine.outputs import RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -106,7 +107,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | None,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -157,8 +158,13 @@ class LLMEngine:
                     raise InvalidRequestError(
                         f"request id {request_id!r} is already in use", "request_id"
                     )
+                pooling = params if isinstance(params, PoolingParams) else None
+                if pooling is not None:
+                    params = SamplingParams(max_tokens=1)  # unused by a pooling request
                 if not isinstance(params, SamplingParams):
-                    raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+                    raise InvalidRequestError(
+                        "params must be a SamplingParams (or PoolingParams)", "params"
+                    )
                 if self.tokenizer is None:
                     check_without_tokenizer(ids, params)
                 if ids is None:
@@ -169,9 +175,12 @@ class LLMEngine:
                     ids = self.tokenizer(prompt).input_ids
                 ids = list(ids)
                 arrival = arrival or now
-                processor.add_request(
-                    request_id, prompt, ids, params, arrival, FINAL_ONLY if final_only else 1
-                )
+                if pooling is not None:
+                    processor.add_pooling_request(request_id, prompt, ids, arrival)
+                else:
+                    processor.add_request(
+                        request_id, prompt, ids, params, arrival, FINAL_ONLY if final_only else 1
+                    )
                 batch.append(
                     EngineCoreRequest(
                         request_id,
@@ -181,6 +190,7 @@ class LLMEngine:
                         priority,
                         mm_features=mm_features or None,
                         lora_request=lora_request,
+                        pooling_params=pooling,
                     )
                 )
                 seen.add(request_id)

@@ -71,6 +71,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
     # Speculative decoding: drafts proposed after this step, for the next one to verify.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling models: each pooled request's embedding, float32 little-endian bytes.
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,6 +92,8 @@ class PendingStep:
     last_tokens: torch.Tensor | None = None
     accepted: list[list[int]] | None = None
     drafts: Any = None  # (entries, drafts [n, k] on the device) from a model proposer
+    # Pooling: (request id, embedding on the device) of each request pooled in the step.
+    pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -191,6 +195,8 @@ class ModelRunner:
         self.shape_buckets = buckets(config) if buckets is not None else None
         self.proposer: Any = None  # speculative decoding (engine.spec_decode), see load_model
         self.mm: Any = None  # image inputs (engine.multimodal.runner.EncoderRunner), see load_model
+        # A pooling model's pooler (engine.pooling.PoolerConfig), None for generation.
+        self.pooler_config: Any = getattr(config.model, "pooler_config", None)
 
     def _no_grad(self) -> Any:
         """``torch.inference_mode()``, or ``no_grad`` on XLA: torch_xla's functionalization
@@ -554,6 +560,9 @@ class ModelRunner:
                     # A draft model / EAGLE head mirrors the same tokens in the same step.
                     aux = self.proposer.take_aux() if self.proposer.wants_aux else None
                     self.proposer.profile(input_ids, positions_t, [md] * len(groups), hidden, aux)
+                if self.pooler_config is not None:  # no logits: one pooled vector per row
+                    hidden[:rows].float().sum(dim=-1)
+                    return cache_bytes
                 logits = self.model.compute_logits(hidden[:rows])
                 torch.softmax(logits, dim=-1)  # stands in for the sampler's temporaries
                 if self.mm is not None:  # the vision encoder's activations at its step budget
@@ -737,6 +746,8 @@ class ModelRunner:
                         return pending
                 if self.proposer is not None and getattr(self.proposer, "wants_aux", False):
                     batch.aux_hidden = self.proposer.take_aux()
+            if self.pooler_config is not None:
+                self._pool(scheduled, batch, hidden, pending)
             self._sample(scheduled, batch, hidden, sampling_rows, pending)
             if self.proposer is not None and self.proposer.uses_model:
                 pending.drafts = self.proposer.run(
@@ -786,6 +797,9 @@ class ModelRunner:
         """Wait for a launched step's tokens and return its results (with the drafts of a
         host-side proposer, proposed now that the tokens are known)."""
         out = pending.out
+        for rid, vector in pending.pooled:  # only the pooled vectors leave the device
+            out.pooled[rid] = vector.cpu().numpy().astype("<f4", copy=False).tobytes()
+        pending.pooled = []
         if pending.tokens is not None:
             if pending.ready is not None:
                 pending.ready.synchronize()
@@ -825,7 +839,7 @@ class ModelRunner:
             [s.start for s in scheduled],
             [s.num_new_tokens for s in scheduled],
             [s.block_ids for s in scheduled],
-            bidirectional_spans=self.mm.spans(scheduled) if self.mm is not None else None,
+            bidirectional_spans=self._bidirectional_spans(scheduled),
         )
         # Placeholders (asynchronous scheduling) index the previous step's samples instead.
         feedback = self._feedback_sources(scheduled, qsl, input_ids)
@@ -844,6 +858,48 @@ class ModelRunner:
             query_start_loc=qsl.tolist(),
             mm_embeds=self.mm.embeddings(scheduled, qsl) if self.mm is not None else None,
         )
+
+    def _bidirectional_spans(
+        self, scheduled: list[ScheduledRequest]
+    ) -> list[list[tuple[int, int]]] | None:
+        """Image tokens' spans (Gemma 3), or for an encoder (BERT) each whole prompt: a
+        pooling request runs whole in one step, so the span lies inside its tokens."""
+        if self.mm is not None:
+            return self.mm.spans(scheduled)
+        if getattr(self.model, "bidirectional_attention", False):
+            return [[(0, s.request.num_prompt_tokens)] for s in scheduled]
+        return None
+
+    def _pool(
+        self,
+        scheduled: list[ScheduledRequest],
+        batch: _Batch,
+        hidden: torch.Tensor,
+        pending: PendingStep,
+    ) -> None:
+        """Pool, truncate and normalise the hidden states of the requests whose whole
+        prompt ran in this step (on the device; ``collect`` copies the vectors out)."""
+        from engine.pooling import finish_embeddings, pool
+
+        rows = [(i, s) for i, s in enumerate(scheduled) if s.pools]
+        if not rows:
+            return
+        for _, s in rows:
+            if s.start != 0 or s.num_new_tokens != s.request.num_prompt_tokens:
+                raise RuntimeError(
+                    f"pooling request {s.request.request_id!r} was scheduled in chunks "
+                    f"({s.start}+{s.num_new_tokens} of {s.request.num_prompt_tokens} tokens)"
+                )
+        cfg = self.pooler_config
+        qsl = batch.query_start_loc
+        pooled = pool(
+            hidden, [qsl[i] for i, _ in rows], [batch.end(i) for i, _ in rows], cfg.pooling_type
+        )
+        params = [s.request.pooling_params for _, s in rows]
+        vectors = finish_embeddings(pooled, params, cfg.normalize)
+        pending.pooled = [
+            (s.request.request_id, v) for (_, s), v in zip(rows, vectors, strict=True)
+        ]
 
     def layout(
         self,

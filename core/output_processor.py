@@ -111,6 +111,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.collect_stats = collect_stats
         self._requests: dict[str, _RequestState] = {}
+        # Embedding requests: (prompt, token ids, metrics) until their vector arrives.
+        self._pooling: dict[str, tuple[str | None, list[int], RequestMetrics]] = {}
+
+    def add_pooling_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], arrival: float
+    ) -> None:
+        """Track an embedding request: one ``EmbeddingRequestOutput`` when its vector comes."""
+        self._pooling[request_id] = (prompt, prompt_token_ids, RequestMetrics(arrival))
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -160,16 +168,17 @@ class OutputProcessor:
         """Forget requests (aborted by the caller); unknown ids are ignored."""
         for request_id in request_ids:
             self._requests.pop(request_id, None)
+            self._pooling.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._pooling)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._pooling)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._pooling
 
     # ------------------------------------------------------------------ outputs
     def process_outputs(self, outputs: list[Any], now: float | None = None) -> ProcessedOutputs:
@@ -180,9 +189,12 @@ class OutputProcessor:
         stats = IterationStats() if self.collect_stats else None
         touched: dict[str, _RequestState] = {}
         to_finish: list[tuple[str, int]] = []
+        embeddings: list[Any] = []
         for o in outputs:
             state = requests.get(o.request_id)
-            if state is None:  # aborted meanwhile
+            if state is None:  # aborted meanwhile, or an embedding
+                if o.request_id in self._pooling and o.finish_reason is not None:
+                    embeddings.append(self._embedding(o, now))
                 continue
             if o.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, o.prompt_logprobs)
@@ -221,7 +233,24 @@ class OutputProcessor:
             elif not self._due(state):
                 continue
             result.append(self._make_output(state, finished))
+        result.extend(e for e in embeddings if e is not None)
         return ProcessedOutputs(result, to_finish, stats)
+
+    def _embedding(self, o: Any, now: float) -> Any:
+        """The ``EmbeddingRequestOutput`` of a finished pooling request (None: aborted)."""
+        import numpy as np
+
+        from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
+
+        prompt, ids, metrics = self._pooling.pop(o.request_id)
+        if o.pooled is None:
+            return None
+        metrics.finished_time = now
+        metrics.first_scheduled_time = o.first_scheduled_time
+        vector = np.frombuffer(o.pooled, dtype="<f4").tolist()
+        return EmbeddingRequestOutput(
+            o.request_id, EmbeddingOutput(vector), ids, True, prompt, metrics
+        )
 
     def _due(self, state: _RequestState) -> bool:
         """Whether an unfinished request has gained enough tokens for an output: the first

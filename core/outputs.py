@@ -64,3 +64,26 @@ class RequestOutput:
     # Tokens/text added by this step only, per completion index (for streaming).
     new_token_ids: list[list[int]] = field(default_factory=list)
     new_texts: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """The result of one embedding request (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None

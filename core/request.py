@@ -63,6 +63,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Free-form per-request data the engine keeps (sampling params, detokenizer state...).
     data: object = None
+    # A pooling (embedding) request's ``engine.pooling_params.PoolingParams``: it runs its
+    # whole prompt in one step, samples nothing and finishes when that step completes.
+    pooling_params: object = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -250,6 +250,29 @@ def _check_experts(text: Any, tp: int, expert_parallel: bool) -> None:
         )
 
 
+def _check_pooling(config: EngineConfig) -> None:
+    """A pooling (embedding) model: one device, no speculative decoding or LoRA; the prefix
+    cache is off (a pooling request never reads it, see ``engine.scheduler``) and decode
+    graphs are not captured (there are no decodes)."""
+    if getattr(config.model, "runner_type", "generate") != "pooling":
+        return
+    unsupported = []
+    if config.parallel.world_size > 1:
+        unsupported.append("tensor/pipeline parallelism")
+    if config.speculative is not None:
+        unsupported.append("speculative decoding")
+    if config.lora is not None:
+        unsupported.append("LoRA adapters")
+    if unsupported:
+        raise ConfigError(
+            "the pooling runner (embeddings) does not support "
+            + ", ".join(unsupported)
+            + "; drop those options"
+        )
+    config.cache.enable_prefix_caching = False
+    config.enforce_eager = True
+
+
 def _check_image_parallel(config: EngineConfig, model_cls: type | None) -> None:
     """Refuse image inputs under pipeline parallelism: image embeddings replace token
     embeddings on the first stage only, which the stage hand-off does not do yet. Tensor
@@ -355,7 +378,8 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     spec.bidirectional_spans = bool(
         getattr(model_cls, "bidirectional_image_attention", False)
         and config.multimodal.limit("image") > 0
-    )
+    ) or bool(getattr(model_cls, "bidirectional_attention", False))  # encoders (BERT)
+    _check_pooling(config)
     _check_image_parallel(config, model_cls)
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)
     logger.info("platform %s, attention backend %s", platform.name, backend_cls.name)

@@ -17,6 +17,14 @@ keeps its output tokens and goes back to the front of the waiting queue, to be r
 recomputing prompt + outputs (often mostly from the prefix cache, as freed blocks keep their
 hashes). No new request is admitted in a step that preempted.
 
+**Pooling requests** (``Request.pooling_params`` set: embeddings) are never split into chunks,
+whatever ``enable_chunked_prefill`` says: mean and CLS pooling need the hidden states of the
+whole prompt from one forward (and an encoder attends both ways over all of it), so such a
+request is admitted only when its whole prompt fits the step's budget, resumes whole after a
+preemption, and is refused when its prompt exceeds ``max_num_batched_tokens``. It never uses
+the prefix cache (a cached prefix's hidden states are not recomputed, and an encoder's keys
+depend on later tokens), samples nothing, and the engine finishes it once its step completes.
+
 With LoRA (``lora_config``), at most ``max_loras`` distinct adapters run at once
 (``engine.lora.scheduling``): a waiting request whose adapter would exceed it is held back,
 without blocking requests that need no new adapter slot, and no later request with an adapter
@@ -238,7 +246,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         self._requests[rid] = request
         self._seq[rid] = next(self._counter)
-        if not allow_prefix_hit:
+        if not allow_prefix_hit or request.pooling_params is not None:
             self._no_prefix_hit.add(rid)
         self.kv.add_request(request)
         self.waiting.push(request, self._seq[rid])
@@ -424,7 +432,9 @@ class Scheduler:
                     continue
             if plan is not None:
                 self._commit_images(request, plan)
-            entry = ScheduledRequest(request, start, num_new, tables, True)
+            entry = ScheduledRequest(
+                request, start, num_new, tables, request.pooling_params is None
+            )
             if speculate:
                 entry.num_to_propose = propose
                 if drafts:
@@ -467,7 +477,9 @@ class Scheduler:
                     continue
             if plan is not None:
                 self._commit_images(request, plan)
-            entry = ScheduledRequest(request, start, n, tables, ends)
+            entry = ScheduledRequest(
+                request, start, n, tables, ends and request.pooling_params is None
+            )
             entry.num_to_propose = propose
             prefills.append(entry)
             token_budget -= n
@@ -675,17 +687,21 @@ class Scheduler:
                 num_hit, hit_tables = kv.get_computed_blocks(request)
             num_tokens = request.num_tokens
             n = num_tokens - num_hit
+            whole = request.pooling_params is not None or (
+                not self._chunked and request.num_preemptions == 0
+            )
             if n > token_budget:
                 # Without chunked prefill a fresh prompt runs whole; a preempted request
-                # resumes in chunks all the same (its outputs may exceed any one step).
-                if not self._chunked and request.num_preemptions == 0:
+                # resumes in chunks all the same (its outputs may exceed any one step). A
+                # pooling request always runs whole.
+                if whole:
                     break
                 n = token_budget
             plan = None
             if self.encoder_cache is not None and request.mm_features:
                 wanted = n
                 n, plan = self.encoder_cache.plan(request, num_hit, n, self._enc_left)
-                if not n or (n < wanted and not self._chunked and request.num_preemptions == 0):
+                if not n or (n < wanted and whole):
                     break  # its images do not fit this step's encoder budget or cache
             lookup = request.request_id not in self._no_prefix_hit
             ends = num_hit + n == num_tokens
@@ -704,7 +720,13 @@ class Scheduler:
             if lora is not None:
                 lora.started(request)
             self._running_sorted = False
-            entry = ScheduledRequest(request, num_hit, n, kv.block_tables(request.request_id), ends)
+            entry = ScheduledRequest(
+                request,
+                num_hit,
+                n,
+                kv.block_tables(request.request_id),
+                ends and request.pooling_params is None,
+            )
             entry.num_to_propose = propose
             if entry.is_decode:
                 decodes.append(entry)
@@ -786,6 +808,11 @@ class Scheduler:
             return (
                 f"request {rid!r} has a prompt of {num_prompt} tokens but chunked prefill is "
                 f"off and max_num_batched_tokens={self._max_tokens}"
+            )
+        if request.pooling_params is not None and num_prompt > self._max_tokens:
+            return (
+                f"request {rid!r} has a prompt of {num_prompt} tokens but a pooling request "
+                f"runs whole in one step and max_num_batched_tokens={self._max_tokens}"
             )
         if request.mm_features and self.encoder_cache is not None:
             reason = self.encoder_cache.rejection_reason(request, self._max_tokens)

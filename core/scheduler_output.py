@@ -42,6 +42,16 @@ class ScheduledRequest:
     num_to_propose: int = 0
 
     @property
+    def pools(self) -> bool:
+        """A pooling request whose whole prompt runs in this step: its hidden states are
+        pooled into its embedding (it never samples)."""
+        request = self.request
+        return (
+            request.pooling_params is not None
+            and self.start + self.num_new_tokens >= request.num_prompt_tokens
+        )
+
+    @property
     def is_decode(self) -> bool:
         return self.num_new_tokens == 1 and self.start >= self.request.num_prompt_tokens
 

@@ -93,8 +93,9 @@ def test_every_message_round_trips():
     ]
     for msg in from_core:
         assert codec.from_core.decode(codec.encode(msg)) == msg
-    # No field names on the wire: a plain decode output is 13 bytes besides its id.
-    assert codec.encode(EngineCoreOutput("r1", [5])) == b"\x99\xa2r1\x91\x05\x00\x00" + b"\xc0" * 5
+    # No field names on the wire: a plain decode output is 14 bytes besides its id (the
+    # last nil is the pooled vector of an embedding request).
+    assert codec.encode(EngineCoreOutput("r1", [5])) == b"\x9a\xa2r1\x91\x05\x00\x00" + b"\xc0" * 6
 
 
 @pytest.mark.parametrize(

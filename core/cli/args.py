@@ -120,6 +120,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "attention); native / transformers force one (default: %(default)s).",
     )
     model.add_argument(
+        "--runner",
+        default="auto",
+        choices=("auto", "generate", "pooling"),
+        help="pooling: an embedding model (prefill only, /v1/embeddings, LLM.embed); auto "
+        "picks pooling for architectures without an LM head (BertModel, XLMRobertaModel, "
+        "Qwen3Model) and sentence-transformers checkpoints (default: %(default)s).",
+    )
+    model.add_argument(
+        "--task",
+        default=None,
+        choices=("auto", "generate", "embed", "embedding"),
+        help="vLLM's older spelling of --runner: embed means --runner pooling.",
+    )
+    model.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="Allow custom model and tokenizer code from the model directory (auto_map).",
@@ -451,6 +465,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
             quantization=getattr(args, "quantization", None),
             model_impl=getattr(args, "model_impl", "auto"),
+            runner=getattr(args, "runner", "auto"),
+            task=getattr(args, "task", None),
             trust_remote_code=getattr(args, "trust_remote_code", False),
         ),
         cache=CacheConfig(

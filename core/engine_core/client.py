@@ -110,6 +110,7 @@ def apply_ready(config: Any, ready: Any) -> None:
     config.max_logprobs = ready.max_logprobs
     if ready.implementation is not None:
         model.implementation = ready.implementation
+    model.runner_type = ready.runner_type
 
 
 def startup_error(failed: Any) -> BaseException:

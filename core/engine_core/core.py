@@ -191,6 +191,9 @@ class EngineCore:
         mm_features, lora_request = req.mm_features, req.lora_request
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if self._check_runner(req.pooling_params):
+            self._add_pooling_request(req)
+            return
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
         if params.max_logprobs > self.config.max_logprobs:
@@ -257,6 +260,72 @@ class EngineCore:
             raise
         self._requests[request_id] = state
         self._seq_owner[request_id] = (state, state.seqs[0])
+        self._prompt_tokens_total += len(prompt_token_ids)
+
+    @property
+    def runner_type(self) -> str:
+        """``generate`` or ``pooling`` (embeddings), as ``--runner`` resolved."""
+        return getattr(self.config.model, "runner_type", "generate") or "generate"
+
+    def _check_runner(self, pooling_params: Any) -> bool:
+        """Whether the request pools; raises ``InvalidRequestError`` naming what this model
+        supports when the request asks for the other kind of work."""
+        model = self.config.model.served_model_name or self.config.model.model
+        if self.runner_type == "pooling" and pooling_params is None:
+            raise InvalidRequestError(
+                f"the model {model!r} is an embedding (pooling) model: it supports embeddings "
+                "(LLM.embed, /v1/embeddings), not generation",
+                "model",
+            )
+        if self.runner_type != "pooling" and pooling_params is not None:
+            raise InvalidRequestError(
+                f"the model {model!r} is a generative model: it supports generation "
+                "(completions, chat), not embeddings; serve an embedding model, or this one "
+                "with --runner pooling",
+                "model",
+            )
+        return pooling_params is not None
+
+    def _add_pooling_request(self, req: EngineCoreRequest) -> None:
+        """Queue an embedding request: its whole prompt runs in one step, then it finishes
+        with the pooled vector (``engine.pooling``)."""
+        from engine.pooling_params import PoolingParams
+
+        params = req.pooling_params
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError("pooling params must be a PoolingParams", "params")
+        self.config.model.pooler_config.check(params)
+        prompt_token_ids = req.prompt_token_ids
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "input")
+        self.token_id_range.check(prompt_token_ids, "input", needs_row=True)
+        if req.mm_features or req.lora_request is not None:
+            raise InvalidRequestError("embedding requests take neither images nor LoRA", "input")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"the input has {len(prompt_token_ids)} tokens. Shorten the input.",
+                "input",
+            )
+        request = Request(
+            request_id=req.request_id,
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=0,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            pooling_params=params,
+        )
+        self.scheduler.add_request(request, allow_prefix_hit=False)
+        state = _RequestState(
+            request_id=req.request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=req.sampling_params,
+            seqs=[_Sequence(0, request, None)],
+            needs_fork=False,
+            client_index=req.client_index,
+        )
+        self._requests[req.request_id] = state
+        self._seq_owner[req.request_id] = (state, state.seqs[0])
         self._prompt_tokens_total += len(prompt_token_ids)
 
     @property
@@ -540,6 +609,14 @@ class EngineCore:
         for seq_id, chunk in prompt_chunks.items():  # a prompt chunk that sampled nothing
             state, seq = owner[seq_id]
             outputs.append(EngineCoreOutput(state.request_id, [], prompt_logprobs=chunk))
+        for seq_id, vector in out.pooled.items():  # embeddings: done after their one step
+            if seq_id not in owner:
+                continue
+            state, seq = owner[seq_id]
+            done = EngineCoreOutput(state.request_id, [], pooled=vector)
+            if state.first_scheduled_time is not None:
+                done.first_scheduled_time = state.first_scheduled_time
+            outputs.append(self._finish(state, seq, "stop", done))
         if out.draft_token_ids:
             self._set_drafts(out.draft_token_ids)
         return outputs

@@ -31,6 +31,7 @@ import numpy as np
 from engine.lora.request import LoRARequest
 from engine.multimodal.inputs import ImageInputSpec, MultiModalFeature
 from engine.outputs import Logprob
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.stats import SpecDecodingStats
 
@@ -73,6 +74,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     mm_features: list[MultiModalFeature] | None = None
     # The LoRA adapter it runs with (the core loads it on first use).
     lora_request: LoRARequest | None = None
+    # Set for a pooling (embedding) request: the core returns one vector, samples nothing
+    # (``sampling_params`` is then ignored).
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -82,7 +86,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     the sequence: "stop" (EOS, a stop token (``stop_reason``), the grammar's end), "length" or
     "abort". Stop *strings* are the front end's business. ``prompt_logprobs`` is the chunk
     computed by this step, for prompt positions after those sent before. On the wire a plain
-    decode output is ``[id, [token], 0, 0, nil, nil, nil, nil, nil]``: 13 bytes besides the id
+    decode output is ``[id, [token], 0, 0, nil, nil, nil, nil, nil, nil]``: 14 bytes besides the id
     (msgspec writes every field of an array-like Struct).
     """
 
@@ -95,6 +99,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     first_scheduled_time: float | None = None
+    # A pooling request's embedding: float32 little-endian bytes (4 bytes a value on the
+    # wire, msgpack bin), sent once with finish_reason "stop".
+    pooled: bytes | None = None
 
 
 class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -205,6 +212,8 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
     image_input_spec: ImageInputSpec | None = None
     # The implementation the loader chose for --model-impl auto ("native" / "transformers").
     implementation: str | None = None
+    # The runner chosen for --runner auto: "generate" or "pooling" (embeddings).
+    runner_type: str = "generate"
 
 
 class AllFrontEndsReady(msgspec.Struct, tag=True, array_like=True, gc=False):

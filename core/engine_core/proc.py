@@ -242,6 +242,7 @@ def ready_message(core: Any, engine_index: int, load_seconds: float) -> CoreRead
         load_seconds=load_seconds,
         image_input_spec=getattr(core, "image_input_spec", None),
         implementation=config.model.implementation,
+        runner_type=getattr(config.model, "runner_type", "generate"),
     )
 
 

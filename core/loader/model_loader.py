@@ -114,6 +114,7 @@ def load_hf_config(
         except Exception as e:
             raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
     registry = registry or ModelRegistry.with_plugins(plugins)
+    _resolve_runner(model_config, hf_config, path)
     choice = _select(model_config, hf_config, registry, log=True)
     if model_config.max_model_len is None:
         # The engine (runtime.resolve_max_model_len) validates a user-given value.
@@ -123,6 +124,40 @@ def load_hf_config(
     model_config.architecture = choice.architecture
     model_config.implementation = choice.implementation
     return hf_config
+
+
+def _resolve_runner(model_config: ModelConfig, hf_config: Any, path: Path) -> None:
+    """Fill ``model_config.runner_type`` (``--runner``; auto: pooling for an embedding-only
+    architecture or a sentence-transformers checkpoint) and, for pooling, its pooler."""
+    from engine import pooling
+
+    model_dir = path if path.is_dir() else None
+    names = list(getattr(hf_config, "architectures", None) or [])
+    runner, why = pooling.resolve_runner(getattr(model_config, "runner", "auto"), names, model_dir)
+    model_config.runner_type = runner
+    if runner != "pooling":
+        return
+    cfg = pooling.resolve_pooler_config(model_dir, hf_config, names)
+    model_config.pooler_config = cfg
+    if model_config.max_model_len is None:
+        st_len = pooling.sentence_transformers_max_len(model_dir)
+        if st_len is not None:
+            model_config.max_model_len = st_len
+        elif getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
+            # RoBERTa's positions start after the padding id: 514 table rows hold 512 tokens.
+            model_config.max_model_len = hf_config.max_position_embeddings - (
+                (hf_config.pad_token_id or 0) + 1
+            )
+    logger.info(
+        "pooling runner (%s): %s pooling (%s), normalize=%s%s",
+        why,
+        cfg.pooling_type,
+        cfg.source,
+        cfg.normalize,
+        f", matryoshka dimensions {cfg.matryoshka_dimensions or 'any'}"
+        if cfg.is_matryoshka
+        else "",
+    )
 
 
 def _select(model_config: ModelConfig, hf_config: Any, registry: ModelRegistry, log: bool) -> Any:
@@ -135,6 +170,7 @@ def _select(model_config: ModelConfig, hf_config: Any, registry: ModelRegistry, 
         registry,
         trust_remote_code=model_config.trust_remote_code,
         log=log,
+        runner=getattr(model_config, "runner_type", "generate"),
     )
 
 

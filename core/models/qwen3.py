@@ -14,3 +14,13 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def attention_options(cls, hf_config: Any) -> dict[str, bool]:
         bias = bool(getattr(hf_config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
+
+
+def _qwen3_embedding() -> type:
+    from engine.models.pooling_adapter import as_pooling_model
+
+    return as_pooling_model(Qwen3ForCausalLM)
+
+
+# ``Qwen3Model`` checkpoints (Qwen3-Embedding saved without an LM head): last-token pooling.
+Qwen3EmbeddingModel = _qwen3_embedding()

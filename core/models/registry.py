@@ -15,6 +15,11 @@ from typing import Any
 from engine.layers.weight_utils import ModelLoadError
 
 _BUILTIN_MODELS = {
+    # Embedding-only architectures (no LM head): served by the pooling runner.
+    "BertModel": "engine.models.bert:BertModel",
+    "RobertaModel": "engine.models.bert:BertModel",
+    "XLMRobertaModel": "engine.models.bert:BertModel",
+    "Qwen3Model": "engine.models.qwen3:Qwen3EmbeddingModel",
     "Gemma2ForCausalLM": "engine.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "engine.models.gemma3_mm:Gemma3ForConditionalGeneration",

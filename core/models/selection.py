@@ -42,10 +42,13 @@ def select_model(
     registry: ModelRegistry | None = None,
     trust_remote_code: bool = False,
     log: bool = False,
+    runner: str = "generate",
 ) -> ModelChoice:
     """Pick the implementation for ``hf_config`` (see the module docstring). Raises
     ``ModelLoadError`` naming what is supported, and the transformers backend's reasons, when
-    nothing can serve the model. ``log`` logs the choice at INFO."""
+    nothing can serve the model. ``log`` logs the choice at INFO. ``runner="pooling"`` serves
+    a native decoder without its LM head (``engine.models.pooling_adapter``); pooling models
+    run natively only."""
     if model_impl not in MODEL_IMPLS:
         raise ModelLoadError(
             f"model_impl={model_impl!r} is not supported; choose one of {', '.join(MODEL_IMPLS)}"
@@ -65,6 +68,11 @@ def select_model(
             ) from None
         choice = ModelChoice(
             architecture, cls, "native", f"{architecture} has a native implementation"
+        )
+    elif runner == "pooling":
+        raise ModelLoadError(
+            f"the pooling runner (embeddings) serves native architectures only, and {shown} "
+            f"has none; pooling architectures: {', '.join(registry.supported())}"
         )
     else:
         from engine.models.transformers_backend import (
@@ -92,6 +100,15 @@ def select_model(
             else f"{architecture} has no native implementation"
         )
         choice = ModelChoice(architecture, TransformersForCausalLM, "transformers", why)
+    if runner == "pooling" and not getattr(choice.model_cls, "is_pooling_model", False):
+        from engine.models.pooling_adapter import as_pooling_model
+
+        choice = ModelChoice(
+            choice.architecture,
+            as_pooling_model(choice.model_cls),
+            choice.implementation,
+            choice.reason + ", served for pooling without its LM head",
+        )
     if log:
         logger.info(
             "model %s: %s implementation (%s.%s): %s",

@@ -203,7 +203,7 @@ async def count_message_tokens(
 async def create_message(ctx: ServingContext, body: MessagesRequest, raw: Request):
     """Serve one Messages request through the chat path."""
     req = chat_request_of(body, stream=body.stream)
-    run = await start_chat(ctx, req, request_id=f"msg_{uuid.uuid4().hex}")
+    run = await start_chat(ctx, req, request_id=f"msg_{uuid.uuid4().hex}", route="/v1/messages")
     if body.stream:
         return EventStreamResponse(_stream(run), run.channel)
     try:

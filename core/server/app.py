@@ -26,6 +26,7 @@ from engine.server.anthropic_protocol import (
 from engine.server.async_engine import AsyncEngine
 from engine.server.chat import create_chat_completion
 from engine.server.completions import create_completion
+from engine.server.embeddings import create_embedding
 from engine.server.errors import APIError, bad_request, error_response, install_error_handlers
 from engine.server.metrics import ServerMetrics
 from engine.server.middleware import (
@@ -48,6 +49,8 @@ from engine.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
@@ -215,6 +218,14 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         ctx = state.require_ctx()
         _warn_extra(body)
         return await count_message_tokens(ctx, body)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, tags=["openai"])
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        """Embeddings of one or more inputs (a pooling model: ``engine serve --runner
+        pooling``, or an embedding checkpoint)."""
+        ctx = state.require_ctx()
+        _warn_extra(body)
+        return await create_embedding(ctx, body, request)
 
     @app.post("/tokenize", response_model=TokenizeResponse, tags=["tokenizer"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

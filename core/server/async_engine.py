@@ -32,6 +32,8 @@ from typing import Any, Protocol
 from engine.engine_core.messages import EngineCoreRequest, EngineStats
 from engine.errors import EngineDeadError
 from engine.output_processor import FINAL_ONLY, OutputProcessor
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +255,12 @@ class AsyncEngine:
         now = time.monotonic()
         interval = self.stream_interval if channel.stream else FINAL_ONLY
         assert self.processor is not None
-        self.processor.add_request(request_id, prompt, prompt_token_ids, params, now, interval)
+        pooling = None
+        if isinstance(params, PoolingParams):  # an embedding: one output when it is done
+            pooling, params = params, SamplingParams(max_tokens=1)
+            self.processor.add_pooling_request(request_id, prompt, prompt_token_ids, now)
+        else:
+            self.processor.add_request(request_id, prompt, prompt_token_ids, params, now, interval)
         self._tracked[request_id] = channel
         channel.request_ids.append(request_id)
         channel.unfinished.add(request_id)
@@ -265,6 +272,7 @@ class AsyncEngine:
             priority,
             mm_features=mm_features or None,
             lora_request=lora_request,
+            pooling_params=pooling,
         )
         try:
             await self.client.add_request(req)

@@ -156,10 +156,13 @@ class PreparedChat:
     images: list[Any]
 
 
-async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
+async def prepare_chat(
+    ctx: ServingContext, req: ChatCompletionRequest, route: str = "/v1/chat/completions"
+) -> PreparedChat:
     """Validate a chat request and render its prompt (a 400/404 naming the field when it
-    cannot be served)."""
+    cannot be served; ``route`` names the endpoint in the error for a pooling model)."""
     model = ctx.check_model(req.model)
+    ctx.require_runner("generate", route)
     lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)
     if max_tokens is not None and max_tokens < 1:
@@ -183,10 +186,11 @@ async def start_chat(
     req: ChatCompletionRequest,
     request_id: str | None = None,
     prepared: PreparedChat | None = None,
+    route: str = "/v1/chat/completions",
 ) -> ChatRun:
     """Validate a chat request, render its prompt and add it to the engine (a 400/404 naming
     the field when it cannot be served). The OpenAI and Anthropic routes both start here."""
-    p = prepared or await prepare_chat(ctx, req)
+    p = prepared or await prepare_chat(ctx, req, route)
     model, lora, max_tokens, tool_plan = p.model, p.lora, p.max_tokens, p.tool_plan
     prompt, ids, images = p.prompt, p.prompt_ids, p.images
     top_n = req.top_logprobs or 0

@@ -51,6 +51,7 @@ _ROUTE_ERRORS = {
     ("post", "/v1/chat/completions"): (400, 404, 413, 500, 503),
     ("post", "/v1/messages"): (400, 404, 413, 500, 503),
     ("post", "/v1/messages/count_tokens"): (400, 404, 413, 500, 503),
+    ("post", "/v1/embeddings"): (400, 404, 413, 500, 503),
     ("post", "/tokenize"): (400, 404, 413, 500, 503),
     ("post", "/detokenize"): (400, 404, 413, 500, 503),
     ("get", "/v1/models"): (500, 503),
@@ -273,6 +274,8 @@ def _served_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     completion = schemas["CompletionRequest"]["properties"]
     _integers(completion["logprobs"], maximum=limits.max_logprobs)
     _prompt(completion["prompt"], limits)
+    if "EmbeddingRequest" in schemas:
+        _prompt(schemas["EmbeddingRequest"]["properties"]["input"], limits)
     chat = schemas["ChatCompletionRequest"]["properties"]
     _integers(chat["top_logprobs"], maximum=limits.max_logprobs)
     _integers(chat["max_completion_tokens"], maximum=limits.max_model_len - 1)

@@ -400,6 +400,51 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class EmbeddingRequest(_Request):
+    """``POST /v1/embeddings`` (OpenAI's shape).
+
+    ``input`` is a string, a list of strings, a list of token ids, or a list of token-id lists.
+    ``encoding_format``: ``float`` (lists of numbers) or ``base64`` (each vector's
+    little-endian float32 bytes, base64-encoded, as OpenAI). ``dimensions``: keep the first
+    ``dimensions`` values (matryoshka models only), renormalised. ``normalize`` (vLLM's
+    extra): None takes the model's default.
+    """
+
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=INT64_MAX), BeforeValidator(_integral)] | None = None
+    user: str | None = None
+    normalize: bool | None = None
+    priority: Int64 = 0
+
+
+class EmbeddingData(BaseModel):
+    """One input's embedding."""
+
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    """Token counts of an embeddings request (no completion tokens)."""
+
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    """The answer to ``POST /v1/embeddings``: one entry per input, in input order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class CompletionLogprobs(BaseModel):
     """Legacy completions logprobs: parallel lists, one entry per token."""
 

@@ -133,6 +133,26 @@ class ServingContext:
         adapter's (None: the default), listing every served name."""
         return self.models.resolve(name)[0]
 
+    def require_runner(self, runner: str, route: str) -> None:
+        """400 naming what the model supports when ``route`` needs the other runner
+        (``generate`` for completions and chat, ``pooling`` for embeddings)."""
+        model = getattr(getattr(self.async_engine, "config", None), "model", None)
+        have = getattr(model, "runner_type", None) or "generate"
+        if have == runner:
+            return
+        if have == "pooling":
+            message = (
+                f"The model `{self.model_name}` is an embedding (pooling) model: it supports "
+                f"/v1/embeddings, not generation ({route})."
+            )
+        else:
+            message = (
+                f"The model `{self.model_name}` is a generative model: it supports "
+                f"/v1/completions and /v1/chat/completions, not embeddings ({route}); serve an "
+                "embedding model, or this one with --runner pooling."
+            )
+        raise bad_request(message, "model")
+
     def lora_request(self, name: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's ``model`` names (None: the base model)."""
         return self.models.resolve(name)[1]

@@ -13,7 +13,7 @@ from server_harness import error_of
 from engine.server.openapi import decimal_below
 
 ENVELOPE = {"$ref": "#/components/schemas/ErrorResponse"}
-POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+POSTS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,54 @@
+"""Serve a native decoder (``XForCausalLM``) as an embedding model: the same trunk, no LM head.
+
+``as_pooling_model(cls)`` is what ``--runner pooling`` does to a generative architecture
+(Qwen3-Embedding ships ``Qwen3ForCausalLM`` in its config) and what the registry maps the
+head-less architectures (``Qwen3Model``) to. The forward still returns the final-norm hidden
+states; the model runner pools them (``engine.pooling``). Checkpoints saved from the head-less
+transformers class name their tensors without the ``model.`` prefix (``layers.0...``); they
+load as well as the ``model.``-prefixed ones, and an LM head in the checkpoint is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from engine.models.base import PPMissingLayer
+
+_ADAPTED: dict[type, type] = {}
+
+
+def as_pooling_model(cls: type) -> type:
+    """A subclass of the decoder class ``cls`` without its LM head (one per ``cls``)."""
+    if cls in _ADAPTED:
+        return _ADAPTED[cls]
+
+    class PoolingModel(cls):  # type: ignore[misc, valid-type]
+        is_pooling_model = True
+        skip_checkpoint_prefixes = (*getattr(cls, "skip_checkpoint_prefixes", ()), "lm_head.")
+        skip_checkpoint_reason = "an embedding model has no LM head"
+
+        def __init__(self, ctx: Any) -> None:
+            super().__init__(ctx)
+            self.lm_head = PPMissingLayer()  # never built into the forward: hidden states out
+
+        def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+            return super().load_weights(_with_model_prefix(weights))
+
+        def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+            raise RuntimeError("a pooling model computes no logits")
+
+    name = cls.__name__.removesuffix("ForCausalLM") + "ForEmbedding"
+    PoolingModel.__name__ = PoolingModel.__qualname__ = name
+    PoolingModel.__module__ = cls.__module__
+    _ADAPTED[cls] = PoolingModel
+    return PoolingModel
+
+
+def _with_model_prefix(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        if name.startswith("lm_head."):
+            continue
+        yield (name if name.startswith("model.") else f"model.{name}"), tensor

@@ -1,0 +1,112 @@
+"""Tiny random sentence-transformers models for the pooling tests: a transformers encoder or
+decoder trunk saved with ``Pooling`` (and optionally ``Normalize``) modules, so the engine loads
+the folder exactly as a user's bge / e5 / Qwen3-Embedding download.
+
+sentence-transformers is imported with the repository root off ``sys.path``: transformers
+imports the Hugging Face ``kernels`` package when one is installed, and the repository's own
+top-level ``kernels/`` folder (the engine's ``engine.kernels``) would shadow it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TEXTS = [
+    "hello world",
+    "a much longer sentence with many more tokens in it, so the batch mixes lengths",
+    "x",
+    "def main(): return sum(x * x for x in range(10))",
+]
+
+
+def import_sentence_transformers() -> Any:
+    """``sentence_transformers``, imported without the repository's ``kernels/`` in the way."""
+    if "sentence_transformers" in sys.modules:
+        return sys.modules["sentence_transformers"]
+    root = str(Path(__file__).resolve().parents[2])
+    saved = list(sys.path)
+    shadow = sys.modules.get("kernels")
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", root)]
+    try:
+        if shadow is not None and root in str(getattr(shadow, "__file__", "")):
+            del sys.modules["kernels"]
+        import sentence_transformers
+        import sentence_transformers.models  # noqa: F401  (the module classes, deprecated name)
+    finally:
+        sys.path[:] = saved
+    return sentence_transformers
+
+
+def save_st_model(
+    out_dir: Path,
+    kind: str,
+    pooling: str,
+    normalize: bool,
+    seed: int = 0,
+    config_extra: dict[str, Any] | None = None,
+    max_position_embeddings: int = 128,
+) -> Path:
+    """Build ``kind`` (``bert`` | ``xlm-roberta`` | ``qwen3``: a head-less ``BertModel`` /
+    ``XLMRobertaModel`` / ``Qwen3Model``) with random weights and save it as a
+    sentence-transformers model with ``pooling`` (cls | mean | lasttoken) in ``out_dir/st``.
+    ``config_extra`` lands in config.json (e.g. ``matryoshka_dimensions``)."""
+    import torch
+    import transformers
+
+    from engine.testing.tiny_models import build_tokenizer
+
+    st = import_sentence_transformers()
+    hf = out_dir / "hf"
+    tok = build_tokenizer(hf)
+    # sentence-transformers 6 applies a tokenizer's chat template to text inputs: an
+    # encoder's tokenizer has none.
+    (hf / "chat_template.jinja").unlink(missing_ok=True)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tok.pad_token_id,
+        **(config_extra or {}),
+    )
+    if kind == "bert":
+        config = transformers.BertConfig(**common)
+        model_cls = transformers.BertModel
+    elif kind == "xlm-roberta":
+        config = transformers.XLMRobertaConfig(**common)
+        model_cls = transformers.XLMRobertaModel
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(num_key_value_heads=1, head_dim=16, **common)
+        model_cls = transformers.Qwen3Model
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    torch.manual_seed(seed)
+    model_cls(config).to(torch.float32).save_pretrained(hf)
+    import importlib
+
+    modules = importlib.import_module("sentence_transformers.models")
+    trunk = modules.Transformer(str(hf))
+    parts = [trunk, modules.Pooling(config.hidden_size, pooling_mode=pooling)]
+    if normalize:
+        parts.append(modules.Normalize())
+    path = out_dir / "st"
+    st.SentenceTransformer(modules=parts, device="cpu").save(str(path))
+    if config_extra:  # keep the declaration (sentence-transformers rewrites config.json)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config_extra)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def st_embeddings(path: Path, texts: list[str], normalize: bool | None = None) -> Any:
+    """sentence-transformers' float32 embeddings of ``texts`` (a torch tensor)."""
+    st = import_sentence_transformers()
+    model = st.SentenceTransformer(str(path), device="cpu")
+    return model.encode(
+        texts, convert_to_tensor=True, normalize_embeddings=bool(normalize), batch_size=len(texts)
+    ).float()

@@ -147,6 +147,17 @@ def test_a_class_whose_name_differs_from_its_registration_is_refused():
         registry.entry("other").load()
 
 
+def test_a_method_that_does_not_import_names_its_provider():
+    registry = QuantizationRegistry(with_builtins=False)
+    registry.register("ghost", "engine_no_such_module:GhostConfig", provider="engine-ghost")
+    with pytest.raises(
+        QuantizationError,
+        match=r"Could not import quantization method 'ghost' "
+        r"\(engine_no_such_module:GhostConfig, from engine-ghost\).*reinstall engine-ghost",
+    ):
+        registry.entry("ghost").load()
+
+
 def test_a_plugin_registers_a_method_and_its_own_kernel(plugin_env, tmp_path):
     """A vendor's method becomes ``--quantization vendor-awq`` and reads its own checkpoint
     format; its wna16_linear override serves every W4A16 layer on its platform."""

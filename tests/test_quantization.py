@@ -402,6 +402,22 @@ def test_the_mixed_workload_is_fixed_by_its_seed():
     assert mixed_workload(512, 128256, 1).prompts != a.prompts
 
 
+def test_the_random_workload_draws_in_nano_vllms_order():
+    """Per request: prompt length, token ids, output length, from random.Random(seed), so
+    ``--seed 0`` reproduces nano-vllm's benchmark (the vLLM peer numbers were drawn the same
+    way). Pinned, so that a refactor of the draws shows here."""
+    from engine.benchmarks.workload import random_workload
+
+    w = random_workload(3, (100, 1024), (100, 1024), 151936, seed=0)
+    assert [len(p) for p in w.prompts] == [964, 232, 469]
+    assert [p[:3] for p in w.prompts] == [
+        [100999, 110260, 10622],
+        [103709, 40706, 46347],
+        [121679, 9543, 147229],
+    ]
+    assert w.output_lens == [931, 493, 679]
+
+
 def test_the_awq_shape_writes_its_quantization_config(tmp_path):
     import json
 

@@ -158,6 +158,51 @@ def test_a_method_that_does_not_import_names_its_provider():
         registry.entry("ghost").load()
 
 
+def test_checkpoint_names_carry_the_checkpoints_prefix():
+    """Ignore lists name the checkpoint's modules: ours under the checkpoint's prefix, fused
+    layers as their parts."""
+    from engine.quantization.fp8 import Fp8Config
+
+    config = Fp8Config(
+        serialized=True, ignored_layers=["language_model.model.layers.0.mlp.down_proj"]
+    )
+    assert config.get_linear_method(None, "model.layers.0.mlp.down_proj") is not None  # no map
+    config.checkpoint_prefixes = [("language_model.model.", "model.")]
+    assert config.checkpoint_names("model.layers.1.self_attn.qkv_proj") == [
+        f"language_model.model.layers.1.self_attn.{p}_proj" for p in "qkv"
+    ]
+    assert config.checkpoint_names("lm_head") == ["lm_head"]
+    assert config.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+    assert config.get_linear_method(None, "model.layers.1.mlp.down_proj") is not None
+
+
+@pytest.mark.parametrize(
+    "tensor, expected",
+    [
+        # released checkpoints / transformers 5, transformers 4.52-4.57, a text-only checkpoint
+        ("language_model.model.layers.0.mlp.up_proj.weight", [("language_model.model.", "model.")]),
+        ("model.language_model.layers.0.mlp.up_proj.weight", [("model.language_model.", "model.")]),
+        ("model.layers.0.mlp.up_proj.weight", []),
+    ],
+)
+def test_the_loader_picks_the_prefixes_the_checkpoint_uses(tensor, expected):
+    from engine.models.gemma3_mm import Gemma3ForConditionalGeneration
+    from engine.quantization.base import checkpoint_prefixes_in
+
+    candidates = Gemma3ForConditionalGeneration.checkpoint_module_prefixes
+    assert checkpoint_prefixes_in(candidates, [tensor]) == expected
+    vision = {
+        "vision_tower.vision_model.encoder.x.weight": "vision_tower.vision_model.",
+        "model.vision_tower.vision_model.encoder.x.weight": "model.vision_tower.vision_model.",
+        "vision_tower.encoder.x.weight": "vision_tower.",
+    }
+    for name, theirs in vision.items():
+        assert checkpoint_prefixes_in(candidates, [tensor, name]) == [
+            (theirs, "vision_tower.vision_model."),
+            *expected,
+        ]
+
+
 def test_a_plugin_registers_a_method_and_its_own_kernel(plugin_env, tmp_path):
     """A vendor's method becomes ``--quantization vendor-awq`` and reads its own checkpoint
     format; its wna16_linear override serves every W4A16 layer on its platform."""

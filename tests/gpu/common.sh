@@ -3,6 +3,7 @@
 # clock (seconds, default 560) and defines:
 #   elapsed, left       seconds since the start / left before DEADLINE
 #   install_engine      the repository and the CPU, CUDA and Triton plugins, editable, offline
+#   show_device         the GPU, torch and triton versions, and the time the install took
 #   bench NAME LIMIT ARGS...
 #                       one `engine bench ARGS`, skipped when less than a minute is left, its
 #                       output appended to $OUT/bench.log and its JSON named in JSONS
@@ -26,6 +27,12 @@ install_engine() {
   python3 -m pip install -q --no-deps --no-build-isolation --no-index \
     -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
     || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
+}
+
+show_device() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  echo "installed at $(elapsed)s"
 }
 
 bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for results.json

@@ -21,9 +21,7 @@ set -u
 source "$(dirname "$0")/common.sh"
 
 install_engine
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-echo "installed at $(elapsed)s"
+show_device
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests kernels qwen-nano qwen-b1 llama-b1 llama-nano profile)

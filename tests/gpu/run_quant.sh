@@ -14,9 +14,7 @@ set -u
 source "$(dirname "$0")/common.sh"
 
 install_engine
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-echo "installed at $(elapsed)s"
+show_device
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests qkernels fp8-b1 awq-b1 fp8-nano awq-nano fp8-mixed awq-mixed)

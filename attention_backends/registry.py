@@ -7,13 +7,13 @@ backends that are never picked cost nothing. A name provided by two plugins is a
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.attention_backends.interface import AttentionBackend, AttentionSpec
 from engine.errors import AttentionBackendError, PluginLoadError
+from engine.lazy_class import LazyClass, qualified_name
 
 if TYPE_CHECKING:
     from engine.plugin_info import PluginInfo
@@ -21,58 +21,23 @@ if TYPE_CHECKING:
 RESERVED_NAMES = frozenset({"auto"})
 
 
-def qualified_name(cls: type) -> str:
-    """``module:Class`` for a class."""
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
 @dataclass(eq=False)
-class BackendEntry:
+class BackendEntry(LazyClass[AttentionBackend]):
     """One named backend: where it comes from and (once imported) its class."""
 
-    name: str
-    target: type[AttentionBackend] | str
-    plugin: PluginInfo
-    _cls: type[AttentionBackend] | None = field(default=None, repr=False)
+    base = AttentionBackend
+    error = AttentionBackendError
 
-    @property
-    def qualname(self) -> str:
-        return self.target if isinstance(self.target, str) else qualified_name(self.target)
+    plugin: PluginInfo
 
     def label(self) -> str:
         return f"attention backend {self.name!r} ({self.qualname}, from {self.plugin.describe()})"
 
-    def load(self) -> type[AttentionBackend]:
-        """Import and validate the backend class. Raises ``AttentionBackendError`` naming the
-        plugin when the import fails or the class is not a matching ``AttentionBackend``."""
-        if self._cls is not None:
-            return self._cls
-        cls: Any = self.target
-        if isinstance(cls, str):
-            module_name, _, attr = cls.partition(":")
-            try:
-                obj: Any = importlib.import_module(module_name)
-                for part in attr.split("."):
-                    obj = getattr(obj, part)
-            except Exception as exc:
-                raise AttentionBackendError(
-                    f"Could not import {self.label()}: {type(exc).__name__}: {exc}. Fix or "
-                    f"reinstall {self.plugin.distribution}, or pick another backend with "
-                    "--attention-backend."
-                ) from exc
-            cls = obj
-        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-            raise AttentionBackendError(
-                f"{self.label()} is {cls!r}, not a subclass of "
-                "engine.attention_backends.AttentionBackend. Fix the plugin."
-            )
-        if cls.name != self.name:
-            raise AttentionBackendError(
-                f"{self.label()} is registered as {self.name!r} but its class says "
-                f"name = {cls.name!r}. The two must agree: fix the plugin."
-            )
-        self._cls = cls
-        return cls
+    def advice(self) -> str:
+        return (
+            f" Fix or reinstall {self.plugin.distribution}, or pick another backend with "
+            "--attention-backend."
+        )
 
     def supports(self, spec: AttentionSpec) -> list[str]:
         """The backend's reasons it cannot serve ``spec`` (imports the backend)."""

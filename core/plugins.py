@@ -26,6 +26,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 import sys
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from engine.platforms.resolve import PlatformEntry, collect_platforms, resolve_p
 from engine.plugin_info import PluginInfo
 from engine.version import (
     DISTRIBUTION_NAME,
+    FORMER_DISTRIBUTION_NAMES,
     PLUGIN_API_MAJOR,
     PLUGIN_API_MINOR,
     PLUGIN_API_VERSION,
@@ -141,6 +143,47 @@ def _entry_point_distribution(ep: Any) -> tuple[str, str]:
     return dist.metadata["Name"] or dist.name, dist.version
 
 
+def _describe_dist(ep: Any) -> str:
+    return " ".join(_entry_point_distribution(ep))
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def duplicate_entry_points_message(
+    clashes: Mapping[str, list[str]], installed: Collection[str] | None = None
+) -> str:
+    """The error for entry-point names declared twice (``clashes``: name -> the distributions,
+    as ``"name version"``). When a clash involves a distribution under its name from before
+    the engine-llm rename (``FORMER_DISTRIBUTION_NAMES``), every such distribution installed
+    (``installed``: names, by default read from the environment) is named for uninstalling."""
+    pairs = "; ".join(f"{name!r} by {' and '.join(dists)}" for name, dists in clashes.items())
+    message = (
+        f"Installed distributions declare the same {ENTRY_POINT_GROUP!r} entry point: {pairs}. "
+        "Entry-point names must be unique."
+    )
+    named = {d.rsplit(" ", 1)[0] for dists in clashes.values() for d in dists}
+    if not any(_canonical(n) in FORMER_DISTRIBUTION_NAMES for n in named):
+        return message + (
+            " Uninstall one of each, or ask the vendor of one to rename its entry point."
+        )
+    if installed is None:
+        installed = [d.metadata["Name"] or "" for d in metadata.distributions()]
+    stale = sorted(
+        {n for n in (*named, *installed) if _canonical(n) in FORMER_DISTRIBUTION_NAMES},
+        key=_canonical,
+    )
+    successors = [FORMER_DISTRIBUTION_NAMES[_canonical(n)] for n in stale]
+    return message + (
+        f" {', '.join(stale)} {'is' if len(stale) == 1 else 'are'} left over from before the "
+        f"packages were renamed {DISTRIBUTION_NAME}*: uninstall "
+        f"{'it' if len(stale) == 1 else 'them'} (pip uninstall {' '.join(stale)}), then "
+        "reinstall their successors, whose files the old distributions shared and pip removes "
+        f"with them (pip install --force-reinstall --no-deps {' '.join(successors)})."
+    )
+
+
 def _api_major(declared: Any) -> int | None:
     try:
         return int(str(declared).strip().split(".")[0])
@@ -206,19 +249,15 @@ class PluginManager:
     def _load_entry_points(self) -> None:
         eps = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
         seen: dict[str, Any] = {}
+        clashes: dict[str, list[str]] = {}  # entry-point name -> "dist version" declaring it
         for ep in eps:
             if ep.name in seen or ep.name == BUILTIN_PLUGIN_NAME:
                 first = seen.get(ep.name)
-                first_dist = (
-                    "engine (the core)" if first is None else _entry_point_distribution(first)[0]
-                )
-                raise PluginLoadError(
-                    f"Two installed distributions, {first_dist} and "
-                    f"{_entry_point_distribution(ep)[0]}, both declare an {ENTRY_POINT_GROUP!r} "
-                    f"entry point named {ep.name!r}. Entry-point names must be unique: uninstall "
-                    "one of them or ask its vendor to rename the entry point."
-                )
+                first_dist = "engine (the core)" if first is None else _describe_dist(first)
+                clashes.setdefault(ep.name, [first_dist]).append(_describe_dist(ep))
             seen[ep.name] = ep
+        if clashes:
+            raise PluginLoadError(duplicate_entry_points_message(clashes))
         if self.enabled is not None:
             unknown = [n for n in self.enabled if n not in seen]
             if unknown:

@@ -5,6 +5,13 @@ __version__ = "0.1.0"
 # The distribution on the package index (`pip install engine-llm`); the import name and the
 # command are `engine`. The plugins are published as engine-llm-cpu, -cuda, -rocm, -tpu, -triton.
 DISTRIBUTION_NAME = "engine-llm"
+# The distributions' names before they were renamed engine-llm*, old -> new. An old one left
+# installed next to its successor declares the same entry points, so every plugin lookup fails;
+# the plugin manager's error names the old ones to uninstall.
+FORMER_DISTRIBUTION_NAMES = {
+    "engine": DISTRIBUTION_NAME,
+    **{f"engine-{p}": f"{DISTRIBUTION_NAME}-{p}" for p in ("cpu", "cuda", "rocm", "tpu", "triton")},
+}
 
 # The plugin contract's version. A plugin declares the major version it was built against
 # (``ENGINE_PLUGIN_API = "1"`` or ``"1.x"`` in its module); a different major is refused.

@@ -68,9 +68,41 @@ def int8_dynamic_scale(x2d: torch.Tensor) -> torch.Tensor:
     return (x2d.float().abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=INT8_MIN_SCALE)
 
 
-def _finish(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def int8_quantize_activations(
+    x2d: torch.Tensor, input_scale: torch.Tensor | None, input_zero_point: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int8_linear``'s activations: ``(q, scale)``, int32 values in the int8 range and their
+    float32 scale, per token and symmetric (``[M, 1]``) when ``input_scale`` is None, else the
+    static ``input_scale`` (``[1, 1]``) with ``input_zero_point`` added to ``q``."""
+    if input_scale is None:
+        sx = int8_dynamic_scale(x2d)
+        return int8_quantize(x2d, sx), sx
+    sx = input_scale.float().reshape(1, 1)
+    return int8_quantize(x2d, sx, input_zero_point), sx
+
+
+# ---- weights and outputs -----------------------------------------------------------------------
+def expand_block_scales(
+    weight_scale_inv: torch.Tensor, block_size: tuple[int, int] | list[int], n: int, k: int
+) -> torch.Tensor:
+    """``fp8_block_linear``'s ``[ceil(N / bn), ceil(K / bk)]`` block scales as one scale per
+    weight element ``[N, K]`` (in ``weight_scale_inv``'s dtype)."""
+    bn, bk = int(block_size[0]), int(block_size[1])
+    return weight_scale_inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def wna16_activations(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``x`` as ``[M, K]`` rows, its features in the packed weight's order (``packed["perm"]``,
+    the act-order of a GPTQ checkpoint)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2.index_select(-1, packed["perm"]) if "perm" in packed else x2
+
+
+def finish_linear(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The product ``y`` ``[M, N]`` plus ``bias`` (in ``y``'s dtype), as ``x``'s dtype and
+    leading shape ``[..., N]``."""
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(y.dtype)
     return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
 
 
@@ -97,7 +129,7 @@ def fp8_linear(
         xf = fp8_quantize(x2, sx).float() * sx
     else:
         xf = x2.float()
-    return _finish(xf @ w.T, bias, x)
+    return finish_linear(xf @ w.T, bias, x)
 
 
 def fp8_block_linear(
@@ -111,17 +143,16 @@ def fp8_block_linear(
     """``x @ W^T + bias`` with FP8 ``weight`` ``[N, K]`` scaled per ``(bn, bk)`` block by
     ``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]``; with ``activation_quant`` the
     activations are quantized per token and ``bk``-wide group (K must be a multiple of bk)."""
-    bn, bk = int(block_size[0]), int(block_size[1])
     n, k = weight.shape
-    scale = weight_scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    w = weight.float() * scale
+    w = weight.float() * expand_block_scales(weight_scale_inv.float(), block_size, n, k)
+    bk = int(block_size[1])
     x2 = x.reshape(-1, k)
     if activation_quant:
         sx = fp8_dynamic_scale(x2, bk).repeat_interleave(bk, 1)
         xf = fp8_quantize(x2, sx).float() * sx
     else:
         xf = x2.float()
-    return _finish(xf @ w.T, bias, x)
+    return finish_linear(xf @ w.T, bias, x)
 
 
 def int8_linear(
@@ -136,19 +167,13 @@ def int8_linear(
     ``weight_scale`` ``[1]`` or ``[N]``, the activations quantized to int8: per token and
     symmetric when ``input_scale`` is None, else with that static scale (``[1]``) and the
     optional static zero point ``input_zero_point`` (int32 ``[1]``)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if input_scale is None:
-        sx = int8_dynamic_scale(x2)
-        q = int8_quantize(x2, sx)
-    else:
-        sx = input_scale.float().reshape(1, 1)
-        q = int8_quantize(x2, sx, input_zero_point)
-        if input_zero_point is not None:
-            q = q - input_zero_point.to(torch.int32).reshape(1, 1)
+    q, sx = int8_quantize_activations(x.reshape(-1, x.shape[-1]), input_scale, input_zero_point)
+    if input_scale is not None and input_zero_point is not None:
+        q = q - input_zero_point.to(torch.int32).reshape(1, 1)
     # Exact integer dot products (float64 holds them exactly for any practical K).
     acc = q.double() @ weight.double().T
     y = acc * sx.double() * weight_scale.double().reshape(1, -1)
-    return _finish(y.float(), bias, x)
+    return finish_linear(y.float(), bias, x)
 
 
 class WNA16Linear:
@@ -204,10 +229,7 @@ class WNA16Linear:
         w = (q.float() - packed["zeros"].float().repeat_interleave(group_size, dim=1)) * packed[
             "scales"
         ].float().repeat_interleave(group_size, dim=1)
-        x2 = x.reshape(-1, x.shape[-1])
-        if "perm" in packed:
-            x2 = x2.index_select(-1, packed["perm"])
-        return _finish(x2.float() @ w.T, bias, x)
+        return finish_linear(wna16_activations(x, packed).float() @ w.T, bias, x)
 
 
 wna16_linear = WNA16Linear()

@@ -268,3 +268,11 @@ def test_malformed_entry_points_fail_the_cli_with_one_paragraph(plugin_env, caps
     monkeypatch.setenv("ENGINE_PLUGINS", "cpu,garbled")
     code, _, err = run_main(capsys, "plugins")
     assert_one_paragraph_error(code, err, "engine-garbled 1.0", "garbled = not a module!")
+
+
+def test_engine_plugins_names_stale_pre_rename_distributions(plugin_env, capsys) -> None:
+    install_fixtures(plugin_env, "engine-stale-cpu")
+    code, _, err = run_main(capsys, "plugins")
+    assert_one_paragraph_error(
+        code, err, "'cpu' by", "engine-cpu 0.0.9", "pip uninstall engine-cpu", "engine-llm-cpu"
+    )

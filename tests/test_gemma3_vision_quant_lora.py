@@ -7,6 +7,9 @@
   under ``model.language_model.*``) serves prompts with images: greedy tokens equal the merged
   model's ``generate`` on the same images, mixed with base-model requests in one batch; an
   adapter touching the vision tower is refused with the reason.
+* An FP8 checkpoint whose ignore list names layers by the checkpoint's own module names
+  (``language_model.model.layers.0...``, ``vision_tower.encoder...``, not ours) loads with
+  exactly those layers unquantized.
 """
 
 from __future__ import annotations
@@ -119,3 +122,30 @@ def test_lora_with_images_matches_the_merged_model(path, tmp_path):
             PROMPT, PARAMS, use_tqdm=False, lora_request=LoRARequest("tower", 2, str(tower))
         )
     assert llm.llm_engine.num_used_blocks == 0
+
+
+def test_an_ignore_list_names_the_checkpoints_modules(path, tmp_path):
+    """transformers 5 writes ``language_model.model.*`` and ``vision_tower.encoder.*``; the
+    engine's modules are ``model.*`` and ``vision_tower.vision_model.encoder.*``. The ignore
+    list is matched against the checkpoint's names, so these entries are honoured (they were
+    missed when matched against ours, and the load failed on the unquantized tensors)."""
+    from engine.testing.quantized_models import write_fp8
+
+    vision = [
+        f"vision_tower.encoder.layers.{i}.{p}"
+        for i in range(2)
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                  "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+    ]  # fmt: skip
+    ignored = ["language_model.model.layers.0.mlp.down_proj", *vision]
+    out, _ = write_fp8(path, tmp_path / "fp8", ignored_layers=ignored)
+    llm = tiny_llm(out)
+    model = llm.llm_engine.runner.model
+    method = lambda layer: type(layer.quant_method).__name__  # noqa: E731
+    assert "Fp8" not in method(model.model.layers[0].mlp.down_proj)
+    assert "Fp8" in method(model.model.layers[1].mlp.down_proj)
+    assert not any("Fp8" in name for name in _vision_methods(llm)), _vision_methods(llm)
+    out = llm.generate(
+        {"prompt": PROMPT, "multi_modal_data": {"image": make_image(2)}}, PARAMS, use_tqdm=False
+    )[0]
+    assert len(out.outputs[0].token_ids) == PARAMS.max_tokens

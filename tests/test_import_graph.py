@@ -6,7 +6,10 @@ and of the in-tree plugins is parsed with ``ast``; each ``import`` statement bec
 at module level *and* inside functions (a lazy import inside a function is how a cycle hides:
 it still ties the two modules together, it only defers the failure). Imports under
 ``if TYPE_CHECKING:`` are type annotations only and are left out. ``from pkg import name``
-points at ``pkg.name`` when that is a module, else at ``pkg``.
+points at ``pkg.name`` when that is a module, else at ``pkg``. Importing ``a.b.c`` also runs
+``a/__init__.py`` and ``a/b/__init__.py``, so it is an edge to those packages too, unless they
+enclose the importing module (Python has started them before it, and a package's ``__init__``
+importing its own submodules is the ordinary shape, not a cycle).
 """
 
 from __future__ import annotations
@@ -79,6 +82,15 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[str, int]
     return [(m, line) for m, line in found if m in known and m != module]
 
 
+def packages_run_by(module: str, target: str, known: set[str]) -> list[str]:
+    """The packages whose ``__init__`` importing ``target`` from ``module`` runs, target last."""
+    parts = target.split(".")
+    enclosing = [".".join(parts[:i]) for i in range(1, len(parts))]
+    return [
+        p for p in enclosing if p in known and not (module == p or module.startswith(p + "."))
+    ] + [target]
+
+
 def import_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], int], dict[str, Path]]:
     modules = discover_modules()
     known = set(modules)
@@ -86,8 +98,9 @@ def import_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], int], dic
     where: dict[tuple[str, str], int] = {}
     for module, path in modules.items():
         for target, line in imports_of(module, path, known):
-            graph[module].add(target)
-            where.setdefault((module, target), line)
+            for runs in packages_run_by(module, target, known):
+                graph[module].add(runs)
+                where.setdefault((module, runs), line)
     return graph, where, modules
 
 
@@ -157,6 +170,16 @@ def test_the_graph_sees_the_known_edges() -> None:
     assert "engine_cpu.platform" in graph["engine_cpu.plugin"]  # inside the hook function
     # platforms/interface.py imports engine.config only under TYPE_CHECKING.
     assert "engine.config" not in graph["engine.platforms.interface"]
+    # Importing engine.platforms.resolve runs engine/platforms/__init__.py first.
+    assert "engine.platforms" in graph["engine.plugins"]
+
+
+def test_importing_a_submodule_runs_the_packages_around_it() -> None:
+    known = {"a", "a.b", "a.b.c", "a.d", "x"}
+    assert packages_run_by("x", "a.b.c", known) == ["a", "a.b", "a.b.c"]
+    # a.d sits inside a: a/__init__.py has already started when a.d imports a sibling.
+    assert packages_run_by("a.d", "a.b.c", known) == ["a.b", "a.b.c"]
+    assert packages_run_by("a", "a.b", known) == ["a.b"]
 
 
 def test_find_cycles_reports_a_cycle() -> None:

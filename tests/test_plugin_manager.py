@@ -189,3 +189,30 @@ def test_managers_are_independent(plugin_env) -> None:
     with pytest.raises(PlatformError, match="no loaded plugin provides one"):
         a.resolve_platform()
     assert b.resolve_platform().name == "cpu"
+
+
+# ---- stale distributions from before the engine-llm rename ----------------------------------------
+def test_a_stale_pre_rename_distribution_is_named_for_uninstalling(plugin_env) -> None:
+    """engine-cpu (the old name) next to engine-llm-cpu declares the same entry point, which
+    fails every plugin lookup; the error names the old distributions, the stale core too, and
+    says to reinstall the successors (uninstalling removes the files they share)."""
+    install_fixtures(plugin_env, "engine-stale-cpu", "engine-stale-core")
+    with pytest.raises(PluginLoadError) as err:
+        load()
+    msg = " ".join(str(err.value).split())
+    assert "'cpu' by " in msg and "engine-cpu 0.0.9" in msg and "engine-llm-cpu 0.1.0" in msg
+    assert "engine, engine-cpu are left over from before the packages were renamed" in msg
+    assert "pip uninstall engine engine-cpu" in msg
+    assert "pip install --force-reinstall --no-deps engine-llm engine-llm-cpu" in msg
+
+
+def test_a_clash_without_a_stale_distribution_says_so() -> None:
+    from engine.plugins import duplicate_entry_points_message
+
+    msg = duplicate_entry_points_message(
+        {"vendor": ["engine-vendor-a 1.0", "engine-vendor-b 2.0"]}, installed=["engine"]
+    )
+    assert "'vendor' by engine-vendor-a 1.0 and engine-vendor-b 2.0" in msg
+    assert "renamed" not in msg and "Uninstall one of each" in msg
+    msg = duplicate_entry_points_message({"tpu": ["engine-llm-tpu 0.1.0", "engine-tpu 0.0.9"]}, [])
+    assert "engine-tpu is left over" in msg and "pip uninstall engine-tpu)" in msg

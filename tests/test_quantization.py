@@ -147,6 +147,62 @@ def test_a_class_whose_name_differs_from_its_registration_is_refused():
         registry.entry("other").load()
 
 
+def test_a_method_that_does_not_import_names_its_provider():
+    registry = QuantizationRegistry(with_builtins=False)
+    registry.register("ghost", "engine_no_such_module:GhostConfig", provider="engine-ghost")
+    with pytest.raises(
+        QuantizationError,
+        match=r"Could not import quantization method 'ghost' "
+        r"\(engine_no_such_module:GhostConfig, from engine-ghost\).*reinstall engine-ghost",
+    ):
+        registry.entry("ghost").load()
+
+
+def test_checkpoint_names_carry_the_checkpoints_prefix():
+    """Ignore lists name the checkpoint's modules: ours under the checkpoint's prefix, fused
+    layers as their parts."""
+    from engine.quantization.fp8 import Fp8Config
+
+    config = Fp8Config(
+        serialized=True, ignored_layers=["language_model.model.layers.0.mlp.down_proj"]
+    )
+    assert config.get_linear_method(None, "model.layers.0.mlp.down_proj") is not None  # no map
+    config.checkpoint_prefixes = [("language_model.model.", "model.")]
+    assert config.checkpoint_names("model.layers.1.self_attn.qkv_proj") == [
+        f"language_model.model.layers.1.self_attn.{p}_proj" for p in "qkv"
+    ]
+    assert config.checkpoint_names("lm_head") == ["lm_head"]
+    assert config.get_linear_method(None, "model.layers.0.mlp.down_proj") is None
+    assert config.get_linear_method(None, "model.layers.1.mlp.down_proj") is not None
+
+
+@pytest.mark.parametrize(
+    "tensor, expected",
+    [
+        # released checkpoints / transformers 5, transformers 4.52-4.57, a text-only checkpoint
+        ("language_model.model.layers.0.mlp.up_proj.weight", [("language_model.model.", "model.")]),
+        ("model.language_model.layers.0.mlp.up_proj.weight", [("model.language_model.", "model.")]),
+        ("model.layers.0.mlp.up_proj.weight", []),
+    ],
+)
+def test_the_loader_picks_the_prefixes_the_checkpoint_uses(tensor, expected):
+    from engine.models.gemma3_mm import Gemma3ForConditionalGeneration
+    from engine.quantization.base import checkpoint_prefixes_in
+
+    candidates = Gemma3ForConditionalGeneration.checkpoint_module_prefixes
+    assert checkpoint_prefixes_in(candidates, [tensor]) == expected
+    vision = {
+        "vision_tower.vision_model.encoder.x.weight": "vision_tower.vision_model.",
+        "model.vision_tower.vision_model.encoder.x.weight": "model.vision_tower.vision_model.",
+        "vision_tower.encoder.x.weight": "vision_tower.",
+    }
+    for name, theirs in vision.items():
+        assert checkpoint_prefixes_in(candidates, [tensor, name]) == [
+            (theirs, "vision_tower.vision_model."),
+            *expected,
+        ]
+
+
 def test_a_plugin_registers_a_method_and_its_own_kernel(plugin_env, tmp_path):
     """A vendor's method becomes ``--quantization vendor-awq`` and reads its own checkpoint
     format; its wna16_linear override serves every W4A16 layer on its platform."""
@@ -389,6 +445,22 @@ def test_the_mixed_workload_is_fixed_by_its_seed():
     shared = [n for _, n in prefixes.most_common(4)]
     assert len(shared) == 4 and min(shared) > 50  # four system prompts, each often reused
     assert mixed_workload(512, 128256, 1).prompts != a.prompts
+
+
+def test_the_random_workload_draws_in_nano_vllms_order():
+    """Per request: prompt length, token ids, output length, from random.Random(seed), so
+    ``--seed 0`` reproduces nano-vllm's benchmark (the vLLM peer numbers were drawn the same
+    way). Pinned, so that a refactor of the draws shows here."""
+    from engine.benchmarks.workload import random_workload
+
+    w = random_workload(3, (100, 1024), (100, 1024), 151936, seed=0)
+    assert [len(p) for p in w.prompts] == [964, 232, 469]
+    assert [p[:3] for p in w.prompts] == [
+        [100999, 110260, 10622],
+        [103709, 40706, 46347],
+        [121679, 9543, 147229],
+    ]
+    assert w.output_lens == [931, 493, 679]
 
 
 def test_the_awq_shape_writes_its_quantization_config(tmp_path):

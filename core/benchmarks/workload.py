@@ -264,10 +264,28 @@ def random_workload(
     rng = random.Random(seed)
     prompts, outs = [], []
     for _ in range(num_prompts):
-        n = rng.randint(*input_range)
-        prompts.append([rng.randrange(10, vocab_size - 10) for _ in range(n)])
-        outs.append(rng.randint(*output_range))
+        prompt, out = _random_request(rng, input_range, output_range, vocab_size)
+        prompts.append(prompt)
+        outs.append(out)
     return Workload(prompts, outs)
+
+
+def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """``n`` token ids uniform in ``[10, vocab - 10)`` (clear of special tokens at the ends)."""
+    return [rng.randrange(10, vocab_size - 10) for _ in range(n)]
+
+
+def _random_request(
+    rng: random.Random,
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+) -> tuple[list[int], int]:
+    """One request's prompt and output length, drawn in the order the module docstring gives
+    (the seeded workloads depend on it)."""
+    n = rng.randint(*input_range)
+    prompt = _random_ids(rng, n, vocab_size)
+    return prompt, rng.randint(*output_range)
 
 
 # The mixed serving workload (``--workload mixed``), three request kinds drawn per request:
@@ -289,10 +307,7 @@ def mixed_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> Workload
     ``random.Random(seed + 1)``) and an output length. 512 requests with seed 0 hold about 400k
     prompt and 190k output tokens."""
     sys_rng = random.Random(seed + 1)
-    systems = [
-        [sys_rng.randrange(10, vocab_size - 10) for _ in range(MIXED_SYSTEM_PROMPT_LEN)]
-        for _ in range(4)
-    ]
+    systems = [_random_ids(sys_rng, MIXED_SYSTEM_PROMPT_LEN, vocab_size) for _ in range(4)]
     rng = random.Random(seed)
     prompts, outs = [], []
     for i in range(num_prompts):
@@ -302,10 +317,9 @@ def mixed_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> Workload
             if u < acc or kind is MIXED_KINDS[-1]:
                 break
         name, _, input_range, output_range = kind
-        n = rng.randint(*input_range)
-        body = [rng.randrange(10, vocab_size - 10) for _ in range(n)]
+        body, out = _random_request(rng, input_range, output_range, vocab_size)
         prompts.append(systems[i % 4] + body if name == "chat" else body)
-        outs.append(rng.randint(*output_range))
+        outs.append(out)
     return Workload(prompts, outs)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import importlib
 import logging
 import os
@@ -35,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from engine.parent_death import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -190,18 +191,6 @@ def set_shutdown_handler(handler: Callable[[], None], grace_s: float = _GRACE_S)
     _grace_s = grace_s
 
 
-def _set_parent_death_signal() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    except OSError as e:  # no libc symbol: the stdin watch still covers it
-        logger.warning("prctl(PR_SET_PDEATHSIG) unavailable: %s", e)
-
-
 _stopping = threading.Event()
 
 
@@ -233,9 +222,7 @@ def _watch_stdin() -> None:
 
 def child_main(payload: dict[str, Any]) -> None:
     """The child's entry point (called by the bootstrap)."""
-    _set_parent_death_signal()
-    if os.getppid() != payload["parent_pid"]:
-        os._exit(1)  # the parent died before we set the death signal
+    die_with_parent(payload["parent_pid"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     signal.signal(signal.SIGTERM, lambda *_: _begin_shutdown("sigterm"))
     threading.Thread(target=_watch_stdin, name="parent-watch", daemon=True).start()

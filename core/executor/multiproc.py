@@ -30,13 +30,12 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.executor.remote import RemoteExecutor
+from engine.parent_death import die_with_parent
 
 if TYPE_CHECKING:
     from engine.executor.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -45,23 +44,10 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent thread ends (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 def worker_process_main(parent_pid: int) -> None:
     """Entry point of a worker process (``python -m engine.executor worker PARENT_PID``): the
     pickled ``WorkerSpec`` arrives on stdin."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     try:
         os.setpgid(0, 0)  # our own process group (see the module docstring)
     except OSError:

@@ -123,7 +123,7 @@ class RemoteExecutor(Executor):
 
     # ---- start-up ----------------------------------------------------------------------------
     def _worker_specs(self) -> list[WorkerSpec]:
-        from engine.attention_backends.registry import qualified_name
+        from engine.lazy_class import qualified_name
 
         init, placement = self._prepare_workers()
         backend = qualified_name(self.attn_backend_cls)

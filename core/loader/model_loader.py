@@ -31,6 +31,7 @@ from engine.loader.lazy_tensor import LazySafetensor, ReadStats
 from engine.models.context import ModelContext
 from engine.models.registry import ModelRegistry
 from engine.parallel import SINGLE_PROCESS, ParallelContext
+from engine.quantization.base import checkpoint_prefixes_in
 
 if TYPE_CHECKING:
     from engine.attention_backends.interface import AttentionBackend
@@ -528,7 +529,13 @@ def load_model(
         weights = _counting(weights, progress)
     else:
         files = safetensors_files(path)
-        shapes = _drop_skipped(model_cls, safetensors_shapes(files), ctx)
+        all_shapes = safetensors_shapes(files)
+        if quant_config is not None:
+            # Ignore lists name the checkpoint's modules, which may sit under other prefixes.
+            quant_config.checkpoint_prefixes = checkpoint_prefixes_in(
+                getattr(model_cls, "checkpoint_module_prefixes", ()), all_shapes
+            )
+        shapes = _drop_skipped(model_cls, all_shapes, ctx)
         kv_scales = {name for name in shapes if _kv_scale_target(name) is not None}
         shapes = {name: shape for name, shape in shapes.items() if name not in kv_scales}
         _validate_checkpoint(model_cls, ctx, shapes)

@@ -100,6 +100,15 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """
 
     bidirectional_image_attention = True  # read by the engine before the model is built
+    # Where checkpoints of each layout hold our modules (checkpoint prefix, ours); a quantized
+    # checkpoint's ignore list names them so (QuantizationConfig.checkpoint_names).
+    # The first pair per prefix of ours that the checkpoint has is used.
+    checkpoint_module_prefixes = (
+        *_TEXT_PREFIXES,
+        ("vision_tower.vision_model.", "vision_tower.vision_model."),  # released checkpoints
+        ("model.vision_tower.vision_model.", "vision_tower.vision_model."),  # transformers 4.5x
+        ("vision_tower.", "vision_tower.vision_model."),  # transformers 5
+    )
 
     def __init__(self, ctx: ModelContext) -> None:
         top = ctx.hf_config

@@ -100,6 +100,10 @@ class QuantizationConfig:
         # Checkpoint module names that feed each fused layer (set by the loader from the model
         # class; the built-in models' mapping by default).
         self.packed_modules_mapping: dict[str, list[str]] = dict(DEFAULT_PACKED_MODULES)
+        # (checkpoint prefix, our prefix) where this checkpoint names our modules otherwise
+        # (a multimodal checkpoint's ``language_model.model.*`` for our ``model.*``); set by the
+        # loader from the checkpoint's tensor names (``checkpoint_prefixes_in``).
+        self.checkpoint_prefixes: list[tuple[str, str]] = []
 
     # ---- what the method can serve -------------------------------------------------------
     @classmethod
@@ -180,8 +184,14 @@ class QuantizationConfig:
         raise NotImplementedError
 
     def checkpoint_names(self, prefix: str) -> list[str]:
-        """The checkpoint module names behind our layer ``prefix``: a fused layer
-        (``...qkv_proj``) stands for its parts (``...q_proj``, ``...k_proj``, ``...v_proj``)."""
+        """The checkpoint module names behind our layer ``prefix``, which the checkpoint's
+        ignore lists and per-module rules name: a fused layer (``...qkv_proj``) stands for its
+        parts (``...q_proj``, ``...k_proj``, ``...v_proj``), under the checkpoint's prefix
+        (``checkpoint_prefixes``)."""
+        for theirs, ours in self.checkpoint_prefixes:
+            if prefix.startswith(ours):
+                prefix = theirs + prefix[len(ours) :]
+                break
         head, _, last = prefix.rpartition(".")
         parts = self.packed_modules_mapping.get(last)
         if not parts:
@@ -200,6 +210,20 @@ class QuantizationConfig:
             f"{prefix} fuses {', '.join(self.checkpoint_names(prefix))}, but the checkpoint "
             "quantizes only some of them; a fused layer must be quantized all or none"
         )
+
+
+def checkpoint_prefixes_in(
+    candidates: Iterable[tuple[str, str]], tensor_names: Iterable[str]
+) -> list[tuple[str, str]]:
+    """Of a model class's ``checkpoint_module_prefixes`` (``(checkpoint prefix, our prefix)``
+    pairs, one per layout the model loads), those this checkpoint uses: the first pair for
+    each of our prefixes whose checkpoint prefix starts a tensor name, longest ours first."""
+    names = list(tensor_names)
+    chosen: dict[str, str] = {}
+    for theirs, ours in candidates:
+        if ours not in chosen and any(n.startswith(theirs) for n in names):
+            chosen[ours] = theirs
+    return sorted(((t, o) for o, t in chosen.items()), key=lambda pair: -len(pair[1]))
 
 
 def kernel_reasons(names: Sequence[str], spec: QuantizationSpec) -> list[str]:

@@ -18,13 +18,13 @@ Entries are named by qualified name (imported when first used) or by class. ``re
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.lazy_class import LazyClass
 from engine.quantization.base import QuantizationConfig, QuantizationError, QuantizationSpec
 
 if TYPE_CHECKING:
@@ -47,48 +47,19 @@ ALIASES = {"compressed_tensors": "compressed-tensors", "fp8_e4m3": "fp8"}
 
 
 @dataclass(eq=False)
-class MethodEntry:
+class MethodEntry(LazyClass[QuantizationConfig]):
     """One registered method: its name, where it comes from and (once imported) its class."""
 
-    name: str
-    target: type[QuantizationConfig] | str
+    base = QuantizationConfig
+    error = QuantizationError
+
     provider: str
-    _cls: type[QuantizationConfig] | None = field(default=None, repr=False)
 
-    @property
-    def qualname(self) -> str:
-        t = self.target
-        return t if isinstance(t, str) else f"{t.__module__}:{t.__qualname__}"
+    def label(self) -> str:
+        return f"quantization method {self.name!r} ({self.qualname}, from {self.provider})"
 
-    def load(self) -> type[QuantizationConfig]:
-        """Import and check the class; a failure names the provider."""
-        if self._cls is not None:
-            return self._cls
-        cls: Any = self.target
-        if isinstance(cls, str):
-            module_name, _, attr = cls.partition(":")
-            try:
-                obj: Any = importlib.import_module(module_name)
-                for part in attr.split("."):
-                    obj = getattr(obj, part)
-            except Exception as exc:
-                raise QuantizationError(
-                    f"Could not import quantization method {self.name!r} ({cls}, from "
-                    f"{self.provider}): {type(exc).__name__}: {exc}"
-                ) from exc
-            cls = obj
-        if not (isinstance(cls, type) and issubclass(cls, QuantizationConfig)):
-            raise QuantizationError(
-                f"quantization method {self.name!r} from {self.provider} is {cls!r}, not a "
-                "subclass of engine.quantization.QuantizationConfig"
-            )
-        if cls.name != self.name:
-            raise QuantizationError(
-                f"quantization method {self.name!r} from {self.provider} is registered under "
-                f"that name but its class says name = {cls.name!r}; the two must agree"
-            )
-        self._cls = cls
-        return cls
+    def advice(self) -> str:
+        return f" Fix or reinstall {self.provider}."
 
 
 class QuantizationRegistry:

@@ -322,10 +322,12 @@ def write_fp8(
     activation_scheme: str = "dynamic",
     input_scale: float = 0.02,
     calibration: list[int] | None = None,
+    ignored_layers: Iterable[str] = (),
 ) -> tuple[Path, Path | None]:
     """A checkpoint in the ``fp8`` format: per-tensor scales (``weight_scale``, and a static
     ``input_scale`` with ``activation_scheme="static"``: ``input_scale``, or each input's
-    largest magnitude over ``calibration`` / 448) or ``block`` scales (``weight_scale_inv``)."""
+    largest magnitude over ``calibration`` / 448) or ``block`` scales (``weight_scale_inv``).
+    ``ignored_layers`` (checkpoint module names) stay unquantized and are listed in the config."""
     ranges = input_ranges(src, calibration) if calibration else {}
 
     def quantize(w: torch.Tensor, module: str):
@@ -353,7 +355,13 @@ def write_fp8(
     config: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": activation_scheme}
     if block is not None:
         config["weight_block_size"] = list(block)
-    return _quantize_checkpoint(src, out, reference, quantize, config, dtype="bfloat16")
+    modules = None
+    if ignored_layers:
+        config["ignored_layers"] = list(ignored_layers)
+        modules = set(quantized_linears(_load_state(Path(src)))) - set(ignored_layers)
+    return _quantize_checkpoint(
+        src, out, reference, quantize, config, dtype="bfloat16", modules=modules
+    )
 
 
 # ---- compressed-tensors (written by the library) -----------------------------------------------

@@ -24,20 +24,10 @@
 # step is skipped when less than a minute of DEADLINE (seconds, default 560) is left. NVLink
 # multicast stays off (the device's rule): the variables below are exported for every worker.
 set -u
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/gpu-results}
-mkdir -p "$OUT"
-T0=$(date +%s)
-DEADLINE=${DEADLINE:-560}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/common.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-elapsed() { echo $(($(date +%s) - T0)); }
-left() { echo $((DEADLINE - $(elapsed))); }
 
-python3 -m pip install -q --no-deps --no-build-isolation --no-index \
-  -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
-  || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
+install_engine
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 echo "$NGPU GPUs; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE; installed at $(elapsed)s"
@@ -47,7 +37,7 @@ TPS="2"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests identity b1 nano comm pp kill)
 
-bench() {  # bench NAME TIMEOUT ARGS...
+bench() {  # bench NAME TIMEOUT ARGS...: common.sh's, without bench.log and with INFO/WARNING left out
   local name=$1 limit=$2
   shift 2
   [ "$(left)" -lt 60 ] && { echo "SKIP $name: $(left)s left"; return; }

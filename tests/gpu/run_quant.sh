@@ -11,39 +11,13 @@
 # engine start each). Logs go to $OUT/*.log, every benchmark's JSON into $OUT/results.json.
 # A step is skipped when less than a minute of DEADLINE (seconds, default 560) is left.
 set -u
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/gpu-results}
-mkdir -p "$OUT"
-T0=$(date +%s)
-DEADLINE=${DEADLINE:-560}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-elapsed() { echo $(($(date +%s) - T0)); }
-left() { echo $((DEADLINE - $(elapsed))); }
-JSONS=()
+source "$(dirname "$0")/common.sh"
 
-python3 -m pip install -q --no-deps --no-build-isolation --no-index \
-  -e . -e plugins/engine-cpu -e plugins/engine-cuda -e plugins/engine-triton >/tmp/install.log 2>&1 \
-  || { echo "INSTALL FAILED"; tail -20 /tmp/install.log; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-echo "installed at $(elapsed)s"
+install_engine
+show_device
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests qkernels fp8-b1 awq-b1 fp8-nano awq-nano fp8-mixed awq-mixed)
-
-bench() {  # bench NAME TIMEOUT ARGS...: one benchmark, its JSON kept for results.json
-  local name=$1 limit=$2
-  shift 2
-  [ "$(left)" -lt 60 ] && { echo "SKIP $name: $(left)s left"; return; }
-  [ "$limit" -gt "$(left)" ] && limit=$(left)
-  echo "=== $name (limit ${limit}s) at $(elapsed)s: engine bench $*"
-  echo "=== $name: engine bench $*" >>"$OUT/bench.log"
-  timeout -k 10 "$limit" python3 -m engine.cli.main bench "$@" --json "$OUT/$name.json" >/tmp/$name.log 2>&1
-  echo "rc=$? at $(elapsed)s"
-  grep -vE "it/s\]|s/it\]|^Loading" /tmp/$name.log | tee -a "$OUT/bench.log" | tail -8
-  JSONS+=("$name")
-}
 
 COMMON=(--seed 0 --load-format dummy --dtype bfloat16)
 NANO=(--num-prompts 256 --min-input-len 100 --max-input-len 1024 --min-output-len 100
@@ -99,19 +73,11 @@ for step in "${steps[@]}"; do
   esac
 done
 
-# One results file (the device returns at most 8 files).
-python3 - "$OUT" "${JSONS[@]}" <<'PY'
+merge_results
+python3 - "$OUT" <<'PY'
 import json, os, sys
-out, names = sys.argv[1], sys.argv[2:]
-results = {}
-for name in names:
-    path = os.path.join(out, name + ".json")
-    if os.path.exists(path):
-        with open(path) as f:
-            results[name] = json.load(f)
-        os.remove(path)
-with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
+with open(os.path.join(sys.argv[1], "results.json")) as f:
+    results = json.load(f)
 for name, r in results.items():
     if name in ("qkernels", "sweep"):
         print(name, "decode-step matmuls (us, M=1):", r.get("decode_step_matmul_us_m1"))

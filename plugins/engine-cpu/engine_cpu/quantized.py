@@ -92,10 +92,7 @@ class CpuWNA16Linear:
     ) -> torch.Tensor:
         if "int4" not in packed and "int8" not in packed:
             return reference.wna16_linear(x, packed, bits=bits, group_size=group_size, bias=bias)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if "perm" in packed:
-            x2 = x2.index_select(-1, packed["perm"])
+        x2 = reference.wna16_activations(x, packed)
         if "int4" in packed:
             sz = packed["scales_zeros"]
             k = packed["int4"].shape[1] * 2
@@ -107,9 +104,7 @@ class CpuWNA16Linear:
         else:
             scales = packed["int8_scales"]
             y = torch._weight_int8pack_mm(x2.to(scales.dtype).contiguous(), packed["int8"], scales)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+        return reference.finish_linear(y, bias, x)
 
 
 wna16_linear = CpuWNA16Linear()
@@ -124,24 +119,16 @@ def int8_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``engine.kernels.quantized.int8_linear``; the integer product by ``torch._int_mm``."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if input_scale is None:
-        sx = reference.int8_dynamic_scale(x2)
-        q = reference.int8_quantize(x2, sx)
-        zp = None
-    else:
-        sx = input_scale.float().reshape(1, 1)
-        q = reference.int8_quantize(x2, sx, input_zero_point)
-        zp = input_zero_point
+    q, sx = reference.int8_quantize_activations(
+        x.reshape(-1, x.shape[-1]), input_scale, input_zero_point
+    )
     acc = torch._int_mm(q.to(torch.int8), weight.t())
-    if zp is not None:
+    if input_scale is not None and input_zero_point is not None:
         # (q - zp) @ W^T = q @ W^T - zp * rowsum(W): q - zp may leave the int8 range.
-        acc = acc - zp.to(torch.int32).reshape(1, 1) * weight.sum(dim=1, dtype=torch.int32)
+        zp = input_zero_point.to(torch.int32).reshape(1, 1)
+        acc = acc - zp * weight.sum(dim=1, dtype=torch.int32)
     y = acc.float() * sx * weight_scale.float().reshape(1, -1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+    return reference.finish_linear(y, bias, x)
 
 
 def fp8_linear(
@@ -171,10 +158,9 @@ def fp8_block_linear(
     dtype (the block scales applied to the converted weight)."""
     if activation_quant:
         return reference.fp8_block_linear(x, weight, weight_scale_inv, block_size, bias, True)
-    bn, bk = int(block_size[0]), int(block_size[1])
     n, k = weight.shape
-    scale = weight_scale_inv.to(x.dtype).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)
-    return F.linear(x, weight.to(x.dtype) * scale[:, :k], bias)
+    scale = reference.expand_block_scales(weight_scale_inv.to(x.dtype), block_size, n, k)
+    return F.linear(x, weight.to(x.dtype) * scale, bias)
 
 
 from engine_cpu.gguf import gguf_linear  # noqa: E402  (after this module's own kernels)

@@ -1,0 +1,68 @@
+"""The GPU scripts (tests/gpu/run_*.sh) parse, and share common.sh's bench and results file.
+
+They run on a GPU machine; here ``python3`` and ``nvidia-smi`` on PATH are stand-ins that
+answer the GPU commands (install, pytest, ``engine bench``) without doing them, so what runs
+for real is the shell: step dispatch, ``bench`` and the merge into ``results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).resolve().parent / "gpu"
+SCRIPTS = sorted(GPU.glob("*.sh"))
+
+FAKE_PYTHON = """#!/bin/bash
+echo "python3 $*" >> "$FAKE_LOG"
+case "$1 $2" in
+  "-m pip"|"-m pytest"|"-m engine_triton.quant_benchmark") exit 0 ;;
+  "-m engine.cli.main")
+    prev=""; for a in "$@"; do [ "$prev" = --json ] && json=$a; prev=$a; done
+    echo '{"benchmark": "latency", "start_to_ready_s": 4, "results": [{"batch_size": 1,
+      "output_tokens_per_s": 5, "decode_step_ms": 6}]}' > "$json"
+    exit 0 ;;
+esac
+case "$*" in *"import setuptools"*|*"import torch"*) exit 0 ;; esac
+exec PYTHON "$@"
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_the_gpu_scripts_parse(script: Path) -> None:
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="the scripts use coreutils' timeout")
+def test_run_quant_benches_through_common_sh(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "calls.log"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), FAKE_LOG=str(log))
+    run = subprocess.run(
+        ["bash", str(GPU / "run_quant.sh"), "fp8-b1", "awq-b1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "fp8-b1: batch 1: 5 out tok/s, step 6 ms" in run.stdout
+    assert (
+        "=== awq-b1: engine bench latency --model llama-3.1-8b-awq"
+        in (out / "bench.log").read_text()
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"fp8-b1", "awq-b1"}
+    assert not list(out.glob("*-b1.json"))  # merged into results.json, the parts removed
+    assert "--quantization fp8" in log.read_text()

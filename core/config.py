@@ -29,6 +29,12 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
 
+# What the model runs for (engine.pooling chooses the pooler): vLLM's --runner values, and
+# its older --task values with the runner each means.
+RUNNERS = ("auto", "generate", "pooling")
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
 @dataclass
 class ModelConfig:
     """What to load and how.
@@ -92,8 +98,6 @@ class ModelConfig:
                 f"model_impl={self.model_impl!r} is not supported; choose one of "
                 "auto, native, transformers"
             )
-        from engine.pooling import RUNNERS, TASK_RUNNERS
-
         if self.task is not None:
             if self.task not in TASK_RUNNERS:
                 raise ConfigError(

@@ -28,15 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.config import ConfigError
 from engine.errors import InvalidRequestError
 from engine.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     import torch
 
-RUNNERS = ("auto", "generate", "pooling")
-# vLLM's older --task values and the runner each means.
-TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 POOLING_TYPES = ("LAST", "CLS", "MEAN")
 
 # Architectures that have no LM head: they can only embed.
@@ -141,8 +139,6 @@ def resolve_pooler_config(
             if k.startswith("pooling_mode_") and k not in _ST_MODES and v
         ]
         if other or len(chosen) > 1:
-            from engine.config import ConfigError
-
             raise ConfigError(
                 f"{model_dir / folder / 'config.json'}: pooling modes "
                 f"{sorted(set(other) | {k for k in _ST_MODES if pooling.get(k)})} are not "

@@ -330,6 +330,12 @@ def hf_causal_lm_class(hf_config: Any, trust_remote_code: bool = False) -> type:
     return found
 
 
+# Layer kinds in a config's `layer_types` that carry a recurrent state instead of a KV cache.
+_RECURRENT_LAYER_TYPES = frozenset(
+    {"linear_attention", "mamba", "mamba2", "ssm", "recurrent", "conv", "short_conv"}
+)
+
+
 def transformers_backend_problems(hf_config: Any, trust_remote_code: bool = False) -> list[str]:
     """Reasons the transformers backend cannot serve ``hf_config`` (empty when it can, as far
     as the config and the class tell; the build-time probe checks each layer's attention)."""
@@ -343,13 +349,18 @@ def transformers_backend_problems(hf_config: Any, trust_remote_code: bool = Fals
         problems.append(f"{name} is an encoder-decoder model (only decoder-only models run)")
     if any(getattr(hf_config, key, None) is not None for key in ("vision_config", "audio_config")):
         problems.append(f"{name} is multimodal (the transformers backend serves text models)")
-    if getattr(model_cls, "_is_stateful", False):
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    # transformers < 5.2x marks such classes `_is_stateful`; later releases name the layers'
+    # kind in `layer_types` instead (Mamba: "linear_attention").
+    if getattr(model_cls, "_is_stateful", False) or _RECURRENT_LAYER_TYPES & set(layer_types):
         problems.append(
             f"{name} has recurrent / state-space layers, whose state the paged KV cache does "
             "not hold"
         )
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    odd = sorted(
+        {t for t in layer_types if t not in ("full_attention", "sliding_attention")}
+        - _RECURRENT_LAYER_TYPES
+    )
     if odd:
         problems.append(
             f"{name} has layers of type {', '.join(map(str, odd))} (paged attention serves "

@@ -159,7 +159,7 @@ class PreparedChat:
 async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
     """Validate a chat request and render its prompt (a 400/404 naming the field when it
     cannot be served)."""
-    model = ctx.check_model(req.model)
+    model = await ctx.check_model(req.model)
     lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)
     if max_tokens is not None and max_tokens < 1:

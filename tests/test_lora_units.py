@@ -101,6 +101,30 @@ def test_registry_ids_reloads_and_deferred_removal():
     assert not reg.remove(7)
 
 
+def test_registry_serves_requests_by_loaded_name():
+    """The server's requests (``acquire_loaded``) run on the adapter registered under their
+    name now, whatever id or path the front end had cached, and are refused when none is;
+    ``unique_name`` loads refuse a name another id holds."""
+    from engine.lora.errors import LoRAAdapterNotLoadedError
+
+    reg, loaded, unloaded = _registry()
+    with pytest.raises(LoRAAdapterNotLoadedError) as e:
+        reg.acquire_loaded(LoRARequest("x", 3, "/x"))
+    assert e.value.code == "model_not_found" and not loaded
+    key = reg.add(LoRARequest("x", 3, "/x"), unique_name=True)
+    with pytest.raises(InvalidRequestError, match="already been loaded"):
+        reg.add(LoRARequest("x", 4, "/y"), unique_name=True)
+    assert reg.acquire_loaded(LoRARequest("x", 99, "/stale")) == key
+    assert reg.remove(3) and unloaded == []  # one request in flight: unloaded after it
+    with pytest.raises(LoRAAdapterNotLoadedError):
+        reg.acquire_loaded(LoRARequest("x", 3, "/x"))
+    new = reg.add(LoRARequest("x", 4, "/y"), unique_name=True)  # the name is free again
+    assert reg.acquire_loaded(LoRARequest("x", 3, "/x")) == new != key
+    reg.release(key)
+    assert unloaded == [key]
+    assert [r.lora_int_id for r in reg.requests()] == [4]
+
+
 def test_config_checks():
     assert LoRAConfig(max_loras=4).max_cpu_loras == 4
     with pytest.raises(ConfigError, match="max_cpu_loras .2. must be >= max_loras .4."):

@@ -16,6 +16,7 @@ in the event loop's thread: ``on_outputs(outputs)`` per core step, ``on_stats(en
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import threading
@@ -52,8 +53,9 @@ class _AsyncClient:
         self.dead: BaseException | None = None
         self.stats: dict[int, EngineStats] = {}
         self._acks: dict[str, asyncio.Future] = {}
-        # Utility calls waiting for their cores: call id -> (method, future, results by core).
-        self._calls: dict[int, tuple[str, asyncio.Future, dict[int, Any]]] = {}
+        # Utility calls waiting for their cores: call id -> (future, results by core, how
+        # many cores were asked).
+        self._calls: dict[int, tuple[asyncio.Future, dict[int, Any], int]] = {}
         self._next_call_id = 0
         self._on_outputs: Callable[[list[Any]], None] = lambda outputs: None
         self._on_stats: Callable[[int, EngineStats], None] = lambda engine, stats: None
@@ -101,21 +103,13 @@ class _AsyncClient:
             call = self._calls.get(msg.call_id)
             if call is None:
                 return
-            method, fut, results = call
+            fut, results, expected = call
             results[msg.engine_index] = msg
-            if len(results) < self.num_engines:
+            if len(results) < expected:
                 return
             del self._calls[msg.call_id]
-            if fut.done():
-                return
-            from engine.engine_core.client import combine_utility_results
-
-            try:
-                fut.set_result(
-                    combine_utility_results(method, [results[i] for i in sorted(results)])
-                )
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+            if not fut.done():
+                fut.set_result([results[i] for i in sorted(results)])
         elif isinstance(msg, CoreFailed):
             from engine.engine_core.client import dead_error
 
@@ -130,7 +124,7 @@ class _AsyncClient:
             if not fut.done():
                 fut.set_exception(exc)
         self._acks.clear()
-        for _, fut, _ in self._calls.values():
+        for fut, _, _ in self._calls.values():
             if not fut.done():
                 fut.set_exception(exc)
         self._calls.clear()
@@ -163,22 +157,104 @@ class _AsyncClient:
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run ``EngineCore.<method>(*args)`` (``UTILITY_METHODS``) on every core between
         steps and return their combined answer (``combine_utility_results``), or raise what
-        a core raised: a LoRA adapter is loaded or removed in every data-parallel rank."""
+        a core raised: a LoRA adapter is loaded or removed in every data-parallel rank.
+
+        ``add_lora`` is all or nothing: when some cores load the adapter and others refuse
+        it, the ones that loaded it drop it again (an in-place reload gets the old adapter
+        back) before the refusal is raised, naming the core and its reason, so every core
+        keeps the same adapters. Shielded: a caller that goes away does not stop it half
+        way."""
         if self.dead is not None:
             raise self.dead
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown engine utility call {method!r}")
+        from engine.engine_core.client import combine_utility_results
+
+        if method == "add_lora":
+            return await asyncio.shield(self._add_lora_everywhere(*args))
+        results = await self._call_each(method, list(args), range(self.num_engines))
+        return combine_utility_results(method, results)
+
+    async def _call_each(self, method: str, args: list[Any], engines: Any) -> list[Any]:
+        """Every asked core's ``UtilityResult`` of one call, in core order."""
+        engines = list(engines)
         self._next_call_id += 1
         call_id = self._next_call_id
         fut = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = (method, fut, {})
-        msg = UtilityCall(call_id, method, list(args), self.client_index)
-        for engine in range(self.num_engines):
+        self._calls[call_id] = (fut, {}, len(engines))
+        msg = UtilityCall(call_id, method, args, self.client_index)
+        for engine in engines:
             self._send(engine, msg)
         try:
             return await fut
         finally:
             self._calls.pop(call_id, None)
+
+    async def _add_lora_everywhere(self, request: Any, *rest: Any) -> bool:
+        from engine.engine_core.client import combine_utility_results
+        from engine.engine_core.messages import RequestError, raise_utility_error
+
+        args = [request, *rest]
+        results = await self._call_each("add_lora", args, range(self.num_engines))
+        failed = [r for r in results if r.error is not None]
+        loaded = [r.engine_index for r in results if r.error is None]
+        if not failed or not loaded:
+            return combine_utility_results("add_lora", results)
+        # Some cores hold the adapter and others not: undo it where it loaded.
+        first = failed[0]
+        undone = await self._undo_add_lora(request, list(rest), loaded, first.engine_index)
+        cores = ", ".join(str(i) for i in loaded)
+        message = (
+            f"LoRA adapter '{request.lora_name}' was not loaded: engine core "
+            f"{first.engine_index} (of {self.num_engines}) refused it: {first.error.message} "
+            f"(engine core(s) {cores} had loaded it; {undone}, so every core serves the same "
+            "adapters)"
+        )
+        err = first.error
+        raise_utility_error(RequestError(err.request_id, err.kind, message, err.param))
+        return False  # not reached
+
+    async def _undo_add_lora(
+        self, request: Any, rest: list[Any], loaded: list[int], refused_by: int
+    ) -> str:
+        """Undo a load on the ``loaded`` cores; say what was done. A fresh load is removed;
+        an in-place reload loads the previous adapter (as the refusing core still has it)
+        again, and when even that fails the adapter is removed from every core."""
+        from engine.engine_core.client import common_lora_adapters
+
+        if request.load_inplace:
+            held = await self._call_each("lora_adapters", [], [refused_by])
+            previous = next(
+                (
+                    r
+                    for r in common_lora_adapters([held[0].result])
+                    if r.lora_int_id == request.lora_int_id
+                ),
+                None,
+            )
+            if previous is not None:
+                previous = dataclasses.replace(previous, load_inplace=True)
+                again = await self._call_each("add_lora", [previous, *rest], loaded)
+                if all(r.error is None for r in again):
+                    logger.warning(
+                        "LoRA adapter %r: in-place reload refused by engine core %d; "
+                        "the previous adapter was reloaded on engine core(s) %s",
+                        request.lora_name,
+                        refused_by,
+                        loaded,
+                    )
+                    return "they went back to the previous adapter"
+            loaded = list(range(self.num_engines))
+        await self._call_each("remove_lora", [request.lora_int_id], loaded)
+        logger.warning(
+            "LoRA adapter %r: load refused by engine core %d; removed again from engine core(s) %s",
+            request.lora_name,
+            refused_by,
+            loaded,
+        )
+        if request.load_inplace:
+            return "the adapter was removed from every core"
+        return "it was unloaded from them again"
 
     def _by_engine(self, items: list[Any], key: Callable[[Any], str]) -> dict[int, list[Any]]:
         groups: dict[int, list[Any]] = {}

@@ -186,7 +186,9 @@ class EngineCore:
         from the front end's processor: plain arrays, placeholder offsets in
         ``prompt_token_ids``). ``req.lora_request`` (an ``engine.lora.request.LoRARequest``)
         runs it with that adapter, loading it first if the core does not have it (a bad
-        adapter is an ``InvalidRequestError`` naming the reason)."""
+        adapter is an ``InvalidRequestError`` naming the reason); with
+        ``req.lora_loaded_only`` (the server's requests) it runs with the adapter loaded under
+        that name now, and is refused (``LoRAAdapterNotLoadedError``) when there is none."""
         request_id, params = req.request_id, req.sampling_params
         mm_features, lora_request = req.mm_features, req.lora_request
         if request_id in self._requests:
@@ -250,7 +252,9 @@ class EngineCore:
         state.pending_child_generators = generators[1:]
         # Prompt logprobs need logits at every prompt position, so no prefix-cache skipping.
         # The adapter is loaded (and checked) here, after everything else was validated.
-        state.lora_id = request.lora_id = self._acquire_lora(lora_request)
+        state.lora_id = request.lora_id = self._acquire_lora(
+            lora_request, getattr(req, "lora_loaded_only", False)
+        )
         try:
             self.scheduler.add_request(
                 request, allow_prefix_hit=params.prompt_logprobs is None
@@ -384,11 +388,12 @@ class EngineCore:
                 self._finish(state, seq, "stop")
 
     # ------------------------------------------------------------------ LoRA adapters
-    def add_lora(self, lora_request: Any) -> bool:
+    def add_lora(self, lora_request: Any, unique_name: bool = False) -> bool:
         """Load a LoRA adapter now (vLLM's ``add_lora``): later requests naming it start at
-        once. Raises ``InvalidRequestError`` with the reason when it cannot be served."""
+        once. Raises ``InvalidRequestError`` with the reason when it cannot be served, or
+        (``unique_name``, the server's loads) when another id holds its name."""
         self._require_lora()
-        self.lora.add(lora_request)
+        self.lora.add(lora_request, unique_name=unique_name)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -400,6 +405,10 @@ class EngineCore:
         """The ``lora_int_id`` of every loaded adapter."""
         return set() if self.lora is None else self.lora.list_ids()
 
+    def lora_adapters(self) -> list[Any]:
+        """The ``LoRARequest`` of every loaded adapter (what the server's front ends serve)."""
+        return [] if self.lora is None else self.lora.requests()
+
     def _require_lora(self) -> Any:
         if self.lora is None:
             raise InvalidRequestError(
@@ -408,9 +417,11 @@ class EngineCore:
             )
         return self.lora
 
-    def _acquire_lora(self, lora_request: Any) -> int:
+    def _acquire_lora(self, lora_request: Any, loaded_only: bool = False) -> int:
         if lora_request is None:
             return 0
+        if loaded_only:
+            return self._require_lora().acquire_loaded(lora_request)
         return self._require_lora().acquire(lora_request)
 
     def _release_lora(self, state: _RequestState) -> None:

@@ -5,7 +5,8 @@ its ``LoRARequest``), ``AbortRequests``,
 ``FinishSequences`` (a stop string found by the front end's detokenizer), ``GetStats`` (answered
 by an ``EngineCoreOutputs`` carrying only stats), ``FrontEndReady`` (a start-up barrier of
 several front ends, answered by ``AllFrontEndsReady``), ``UtilityCall`` (vLLM's engine utility
-calls, ``add_lora`` / ``remove_lora`` / ``list_loras``, answered by ``UtilityResult``),
+calls, ``add_lora`` / ``remove_lora`` / ``list_loras`` / ``lora_adapters``, answered by
+``UtilityResult``),
 ``Shutdown``.
 
 Core -> front end: ``EngineCoreOutputs`` once per step for every front end whose requests
@@ -77,6 +78,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Set for a pooling (embedding) request: the core returns one vector, samples nothing
     # (``sampling_params`` is then ignored).
     pooling_params: PoolingParams | None = None
+    # The server's requests: run with the adapter loaded under lora_request's name *now*,
+    # refused (404) when none is; never load one (the cores' adapters are the served set).
+    lora_loaded_only: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -108,7 +112,9 @@ class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     """Why the core refused a request, enough to raise the same error in the front end."""
 
     request_id: str
-    kind: str  # "invalid" (a ValueError: 400), "too_long", "sampling", or "internal"
+    # "invalid" (a ValueError: 400), "too_long", "sampling", "lora_not_loaded" (404), or
+    # "internal"
+    kind: str
     message: str
     param: str | None = None
     num_tokens: int | None = None
@@ -151,12 +157,13 @@ class UtilityCall(msgspec.Struct, tag=True, array_like=True, gc=False):
 
     call_id: int
     method: str
-    args: list[LoRARequest | int | str | None] = []
+    args: list[LoRARequest | bool | int | str | None] = []
     client_index: int = 0
 
 
-# What a front end may call on a core (vLLM's engine utility calls for LoRA adapters).
-UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
+# What a front end may call on a core (vLLM's engine utility calls for LoRA adapters, and the
+# adapters themselves: the cores' set is the one every front end serves).
+UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "lora_adapters"})
 
 
 ToCore = (
@@ -221,12 +228,13 @@ class AllFrontEndsReady(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class UtilityResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """The answer to a ``UtilityCall``: its result (a set comes as a sorted list) or the
-    error it raised (``RequestError``'s kinds: a bad adapter is "invalid", a 400)."""
+    """The answer to a ``UtilityCall``: its result (a set comes as a sorted list; a
+    ``LoRARequest`` in a list as its fields, a dict, over the wire) or the error it raised
+    (``RequestError``'s kinds: a bad adapter is "invalid", a 400)."""
 
     call_id: int
     engine_index: int = 0
-    result: bool | int | list[int] | None = None
+    result: bool | int | list[Any] | None = None
     error: RequestError | None = None
 
 
@@ -269,6 +277,7 @@ def raise_utility_error(err: RequestError) -> None:
 
 def request_error(request_id: str, exc: BaseException) -> RequestError:
     """The ``RequestError`` that carries ``exc`` across the process boundary."""
+    from engine.lora.errors import LoRAAdapterNotLoadedError
     from engine.sampling_params import SamplingParamsError
 
     param = getattr(exc, "param", None)
@@ -278,6 +287,8 @@ def request_error(request_id: str, exc: BaseException) -> RequestError:
         return RequestError(request_id, "too_long", str(exc), param, int(num_tokens), int(max_len))
     if isinstance(exc, SamplingParamsError):
         return RequestError(request_id, "sampling", str(exc), param)
+    if isinstance(exc, LoRAAdapterNotLoadedError):
+        return RequestError(request_id, "lora_not_loaded", exc.lora_name, param)
     if isinstance(exc, ValueError):
         return RequestError(request_id, "invalid", str(exc), param)
     return RequestError(request_id, "internal", f"{type(exc).__name__}: {exc}")
@@ -287,12 +298,15 @@ def raise_request_error(err: RequestError) -> None:
     """Raise in the front end what the core raised (the same classes the in-process engine
     raises, so the server maps them to the same HTTP answers)."""
     from engine.errors import InvalidRequestError, PromptTooLongError
+    from engine.lora.errors import LoRAAdapterNotLoadedError
     from engine.sampling_params import SamplingParamsError
 
     if err.kind == "too_long":
         raise PromptTooLongError(int(err.num_tokens or 0), int(err.max_model_len or 0))
     if err.kind == "sampling":
         raise SamplingParamsError(err.message, err.param)
+    if err.kind == "lora_not_loaded":
+        raise LoRAAdapterNotLoadedError(err.message)
     if err.kind == "invalid":
         raise InvalidRequestError(err.message, err.param)
     raise RuntimeError(f"the engine core failed to add request {err.request_id}: {err.message}")

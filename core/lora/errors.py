@@ -12,3 +12,16 @@ class LoRAAdapterError(InvalidRequestError):
 
     def __init__(self, message: str, param: str | None = "lora_path") -> None:
         super().__init__(message, param)
+
+
+class LoRAAdapterNotLoadedError(InvalidRequestError):
+    """A served request names an adapter no longer (or not yet) loaded in the engine core:
+    the server answers 404 ``model_not_found`` (``code``), as for any unknown model."""
+
+    code = "model_not_found"
+
+    def __init__(self, lora_name: str) -> None:
+        super().__init__(
+            f"The model `{lora_name}` does not exist (no LoRA adapter has that name).", "model"
+        )
+        self.lora_name = lora_name

@@ -8,6 +8,12 @@ requests in flight per adapter, and removes an adapter only once its last reques
 ``remove(lora_int_id)`` makes the id free at once (new requests cannot use the old adapter;
 the id may be loaded again, under a new key) while the requests already running finish on it.
 
+The server names adapters, not ids: ``add(request, unique_name=True)`` refuses a name another
+id holds (two front ends loading one name at once), and ``acquire_loaded(request)`` runs a
+request on the adapter registered under its name *now*, refusing it when there is none
+(``LoRAAdapterNotLoadedError``: the name was unloaded, maybe through another front end), so
+the registry, not a front end's list of names, decides what a request may use.
+
 Torch-free: the loading and unloading are the runner's (``add_lora`` / ``remove_lora``).
 """
 
@@ -19,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.lora.errors import LoRAAdapterNotLoadedError
 from engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -43,17 +50,24 @@ class LoRARegistry:
         self._unload = unload
         self._by_id: dict[int, _Adapter] = {}
         self._by_key: dict[int, _Adapter] = {}
+        self._by_name: dict[str, _Adapter] = {}
         self._keys = itertools.count(1)
 
-    def add(self, request: LoRARequest) -> int:
+    def add(self, request: LoRARequest, unique_name: bool = False) -> int:
         """Register (and load) an adapter, or return the key it already has. The same
         ``lora_int_id`` with another path or name is an error until it is removed;
-        ``load_inplace`` replaces a loaded adapter (its running requests keep the old one)."""
+        ``load_inplace`` replaces a loaded adapter (its running requests keep the old one).
+        ``unique_name``: also an error when another id holds ``request.lora_name``."""
         if not isinstance(request, LoRARequest):
             raise InvalidRequestError(
                 f"lora_request must be a LoRARequest, got {type(request).__name__}", "lora_request"
             )
         current = self._by_id.get(request.lora_int_id)
+        named = self._by_name.get(request.lora_name)
+        if unique_name and named is not None and named is not current:
+            raise InvalidRequestError(
+                f"The lora adapter '{request.lora_name}' has already been loaded.", "lora_name"
+            )
         if current is not None:
             same = (current.request.lora_path, current.request.lora_name) == (
                 request.lora_path,
@@ -75,6 +89,7 @@ class LoRARegistry:
         adapter = _Adapter(key, request)
         self._by_id[request.lora_int_id] = adapter
         self._by_key[key] = adapter
+        self._by_name[request.lora_name] = adapter
         logger.info(
             "LoRA adapter %r (id %d) loaded from %s",
             request.lora_name,
@@ -89,6 +104,16 @@ class LoRARegistry:
         key = self.add(request)
         self._by_key[key].in_flight += 1
         return key
+
+    def acquire_loaded(self, request: LoRARequest) -> int:
+        """As ``acquire``, but only on the adapter registered under ``request.lora_name`` now
+        (whatever its id and path: it may have been reloaded meanwhile), never loading one:
+        ``LoRAAdapterNotLoadedError`` when no adapter has that name."""
+        adapter = self._by_name.get(request.lora_name)
+        if adapter is None:
+            raise LoRAAdapterNotLoadedError(request.lora_name)
+        adapter.in_flight += 1
+        return adapter.key
 
     def release(self, key: int) -> None:
         """A request of adapter ``key`` finished (or was aborted)."""
@@ -111,6 +136,8 @@ class LoRARegistry:
     def _retire(self, adapter: _Adapter) -> None:
         if self._by_id.get(adapter.request.lora_int_id) is adapter:
             del self._by_id[adapter.request.lora_int_id]
+        if self._by_name.get(adapter.request.lora_name) is adapter:
+            del self._by_name[adapter.request.lora_name]
         adapter.removed = True
         if adapter.in_flight <= 0:
             self._drop(adapter)

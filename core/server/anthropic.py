@@ -187,7 +187,7 @@ async def count_message_tokens(
 ) -> CountTokensResponse:
     """The prompt tokens a Messages request with this conversation and these tools gives the
     engine (its response's ``usage.input_tokens``)."""
-    ctx.check_model(body.model)
+    await ctx.check_model(body.model)
     req = chat_request_of(body)
     tools = validate_tools(req.tools) if req.tools is not None else None
     choice = normalize_tool_choice(req.tool_choice, tools)

@@ -167,6 +167,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     async def models() -> ModelList:
         """The served model names, then the LoRA adapters (``parent``: their base model)."""
         ctx = state.require_ctx()
+        await ctx.models.refresh(ctx.async_engine)  # adapters loaded through other front ends
         return ModelList(data=ctx.models.cards())
 
     if runtime_lora_updating_allowed():
@@ -231,7 +232,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt, or of chat messages rendered with the chat template."""
         ctx = state.require_ctx()
-        ctx.check_model(body.model)
+        await ctx.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             text = await ctx.render_chat(
                 body.messages,
@@ -253,7 +254,7 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids."""
         ctx = state.require_ctx()
-        ctx.check_model(body.model)
+        await ctx.check_model(body.model)
         ctx.require_tokenizer("/detokenize", "tokens")
         ctx.check_token_ids(body.tokens, "tokens", needs_row=False)
         return DetokenizeResponse(prompt=ctx.decode(body.tokens))

@@ -273,6 +273,9 @@ class AsyncEngine:
             mm_features=mm_features or None,
             lora_request=lora_request,
             pooling_params=pooling,
+            # The adapter loaded under that name now, never loaded by a request: the cores'
+            # adapters are what every front end serves (engine.server.models).
+            lora_loaded_only=lora_request is not None,
         )
         try:
             await self.client.add_request(req)

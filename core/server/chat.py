@@ -161,7 +161,7 @@ async def prepare_chat(
 ) -> PreparedChat:
     """Validate a chat request and render its prompt (a 400/404 naming the field when it
     cannot be served; ``route`` names the endpoint in the error for a pooling model)."""
-    model = ctx.check_model(req.model)
+    model = await ctx.check_model(req.model)
     ctx.require_runner("generate", route)
     lora = ctx.lora_request(model)
     max_tokens, max_tokens_param = _max_tokens(req)

@@ -82,7 +82,7 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     """Serve one completions request (all prompts share one output channel)."""
-    model = ctx.check_model(req.model)
+    model = await ctx.check_model(req.model)
     ctx.require_runner("generate", "/v1/completions")
     lora = ctx.lora_request(model)
     if req.suffix:

@@ -38,7 +38,7 @@ def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
 
 async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Request):
     """Serve one embeddings request."""
-    model = ctx.check_model(req.model)
+    model = await ctx.check_model(req.model)
     ctx.require_runner("pooling", "/v1/embeddings")
     inputs = _inputs(req)
     if len(inputs) > ctx.options.limits.max_prompts:

@@ -137,6 +137,9 @@ def from_engine_error(exc: BaseException) -> APIError:
     num_tokens = getattr(exc, "num_tokens", None)
     if max_len is not None and num_tokens is not None:
         return context_length_error(int(max_len), int(num_tokens))
+    if isinstance(exc, ValueError) and getattr(exc, "code", None) == "model_not_found":
+        # A LoRA adapter unloaded (through any front end) before its request reached a core.
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):
         return bad_request(str(exc), param=getattr(exc, "param", None))
     logger.error("request failed: %r", exc, exc_info=exc)

@@ -11,10 +11,20 @@ ready (``preload_lora_adapters``); a bad one stops the start with the reason. Ad
 at run time get the next ids. Loading goes through the engine thread (``AsyncEngine.call``),
 so a bad adapter is a 400 with the reason and the server keeps serving; unloading removes the
 name at once while the adapter's requests in flight finish on it.
+
+Several front ends (``--api-server-count``): the engine cores' adapters are the served set,
+each front end's ``loras`` only a cache of it. A request is sent with ``lora_loaded_only``, so
+a core runs it on the adapter loaded under its name *at that moment* and refuses it (404)
+when there is none: an unload through any front end is final once it answered. A name a front
+end does not know sends it to the cores for their adapters before the 404 (``ensure``), and
+``/v1/models``, load and unload ask them too: a load through any front end is seen by all once
+it answered. Run-time ids are disjoint per front end (``static + 1 + index + k * count``), and
+the cores refuse a name another id holds, so two front ends never give one id two adapters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import dataclass
@@ -93,14 +103,61 @@ class ServingModels:
         max_model_len: int,
         lora_requests: list[LoRARequest] | None = None,
         lora_enabled: bool = False,
+        client_index: int = 0,
+        num_clients: int = 1,
     ) -> None:
         self.base_names = list(base_names)
         self.model_path = model_path
         self.max_model_len = max_model_len
         self.lora_enabled = lora_enabled
         self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in lora_requests or []}
-        self._next_id = max((r.lora_int_id for r in self.loras.values()), default=0) + 1
+        # Run-time ids: static_max + 1 + client_index + k * num_clients (disjoint per front end).
+        self._id_base = max((r.lora_int_id for r in self.loras.values()), default=0) + 1
+        self._client_index, self._num_clients = client_index, max(1, num_clients)
+        self._next_k = 0
         self._loading: set[str] = set()  # names whose load is in flight
+        self._refresh: asyncio.Future | None = None  # the cores' adapters, being asked
+        self._refresh_sent = False
+        self._refresh_seq = self._applied_seq = 0
+
+    @property
+    def asks_cores(self) -> bool:
+        """Whether the cores' adapters may differ from the static ones (run-time loads)."""
+        return self.lora_enabled and runtime_lora_updating_allowed()
+
+    async def refresh(self, engine: AsyncEngine) -> None:
+        """Take the engine cores' adapters (those every core holds) as this front end's.
+        Callers share a round trip only when it was not sent yet: one sent before a caller
+        came might miss a load that answered just before the caller's request arrived."""
+        if not self.asks_cores:
+            return
+        if self._refresh is None or self._refresh_sent:
+            self._refresh_sent = False
+            self._refresh = asyncio.ensure_future(self._ask_cores(engine))
+        await asyncio.shield(self._refresh)
+
+    async def _ask_cores(self, engine: AsyncEngine) -> None:
+        self._refresh_sent = True  # engine.call sends before its first await
+        self._refresh_seq += 1
+        seq = self._refresh_seq
+        adapters = await engine.call("lora_adapters")
+        if seq > self._applied_seq:  # an older answer never overwrites a newer one
+            self._applied_seq = seq
+            self.loras = {r.lora_name: r for r in adapters}
+
+    async def ensure(self, engine: AsyncEngine, name: str | None) -> None:
+        """Before ``resolve``: a name this front end does not know may have been loaded
+        through another one, so ask the cores."""
+        if name and name not in self.base_names and name not in self.loras:
+            await self.refresh(engine)
+
+    def _new_id(self) -> int:
+        taken = {r.lora_int_id for r in self.loras.values()}
+        while True:
+            lora_id = self._id_base + self._client_index + self._next_k * self._num_clients
+            self._next_k += 1
+            if lora_id not in taken:
+                return lora_id
 
     @property
     def names(self) -> list[str]:
@@ -147,6 +204,7 @@ class ServingModels:
         if not body.lora_name or not body.lora_path:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
         name = body.lora_name
+        await self.refresh(engine)  # another front end may have loaded or unloaded it
         current = self.loras.get(name)
         if name in self.base_names:
             raise bad_request(f"'{name}' is the name of the base model", "lora_name")
@@ -155,11 +213,12 @@ class ServingModels:
         if current is not None:
             lora_id = current.lora_int_id
         else:  # taken before the await, so concurrent loads never share an id
-            lora_id, self._next_id = self._next_id, self._next_id + 1
+            lora_id = self._new_id()
         request = LoRARequest(name, lora_id, body.lora_path, load_inplace=body.load_inplace)
         self._loading.add(name)
         try:
-            await engine.call("add_lora", request)
+            # unique_name: the cores refuse a name another front end gave another id.
+            await engine.call("add_lora", request, True)
         except ValueError as e:
             raise bad_request(str(e), getattr(e, "param", None) or "lora_path") from e
         finally:
@@ -174,6 +233,7 @@ class ServingModels:
             raise bad_request(
                 "either 'lora_name' or 'lora_int_id' needs to be provided.", "lora_name"
             )
+        await self.refresh(engine)  # it may have been loaded through another front end
         lora = self.loras.get(body.lora_name) if body.lora_name else None
         if lora is None and body.lora_int_id is not None and not body.lora_name:
             lora = next((r for r in self.loras.values() if r.lora_int_id == body.lora_int_id), None)

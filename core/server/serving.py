@@ -104,6 +104,10 @@ class ServingContext:
             self.max_model_len,
             options.lora_requests,
             lora_enabled=getattr(engine_config, "lora", None) is not None,
+            client_index=int(getattr(async_engine.client, "client_index", 0)),
+            num_clients=int(
+                getattr(getattr(async_engine.client, "connection", None), "num_clients", 1)
+            ),
         )
         self.max_logprobs = min(
             options.limits.max_logprobs, int(getattr(engine_config, "max_logprobs", 20))
@@ -128,9 +132,12 @@ class ServingContext:
         """The first served name: what responses report as ``model``."""
         return self.model_names[0]
 
-    def check_model(self, name: str | None) -> str:
+    async def check_model(self, name: str | None) -> str:
         """The served name to report; 404 if ``name`` is neither the model's nor a LoRA
-        adapter's (None: the default), listing every served name."""
+        adapter's (None: the default), listing every served name. An adapter name this front
+        end does not know is first looked up in the engine cores (loaded through another
+        front end)."""
+        await self.models.ensure(self._engine, name)
         return self.models.resolve(name)[0]
 
     def require_runner(self, runner: str, route: str) -> None:

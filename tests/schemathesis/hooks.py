@@ -50,6 +50,8 @@ def map_case(context, case):
         _chat(body)
     elif case.path == "/tokenize" and "messages" in body:
         _messages(body)
+    elif case.path in ("/v1/messages", "/v1/messages/count_tokens"):
+        _anthropic(body, generates=case.path == "/v1/messages")
     return case
 
 
@@ -202,6 +204,42 @@ def _messages(body: dict[str, Any]) -> None:
         body.pop("tool_choice")  # tool_choice needs tools
 
 
+def _anthropic(body: dict[str, Any], generates: bool) -> None:
+    """Anthropic's Messages (and count_tokens): the same rules as the chat route's, in
+    Anthropic's shapes. The server answers each broken rule with a 400 in Anthropic's
+    envelope, which ``positive_data_acceptance`` would report as ST202."""
+    tools = body.get("tools")
+    if tools:
+        unique = {}
+        for tool in tools:
+            unique.setdefault(tool["name"], tool)  # tool names are unique (no JSON schema
+        body["tools"] = tools = list(unique.values())  # keyword compares one field of items)
+        for tool in tools:
+            tool["input_schema"] = {"type": "object"}  # a schema that compiles
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") != "none":
+        if not tools:
+            body.pop("tool_choice")  # tool_choice auto/any/tool needs tools
+        elif choice["type"] == "tool":
+            choice["name"] = tools[0]["name"]  # a tool that is given
+    for message in body["messages"]:
+        content = message["content"]
+        if isinstance(content, list):
+            for i, block in enumerate(content):
+                if block["type"] == "image":
+                    # The served model is a text model: an image is a 400 naming it.
+                    content[i] = {"type": "text", "text": "an image"}
+    n = _count_anthropic(body)
+    if n >= MAX_MODEL_LEN - 1:
+        # Over the context (or refused by the chat template): a prompt that fits.
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+        for name in ("system", "tools", "tool_choice"):
+            body.pop(name, None)
+        n = _count_anthropic(body)
+    if generates:
+        body["max_tokens"] = max(1, min(body["max_tokens"], MAX_MODEL_LEN - n, MAX_NEW_TOKENS))
+
+
 # ---------------------------------------------------------------- token counts
 
 
@@ -228,3 +266,12 @@ def _count_chat(body: dict[str, Any]) -> int:
         return _post("/tokenize", payload)["count"]
     except OSError:
         return MAX_MODEL_LEN  # the server refuses these messages: replaced above
+
+
+def _count_anthropic(body: dict[str, Any]) -> int:
+    fields = ("model", "messages", "system", "tools", "tool_choice")
+    payload = {k: body[k] for k in fields if k in body}
+    try:
+        return _post("/v1/messages/count_tokens", payload)["input_tokens"]
+    except OSError:
+        return MAX_MODEL_LEN  # the server refuses these messages: replaced by the caller

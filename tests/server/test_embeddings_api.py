@@ -168,3 +168,8 @@ def test_through_the_engine_core_process(embed_dir, offline_embed, tmp_path):
         )
         r = httpx.post(proc.base_url + "/v1/completions", json={"prompt": "hi"}, timeout=60)
         assert "embedding" in error_of(r, 400)["message"]
+        # The front end learns the pooler from the core (it was None there, so the document
+        # allowed any dimensions under engine serve while the core refused all but these).
+        schemas = httpx.get(proc.base_url + "/openapi.json", timeout=60).json()["components"]
+        forms = schemas["schemas"]["EmbeddingRequest"]["properties"]["dimensions"]["anyOf"]
+        assert [f.get("enum") for f in forms if f.get("type") == "integer"] == [[8, 16, 32]]

@@ -50,6 +50,8 @@ def map_case(context, case):
         _chat(body)
     elif case.path == "/tokenize" and "messages" in body:
         _messages(body)
+    elif case.path == "/v1/embeddings":
+        _embedding(body)
     elif case.path in ("/v1/messages", "/v1/messages/count_tokens"):
         _anthropic(body, generates=case.path == "/v1/messages")
     return case
@@ -71,6 +73,11 @@ def _sampling(body: dict[str, Any]) -> None:
         body.pop("prompt_logprobs")  # not available when streaming (vLLM's rule)
     if body.get("truncation_side") is not None and body.get("truncate_prompt_tokens") is None:
         body.pop("truncation_side")  # applies only with truncate_prompt_tokens
+    if body.get("use_beam_search"):
+        # Beam search returns no logprobs and does not stream (core/server/beam.py).
+        body["stream"] = False
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            body.pop(name, None)
 
 
 def _constrains(name: str, value: Any) -> bool:
@@ -173,6 +180,13 @@ def _messages(body: dict[str, Any]) -> None:
     if body.get("continue_final_message"):
         body["add_generation_prompt"] = False  # the two cannot both be true
     for message in body["messages"]:
+        content = message.get("content")
+        if isinstance(content, list):
+            # The served model is a text model: an image part is a 400 naming it.
+            message["content"] = [
+                p if p.get("type") != "image_url" else {"type": "text", "text": "an image"}
+                for p in content
+            ]
         calls = message.get("tool_calls")
         if calls is not None and message["role"] != "assistant":
             message.pop("tool_calls")  # only assistant messages make tool calls
@@ -202,6 +216,19 @@ def _messages(body: dict[str, Any]) -> None:
             body.pop("tool_choice")
     elif choice in ("auto", "required") and not tools:
         body.pop("tool_choice")  # tool_choice needs tools
+
+
+def _embedding(body: dict[str, Any]) -> None:
+    """Each input fits the context (the prompt-length rule no JSON schema can state): one
+    that does not, or that has no tokens, is replaced, as for completions."""
+    value = body["input"]
+    single = isinstance(value, str) or _is_ids(value)
+    inputs = [value] if single else value
+    for i, p in enumerate(inputs):
+        n = len(p) if not isinstance(p, str) else _count(p, True)
+        if n == 0 or n >= MAX_MODEL_LEN:
+            inputs[i] = "Hi" if isinstance(p, str) else [1, 5]
+    body["input"] = inputs[0] if single else inputs
 
 
 def _anthropic(body: dict[str, Any], generates: bool) -> None:

@@ -33,6 +33,7 @@ score should not depend on the prompt's length, and the outputs are then checkab
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,19 @@ class BeamSearchParams:
         transformers: ``max(2, 1 + number of EOS ids) * beam_width``."""
         eos = 0 if self.ignore_eos else num_eos_ids
         return max(2, 1 + eos) * self.beam_width
+
+
+def length_normalized(cum: float, length: int, length_penalty: float) -> float:
+    """``cum / length ** length_penalty`` for any finite penalty: a large one makes the power
+    overflow (OverflowError) or underflow to 0.0 (ZeroDivisionError); their limits, inf and
+    0, keep the order of the scores (``cum`` is a sum of logprobs, <= 0)."""
+    try:
+        scale = float(length) ** length_penalty
+    except OverflowError:
+        scale = math.inf
+    if scale == 0.0:
+        return -math.inf if cum < 0 else 0.0
+    return cum / scale
 
 
 def check_beam_width(params: BeamSearchParams, num_eos_ids: int, max_logprobs: int) -> None:
@@ -203,7 +217,7 @@ class BeamSearch:
                 continue
             beam = _Beam(parent.tokens + [token], parent.logprobs + [candidates[i]], cum)
             if ends:
-                finished.append((cum / (length**params.length_penalty), beam))
+                finished.append((length_normalized(cum, length, params.length_penalty), beam))
             else:
                 live.append(beam)
         finished.sort(key=lambda f: -f[0])  # stable: earlier hypotheses win ties
@@ -221,7 +235,7 @@ class BeamSearch:
         length = self._generated
         if params.early_stopping == "never" and params.length_penalty > 0.0:
             length = params.max_tokens
-        best_possible = best_live / (length**params.length_penalty)
+        best_possible = length_normalized(best_live, length, params.length_penalty)
         return best_possible <= self._finished[-1][0]
 
     def results(self, decode: Any = None) -> BeamSearchOutput:

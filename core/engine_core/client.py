@@ -134,6 +134,10 @@ def apply_ready(config: Any, ready: Any) -> None:
     if ready.implementation is not None:
         model.implementation = ready.implementation
     model.runner_type = ready.runner_type
+    if ready.pooler_config is not None:
+        from engine.pooling import PoolerConfig
+
+        model.pooler_config = PoolerConfig(**ready.pooler_config)
 
 
 def startup_error(failed: Any) -> BaseException:

@@ -221,6 +221,9 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
     implementation: str | None = None
     # The runner chosen for --runner auto: "generate" or "pooling" (embeddings).
     runner_type: str = "generate"
+    # A pooling model's PoolerConfig fields (None: generate): the front end's OpenAPI
+    # document states the embedding dimensions it takes.
+    pooler_config: dict[str, Any] | None = None
 
 
 class AllFrontEndsReady(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -243,7 +243,14 @@ def ready_message(core: Any, engine_index: int, load_seconds: float) -> CoreRead
         image_input_spec=getattr(core, "image_input_spec", None),
         implementation=config.model.implementation,
         runner_type=getattr(config.model, "runner_type", "generate"),
+        pooler_config=_pooler_fields(getattr(config.model, "pooler_config", None)),
     )
+
+
+def _pooler_fields(cfg: Any) -> dict[str, Any] | None:
+    import dataclasses
+
+    return dataclasses.asdict(cfg) if cfg is not None else None
 
 
 def failure_message(engine_index: int, exc: BaseException) -> CoreFailed:

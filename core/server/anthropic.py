@@ -74,8 +74,8 @@ def chat_request_of(body: CountTokensRequest, *, stream: bool = False) -> ChatCo
         "add_generation_prompt": not prefill,
         "continue_final_message": prefill,
     }
-    if body.tools is not None:
-        data["tools"] = _function_tools(body.tools)
+    if body.tools:  # an empty list is no tools, as Anthropic reads it (the chat path's
+        data["tools"] = _function_tools(body.tools)  # tools take at least one)
     if body.tool_choice is not None:
         choice = body.tool_choice
         data["tool_choice"] = {

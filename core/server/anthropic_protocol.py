@@ -88,6 +88,8 @@ class AssistantMessage(_Body):
 
 def _role(value: Any) -> str | None:
     role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    if not isinstance(role, str):  # any JSON value may come: {} is not a dictionary key
+        return None
     return {"user": "UserMessage", "assistant": "AssistantMessage"}.get(role)
 
 

@@ -86,6 +86,7 @@ class ServedLimits:
         token_id_limit: int,
         model_vocab: int,
         trust_request_chat_template: bool,
+        pooler: Any = None,
     ) -> None:
         self.max_n = max_n
         self.max_logprobs = max_logprobs
@@ -94,6 +95,7 @@ class ServedLimits:
         self.token_id_limit = token_id_limit  # stop_token_ids, /detokenize
         self.row_limit = min(token_id_limit, model_vocab)  # prompt ids, logit_bias keys
         self.trust_request_chat_template = trust_request_chat_template
+        self.pooler = pooler  # a pooling model's PoolerConfig (its embedding dimensions)
 
     @classmethod
     def of(cls, ctx: Any) -> ServedLimits:
@@ -106,6 +108,7 @@ class ServedLimits:
             token_id_limit=ctx.token_ids.limit,
             model_vocab=ctx.token_ids.model_vocab,
             trust_request_chat_template=ctx.options.trust_request_chat_template,
+            pooler=_pooler_of(ctx),
         )
 
 
@@ -275,7 +278,10 @@ def _served_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     _integers(completion["logprobs"], maximum=limits.max_logprobs)
     _prompt(completion["prompt"], limits)
     if "EmbeddingRequest" in schemas:
-        _prompt(schemas["EmbeddingRequest"]["properties"]["input"], limits)
+        embedding = schemas["EmbeddingRequest"]["properties"]
+        _prompt(embedding["input"], limits)
+        if limits.pooler is not None:
+            _dimensions(embedding, limits.pooler)
     chat = schemas["ChatCompletionRequest"]["properties"]
     _integers(chat["top_logprobs"], maximum=limits.max_logprobs)
     _integers(chat["max_completion_tokens"], maximum=limits.max_model_len - 1)
@@ -295,6 +301,30 @@ def _served_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
                 "title": "Chat Template",
                 "description": "Refused: the server runs without --trust-request-chat-template.",
             }
+
+
+def _pooler_of(ctx: Any) -> Any:
+    """The served model's ``PoolerConfig`` when it is a pooling model, else None."""
+    model = getattr(getattr(ctx.async_engine, "config", None), "model", None)
+    if getattr(model, "runner_type", None) != "pooling":
+        return None
+    return getattr(model, "pooler_config", None)
+
+
+def _dimensions(props: dict[str, Any], pooler: Any) -> None:
+    """``dimensions`` as the pooling model takes it (``PoolerConfig.check``): refused unless
+    it is a matryoshka model, then one of its declared dimensions, or any up to its size."""
+    if not pooler.is_matryoshka:
+        props["dimensions"] = {
+            "type": "null",
+            "title": "Dimensions",
+            "description": "Refused: this model declares no matryoshka dimensions.",
+        }
+    elif pooler.matryoshka_dimensions:
+        allowed = [d for d in pooler.matryoshka_dimensions if d <= pooler.hidden_size]
+        _integers(props["dimensions"], enum=allowed)
+    else:
+        _integers(props["dimensions"], maximum=pooler.hidden_size)
 
 
 def _integers(schema: dict[str, Any], items: bool = False, **bounds: int) -> None:

@@ -301,6 +301,21 @@ Prompt = Annotated[
 ]
 
 
+# ``/v1/embeddings``' input: the prompt forms, with no empty string (OpenAI refuses one too,
+# and the schema says so, so that a client or fuzzer reading it does not send one).
+EmbeddingInput = Annotated[
+    Annotated[NonEmptyText, Tag("Text")]
+    | Annotated[list[NonEmptyText], Field(min_length=1), Tag("Strings")]
+    | Annotated[list[TokenId], Field(min_length=1), Tag("TokenIds")]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]],
+        Field(min_length=1),
+        Tag("TokenIdLists"),
+    ],
+    Discriminator(_prompt_form),
+]
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``.
 
@@ -411,7 +426,7 @@ class EmbeddingRequest(_Request):
     """
 
     model: str | None = None
-    input: Prompt
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1, le=INT64_MAX), BeforeValidator(_integral)] | None = None
     user: str | None = None

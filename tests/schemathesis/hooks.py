@@ -50,6 +50,10 @@ def map_case(context, case):
         _chat(body)
     elif case.path == "/tokenize" and "messages" in body:
         _messages(body)
+    elif case.path == "/v1/embeddings":
+        _embedding(body)
+    elif case.path in ("/v1/messages", "/v1/messages/count_tokens"):
+        _anthropic(body, generates=case.path == "/v1/messages")
     return case
 
 
@@ -69,6 +73,11 @@ def _sampling(body: dict[str, Any]) -> None:
         body.pop("prompt_logprobs")  # not available when streaming (vLLM's rule)
     if body.get("truncation_side") is not None and body.get("truncate_prompt_tokens") is None:
         body.pop("truncation_side")  # applies only with truncate_prompt_tokens
+    if body.get("use_beam_search"):
+        # Beam search returns no logprobs and does not stream (core/server/beam.py).
+        body["stream"] = False
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            body.pop(name, None)
 
 
 def _constrains(name: str, value: Any) -> bool:
@@ -171,6 +180,13 @@ def _messages(body: dict[str, Any]) -> None:
     if body.get("continue_final_message"):
         body["add_generation_prompt"] = False  # the two cannot both be true
     for message in body["messages"]:
+        content = message.get("content")
+        if isinstance(content, list):
+            # The served model is a text model: an image part is a 400 naming it.
+            message["content"] = [
+                p if p.get("type") != "image_url" else {"type": "text", "text": "an image"}
+                for p in content
+            ]
         calls = message.get("tool_calls")
         if calls is not None and message["role"] != "assistant":
             message.pop("tool_calls")  # only assistant messages make tool calls
@@ -202,6 +218,55 @@ def _messages(body: dict[str, Any]) -> None:
         body.pop("tool_choice")  # tool_choice needs tools
 
 
+def _embedding(body: dict[str, Any]) -> None:
+    """Each input fits the context (the prompt-length rule no JSON schema can state): one
+    that does not, or that has no tokens, is replaced, as for completions."""
+    value = body["input"]
+    single = isinstance(value, str) or _is_ids(value)
+    inputs = [value] if single else value
+    for i, p in enumerate(inputs):
+        n = len(p) if not isinstance(p, str) else _count(p, True)
+        if n == 0 or n >= MAX_MODEL_LEN:
+            inputs[i] = "Hi" if isinstance(p, str) else [1, 5]
+    body["input"] = inputs[0] if single else inputs
+
+
+def _anthropic(body: dict[str, Any], generates: bool) -> None:
+    """Anthropic's Messages (and count_tokens): the same rules as the chat route's, in
+    Anthropic's shapes. The server answers each broken rule with a 400 in Anthropic's
+    envelope, which ``positive_data_acceptance`` would report as ST202."""
+    tools = body.get("tools")
+    if tools:
+        unique = {}
+        for tool in tools:
+            unique.setdefault(tool["name"], tool)  # tool names are unique (no JSON schema
+        body["tools"] = tools = list(unique.values())  # keyword compares one field of items)
+        for tool in tools:
+            tool["input_schema"] = {"type": "object"}  # a schema that compiles
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") != "none":
+        if not tools:
+            body.pop("tool_choice")  # tool_choice auto/any/tool needs tools
+        elif choice["type"] == "tool":
+            choice["name"] = tools[0]["name"]  # a tool that is given
+    for message in body["messages"]:
+        content = message["content"]
+        if isinstance(content, list):
+            for i, block in enumerate(content):
+                if block["type"] == "image":
+                    # The served model is a text model: an image is a 400 naming it.
+                    content[i] = {"type": "text", "text": "an image"}
+    n = _count_anthropic(body)
+    if n >= MAX_MODEL_LEN - 1:
+        # Over the context (or refused by the chat template): a prompt that fits.
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+        for name in ("system", "tools", "tool_choice"):
+            body.pop(name, None)
+        n = _count_anthropic(body)
+    if generates:
+        body["max_tokens"] = max(1, min(body["max_tokens"], MAX_MODEL_LEN - n, MAX_NEW_TOKENS))
+
+
 # ---------------------------------------------------------------- token counts
 
 
@@ -228,3 +293,12 @@ def _count_chat(body: dict[str, Any]) -> int:
         return _post("/tokenize", payload)["count"]
     except OSError:
         return MAX_MODEL_LEN  # the server refuses these messages: replaced above
+
+
+def _count_anthropic(body: dict[str, Any]) -> int:
+    fields = ("model", "messages", "system", "tools", "tool_choice")
+    payload = {k: body[k] for k in fields if k in body}
+    try:
+        return _post("/v1/messages/count_tokens", payload)["input_tokens"]
+    except OSError:
+        return MAX_MODEL_LEN  # the server refuses these messages: replaced by the caller

@@ -1,16 +1,26 @@
 """Fuzz the OpenAI-compatible server with schemathesis, every check on, in one command.
 
-    python tests/schemathesis/run.py [schemathesis options...]
+    python tests/schemathesis/run.py [--server generate|pooling|both] [schemathesis options...]
 
-builds a tiny random Llama (``engine.testing.tiny_models``) in a temporary directory, starts
-``engine serve`` on it on a free local port, waits for ``/health``, runs
+runs schemathesis against two live servers, one after the other (``--server`` picks one):
+
+- ``generate``: a tiny random Llama (``engine.testing.tiny_models``) served by ``engine serve``
+  on a free local port; every operation but ``/v1/embeddings``, which a generative model
+  answers with a 400 naming what it supports;
+- ``pooling``: a tiny random Qwen3 embedding model (``engine.testing.tiny_embedding_models``,
+  last-token pooling, normalized, matryoshka dimensions 8/16/32) served with ``--runner
+  pooling``; ``/v1/embeddings`` only (the other routes are the same code on either model, and
+  the generation routes answer a pooling model with a 400).
+
+Each run is
 
     schemathesis run http://127.0.0.1:PORT/openapi.json --checks all --max-examples 150 ...
 
-with the hooks of ``hooks.py`` (constraints between fields that a JSON schema cannot state),
-prints schemathesis' report, stops the server and exits with schemathesis' status. Options
-given to this script are appended to schemathesis' (a later one wins, e.g. ``--seed 7`` or
-``--max-examples 300``). ``tox -e schemathesis`` runs it with schemathesis pinned.
+with the hooks of ``hooks.py`` (constraints between fields that a JSON schema cannot state).
+The script prints schemathesis' reports, stops each server and exits non-zero if either run
+failed or a server logged an ERROR line. Options given to this script are appended to
+schemathesis' (a later one wins, e.g. ``--seed 7`` or ``--max-examples 300``).
+``tox -e schemathesis`` runs it with schemathesis pinned.
 """
 
 from __future__ import annotations
@@ -85,19 +95,32 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout: float = 300.0) -> 
     raise SystemExit(f"engine serve was not healthy after {timeout:.0f} s")
 
 
-def main(extra: list[str]) -> int:
-    from engine.testing.tiny_models import build_tiny_model
+POOLING_SERVE_ARGS = [
+    "--runner",
+    "pooling",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--cpu-kv-cache-gb",
+    "0.1",
+    "--max-num-seqs",
+    "16",
+    "--disable-uvicorn-access-log",
+    "--disable-log-stats",
+]
 
-    if shutil.which("schemathesis") is None:
-        raise SystemExit("schemathesis is not installed: pip install schemathesis==4.32.5")
-    workdir = Path(tempfile.mkdtemp(prefix="engine-schemathesis-"))
-    model = build_tiny_model(workdir / "model", "llama", max_position_embeddings=MAX_MODEL_LEN)
+
+def fuzz(model: Path, serve_args: list[str], workdir: Path, extra: list[str]) -> int:
+    """Serve ``model`` with ``serve_args``, run schemathesis against it with ``extra``, and
+    return its status (1 as well when the server logged an ERROR line)."""
+    workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = open(workdir / "serve.log", "w")  # noqa: SIM115 - closed in finally
     server = subprocess.Popen(
-        ["engine", "serve", str(model), "--port", str(port), *SERVE_ARGS],
+        ["engine", "serve", str(model), "--port", str(port), *serve_args],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -134,8 +157,45 @@ def main(extra: list[str]) -> int:
     if errors:
         print("\nERROR lines in the server log:", *errors[:20], sep="\n  ")
         status = status or 1
-    print(f"\nserver log: {workdir / 'serve.log'}")
+    print(f"\nserver log: {workdir / 'serve.log'}", flush=True)
     return status
+
+
+def main(argv: list[str]) -> int:
+    from engine.testing.tiny_embedding_models import save_st_model
+    from engine.testing.tiny_models import build_tiny_model
+
+    if shutil.which("schemathesis") is None:
+        raise SystemExit("schemathesis is not installed: pip install schemathesis==4.32.5")
+    servers = ("generate", "pooling")
+    extra = list(argv)
+    if "--server" in extra:
+        i = extra.index("--server")
+        choice = extra[i + 1] if i + 1 < len(extra) else ""
+        if choice not in (*servers, "both"):
+            raise SystemExit("--server takes generate, pooling or both")
+        servers = servers if choice == "both" else (choice,)
+        del extra[i : i + 2]
+    workdir = Path(tempfile.mkdtemp(prefix="engine-schemathesis-"))
+    statuses = {}
+    if "generate" in servers:
+        model = build_tiny_model(workdir / "model", "llama", max_position_embeddings=MAX_MODEL_LEN)
+        # A generative model answers /v1/embeddings with a 400 (the pooling run covers it).
+        args = ["--exclude-path", "/v1/embeddings", *extra]
+        statuses["generate"] = fuzz(model, SERVE_ARGS, workdir / "generate", args)
+    if "pooling" in servers:
+        model = save_st_model(
+            workdir / "embed",
+            "qwen3",
+            "lasttoken",
+            normalize=True,
+            config_extra={"matryoshka_dimensions": [8, 16, 32]},
+            max_position_embeddings=MAX_MODEL_LEN,
+        )
+        args = ["--include-path", "/v1/embeddings", *extra]
+        statuses["pooling"] = fuzz(model, POOLING_SERVE_ARGS, workdir / "pooling", args)
+    print("\n" + ", ".join(f"{name}: exit status {s}" for name, s in statuses.items()))
+    return max(statuses.values())
 
 
 if __name__ == "__main__":

@@ -262,6 +262,13 @@ def test_count_tokens_is_the_prompt_the_engine_sees(ac, http, server):
         ({"messages": [], "max_tokens": 4}, "messages: must have at least 1 item"),
         ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 4},
          "messages.0: role must be 'user' or 'assistant'"),
+        # Not a string: the role picks the message's model, and {} is no dictionary key (a 500).
+        ({"messages": [{"role": {}, "content": "x"}], "max_tokens": 4},
+         "messages.0: role must be 'user' or 'assistant'"),
+        ({"messages": [{"role": ["user"], "content": "x"}], "max_tokens": 4},
+         "messages.0: role must be 'user' or 'assistant'"),
+        ({"messages": USER, "max_tokens": 4, "tools": [], "tool_choice": {"type": "any"}},
+         "tool_choice is only allowed when tools are given"),
         ({"messages": USER, "max_tokens": "5"}, "max_tokens: expected an integer, got a string"),
         ({"messages": USER, "max_tokens": 0}, "max_tokens: must be at least 1"),
         ({"messages": [{"role": "user", "content": 5}], "max_tokens": 4}, "messages.0.content"),
@@ -296,6 +303,27 @@ def test_bad_requests_are_400_in_anthropic_envelope(raw, server, body, words):
     message = anthropic_error(r, 400, "invalid_request_error")
     assert words in message
     no_blocks_used(server)
+
+
+def test_unhashable_role_on_count_tokens_is_a_400(raw):
+    r = raw.post("/v1/messages/count_tokens",
+                 json={"model": "tiny", "messages": [{"role": {}, "content": ""}], "tools": []})  # fmt: skip
+    assert "role must be 'user' or 'assistant'" in anthropic_error(r, 400, "invalid_request_error")
+
+
+def test_empty_tools_are_no_tools(raw):
+    """``tools: []`` (which the schema allows) is a request without tools, on both routes;
+    it was a 500 (the chat path's tools take at least one)."""
+    counts = [
+        raw.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": USER, **extra})
+        for extra in ({}, {"tools": []}, {"tools": [], "tool_choice": {"type": "none"}})
+    ]
+    assert [r.status_code for r in counts] == [200] * 3
+    assert len({r.json()["input_tokens"] for r in counts}) == 1
+    r = raw.post("/v1/messages", json={"model": "tiny", "messages": USER, "max_tokens": 2,
+                                       "tools": []})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["stop_reason"] in ("max_tokens", "end_turn")
 
 
 def test_errors_through_the_client(ac):

@@ -50,6 +50,20 @@ def test_completions_several_prompts(http, offline):
     assert texts == want
 
 
+@pytest.mark.parametrize("length_penalty", [-3.8e16, 3.8e16, -3e38, 3e38])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_huge_length_penalties_are_served(http, server, route, length_penalty):
+    """Any finite length_penalty is valid; length ** penalty underflowed to 0.0 (a 500:
+    ZeroDivisionError, found by schemathesis) or overflowed (OverflowError)."""
+    body = {"max_tokens": 3, "n": 2, "use_beam_search": True, "ignore_eos": False,
+            "length_penalty": length_penalty}  # fmt: skip
+    body.update({"prompt": PROMPT} if route == "/v1/completions" else {"messages": MESSAGES})
+    r = http.post(route, json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
+    assert server.engine.num_used_blocks == 0
+
+
 def test_chat_matches_offline(http, offline, server):
     body = {"messages": MESSAGES, "max_tokens": 5, "n": 2, "use_beam_search": True}
     r = http.post("/v1/chat/completions", json=body)

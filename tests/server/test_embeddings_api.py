@@ -110,6 +110,30 @@ def test_bad_inputs_are_400s(ehttp, embed_server):
     assert embed_server.engine.num_used_blocks == 0
 
 
+def test_the_schema_states_that_input_strings_are_not_empty(ehttp):
+    """The route refuses an empty string; the OpenAPI document says so (minLength), so that a
+    request valid by the document is served (schemathesis' positive_data_acceptance)."""
+    schemas = ehttp.get("/openapi.json").json()["components"]["schemas"]
+    forms = schemas["EmbeddingRequest"]["properties"]["input"]["oneOf"]
+    strings = [f for f in forms if f.get("type") == "string"]
+    string_lists = [f["items"] for f in forms if f.get("items", {}).get("type") == "string"]
+    assert [f["minLength"] for f in strings + string_lists] == [1, 1]
+    err = error_of(ehttp.post("/v1/embeddings", json={"input": ["a", ""]}), 400)
+    assert err["param"] == "input.1"
+
+
+def test_the_schema_states_the_matryoshka_dimensions(ehttp):
+    """Only the declared dimensions are served, and the document lists them (any other
+    integer was valid by it and refused with a 400)."""
+    schemas = ehttp.get("/openapi.json").json()["components"]["schemas"]
+    forms = schemas["EmbeddingRequest"]["properties"]["dimensions"]["anyOf"]
+    assert [f.get("enum") for f in forms if f.get("type") == "integer"] == [[8, 16, 32]]
+    for dims in (8, 32):
+        r = ehttp.post("/v1/embeddings", json={"input": "hi", "dimensions": dims})
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == dims
+    assert error_of(ehttp.post("/v1/embeddings", json={"input": "hi", "dimensions": 1}), 400)
+
+
 def test_generation_routes_on_a_pooling_model_are_400s(ehttp):
     err = error_of(ehttp.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 400)
     assert "embedding" in err["message"] and "not generation" in err["message"]
@@ -144,3 +168,8 @@ def test_through_the_engine_core_process(embed_dir, offline_embed, tmp_path):
         )
         r = httpx.post(proc.base_url + "/v1/completions", json={"prompt": "hi"}, timeout=60)
         assert "embedding" in error_of(r, 400)["message"]
+        # The front end learns the pooler from the core (it was None there, so the document
+        # allowed any dimensions under engine serve while the core refused all but these).
+        schemas = httpx.get(proc.base_url + "/openapi.json", timeout=60).json()["components"]
+        forms = schemas["schemas"]["EmbeddingRequest"]["properties"]["dimensions"]["anyOf"]
+        assert [f.get("enum") for f in forms if f.get("type") == "integer"] == [[8, 16, 32]]

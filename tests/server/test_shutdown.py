@@ -13,9 +13,13 @@ import time
 
 import httpx
 from fake_engine import FakeEngine
-from server_harness import MAX_MODEL_LEN, RunningServer
+from server_harness import RunningServer
 
 from engine.server.launcher import LaunchOptions
+
+# The drain test's context: its in-flight stream must outlast the SIGTERM and the first 503 the
+# test waits for, even on a loaded machine (the shared fixture's 256 tokens did not, once).
+DRAIN_MODEL_LEN = 1024
 
 
 def free_port() -> int:
@@ -37,7 +41,12 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120.0) -> Non
     raise AssertionError("the server did not become ready")
 
 
-def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    from engine.testing.tiny_models import build_tiny_model
+
+    tiny_model_dir = build_tiny_model(
+        tmp_path / "m", "llama", max_position_embeddings=DRAIN_MODEL_LEN
+    )
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")
@@ -54,7 +63,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
         "--dtype",
         "float32",
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(DRAIN_MODEL_LEN),
         "--cpu-kv-cache-gb",
         "0.05",
         "--served-model-name",
@@ -73,7 +82,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir, tmp_path):
         def stream() -> None:
             body = {
                 "prompt": "drain me",
-                "max_tokens": 200,
+                "max_tokens": DRAIN_MODEL_LEN - 16,
                 "ignore_eos": True,
                 "stream": True,
                 "temperature": 0,

@@ -7,8 +7,8 @@
 - ``ThreadedCoreClient``: the same ``CoreLoop`` in a thread of this process, with no
   encoding (tests, and embedding a server in a process that already holds an ``EngineCore``).
 
-Both route requests with ``DataParallelRouter``, answer ``add_request`` once the core took the
-request (raising what the core raised when it refused it), and call back the ``AsyncEngine``
+Both route requests with ``DataParallelRouter``, answer ``add_request(s)`` once the cores took
+the requests (raising what the core raised when it refused it), and call back the ``AsyncEngine``
 in the event loop's thread: ``on_outputs(outputs)`` per core step, ``on_stats(engine, stats)``,
 ``on_dead(exc)`` when a core fails or its process dies.
 """
@@ -135,24 +135,43 @@ class _AsyncClient:
 
     async def add_request(self, req: EngineCoreRequest) -> None:
         """Send a request to the core the router picks; return once it was taken."""
+        await self.add_requests([req])
+
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Route requests and send each core its share in one message (so a core takes them
+        all between two steps, into one batch); return once every one was taken. Raises the
+        first refusal after all answered (the others were taken: the caller aborts them);
+        cancelled, it aborts them all (queued after the adds: the cores see both)."""
         if self.dead is not None:
             raise self.dead
-        req.client_index = self.client_index
-        engine, hashes = self.router.choose(req.prompt_token_ids)
-        self.router.add(req.request_id, engine, req.sampling_params.n, hashes)
-        fut = asyncio.get_running_loop().create_future()
-        self._acks[req.request_id] = fut
-        self._send(engine, AddRequests([req]))
+        loop = asyncio.get_running_loop()
+        per_engine: dict[int, list[EngineCoreRequest]] = {}
+        futs = []
+        for req in requests:
+            req.client_index = self.client_index
+            engine, hashes = self.router.choose(req.prompt_token_ids)
+            self.router.add(req.request_id, engine, req.sampling_params.n, hashes)
+            fut = loop.create_future()
+            self._acks[req.request_id] = fut
+            futs.append(fut)
+            per_engine.setdefault(engine, []).append(req)
+        for engine, reqs in per_engine.items():
+            self._send(engine, AddRequests(reqs))
+        ids = [req.request_id for req in requests]
         try:
-            await fut
+            results = await asyncio.gather(*futs, return_exceptions=True)
         except asyncio.CancelledError:
-            self._acks.pop(req.request_id, None)
-            self.abort_requests([req.request_id])  # queued after the add: the core sees both
+            for rid in ids:
+                self._acks.pop(rid, None)
+            self.abort_requests(ids)
             raise
-        except BaseException:
-            self._acks.pop(req.request_id, None)
-            self.router.request_done(req.request_id)
-            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for rid, r in zip(ids, results, strict=True):
+                if isinstance(r, BaseException):
+                    self._acks.pop(rid, None)
+                    self.router.request_done(rid)
+            raise errors[0]
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run ``EngineCore.<method>(*args)`` (``UTILITY_METHODS``) on every core between
@@ -334,17 +353,18 @@ class ThreadedCoreClient(_AsyncClient):
     def _send(self, engine: int, msg: Any) -> None:
         self._loop_runner.inbox.put(msg)
 
-    async def add_request(self, req: EngineCoreRequest) -> None:
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """As the base class, after compiling a structured-outputs grammar on a worker thread
         (so the core's thread finds it in the grammar cache: a new schema takes tens of
         milliseconds, and the first one builds xgrammar's tokenizer info, seconds for a large
         vocabulary; on the core's thread every other request would wait that long). A
         constraint that does not compile raises here, as the core would."""
-        constraint = req.sampling_params.structured_outputs
-        manager = getattr(self.core, "structured_outputs", None) if constraint else None
-        if manager is not None:
-            await asyncio.to_thread(manager.compile, constraint)
-        await super().add_request(req)
+        manager = getattr(self.core, "structured_outputs", None)
+        for req in requests:
+            constraint = req.sampling_params.structured_outputs
+            if constraint and manager is not None:
+                await asyncio.to_thread(manager.compile, constraint)
+        await super().add_requests(requests)
 
     async def shutdown(self) -> None:
         self._closing = True

@@ -16,7 +16,6 @@ in the event loop's thread: ``on_outputs(outputs)`` per core step, ``on_stats(en
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import threading
@@ -181,8 +180,8 @@ class _AsyncClient:
         ``add_lora`` is all or nothing: when some cores load the adapter and others refuse
         it, the ones that loaded it drop it again (an in-place reload gets the old adapter
         back) before the refusal is raised, naming the core and its reason, so every core
-        keeps the same adapters. Shielded: a caller that goes away does not stop it half
-        way."""
+        keeps the same adapters (``engine.engine_core.lora_loads``, shared with the
+        synchronous client). Shielded: a caller that goes away does not stop it half way."""
         if self.dead is not None:
             raise self.dead
         if method not in UTILITY_METHODS:
@@ -209,71 +208,17 @@ class _AsyncClient:
         finally:
             self._calls.pop(call_id, None)
 
-    async def _add_lora_everywhere(self, request: Any, *rest: Any) -> bool:
-        from engine.engine_core.client import combine_utility_results
-        from engine.engine_core.messages import RequestError, raise_utility_error
+    async def _add_lora_everywhere(self, *args: Any) -> bool:
+        """``engine.engine_core.lora_loads.add_lora_everywhere``, driven with awaits."""
+        from engine.engine_core.lora_loads import add_lora_everywhere
 
-        args = [request, *rest]
-        results = await self._call_each("add_lora", args, range(self.num_engines))
-        failed = [r for r in results if r.error is not None]
-        loaded = [r.engine_index for r in results if r.error is None]
-        if not failed or not loaded:
-            return combine_utility_results("add_lora", results)
-        # Some cores hold the adapter and others not: undo it where it loaded.
-        first = failed[0]
-        undone = await self._undo_add_lora(request, list(rest), loaded, first.engine_index)
-        cores = ", ".join(str(i) for i in loaded)
-        message = (
-            f"LoRA adapter '{request.lora_name}' was not loaded: engine core "
-            f"{first.engine_index} (of {self.num_engines}) refused it: {first.error.message} "
-            f"(engine core(s) {cores} had loaded it; {undone}, so every core serves the same "
-            "adapters)"
-        )
-        err = first.error
-        raise_utility_error(RequestError(err.request_id, err.kind, message, err.param))
-        return False  # not reached
-
-    async def _undo_add_lora(
-        self, request: Any, rest: list[Any], loaded: list[int], refused_by: int
-    ) -> str:
-        """Undo a load on the ``loaded`` cores; say what was done. A fresh load is removed;
-        an in-place reload loads the previous adapter (as the refusing core still has it)
-        again, and when even that fails the adapter is removed from every core."""
-        from engine.engine_core.client import common_lora_adapters
-
-        if request.load_inplace:
-            held = await self._call_each("lora_adapters", [], [refused_by])
-            previous = next(
-                (
-                    r
-                    for r in common_lora_adapters([held[0].result])
-                    if r.lora_int_id == request.lora_int_id
-                ),
-                None,
-            )
-            if previous is not None:
-                previous = dataclasses.replace(previous, load_inplace=True)
-                again = await self._call_each("add_lora", [previous, *rest], loaded)
-                if all(r.error is None for r in again):
-                    logger.warning(
-                        "LoRA adapter %r: in-place reload refused by engine core %d; "
-                        "the previous adapter was reloaded on engine core(s) %s",
-                        request.lora_name,
-                        refused_by,
-                        loaded,
-                    )
-                    return "they went back to the previous adapter"
-            loaded = list(range(self.num_engines))
-        await self._call_each("remove_lora", [request.lora_int_id], loaded)
-        logger.warning(
-            "LoRA adapter %r: load refused by engine core %d; removed again from engine core(s) %s",
-            request.lora_name,
-            refused_by,
-            loaded,
-        )
-        if request.load_inplace:
-            return "the adapter was removed from every core"
-        return "it was unloaded from them again"
+        steps = add_lora_everywhere(list(args), self.num_engines)
+        results = None
+        try:
+            while True:
+                results = await self._call_each(*steps.send(results))
+        except StopIteration as done:
+            return done.value
 
     def _by_engine(self, items: list[Any], key: Callable[[Any], str]) -> dict[int, list[Any]]:
         groups: dict[int, list[Any]] = {}

@@ -199,3 +199,72 @@ def test_data_parallel_llm_serves_lora_adapters_on_every_core(model_dir, tmp_pat
         with pytest.raises(ValueError, match="does not exist"):
             dp.add_lora(LoRARequest("b", 2, str(tmp_path / "missing")))
         assert dp.llm_engine.num_used_blocks == 0
+
+
+# Only in the process engine-core-1 (the spawned core's last argument), the LoRA registry
+# refuses adapters whose directory holds REFUSE_ON_CORE_1, as a core whose disk lacks a file
+# would (as tests/server/test_lora_front_ends.py does for the server): core 0 loads them.
+SITECUSTOMIZE = """
+import sys
+
+if sys.argv[-1:] == ["engine-core-1"]:
+    import os
+
+    import engine.lora.registry as registry
+    from engine.lora.errors import LoRAAdapterError
+
+    _add = registry.LoRARegistry.add
+
+    def add(self, request, unique_name=False):
+        if os.path.exists(os.path.join(request.lora_path, "REFUSE_ON_CORE_1")):
+            raise LoRAAdapterError(f"injected: core 1 cannot read {request.lora_path}")
+        return _add(self, request, unique_name)
+
+    registry.LoRARegistry.add = add
+"""
+
+
+def test_data_parallel_add_lora_is_all_or_nothing(model_dir, tmp_path, monkeypatch):
+    """``LLM(data_parallel_size=2).add_lora`` of an adapter core 1 refuses: core 0 drops it
+    again and one error names core 1 and its reason; a good load of the same name and id
+    then serves on both cores. An in-place reload core 1 refuses puts the previous adapter
+    back on core 0."""
+    from engine.llm import LLM
+    from engine.lora.request import LoRARequest
+    from engine.testing.lora import hf_greedy, make_peft_adapter, merged_model
+
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "inject"))
+    good = make_peft_adapter(model_dir, tmp_path / "good", rank=4, seed=5)
+    refused = make_peft_adapter(model_dir, tmp_path / "refused", rank=4, seed=6)
+    (refused / "REFUSE_ON_CORE_1").write_text("")
+    prompts = [[1, 30 + i, 31 + i, 32 + i] for i in range(4)]
+    want = [hf_greedy(merged_model(model_dir, good), p, 6) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(model_dir), data_parallel_size=2, enable_lora=True, max_lora_rank=8, **KW) as dp:
+        with pytest.raises(ValueError) as refusal:
+            dp.add_lora(LoRARequest("part", 1, str(refused)))
+        message = str(refusal.value)
+        assert "engine core 1 (of 2) refused it" in message and "injected" in message, message
+        assert "engine core(s) 0 had loaded it; it was unloaded from them again" in message
+        assert dp.list_loras() == set()  # the union over both cores
+        # Core 0 really dropped it: it would refuse the name still held under that id.
+        lora = LoRARequest("part", 1, str(good))
+        assert dp.add_lora(lora) is True and dp.list_loras() == {1}
+
+        def tokens():
+            got = dp.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                lora_request=lora,
+            )  # fmt: skip
+            return [o.outputs[0].token_ids for o in got]
+
+        assert tokens() == want
+        stats = dp.llm_engine.client.get_stats_by_engine()
+        assert all(s.generation_tokens_total > 0 for s in stats.values()), stats
+        with pytest.raises(ValueError, match="went back to the previous adapter"):
+            dp.add_lora(LoRARequest("part", 1, str(refused), load_inplace=True))
+        assert dp.list_loras() == {1} and tokens() == want
+        assert dp.remove_lora(1) is True and dp.list_loras() == set()
+        assert dp.llm_engine.num_used_blocks == 0

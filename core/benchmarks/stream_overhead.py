@@ -50,8 +50,9 @@ class InstantCore:
     async def shutdown(self) -> None:
         pass
 
-    async def add_request(self, req: Any) -> None:
-        self._running[req.request_id] = [req.sampling_params.max_tokens, 0]
+    async def add_requests(self, requests: list[Any]) -> None:
+        for req in requests:
+            self._running[req.request_id] = [req.sampling_params.max_tokens, 0]
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -7,8 +7,8 @@
 - ``ThreadedCoreClient``: the same ``CoreLoop`` in a thread of this process, with no
   encoding (tests, and embedding a server in a process that already holds an ``EngineCore``).
 
-Both route requests with ``DataParallelRouter``, answer ``add_request`` once the core took the
-request (raising what the core raised when it refused it), and call back the ``AsyncEngine``
+Both route requests with ``DataParallelRouter``, answer ``add_request(s)`` once the cores took
+the requests (raising what the core raised when it refused it), and call back the ``AsyncEngine``
 in the event loop's thread: ``on_outputs(outputs)`` per core step, ``on_stats(engine, stats)``,
 ``on_dead(exc)`` when a core fails or its process dies.
 """
@@ -16,7 +16,6 @@ in the event loop's thread: ``on_outputs(outputs)`` per core step, ``on_stats(en
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import threading
@@ -135,24 +134,43 @@ class _AsyncClient:
 
     async def add_request(self, req: EngineCoreRequest) -> None:
         """Send a request to the core the router picks; return once it was taken."""
+        await self.add_requests([req])
+
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Route requests and send each core its share in one message (so a core takes them
+        all between two steps, into one batch); return once every one was taken. Raises the
+        first refusal after all answered (the others were taken: the caller aborts them);
+        cancelled, it aborts them all (queued after the adds: the cores see both)."""
         if self.dead is not None:
             raise self.dead
-        req.client_index = self.client_index
-        engine, hashes = self.router.choose(req.prompt_token_ids)
-        self.router.add(req.request_id, engine, req.sampling_params.n, hashes)
-        fut = asyncio.get_running_loop().create_future()
-        self._acks[req.request_id] = fut
-        self._send(engine, AddRequests([req]))
+        loop = asyncio.get_running_loop()
+        per_engine: dict[int, list[EngineCoreRequest]] = {}
+        futs = []
+        for req in requests:
+            req.client_index = self.client_index
+            engine, hashes = self.router.choose(req.prompt_token_ids)
+            self.router.add(req.request_id, engine, req.sampling_params.n, hashes)
+            fut = loop.create_future()
+            self._acks[req.request_id] = fut
+            futs.append(fut)
+            per_engine.setdefault(engine, []).append(req)
+        for engine, reqs in per_engine.items():
+            self._send(engine, AddRequests(reqs))
+        ids = [req.request_id for req in requests]
         try:
-            await fut
+            results = await asyncio.gather(*futs, return_exceptions=True)
         except asyncio.CancelledError:
-            self._acks.pop(req.request_id, None)
-            self.abort_requests([req.request_id])  # queued after the add: the core sees both
+            for rid in ids:
+                self._acks.pop(rid, None)
+            self.abort_requests(ids)
             raise
-        except BaseException:
-            self._acks.pop(req.request_id, None)
-            self.router.request_done(req.request_id)
-            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for rid, r in zip(ids, results, strict=True):
+                if isinstance(r, BaseException):
+                    self._acks.pop(rid, None)
+                    self.router.request_done(rid)
+            raise errors[0]
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run ``EngineCore.<method>(*args)`` (``UTILITY_METHODS``) on every core between
@@ -162,8 +180,8 @@ class _AsyncClient:
         ``add_lora`` is all or nothing: when some cores load the adapter and others refuse
         it, the ones that loaded it drop it again (an in-place reload gets the old adapter
         back) before the refusal is raised, naming the core and its reason, so every core
-        keeps the same adapters. Shielded: a caller that goes away does not stop it half
-        way."""
+        keeps the same adapters (``engine.engine_core.lora_loads``, shared with the
+        synchronous client). Shielded: a caller that goes away does not stop it half way."""
         if self.dead is not None:
             raise self.dead
         if method not in UTILITY_METHODS:
@@ -190,71 +208,17 @@ class _AsyncClient:
         finally:
             self._calls.pop(call_id, None)
 
-    async def _add_lora_everywhere(self, request: Any, *rest: Any) -> bool:
-        from engine.engine_core.client import combine_utility_results
-        from engine.engine_core.messages import RequestError, raise_utility_error
+    async def _add_lora_everywhere(self, *args: Any) -> bool:
+        """``engine.engine_core.lora_loads.add_lora_everywhere``, driven with awaits."""
+        from engine.engine_core.lora_loads import add_lora_everywhere
 
-        args = [request, *rest]
-        results = await self._call_each("add_lora", args, range(self.num_engines))
-        failed = [r for r in results if r.error is not None]
-        loaded = [r.engine_index for r in results if r.error is None]
-        if not failed or not loaded:
-            return combine_utility_results("add_lora", results)
-        # Some cores hold the adapter and others not: undo it where it loaded.
-        first = failed[0]
-        undone = await self._undo_add_lora(request, list(rest), loaded, first.engine_index)
-        cores = ", ".join(str(i) for i in loaded)
-        message = (
-            f"LoRA adapter '{request.lora_name}' was not loaded: engine core "
-            f"{first.engine_index} (of {self.num_engines}) refused it: {first.error.message} "
-            f"(engine core(s) {cores} had loaded it; {undone}, so every core serves the same "
-            "adapters)"
-        )
-        err = first.error
-        raise_utility_error(RequestError(err.request_id, err.kind, message, err.param))
-        return False  # not reached
-
-    async def _undo_add_lora(
-        self, request: Any, rest: list[Any], loaded: list[int], refused_by: int
-    ) -> str:
-        """Undo a load on the ``loaded`` cores; say what was done. A fresh load is removed;
-        an in-place reload loads the previous adapter (as the refusing core still has it)
-        again, and when even that fails the adapter is removed from every core."""
-        from engine.engine_core.client import common_lora_adapters
-
-        if request.load_inplace:
-            held = await self._call_each("lora_adapters", [], [refused_by])
-            previous = next(
-                (
-                    r
-                    for r in common_lora_adapters([held[0].result])
-                    if r.lora_int_id == request.lora_int_id
-                ),
-                None,
-            )
-            if previous is not None:
-                previous = dataclasses.replace(previous, load_inplace=True)
-                again = await self._call_each("add_lora", [previous, *rest], loaded)
-                if all(r.error is None for r in again):
-                    logger.warning(
-                        "LoRA adapter %r: in-place reload refused by engine core %d; "
-                        "the previous adapter was reloaded on engine core(s) %s",
-                        request.lora_name,
-                        refused_by,
-                        loaded,
-                    )
-                    return "they went back to the previous adapter"
-            loaded = list(range(self.num_engines))
-        await self._call_each("remove_lora", [request.lora_int_id], loaded)
-        logger.warning(
-            "LoRA adapter %r: load refused by engine core %d; removed again from engine core(s) %s",
-            request.lora_name,
-            refused_by,
-            loaded,
-        )
-        if request.load_inplace:
-            return "the adapter was removed from every core"
-        return "it was unloaded from them again"
+        steps = add_lora_everywhere(list(args), self.num_engines)
+        results = None
+        try:
+            while True:
+                results = await self._call_each(*steps.send(results))
+        except StopIteration as done:
+            return done.value
 
     def _by_engine(self, items: list[Any], key: Callable[[Any], str]) -> dict[int, list[Any]]:
         groups: dict[int, list[Any]] = {}
@@ -334,17 +298,18 @@ class ThreadedCoreClient(_AsyncClient):
     def _send(self, engine: int, msg: Any) -> None:
         self._loop_runner.inbox.put(msg)
 
-    async def add_request(self, req: EngineCoreRequest) -> None:
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """As the base class, after compiling a structured-outputs grammar on a worker thread
         (so the core's thread finds it in the grammar cache: a new schema takes tens of
         milliseconds, and the first one builds xgrammar's tokenizer info, seconds for a large
         vocabulary; on the core's thread every other request would wait that long). A
         constraint that does not compile raises here, as the core would."""
-        constraint = req.sampling_params.structured_outputs
-        manager = getattr(self.core, "structured_outputs", None) if constraint else None
-        if manager is not None:
-            await asyncio.to_thread(manager.compile, constraint)
-        await super().add_request(req)
+        manager = getattr(self.core, "structured_outputs", None)
+        for req in requests:
+            constraint = req.sampling_params.structured_outputs
+            if constraint and manager is not None:
+                await asyncio.to_thread(manager.compile, constraint)
+        await super().add_requests(requests)
 
     async def shutdown(self) -> None:
         self._closing = True

@@ -369,16 +369,33 @@ class SyncMPClient:
         return self.get_stats().num_used_blocks
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        """Run ``EngineCore.<method>(*args)`` on every core (a LoRA adapter is loaded or
-        removed in each data-parallel rank) and combine their answers."""
+        """Run ``EngineCore.<method>(*args)`` (``UTILITY_METHODS``) on every core (a LoRA
+        adapter is loaded or removed in each data-parallel rank) and combine their answers,
+        or raise what a core raised. ``add_lora`` is all or nothing, as in the asynchronous
+        clients (``engine.engine_core.lora_loads``): cores that loaded an adapter another
+        refused drop it again before the refusal is raised, naming the core and its reason."""
+        from engine.engine_core.messages import UTILITY_METHODS
+
+        self._check()
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown engine utility call {method!r}")
+        if method == "add_lora":
+            from engine.engine_core.lora_loads import add_lora_everywhere, run_calls
+
+            return run_calls(add_lora_everywhere(list(args), len(self._ins)), self._call_each)
+        results = self._call_each(method, list(args), list(range(len(self._ins))))
+        return combine_utility_results(method, results)
+
+    def _call_each(self, method: str, args: list[Any], engines: list[int]) -> list[Any]:
+        """Every asked core's ``UtilityResult`` of one call, in the order of ``engines``."""
         from engine.engine_core.messages import UtilityCall, UtilityResult
 
         self._check()
         self._call_id = call_id = getattr(self, "_call_id", 0) + 1
-        for sock in self._ins:
-            sock.send(self._codec.encode(UtilityCall(call_id, method, list(args), 0)))
+        for engine in engines:
+            self._ins[engine].send(self._codec.encode(UtilityCall(call_id, method, args, 0)))
         results: dict[int, Any] = {}
-        while len(results) < len(self._ins):
+        while len(results) < len(engines):
             msg = self._receive(100)
             if msg is None:
                 continue
@@ -387,7 +404,7 @@ class SyncMPClient:
                     results[msg.engine_index] = msg
                 continue
             self._pending += self._handle(msg)
-        return combine_utility_results(method, [results[i] for i in sorted(results)])
+        return [results[i] for i in engines]
 
     def shutdown(self) -> None:
         if self._closed:

@@ -246,10 +246,57 @@ class AsyncEngine:
         Raises what the core raised (``InvalidRequestError``...), or ``EngineDeadError`` /
         ``EngineStoppedError``.
         """
+        await self.add_requests(
+            channel,
+            [
+                dict(
+                    request_id=request_id,
+                    prompt=prompt,
+                    params=params,
+                    prompt_token_ids=prompt_token_ids,
+                    priority=priority,
+                    mm_features=mm_features,
+                    lora_request=lora_request,
+                )
+            ],
+        )
+
+    async def add_requests(self, channel: OutputChannel, requests: list[dict[str, Any]]) -> None:
+        """Hand several requests (each the keyword arguments of ``add_request`` but
+        ``channel``) to the engine cores at once: each core takes its share between two
+        steps, so they run in one batch (beam search's per-beam requests). All or none: when
+        a core refuses one, or the caller goes away, every one is aborted and forgotten
+        before the error propagates."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         if self._stopping:
             raise EngineStoppedError("the engine is shutting down")
+        reqs: list[EngineCoreRequest] = []
+        try:
+            for kw in requests:
+                reqs.append(self._track(channel, **kw))
+            await self.client.add_requests(reqs)
+        except BaseException:
+            # A refusal, or the caller went away while the core was busy: make sure nothing
+            # is left behind (the taken ones are aborted; the client aborted all on cancel).
+            ids = [r.request_id for r in reqs]
+            self.abort(ids)
+            for rid in ids:
+                self._forget(rid, channel)
+            raise
+
+    def _track(
+        self,
+        channel: OutputChannel,
+        request_id: str,
+        prompt: str | None,
+        params: Any,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        mm_features: list[Any] | None = None,
+        lora_request: Any = None,
+    ) -> EngineCoreRequest:
+        """Register a request with the output processor and its channel; its core request."""
         if prompt_token_ids is None:
             prompt_token_ids = list(self.tokenizer(prompt).input_ids)
         now = time.monotonic()
@@ -264,7 +311,7 @@ class AsyncEngine:
         self._tracked[request_id] = channel
         channel.request_ids.append(request_id)
         channel.unfinished.add(request_id)
-        req = EngineCoreRequest(
+        return EngineCoreRequest(
             request_id,
             prompt_token_ids,
             params,
@@ -277,16 +324,6 @@ class AsyncEngine:
             # adapters are what every front end serves (engine.server.models).
             lora_loaded_only=lora_request is not None,
         )
-        try:
-            await self.client.add_request(req)
-        except asyncio.CancelledError:
-            # The caller went away while the core was busy: make sure nothing is left behind
-            # (the client queued an abort after the add).
-            self._forget(request_id, channel)
-            raise
-        except BaseException:
-            self._forget(request_id, channel)
-            raise
 
     def _forget(self, request_id: str, channel: OutputChannel) -> None:
         if self.processor is not None:

@@ -4,9 +4,11 @@
 ``early_stopping`` are transformers'; ``max_tokens``, ``temperature``, ``ignore_eos`` and
 ``include_stop_str_in_output`` apply, other sampling fields do not (as in vLLM). The search is
 ``engine.beam_search.BeamSearch``, the one ``LLM.beam_search`` runs: each step sends one
-single-token request per live beam through this front end's ``AsyncEngine`` (so the engine
-core's prefix cache shares the beams' common blocks) and waits for all of them. Not with
-``stream`` (400), nor with ``logprobs`` (400).
+single-token request per live beam of every prompt through this front end's ``AsyncEngine``,
+all in one ``add_requests`` (a core takes them between two steps and, within its token
+budget, scores them in one step; its prefix cache shares the beams' common blocks), and waits
+for all of them. A client that goes away aborts every request in flight. Not with ``stream``
+(400), nor with ``logprobs`` (400).
 """
 
 from __future__ import annotations
@@ -79,17 +81,28 @@ async def run_beam_search(
             break
         channel = engine.open_channel(stream=False)
         owners: list[tuple[BeamSearch, list[str]]] = []
-        try:
-            for i, search in enumerate(live):
-                step_params = search.step_params(max_logprobs)
-                rids = []
-                for j, seq in enumerate(search.live_sequences()):
-                    rid = f"{request_id}-s{step}-{i}-{j}"
-                    await engine.add_request(
-                        channel, rid, None, step_params, seq, priority, lora_request=lora_request
+        batch: list[dict[str, Any]] = []
+        for i, search in enumerate(live):
+            step_params = search.step_params(max_logprobs)
+            rids = []
+            for j, seq in enumerate(search.live_sequences()):
+                rid = f"{request_id}-s{step}-{i}-{j}"
+                batch.append(
+                    dict(
+                        request_id=rid,
+                        prompt=None,
+                        params=step_params,
+                        prompt_token_ids=seq,
+                        priority=priority,
+                        lora_request=lora_request,
                     )
-                    rids.append(rid)
-                owners.append((search, rids))
+                )
+                rids.append(rid)
+            owners.append((search, rids))
+        try:
+            # All at once, so the core runs them in one step (as LLM.beam_search's one
+            # generate call): added one by one, each could start a step of its own.
+            await engine.add_requests(channel, batch)
             finals = await channel.collect_final()
         finally:
             channel.abort()  # a no-op when all finished; frees their blocks on cancellation

@@ -62,6 +62,13 @@ async def _cut_plain(client: httpx.AsyncClient, body: dict, after: float) -> Non
         await client.post("/v1/completions", json=body, timeout=after)
 
 
+def _generated(server) -> int:
+    """Tokens the engine core has generated so far (0 before its first stats message, which
+    is the case when this module runs first on a fresh server)."""
+    stats = server.server.state.engine.stats.stats
+    return stats.generation_tokens_total if stats is not None else 0
+
+
 def test_disconnect_flood_frees_every_block(server, http):
     long = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.7}
 
@@ -84,13 +91,13 @@ def test_disconnect_flood_frees_every_block(server, http):
             tasks += [_cut_plain(c, {"prompt": f"plain {i}", **long}, 0.2) for i in range(10)]
             return await asyncio.gather(*tasks)
 
-    generated_before = server.server.state.engine.stats.stats.generation_tokens_total
+    generated_before = _generated(server)
     since = time.monotonic()
     chunks = asyncio.run(flood())
     assert sum(1 for c in chunks if c) >= 75, "streams were not running when cut"
     assert wait_for_idle(server, since) == 0, "KV blocks leaked after client disconnects"
     # The requests were aborted, not run to the end (160 sequences x 200 tokens).
-    generated = server.server.state.engine.stats.stats.generation_tokens_total - generated_before
+    generated = _generated(server) - generated_before
     assert generated < 160 * 200 // 2
     assert server.server.state.engine.num_open_channels == 0
     # The next request is served, completely.

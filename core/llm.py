@@ -249,23 +249,12 @@ class LLM:
         ``LoRARequest`` for all prompts or one (or None: the base model) per prompt. Every
         prompt is validated before any work starts.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise InvalidRequestError(
-                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one "
-                    "or one per prompt",
-                    "sampling_params",
-                )
+        params_list = _one_per_prompt(
+            sampling_params, SamplingParams, len(prompts), "sampling_params"
+        )
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError("priority needs one value per prompt", "priority")
         loras = _per_prompt_loras(lora_request, len(prompts))
@@ -288,23 +277,10 @@ class LLM:
         one ``PoolingParams`` for all prompts or one per prompt (``dimensions``, ``normalize``).
         Every prompt is validated before any work starts.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams()
-        if isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params] * len(prompts)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise InvalidRequestError(
-                    f"got {len(params_list)} PoolingParams for {len(prompts)} prompts; pass one "
-                    "or one per prompt",
-                    "pooling_params",
-                )
+        params_list = _one_per_prompt(pooling_params, PoolingParams, len(prompts), "pooling_params")
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequestError("priority needs one value per prompt", "priority")
         batch = []
@@ -369,11 +345,7 @@ class LLM:
         ``generate`` (images excepted)."""
         from engine.beam_search import BeamSearch, check_beam_width
 
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("params must be a BeamSearchParams", "params")
         params.validate()
@@ -734,6 +706,30 @@ def _lora_config(
         max_cpu_loras=max_cpu_loras,
         fused_shrink=fused_shrink,
     )
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (text, a prompt dict or a list of token ids) or a sequence of them, as a
+    list of prompts."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
+def _one_per_prompt(params: Any, cls: type, num_prompts: int, field: str) -> list[Any]:
+    """``params``: one ``cls`` for every prompt, or a sequence of one per prompt."""
+    if isinstance(params, cls):
+        return [params] * num_prompts
+    params_list = list(params)
+    if len(params_list) != num_prompts:
+        raise InvalidRequestError(
+            f"got {len(params_list)} {cls.__name__} for {num_prompts} prompts; pass one or one "
+            "per prompt",
+            field,
+        )
+    return params_list
 
 
 def _per_prompt_loras(

@@ -186,7 +186,7 @@ class _AsyncClient:
             raise self.dead
         if method not in UTILITY_METHODS:
             raise ValueError(f"unknown engine utility call {method!r}")
-        from engine.engine_core.client import combine_utility_results
+        from engine.engine_core.utility_results import combine_utility_results
 
         if method == "add_lora":
             return await asyncio.shield(self._add_lora_everywhere(*args))

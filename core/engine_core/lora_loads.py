@@ -27,8 +27,8 @@ UtilityCalls = Generator[tuple[str, list[Any], list[int]], list[Any], Any]
 
 def add_lora_everywhere(args: list[Any], num_engines: int) -> UtilityCalls:
     """``add_lora(*args)`` on every core, all or nothing; see the module docstring."""
-    from engine.engine_core.client import combine_utility_results
     from engine.engine_core.messages import RequestError, raise_utility_error
+    from engine.engine_core.utility_results import combine_utility_results
 
     request, rest = args[0], list(args[1:])
     results = yield ("add_lora", [request, *rest], list(range(num_engines)))
@@ -56,7 +56,7 @@ def _undo_add_lora(
     """Undo a load on the ``loaded`` cores; return what was done. A fresh load is removed;
     an in-place reload loads the previous adapter (as the refusing core still has it)
     again, and when even that fails the adapter is removed from every core."""
-    from engine.engine_core.client import common_lora_adapters
+    from engine.engine_core.utility_results import common_lora_adapters
 
     if request.load_inplace:
         held = yield ("lora_adapters", [], [refused_by])

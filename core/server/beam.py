@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import Request
+
 from engine.beam_search import (
     BeamSearch,
     BeamSearchOutput,
@@ -23,8 +25,9 @@ from engine.beam_search import (
     check_beam_width,
     logprob_dict,
 )
-from engine.server.errors import bad_request
+from engine.server.errors import APIError, bad_request, from_engine_error
 from engine.server.serving import ServingContext
+from engine.server.streaming import ClientDisconnected, unless_disconnected
 
 
 def beam_search_params(ctx: ServingContext, req: Any, max_tokens: int) -> BeamSearchParams:
@@ -111,6 +114,29 @@ async def run_beam_search(
         step += 1
     decode = None if ctx.tokenizer is None else ctx.decode
     return [search.results(decode) for search in searches]
+
+
+async def serve_beam_search(
+    ctx: ServingContext,
+    request_id: str,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
+    raw: Request,
+    lora_request: Any = None,
+    priority: int = 0,
+) -> list[BeamSearchOutput] | None:
+    """``run_beam_search`` for a route: None when the client went away (the route answers
+    499), an engine error as its API error."""
+    try:
+        return await unless_disconnected(
+            run_beam_search(ctx, request_id, prompts, params, lora_request, priority), raw
+        )
+    except ClientDisconnected:
+        return None
+    except APIError:
+        raise
+    except Exception as e:
+        raise from_engine_error(e) from e
 
 
 def _num_eos(engine: Any) -> int:

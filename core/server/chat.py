@@ -316,22 +316,16 @@ async def _beam_search(
 ):
     """``use_beam_search``: ``n`` replies, best first (``engine.server.beam``); their text is
     plain content (tool calls are not parsed)."""
-    from engine.server.beam import beam_search_params, run_beam_search
+    from engine.server.beam import beam_search_params, serve_beam_search
 
     if images:
         raise bad_request("use_beam_search takes no image inputs", "messages")
     params = beam_search_params(ctx, req, max_tokens)
     request_id = random_id("chatcmpl")
-    try:
-        [result] = await unless_disconnected(
-            run_beam_search(ctx, request_id, [ids], params, lora, req.priority), raw
-        )
-    except ClientDisconnected:
+    results = await serve_beam_search(ctx, request_id, [ids], params, raw, lora, req.priority)
+    if results is None:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except APIError:
-        raise
-    except Exception as e:
-        raise from_engine_error(e) from e
+    [result] = results
     role = _response_role(req)
     echo_text = _echo_text(req, role) if req.echo else ""
     choices = []

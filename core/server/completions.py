@@ -311,7 +311,7 @@ async def _beam_search(
     token_ids: list[list[int]],
 ):
     """``use_beam_search``: ``n`` sequences per prompt, best first (``engine.server.beam``)."""
-    from engine.server.beam import beam_search_params, run_beam_search
+    from engine.server.beam import beam_search_params, serve_beam_search
 
     longest = max(len(ids) for ids in token_ids)
     max_tokens = req.max_tokens or ctx.max_model_len - longest
@@ -319,16 +319,9 @@ async def _beam_search(
         ctx.check_prompt_fits(len(ids), max_tokens)
     params = beam_search_params(ctx, req, max_tokens)
     request_id = random_id("cmpl")
-    try:
-        results = await unless_disconnected(
-            run_beam_search(ctx, request_id, token_ids, params, lora, req.priority), raw
-        )
-    except ClientDisconnected:
+    results = await serve_beam_search(ctx, request_id, token_ids, params, raw, lora, req.priority)
+    if results is None:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except APIError:
-        raise
-    except Exception as e:
-        raise from_engine_error(e) from e
     choices = []
     completion_tokens = 0
     for p, (text, ids, result) in enumerate(zip(texts, token_ids, results, strict=True)):

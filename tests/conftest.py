@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from pathlib import Path
 
 import pytest
-
-# The repository root holds kernels/ (installed as engine.kernels). Where the root is on
-# sys.path it shadows the `kernels` distribution that transformers (5.2x) imports with its model
-# configurations: `python -m pytest` puts the working directory there, and so does every
-# `python -c` child a test starts from the root. Keep it off in this process and its children
-# (PYTHONSAFEPATH, Python 3.11+, stops the implicit working-directory entry).
-_ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("PYTHONSAFEPATH", "1")
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
-if getattr(sys.modules.get("kernels"), "__file__", "").startswith(str(_ROOT)):
-    del sys.modules["kernels"]  # imported through the root before this file ran
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for plugin_helpers
 

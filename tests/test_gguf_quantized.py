@@ -67,6 +67,23 @@ def test_gguf_linear_kernels_match_the_dequantized_product(name, m):
     torch.testing.assert_close(got, want, rtol=0.03, atol=0.03)
 
 
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_cpu_wider_than_4_bits_runs_the_dense_bf16_product(name, m):
+    """5-, 6- and 8-bit weights are dequantized at load on the CPU in 16-bit dtypes and
+    oneDNN-prepacked: the product equals ``F.linear`` on the dequantized bf16 weight bit for
+    bit (the int4 kernel's two-plane form cost 2-8x the dense product from batch 4 up)."""
+    cpu = PluginManager.from_env().kernel_registry().resolve("cpu").gguf_linear
+    n, k = 48, 512
+    blocks = _blocks(n, k, name, seed=3)
+    qtype = gk.gguf_type(name).ggml_type
+    packed = cpu.prepack(blocks, qtype=qtype, dtype=torch.bfloat16)
+    assert set(packed) <= {"onednn", "dense", "out_features"}
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    want = torch.nn.functional.linear(x, _library(blocks, name).bfloat16())
+    assert torch.equal(cpu(x, packed, qtype=qtype), want)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
 def test_reference_embedding_dequantizes_only_the_rows_looked_up(name):
     blocks = _blocks(20, 256, name, seed=5)
@@ -110,8 +127,9 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype):
-    """float32: the CPU multiplies the kept layers densely (exact); bf16: through torch's int4
-    kernel (Q6_K dense), within bf16 rounding of the scales, in under 2/3 of the bytes."""
+    """float32: the CPU multiplies the kept layers densely (exact); bf16: the 4-bit layers
+    through torch's int4 kernel, within bf16 rounding of the scales, the 5/6/8-bit layers dense
+    (oneDNN-packed), in fewer bytes than the dequantized model."""
     from quant_helpers import build, compare, prefill_logits
 
     model, quant = build(k_gguf, dtype=dtype)
@@ -126,14 +144,15 @@ def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype):
         compare(got, want, 2e-3)
         return
     compare(got, want, 0.05 * float(want.abs().max()))
-    assert "int4" in str([n for n, _ in layer.mlp.gate_up_proj.named_parameters()])
+    gate_up = [n for n, _ in layer.mlp.gate_up_proj.named_parameters()]
+    assert "gguf0_int4" in gate_up and "gguf1_onednn" in gate_up  # Q4_0 kept, Q5_0 dense
 
     def linear_bytes(m: torch.nn.Module) -> int:
         return sum(_param_bytes(p) for n, p in m.named_modules() if n.endswith("_proj"))
 
-    # Linear weights: 4 or 8 bits plus bf16 group scales (Q6_K dense); the embedding stays
-    # dequantized in both.
-    assert linear_bytes(model) < linear_bytes(ref) * 2 / 3
+    # Linear weights: the 4-bit layers at 4 bits plus bf16 group scales, the others dense; the
+    # embedding stays dequantized in both.
+    assert linear_bytes(model) < linear_bytes(ref)
     assert _param_bytes(model) < _param_bytes(ref)
 
 

@@ -13,8 +13,9 @@ Per linear layer:
   Q6_K): the layer keeps the raw blocks, one tensor per part, since a Q4_K_M file mixes types
   inside one fused layer (its v projection is often Q6_K or Q8_0 while q and k are Q4_K). After
   loading, consecutive parts of the same type are joined and handed to the kernel's
-  ``prepack`` (a CPU plugin repacks them for its int4 kernel, the torch reference keeps the
-  blocks); ``apply`` multiplies each run and concatenates the outputs;
+  ``prepack`` (the CPU plugin repacks 4-bit types for its int4 kernel and dequantizes the
+  others at load into oneDNN-packed dense weights, the torch reference keeps the blocks);
+  ``apply`` multiplies each run and concatenates the outputs;
 * a part in any other type (F16, BF16, F32, Q2_K, IQ*, ...): the whole layer is dequantized at
   load into the model dtype, as before, and the log says which layers and why.
 

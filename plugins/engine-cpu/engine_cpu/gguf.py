@@ -1,26 +1,34 @@
 """``gguf_linear`` on the CPU (spec: ``engine.kernels.gguf.GGUFLinear``).
 
 Every kept type decodes to ``W = scale * v + offset`` per group (``engine.kernels.gguf``). At
-load the blocks are repacked for torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``,
-which dequantizes in registers, ``(q - 8) * s + z`` per group of 32):
+load the blocks are repacked:
 
-* 4-bit types (Q4_0, Q4_1, Q4_K): ``v`` as is, ``s = scale``, ``z = offset + 8 * scale``;
-  0.5 byte per weight plus the group scales, one int4 product per call;
-* 5-, 6- and 8-bit types with groups of 32 (Q5_0, Q5_1, Q5_K, Q8_0): ``v = lo + 16 * hi``
-  split into two 4-bit planes side by side along K, the high plane scaled by ``16 * scale``
-  (``z = 128 * scale`` makes its offset vanish); the input is repeated along K, so one int4
-  product of twice the depth computes both (1 byte per weight);
-* Q6_K, whose 16-value groups the int4 kernel does not take (it accepts 32/64/128/256): the
-  weight is dequantized once at load into the activation dtype and multiplied densely (2 bytes
-  per weight in bf16; said in the log once per process);
-* float32 activations: every type dense in float32 at load (the log says so). torch's int4
-  kernel has no vectorized float32 path: on this project's 2-core Zen 4, one thread, a
-  2048 x 640 product at batch 1 took 6.9 ms through it in float32 against 0.31 ms dense
-  (bf16: 0.17 ms int4, 0.20 ms oneDNN-packed dense; the two-plane 5/8-bit form 0.26 ms).
+* 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
+  (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per
+  group of 32), ``v`` as is, ``s = scale``, ``z = offset + 8 * scale``; 0.5 byte per weight
+  plus the group scales, one int4 product per call;
+* 5-, 6- and 8-bit types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), and every type with float32
+  activations: dequantized once at load into the activation dtype and prepacked for oneDNN
+  (``torch.ops.mkldnn._reorder_linear_weight``, as ``engine.layers.cpu_packed_linear`` packs
+  the unquantized layers); 2 bytes per weight in bf16, the product bit for bit ``F.linear`` on
+  the dequantized weight (said in the log once per type and dtype).
 
-The scales are kept in the activation dtype (the kernel's requirement), so in bf16 the product
-differs from the float32 dequantization by the rounding of the scales; float32 is exact to the
-summation order. Output features are padded to a multiple of 16 (the kernel's tile).
+Why the wider types are not kept: the int4 kernel can hold them as two 4-bit planes side by
+side along K (``v = lo + 16 * hi``, the input repeated; 1 byte per weight plus 0.25 of bf16
+scales), but its cost grows with the batch (it dequantizes the weight again for every 4 rows)
+and doubles with the depth. On this project's 2-core Zen 4, 2 threads, a 2048 x 640 bf16
+product took about 0.21 ms at batch 1 both ways, and at batch 4 / 8 / 16 0.40 / 0.95 / 1.79 ms
+as two planes against 0.2-0.5 ms dense (oneDNN-packed). The embedded Gemma 3 270M Q4_K_M file
+is mostly Q5_0 (q, k, gate and up projections), so the two-plane form made its batched steps
+several times slower for a 46 MiB saving (docs/benchmarks.md, 2026-12-05). The 4-bit layers
+stay on the int4 kernel (0.09 against 0.21 ms at batch 1; slower than dense from batch 4 up).
+torch's int4 kernel has no vectorized float32 path (6.9 ms for that product against 0.31 ms
+dense), hence dense float32.
+
+The int4 scales are kept in the activation dtype (the kernel's requirement), so in bf16 the
+product differs from the float32 dequantization by the rounding of the scales; float32 is
+exact to the summation order. Output features are padded to a multiple of 16 (the kernel's
+tile).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import gguf as ref
+from engine.layers.cpu_packed_linear import packing_supported
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +66,15 @@ def _int4pack(
     }
 
 
+def _dense(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A dequantized float32 weight in ``dtype``, oneDNN-prepacked where oneDNN can pack it
+    (an opaque tensor: ``F.linear`` would reorder the plain one on every call)."""
+    w = w.to(dtype).contiguous()
+    if packing_supported(dtype, w.device):
+        return {"onednn": torch.ops.mkldnn._reorder_linear_weight(w)}
+    return {"dense": w}
+
+
 class CpuGGUFLinear:
     """``gguf_linear`` on the CPU (see the module docstring)."""
 
@@ -66,31 +84,22 @@ class CpuGGUFLinear:
         t = ref.gguf_type(qtype)
         dtype = dtype or torch.float32
         values, scale, offset = ref.unpack(blocks, qtype)
-        if t.group != 32 or dtype == torch.float32:
+        if t.bits == 4 and t.group == 32 and dtype != torch.float32:
+            return _int4pack(values, scale, offset + 8.0 * scale, dtype)
+        if (t.name, dtype) not in _warned_dense:
+            _warned_dense.add((t.name, dtype))
             why = (
                 "the int4 kernel is not vectorized for float32 activations"
                 if dtype == torch.float32
-                else f"groups of {t.group} values, the int4 kernel takes 32 or more"
+                else f"{t.bits}-bit values, the int4 kernel takes 4"
             )
-            if (t.name, dtype) not in _warned_dense:
-                _warned_dense.add((t.name, dtype))
-                logger.info(
-                    "gguf_linear on the CPU: %s layers are dequantized at load into %s (%s)",
-                    t.name,
-                    dtype,
-                    why,
-                )
-            w = ref.dequantize_planes(values, scale, offset, t.group)
-            return {"dense": w.to(dtype).contiguous()}
-        if t.bits == 4:
-            return _int4pack(values, scale, offset + 8.0 * scale, dtype)
-        lo, hi = values & 0x0F, values >> 4
-        planes = torch.cat((lo, hi), dim=1)  # [N, 2K]
-        s = torch.cat((scale, 16.0 * scale), dim=1)
-        z = torch.cat((offset + 8.0 * scale, 128.0 * scale), dim=1)
-        packed = _int4pack(planes, s, z, dtype)
-        packed["repeat"] = torch.tensor(2)
-        return packed
+            logger.info(
+                "gguf_linear on the CPU: %s layers are dequantized at load into %s (%s)",
+                t.name,
+                dtype,
+                why,
+            )
+        return _dense(ref.dequantize_planes(values, scale, offset, t.group), dtype)
 
     def __call__(
         self,
@@ -101,15 +110,15 @@ class CpuGGUFLinear:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         shape = x.shape
-        if "dense" in packed:
+        if "onednn" in packed:
+            x2 = x.reshape(-1, shape[-1]).to(packed["onednn"].dtype).contiguous()
+            y = torch.ops.mkldnn._linear_pointwise(x2, packed["onednn"], None, "none", [], "")
+        elif "dense" in packed:
             w = packed["dense"]
             y = F.linear(x.reshape(-1, shape[-1]).to(w.dtype), w)
         else:
             sz = packed["scales_zeros"]
-            x2 = x.reshape(-1, shape[-1]).to(sz.dtype)
-            if "repeat" in packed:
-                x2 = torch.cat((x2, x2), dim=-1)
-            x2 = x2.contiguous()
+            x2 = x.reshape(-1, shape[-1]).to(sz.dtype).contiguous()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed["int4"], 32, sz)
             n = int(packed["out_features"])
             if y.shape[-1] != n:

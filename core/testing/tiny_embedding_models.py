@@ -1,16 +1,11 @@
 """Tiny random sentence-transformers models for the pooling tests: a transformers encoder or
 decoder trunk saved with ``Pooling`` (and optionally ``Normalize``) modules, so the engine loads
 the folder exactly as a user's bge / e5 / Qwen3-Embedding download.
-
-sentence-transformers is imported with the repository root off ``sys.path``: transformers
-imports the Hugging Face ``kernels`` package when one is installed, and the repository's own
-top-level ``kernels/`` folder (the engine's ``engine.kernels``) would shadow it.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +18,11 @@ TEXTS = [
 
 
 def import_sentence_transformers() -> Any:
-    """``sentence_transformers``, imported without the repository's ``kernels/`` in the way."""
-    if "sentence_transformers" in sys.modules:
-        return sys.modules["sentence_transformers"]
-    root = str(Path(__file__).resolve().parents[2])
-    saved = list(sys.path)
-    shadow = sys.modules.get("kernels")
-    sys.path[:] = [p for p in sys.path if p not in ("", ".", root)]
-    try:
-        if shadow is not None and root in str(getattr(shadow, "__file__", "")):
-            del sys.modules["kernels"]
-        import sentence_transformers
-        import sentence_transformers.models  # noqa: F401  (the module classes, deprecated name)
-    finally:
-        sys.path[:] = saved
+    """``sentence_transformers`` and its module classes (imported where a test needs them:
+    the package is a test dependency only)."""
+    import sentence_transformers
+    import sentence_transformers.models  # noqa: F401  (the module classes, deprecated name)
+
     return sentence_transformers
 
 

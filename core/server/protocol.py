@@ -288,32 +288,28 @@ def _prompt_form(value: Any) -> str:
     return "Text"
 
 
-Prompt = Annotated[
-    Annotated[str, Tag("Text")]
-    | Annotated[list[str], Field(min_length=1), Tag("Strings")]
-    | Annotated[list[TokenId], Field(min_length=1), Tag("TokenIds")]
-    | Annotated[
-        list[Annotated[list[TokenId], Field(min_length=1)]],
-        Field(min_length=1),
-        Tag("TokenIdLists"),
-    ],
-    Discriminator(_prompt_form),
-]
+def _prompt_forms(text: Any) -> Any:
+    """The four prompt forms (one text, texts, token ids, lists of token ids), ``text`` the
+    type of one text."""
+    return Annotated[
+        Annotated[text, Tag("Text")]
+        | Annotated[list[text], Field(min_length=1), Tag("Strings")]
+        | Annotated[list[TokenId], Field(min_length=1), Tag("TokenIds")]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]],
+            Field(min_length=1),
+            Tag("TokenIdLists"),
+        ],
+        Discriminator(_prompt_form),
+    ]
+
+
+Prompt = _prompt_forms(str)
 
 
 # ``/v1/embeddings``' input: the prompt forms, with no empty string (OpenAI refuses one too,
 # and the schema says so, so that a client or fuzzer reading it does not send one).
-EmbeddingInput = Annotated[
-    Annotated[NonEmptyText, Tag("Text")]
-    | Annotated[list[NonEmptyText], Field(min_length=1), Tag("Strings")]
-    | Annotated[list[TokenId], Field(min_length=1), Tag("TokenIds")]
-    | Annotated[
-        list[Annotated[list[TokenId], Field(min_length=1)]],
-        Field(min_length=1),
-        Tag("TokenIdLists"),
-    ],
-    Discriminator(_prompt_form),
-]
+EmbeddingInput = _prompt_forms(NonEmptyText)
 
 
 class CompletionRequest(SamplingFields):

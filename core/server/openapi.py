@@ -87,6 +87,7 @@ class ServedLimits:
         model_vocab: int,
         trust_request_chat_template: bool,
         pooler: Any = None,
+        runner: str = "generate",
     ) -> None:
         self.max_n = max_n
         self.max_logprobs = max_logprobs
@@ -96,6 +97,7 @@ class ServedLimits:
         self.row_limit = min(token_id_limit, model_vocab)  # prompt ids, logit_bias keys
         self.trust_request_chat_template = trust_request_chat_template
         self.pooler = pooler  # a pooling model's PoolerConfig (its embedding dimensions)
+        self.runner = runner  # "generate" or "pooling": which of the model routes it serves
 
     @classmethod
     def of(cls, ctx: Any) -> ServedLimits:
@@ -109,6 +111,7 @@ class ServedLimits:
             model_vocab=ctx.token_ids.model_vocab,
             trust_request_chat_template=ctx.options.trust_request_chat_template,
             pooler=_pooler_of(ctx),
+            runner=_runner_of(ctx),
         )
 
 
@@ -157,8 +160,18 @@ def build_document(app: FastAPI, limits: ServedLimits | None, api_keys: bool) ->
             },
         }
     if limits is not None:
+        for path in _UNSERVED[limits.runner]:
+            doc["paths"].pop(path, None)
         _served_limits(schemas, limits)
     return doc
+
+
+# The model routes a runner does not serve (they answer 400 naming what the model supports), left
+# out of the document once the model is known, as vLLM registers only its model's tasks' routes.
+_UNSERVED: dict[str, tuple[str, ...]] = {
+    "generate": ("/v1/embeddings",),
+    "pooling": ("/v1/completions", "/v1/chat/completions", "/v1/messages"),
+}
 
 
 def _error_schemas() -> dict[str, Any]:
@@ -301,6 +314,11 @@ def _served_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
                 "title": "Chat Template",
                 "description": "Refused: the server runs without --trust-request-chat-template.",
             }
+
+
+def _runner_of(ctx: Any) -> str:
+    model = getattr(getattr(ctx.async_engine, "config", None), "model", None)
+    return "pooling" if getattr(model, "runner_type", None) == "pooling" else "generate"
 
 
 def _pooler_of(ctx: Any) -> Any:

@@ -135,6 +135,9 @@ def test_the_schema_states_the_matryoshka_dimensions(ehttp):
 
 
 def test_generation_routes_on_a_pooling_model_are_400s(ehttp):
+    paths = ehttp.get("/openapi.json").json()["paths"]
+    assert "/v1/embeddings" in paths and "/tokenize" in paths
+    assert not {"/v1/completions", "/v1/chat/completions", "/v1/messages"} & set(paths)
     err = error_of(ehttp.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 400)
     assert "embedding" in err["message"] and "not generation" in err["message"]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

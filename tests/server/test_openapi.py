@@ -13,7 +13,7 @@ from server_harness import error_of
 from engine.server.openapi import decimal_below
 
 ENVELOPE = {"$ref": "#/components/schemas/ErrorResponse"}
-POSTS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
+POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,14 @@ def test_post_routes_list_their_real_responses(spec):
     assert not {"HTTPValidationError", "ValidationError"} & names
     error = spec["components"]["schemas"]["ErrorInfo"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
+
+
+def test_a_generative_model_does_not_document_embeddings(spec, http):
+    """The route answers a 400 on a generative model, so the document leaves it out (the
+    pooling server's document is checked in test_embeddings_api)."""
+    assert "/v1/embeddings" not in spec["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/messages"} <= set(spec["paths"])
+    assert error_of(http.post("/v1/embeddings", json={"input": "hi"}), 400)
 
 
 def test_media_types(spec, server, http):

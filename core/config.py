@@ -176,19 +176,43 @@ class CacheConfig:
             )
 
 
+# The step limits where neither the user nor the platform chose (Platform.scheduler_defaults).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+SCHEDULER_LIMITS = ("max_num_seqs", "max_num_batched_tokens")
+
+
 @dataclass
 class SchedulerConfig:
-    """Per-step limits of the continuous-batching scheduler."""
+    """Per-step limits of the continuous-batching scheduler.
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    ``max_num_seqs`` / ``max_num_batched_tokens`` left None take the platform's default for
+    the device and the usage (``Platform.scheduler_defaults``: an offline ``LLM`` batches more
+    than a server, which keeps its inter-token latency down), applied by the engine once the
+    platform is known; until then, and for a scheduler built directly, 256 and 8192.
+    ``defaulted`` names the limits that were left to the platform.
+    """
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     policy: str = "fcfs"  # fcfs | priority
     enable_chunked_prefill: bool = True
     # Schedule step N+1 while the device runs step N (sampled tokens are fed back on the
     # device). None: on for devices that run asynchronously to the host (not the CPU).
     async_scheduling: bool | None = None
 
+    # "offline" (the LLM class) or "server" (engine serve): which platform defaults apply.
+    usage: str = "offline"
+    defaulted: tuple[str, ...] = field(default=(), init=False)
+
     def __post_init__(self) -> None:
+        self.defaulted = tuple(name for name in SCHEDULER_LIMITS if getattr(self, name) is None)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.usage not in ("offline", "server"):
+            raise ConfigError(f"usage={self.usage!r} is not one of offline, server")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -44,8 +44,9 @@ class LLM:
     """An engine for offline batched generation.
 
     Keyword arguments mirror vLLM's ``LLM``: ``model`` (None = the embedded default model),
-    ``tokenizer``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``attention_backend``, ``platform``,
+    ``tokenizer``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs`` and
+    ``max_num_batched_tokens`` (None: the platform's offline defaults, logged; 1024 and 16384
+    on a GPU of 70 GiB or more, else 256 and 8192), ``enable_prefix_caching``, ``attention_backend``, ``platform``,
     ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
     ``load_format``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (uni, mp, ray), ``enable_expert_parallel`` (MoE experts
@@ -85,8 +86,8 @@ class LLM:
         dtype: str = "auto",
         max_model_len: int | None = None,
         block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         platform: str = "auto",

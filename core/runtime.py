@@ -327,6 +327,29 @@ def build_executor(
     return UniProcExecutor(runner)
 
 
+def apply_scheduler_defaults(config: EngineConfig, platform: Any) -> None:
+    """Fill the step limits the user left unset with the platform's defaults, and log them."""
+    sched = config.scheduler
+    if not sched.defaulted:
+        return
+    chosen = platform.scheduler_defaults(config)
+    if chosen is not None:  # else the generic values SchedulerConfig filled in stay
+        seqs, tokens = chosen
+        if "max_num_seqs" in sched.defaulted:
+            sched.max_num_seqs = seqs
+        if "max_num_batched_tokens" in sched.defaulted:
+            sched.max_num_batched_tokens = tokens
+    logger.info(
+        "%s defaults (%s) for %s: max_num_seqs=%d, max_num_batched_tokens=%d",
+        sched.usage,
+        platform.name,
+        "the unset " + " and ".join(sched.defaulted),
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+    )
+    sched.defaulted = ()
+
+
 def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], Any]:
     """Return ``(tokenizer, executor, scheduler, eos_token_ids, plugin_manager)``; the
     tokenizer is None with ``skip_tokenizer_init``."""
@@ -347,6 +370,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     from engine.cpu_threads import apply_cpu_threads
 
     apply_cpu_threads(config.cpu_threads)
+    apply_scheduler_defaults(config, platform)
     problems = platform.check_config(config)
     if problems:
         raise ConfigError(

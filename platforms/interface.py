@@ -118,6 +118,14 @@ class Platform:
         return ["torch"]
 
     @classmethod
+    def scheduler_defaults(cls, config: EngineConfig) -> tuple[int, int] | None:
+        """``(max_num_seqs, max_num_batched_tokens)`` for the limits the user left unset,
+        chosen for this device and ``config.scheduler.usage`` ("offline" for the ``LLM``
+        class, "server" for ``engine serve``); None (the default) keeps the generic 256 and
+        8192. The engine logs what it applied."""
+        return None
+
+    @classmethod
     def communicator(cls, group: Any = None) -> Communicator:
         """The default communicator, used when no plugin's ``engine_communicator`` hook answers
         for this platform: ``torch.distributed`` on ``dist_backend``. Prefer the hook (the

@@ -3,7 +3,17 @@ torch build exposes that API (CUDA, and ROCm through HIP's torch.cuda)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.platforms.interface import Platform
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+# A device with at least this much memory (H100, H200, MI300...) gets the large step limits:
+# its KV cache holds enough tokens for 1024 running requests, and its compute keeps a 16k-token
+# prefill step short. Below it (24-48 GB cards) the generic 256 / 8192 stay.
+LARGE_DEVICE_BYTES = 70 * 2**30
 
 
 class TorchCudaPlatform(Platform):
@@ -12,6 +22,15 @@ class TorchCudaPlatform(Platform):
     Subclasses add detection (``unavailable_reasons``) and their device names; torch is imported
     only inside the methods, which run on the chosen platform alone.
     """
+
+    @classmethod
+    def scheduler_defaults(cls, config: EngineConfig) -> tuple[int, int] | None:
+        """1024 requests on a large device; 16384 batched tokens offline, where only the
+        throughput counts, and 8192 for a server, where a step's prefill tokens lengthen every
+        running stream's inter-token gap (docs/benchmarks.md, "Scheduler defaults")."""
+        if cls.total_memory(0) < LARGE_DEVICE_BYTES:
+            return super().scheduler_defaults(config)
+        return 1024, (16384 if config.scheduler.usage == "offline" else 8192)
 
     @classmethod
     def device_count(cls) -> int:

@@ -83,6 +83,7 @@ def test_every_message_round_trips():
             100,
             True,
             64,
+            2048,
             20,
             False,
             "torch",
@@ -159,7 +160,8 @@ def test_a_requests_lora_adapter_and_images_cross_the_wire():
         assert codec.from_core.decode(codec.encode(result)) == result
     spec = ImageInputSpec(7, 4, 16, bidirectional=True, pixel_shape=(3, 4, 5))
     ready = CoreReady(
-        0, 1, "m", 64, 100, [2], "float32", "cpu", None, {}, 16, 8, True, 4, 20, False, "t", 0.1,
+        0, 1, "m", 64, 100, [2], "float32", "cpu", None, {}, 16, 8, True, 4, 512, 20, False, "t",
+        0.1,
         image_input_spec=spec,
     )  # fmt: skip
     assert codec.from_core.decode(codec.encode(ready)).image_input_spec == spec

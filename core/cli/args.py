@@ -226,14 +226,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--max-num-seqs",
         type=int,
-        default=256,
-        help="Maximum requests in one step (default: %(default)s).",
+        default=None,
+        help="Maximum requests in one step (default: the platform's, logged at start: 1024 on "
+        "a GPU of 70 GiB or more, else 256).",
     )
     sched.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=8192,
-        help="Token budget of one step; long prompts are split into chunks (default: %(default)s).",
+        default=None,
+        help="Token budget of one step; long prompts are split into chunks (default: the "
+        "platform's, logged at start: on a GPU of 70 GiB or more 8192 for engine serve and "
+        "16384 for offline runs, else 8192).",
     )
     sched.add_argument(
         "--scheduling-policy",
@@ -482,6 +485,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.scheduling_policy,
             async_scheduling=getattr(args, "async_scheduling", None),
+            usage=getattr(args, "scheduler_usage", "offline"),
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

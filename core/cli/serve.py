@@ -241,7 +241,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_arg(parser, positional=True)
     add_server_args(parser)
     add_engine_args(parser)
-    parser.set_defaults(func=run_serve)
+    parser.set_defaults(func=run_serve, scheduler_usage="server")
 
 
 def _read_chat_template(value: str | None) -> str | None:

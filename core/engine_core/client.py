@@ -91,6 +91,10 @@ def apply_ready(config: Any, ready: Any) -> None:
     model.default_sampling = dict(ready.default_sampling)
     config.platform = ready.platform
     config.scheduler.async_scheduling = ready.async_scheduling
+    # The step limits the core's platform chose for the unset flags.
+    config.scheduler.max_num_seqs = ready.max_num_seqs
+    config.scheduler.max_num_batched_tokens = ready.max_num_batched_tokens
+    config.scheduler.defaulted = ()
     config.max_logprobs = ready.max_logprobs
     if ready.implementation is not None:
         model.implementation = ready.implementation

@@ -211,6 +211,7 @@ class CoreReady(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_blocks: int
     enable_prefix_caching: bool
     max_num_seqs: int
+    max_num_batched_tokens: int
     max_logprobs: int
     async_scheduling: bool
     attention_backend: str

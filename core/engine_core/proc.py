@@ -236,6 +236,7 @@ def ready_message(core: Any, engine_index: int, load_seconds: float) -> CoreRead
         num_blocks=int(getattr(runner, "num_blocks", 0) or 0),
         enable_prefix_caching=bool(config.cache.enable_prefix_caching),
         max_num_seqs=int(config.scheduler.max_num_seqs),
+        max_num_batched_tokens=int(config.scheduler.max_num_batched_tokens),
         max_logprobs=int(config.max_logprobs),
         async_scheduling=bool(config.scheduler.async_scheduling),
         attention_backend=str(backend),

@@ -30,8 +30,9 @@ from engine.benchmarks.common import (
     write_json,
 )
 from engine.benchmarks.workload import (
+    WORKLOADS,
     length_range,
-    mixed_workload,
+    named_workload,
     random_workload,
     warmup_workload,
 )
@@ -43,10 +44,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload (random token ids)")
     w.add_argument(
         "--workload",
-        choices=("random", "mixed"),
+        choices=WORKLOADS,
         default="random",
         help="random: lengths from the flags below; mixed: chat / long-context / generation "
-        "requests (engine.benchmarks.workload.MIXED_KINDS) (default: %(default)s).",
+        "requests (engine.benchmarks.workload.MIXED_KINDS); shared-prefix: every request "
+        "behind one 2,000-token system prompt, 64-512 own prompt tokens and 64-384 out "
+        "(default: %(default)s).",
     )
     w.add_argument("--num-prompts", type=int, default=1000, help="Requests (default: %(default)s).")
     w.add_argument(
@@ -100,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         warm = warmup_workload(vocab)
         generate(llm, warm.prompts, warm.output_lens, loras)
-    if args.workload == "mixed":
-        work = mixed_workload(args.num_prompts, vocab, args.seed)
+    if args.workload != "random":
+        work = named_workload(args.workload, args.num_prompts, vocab, args.seed)
     else:
         work = random_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
     # The per-step split needs the engine core in this process (not with data parallelism).

@@ -323,6 +323,41 @@ def mixed_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> Workload
     return Workload(prompts, outs)
 
 
+# The shared-prefix workload (``--workload shared-prefix``): every request opens with the same
+# 2,000-token system prompt, then its own user turn; what a prefix cache should make cost only
+# the new tokens.
+SHARED_PREFIX_LEN = 2000
+SHARED_PREFIX_SUFFIX = (64, 512)
+SHARED_PREFIX_OUTPUT = (64, 384)
+
+
+def shared_prefix_workload(num_prompts: int, vocab_size: int, seed: int = 0) -> Workload:
+    """``num_prompts`` requests behind one ``SHARED_PREFIX_LEN``-token prefix (drawn first from
+    ``random.Random(seed + 1)``), each followed, in this order from ``random.Random(seed)``,
+    by a suffix length in ``SHARED_PREFIX_SUFFIX``, its token ids and an output length in
+    ``SHARED_PREFIX_OUTPUT``."""
+    prefix = _random_ids(random.Random(seed + 1), SHARED_PREFIX_LEN, vocab_size)
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(num_prompts):
+        body, out = _random_request(rng, SHARED_PREFIX_SUFFIX, SHARED_PREFIX_OUTPUT, vocab_size)
+        prompts.append(prefix + body)
+        outs.append(out)
+    return Workload(prompts, outs)
+
+
+WORKLOADS = ("random", "mixed", "shared-prefix")
+
+
+def named_workload(name: str, num_prompts: int, vocab_size: int, seed: int = 0) -> Workload:
+    """The fixed workloads by name (``--workload``): ``mixed`` or ``shared-prefix``."""
+    if name == "mixed":
+        return mixed_workload(num_prompts, vocab_size, seed)
+    if name == "shared-prefix":
+        return shared_prefix_workload(num_prompts, vocab_size, seed)
+    raise ValueError(f"unknown workload {name!r}; choose mixed or shared-prefix")
+
+
 def warmup_workload(vocab_size: int) -> Workload:
     """Eight short requests (64..288 prompt tokens, 32 new each), run untimed first."""
     prompts = [[(7 * i + j) % (vocab_size - 20) + 10 for j in range(64 + 32 * i)] for i in range(8)]

@@ -12,8 +12,10 @@
 # holding the model's own greedy continuation; docs/speculative-decoding.md), the multi-LoRA
 # steps lora-kernels, lora-b1, lora-nano, lora-kprofile, lora-b1-sep (Llama-3.1-8B with 8
 # rank-16 adapters on every linear layer, requests spread evenly; compare with llama-b1 /
-# llama-nano), and llama-hf-b1 / llama-hf-nano (the llama steps through the transformers
-# modeling backend, --model-impl transformers). Logs go to $OUT/tests.log,
+# llama-nano), llama-hf-b1 / llama-hf-nano (the llama steps through the transformers
+# modeling backend, --model-impl transformers), and issue 20's llama-mixed (512 requests of
+# --workload mixed) and llama-shared (256 behind one 2,000-token prefix, --workload
+# shared-prefix); BENCH_ARGS adds flags to those two (e.g. the old --max-num-seqs 256). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -119,6 +121,10 @@ for step in "${steps[@]}"; do
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold
       TRITON_CACHE_DIR=$(mktemp -d) bench llama-b1 200 latency --model llama-3.1-8b "${B1[@]}" ;;
     llama-nano) bench llama-nano 240 throughput --model llama-3.1-8b "${NANO[@]}" ;;
+    llama-mixed) bench llama-mixed 300 throughput --model llama-3.1-8b --workload mixed \
+      --num-prompts 512 --seed 0 --load-format dummy --dtype bfloat16 ${BENCH_ARGS:-} ;;
+    llama-shared) bench llama-shared 240 throughput --model llama-3.1-8b --workload shared-prefix \
+      --num-prompts 256 --seed 0 --load-format dummy --dtype bfloat16 ${BENCH_ARGS:-} ;;
     spec-base) bench spec-base 240 latency "${SPEC[@]}" --batch-sizes 1,32,128 ;;
     spec-ngram) bench spec-ngram 300 latency "${SPEC[@]}" --batch-sizes 1,32,128 \
       --speculative-config "$NGRAM" ;;

@@ -60,14 +60,24 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
 
 
 def resolve_dtype(config: EngineConfig, hf_config: Any, platform: Any) -> None:
-    """Turn ``dtype="auto"`` into the config's dtype, or float32 where the platform cannot
-    compute in it (logged, since the user asked for "auto", not for a specific dtype)."""
+    """Turn ``dtype="auto"`` into the checkpoint's dtype; the platform's ``default_dtype``
+    where the checkpoint declares none (a GGUF file); float32 where the platform cannot
+    compute in the declared one (logged, since the user asked for "auto", not for a dtype)."""
     if config.model.dtype != "auto":
         return
-    from engine.loader import resolve_dtype as checkpoint_dtype
+    from engine.loader.model_loader import declared_dtype
 
     # The loader reads the top-level dtype, then the text_config's (multimodal configs).
-    name = str(checkpoint_dtype(config.model, hf_config)).replace("torch.", "")
+    declared = declared_dtype(hf_config)
+    if declared is None:
+        name = platform.default_dtype()
+        logger.info(
+            "the checkpoint declares no dtype: dtype=auto uses %s on %s (--dtype to choose)",
+            name,
+            platform.name,
+        )
+    else:
+        name = str(declared).replace("torch.", "")
     if name not in platform.supported_dtypes:
         logger.warning(
             "the model's dtype %s is not supported on %s; dtype=auto uses float32",

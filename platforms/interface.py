@@ -118,6 +118,12 @@ class Platform:
         return ["torch"]
 
     @classmethod
+    def default_dtype(cls) -> str:
+        """The dtype ``dtype="auto"`` takes for a checkpoint that declares none (a GGUF file):
+        float32, unless the platform computes faster in a 16-bit type it runs natively."""
+        return "float32"
+
+    @classmethod
     def scheduler_defaults(cls, config: EngineConfig) -> tuple[int, int] | None:
         """``(max_num_seqs, max_num_batched_tokens)`` for the limits the user left unset,
         chosen for this device and ``config.scheduler.usage`` ("offline" for the ``LLM``

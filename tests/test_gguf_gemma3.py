@@ -140,6 +140,24 @@ def test_tiny_gemma3_bfloat16_tracks_float32(tiny):
         assert lp16 == pytest.approx(lp32, abs=0.1)
 
 
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
+def test_auto_dtype_of_a_gguf_file_is_the_platforms(tiny, monkeypatch, caplog, native_bf16):
+    """A GGUF file declares no dtype: ``auto`` takes the CPU platform's (bfloat16 where the CPU
+    has native bf16 arithmetic, else float32), and says so in the log."""
+    import logging
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    want = "bfloat16" if native_bf16 else "float32"
+    with caplog.at_level(logging.INFO, logger="engine.runtime"):
+        llm = tiny_llm(tiny[0], dtype="auto")
+    assert llm.llm_engine.config.model.dtype == want
+    assert llm.llm_engine.runner.model.model.layers[0].mlp.down_proj.params_dtype == getattr(
+        torch, want
+    )
+    assert f"the checkpoint declares no dtype: dtype=auto uses {want} on cpu" in caplog.text
+
+
 def test_registry_serves_gemma3_text(tmp_path):
     """Only the text architecture is registered; anything else names what is supported."""
     from engine.models.registry import ModelRegistry

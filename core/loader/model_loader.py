@@ -177,10 +177,17 @@ def _select(model_config: ModelConfig, hf_config: Any, registry: ModelRegistry, 
 
 def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
     """``model_config.dtype`` as a torch dtype; ``auto`` takes the checkpoint's dtype
-    (``dtype``/``torch_dtype`` in config.json; a multimodal config declares it at the top level
-    or in its ``text_config``), float32 when it has none."""
+    (``declared_dtype``), float32 when it has none. (The engine resolves ``auto`` before it
+    loads, asking the platform where the checkpoint declares nothing: core/runtime.py.)"""
     if model_config.dtype != "auto":
         return _DTYPES[model_config.dtype]
+    return declared_dtype(hf_config) or torch.float32
+
+
+def declared_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype a checkpoint declares (``dtype``/``torch_dtype`` in config.json; a multimodal
+    config declares it at the top level or in its ``text_config``); None when it declares
+    none (a GGUF file)."""
     for config in (hf_config, getattr(hf_config, "text_config", None)):
         declared = getattr(config, "dtype", None)
         if declared is None and not isinstance(
@@ -193,7 +200,7 @@ def resolve_dtype(model_config: ModelConfig, hf_config: Any) -> torch.dtype:
             declared = getattr(torch, declared.replace("torch.", ""), None)
         if declared in _DTYPES.values():
             return declared
-    return torch.float32
+    return None
 
 
 # ---- safetensors --------------------------------------------------------------------------

@@ -75,14 +75,52 @@ def _dense(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {"dense": w}
 
 
+_VOCAB_CHUNK = 16384  # rows dequantized at a time (bounds the float32 copy at load)
+
+
+def _vocab_pack(blocks: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Q8_0 vocabulary matrix ``[V, K / 32, 34]``: the file's int8 values and float16 block
+    scales for exact row lookups (1.06 bytes per weight), and the matrix dequantized into
+    ``dtype`` and oneDNN-prepacked for the logits (the product the dequantized tied head
+    computes, bit for bit)."""
+    values, scale, _ = ref.unpack(blocks, "Q8_0")  # values = q + 128, scale = d
+    rows = values.shape[0]
+    dense = torch.empty(values.shape, dtype=dtype)
+    for start in range(0, rows, _VOCAB_CHUNK):
+        part = slice(start, min(start + _VOCAB_CHUNK, rows))
+        w = ref.dequantize_planes(values[part], scale[part], -128.0 * scale[part], 32)
+        dense[part] = w.to(dtype)
+    return {
+        "vocab_q": (values.to(torch.int16) - 128).to(torch.int8).contiguous(),
+        "vocab_d": scale.to(torch.float16).contiguous(),  # exact: d is a float16 in the file
+        **_dense(dense, dtype),
+    }
+
+
 class CpuGGUFLinear:
     """``gguf_linear`` on the CPU (see the module docstring)."""
 
+    def keeps_vocabulary(self, qtype: int, dtype: torch.dtype) -> bool:
+        """A tied Q8_0 embedding / LM head keeps its lookup table in 8 bits in bf16 (see
+        ``_vocab_pack``)."""
+        return (
+            ref.gguf_type(qtype).name == "Q8_0"
+            and dtype == torch.bfloat16
+            and packing_supported(dtype, torch.device("cpu"))
+        )
+
     def prepack(
-        self, blocks: torch.Tensor, *, qtype: int, dtype: torch.dtype | None = None
+        self,
+        blocks: torch.Tensor,
+        *,
+        qtype: int,
+        dtype: torch.dtype | None = None,
+        vocabulary: bool = False,
     ) -> dict[str, torch.Tensor]:
         t = ref.gguf_type(qtype)
         dtype = dtype or torch.float32
+        if vocabulary and self.keeps_vocabulary(qtype, dtype):
+            return _vocab_pack(blocks, dtype)
         values, scale, offset = ref.unpack(blocks, qtype)
         if t.bits == 4 and t.group == 32 and dtype != torch.float32:
             return _int4pack(values, scale, offset + 8.0 * scale, dtype)
@@ -126,6 +164,23 @@ class CpuGGUFLinear:
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+
+    def embedding(
+        self,
+        ids: torch.Tensor,
+        packed: dict[str, torch.Tensor],
+        *,
+        qtype: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The rows ``ids`` dequantized into ``dtype``, bit for bit the reference's."""
+        if "vocab_q" not in packed:
+            return ref.gguf_linear.embedding(ids, packed, qtype=qtype, dtype=dtype)
+        flat = ids.reshape(-1)
+        q = packed["vocab_q"].index_select(0, flat).float()
+        d = packed["vocab_d"].index_select(0, flat).float()
+        rows = (q.view(flat.shape[0], d.shape[1], -1) * d.unsqueeze(-1)).view(flat.shape[0], -1)
+        return rows.to(dtype).view(*ids.shape, -1)
 
 
 gguf_linear = CpuGGUFLinear()

@@ -200,15 +200,19 @@ class GGUFVocabMethod:
         param.data.copy_(materialize(loaded))
 
     def process_weights_after_loading(self, module: torch.nn.Module) -> None:
-        blocks = module.qweight.data
-        replace_param(module, "qweight", None)
+        # No reference kept here: the kernel may free the raw blocks once it has split them.
         packed = self.op.prepack(
-            blocks, qtype=self.type.ggml_type, dtype=self.dtype, vocabulary=True
+            self._take(module), qtype=self.type.ggml_type, dtype=self.dtype, vocabulary=True
         )
-        del blocks
         for key, tensor in packed.items():
             replace_param(module, f"gguf_{key}", tensor)
         self.packed = {key: getattr(module, f"gguf_{key}") for key in packed}
+
+    @staticmethod
+    def _take(module: torch.nn.Module) -> torch.Tensor:
+        blocks = module.qweight.data
+        replace_param(module, "qweight", None)
+        return blocks
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` dequantized, ``[*ids.shape, hidden]`` in the model dtype."""

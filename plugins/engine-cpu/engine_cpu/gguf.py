@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import gguf as ref
-from engine.layers.cpu_packed_linear import packing_supported
+from engine.layers.cpu_packed_linear import _return_freed_memory, packing_supported
 
 logger = logging.getLogger(__name__)
 
@@ -78,23 +78,27 @@ def _dense(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 _VOCAB_CHUNK = 16384  # rows dequantized at a time (bounds the float32 copy at load)
 
 
-def _vocab_pack(blocks: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A Q8_0 vocabulary matrix ``[V, K / 32, 34]``: the file's int8 values and float16 block
-    scales for exact row lookups (1.06 bytes per weight), and the matrix dequantized into
-    ``dtype`` and oneDNN-prepacked for the logits (the product the dequantized tied head
-    computes, bit for bit)."""
-    values, scale, _ = ref.unpack(blocks, "Q8_0")  # values = q + 128, scale = d
-    rows = values.shape[0]
-    dense = torch.empty(values.shape, dtype=dtype)
+def _vocab_pack(held: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Q8_0 vocabulary matrix ``[V, K / 32, 34]`` (handed over in a list, to be released) (float16 ``d`` then 32 int8 ``q`` per
+    block): the file's int8 values and float16 block scales for exact row lookups (1.06 bytes
+    per weight), and the matrix dequantized into ``dtype`` and oneDNN-prepacked for the logits
+    (the product the dequantized tied head computes, bit for bit: ``d * q`` is exact in
+    float32). The raw blocks are released as soon as they are split, which keeps the load's
+    peak about one Q8_0 copy above the dequantized path's."""
+    blocks = held.pop()  # the only reference left (see CpuGGUFLinear.prepack)
+    rows, nb, _ = blocks.shape
+    q = blocks[..., 2:].contiguous().view(torch.int8).view(rows, nb * 32)
+    d = blocks[..., :2].contiguous().view(torch.float16).view(rows, nb)
+    del blocks
+    dense = torch.empty(rows, nb * 32, dtype=dtype)
     for start in range(0, rows, _VOCAB_CHUNK):
         part = slice(start, min(start + _VOCAB_CHUNK, rows))
-        w = ref.dequantize_planes(values[part], scale[part], -128.0 * scale[part], 32)
-        dense[part] = w.to(dtype)
-    return {
-        "vocab_q": (values.to(torch.int16) - 128).to(torch.int8).contiguous(),
-        "vocab_d": scale.to(torch.float16).contiguous(),  # exact: d is a float16 in the file
-        **_dense(dense, dtype),
-    }
+        w = q[part].float().view(-1, nb, 32) * d[part].float().unsqueeze(-1)
+        dense[part] = w.view(-1, nb * 32).to(dtype)
+    packed = {"vocab_q": q, "vocab_d": d, **_dense(dense, dtype)}
+    del dense
+    _return_freed_memory()
+    return packed
 
 
 class CpuGGUFLinear:
@@ -120,7 +124,9 @@ class CpuGGUFLinear:
         t = ref.gguf_type(qtype)
         dtype = dtype or torch.float32
         if vocabulary and self.keeps_vocabulary(qtype, dtype):
-            return _vocab_pack(blocks, dtype)
+            held = [blocks]
+            del blocks  # so that _vocab_pack can free the raw blocks early
+            return _vocab_pack(held, dtype)
         values, scale, offset = ref.unpack(blocks, qtype)
         if t.bits == 4 and t.group == 32 and dtype != torch.float32:
             return _int4pack(values, scale, offset + 8.0 * scale, dtype)

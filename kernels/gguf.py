@@ -32,9 +32,12 @@ type on random blocks).
 block_size, type_size]`` once at load and returns the tensors ``__call__(x, packed, qtype=...,
 bias=...)`` multiplies. This reference keeps the raw blocks and dequantizes on every call
 (float32); its ``embedding(ids, packed, qtype=..., dtype=...)`` dequantizes only the rows
-``ids`` (the lookup a quantized embedding would use; the model's embeddings and LM head are
-dequantized at load today, see ``engine.quantization.gguf``, so platform overrides need not
-provide it).
+``ids`` (the lookup of a quantized embedding). The model's embeddings and LM head are
+dequantized at load unless an override also has ``keeps_vocabulary(qtype, dtype) -> bool``
+and says yes: a tied embedding / LM head matrix is then handed to ``prepack(...,
+vocabulary=True)`` and served by that packing's ``embedding`` (exact: the dequantized rows in
+``dtype``) and ``__call__`` (the logits, within the override's stated error). Overrides without
+``keeps_vocabulary`` need neither (see ``engine.quantization.gguf``).
 """
 
 from __future__ import annotations
@@ -200,8 +203,14 @@ class GGUFLinear:
     """
 
     def prepack(
-        self, blocks: torch.Tensor, *, qtype: int, dtype: torch.dtype | None = None
+        self,
+        blocks: torch.Tensor,
+        *,
+        qtype: int,
+        dtype: torch.dtype | None = None,
+        vocabulary: bool = False,
     ) -> dict[str, torch.Tensor]:
+        """``vocabulary``: the matrix is a tied embedding / LM head (the blocks serve both)."""
         gguf_type(qtype)
         return {"blocks": blocks.contiguous()}
 

@@ -95,6 +95,32 @@ def test_reference_embedding_dequantizes_only_the_rows_looked_up(name):
     assert torch.equal(rows, _library(blocks, name)[ids])
 
 
+def _cpu_keeps_vocabulary(cpu) -> bool:
+    return cpu.keeps_vocabulary(gk.gguf_type("Q8_0").ggml_type, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_cpu_vocabulary_pack_is_exact_for_lookups_and_logits(m):
+    """A tied Q8_0 embedding / LM head on the CPU in bf16 keeps the file's int8 values and
+    float16 block scales for lookups (the reference's rows bit for bit) and multiplies the
+    dequantized bf16 matrix, oneDNN-prepacked (``F.linear`` on it bit for bit)."""
+    cpu = PluginManager.from_env().kernel_registry().resolve("cpu").gguf_linear
+    if not _cpu_keeps_vocabulary(cpu):
+        pytest.skip("oneDNN cannot prepack bf16 on this CPU")
+    qtype = gk.gguf_type("Q8_0").ggml_type
+    assert not cpu.keeps_vocabulary(qtype, torch.float32)
+    assert not cpu.keeps_vocabulary(gk.gguf_type("Q6_K").ggml_type, torch.bfloat16)
+    blocks = _blocks(300, 256, "Q8_0", seed=6)
+    packed = cpu.prepack(blocks, qtype=qtype, dtype=torch.bfloat16, vocabulary=True)
+    assert packed["vocab_q"].dtype == torch.int8 and packed["vocab_d"].dtype == torch.float16
+    dense = _library(blocks, "Q8_0")
+    ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
+    rows = cpu.embedding(ids, packed, qtype=qtype, dtype=torch.bfloat16)
+    assert torch.equal(rows, dense.bfloat16()[ids])
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert torch.equal(cpu(x, packed, qtype=qtype), torch.nn.functional.linear(x, dense.bfloat16()))
+
+
 def test_unknown_type_is_refused_with_the_kept_types():
     with pytest.raises(ValueError, match="Q4_K"):
         gk.gguf_type("IQ2_XS")
@@ -154,6 +180,31 @@ def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype):
     # embedding stays dequantized in both.
     assert linear_bytes(model) < linear_bytes(ref)
     assert _param_bytes(model) < _param_bytes(ref)
+
+
+def test_cpu_bf16_keeps_the_tied_vocabulary_quantized_with_the_same_logits(k_gguf, monkeypatch):
+    """The tied Q8_0 embedding / LM head of a bf16 model on the CPU stays 8-bit for lookups
+    (no dense matrix in the model); the logits equal those of the model whose vocabulary is
+    dequantized at load (the path before), bit for bit."""
+    from quant_helpers import build, prefill_logits
+
+    from engine_cpu.gguf import CpuGGUFLinear
+
+    if not _cpu_keeps_vocabulary(CpuGGUFLinear()):
+        pytest.skip("oneDNN cannot prepack bf16 on this CPU")
+    model, _ = build(k_gguf, dtype="bfloat16")
+    emb = model.model.embed_tokens
+    assert emb.vocab_method is not None and model.lm_head.vocab_method is emb.vocab_method
+    assert emb.weight.numel() == 0 and "gguf_vocab_q" in dict(emb.named_parameters())
+    got = prefill_logits(model)
+    monkeypatch.setattr(CpuGGUFLinear, "keeps_vocabulary", lambda self, qtype, dtype: False)
+    before, _ = build(k_gguf, dtype="bfloat16")
+    assert before.model.embed_tokens.vocab_method is None
+    assert torch.equal(got, prefill_logits(before))
+    # float32 (and other platforms) keep the dequantized vocabulary as before.
+    monkeypatch.undo()
+    f32, _ = build(k_gguf, dtype="float32")
+    assert f32.model.embed_tokens.vocab_method is None
 
 
 def test_engine_greedy_tokens_equal_the_dequantized_path(k_gguf):

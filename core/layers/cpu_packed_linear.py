@@ -95,6 +95,8 @@ def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()
     for module in model.modules():
         if getattr(module, "packed_weight", None) is not None:
             continue
+        if getattr(module, "vocab_method", None) is not None:
+            continue  # a head tied to a quantized embedding: its method multiplies
         linear = isinstance(module, LinearBase) and module.quant_method is UNQUANTIZED
         if linear or isinstance(module, ParallelLMHead):
             weight = module.weight

@@ -5,6 +5,10 @@ Rank ``r`` of ``tp`` holds rows ``[r * P, (r + 1) * P)`` of the ``[vocab, hidden
 embedding looks up the ids that fall in its rows and the ranks' partial embeddings are summed
 (all-reduce); the LM head computes the logits of its rows and the ranks' logits are concatenated
 (all-gather), padding dropped. With one rank both are a plain lookup / product.
+
+A quantization method may keep the matrix quantized (``vocab_method``: GGUF's tied Q8_0 matrix
+on the CPU, ``engine.quantization.gguf.GGUFVocabMethod``); the embedding then looks rows up and
+a head tied to it multiplies through that method, and ``weight`` holds no data.
 """
 
 from __future__ import annotations
@@ -51,6 +55,14 @@ class _VocabRows(nn.Module):
         self.vocab_end = min(self.vocab_start + self.rows_per_partition, vocab_size)
         self.weight = new_parameter((self.rows_per_partition, hidden_size), dtype)
         set_weight_loader(self.weight, self.weight_loader)
+        #: the quantization method holding this matrix (None: ``weight`` in the model dtype);
+        #: shared by an embedding and the LM head tied to it, owned by the embedding
+        self.vocab_method: Any = None
+
+    def process_weights_after_loading(self) -> None:
+        """Repack a quantized matrix once loaded (only the method's owner does it)."""
+        if self.vocab_method is not None and self.vocab_method.module is self:
+            self.vocab_method.process_weights_after_loading(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         """Copy this rank's rows of the checkpoint's ``[vocab, hidden]`` matrix."""
@@ -96,7 +108,9 @@ class VocabParallelEmbedding(_VocabRows):
         self.embed_scale = embed_scale
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.parallel.tp_size == 1:
+        if self.vocab_method is not None:  # single rank only (see GGUFVocabMethod)
+            x = self.vocab_method.embedding(input_ids)
+        elif self.parallel.tp_size == 1:
             x = F.embedding(input_ids, self.weight)
         else:
             mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -137,6 +151,8 @@ class ParallelLMHead(_VocabRows):
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the raw logits, ``hidden @ weight.T`` (the CPU's prepacking
         replaces this method)."""
+        if self.vocab_method is not None:  # tied to a quantized embedding
+            return self.vocab_method.logits(hidden)
         return self._linear(hidden, self.weight, None)
 
     def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

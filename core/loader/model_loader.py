@@ -523,11 +523,14 @@ def load_model(
         return model.eval()
 
     kv_scales: set[str] = set()
+    keep_vocabulary = None
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
 
         kept = getattr(quant_config, "kept_modules", None)  # GGUFConfig: raw blocks
         keep = kept.__contains__ if kept is not None and quant_config.name == "gguf" else None
+        if keep is not None:  # GGUFConfig: a tied vocabulary matrix may stay quantized too
+            keep_vocabulary = quant_config.keep_vocabulary
         weights = gguf_loader.iter_weights(path, hf_config, dtype, stats=stats, keep_quantized=keep)
         present: set[str] | None = None
         progress = tqdm(
@@ -555,6 +558,8 @@ def load_model(
         weights = iter_safetensors(files, progress, names=set(shapes), stats=stats)
     with torch.device(device):
         model = model_cls(ctx)
+        if keep_vocabulary is not None:  # before the first tensor is read
+            keep_vocabulary(model, kernels, dtype)
     try:
         loaded = model.load_weights(weights)
     finally:

@@ -23,6 +23,11 @@ Embeddings and the LM head stay dequantized in the model dtype (the loader dequa
 before; a tied head shares the embedding's matrix): lookups and the vocabulary-sized product run
 at the dense kernels' speed, at the cost of their memory (for Gemma 3 270M, the 262k x 640 Q8_0
 embedding is 178 MB in the file and 335 MB in bf16). docs/quantization.md has the figures.
+The exception: where the platform's ``gguf_linear`` says it keeps a vocabulary matrix of that
+type and dtype quantized (an optional ``keeps_vocabulary(qtype, dtype)``; the CPU plugin's does
+for Q8_0 in bf16), a tied embedding and LM head on one process keep the file's blocks instead
+(``GGUFVocabMethod``: ``prepack(..., vocabulary=True)``, lookups through the kernel's
+``embedding``, the head through its product). No other platform changes.
 
 Tensor parallelism shards a layer by whole GGUF blocks: a column-parallel layer by rows (each
 row is its own run of blocks, any split works), a row-parallel layer by columns, which needs
@@ -158,6 +163,66 @@ class GGUFLinearMethod(LinearMethod):
         return y if bias is None else y + bias.to(y.dtype)
 
 
+class GGUFVocabMethod:
+    """A tied embedding and LM head whose GGUF blocks stay quantized (see the module docstring).
+
+    Owned by the embedding (``module``); the tied head holds the same object. The loader yields
+    the raw blocks as ``<embedding>.qweight``; ``weight`` keeps no data (its dtype and device
+    still say the model's)."""
+
+    def __init__(self, module: torch.nn.Module, t: GGUFType, op: Any, dtype: torch.dtype) -> None:
+        self.module, self.type, self.op, self.dtype = module, t, op, dtype
+        self.name = f"gguf {t.name} (vocabulary kept quantized)"
+        self.packed: dict[str, torch.Tensor] = {}
+        rows, hidden = module.weight.shape
+        param = torch.nn.Parameter(
+            torch.empty(
+                rows,
+                hidden // t.block_size,
+                t.type_size,
+                dtype=torch.uint8,
+                device=module.weight.device,
+            ),
+            requires_grad=False,
+        )
+        param.weight_loader = self._load  # type: ignore[attr-defined]
+        module.register_parameter("qweight", param)
+        # The dense matrix is neither loaded nor kept (the tied head shares this parameter).
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
+        module.weight.optional = True  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.nn.Parameter, loaded: Any) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ModelLoadError(
+                f"{self.type.name} vocabulary blocks of shape {tuple(loaded.shape)}, expected "
+                f"{tuple(param.shape)}"
+            )
+        param.data.copy_(materialize(loaded))
+
+    def process_weights_after_loading(self, module: torch.nn.Module) -> None:
+        # No reference kept here: the kernel may free the raw blocks once it has split them.
+        packed = self.op.prepack(
+            self._take(module), qtype=self.type.ggml_type, dtype=self.dtype, vocabulary=True
+        )
+        for key, tensor in packed.items():
+            replace_param(module, f"gguf_{key}", tensor)
+        self.packed = {key: getattr(module, f"gguf_{key}") for key in packed}
+
+    @staticmethod
+    def _take(module: torch.nn.Module) -> torch.Tensor:
+        blocks = module.qweight.data
+        replace_param(module, "qweight", None)
+        return blocks
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` dequantized, ``[*ids.shape, hidden]`` in the model dtype."""
+        return self.op.embedding(ids, self.packed, qtype=self.type.ggml_type, dtype=self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ matrix^T`` (the raw logits of the tied head), in ``hidden``'s dtype."""
+        return self.op(hidden, self.packed, qtype=self.type.ggml_type)
+
+
 class GGUFConfig(QuantizationConfig):
     """GGUF files with Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights kept quantized."""
 
@@ -209,6 +274,39 @@ class GGUFConfig(QuantizationConfig):
             logger.info("%s: GGUF experts are dequantized at load (no GGUF MoE kernel)", prefix)
             self._dequantized.append(prefix)
         return None
+
+    def keep_vocabulary(self, model: torch.nn.Module, kernels: Any, dtype: torch.dtype) -> int:
+        """Before loading: give each tied embedding / LM head pair a ``GGUFVocabMethod`` where
+        the bound ``gguf_linear`` keeps its type quantized in ``dtype`` (one process only: no
+        tensor or pipeline split), so that the loader yields its raw blocks. Returns how many."""
+        from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+        op = getattr(kernels, "gguf_linear", None)
+        keeps = getattr(op, "keeps_vocabulary", None)
+        if keeps is None:
+            return 0
+        modules = dict(model.named_modules())
+        heads = [m for m in modules.values() if isinstance(m, ParallelLMHead)]
+        count = 0
+        for name, module in modules.items():
+            if not isinstance(module, VocabParallelEmbedding) or module.parallel.world_size > 1:
+                continue
+            t = GGUF_TYPE_NAMES.get(self.tensor_types.get(name, ""))
+            tied = [h for h in heads if h.weight is module.weight]
+            if t is None or not tied or not keeps(t.ggml_type, dtype):
+                continue
+            method = GGUFVocabMethod(module, t, op, dtype)
+            module.vocab_method = method
+            for head in tied:
+                head.vocab_method = method
+            self.kept_modules.add(name)
+            logger.info(
+                "%s: the %s vocabulary matrix (embedding and tied LM head) stays quantized",
+                name,
+                t.name,
+            )
+            count += 1
+        return count
 
     def get_linear_method(self, layer: LinearBase, prefix: str) -> LinearMethod | None:
         names = self.checkpoint_names(prefix)

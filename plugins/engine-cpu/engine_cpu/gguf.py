@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import gguf as ref
-from engine.layers.cpu_packed_linear import packing_supported
+from engine.layers.cpu_packed_linear import _return_freed_memory, packing_supported
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +75,58 @@ def _dense(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {"dense": w}
 
 
+_VOCAB_CHUNK = 16384  # rows dequantized at a time (bounds the float32 copy at load)
+
+
+def _vocab_pack(held: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Q8_0 vocabulary matrix ``[V, K / 32, 34]`` (handed over in a list, to be released) (float16 ``d`` then 32 int8 ``q`` per
+    block): the file's int8 values and float16 block scales for exact row lookups (1.06 bytes
+    per weight), and the matrix dequantized into ``dtype`` and oneDNN-prepacked for the logits
+    (the product the dequantized tied head computes, bit for bit: ``d * q`` is exact in
+    float32). The raw blocks are released as soon as they are split, which keeps the load's
+    peak about one Q8_0 copy above the dequantized path's."""
+    blocks = held.pop()  # the only reference left (see CpuGGUFLinear.prepack)
+    rows, nb, _ = blocks.shape
+    q = blocks[..., 2:].contiguous().view(torch.int8).view(rows, nb * 32)
+    d = blocks[..., :2].contiguous().view(torch.float16).view(rows, nb)
+    del blocks
+    dense = torch.empty(rows, nb * 32, dtype=dtype)
+    for start in range(0, rows, _VOCAB_CHUNK):
+        part = slice(start, min(start + _VOCAB_CHUNK, rows))
+        w = q[part].float().view(-1, nb, 32) * d[part].float().unsqueeze(-1)
+        dense[part] = w.view(-1, nb * 32).to(dtype)
+    packed = {"vocab_q": q, "vocab_d": d, **_dense(dense, dtype)}
+    del dense
+    _return_freed_memory()
+    return packed
+
+
 class CpuGGUFLinear:
     """``gguf_linear`` on the CPU (see the module docstring)."""
 
+    def keeps_vocabulary(self, qtype: int, dtype: torch.dtype) -> bool:
+        """A tied Q8_0 embedding / LM head keeps its lookup table in 8 bits in bf16 (see
+        ``_vocab_pack``)."""
+        return (
+            ref.gguf_type(qtype).name == "Q8_0"
+            and dtype == torch.bfloat16
+            and packing_supported(dtype, torch.device("cpu"))
+        )
+
     def prepack(
-        self, blocks: torch.Tensor, *, qtype: int, dtype: torch.dtype | None = None
+        self,
+        blocks: torch.Tensor,
+        *,
+        qtype: int,
+        dtype: torch.dtype | None = None,
+        vocabulary: bool = False,
     ) -> dict[str, torch.Tensor]:
         t = ref.gguf_type(qtype)
         dtype = dtype or torch.float32
+        if vocabulary and self.keeps_vocabulary(qtype, dtype):
+            held = [blocks]
+            del blocks  # so that _vocab_pack can free the raw blocks early
+            return _vocab_pack(held, dtype)
         values, scale, offset = ref.unpack(blocks, qtype)
         if t.bits == 4 and t.group == 32 and dtype != torch.float32:
             return _int4pack(values, scale, offset + 8.0 * scale, dtype)
@@ -126,6 +170,23 @@ class CpuGGUFLinear:
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+
+    def embedding(
+        self,
+        ids: torch.Tensor,
+        packed: dict[str, torch.Tensor],
+        *,
+        qtype: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The rows ``ids`` dequantized into ``dtype``, bit for bit the reference's."""
+        if "vocab_q" not in packed:
+            return ref.gguf_linear.embedding(ids, packed, qtype=qtype, dtype=dtype)
+        flat = ids.reshape(-1)
+        q = packed["vocab_q"].index_select(0, flat).float()
+        d = packed["vocab_d"].index_select(0, flat).float()
+        rows = (q.view(flat.shape[0], d.shape[1], -1) * d.unsqueeze(-1)).view(flat.shape[0], -1)
+        return rows.to(dtype).view(*ids.shape, -1)
 
 
 gguf_linear = CpuGGUFLinear()

@@ -25,7 +25,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed() -> int:
-    """Fresh random inputs per test; the seed goes into assertion messages for replays."""
-    value = int.from_bytes(os.urandom(4), "little")
+    """Fresh random inputs per test; the seed goes into assertion messages for replays
+    (``ENGINE_TEST_SEED=N`` replays one)."""
+    value = int(os.environ.get("ENGINE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(value)
     return value

@@ -67,14 +67,15 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
     assert report["auto_order"] == ["torch"]
     # Overrides: engine-llm-triton's (when triton is installed) target GPUs; the CPU's are
-    # engine-llm-cpu's argmax and quantized matmuls.
+    # engine-llm-cpu's norms, argmax and quantized matmuls.
     on_cpu = [
         (o["kernel"], o["provider"])
         for o in report["kernel_overrides"]
         if "cpu" in (o["platforms"] or ["cpu"])
     ]
     quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "gguf_linear"]
-    assert on_cpu == [(k, "engine-llm-cpu") for k in ["argmax", *quantized]], on_cpu
+    norms = ["rms_norm", "fused_add_rms_norm", "qk_norm_rotary"]
+    assert on_cpu == [(k, "engine-llm-cpu") for k in [*norms, "argmax", *quantized]], on_cpu
     methods = {m["name"]: m for m in report["quantization_methods"]}
     assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]
     assert all(m["usable"] and m["provider"] == "engine-llm" for m in methods.values())

@@ -32,3 +32,67 @@ def test_the_cpu_platform_uses_the_override():
     kernels = default_plugin_manager().kernel_registry().resolve("cpu")
     assert kernels.impls["argmax"].provider == "engine-llm-cpu"
     assert kernels.impls["argmax"].fn.__module__ == "engine_cpu.kernels"
+
+
+def _strided_heads(t: int, heads: int, d: int, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """A [t, heads, d] view with padded rows, as q/k norms see the fused qkv output."""
+    return (
+        (torch.randn(t, (heads + 3) * d) * scale)
+        .to(dtype)[:, d : (heads + 1) * d]
+        .view(t, heads, d)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weight_dtype", ["float32", "same"])
+def test_rms_norms_are_the_reference_bit_for_bit(dtype, weight_dtype):
+    from engine_cpu.norms import fused_add_rms_norm, rms_norm
+
+    torch.manual_seed(0)
+    for t, h in ((1, 640), (16, 640), (7, 100), (33, 1152), (3, 7)):
+        for scale in (1e-3, 1.0, 300.0):
+            wdt = torch.float32 if weight_dtype == "float32" else dtype
+            w = (1.0 + 0.3 * torch.randn(h)).to(wdt)
+            x = (torch.randn(t, h) * scale).to(dtype)
+            r = (torch.randn(t, h) * scale).to(dtype)
+            for eps in (1e-6, 1e-5):
+                assert torch.equal(rms_norm(x, w, eps), ref.rms_norm(x, w, eps))
+                out, res = fused_add_rms_norm(x, r, w, eps)
+                ref_out, ref_res = ref.fused_add_rms_norm(x, r, w, eps)
+                assert torch.equal(out, ref_out) and torch.equal(res, ref_res)
+        heads = _strided_heads(t, 4, 64, dtype, 2.0)  # per-head norm of a strided view
+        w = (1.0 + 0.3 * torch.randn(64)).to(wdt)
+        assert torch.equal(rms_norm(heads, w, 1e-6), ref.rms_norm(heads, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("norm", ["float32", "same", None])
+@pytest.mark.parametrize("is_neox, rot_frac", [(True, 1.0), (False, 1.0), (True, 0.5)])
+def test_qk_norm_rotary_is_the_reference_bit_for_bit(dtype, norm, is_neox, rot_frac):
+    """In place into column slices of one fused qkv output; Gemma 3 270M's shape (4 query
+    heads, 1 KV head, 256 dims) among them; the layouts the override hands to the reference
+    (interleaved pairs, partial rotary) too."""
+    from engine.testing.inputs import rope_cache
+    from engine_cpu.norms import qk_norm_rotary
+
+    torch.manual_seed(0)
+    for t, h, hkv, d in ((1, 4, 1, 256), (16, 4, 1, 256), (5, 4, 2, 64), (3, 8, 8, 128)):
+        rot = int(d * rot_frac)
+        cache = rope_cache(4096, rot)
+        positions = torch.randint(0, 4096, (t,))
+        qkv = (torch.randn(t, (h + 2 * hkv) * d) * 4).to(dtype)
+        wdt = None if norm is None else torch.float32 if norm == "float32" else dtype
+        qw, kw = ((1.0 + 0.3 * torch.randn(d)).to(wdt) for _ in range(2)) if wdt else (None, None)
+        ours, theirs = qkv.clone(), qkv.clone()
+        args = (cache, d, is_neox, qw, kw, 1e-6)
+        q, k = qk_norm_rotary(positions, ours[:, : h * d], ours[:, h * d : (h + hkv) * d], *args)
+        ref.qk_norm_rotary(positions, theirs[:, : h * d], theirs[:, h * d : (h + hkv) * d], *args)
+        assert torch.equal(ours, theirs)  # query/key written in place, values untouched
+        assert q.data_ptr() == ours.data_ptr() and k.data_ptr() == ours[:, h * d :].data_ptr()
+
+
+def test_the_cpu_platform_uses_the_norm_overrides():
+    kernels = default_plugin_manager().kernel_registry().resolve("cpu")
+    for name in ("rms_norm", "fused_add_rms_norm", "qk_norm_rotary"):
+        assert kernels.impls[name].provider == "engine-llm-cpu"
+        assert kernels.impls[name].fn.__module__ == "engine_cpu.norms"

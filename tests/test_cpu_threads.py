@@ -92,13 +92,25 @@ def test_cli_flag(capsys):
 
 def test_the_cli_makes_openmp_threads_sleep_when_idle(monkeypatch, capsys):
     """Spinning idle OpenMP threads take the CPU from everything else on shared cores; the CLI
-    sets OMP_WAIT_POLICY=PASSIVE before torch is loaded, unless the user chose a policy."""
+    sets OMP_WAIT_POLICY=PASSIVE (with a bounded spin first) before torch is loaded, unless the
+    user chose a policy."""
     from engine.cli.main import main
+    from engine.cpu_threads import SPIN_BEFORE_SLEEP
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert main(["plugins", "--json"]) == 0
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    # ... after a bounded spin (about a millisecond), which the user may set otherwise.
+    assert os.environ["GOMP_SPINCOUNT"] == SPIN_BEFORE_SLEEP
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert main(["plugins", "--json"]) == 0
+    assert os.environ["GOMP_SPINCOUNT"] == "0"
+    # A policy the user chose is left alone, and gets no spin count added.
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT")
     assert main(["plugins", "--json"]) == 0
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in os.environ
     capsys.readouterr()

@@ -21,10 +21,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def register(registry) -> None:
-    """Register the CPU overrides for the ``cpu`` platform (the quantized matmuls are in
-    ``engine_cpu.quantized``)."""
+    """Register the CPU overrides for the ``cpu`` platform (the norms and rotary are in
+    ``engine_cpu.norms``, the quantized matmuls in ``engine_cpu.quantized``)."""
+    from engine_cpu.norms import NORM_KERNELS
     from engine_cpu.quantized import QUANTIZED_KERNELS
 
     registry.register("argmax", argmax, platforms=("cpu",), provider="engine-llm-cpu")
-    for name, fn in QUANTIZED_KERNELS.items():
+    for name, fn in {**NORM_KERNELS, **QUANTIZED_KERNELS}.items():
         registry.register(name, fn, platforms=("cpu",), provider="engine-llm-cpu")

@@ -153,7 +153,7 @@ for step in "${steps[@]}"; do
       echo "=== serve vs offline at $(elapsed)s"
       timeout -k 10 $(($(left) - 10)) python3 -m engine.benchmarks.http_vs_offline \
         --shape qwen3-0.6b --num-prompts 512 --input-len 256 --output-len 256 \
-        --api-server-count ${SERVE_API_SERVERS:-1,4} --num-workers ${SERVE_WORKERS:-4} \
+        --api-server-count ${SERVE_API_SERVERS:-1,4} --num-workers ${SERVE_WORKERS:-6} \
         --engine-args "--dtype bfloat16" --out "$OUT/serve" ${SERVE_ARGS:-} >"$OUT/serve.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       grep -E "^\||requests x|^\$" "$OUT/serve.log"

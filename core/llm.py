@@ -46,8 +46,8 @@ class LLM:
     Keyword arguments mirror vLLM's ``LLM``: ``model`` (None = the embedded default model),
     ``tokenizer``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs`` and
     ``max_num_batched_tokens`` (None: the platform's offline defaults, logged; 1024 and 16384
-    on a GPU of 70 GiB or more, else 256 and 8192), ``enable_prefix_caching``, ``attention_backend``, ``platform``,
-    ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
+    on a GPU of 70 GiB or more, else 256 and 8192), ``enable_prefix_caching``,
+    ``attention_backend``, ``platform``, ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
     ``load_format``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (uni, mp, ray), ``enable_expert_parallel`` (MoE experts
     placed across the tensor-parallel ranks), ``served_model_name``, ``scheduling_policy``,

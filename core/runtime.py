@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from engine.attention_backends.interface import AttentionSpec
-from engine.config import ConfigError, EngineConfig
+from engine.config import SCHEDULER_LIMITS, ConfigError, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -344,11 +344,9 @@ def apply_scheduler_defaults(config: EngineConfig, platform: Any) -> None:
         return
     chosen = platform.scheduler_defaults(config)
     if chosen is not None:  # else the generic values SchedulerConfig filled in stay
-        seqs, tokens = chosen
-        if "max_num_seqs" in sched.defaulted:
-            sched.max_num_seqs = seqs
-        if "max_num_batched_tokens" in sched.defaulted:
-            sched.max_num_batched_tokens = tokens
+        for name, value in zip(SCHEDULER_LIMITS, chosen, strict=True):
+            if name in sched.defaulted:
+                setattr(sched, name, value)
     logger.info(
         "%s defaults (%s) for %s: max_num_seqs=%d, max_num_batched_tokens=%d",
         sched.usage,

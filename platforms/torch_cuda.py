@@ -27,7 +27,7 @@ class TorchCudaPlatform(Platform):
     def scheduler_defaults(cls, config: EngineConfig) -> tuple[int, int] | None:
         """1024 requests on a large device; 16384 batched tokens offline, where only the
         throughput counts, and 8192 for a server, where a step's prefill tokens lengthen every
-        running stream's inter-token gap (docs/benchmarks.md, "Scheduler defaults")."""
+        running stream's inter-token gap (docs/kv-cache-and-scheduler.md, "Scheduling")."""
         if cls.total_memory(0) < LARGE_DEVICE_BYTES:
             return super().scheduler_defaults(config)
         return 1024, (16384 if config.scheduler.usage == "offline" else 8192)

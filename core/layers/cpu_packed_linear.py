@@ -120,11 +120,11 @@ def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
             count += 1
     if count:
-        _return_freed_memory()
+        return_freed_memory()
     return count
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give the heap pages of the released plain weights back to the OS. glibc keeps freed
     chunks of this size in its heap (its mmap threshold adapts upwards), so without a trim they
     stay in the resident set."""

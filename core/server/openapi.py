@@ -317,16 +317,16 @@ def _served_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
 
 
 def _runner_of(ctx: Any) -> str:
+    """ "pooling" for an embedding model, else "generate"."""
     model = getattr(getattr(ctx.async_engine, "config", None), "model", None)
     return "pooling" if getattr(model, "runner_type", None) == "pooling" else "generate"
 
 
 def _pooler_of(ctx: Any) -> Any:
     """The served model's ``PoolerConfig`` when it is a pooling model, else None."""
-    model = getattr(getattr(ctx.async_engine, "config", None), "model", None)
-    if getattr(model, "runner_type", None) != "pooling":
+    if _runner_of(ctx) != "pooling":
         return None
-    return getattr(model, "pooler_config", None)
+    return getattr(ctx.async_engine.config.model, "pooler_config", None)
 
 
 def _dimensions(props: dict[str, Any], pooler: Any) -> None:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import gguf as ref
-from engine.layers.cpu_packed_linear import _return_freed_memory, packing_supported
+from engine.layers.cpu_packed_linear import packing_supported, return_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +78,21 @@ def _dense(w: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 _VOCAB_CHUNK = 16384  # rows dequantized at a time (bounds the float32 copy at load)
 
 
+def _q8_rows(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Split Q8_0 rows dequantized, float32 ``[n, K]``: int8 values ``q`` ``[n, K]`` times their
+    float16 block scales ``d`` ``[n, K / 32]`` (exact in float32)."""
+    n, nb = d.shape
+    return (q.float().view(n, nb, 32) * d.float().unsqueeze(-1)).view(n, nb * 32)
+
+
 def _vocab_pack(held: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A Q8_0 vocabulary matrix ``[V, K / 32, 34]`` (handed over in a list, to be released) (float16 ``d`` then 32 int8 ``q`` per
-    block): the file's int8 values and float16 block scales for exact row lookups (1.06 bytes
-    per weight), and the matrix dequantized into ``dtype`` and oneDNN-prepacked for the logits
-    (the product the dequantized tied head computes, bit for bit: ``d * q`` is exact in
-    float32). The raw blocks are released as soon as they are split, which keeps the load's
-    peak about one Q8_0 copy above the dequantized path's."""
+    """A Q8_0 vocabulary matrix ``[V, K / 32, 34]`` (float16 ``d`` then 32 int8 ``q`` per
+    block; handed over in a list, so that it can be released here): the file's int8 values and
+    float16 block scales for exact row lookups (1.06 bytes per weight), and the matrix
+    dequantized into ``dtype`` and oneDNN-prepacked for the logits (the product the dequantized
+    tied head computes, bit for bit: ``d * q`` is exact in float32). The raw blocks are released
+    as soon as they are split, which keeps the load's peak about one Q8_0 copy above the
+    dequantized path's."""
     blocks = held.pop()  # the only reference left (see CpuGGUFLinear.prepack)
     rows, nb, _ = blocks.shape
     q = blocks[..., 2:].contiguous().view(torch.int8).view(rows, nb * 32)
@@ -93,11 +101,10 @@ def _vocab_pack(held: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch
     dense = torch.empty(rows, nb * 32, dtype=dtype)
     for start in range(0, rows, _VOCAB_CHUNK):
         part = slice(start, min(start + _VOCAB_CHUNK, rows))
-        w = q[part].float().view(-1, nb, 32) * d[part].float().unsqueeze(-1)
-        dense[part] = w.view(-1, nb * 32).to(dtype)
+        dense[part] = _q8_rows(q[part], d[part]).to(dtype)
     packed = {"vocab_q": q, "vocab_d": d, **_dense(dense, dtype)}
     del dense
-    _return_freed_memory()
+    return_freed_memory()
     return packed
 
 
@@ -183,9 +190,9 @@ class CpuGGUFLinear:
         if "vocab_q" not in packed:
             return ref.gguf_linear.embedding(ids, packed, qtype=qtype, dtype=dtype)
         flat = ids.reshape(-1)
-        q = packed["vocab_q"].index_select(0, flat).float()
-        d = packed["vocab_d"].index_select(0, flat).float()
-        rows = (q.view(flat.shape[0], d.shape[1], -1) * d.unsqueeze(-1)).view(flat.shape[0], -1)
+        rows = _q8_rows(
+            packed["vocab_q"].index_select(0, flat), packed["vocab_d"].index_select(0, flat)
+        )
         return rows.to(dtype).view(*ids.shape, -1)
 
 

@@ -35,6 +35,16 @@ RUNNERS = ("auto", "generate", "pooling")
 TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
 
+# How load_format="dummy" draws each weight matrix (biases zero, norm scales one):
+#   normal:  normal(0, 0.02), a model whose greedy output wanders like a trained one's does
+#            (it rarely repeats), so comparisons between layouts and kernels are searching;
+#   uniform: uniform(-1e-3, 1e-3), vLLM's dummy weights: the greedy output of such a model
+#            soon repeats one token, which is what a speculative-decoding benchmark on random
+#            weights needs (prompt lookup then drafts it) and what vLLM's own runs see.
+DUMMY_INITS = ("normal", "uniform")
+MODEL_LOADER_EXTRA_KEYS = ("dummy_init",)
+
+
 @dataclass
 class ModelConfig:
     """What to load and how.
@@ -50,6 +60,9 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    # Loader options, vLLM's --model-loader-extra-config (a JSON object). The one key read
+    # today: "dummy_init" (DUMMY_INITS), how load_format="dummy" draws its weights.
+    model_loader_extra_config: dict[str, Any] | str = field(default_factory=dict)
     seed: int = 0
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
@@ -92,6 +105,29 @@ class ModelConfig:
             raise ConfigError(
                 f"load_format={self.load_format!r} is not supported; choose one of "
                 "auto, safetensors, gguf, dummy"
+            )
+        extra = self.model_loader_extra_config
+        if isinstance(extra, str):  # the CLI's JSON text
+            import json
+
+            try:
+                extra = self.model_loader_extra_config = json.loads(extra)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"model_loader_extra_config is not valid JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(
+                f"model_loader_extra_config must be a JSON object, got {type(extra).__name__}"
+            )
+        unknown = sorted(set(extra) - set(MODEL_LOADER_EXTRA_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"model_loader_extra_config has unknown keys {unknown}; the keys read are "
+                f"{', '.join(MODEL_LOADER_EXTRA_KEYS)}"
+            )
+        if extra.get("dummy_init", "normal") not in DUMMY_INITS:
+            raise ConfigError(
+                f"model_loader_extra_config dummy_init={extra['dummy_init']!r} is not "
+                f"supported; choose one of {', '.join(DUMMY_INITS)}"
             )
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ConfigError(

@@ -196,6 +196,55 @@ def test_dummy_weights_deterministic_and_config_only(tmp_path, llama_dir):
     assert 0.01 < float(w.std()) < 0.03
 
 
+def test_dummy_uniform_init_is_vllms(tmp_path, llama_dir):
+    """``{"dummy_init": "uniform"}`` draws vLLM's uniform(-1e-3, 1e-3) matrices (norm scales
+    stay one, biases zero); the greedy output of such a model settles on one token, which
+    the speculative-decoding benchmark relies on."""
+    only_config = tmp_path / "cfg"
+    only_config.mkdir()
+    (only_config / "config.json").write_text((llama_dir / "config.json").read_text())
+    extra = {"dummy_init": "uniform"}
+    a = load(only_config, load_format="dummy", seed=7, model_loader_extra_config=extra)
+    params = dict(a.named_parameters())
+    w = params["model.layers.0.mlp.down_proj.weight"].float()
+    assert float(w.abs().max()) <= 1e-3 and float(w.std()) > 4e-4  # uniform: std 5.8e-4
+    assert torch.equal(params["model.norm.weight"], torch.ones_like(params["model.norm.weight"]))
+    b = load(only_config, load_format="dummy", seed=7, model_loader_extra_config=extra)
+    assert torch.equal(params["model.embed_tokens.weight"], b.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"dummy_init": "zeros"}, "dummy_init='zeros' is not supported; choose one of normal"),
+        (
+            {"shard_pattern": "x"},
+            "unknown keys \\['shard_pattern'\\]; the keys read are dummy_init",
+        ),
+        ("[1]", "must be a JSON object, got list"),
+        ("{not json", "is not valid JSON"),
+    ],
+)
+def test_model_loader_extra_config_rejects_what_it_does_not_read(extra, message):
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(model="m", load_format="dummy", model_loader_extra_config=extra)
+
+
+def test_model_loader_extra_config_flag_reaches_the_config():
+    import argparse
+
+    from engine.cli.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    add_engine_args(parser)
+    args = parser.parse_args(["m", "--model-loader-extra-config", '{"dummy_init": "uniform"}'])
+    config = engine_config_from_args(args)
+    assert config.model.model_loader_extra_config == {"dummy_init": "uniform"}
+
+
 def test_model_id_from_local_hf_cache(tmp_path, llama_dir, monkeypatch):
     """A model id resolves to its snapshot in the local HF cache, offline."""
     cache = tmp_path / "hub"

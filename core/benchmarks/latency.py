@@ -19,8 +19,10 @@ Speculative decoding: with ``--speculative-config`` the table adds the acceptanc
 the mean acceptance length (tokens per verified draft, the target's own included).
 ``--self-continuation`` makes every prompt contain the model's own greedy continuation: the
 random prompt is extended once by ``--output-len`` greedy tokens, and the timed runs continue
-from there -- with random weights the output settles into repeating patterns, which a prompt
-lookup then drafts correctly, so the mechanism is measured near full acceptance. Run the same
+from there. With vLLM's dummy weights (``--model-loader-extra-config '{"dummy_init":
+"uniform"}'``) the greedy output settles on one repeated token, which a prompt lookup then
+drafts correctly, so the mechanism is measured near full acceptance (the default
+normal(0, 0.02) weights give output that does not repeat: nothing to draft). Run the same
 command without ``--speculative-config`` for the baseline on the very same prompts.
 """
 

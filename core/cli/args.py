@@ -112,6 +112,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s).",
     )
     model.add_argument(
+        "--model-loader-extra-config",
+        default=None,
+        metavar="JSON",
+        help='Loader options as a JSON object. \'{"dummy_init": "uniform"}\' gives '
+        "--load-format dummy vLLM's random weights, uniform(-1e-3, 1e-3), whose greedy output "
+        'soon repeats one token (speculative-decoding benchmarks); the default "normal" '
+        "draws normal(0, 0.02).",
+    )
+    model.add_argument(
         "--model-impl",
         default="auto",
         choices=("auto", "native", "transformers"),
@@ -462,6 +471,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             load_format=args.load_format,
+            model_loader_extra_config=getattr(args, "model_loader_extra_config", None) or {},
             seed=args.seed,
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,

@@ -381,9 +381,10 @@ def _load_kv_scales(model: nn.Module, files: list[Path], names: set[str]) -> Non
         logger.info("FP8 KV-cache scales from the checkpoint for %d tensors", len(names))
 
 
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights for ``load_format="dummy"`` (also a draft head's, for benchmarks)."""
-    _init_dummy(model, seed)
+def init_dummy_weights(model: nn.Module, seed: int, init: str = "normal") -> None:
+    """Random weights for ``load_format="dummy"`` (also a draft head's, for benchmarks);
+    ``init`` is one of ``engine.config.DUMMY_INITS``."""
+    _init_dummy(model, seed, init=init)
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -392,9 +393,13 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 def _init_dummy(
-    model: nn.Module, seed: int, full_shapes: dict[str, tuple[int, ...]] | None = None
+    model: nn.Module,
+    seed: int,
+    full_shapes: dict[str, tuple[int, ...]] | None = None,
+    init: str = "normal",
 ) -> None:
-    """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norm scales.
+    """Seeded random weights: normal(0, 0.02) matrices (``init="uniform"``: vLLM's
+    uniform(-1e-3, 1e-3)), zero biases, unit norm scales.
 
     Each matrix is drawn whole, from a generator seeded by ``seed`` and its name, so every
     parameter has the same values in every layout: under tensor or pipeline parallelism
@@ -418,9 +423,11 @@ def _init_dummy(
             source = "model.embed_tokens.weight" if name == "lm_head.weight" else name
         shape = full_shapes.get(source, tuple(param.shape)) if full_shapes else param.shape
         gen = torch.Generator(device=device).manual_seed(_param_seed(seed, source))
-        full = torch.empty(shape, dtype=param.dtype, device=device).normal_(
-            0.0, 0.02, generator=gen
-        )
+        full = torch.empty(shape, dtype=param.dtype, device=device)
+        if init == "uniform":
+            full.uniform_(-1e-3, 1e-3, generator=gen)
+        else:
+            full.normal_(0.0, 0.02, generator=gen)
         if full_shapes is None:
             param.data.copy_(full)
         else:
@@ -518,7 +525,12 @@ def load_model(
             full_shapes = _full_shapes(model_cls, ctx)
         with torch.device(device):
             model = model_cls(ctx)
-        _init_dummy(model, model_config.seed, full_shapes)
+        _init_dummy(
+            model,
+            model_config.seed,
+            full_shapes,
+            init=model_config.model_loader_extra_config.get("dummy_init", "normal"),
+        )
         process_weights_after_loading(model)
         return model.eval()
 

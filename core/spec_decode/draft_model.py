@@ -29,6 +29,7 @@ def draft_model_config(config: Any) -> ModelConfig:
         model=config.speculative.model,
         dtype=config.model.dtype,
         load_format=config.model.load_format,
+        model_loader_extra_config=dict(config.model.model_loader_extra_config),
         seed=config.model.seed,
         max_model_len=config.model.max_model_len,
     )

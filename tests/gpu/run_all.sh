@@ -33,7 +33,8 @@ NANO=(--num-prompts 256 --min-input-len 100 --max-input-len 1024 --min-output-le
   --max-output-len 1024 --seed 0 --load-format dummy --dtype bfloat16)
 B1=(--batch-sizes 1 --input-len 128 --output-len 512 --seed 3 --load-format dummy --dtype bfloat16)
 SPEC=(--model llama-3.1-8b --input-len 128 --output-len 512 --seed 3 --load-format dummy
-  --dtype bfloat16 --self-continuation --num-iters 2)
+  --dtype bfloat16 --self-continuation --num-iters 2
+  --model-loader-extra-config '{"dummy_init": "uniform"}')
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 256}'
 
 for step in "${steps[@]}"; do

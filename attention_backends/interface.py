@@ -16,6 +16,12 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
   one image in Gemma 3) inside which every query also sees the keys after it: a query at ``p``
   in ``[s, e)`` sees ``j`` iff ``j <= p`` or ``j < e`` (and the window, ``p - j < W``, still
   holds). A span lies whole inside one step's new tokens or already-cached ones plus them.
+* **A shared prefix** (a backend that sets ``supports_cascade_attention``): when every decode
+  request of a step starts with the same physical blocks, the model runner passes their length
+  in tokens (``common_prefix_len``, whole blocks, all cached before the step) if the backend's
+  ``use_cascade_attention`` accepts it; the backend may then attend over those blocks once for
+  all the decodes and over each request's own rest separately, merging the two by their
+  log-sum-exp (cascade attention). The result is the same attention.
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
 * An fp8 KV cache (a backend lists the float8 dtypes it stores in
   ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
@@ -79,6 +85,33 @@ class BatchLayout:
     # Per request, the position spans [start, end) whose queries attend bidirectionally within
     # the span (see the module docstring); None: none in this step.
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # Tokens at the start of every decode request's context held in the same blocks, for a
+    # backend that runs cascade attention (see the module docstring); 0: attend as usual.
+    common_prefix_len: int = 0
+
+
+def common_prefix_len(
+    block_tables: list[list[int]], seq_lens: list[int], num_decodes: int, block_size: int
+) -> int:
+    """Tokens (whole blocks) at the start of the first ``num_decodes`` requests' contexts that
+    sit in the same physical blocks for all of them, limited to blocks cached before the step
+    (below each request's newest token). 0 when fewer than two decodes share anything."""
+    if num_decodes < 2:
+        return 0
+    tables = block_tables[:num_decodes]
+    first = tables[0]
+    if not first or any(not t or t[0] != first[0] for t in tables):
+        return 0  # the common case, answered without building an array
+    import numpy as np
+
+    usable = (min(seq_lens[:num_decodes]) - 1) // block_size
+    usable = min(usable, min(len(t) for t in tables))
+    if usable <= 0:
+        return 0
+    blocks = np.array([t[:usable] for t in tables])
+    same = (blocks == blocks[0]).all(axis=0)
+    shared = usable if same.all() else int(np.argmin(same))
+    return shared * block_size
 
 
 @dataclass
@@ -100,6 +133,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     # Per request, bidirectional position spans (BatchLayout.bidirectional_spans), or None.
     bidirectional_spans_cpu: list[list[tuple[int, int]]] | None = None
+    # BatchLayout.common_prefix_len: a prefix all decodes share, for cascade attention.
+    common_prefix_len: int = 0
 
 
 class AttentionBackend(ABC):
@@ -129,6 +164,16 @@ class AttentionBackend(ABC):
     # True when ``forward`` honours ``AttentionMetadata.bidirectional_spans_cpu`` (queries see
     # later keys inside a span: image tokens of Gemma 3).
     supports_bidirectional_spans: ClassVar[bool] = False
+    # True when ``forward`` honours ``AttentionMetadata.common_prefix_len`` (cascade attention
+    # over a prefix every decode shares; see the module docstring). The model runner then
+    # computes it for each step and runs the steps that use it outside its decode graphs.
+    supports_cascade_attention: ClassVar[bool] = False
+
+    @classmethod
+    def use_cascade_attention(cls, common_prefix_len: int, num_decodes: int) -> bool:
+        """Whether a step whose ``num_decodes`` decodes share ``common_prefix_len`` tokens should
+        attend over them once (a backend's cost model; such a step runs eagerly)."""
+        return False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -228,6 +273,7 @@ class AttentionBackend(ABC):
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(layout.seq_lens),
             bidirectional_spans_cpu=layout.bidirectional_spans,
+            common_prefix_len=layout.common_prefix_len,
         )
 
     def __init__(

@@ -74,6 +74,45 @@ def test_triton_eager_matches_cpu(tiny_model, cpu_tokens):
     assert tokens == cpu_tokens
 
 
+def test_cascade_attention_matches_cpu(tiny_model, monkeypatch):
+    """40 requests behind one 320-token prefix: their decode steps run cascade attention
+    (eagerly, between graph replays of the other steps; thresholds lowered to this batch) and
+    give the CPU path's greedy tokens."""
+    import engine_triton.kernels.attention as attention
+    from engine_triton.attention import TritonAttentionBackend
+
+    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_DECODES", 8)
+    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_SAVED", 0)
+    shared_lens = []
+    decode = attention.paged_decode
+
+    def recording_decode(*args, **kwargs):
+        shared_lens.append(kwargs.get("shared_prefix_len", 0))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_decode", recording_decode)
+    rng = random.Random(1)
+    prefix = [rng.randrange(10, 300) for _ in range(320)]
+    prompts = [prefix + [rng.randrange(10, 300) for _ in range(1 + i)] for i in range(40)]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+    def run(**kwargs) -> list[list[int]]:
+        llm = LLM(tiny_model, dtype="float32", block_size=16, max_num_batched_tokens=2048,
+                  **kwargs)  # fmt: skip
+        llm.generate(prompts[:1], params, use_tqdm=False)  # the prefix in the cache
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = run(platform="cpu", attention_backend="torch")
+    shared_lens.clear()
+    tokens = run(platform="cuda", attention_backend="triton", num_gpu_blocks_override=512)
+    assert max(shared_lens, default=0) == 320, "no step ran cascade attention"
+    assert tokens == expected
+
+
 def test_sdpa_matches_cpu(tiny_model, cpu_tokens):
     tokens, (graphs, _) = _run(
         tiny_model, platform="cuda", attention_backend="sdpa", num_gpu_blocks_override=512

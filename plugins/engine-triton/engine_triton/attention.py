@@ -4,7 +4,9 @@ It keeps the default KV-cache layout ``(2, num_blocks, block_size, num_kv_heads,
 and the reference's slot convention, so a cache written by the reference ``write_kv_cache`` is
 read correctly here and vice versa. Decode tokens (the first ``num_decodes`` of a batch) go
 through the split-KV decode kernel, the rest through the varlen prefill kernel, which attends
-over each request's cached prefix as well (chunked prefill, prefix caching).
+over each request's cached prefix as well (chunked prefill, prefix caching). When every decode
+shares a long cached prefix (``common_prefix_len``), the decode kernel is preceded by a shared
+pass over it (cascade attention, ``kernels/attention.py``).
 
 Importing this module is cheap: Triton and torch are imported when the backend is used.
 """
@@ -45,6 +47,24 @@ class TritonAttentionBackend(AttentionBackend):
         () if os.environ.get("TRITON_INTERPRET") == "1" else ("float8_e4m3fn",)
     )
     max_head_size: ClassVar[int] = 256
+    supports_cascade_attention: ClassVar[bool] = True
+
+    # Cascade attention pays when the shared prefix is read by many decodes: the shared pass
+    # then reads it once per tile of 64 (request, head) rows instead of once per request, and
+    # such a step runs eagerly (outside the decode graphs), which costs host time that only a
+    # large saving hides. First thresholds, to be measured on a GPU; the shared prefix must be
+    # at least CASCADE_MIN_PREFIX tokens and save at least CASCADE_MIN_SAVED token reads.
+    CASCADE_MIN_DECODES: ClassVar[int] = 32
+    CASCADE_MIN_PREFIX: ClassVar[int] = 256
+    CASCADE_MIN_SAVED: ClassVar[int] = 65536
+
+    @classmethod
+    def use_cascade_attention(cls, common_prefix_len: int, num_decodes: int) -> bool:
+        return (
+            num_decodes >= cls.CASCADE_MIN_DECODES
+            and common_prefix_len >= cls.CASCADE_MIN_PREFIX
+            and (num_decodes - 1) * common_prefix_len >= cls.CASCADE_MIN_SAVED
+        )
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -86,7 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def launch_configs(self, device: torch.device) -> dict[str, dict]:
         """Launch configurations by kernel regime (``"prefill"``, ``"decode"``,
-        ``"decode_split"``, ``"decode_many_splits"``) overriding the kernels' defaults, which
+        ``"decode_split"``, ``"decode_many_splits"``, ``"shared_prefix"``) overriding the kernels' defaults, which
         were tuned on an H200. Empty here; a platform's subclass returns its tuning table
         (engine-rocm's per gfx family)."""
         return {}
@@ -135,6 +155,7 @@ class TritonAttentionBackend(AttentionBackend):
                 configs=tuning,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                shared_prefix_len=0 if self.sliding_window else metadata.common_prefix_len,
             )
         if metadata.num_seqs > num_decodes:
             paged_prefill(

@@ -929,6 +929,9 @@ class ModelRunner:
         eagerly). Most steps are answered by comparing two block ids."""
         if not self._cascade or len(scheduled) < 2:
             return False
+        groups = self._groups if self._groups is not None else self.kv_cache_groups()
+        if groups[0] is not None:  # no full-attention layers (sliding windows never cascade)
+            return False
         first, last = scheduled[0].block_ids[0], scheduled[-1].block_ids[0]
         if not first or not last or first[0] != last[0]:
             return False
@@ -983,7 +986,10 @@ class ModelRunner:
                 bs,
                 num_decodes,
                 bidirectional_spans=bidirectional_spans,
-                common_prefix_len=self._cascade_prefix(tables, seq_lens, num_decodes),
+                # Sliding-window layers never cascade (their old blocks are null placeholders).
+                common_prefix_len=(
+                    self._cascade_prefix(tables, seq_lens, num_decodes) if groups[g] is None else 0
+                ),
             )
             if self.shape_buckets is not None:
                 layout = self.shape_buckets.pad_layout(layout, num_tokens)

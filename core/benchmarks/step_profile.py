@@ -10,7 +10,9 @@ the engine could not overlap with the device (with asynchronous scheduling most 
 while the next step is on the device). ``collect_s`` is the host's time blocked waiting for
 tokens. For replayed decode graphs an event after the replay also splits the span into the
 forward pass (the graph) and the rest (logits, sampling, the copy of the tokens to the host),
-and spans are averaged per batch size.
+and spans are averaged per batch size. For the steps that run eagerly (prefill chunks, mixed
+steps) ``eager_launch_s`` is the host's time in ``execute_async`` launching them, against their
+GPU span ``eager_gpu_span_s``.
 
 ``StepProfiler(engine, expert_load=True)`` also counts, for a mixture-of-experts model, the
 tokens routed to each expert of every MoE layer during the profiled steps
@@ -45,6 +47,8 @@ class StepProfiler:
         self._batch = 0
         # (start, end of graph replay or None, end, batch size) per step
         self._spans: list[tuple[Any, Any, Any, int]] = []
+        # Host seconds spent launching each eager step (execute_async), in _spans' order.
+        self._eager_launch_s: list[float] = []
         self._torch = torch
         self._wrap()
 
@@ -104,8 +108,11 @@ class StepProfiler:
         def timed_execute(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
             out = execute(*a, **k)
-            self.execute_s += time.perf_counter() - t
+            took = time.perf_counter() - t
+            self.execute_s += took
             if self._pending_start is not None:
+                if self._pending_graph_end is None:
+                    self._eager_launch_s.append(took)
                 self._spans.append(
                     (self._pending_start, self._pending_graph_end, self._event(), self._batch)
                 )
@@ -174,6 +181,10 @@ class StepProfiler:
             "eager_steps": len(eager),
             "eager_gpu_span_s": round(sum(eager) / 1e3, 3),
             "max_eager_step_ms": round(max(eager, default=0.0), 2),
+            # Host time to launch the eager steps (inputs, metadata, every kernel launch):
+            # where it approaches their GPU span, the GPU waits on the host in those steps
+            # and capturing them in graphs would pay.
+            "eager_launch_s": round(sum(self._eager_launch_s), 3),
             "decode_only_steps": self.decode_steps,
             "step_s": round(self.step_s, 3),
             "gpu_span_s": round(gpu_s, 3),

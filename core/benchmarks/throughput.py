@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if split is not None:
         print(
             f"Mixed/prefill steps: {split['eager_steps']}, {split['eager_gpu_span_s']:.3f} s of "
-            f"GPU span (longest {split['max_eager_step_ms']:.1f} ms); Triton variants first met "
+            f"GPU span (longest {split['max_eager_step_ms']:.1f} ms), "
+            f"{split['eager_launch_s']:.3f} s of host launching them; Triton variants first met "
             f"in the run: {len(jit.variants)} {sorted(set(jit.variants))}"
         )
         load = split.get("expert_load")

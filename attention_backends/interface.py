@@ -16,12 +16,13 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
   one image in Gemma 3) inside which every query also sees the keys after it: a query at ``p``
   in ``[s, e)`` sees ``j`` iff ``j <= p`` or ``j < e`` (and the window, ``p - j < W``, still
   holds). A span lies whole inside one step's new tokens or already-cached ones plus them.
-* **A shared prefix** (a backend that sets ``supports_cascade_attention``): when every decode
-  request of a step starts with the same physical blocks, the model runner passes their length
-  in tokens (``common_prefix_len``, whole blocks, all cached before the step) if the backend's
-  ``use_cascade_attention`` accepts it; the backend may then attend over those blocks once for
-  all the decodes and over each request's own rest separately, merging the two by their
-  log-sum-exp (cascade attention). The result is the same attention.
+* **A shared prefix** (a backend that sets ``supports_cascade_attention``): when decodes of a
+  step start with the same physical blocks, the model runner passes them as a
+  ``SharedPrefix`` (its length in tokens, whole blocks all cached before the step, and the
+  decodes that hold it) if the backend's ``use_cascade_attention`` accepts it; the backend may
+  then attend over those blocks once for all those decodes and over each one's own rest
+  separately, merging the two by their log-sum-exp (cascade attention). The result is the
+  same attention.
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
 * An fp8 KV cache (a backend lists the float8 dtypes it stores in
   ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
@@ -85,33 +86,60 @@ class BatchLayout:
     # Per request, the position spans [start, end) whose queries attend bidirectionally within
     # the span (see the module docstring); None: none in this step.
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
-    # Tokens at the start of every decode request's context held in the same blocks, for a
-    # backend that runs cascade attention (see the module docstring); 0: attend as usual.
-    common_prefix_len: int = 0
+    # A prefix that decodes of this step hold in the same blocks, for a backend that runs
+    # cascade attention over it (see the module docstring); None: attend as usual.
+    shared_prefix: SharedPrefix | None = None
 
 
-def common_prefix_len(
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A prefix that several decodes of one step hold in the same physical blocks: ``length``
+    tokens (whole blocks, all cached before the step) of the block table of ``rows[0]``, held
+    by the decodes ``rows`` (ascending indices below ``num_decodes``)."""
+
+    length: int
+    rows: tuple[int, ...]
+
+
+def find_shared_prefix(
     block_tables: list[list[int]], seq_lens: list[int], num_decodes: int, block_size: int
-) -> int:
-    """Tokens (whole blocks) at the start of the first ``num_decodes`` requests' contexts that
-    sit in the same physical blocks for all of them, limited to blocks cached before the step
-    (below each request's newest token). 0 when fewer than two decodes share anything."""
+) -> SharedPrefix | None:
+    """The shared prefix among the first ``num_decodes`` requests that saves the most reads:
+    among the decodes whose first block is the most common one, the length ``L`` (in whole
+    blocks below each one's newest token) that maximises ``(decodes holding L - 1) * L``.
+    None when no two decodes share a block. Requests that joined later and computed the same
+    prompt again (in the step that first cached it) hold other blocks: they are left out
+    rather than cancelling the sharing of the rest."""
     if num_decodes < 2:
-        return 0
+        return None
+    from collections import Counter
+
     tables = block_tables[:num_decodes]
-    first = tables[0]
-    if not first or any(not t or t[0] != first[0] for t in tables):
-        return 0  # the common case, answered without building an array
+    first, count = Counter(t[0] if t else -1 for t in tables).most_common(1)[0]
+    if count < 2 or first < 0:
+        return None
     import numpy as np
 
-    usable = (min(seq_lens[:num_decodes]) - 1) // block_size
-    usable = min(usable, min(len(t) for t in tables))
-    if usable <= 0:
-        return 0
-    blocks = np.array([t[:usable] for t in tables])
-    same = (blocks == blocks[0]).all(axis=0)
-    shared = usable if same.all() else int(np.argmin(same))
-    return shared * block_size
+    members = [i for i, t in enumerate(tables) if t and t[0] == first]
+    usable = [min(len(tables[i]), (seq_lens[i] - 1) // block_size) for i in members]
+    width = max(usable)
+    if width <= 0:
+        return None
+    blocks = np.full((len(members), width), -1, dtype=np.int64)
+    for row, (i, n) in enumerate(zip(members, usable, strict=True)):
+        blocks[row, :n] = tables[i][:n]
+    # Each member's shared length with the longest member's table (all share its block 0;
+    # a shorter one's filler -1 never matches a block id).
+    same = blocks == blocks[int(np.argmax(usable))]
+    shared = np.where(same.all(axis=1), width, same.argmin(axis=1))
+    order = np.sort(shared)[::-1]  # order[k - 1]: the k-th longest; k members hold >= it
+    gains = (np.arange(len(order))) * order  # (k - 1) * L_k
+    best = int(gains.argmax())
+    length = int(order[best])
+    if length <= 0 or gains[best] <= 0:
+        return None
+    rows = tuple(members[r] for r in np.flatnonzero(shared >= length).tolist())
+    return SharedPrefix(length * block_size, rows)
 
 
 @dataclass
@@ -133,8 +161,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     # Per request, bidirectional position spans (BatchLayout.bidirectional_spans), or None.
     bidirectional_spans_cpu: list[list[tuple[int, int]]] | None = None
-    # BatchLayout.common_prefix_len: a prefix all decodes share, for cascade attention.
-    common_prefix_len: int = 0
+    # BatchLayout.shared_prefix: a prefix decodes share, for cascade attention.
+    shared_prefix: SharedPrefix | None = None
 
 
 class AttentionBackend(ABC):
@@ -164,15 +192,16 @@ class AttentionBackend(ABC):
     # True when ``forward`` honours ``AttentionMetadata.bidirectional_spans_cpu`` (queries see
     # later keys inside a span: image tokens of Gemma 3).
     supports_bidirectional_spans: ClassVar[bool] = False
-    # True when ``forward`` honours ``AttentionMetadata.common_prefix_len`` (cascade attention
-    # over a prefix every decode shares; see the module docstring). The model runner then
-    # computes it for each step and runs the steps that use it outside its decode graphs.
+    # True when ``forward`` honours ``AttentionMetadata.shared_prefix`` (cascade attention over
+    # a prefix many decodes share; see the module docstring). The model runner then looks for
+    # one in each step and runs the steps that use it outside its decode graphs.
     supports_cascade_attention: ClassVar[bool] = False
 
     @classmethod
-    def use_cascade_attention(cls, common_prefix_len: int, num_decodes: int) -> bool:
-        """Whether a step whose ``num_decodes`` decodes share ``common_prefix_len`` tokens should
-        attend over them once (a backend's cost model; such a step runs eagerly)."""
+    def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:
+        """Whether ``prefix`` (held by ``len(prefix.rows)`` of the step's ``num_decodes``
+        decodes) should be attended once for them all (a backend's cost model; such a step
+        runs eagerly)."""
         return False
 
     @classmethod
@@ -273,7 +302,7 @@ class AttentionBackend(ABC):
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(layout.seq_lens),
             bidirectional_spans_cpu=layout.bidirectional_spans,
-            common_prefix_len=layout.common_prefix_len,
+            shared_prefix=layout.shared_prefix,
         )
 
     def __init__(

@@ -20,7 +20,8 @@ from engine.attention_backends.interface import (
     AttentionBackend,
     AttentionMetadata,
     BatchLayout,
-    common_prefix_len,
+    SharedPrefix,
+    find_shared_prefix,
 )
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import feedback_row, gather_feedback
@@ -915,32 +916,29 @@ class ModelRunner:
 
     def _cascade_prefix(
         self, tables: list[list[int]], seq_lens: list[int], num_decodes: int
-    ) -> int:
-        """The shared prefix the backend attends once for this step's decodes; 0: none."""
+    ) -> SharedPrefix | None:
+        """The shared prefix the backend attends once for this step's decodes; None: none."""
         if not self._cascade or num_decodes < 2:
-            return 0
-        shared = common_prefix_len(tables, seq_lens, num_decodes, self.block_size)
-        if shared and self.attn_backend_cls.use_cascade_attention(shared, num_decodes):
-            return shared
-        return 0
+            return None
+        prefix = find_shared_prefix(tables, seq_lens, num_decodes, self.block_size)
+        if prefix is not None and self.attn_backend_cls.use_cascade_attention(prefix, num_decodes):
+            return prefix
+        return None
 
     def _cascade_step(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether this decode step uses cascade attention (its graphs do not: it runs
-        eagerly). Most steps are answered by comparing two block ids."""
+        eagerly)."""
         if not self._cascade or len(scheduled) < 2:
             return False
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
         if groups[0] is not None:  # no full-attention layers (sliding windows never cascade)
-            return False
-        first, last = scheduled[0].block_ids[0], scheduled[-1].block_ids[0]
-        if not first or not last or first[0] != last[0]:
             return False
         num_decodes = 0
         while num_decodes < len(scheduled) and scheduled[num_decodes].num_new_tokens == 1:
             num_decodes += 1
         tables = [s.block_ids[0] for s in scheduled[:num_decodes]]
         lens = [s.start + s.num_new_tokens for s in scheduled[:num_decodes]]
-        return self._cascade_prefix(tables, lens, num_decodes) > 0
+        return self._cascade_prefix(tables, lens, num_decodes) is not None
 
     def layout(
         self,
@@ -987,8 +985,10 @@ class ModelRunner:
                 num_decodes,
                 bidirectional_spans=bidirectional_spans,
                 # Sliding-window layers never cascade (their old blocks are null placeholders).
-                common_prefix_len=(
-                    self._cascade_prefix(tables, seq_lens, num_decodes) if groups[g] is None else 0
+                shared_prefix=(
+                    self._cascade_prefix(tables, seq_lens, num_decodes)
+                    if groups[g] is None
+                    else None
                 ),
             )
             if self.shape_buckets is not None:

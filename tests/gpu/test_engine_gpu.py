@@ -94,6 +94,7 @@ def test_cascade_attention_matches_cpu(tiny_model, monkeypatch):
     rng = random.Random(1)
     prefix = [rng.randrange(10, 300) for _ in range(320)]
     prompts = [prefix + [rng.randrange(10, 300) for _ in range(1 + i)] for i in range(40)]
+    prompts.append([rng.randrange(10, 300) for _ in range(350)])  # shares nothing
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
 
     def run(**kwargs) -> list[list[int]]:

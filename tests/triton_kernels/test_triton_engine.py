@@ -63,7 +63,8 @@ def test_cascade_attention_in_the_engine_matches_torch(tiny_qwen3, monkeypatch):
 
     monkeypatch.setattr(attention, "paged_decode", recording_decode)
     prefix = list(range(20, 33))  # 13 tokens: 3 whole blocks of 4 shared
-    prompts = [prefix + [40 + i] * (1 + i % 3) for i in range(5)]
+    # The last prompt shares nothing: its decodes attend as usual beside the cascade.
+    prompts = [prefix + [40 + i] * (1 + i % 3) for i in range(5)] + [list(range(60, 75))]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
     def run(backend: str, **kw) -> list[list[int]]:

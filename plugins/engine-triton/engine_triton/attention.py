@@ -4,9 +4,9 @@ It keeps the default KV-cache layout ``(2, num_blocks, block_size, num_kv_heads,
 and the reference's slot convention, so a cache written by the reference ``write_kv_cache`` is
 read correctly here and vice versa. Decode tokens (the first ``num_decodes`` of a batch) go
 through the split-KV decode kernel, the rest through the varlen prefill kernel, which attends
-over each request's cached prefix as well (chunked prefill, prefix caching). When every decode
-shares a long cached prefix (``common_prefix_len``), the decode kernel is preceded by a shared
-pass over it (cascade attention, ``kernels/attention.py``).
+over each request's cached prefix as well (chunked prefill, prefix caching). When many decodes
+share a long cached prefix (``AttentionMetadata.shared_prefix``), the decode kernel is
+preceded by a shared pass over it (cascade attention, ``kernels/attention.py``).
 
 Importing this module is cheap: Triton and torch are imported when the backend is used.
 """
@@ -14,13 +14,37 @@ Importing this module is cheap: Triton and torch are imported when the backend i
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
+from engine.attention_backends.interface import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    SharedPrefix,
+)
 from engine.platforms.detect import module_available
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    """The base metadata plus, in a cascade step, each decode's first attended position in
+    the decode kernel (int32 [num_decodes]: the shared prefix's length for the decodes that
+    hold it, 0 for the others)."""
+
+    cascade_starts: torch.Tensor | None = None
+
+
+def cascade_starts(prefix: SharedPrefix, num_decodes: int, device: torch.device) -> torch.Tensor:
+    """``TritonMetadata.cascade_starts`` for ``prefix``: one small host-to-device copy per step."""
+    import torch
+
+    starts = torch.zeros(num_decodes, dtype=torch.int32)
+    starts[list(prefix.rows)] = prefix.length
+    return starts.to(device, non_blocking=False)
 
 
 def _interpreting() -> bool:
@@ -59,11 +83,12 @@ class TritonAttentionBackend(AttentionBackend):
     CASCADE_MIN_SAVED: ClassVar[int] = 65536
 
     @classmethod
-    def use_cascade_attention(cls, common_prefix_len: int, num_decodes: int) -> bool:
+    def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:
+        rows = len(prefix.rows)
         return (
-            num_decodes >= cls.CASCADE_MIN_DECODES
-            and common_prefix_len >= cls.CASCADE_MIN_PREFIX
-            and (num_decodes - 1) * common_prefix_len >= cls.CASCADE_MIN_SAVED
+            rows >= cls.CASCADE_MIN_DECODES
+            and prefix.length >= cls.CASCADE_MIN_PREFIX
+            and (rows - 1) * prefix.length >= cls.CASCADE_MIN_SAVED
         )
 
     @classmethod
@@ -85,12 +110,21 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def build_metadata(cls, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
         """Like the base builder, but on CUDA every array goes through one pinned host buffer
-        and one asynchronous copy instead of one blocking copy per tensor."""
+        and one asynchronous copy instead of one blocking copy per tensor. With a shared
+        prefix, each decode's first attended position (the prefix length for the decodes that
+        hold it, 0 for the others) goes to the device as ``TritonMetadata.cascade_starts``."""
         if getattr(device, "type", device) != "cuda":
-            return super().build_metadata(layout, device)
-        from engine_triton.host_inputs import build_metadata_pinned
+            md = super().build_metadata(layout, device)
+        else:
+            from engine_triton.host_inputs import build_metadata_pinned
 
-        return build_metadata_pinned(layout, device)
+            md = build_metadata_pinned(layout, device)
+        if layout.shared_prefix is not None:
+            md = TritonMetadata(
+                **vars(md),
+                cascade_starts=cascade_starts(layout.shared_prefix, md.num_decodes, device),
+            )
+        return md
 
     def _split_counters(self, needed: int, device: torch.device) -> torch.Tensor:
         """This layer's zeroed arrival counters for split-KV decode (the kernel leaves them
@@ -103,6 +137,21 @@ class TritonAttentionBackend(AttentionBackend):
             buf = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
             self._counters = buf
         return buf
+
+    def _cascade_args(self, metadata: AttentionMetadata) -> dict:
+        """``paged_decode``'s cascade arguments for this step (none under a sliding window)."""
+        prefix = metadata.shared_prefix
+        if prefix is None or self.sliding_window:
+            return {}
+        starts = getattr(metadata, "cascade_starts", None)
+        if starts is None:  # metadata built elsewhere (tests): the starts from the rows
+            starts = cascade_starts(prefix, metadata.num_decodes, metadata.seq_lens.device)
+            metadata.cascade_starts = starts  # once per step, not per layer
+        return {
+            "shared_prefix_len": prefix.length,
+            "shared_prefix_starts": starts,
+            "shared_prefix_row": prefix.rows[0],
+        }
 
     def launch_configs(self, device: torch.device) -> dict[str, dict]:
         """Launch configurations by kernel regime (``"prefill"``, ``"decode"``,
@@ -155,7 +204,7 @@ class TritonAttentionBackend(AttentionBackend):
                 configs=tuning,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
-                shared_prefix_len=0 if self.sliding_window else metadata.common_prefix_len,
+                **self._cascade_args(metadata),
             )
         if metadata.num_seqs > num_decodes:
             paged_prefill(

@@ -54,5 +54,5 @@ def build_metadata_pinned(layout: BatchLayout, device: torch.device) -> Attentio
         slot_mapping=slot_mapping,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=list(layout.seq_lens),
-        common_prefix_len=layout.common_prefix_len,
+        shared_prefix=layout.shared_prefix,
     )

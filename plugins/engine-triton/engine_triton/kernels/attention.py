@@ -210,9 +210,11 @@ def _prefill_kernel(
 # See _prefill_kernel: in mixed steps the per-request metadata comes from a packed buffer whose
 # offsets change from step to step; specializing on their alignment recompiled mid-run.
 @triton.jit(
-    do_not_specialize=["bt_stride", "num_splits", "kv_start"],
-    do_not_specialize_on_alignment=["seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr"],
-)
+    do_not_specialize=["bt_stride", "num_splits"],
+    do_not_specialize_on_alignment=[
+        "seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr", "kv_start_ptr"
+    ],
+)  # fmt: skip
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -245,7 +247,7 @@ def _decode_kernel(
     num_heads,
     num_kv_heads,
     num_splits,
-    kv_start,
+    kv_start_ptr,
     k_scale,
     v_scale,
     G: tl.constexpr,
@@ -266,10 +268,12 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Cascade attention: the first kv_start tokens (shared by every request) were attended by
-    # _shared_prefix_kernel, whose SHARED_PARTS partials wait in the slots after this
-    # request's splits; never combined with a window.
-    lo = kv_start
+    # Cascade attention: a request's first kv_start tokens (the shared prefix, for the requests
+    # that hold it; 0 for the others) were attended by _shared_prefix_kernel, whose
+    # SHARED_PARTS partials wait in the slots after this request's splits. Never with a window.
+    lo = 0
+    if SHARED_PARTS > 0:
+        lo = tl.load(kv_start_ptr + seq)
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     # Each split takes a whole number of tiles; trailing splits may get nothing.
@@ -375,14 +379,18 @@ def _decode_kernel(
                 tl.store(out_ptr + h_row + d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=["num_rows", "prefix_len", "num_parts", "part0"])
+@triton.jit(
+    do_not_specialize=["num_rows", "prefix_len", "num_parts", "part0"],
+    do_not_specialize_on_alignment=["bt_row_ptr", "kv_start_ptr"],
+)
 def _shared_prefix_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     part_out_ptr,
     part_lse_ptr,
-    block_table_ptr,
+    bt_row_ptr,
+    kv_start_ptr,
     num_rows,
     prefix_len,
     q_stride_t,
@@ -406,11 +414,12 @@ def _shared_prefix_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """Cascade attention's shared pass: the decode queries of all requests (a tile row is one
-    (request, head-in-group) pair: rows of many requests share each key/value tile, so the
-    prefix is read once per tile of rows instead of once per request) against the first
-    ``prefix_len`` tokens of block-table row 0, which every request shares. The grid's third
-    axis splits the prefix; each split leaves a partial output and log2-sum-exp in slot
+    """Cascade attention's shared pass: the decode queries (a tile row is one (request,
+    head-in-group) pair: rows of many requests share each key/value tile, so the prefix is
+    read once per tile of rows instead of once per request) against the first ``prefix_len``
+    tokens of the block-table row ``bt_row_ptr``, which the requests with a nonzero
+    ``kv_start`` hold; the others' rows see nothing (an empty partial). The grid's third axis
+    splits the prefix; each split leaves a partial output and log2-sum-exp in slot
     ``part0 + split`` of each row's partials, which the decode kernel combines."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -424,6 +433,7 @@ def _shared_prefix_kernel(
     d_mask = d < head_size
     q_rows = seq * q_stride_t + head.to(tl.int64) * q_stride_h
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_mask[None, :])
+    holds = tl.load(kv_start_ptr + seq, mask=row_ok, other=0) > 0
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -435,9 +445,9 @@ def _shared_prefix_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, n, n_mask,
-            n_mask[None, :], kv_head, stride_blk, stride_tok, stride_head, d, d_mask, scale,
-            softcap, USE_SOFTCAP, PAGE, PRECISION, KV_FP8,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, n, n_mask,
+            holds[:, None] & n_mask[None, :], kv_head, stride_blk, stride_tok, stride_head, d,
+            d_mask, scale, softcap, USE_SOFTCAP, PAGE, PRECISION, KV_FP8,
         )  # fmt: skip
 
     empty = l_i == 0.0
@@ -612,6 +622,8 @@ def paged_decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     shared_prefix_len: int = 0,
+    shared_prefix_starts: torch.Tensor | None = None,
+    shared_prefix_row: int = 0,
     shared_splits: int | None = None,
 ) -> None:
     """One query token per request (request ``i`` is token ``i`` of ``query``/``out``
@@ -626,11 +638,12 @@ def paged_decode(
     split, some, 16 or more), e.g. with a platform's tuning table; ``config`` overrides on top.
 
     ``shared_prefix_len`` > 0 (cascade attention; no sliding window): the first that many
-    tokens of every request sit in the same blocks (those of ``block_table`` row 0, all
-    cached). They are attended once for all requests by ``_shared_prefix_kernel`` (launched
-    first; configuration regime ``"shared_prefix"``), each request's own rest by the decode
-    kernel, which merges both; ``shared_splits`` fixes how many slices the shared pass cuts
-    the prefix into (default: ``shared_prefix_splits``).
+    tokens of the requests whose ``shared_prefix_starts`` (int32 [num_seqs]) is that length
+    sit in the same blocks, those of ``block_table`` row ``shared_prefix_row`` (all cached;
+    no starts: every request holds them). They are attended once for all those requests by
+    ``_shared_prefix_kernel`` (launched first; configuration regime ``"shared_prefix"``),
+    each request's own rest by the decode kernel, which merges both; ``shared_splits`` fixes
+    how many slices the shared pass cuts the prefix into (default: ``shared_prefix_splits``).
     """
     if num_seqs == 0:
         return
@@ -664,6 +677,10 @@ def paged_decode(
             row_tiles * num_kv_heads, shared_prefix_len, query.device
         )
         shared_parts = max(1, min(shared_parts, MAX_SHARED_PARTS))
+        if shared_prefix_starts is None:
+            shared_prefix_starts = torch.full(
+                (num_seqs,), shared_prefix_len, dtype=torch.int32, device=query.device
+            )
     num_parts = num_splits + shared_parts
     if num_parts > 1:
         part_out = torch.empty(
@@ -692,7 +709,8 @@ def paged_decode(
             v_cache,
             part_out,
             part_lse,
-            block_table,
+            block_table[shared_prefix_row],
+            shared_prefix_starts,
             num_seqs * group,
             shared_prefix_len,
             query.stride(0),
@@ -750,7 +768,7 @@ def paged_decode(
         num_heads,
         num_kv_heads,
         num_splits,
-        shared_prefix_len,
+        shared_prefix_starts if shared_parts else seq_lens,  # unused without a shared prefix
         float(k_scale),
         float(v_scale),
         G=group,

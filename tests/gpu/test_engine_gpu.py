@@ -78,19 +78,9 @@ def test_cascade_attention_matches_cpu(tiny_model, monkeypatch):
     """40 requests behind one 320-token prefix: their decode steps run cascade attention
     (eagerly, between graph replays of the other steps; thresholds lowered to this batch) and
     give the CPU path's greedy tokens."""
-    import engine_triton.kernels.attention as attention
-    from engine_triton.attention import TritonAttentionBackend
+    from paged_reference import record_cascades
 
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_DECODES", 8)
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_SAVED", 0)
-    shared_lens = []
-    decode = attention.paged_decode
-
-    def recording_decode(*args, **kwargs):
-        shared_lens.append(kwargs.get("shared_prefix_len", 0))
-        return decode(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "paged_decode", recording_decode)
+    shared_lens = record_cascades(monkeypatch, min_decodes=8)
     rng = random.Random(1)
     prefix = [rng.randrange(10, 300) for _ in range(320)]
     prompts = [prefix + [rng.randrange(10, 300) for _ in range(1 + i)] for i in range(40)]

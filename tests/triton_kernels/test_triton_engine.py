@@ -43,25 +43,15 @@ def test_cascade_attention_in_the_engine_matches_torch(tiny_qwen3, monkeypatch):
     """Decodes that share cached prefix blocks go through cascade attention (the thresholds
     lowered to this tiny batch) and give the torch path's greedy tokens; with
     ``disable_cascade_attn`` the shared pass never runs."""
+    from paged_reference import record_cascades
+
     import engine_triton.kernels as triton_kernels
-    import engine_triton.kernels.attention as attention
-    from engine_triton.attention import TritonAttentionBackend
 
     register = triton_kernels.register
     monkeypatch.setattr(
         triton_kernels, "register", lambda registry: register(registry, platforms=("cpu",))
     )
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_DECODES", 2)
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_PREFIX", 4)
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_SAVED", 0)
-    shared_lens = []
-    decode = attention.paged_decode
-
-    def recording_decode(*args, **kwargs):
-        shared_lens.append(kwargs.get("shared_prefix_len", 0))
-        return decode(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "paged_decode", recording_decode)
+    shared_lens = record_cascades(monkeypatch, min_decodes=2, min_prefix=4)
     prefix = list(range(20, 33))  # 13 tokens: 3 whole blocks of 4 shared
     # The last prompt shares nothing: its decodes attend as usual beside the cascade.
     prompts = [prefix + [40 + i] * (1 + i % 3) for i in range(5)] + [list(range(60, 75))]

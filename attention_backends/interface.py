@@ -16,13 +16,6 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
   one image in Gemma 3) inside which every query also sees the keys after it: a query at ``p``
   in ``[s, e)`` sees ``j`` iff ``j <= p`` or ``j < e`` (and the window, ``p - j < W``, still
   holds). A span lies whole inside one step's new tokens or already-cached ones plus them.
-* **A shared prefix** (a backend that sets ``supports_cascade_attention``): when decodes of a
-  step start with the same physical blocks, the model runner passes them as a
-  ``SharedPrefix`` (its length in tokens, whole blocks all cached before the step, and the
-  decodes that hold it) if the backend's ``use_cascade_attention`` accepts it; the backend may
-  then attend over those blocks once for all those decodes and over each one's own rest
-  separately, merging the two by their log-sum-exp (cascade attention). The result is the
-  same attention.
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
 * An fp8 KV cache (a backend lists the float8 dtypes it stores in
   ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
@@ -86,60 +79,6 @@ class BatchLayout:
     # Per request, the position spans [start, end) whose queries attend bidirectionally within
     # the span (see the module docstring); None: none in this step.
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
-    # A prefix that decodes of this step hold in the same blocks, for a backend that runs
-    # cascade attention over it (see the module docstring); None: attend as usual.
-    shared_prefix: SharedPrefix | None = None
-
-
-@dataclass(frozen=True)
-class SharedPrefix:
-    """A prefix that several decodes of one step hold in the same physical blocks: ``length``
-    tokens (whole blocks, all cached before the step) of the block table of ``rows[0]``, held
-    by the decodes ``rows`` (ascending indices below ``num_decodes``)."""
-
-    length: int
-    rows: tuple[int, ...]
-
-
-def find_shared_prefix(
-    block_tables: list[list[int]], seq_lens: list[int], num_decodes: int, block_size: int
-) -> SharedPrefix | None:
-    """The shared prefix among the first ``num_decodes`` requests that saves the most reads:
-    among the decodes whose first block is the most common one, the length ``L`` (in whole
-    blocks below each one's newest token) that maximises ``(decodes holding L - 1) * L``.
-    None when no two decodes share a block. Requests that joined later and computed the same
-    prompt again (in the step that first cached it) hold other blocks: they are left out
-    rather than cancelling the sharing of the rest."""
-    if num_decodes < 2:
-        return None
-    from collections import Counter
-
-    tables = block_tables[:num_decodes]
-    first, count = Counter(t[0] if t else -1 for t in tables).most_common(1)[0]
-    if count < 2 or first < 0:
-        return None
-    import numpy as np
-
-    members = [i for i, t in enumerate(tables) if t and t[0] == first]
-    usable = [min(len(tables[i]), (seq_lens[i] - 1) // block_size) for i in members]
-    width = max(usable)
-    if width <= 0:
-        return None
-    blocks = np.full((len(members), width), -1, dtype=np.int64)
-    for row, (i, n) in enumerate(zip(members, usable, strict=True)):
-        blocks[row, :n] = tables[i][:n]
-    # Each member's shared length with the longest member's table (all share its block 0;
-    # a shorter one's filler -1 never matches a block id).
-    same = blocks == blocks[int(np.argmax(usable))]
-    shared = np.where(same.all(axis=1), width, same.argmin(axis=1))
-    order = np.sort(shared)[::-1]  # order[k - 1]: the k-th longest; k members hold >= it
-    gains = (np.arange(len(order))) * order  # (k - 1) * L_k
-    best = int(gains.argmax())
-    length = int(order[best])
-    if length <= 0 or gains[best] <= 0:
-        return None
-    rows = tuple(members[r] for r in np.flatnonzero(shared >= length).tolist())
-    return SharedPrefix(length * block_size, rows)
 
 
 @dataclass
@@ -161,8 +100,6 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     # Per request, bidirectional position spans (BatchLayout.bidirectional_spans), or None.
     bidirectional_spans_cpu: list[list[tuple[int, int]]] | None = None
-    # BatchLayout.shared_prefix: a prefix decodes share, for cascade attention.
-    shared_prefix: SharedPrefix | None = None
 
 
 class AttentionBackend(ABC):
@@ -192,17 +129,6 @@ class AttentionBackend(ABC):
     # True when ``forward`` honours ``AttentionMetadata.bidirectional_spans_cpu`` (queries see
     # later keys inside a span: image tokens of Gemma 3).
     supports_bidirectional_spans: ClassVar[bool] = False
-    # True when ``forward`` honours ``AttentionMetadata.shared_prefix`` (cascade attention over
-    # a prefix many decodes share; see the module docstring). The model runner then looks for
-    # one in each step and runs the steps that use it outside its decode graphs.
-    supports_cascade_attention: ClassVar[bool] = False
-
-    @classmethod
-    def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:
-        """Whether ``prefix`` (held by ``len(prefix.rows)`` of the step's ``num_decodes``
-        decodes) should be attended once for them all (a backend's cost model; such a step
-        runs eagerly)."""
-        return False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -302,7 +228,6 @@ class AttentionBackend(ABC):
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(layout.seq_lens),
             bidirectional_spans_cpu=layout.bidirectional_spans,
-            shared_prefix=layout.shared_prefix,
         )
 
     def __init__(

@@ -16,13 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.attention_backends.interface import (
-    AttentionBackend,
-    AttentionMetadata,
-    BatchLayout,
-    SharedPrefix,
-    find_shared_prefix,
-)
+from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import feedback_row, gather_feedback
 from engine.kernels.registry import Kernels
@@ -170,11 +164,6 @@ class ModelRunner:
         self.platform = platform
         self.kernels = kernels
         self.attn_backend_cls = attn_backend_cls
-        # Cascade attention over a prefix all decodes share, where the backend offers it.
-        self._cascade = bool(
-            getattr(attn_backend_cls, "supports_cascade_attention", False)
-            and not config.model.disable_cascade_attn
-        )
         self.sampler = sampler
         self.sampler_cls = sampler_cls
         self.plugins = plugins
@@ -718,10 +707,8 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.prepare(scheduled)  # adapter slots and the per-token mapping
             hidden = None
-            if (
-                self.graphs is not None
-                and not (self.mm is not None and self.mm.spans_any(scheduled))
-                and not self._cascade_step(scheduled)
+            if self.graphs is not None and not (
+                self.mm is not None and self.mm.spans_any(scheduled)
             ):
                 hidden = self.graphs.run(scheduled, self._feedback_rows)
             if hidden is not None:  # replayed a captured decode graph
@@ -914,32 +901,6 @@ class ModelRunner:
             (s.request.request_id, v) for (_, s), v in zip(rows, vectors, strict=True)
         ]
 
-    def _cascade_prefix(
-        self, tables: list[list[int]], seq_lens: list[int], num_decodes: int
-    ) -> SharedPrefix | None:
-        """The shared prefix the backend attends once for this step's decodes; None: none."""
-        if not self._cascade or num_decodes < 2:
-            return None
-        prefix = find_shared_prefix(tables, seq_lens, num_decodes, self.block_size)
-        if prefix is not None and self.attn_backend_cls.use_cascade_attention(prefix, num_decodes):
-            return prefix
-        return None
-
-    def _cascade_step(self, scheduled: list[ScheduledRequest]) -> bool:
-        """Whether this decode step uses cascade attention (its graphs do not: it runs
-        eagerly)."""
-        if not self._cascade or len(scheduled) < 2:
-            return False
-        groups = self._groups if self._groups is not None else self.kv_cache_groups()
-        if groups[0] is not None:  # no full-attention layers (sliding windows never cascade)
-            return False
-        num_decodes = 0
-        while num_decodes < len(scheduled) and scheduled[num_decodes].num_new_tokens == 1:
-            num_decodes += 1
-        tables = [s.block_ids[0] for s in scheduled[:num_decodes]]
-        lens = [s.start + s.num_new_tokens for s in scheduled[:num_decodes]]
-        return self._cascade_prefix(tables, lens, num_decodes) is not None
-
     def layout(
         self,
         starts: list[int],
@@ -984,12 +945,6 @@ class ModelRunner:
                 bs,
                 num_decodes,
                 bidirectional_spans=bidirectional_spans,
-                # Sliding-window layers never cascade (their old blocks are null placeholders).
-                shared_prefix=(
-                    self._cascade_prefix(tables, seq_lens, num_decodes)
-                    if groups[g] is None
-                    else None
-                ),
             )
             if self.shape_buckets is not None:
                 layout = self.shape_buckets.pad_layout(layout, num_tokens)

@@ -119,24 +119,3 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # Relative-error bounds against the float64 oracle (METHOD.md's ranges).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-def record_cascades(monkeypatch, min_decodes: int, min_prefix: int = 256) -> list[int]:
-    """Lower the triton backend's cascade thresholds to a test's batch (``min_decodes``
-    holders, ``min_prefix`` tokens, no minimum saving) and record the ``shared_prefix_len`` of
-    every ``paged_decode`` call (0 without cascade) in the returned list."""
-    import engine_triton.kernels.attention as attention
-    from engine_triton.attention import TritonAttentionBackend
-
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_DECODES", min_decodes)
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_PREFIX", min_prefix)
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_SAVED", 0)
-    shared_lens: list[int] = []
-    decode = attention.paged_decode
-
-    def recording_decode(*args, **kwargs):
-        shared_lens.append(kwargs.get("shared_prefix_len", 0))
-        return decode(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "paged_decode", recording_decode)
-    return shared_lens

@@ -36,37 +36,3 @@ def test_engine_on_triton_interpreter_matches_torch(tiny_qwen3, monkeypatch):
     expected = _generate(tiny_qwen3, "torch")
     # Chunked prefill (8-token budget), decodes and a prefix-cache hit all go through Triton.
     assert _generate(tiny_qwen3, "triton") == expected
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-def test_cascade_attention_in_the_engine_matches_torch(tiny_qwen3, monkeypatch):
-    """Decodes that share cached prefix blocks go through cascade attention (the thresholds
-    lowered to this tiny batch) and give the torch path's greedy tokens; with
-    ``disable_cascade_attn`` the shared pass never runs."""
-    from paged_reference import record_cascades
-
-    import engine_triton.kernels as triton_kernels
-
-    register = triton_kernels.register
-    monkeypatch.setattr(
-        triton_kernels, "register", lambda registry: register(registry, platforms=("cpu",))
-    )
-    shared_lens = record_cascades(monkeypatch, min_decodes=2, min_prefix=4)
-    prefix = list(range(20, 33))  # 13 tokens: 3 whole blocks of 4 shared
-    # The last prompt shares nothing: its decodes attend as usual beside the cascade.
-    prompts = [prefix + [40 + i] * (1 + i % 3) for i in range(5)] + [list(range(60, 75))]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-
-    def run(backend: str, **kw) -> list[list[int]]:
-        llm = LLM(tiny_qwen3, attention_backend=backend, dtype="float32", block_size=4,
-                  max_num_batched_tokens=64, platform="cpu", **kw)  # fmt: skip
-        llm.generate(prompts[:1], params, use_tqdm=False)  # caches the prefix blocks
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
-
-    expected = run("torch")
-    assert run("triton") == expected
-    assert max(shared_lens) == 12, shared_lens  # the shared pass ran over 3 blocks
-    shared_lens.clear()
-    assert run("triton", disable_cascade_attn=True) == expected
-    assert shared_lens and max(shared_lens) == 0

@@ -4,9 +4,7 @@ It keeps the default KV-cache layout ``(2, num_blocks, block_size, num_kv_heads,
 and the reference's slot convention, so a cache written by the reference ``write_kv_cache`` is
 read correctly here and vice versa. Decode tokens (the first ``num_decodes`` of a batch) go
 through the split-KV decode kernel, the rest through the varlen prefill kernel, which attends
-over each request's cached prefix as well (chunked prefill, prefix caching). When many decodes
-share a long cached prefix (``AttentionMetadata.shared_prefix``), the decode kernel is
-preceded by a shared pass over it (cascade attention, ``kernels/attention.py``).
+over each request's cached prefix as well (chunked prefill, prefix caching).
 
 Importing this module is cheap: Triton and torch are imported when the backend is used.
 """
@@ -14,37 +12,13 @@ Importing this module is cheap: Triton and torch are imported when the backend i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.attention_backends.interface import (
-    AttentionBackend,
-    AttentionMetadata,
-    BatchLayout,
-    SharedPrefix,
-)
+from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
 from engine.platforms.detect import module_available
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class TritonMetadata(AttentionMetadata):
-    """The base metadata plus, in a cascade step, each decode's first attended position in
-    the decode kernel (int32 [num_decodes]: the shared prefix's length for the decodes that
-    hold it, 0 for the others)."""
-
-    cascade_starts: torch.Tensor | None = None
-
-
-def cascade_starts(prefix: SharedPrefix, num_decodes: int, device: torch.device) -> torch.Tensor:
-    """``TritonMetadata.cascade_starts`` for ``prefix``: one small host-to-device copy per step."""
-    import torch
-
-    starts = torch.zeros(num_decodes, dtype=torch.int32)
-    starts[list(prefix.rows)] = prefix.length
-    return starts.to(device, non_blocking=False)
 
 
 def _interpreting() -> bool:
@@ -71,25 +45,6 @@ class TritonAttentionBackend(AttentionBackend):
         () if os.environ.get("TRITON_INTERPRET") == "1" else ("float8_e4m3fn",)
     )
     max_head_size: ClassVar[int] = 256
-    supports_cascade_attention: ClassVar[bool] = True
-
-    # Cascade attention pays when the shared prefix is read by many decodes: the shared pass
-    # then reads it once per tile of 64 (request, head) rows instead of once per request, and
-    # such a step runs eagerly (outside the decode graphs), which costs host time that only a
-    # large saving hides. First thresholds, to be measured on a GPU; the shared prefix must be
-    # at least CASCADE_MIN_PREFIX tokens and save at least CASCADE_MIN_SAVED token reads.
-    CASCADE_MIN_DECODES: ClassVar[int] = 32
-    CASCADE_MIN_PREFIX: ClassVar[int] = 256
-    CASCADE_MIN_SAVED: ClassVar[int] = 65536
-
-    @classmethod
-    def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:
-        rows = len(prefix.rows)
-        return (
-            rows >= cls.CASCADE_MIN_DECODES
-            and prefix.length >= cls.CASCADE_MIN_PREFIX
-            and (rows - 1) * prefix.length >= cls.CASCADE_MIN_SAVED
-        )
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -110,21 +65,12 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def build_metadata(cls, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
         """Like the base builder, but on CUDA every array goes through one pinned host buffer
-        and one asynchronous copy instead of one blocking copy per tensor. With a shared
-        prefix, each decode's first attended position (the prefix length for the decodes that
-        hold it, 0 for the others) goes to the device as ``TritonMetadata.cascade_starts``."""
+        and one asynchronous copy instead of one blocking copy per tensor."""
         if getattr(device, "type", device) != "cuda":
-            md = super().build_metadata(layout, device)
-        else:
-            from engine_triton.host_inputs import build_metadata_pinned
+            return super().build_metadata(layout, device)
+        from engine_triton.host_inputs import build_metadata_pinned
 
-            md = build_metadata_pinned(layout, device)
-        if layout.shared_prefix is not None:
-            md = TritonMetadata(
-                **vars(md),
-                cascade_starts=cascade_starts(layout.shared_prefix, md.num_decodes, device),
-            )
-        return md
+        return build_metadata_pinned(layout, device)
 
     def _split_counters(self, needed: int, device: torch.device) -> torch.Tensor:
         """This layer's zeroed arrival counters for split-KV decode (the kernel leaves them
@@ -138,24 +84,9 @@ class TritonAttentionBackend(AttentionBackend):
             self._counters = buf
         return buf
 
-    def _cascade_args(self, metadata: AttentionMetadata) -> dict:
-        """``paged_decode``'s cascade arguments for this step (none under a sliding window)."""
-        prefix = metadata.shared_prefix
-        if prefix is None or self.sliding_window:
-            return {}
-        starts = getattr(metadata, "cascade_starts", None)
-        if starts is None:  # metadata built elsewhere (tests): the starts from the rows
-            starts = cascade_starts(prefix, metadata.num_decodes, metadata.seq_lens.device)
-            metadata.cascade_starts = starts  # once per step, not per layer
-        return {
-            "shared_prefix_len": prefix.length,
-            "shared_prefix_starts": starts,
-            "shared_prefix_row": prefix.rows[0],
-        }
-
     def launch_configs(self, device: torch.device) -> dict[str, dict]:
         """Launch configurations by kernel regime (``"prefill"``, ``"decode"``,
-        ``"decode_split"``, ``"decode_many_splits"``, ``"shared_prefix"``) overriding the kernels' defaults, which
+        ``"decode_split"``, ``"decode_many_splits"``) overriding the kernels' defaults, which
         were tuned on an H200. Empty here; a platform's subclass returns its tuning table
         (engine-rocm's per gfx family)."""
         return {}
@@ -204,7 +135,6 @@ class TritonAttentionBackend(AttentionBackend):
                 configs=tuning,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
-                **self._cascade_args(metadata),
             )
         if metadata.num_seqs > num_decodes:
             paged_prefill(

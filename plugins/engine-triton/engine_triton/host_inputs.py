@@ -54,5 +54,4 @@ def build_metadata_pinned(layout: BatchLayout, device: torch.device) -> Attentio
         slot_mapping=slot_mapping,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=list(layout.seq_lens),
-        shared_prefix=layout.shared_prefix,
     )

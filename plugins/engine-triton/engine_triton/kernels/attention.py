@@ -211,10 +211,8 @@ def _prefill_kernel(
 # offsets change from step to step; specializing on their alignment recompiled mid-run.
 @triton.jit(
     do_not_specialize=["bt_stride", "num_splits"],
-    do_not_specialize_on_alignment=[
-        "seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr", "kv_start_ptr"
-    ],
-)  # fmt: skip
+    do_not_specialize_on_alignment=["seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr"],
+)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -247,14 +245,12 @@ def _decode_kernel(
     num_heads,
     num_kv_heads,
     num_splits,
-    kv_start_ptr,
     k_scale,
     v_scale,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
-    SHARED_PARTS: tl.constexpr,
     APPEND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
@@ -268,12 +264,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Cascade attention: a request's first kv_start tokens (the shared prefix, for the requests
-    # that hold it; 0 for the others) were attended by _shared_prefix_kernel, whose
-    # SHARED_PARTS partials wait in the slots after this request's splits. Never with a window.
     lo = 0
-    if SHARED_PARTS > 0:
-        lo = tl.load(kv_start_ptr + seq)
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     # Each split takes a whole number of tiles; trailing splits may get nothing.
@@ -343,11 +334,9 @@ def _decode_kernel(
     if not SPLIT_KV:
         tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), o_mask)
     else:
-        # Partials [B, num_heads, parts, HEAD_PAD] and log2-sum-exp [B, num_heads, parts]
-        # (parts: the splits, then the shared prefix's); the last of the (request, KV head)'s
-        # splits to arrive combines them all (one launch).
-        num_parts = num_splits + SHARED_PARTS
-        idx = (seq * num_heads + head) * num_parts + split
+        # Partials [B, num_heads, splits, HEAD_PAD] and log2-sum-exp [B, num_heads, splits];
+        # the last of the (request, KV head)'s splits to arrive combines them (one launch).
+        idx = (seq * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + idx, lse, mask=g_ok)
@@ -358,9 +347,9 @@ def _decode_kernel(
         if arrived == num_splits - 1:
             tl.atomic_xchg(counter, 0)  # ready for the next launch
             sp = tl.arange(0, MAX_SPLITS)
-            sp_ok = sp < num_parts
+            sp_ok = sp < num_splits
             for gi in tl.static_range(G):  # one query head of the group at a time
-                base = (seq * num_heads + kv_head * G + gi) * num_parts
+                base = (seq * num_heads + kv_head * G + gi) * num_splits
                 lse_all = tl.load(
                     part_lse_ptr + base + sp, mask=sp_ok, other=float("-inf"), cache_modifier=".cg"
                 )
@@ -377,87 +366,6 @@ def _decode_kernel(
                 merged = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
                 h_row = seq * o_stride_t + (kv_head * G + gi).to(tl.int64) * o_stride_h
                 tl.store(out_ptr + h_row + d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-@triton.jit(
-    do_not_specialize=["num_rows", "prefix_len", "num_parts", "part0"],
-    do_not_specialize_on_alignment=["bt_row_ptr", "kv_start_ptr"],
-)
-def _shared_prefix_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    bt_row_ptr,
-    kv_start_ptr,
-    num_rows,
-    prefix_len,
-    q_stride_t,
-    q_stride_h,
-    stride_blk,
-    stride_tok,
-    stride_head,
-    scale,
-    softcap,
-    head_size,
-    num_heads,
-    num_parts,
-    part0,
-    v_scale,
-    G: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """Cascade attention's shared pass: the decode queries (a tile row is one (request,
-    head-in-group) pair: rows of many requests share each key/value tile, so the prefix is
-    read once per tile of rows instead of once per request) against the first ``prefix_len``
-    tokens of the block-table row ``bt_row_ptr``, which the requests with a nonzero
-    ``kv_start`` hold; the others' rows see nothing (an empty partial). The grid's third axis
-    splits the prefix; each split leaves a partial output and log2-sum-exp in slot
-    ``part0 + split`` of each row's partials, which the decode kernel combines."""
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    part = tl.program_id(2)
-    num_split = tl.num_programs(2)
-    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < num_rows
-    seq = (r // G).to(tl.int64)
-    head = kv_head * G + r % G
-    d = tl.arange(0, HEAD_PAD)
-    d_mask = d < head_size
-    q_rows = seq * q_stride_t + head.to(tl.int64) * q_stride_h
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_mask[None, :])
-    holds = tl.load(kv_start_ptr + seq, mask=row_ok, other=0) > 0
-
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    per_split = tl.cdiv(tl.cdiv(prefix_len, num_split), BLOCK_N) * BLOCK_N
-    lo = part * per_split
-    hi = tl.minimum(lo + per_split, prefix_len)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, n, n_mask,
-            holds[:, None] & n_mask[None, :], kv_head, stride_blk, stride_tok, stride_head, d,
-            d_mask, scale, softcap, USE_SOFTCAP, PAGE, PRECISION, KV_FP8,
-        )  # fmt: skip
-
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if KV_FP8:
-        out = out * v_scale
-    idx = (seq * num_heads + head) * num_parts + part0 + part
-    tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=row_ok[:, None])
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    tl.store(part_lse_ptr + idx, lse, mask=row_ok)
 
 
 def _interpreted(t: torch.Tensor) -> bool:
@@ -588,20 +496,6 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return max(1, min(MAX_SPLITS, splits))
 
 
-# Cascade attention's shared pass (_shared_prefix_kernel): rows of (request, head) pairs per
-# tile and prefix tokens per key/value tile. Not yet swept on a GPU: the prefill kernel's tile.
-SHARED_PREFIX_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
-MAX_SHARED_PARTS = 16
-
-
-def shared_prefix_splits(programs: int, prefix_len: int, device: torch.device) -> int:
-    """How many slices the shared prefix is cut into: enough programs to fill the GPU about
-    twice over (a few requests give few row tiles), each slice at least 256 tokens."""
-    sms = _num_sms(device)
-    splits = triton.next_power_of_2(triton.cdiv(2 * sms, max(programs, 1)))
-    return max(1, min(MAX_SHARED_PARTS, splits, max(1, prefix_len // 256)))
-
-
 def paged_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -621,10 +515,6 @@ def paged_decode(
     configs: dict[str, dict] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    shared_prefix_len: int = 0,
-    shared_prefix_starts: torch.Tensor | None = None,
-    shared_prefix_row: int = 0,
-    shared_splits: int | None = None,
 ) -> None:
     """One query token per request (request ``i`` is token ``i`` of ``query``/``out``
     [T, H, D]) over its paged context of ``seq_lens[i]`` tokens. Writes ``out[:num_seqs]``.
@@ -636,14 +526,6 @@ def paged_decode(
     same launch; one is allocated when not given. ``configs`` replaces the launch
     configuration of a regime (``"decode"``, ``"decode_split"``, ``"decode_many_splits"``: no
     split, some, 16 or more), e.g. with a platform's tuning table; ``config`` overrides on top.
-
-    ``shared_prefix_len`` > 0 (cascade attention; no sliding window): the first that many
-    tokens of the requests whose ``shared_prefix_starts`` (int32 [num_seqs]) is that length
-    sit in the same blocks, those of ``block_table`` row ``shared_prefix_row`` (all cached;
-    no starts: every request holds them). They are attended once for all those requests by
-    ``_shared_prefix_kernel`` (launched first; configuration regime ``"shared_prefix"``),
-    each request's own rest by the decode kernel, which merges both; ``shared_splits`` fixes
-    how many slices the shared pass cuts the prefix into (default: ``shared_prefix_splits``).
     """
     if num_seqs == 0:
         return
@@ -664,30 +546,12 @@ def paged_decode(
     if interp:
         cfg = {"block_n": 16, "num_warps": 4, "num_stages": 1}
     head_pad = max(16, triton.next_power_of_2(head_size))
-    if shared_prefix_len and sliding_window:
-        raise ValueError("cascade attention (shared_prefix_len) with a sliding window")
-    shared_parts = 0
-    if shared_prefix_len:
-        shared_cfg = dict(SHARED_PREFIX_CONFIG, **(configs or {}).get("shared_prefix", {}))
-        if interp:
-            shared_cfg = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
-        shared_block_m = max(shared_cfg["block_m"], triton.next_power_of_2(group))
-        row_tiles = triton.cdiv(num_seqs * group, shared_block_m)
-        shared_parts = shared_splits or shared_prefix_splits(
-            row_tiles * num_kv_heads, shared_prefix_len, query.device
-        )
-        shared_parts = max(1, min(shared_parts, MAX_SHARED_PARTS))
-        if shared_prefix_starts is None:
-            shared_prefix_starts = torch.full(
-                (num_seqs,), shared_prefix_len, dtype=torch.int32, device=query.device
-            )
-    num_parts = num_splits + shared_parts
-    if num_parts > 1:
+    if num_splits > 1:
         part_out = torch.empty(
-            (num_seqs, num_heads, num_parts, head_pad), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
         )
         part_lse = torch.empty(
-            (num_seqs, num_heads, num_parts), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         if split_counters is None:
             split_counters = torch.zeros(
@@ -702,40 +566,6 @@ def paged_decode(
     if not append:
         key = value = query  # unused
         slot_mapping = seq_lens  # unused
-    if shared_parts:
-        _shared_prefix_kernel[(row_tiles, num_kv_heads, shared_parts)](
-            query,
-            k_cache,
-            v_cache,
-            part_out,
-            part_lse,
-            block_table[shared_prefix_row],
-            shared_prefix_starts,
-            num_seqs * group,
-            shared_prefix_len,
-            query.stride(0),
-            query.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            scale * k_scale if fp8 else scale,
-            logit_softcap or 0.0,
-            head_size,
-            num_heads,
-            num_parts,
-            num_splits,
-            float(v_scale),
-            G=group,
-            BLOCK_M=shared_block_m,
-            BLOCK_N=shared_cfg["block_n"],
-            PAGE=page,
-            HEAD_PAD=head_pad,
-            USE_SOFTCAP=bool(logit_softcap),
-            PRECISION=_precision(query.dtype),
-            KV_FP8=fp8,
-            num_warps=shared_cfg["num_warps"],
-            num_stages=shared_cfg["num_stages"],
-        )
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -768,14 +598,12 @@ def paged_decode(
         num_heads,
         num_kv_heads,
         num_splits,
-        shared_prefix_starts if shared_parts else seq_lens,  # unused without a shared prefix
         float(k_scale),
         float(v_scale),
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
-        SPLIT_KV=num_parts > 1,
-        MAX_SPLITS=triton.next_power_of_2(MAX_SPLITS + shared_parts),
-        SHARED_PARTS=shared_parts,
+        SPLIT_KV=num_splits > 1,
+        MAX_SPLITS=MAX_SPLITS,
         APPEND=append,
         BLOCK_N=cfg["block_n"],
         PAGE=page,

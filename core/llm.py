@@ -48,7 +48,8 @@ class LLM:
     ``max_num_batched_tokens`` (None: the platform's offline defaults, logged; 1024 and 16384
     on a GPU of 70 GiB or more, else 256 and 8192), ``enable_prefix_caching``,
     ``attention_backend``, ``platform``, ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
-    ``load_format``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``load_format``, ``model_loader_extra_config`` (``{"dummy_init": "uniform"}``: vLLM's
+    dummy weights), ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (uni, mp, ray), ``enable_expert_parallel`` (MoE experts
     placed across the tensor-parallel ranks), ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),

@@ -143,9 +143,10 @@ def test_expert_load_is_counted_inside_decode_graphs(tiny_moe, tmp_path, async_f
     from engine.models.registry import ModelRegistry
 
     out = tmp_path / "r.json"
+    # --num-gpu-blocks-override: test files run side by side on one GPU (run_all.sh).
     argv = ["--model", tiny_moe, "--dtype", "float32", "--num-prompts", "5", "--input-len", "20",
             "--output-len", "9", "--no-warmup", "--expert-load", async_flag,
-            "--json", str(out)]  # fmt: skip
+            "--num-gpu-blocks-override", "512", "--json", str(out)]  # fmt: skip
     assert throughput.main(argv) == 0
     result = json.loads(out.read_text())
     load = result["step_split"]["expert_load"]

@@ -29,9 +29,10 @@ def _free_port() -> int:
 @pytest.mark.parametrize("api_servers", [1, 2])
 def test_served_greedy_tokens_equal_offline_on_the_gpu(tmp_path, api_servers):
     model = str(build_tiny_model(tmp_path / "m", "qwen3"))
-    flags = ["--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.3"]
+    # Caches sized by block count: test files run side by side on one GPU (run_all.sh).
+    flags = ["--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "512"]
     prompts = [[10 + (7 * i + j) % 290 for j in range(5 + 9 * i)] for i in range(8)]
-    offline = LLM(model, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
+    offline = LLM(model, dtype="float32", max_model_len=512, num_gpu_blocks_override=512)
     want = [
         o.outputs[0].token_ids
         for o in offline.generate(

@@ -201,6 +201,7 @@ def test_wna16_gemm_for_more_than_16_rows(bits, act_order, device, seed):
         _close(wna16_linear(x.to(device), packed, bits=bits, group_size=group), want, dtype, seed)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
 def test_a_tiny_awq_model_runs_on_the_triton_kernels(tmp_path, seed):
     """The engine's AWQ path end to end with engine-triton's wna16_linear (registered for the
     cpu platform so the interpreter runs it) against the torch reference kernels."""

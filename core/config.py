@@ -37,7 +37,8 @@ TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "emb
 
 # How load_format="dummy" draws each weight matrix (biases zero, norm scales one):
 #   normal:  normal(0, 0.02), a model whose greedy output wanders like a trained one's does
-#            (it rarely repeats), so token-by-token comparisons between layouts and kernels can fail;
+#            (it rarely repeats), so a token-by-token comparison of layouts or kernels can
+#            fail;
 #   uniform: uniform(-1e-3, 1e-3), vLLM's dummy weights: the greedy output of such a model
 #            soon repeats one token, which is what a speculative-decoding benchmark on random
 #            weights needs (prompt lookup then drafts it) and what vLLM's own runs see.

@@ -95,6 +95,11 @@ class ModelConfig:
     # SamplingParams defaults from the generation config (engine.generation_config).
     default_sampling: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def dummy_init(self) -> str:
+        """How ``load_format="dummy"`` draws its matrices (one of ``DUMMY_INITS``)."""
+        return self.model_loader_extra_config.get("dummy_init", "normal")
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in SUPPORTED_DTYPES:

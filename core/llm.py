@@ -43,8 +43,9 @@ Message = dict[str, Any]
 class LLM:
     """An engine for offline batched generation.
 
-    Keyword arguments mirror vLLM's ``LLM``: ``model`` (None = the embedded default model),
-    ``tokenizer``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs`` and
+    Keyword arguments mirror vLLM's ``LLM``: ``model`` (None = the embedded default model; a
+    Hugging Face Hub id is downloaded unless cached: ``engine.loader.hub``), ``tokenizer``,
+    ``revision``, ``tokenizer_revision``, ``download_dir``, ``dtype``, ``max_model_len``, ``block_size``, ``max_num_seqs`` and
     ``max_num_batched_tokens`` (None: the platform's offline defaults, logged; 1024 and 16384
     on a GPU of 70 GiB or more, else 256 and 8192), ``enable_prefix_caching``,
     ``attention_backend``, ``platform``, ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
@@ -131,6 +132,9 @@ class LLM:
         model_impl: str = "auto",
         runner: str = "auto",
         task: str | None = None,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        download_dir: str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -139,6 +143,9 @@ class LLM:
             model=ModelConfig(
                 model=model,
                 tokenizer=tokenizer,
+                revision=revision,
+                tokenizer_revision=tokenizer_revision,
+                download_dir=download_dir,
                 dtype=dtype,
                 max_model_len=max_model_len,
                 load_format=load_format,

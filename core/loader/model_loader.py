@@ -1,7 +1,8 @@
 """Find a model, read its config, build it and stream its weights into it.
 
-``load_hf_config`` resolves ``ModelConfig.model`` (a local directory, a model id in the local
-Hugging Face cache, or a ``.gguf`` file), reads the config offline and checks the architecture;
+``load_hf_config`` resolves ``ModelConfig.model`` (a local directory, a Hugging Face Hub id,
+cached or downloaded by ``engine.loader.hub``, or a ``.gguf`` file), reads the config and checks
+the architecture;
 ``load_model`` builds the model on the target device and fills it from safetensors shards (tensor
 by tensor, straight into the parameters), from GGUF (through ``engine.loader.gguf_loader``) or
 with seeded random values (``load_format="dummy"``).
@@ -16,7 +17,6 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,15 +42,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 # ---- locating the model -------------------------------------------------------------------
-def resolve_model_path(model: str) -> Path:
+def resolve_model_path(
+    model: str,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    weights: bool = True,
+    code: bool = False,
+) -> Path:
     """A local model directory (with config.json) or ``.gguf`` file for ``model``.
 
-    ``model`` may be a path, or a Hugging Face model id already in the local cache (nothing is
-    downloaded).
+    ``model`` may be a path, or a Hugging Face Hub id: its snapshot in the local cache, at
+    ``revision``, downloaded first where the cache lacks it (``engine.loader.hub``; ``weights``
+    False skips the safetensors files, ``code`` adds the repository's Python files).
     """
     path = Path(model).expanduser()
     if path.exists():
@@ -61,24 +68,30 @@ def resolve_model_path(model: str) -> Path:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"no config.json in model directory {path}")
         return path
-    if not _REPO_ID.match(model) or model.startswith("."):
+    from engine.loader.hub import hub_snapshot, is_hub_id
+
+    if not is_hub_id(model):
         raise ModelLoadError(
             f"model path {path} does not exist; pass a Hugging Face model directory (with "
-            "config.json), a model id in the local Hugging Face cache, or a .gguf file"
+            "config.json), a Hugging Face Hub id (org/name), or a .gguf file"
         )
-    from huggingface_hub import snapshot_download
+    return hub_snapshot(
+        model, revision=revision, download_dir=download_dir, weights=weights, code=code
+    )
 
-    try:
-        snapshot = Path(snapshot_download(model, local_files_only=True))
-    except Exception as e:  # huggingface_hub raises several types for "not cached"
-        raise ModelLoadError(
-            f"model {model!r} is neither a local directory nor a model in the local Hugging "
-            f"Face cache (nothing is downloaded; run `huggingface-cli download {model}` first): "
-            f"{type(e).__name__}"
-        ) from None
-    if not (snapshot / "config.json").is_file():
-        raise ModelLoadError(f"no config.json in the cached snapshot of {model!r} ({snapshot})")
-    return snapshot
+
+def locate_model(model_config: ModelConfig) -> Path:
+    """``resolve_model_path`` with the model config's revision, download directory, load
+    format (dummy weights need no weight files) and ``trust_remote_code``."""
+    if model_config.model is None:
+        raise ModelLoadError("no model given")
+    return resolve_model_path(
+        model_config.model,
+        revision=model_config.revision,
+        download_dir=model_config.download_dir,
+        weights=model_config.load_format != "dummy",
+        code=model_config.trust_remote_code,
+    )
 
 
 def _is_gguf(path: Path, model_config: ModelConfig) -> bool:
@@ -95,7 +108,7 @@ def load_hf_config(
     The architecture is checked against ``registry`` (default: the built-ins plus what
     ``plugins``, a ``PluginManager``, registers through ``engine_models``). Raises
     ``ModelLoadError`` for a missing/unreadable model or an unsupported architecture."""
-    path = resolve_model_path(model_config.model)
+    path = locate_model(model_config)
     if _is_gguf(path, model_config):
         from engine.loader import gguf_loader
 
@@ -514,7 +527,7 @@ def load_model(
         quant_config=quant_config,
         multimodal_config=multimodal_config,
     )
-    path = resolve_model_path(model_config.model)
+    path = locate_model(model_config)
     fmt = model_config.load_format
     if fmt == "safetensors" and path.is_file():
         raise ModelLoadError(f"load_format=safetensors needs a model directory, got file {path}")

@@ -88,8 +88,8 @@ class PeftAdapter:
 
 
 def resolve_adapter_path(path: str) -> Path:
-    """The local directory of an adapter: a path, or a Hugging Face repository id already in
-    the local cache (nothing is downloaded)."""
+    """The local directory of an adapter: a path, or a Hugging Face Hub repository id (its
+    cached snapshot, downloaded first where the cache lacks it: ``engine.loader.hub``)."""
     local = Path(path).expanduser()
     if local.exists():
         if not local.is_dir():
@@ -100,16 +100,13 @@ def resolve_adapter_path(path: str) -> Path:
         return local
     if not path or not _REPO_ID.match(path):
         raise LoRAAdapterError(f"LoRA adapter path {path!r} does not exist")
-    from huggingface_hub import snapshot_download
+    from engine.layers.weight_utils import ModelLoadError
+    from engine.loader.hub import hub_adapter_snapshot
 
     try:
-        return Path(snapshot_download(path, local_files_only=True))
-    except Exception as e:  # huggingface_hub raises several types for "not cached"
-        raise LoRAAdapterError(
-            f"LoRA adapter {path!r} is neither a local directory nor a repository in the local "
-            f"Hugging Face cache (nothing is downloaded; run `huggingface-cli download {path}` "
-            f"first): {type(e).__name__}"
-        ) from None
+        return hub_adapter_snapshot(path)
+    except ModelLoadError as e:
+        raise LoRAAdapterError(str(e)) from None
 
 
 def read_adapter_config(directory: Path) -> dict[str, Any]:

@@ -27,6 +27,7 @@ def draft_model_config(config: Any) -> ModelConfig:
     """The ``ModelConfig`` of the draft: the target's dtype, load format and seed."""
     return ModelConfig(
         model=config.speculative.model,
+        download_dir=config.model.download_dir,
         dtype=config.model.dtype,
         load_format=config.model.load_format,
         model_loader_extra_config=dict(config.model.model_loader_extra_config),

@@ -68,7 +68,9 @@ class EagleProposer(ModelProposer):
         method = config.speculative.method
         dummy = config.model.load_format == "dummy"
         try:
-            path = resolve_model_path(config.speculative.model)
+            path = resolve_model_path(
+                config.speculative.model, download_dir=config.model.download_dir, weights=not dummy
+            )
             head = _head_config(str(path))
             shapes = {} if dummy else checkpoint_tensors(Path(path))
         except Exception as e:
@@ -153,7 +155,13 @@ class EagleProposer(ModelProposer):
         )
 
         self.eagle3 = config.speculative.method == "eagle3"
-        path = Path(resolve_model_path(config.speculative.model))
+        path = Path(
+            resolve_model_path(
+                config.speculative.model,
+                download_dir=config.model.download_dir,
+                weights=config.model.load_format != "dummy",
+            )
+        )
         head_cfg = _head_config(str(path))
         dtype = resolve_dtype(config.model, _text(config.model.hf_config))
         ctx = ModelContext(head_cfg, dtype, runner.kernels, runner.attn_backend_cls, self.device)

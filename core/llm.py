@@ -529,11 +529,11 @@ class LLM:
                 )
             from engine.multimodal.media import MediaConnector
             from engine.multimodal.processing import MultiModalProcessor
-            from engine.runtime import _model_dir
+            from engine.runtime import model_dir
 
-            model_dir = _model_dir(engine.config.model.model)
+            directory = model_dir(engine.config.model)
             try:
-                processor = MultiModalProcessor.from_model_dir(model_dir, engine.tokenizer, spec)
+                processor = MultiModalProcessor.from_model_dir(directory, engine.tokenizer, spec)
             except ValueError as e:
                 raise InvalidRequestError(str(e), "multi_modal_data") from None
             self._images = (processor, MediaConnector(engine.config.multimodal))

@@ -28,8 +28,9 @@ def resolve_model_source(config: EngineConfig) -> None:
         config.model.served_model_name = served_name
 
 
-def _model_dir(model_config: ModelConfig) -> str | None:
-    """The local directory of a Hugging Face model (None for a GGUF file)."""
+def model_dir(model_config: ModelConfig) -> str | None:
+    """The local directory of a Hugging Face model (a Hub id's cached snapshot; None for a
+    GGUF file)."""
     from engine.loader import locate_model
 
     path = locate_model(model_config) if model_config.model is not None else None
@@ -395,7 +396,7 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         config.model.served_model_name = config.model.model
     tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
     generation_eos, config.model.default_sampling = generation_config.resolve(
-        _model_dir(config.model), config.model.generation_config
+        model_dir(config.model), config.model.generation_config
     )
 
     kernels = plugins.kernel_registry().resolve(platform.name)

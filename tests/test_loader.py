@@ -257,8 +257,9 @@ def test_model_id_from_local_hf_cache(tmp_path, llama_dir, monkeypatch):
     (repo / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     assert resolve_model_path("tiny-org/tiny-llama") == snap
-    with pytest.raises(ModelLoadError, match="local Hugging Face cache"):
+    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
         resolve_model_path("tiny-org/not-there")
 
 

@@ -87,6 +87,16 @@ def configure_logging(level: str = "info", tag: str = "") -> None:
     )
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the engine's model, cache, scheduler and device flags as argument groups."""
     model = parser.add_argument_group("model")
@@ -203,6 +213,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "kept quantized (gguf), and 'none' dequantizes it at load.",
     )
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
+    model.add_argument(
+        "--max-logprobs",
+        type=_non_negative_int,
+        default=20,
+        help="Most log-probabilities a request may ask for per token (logprobs, top_logprobs, "
+        "prompt_logprobs; default: %(default)s).",
+    )
 
     cache = parser.add_argument_group("KV cache")
     cache.add_argument(
@@ -530,6 +547,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         platform=platform,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        max_logprobs=getattr(args, "max_logprobs", 20),
         speculative=(
             SpeculativeConfig.from_dict(args.speculative_config)
             if getattr(args, "speculative_config", None)

@@ -32,6 +32,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _string_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM takes --allowed-origins (``'["https://a.example"]'``),
+    or one plain value."""
+    import json
+
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON list {text!r}: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -106,11 +122,64 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "fewer, bigger chunks, at less cost per token (default: %(default)s).",
     )
     server.add_argument(
+        "--root-path",
+        default="",
+        help="The path prefix a reverse proxy serves the API under (FastAPI's root_path), "
+        "e.g. /llm.",
+    )
+    server.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="Add an X-Request-Id header to every response: the request's own, else a new one.",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         help="On SIGTERM/SIGINT, seconds to let in-flight requests finish before aborting "
         "them; new requests get 503 meanwhile (default: %(default)s).",
+    )
+
+    web = parser.add_argument_group("CORS and TLS")
+    web.add_argument(
+        "--allowed-origins",
+        type=_string_list,
+        default=[],
+        metavar="JSON",
+        help="Origins browsers may call the API from, e.g. '[\"https://app.example\"]' or "
+        "'[\"*\"]' (default: none, no CORS headers; vLLM allows every origin by default).",
+    )
+    web.add_argument(
+        "--allowed-methods",
+        type=_string_list,
+        default=["*"],
+        metavar="JSON",
+        help="HTTP methods allowed from those origins (default: all).",
+    )
+    web.add_argument(
+        "--allowed-headers",
+        type=_string_list,
+        default=["*"],
+        metavar="JSON",
+        help="Request headers allowed from those origins (default: all).",
+    )
+    web.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="Let browsers send cookies and credentials with cross-origin requests.",
+    )
+    web.add_argument("--ssl-keyfile", default=None, help="TLS private key file (PEM).")
+    web.add_argument("--ssl-certfile", default=None, help="TLS certificate file (PEM).")
+    web.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates to verify client certificates."
+    )
+    web.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="Client certificates: 0 not asked, 1 optional, 2 required (Python's "
+        "ssl.CERT_NONE/OPTIONAL/REQUIRED; default: %(default)s).",
     )
 
     lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
@@ -244,6 +313,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_serve, scheduler_usage="server")
 
 
+def _check_tls_files(args: argparse.Namespace) -> None:
+    """The TLS flags name files that exist, and a key comes with a certificate: checked before
+    the port is taken (one line, not a traceback from the TLS library later)."""
+    from pathlib import Path
+
+    from engine.config import ConfigError
+
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        value = getattr(args, flag)
+        if value is not None and not Path(value).is_file():
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: no such file")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+
+
 def _read_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a path to a file, or the template text itself."""
     if value is None:
@@ -294,12 +378,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"--lora-modules names an adapter twice: {names}")
     quiet = [p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()]
+    _check_tls_files(args)
     options = ServerOptions(
         api_keys=list(args.api_key or []),
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        enable_request_id_headers=args.enable_request_id_headers,
         max_request_body_bytes=args.max_request_body_bytes,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         serving=ServingOptions(
-            limits=ServerLimits(max_n=args.max_n),
+            limits=ServerLimits(max_n=args.max_n, max_logprobs=args.max_logprobs),
             log_requests=log_requests(args),
             max_log_len=args.max_log_len,
             chat_template=_read_chat_template(args.chat_template),
@@ -345,6 +435,11 @@ def run_serve(args: argparse.Namespace) -> int:
         started_at=started_at,
         stream_interval=args.stream_interval,
         api_server_count=args.api_server_count,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
     )
     if args.api_server_count > 1:
         from engine.server.multiproc import serve_multiprocess

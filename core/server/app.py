@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -33,6 +34,7 @@ from engine.server.middleware import (
     AdmissionMiddleware,
     APIKeyMiddleware,
     BodyLimitMiddleware,
+    RequestIdMiddleware,
     UnexpectedErrorMiddleware,
 )
 from engine.server.models import (
@@ -80,6 +82,15 @@ class ServerOptions:
     # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info exposes the tokenizer's
     # configuration and chat template, so it is off unless asked for.
     enable_tokenizer_info_endpoint: bool = False
+    # Cross-origin requests from browsers (vLLM's --allowed-origins, --allowed-methods,
+    # --allowed-headers, --allow-credentials). No origins: no CORS headers at all (vLLM allows
+    # every origin by default; here a browser page on another origin is refused unless asked).
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # vLLM's --enable-request-id-headers: an X-Request-Id header on every response.
+    enable_request_id_headers: bool = False
     serving: ServingOptions = field(default_factory=ServingOptions)
 
 
@@ -277,6 +288,18 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     if options.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
     app.add_middleware(UnexpectedErrorMiddleware)
+    if options.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if options.allowed_origins:
+        # Outermost: preflights are answered before authentication, and every answer (401,
+        # 413, 503 included) carries the headers a browser needs to read it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=options.allowed_origins,
+            allow_methods=options.allowed_methods,
+            allow_headers=options.allowed_headers,
+            allow_credentials=options.allow_credentials,
+        )
     return app
 
 

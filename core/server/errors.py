@@ -52,6 +52,17 @@ _ANTHROPIC_TYPES = {
 ANTHROPIC_PATH = "/v1/messages"
 
 
+def route_path(scope: Any) -> str:
+    """The request's path as the routes see it: without the ``--root-path`` prefix, which
+    uvicorn puts in front of ``scope["path"]`` (the ASGI rule). Every check by path (API keys,
+    admission, the error envelope) uses this, so a prefix can neither bypass nor confuse it."""
+    path = scope["path"]
+    root = scope.get("root_path") or ""
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
 def uses_anthropic_envelope(path: str) -> bool:
     """Whether errors on ``path`` take Anthropic's envelope (the Messages API routes)."""
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
@@ -323,23 +334,23 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc, request.url.path)
+        return error_response(exc, route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(_name_missing_body(request, exc.errors()))
-        return error_response(bad_request(message, param=param), request.url.path)
+        return error_response(bad_request(message, param=param), route_path(request.scope))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {request.url.path!r}"
-            if request.url.path == "/tokenizer_info":
+            message = f"no route {route_path(request.scope)!r}"
+            if route_path(request.scope) == "/tokenizer_info":
                 message += " (start the server with --enable-tokenizer-info-endpoint)"
         elif exc.status_code == 405:
-            message = f"method {request.method} not allowed on {request.url.path!r}"
-        response = error_response(APIError(exc.status_code, message), request.url.path)
+            message = f"method {request.method} not allowed on {route_path(request.scope)!r}"
+        response = error_response(APIError(exc.status_code, message), route_path(request.scope))
         for name, value in (exc.headers or {}).items():  # 405's Allow (RFC 9110)
             response.headers[name] = value
         return response

@@ -57,6 +57,14 @@ class LaunchOptions:
     # Of --api-server-count front ends: this one's index (front end 0 logs the stats line).
     api_server_index: int = 0
     api_server_count: int = 1
+    # Behind a proxy that serves the API under a path prefix (vLLM's --root-path).
+    root_path: str = ""
+    # TLS (vLLM's --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs): the
+    # server speaks HTTPS when a key and a certificate are given.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 (CERT_REQUIRED) asks clients for certificates
 
 
 class _QuietPaths(logging.Filter):
@@ -129,6 +137,11 @@ class ApiServer:
             access_log=launch.access_log,
             timeout_graceful_shutdown=5,
             lifespan="off",
+            root_path=launch.root_path,
+            ssl_keyfile=launch.ssl_keyfile,
+            ssl_certfile=launch.ssl_certfile,
+            ssl_ca_certs=launch.ssl_ca_certs,
+            ssl_cert_reqs=launch.ssl_cert_reqs,
         )
         self._server = _Uvicorn(config, self)
 

@@ -1,5 +1,5 @@
-"""ASGI middleware: API-key check, request-body size limit, refusing work while draining, and
-the 500 answer to unexpected exceptions.
+"""ASGI middleware: API-key check, request-body size limit, refusing work while draining, the
+500 answer to unexpected exceptions, and ``X-Request-Id`` response headers.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so that streamed responses pass through untouched and
 each check costs a few dictionary look-ups.
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import uuid
 from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.errors import APIError, unexpected_error
+from engine.server.errors import APIError, route_path, unexpected_error
 
 
 async def send_error(send: Send, err: APIError, path: str = "") -> None:
@@ -50,7 +51,7 @@ class APIKeyMiddleware:
         if (
             scope["type"] == "http"
             and self._keys
-            and scope["path"].startswith("/v1")
+            and route_path(scope).startswith("/v1")
             and scope["method"] != "OPTIONS"
         ):
             auth = _header(scope, b"authorization") or b""
@@ -71,7 +72,7 @@ class APIKeyMiddleware:
                     else "Incorrect API key provided."
                 )
                 err = APIError(401, message, code="invalid_api_key")
-                await send_error(send, err, scope["path"])
+                await send_error(send, err, route_path(scope))
                 return
         await self.app(scope, receive, send)
 
@@ -105,10 +106,10 @@ class BodyLimitMiddleware:
                 declared = int(length)
             except ValueError:
                 err = APIError(400, "invalid Content-Length header")
-                await send_error(send, err, scope["path"])
+                await send_error(send, err, route_path(scope))
                 return
             if declared > self.max_bytes:
-                await send_error(send, self._too_large(), scope["path"])
+                await send_error(send, self._too_large(), route_path(scope))
                 return
             await self.app(scope, receive, send)
             return
@@ -125,7 +126,7 @@ class BodyLimitMiddleware:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_bytes:
-                await send_error(send, self._too_large(), scope["path"])
+                await send_error(send, self._too_large(), route_path(scope))
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -150,10 +151,10 @@ class AdmissionMiddleware:
         self._refusal = refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
+        if scope["type"] == "http" and route_path(scope).startswith(self.GUARDED):
             err = self._refusal()
             if err is not None:
-                await send_error(send, err, scope["path"])
+                await send_error(send, err, route_path(scope))
                 return
         await self.app(scope, receive, send)
 
@@ -191,4 +192,27 @@ class UnexpectedErrorMiddleware:
         except Exception as exc:  # noqa: BLE001 - the catch-all is this class's purpose
             if started:
                 raise
-            await send_error(send, unexpected_error(exc), scope["path"])
+            await send_error(send, unexpected_error(exc), route_path(scope))
+
+
+class RequestIdMiddleware:
+    """``X-Request-Id`` on every response (vLLM's ``--enable-request-id-headers``): the one the
+    client sent (so that a caller can follow its own id through proxies and logs), else a
+    fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

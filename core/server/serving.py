@@ -96,6 +96,7 @@ class ServingContext:
         self.default_sampling: dict[str, Any] = dict(
             getattr(model_config, "default_sampling", None) or {}
         )
+        self.model_config = model_config
         self.model_path: str = str(model_config.model)
         self.model_names = list(options.served_model_names) or model_config.served_model_names
         self.models = ServingModels(
@@ -358,10 +359,10 @@ class ServingContext:
                 )
             from engine.multimodal.media import MediaConnector
             from engine.multimodal.processing import MultiModalProcessor
-            from engine.runtime import _model_dir
+            from engine.runtime import model_dir
 
             processor = MultiModalProcessor.from_model_dir(
-                _model_dir(self.model_path), self.tokenizer, spec
+                model_dir(self.model_config), self.tokenizer, spec
             )
             self._images = (processor, MediaConnector(self._engine.config.multimodal))
         return self._images

@@ -214,6 +214,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "module:Class of your own ToolParser. Needs --enable-auto-tool-choice.",
     )
     tools.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=_reasoning_parser_names(),
+        help="Put the model's <think>...</think> reasoning in the chat response's reasoning "
+        "(and reasoning_content) field, out of content: deepseek_r1 (DeepSeek-R1 and its "
+        "distills, QwQ, Qwen3 Thinking-2507: reasoning until </think>), qwen3 (hybrid Qwen3: "
+        "reasoning only when the output opens <think>).",
+    )
+    tools.add_argument(
         "--exclude-tools-when-tool-choice-none",
         action="store_true",
         help='Do not show the tools to the model when a request sets tool_choice "none" '
@@ -290,6 +299,12 @@ def _lora_module(text: str) -> dict:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"a LoRA module is name=path or JSON, got {text!r}")
     return {"name": name, "path": path, "base_model_name": None}
+
+
+def _reasoning_parser_names() -> list[str]:
+    from engine.server.reasoning import REASONING_PARSERS
+
+    return sorted(REASONING_PARSERS)
 
 
 def _tool_parser_names() -> list[str]:
@@ -397,6 +412,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            reasoning_parser=args.reasoning_parser,
             lora_modules=lora_modules,
         ),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -263,6 +264,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         channel.abort()  # a no-op once every request finished; else frees their KV blocks
 
     out = finals[rid]
+    thinking = _reasoning_parser(ctx, req, tool_plan)
     choices = []
     completion_tokens = 0
     for comp in sorted(out.outputs, key=lambda c: c.index):
@@ -274,13 +276,25 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                     ctx, comp.token_ids, comp.logprobs, top_n, req.return_tokens_as_token_ids
                 )
             )
-        content, tool_calls, finish_reason = parse_choice(tool_plan, comp.text, comp.finish_reason)
+        reasoning, text = None, comp.text
+        if thinking is not None:
+            reasoning, text = thinking.split(comp.text)
+            reasoning = reasoning if req.include_reasoning else None
+        content, tool_calls, finish_reason = parse_choice(tool_plan, text or "", comp.finish_reason)
+        if text is None and not tool_calls:
+            content = None  # all reasoning: no content, as vLLM answers
         if echo_text:
             content = echo_text + (content or "")
         choices.append(
             ChatCompletionChoice(
                 index=comp.index,
-                message=ChatResponseMessage(role=role, content=content, tool_calls=tool_calls),
+                message=ChatResponseMessage(
+                    role=role,
+                    content=content,
+                    reasoning=reasoning,
+                    reasoning_content=reasoning,
+                    tool_calls=tool_calls,
+                ),
                 logprobs=logprobs,
                 finish_reason=finish_reason,
                 stop_reason=comp.stop_reason,
@@ -388,8 +402,11 @@ async def _stream(
     top_n = req.top_logprobs or 0
 
     writer = ChunkWriter(request_id, "chat.completion.chunk", created, model, include_usage)
-    # One tool-call parser state per choice when the output is read for tool calls.
+    # One tool-call parser state per choice when the output is read for tool calls, and one
+    # reasoning split per choice with --reasoning-parser (the tool parser reads the content).
     tool_deltas = [ToolCallDeltas(tool_plan) for _ in range(req.n)] if tool_plan.parser else None
+    reasoning = _reasoning_parser(ctx, req, tool_plan)
+    thinking = [reasoning.stream() for _ in range(req.n)] if reasoning is not None else None
 
     def chunk(index: int, delta: str, logprobs: Any, finish: Any, stop: Any) -> bytes:
         choice = (
@@ -418,6 +435,15 @@ async def _stream(
                         ctx, d.token_ids, d.logprobs, top_n, req.return_tokens_as_token_ids
                     )
                     logprobs = {"content": [c.model_dump() for c in content]}
+                if thinking is not None:
+                    said, text = thinking[d.index].step(d.text, d.finish_reason is not None)
+                    d = dataclasses.replace(d, text=text)
+                    if said and req.include_reasoning:
+                        delta = to_json({"reasoning": said, "reasoning_content": said})
+                        yield chunk(d.index, delta, logprobs, None, None)
+                        logprobs = None
+                    if not text and d.finish_reason is None and logprobs is None:
+                        continue
                 if tool_deltas is not None:
                     for args in _tool_chunks(tool_deltas[d.index], d, logprobs):
                         yield chunk(*args)
@@ -436,6 +462,15 @@ async def _stream(
     finally:
         channel.abort()
     yield DONE
+
+
+def _reasoning_parser(ctx: ServingContext, req: ChatCompletionRequest, tool_plan: ToolPlan):
+    """The server's reasoning parser for this request, or None: also None when the output is
+    constrained (structured outputs, forced tool calls), since the grammar then decides it from
+    the first token and there is no think block to take out."""
+    if tool_plan.json_schema is not None or structured_outputs_field(req) is not None:
+        return None
+    return ctx.options.reasoning
 
 
 def _force_tool_schema(req: ChatCompletionRequest, params: Any, schema: dict) -> None:

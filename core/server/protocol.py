@@ -383,6 +383,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the response starts with the last message's content when it has the role of
     # the response (continuing it).
     echo: bool = False
+    # vLLM's: with --reasoning-parser, false leaves the reasoning out of the response (it is
+    # still kept out of the content).
+    include_reasoning: bool = True
     tools: Tools | None = None
     tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(_TOOL_CHOICE)] = None
     parallel_tool_calls: bool = True
@@ -530,13 +533,18 @@ class ChatResponseMessage(BaseModel):
 
     role: str = "assistant"
     content: str | None = None
+    # With --reasoning-parser: the model's thinking (vLLM's field), and the same under the
+    # older name that DeepSeek's API and many clients read; left out when there is none.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ChatToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_empty_tool_calls(self, handler):
         data = handler(self)
-        if not data.get("tool_calls"):
-            data.pop("tool_calls", None)
+        for name in ("tool_calls", "reasoning", "reasoning_content"):
+            if not data.get(name):
+                data.pop(name, None)
         return data
 
 

@@ -26,6 +26,7 @@ from engine.server.chat_template import (
 from engine.server.errors import bad_request, context_length_error
 from engine.server.models import LoRAModulePath, ServingModels, lora_requests_for
 from engine.server.protocol import ChatMessage, SamplingFields
+from engine.server.reasoning import ReasoningParser, get_reasoning_parser
 from engine.server.tools.parser import ToolParser, tool_parser_from_flags
 from engine.tokenizer import TokenIdRange
 
@@ -67,7 +68,10 @@ class ServingOptions:
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    # --reasoning-parser: a name from engine.server.reasoning.REASONING_PARSERS, or None.
+    reasoning_parser: str | None = None
     tool_parser: ToolParser | None = field(init=False, default=None, repr=False)
+    reasoning: ReasoningParser | None = field(init=False, default=None, repr=False)
     lora_requests: list[LoRARequest] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +79,13 @@ class ServingOptions:
             self.enable_auto_tool_choice, self.tool_call_parser
         )
         self.lora_requests = lora_requests_for(self.lora_modules)
+        if self.reasoning_parser is not None:
+            try:
+                self.reasoning = get_reasoning_parser(self.reasoning_parser)
+            except ValueError as e:
+                from engine.config import ConfigError
+
+                raise ConfigError(f"--reasoning-parser: {e}") from None
 
 
 def random_id(prefix: str) -> str:

@@ -13,10 +13,9 @@ import json
 import httpx
 import openai
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import ScriptedEngine
 from server_harness import RunningServer, engine_config
 
-from engine.engine_core.messages import EngineCoreOutput
 from engine.server.app import ServerOptions
 from engine.server.serving import ServingOptions
 
@@ -319,37 +318,6 @@ def test_forced_call_cut_short_is_content(tc, tool_server):
 
 
 # ------------------------------------------------------------ scripted outputs
-
-
-class ScriptedEngine(FakeEngine):
-    """Answers every request with ``script``, one token per step (as the engine streams),
-    then stops the way an end-of-sequence token does (finish "stop", not in the text)."""
-
-    script = ""
-    last_params = None
-
-    def add_request(self, req):
-        self.last_params = req.sampling_params
-        super().add_request(req)
-
-    def step(self) -> list[EngineCoreOutput]:
-        script_ids = self.tokenizer(self.script, add_special_tokens=False)["input_ids"]
-        results = []
-        for rid, r in list(self.requests.items()):
-            for c in r.seqs:
-                pos = len(c.token_ids)
-                if c.finish_reason is not None or pos >= len(script_ids):
-                    c.finish_reason = c.finish_reason or "stop"
-                    continue
-                c.token_ids.append(script_ids[pos])
-                out = EngineCoreOutput(rid, [script_ids[pos]], c.index)
-                if pos + 1 >= min(len(script_ids), r.params.max_tokens):
-                    c.finish_reason = "stop" if pos + 1 >= len(script_ids) else "length"
-                    out.finish_reason = c.finish_reason
-                results.append(out)
-            if all(c.finish_reason is not None for c in r.seqs):
-                del self.requests[rid]
-        return results
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,13 @@ class ModelConfig:
     # "auto": the model's generation_config.json gives EOS ids and sampling defaults; "vllm":
     # only its EOS ids; or a directory to read it from (see engine.generation_config).
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: sampling defaults in generation-config names
+    # ({"temperature": 0.6}), over the file's (engine.generation_config).
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # vLLM's --hf-overrides: fields set on the model's transformers config after it is read
+    # ({"max_position_embeddings": 4096}; a nested object updates a sub-config such as
+    # text_config), in every process that reads it.
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
     # A quantization method name (engine.quantization; vLLM's names: fp8, gptq, awq,
     # compressed-tensors); None: the checkpoint's quantization_config decides (unquantized
     # when it has none).

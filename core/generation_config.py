@@ -14,6 +14,10 @@ Instruct ends turns with ``<|eot_id|>``, Qwen 2.5 with ``<|im_end|>``). As in vL
 ``--generation-config vllm`` ignores the sampling defaults (the end-of-sequence ids still count:
 without them an instruct model would not stop), and ``--generation-config DIR`` reads the file
 from another directory. A GGUF file carries no generation config.
+
+``--override-generation-config JSON`` (vLLM's) sets defaults over the file's, in its names
+(``{"temperature": 0.6, "max_new_tokens": 2048}``); with ``--generation-config vllm`` they are
+the only defaults.
 """
 
 from __future__ import annotations
@@ -64,10 +68,13 @@ def sampling_defaults(generation_config: Any) -> dict[str, Any]:
     return {ours: changed[theirs] for theirs, ours in SAMPLING_FIELDS.items() if theirs in changed}
 
 
-def resolve(model_path: str | None, option: str = "auto") -> tuple[Any, dict[str, Any]]:
+def resolve(
+    model_path: str | None, option: str = "auto", overrides: dict[str, Any] | None = None
+) -> tuple[Any, dict[str, Any]]:
     """``(eos_token_id, sampling defaults)`` for the model at ``model_path`` under ``option``
-    (``"auto"``, ``"vllm"`` or a directory); the EOS entry is the config's int, list or None,
-    as ``engine.tokenizer.eos_token_ids`` takes it."""
+    (``"auto"``, ``"vllm"`` or a directory) and the ``overrides`` (generation-config names,
+    see ``check_overrides``); the EOS entry is the config's int, list or None, as
+    ``engine.tokenizer.eos_token_ids`` takes it."""
     gen = load_generation_config(model_path, None if option in ("auto", "vllm") else option)
     eos = getattr(gen, "eos_token_id", None)
     defaults = {} if option == "vllm" else sampling_defaults(gen)
@@ -77,4 +84,34 @@ def resolve(model_path: str | None, option: str = "auto") -> tuple[Any, dict[str
             "(requests that set a field override it; --generation-config vllm ignores them)",
             ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())),
         )
+    if overrides:
+        given = {SAMPLING_FIELDS[k]: v for k, v in check_overrides(overrides).items()}
+        defaults = {**defaults, **given}
+        logger.info(
+            "default sampling parameters from --override-generation-config: %s",
+            ", ".join(f"{k}={v}" for k, v in sorted(given.items())),
+        )
     return eos, defaults
+
+
+def check_overrides(overrides: Any) -> dict[str, Any]:
+    """``--override-generation-config``: an object of generation-config fields the engine
+    takes as sampling defaults (``SAMPLING_FIELDS``) with values ``SamplingParams`` accepts;
+    ``ConfigError`` naming what is wrong otherwise."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(
+            f"--override-generation-config must be a JSON object, got {type(overrides).__name__}"
+        )
+    unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"--override-generation-config: unknown fields {unknown}; the fields read are "
+            f"{', '.join(SAMPLING_FIELDS)}"
+        )
+    from engine.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**{SAMPLING_FIELDS[k]: v for k, v in overrides.items()})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--override-generation-config: {e}") from None
+    return overrides

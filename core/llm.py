@@ -55,7 +55,9 @@ class LLM:
     placed across the tensor-parallel ranks), ``served_model_name``, ``scheduling_policy``,
     ``cpu_kv_cache_gb``, ``max_logprobs``, ``async_scheduling`` (None: on for GPUs),
     ``generation_config`` ("auto": the model's generation_config.json gives EOS ids and default
-    sampling parameters; "vllm": EOS ids only; or a directory), ``speculative_config`` (a dict
+    sampling parameters; "vllm": EOS ids only; or a directory), ``override_generation_config``
+    (defaults over it, ``{"temperature": 0.6}``), ``hf_overrides`` (fields set on the
+    transformers config), ``speculative_config`` (a dict
     of vLLM's ``--speculative-config`` keys, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4}``), ``skip_tokenizer_init`` (load no tokenizer: prompts must be
     token ids, outputs carry token ids and empty text, stop strings and chat are refused),
@@ -135,6 +137,8 @@ class LLM:
         revision: str | None = None,
         tokenizer_revision: str | None = None,
         download_dir: str | None = None,
+        override_generation_config: dict[str, Any] | None = None,
+        hf_overrides: dict[str, Any] | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -154,6 +158,8 @@ class LLM:
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,
                 generation_config=generation_config,
+                override_generation_config=dict(override_generation_config or {}),
+                hf_overrides=dict(hf_overrides or {}),
                 skip_tokenizer_init=skip_tokenizer_init,
                 quantization=quantization,
                 model_impl=model_impl,

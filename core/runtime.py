@@ -396,7 +396,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         config.model.served_model_name = config.model.model
     tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model)
     generation_eos, config.model.default_sampling = generation_config.resolve(
-        model_dir(config.model), config.model.generation_config
+        model_dir(config.model),
+        config.model.generation_config,
+        config.model.override_generation_config,
     )
 
     kernels = plugins.kernel_registry().resolve(platform.name)

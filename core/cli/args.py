@@ -87,6 +87,26 @@ def configure_logging(level: str = "info", tag: str = "") -> None:
     )
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object flag value (vLLM's --hf-overrides / --override-generation-config)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _checked_overrides(value: dict | None) -> dict:
+    """``--override-generation-config``, checked now (before a server takes its port)."""
+    from engine.generation_config import check_overrides
+
+    return dict(check_overrides(value)) if value else {}
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -194,6 +214,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
         "max_new_tokens) for requests that leave them unset; vllm: its end-of-sequence ids "
         "only; DIR: read generation_config.json from there (default: %(default)s).",
+    )
+    model.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="Default sampling parameters over the generation config's, in its names, e.g. "
+        '\'{"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 2048}\'.',
+    )
+    model.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="Fields to set on the model's transformers config after it is read, e.g. "
+        "'{\"max_position_embeddings\": 65536}' (a nested object updates a sub-config such as "
+        "text_config).",
     )
     model.add_argument(
         "--skip-tokenizer-init",
@@ -515,6 +552,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,
+            override_generation_config=_checked_overrides(
+                getattr(args, "override_generation_config", None)
+            ),
+            hf_overrides=dict(getattr(args, "hf_overrides", None) or {}),
             skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False),
             quantization=getattr(args, "quantization", None),
             model_impl=getattr(args, "model_impl", "auto"),

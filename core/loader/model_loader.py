@@ -80,6 +80,24 @@ def resolve_model_path(
     )
 
 
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any], where: str = "") -> None:
+    """Set ``overrides`` (vLLM's ``--hf-overrides``) on a transformers config: a nested object
+    updates the sub-config of that name (``text_config``...), anything else replaces the
+    field. Logged, and a field the config did not have is named as new."""
+    if not isinstance(overrides, dict):
+        raise ModelLoadError(f"hf_overrides must be a JSON object, got {type(overrides).__name__}")
+    for key, value in overrides.items():
+        name = f"{where}{key}"
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value, f"{name}.")
+            continue
+        if not hasattr(hf_config, key):
+            logger.warning("hf_overrides: %s is not in the model's config; added", name)
+        setattr(hf_config, key, value)
+        logger.info("hf_overrides: %s = %r (was %r)", name, value, current)
+
+
 def locate_model(model_config: ModelConfig) -> Path:
     """``resolve_model_path`` with the model config's revision, download directory, load
     format (dummy weights need no weight files) and ``trust_remote_code``."""
@@ -127,6 +145,8 @@ def load_hf_config(
             )
         except Exception as e:
             raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+    if model_config.hf_overrides:
+        apply_hf_overrides(hf_config, model_config.hf_overrides)
     registry = registry or ModelRegistry.with_plugins(plugins)
     _resolve_runner(model_config, hf_config, path)
     choice = _select(model_config, hf_config, registry, log=True)

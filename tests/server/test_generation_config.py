@@ -76,6 +76,64 @@ def test_sampling_defaults_offline(tiny_model_dir, tmp_path):
     assert plain == SamplingParams()
 
 
+def test_override_generation_config(tiny_model_dir, tmp_path):
+    """vLLM's --override-generation-config: defaults over the file's, in its names; with
+    --generation-config vllm the only ones; bad fields and values refused before loading."""
+    model = _with_generation_config(tiny_model_dir, tmp_path / "m", **RECOMMENDED)
+    llm = _llm(model, override_generation_config={"temperature": 0.0, "max_new_tokens": 3})
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (0.0, 3, 20)
+    [out] = llm.generate([PROMPT], use_tqdm=False)  # no params: the defaults, greedy now
+    assert len(out.outputs[0].token_ids) <= 3
+    only = _llm(model, generation_config="vllm", override_generation_config={"top_p": 0.5})
+    assert only.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    with pytest.raises(ConfigError, match="unknown fields \\['max_tokens'\\]"):
+        _llm(model, override_generation_config={"max_tokens": 3})
+    with pytest.raises(ConfigError, match="--override-generation-config: .*temperature"):
+        _llm(model, override_generation_config={"temperature": -1})
+
+
+def test_hf_overrides(tiny_model_dir, caplog):
+    """vLLM's --hf-overrides: fields set on the transformers config after it is read (here
+    the context length the engine derives from it), nested objects into sub-configs."""
+    from transformers import Gemma3Config
+
+    from engine.loader.model_loader import apply_hf_overrides
+
+    with caplog.at_level(logging.INFO, logger="engine.loader.model_loader"):
+        llm = _llm(tiny_model_dir, hf_overrides={"max_position_embeddings": 384})
+    assert llm.llm_engine.config.model.hf_config.max_position_embeddings == 384
+    assert "hf_overrides: max_position_embeddings = 384" in caplog.text
+    with pytest.raises(ConfigError, match="maximum context length \\(200\\)"):
+        _llm(tiny_model_dir, hf_overrides={"max_position_embeddings": 200})
+    config = Gemma3Config()
+    apply_hf_overrides(config, {"text_config": {"sliding_window": 64}, "image_token_index": 7})
+    assert config.text_config.sliding_window == 64 and config.image_token_index == 7
+
+
+def test_override_flags_on_the_command_line():
+    import argparse
+
+    from engine.cli.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["m", "--override-generation-config", '{"temperature": 0.6}', "--hf-overrides",
+         '{"rope_theta": 1e6}']
+    )  # fmt: skip
+    model = engine_config_from_args(args).model
+    assert model.override_generation_config == {"temperature": 0.6}
+    assert model.hf_overrides == {"rope_theta": 1e6}
+    with pytest.raises(ConfigError, match="unknown fields"):
+        engine_config_from_args(
+            parser.parse_args(["m", "--override-generation-config", '{"temp": 1}'])
+        )
+    with pytest.raises(SystemExit):  # argparse: not a JSON object
+        parser.parse_args(["m", "--hf-overrides", "[1]"])
+
+
 def test_a_generation_config_elsewhere_and_bad_options(tiny_model_dir, tmp_path):
     other = _with_generation_config(tiny_model_dir, tmp_path / "other", top_k=7)
     assert (

@@ -128,6 +128,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "e.g. /llm.",
     )
     server.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Report usage.prompt_tokens_details.cached_tokens: the prompt tokens served from "
+        "the prefix cache.",
+    )
+    server.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="Add an X-Request-Id header to every response: the request's own, else a new one.",
@@ -413,6 +419,7 @@ def run_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             reasoning_parser=args.reasoning_parser,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             lora_modules=lora_modules,
         ),
     )

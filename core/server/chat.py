@@ -33,6 +33,7 @@ from engine.server.streaming import (
     sse,
     to_json,
     unless_disconnected,
+    usage_dict,
 )
 from engine.server.structured import rename_param, structured_outputs_field
 from engine.server.tools.output import ToolCallDeltas, parse_choice
@@ -304,6 +305,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         prompt_tokens=len(ids),
         completion_tokens=completion_tokens,
         total_tokens=len(ids) + completion_tokens,
+        prompt_tokens_details=(
+            {"cached_tokens": out.num_cached_tokens}
+            if ctx.options.enable_prompt_tokens_details
+            else None
+        ),
     )
     prompt_logprobs = None
     if req.prompt_logprobs is not None:
@@ -400,6 +406,8 @@ async def _stream(
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     completion_tokens = 0
     top_n = req.top_logprobs or 0
+    # Prompt tokens the prefix cache served (with --enable-prompt-tokens-details).
+    cached: int | None = 0 if ctx.options.enable_prompt_tokens_details else None
 
     writer = ChunkWriter(request_id, "chat.completion.chunk", created, model, include_usage)
     # One tool-call parser state per choice when the output is read for tool calls, and one
@@ -416,7 +424,7 @@ async def _stream(
             f'"stop_reason":{"null" if stop is None else to_json(stop)}}}'
         )
         return writer.chunk(
-            choice, _usage(prompt_tokens, completion_tokens) if continuous else None
+            choice, usage_dict(prompt_tokens, completion_tokens, cached) if continuous else None
         )
 
     try:
@@ -427,6 +435,8 @@ async def _stream(
         async for deltas in stream_deltas(channel, {rid: 0}, req.n):
             for d in deltas:
                 completion_tokens += len(d.token_ids)
+                if cached is not None:
+                    cached = d.output.num_cached_tokens
                 if not d.text and not d.token_ids and d.finish_reason is None:
                     continue
                 logprobs = None
@@ -455,7 +465,7 @@ async def _stream(
                 )
                 yield chunk(d.index, delta, logprobs, d.finish_reason, d.stop_reason)
         if include_usage:
-            yield writer.usage_chunk(_usage(prompt_tokens, completion_tokens))
+            yield writer.usage_chunk(usage_dict(prompt_tokens, completion_tokens, cached))
     except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
         err = e if isinstance(e, APIError) else from_engine_error(e)
         yield sse(err.body())
@@ -514,11 +524,3 @@ def _tool_chunks(stream: ToolCallDeltas, d: ChoiceDelta, logprobs: Any) -> list[
         )
         for k, delta in enumerate(deltas)
     ]
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }

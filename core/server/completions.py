@@ -28,6 +28,7 @@ from engine.server.streaming import (
     sse,
     to_json,
     unless_disconnected,
+    usage_dict,
 )
 from engine.server.structured import rename_param, structured_outputs_field
 
@@ -224,6 +225,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=(
+            {"cached_tokens": sum(finals[rid].num_cached_tokens for rid in prompt_index)}
+            if ctx.options.enable_prompt_tokens_details
+            else None
+        ),
     )
     return CompletionResponse(
         id=request_id, created=created, model=model, choices=choices, usage=usage
@@ -250,10 +256,14 @@ async def _stream(
     completion_tokens = 0
     builders: dict[int, LegacyLogprobs] = {}
     want_logprobs = req.logprobs is not None
+    # Per prompt, the tokens the prefix cache served (with --enable-prompt-tokens-details).
+    cached: dict[int, int] | None = {} if ctx.options.enable_prompt_tokens_details else None
     writer = ChunkWriter(request_id, "text_completion", created, model, include_usage)
     try:
         async for deltas in stream_deltas(channel, prompt_index, req.n):
             for d in deltas:
+                if cached is not None:
+                    cached[d.prompt_index] = d.output.num_cached_tokens
                 text = d.text
                 ids = d.token_ids
                 entries = d.logprobs
@@ -289,10 +299,14 @@ async def _stream(
                     f'"finish_reason":{"null" if finish is None else to_json(finish)},'
                     f'"stop_reason":{"null" if stop is None else to_json(stop)}}}'
                 )
-                usage = _usage(prompt_tokens, completion_tokens) if continuous else None
+                usage = (
+                    usage_dict(prompt_tokens, completion_tokens, _total(cached))
+                    if continuous
+                    else None
+                )
                 yield writer.chunk(choice, usage)
         if include_usage:
-            yield writer.usage_chunk(_usage(prompt_tokens, completion_tokens))
+            yield writer.usage_chunk(usage_dict(prompt_tokens, completion_tokens, _total(cached)))
     except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
         err = e if isinstance(e, APIError) else from_engine_error(e)
         yield sse(err.body())
@@ -356,9 +370,5 @@ def _as_dict(lp: CompletionLogprobs) -> dict[str, Any]:
     }
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def _total(cached: dict[int, int] | None) -> int | None:
+    return None if cached is None else sum(cached.values())

@@ -412,6 +412,16 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details: {"cached_tokens": N}, the prompt tokens served from
+    # the prefix cache (OpenAI's field; vLLM's flag). Left out otherwise.
+    prompt_tokens_details: dict[str, int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class EmbeddingRequest(_Request):

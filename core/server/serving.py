@@ -68,6 +68,8 @@ class ServingOptions:
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
     lora_modules: list[LoRAModulePath] = field(default_factory=list)
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens.
+    enable_prompt_tokens_details: bool = False
     # --reasoning-parser: a name from engine.server.reasoning.REASONING_PARSERS, or None.
     reasoning_parser: str | None = None
     tool_parser: ToolParser | None = field(init=False, default=None, repr=False)

@@ -71,9 +71,24 @@ class ChunkWriter:
         tail = "null" if usage is None else to_json(usage)
         return (self._head + choice_json + '],"usage":' + tail + "}\n\n").encode()
 
-    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         """The final ``choices: []`` event with the request's usage."""
         return (self._head + '],"usage":' + to_json(usage) + "}\n\n").encode()
+
+
+def usage_dict(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """A usage object for a stream's usage chunks; ``cached_tokens`` (None: left out) becomes
+    ``prompt_tokens_details``."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 async def wait_for_disconnect(request: Request) -> None:

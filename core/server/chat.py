@@ -24,6 +24,7 @@ from engine.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from engine.server.reasoning import ReasoningParser
 from engine.server.serving import ServingContext, random_id
 from engine.server.streaming import (
     DONE,
@@ -413,8 +414,8 @@ async def _stream(
     # One tool-call parser state per choice when the output is read for tool calls, and one
     # reasoning split per choice with --reasoning-parser (the tool parser reads the content).
     tool_deltas = [ToolCallDeltas(tool_plan) for _ in range(req.n)] if tool_plan.parser else None
-    reasoning = _reasoning_parser(ctx, req, tool_plan)
-    thinking = [reasoning.stream() for _ in range(req.n)] if reasoning is not None else None
+    parser = _reasoning_parser(ctx, req, tool_plan)
+    thinking = [parser.stream() for _ in range(req.n)] if parser is not None else None
 
     def chunk(index: int, delta: str, logprobs: Any, finish: Any, stop: Any) -> bytes:
         choice = (
@@ -474,7 +475,9 @@ async def _stream(
     yield DONE
 
 
-def _reasoning_parser(ctx: ServingContext, req: ChatCompletionRequest, tool_plan: ToolPlan):
+def _reasoning_parser(
+    ctx: ServingContext, req: ChatCompletionRequest, tool_plan: ToolPlan
+) -> ReasoningParser | None:
     """The server's reasoning parser for this request, or None: also None when the output is
     constrained (structured outputs, forced tool calls), since the grammar then decides it from
     the first token and there is no think block to take out."""

@@ -105,6 +105,18 @@ def test_unknown_repository_and_revision_fail_with_the_reason(hub):
         resolve_model_path("org/gguf-only")
 
 
+def test_a_downloaded_model_restarts_offline(hub, monkeypatch):
+    """main (SHA_A) holds files the engine never fetches (README.md, original/): the cached
+    snapshot is still complete for it, with the Hub out of reach."""
+    from huggingface_hub import constants
+
+    path = resolve_model_path("org/tiny-llama")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub.requests.clear()
+    assert resolve_model_path("org/tiny-llama") == path
+    assert hub.requests == []
+
+
 def test_offline_downloads_nothing_and_says_so(hub, monkeypatch):
     from huggingface_hub import constants
 
@@ -153,3 +165,38 @@ def test_cli_flags_reach_the_model_config():
     )
     config = engine_config_from_args(args).model
     assert (config.revision, config.tokenizer_revision, config.download_dir) == ("v1", "t1", "/d")
+
+
+def test_a_snapshot_missing_shards_is_completed(model_dir, tmp_path, monkeypatch):
+    """A download cut off between shards leaves a snapshot with some of them: the next start
+    fetches the rest instead of failing in the loader."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(model_dir / "model.safetensors")
+    names = sorted(state)
+    half = len(names) // 2
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    parts = {"model-00001-of-00002.safetensors": names[:half],
+             "model-00002-of-00002.safetensors": names[half:]}  # fmt: skip
+    for file, keys in parts.items():
+        save_file({k: state[k] for k in keys}, shard_dir / file)
+    index = {"weight_map": {k: f for f, keys in parts.items() for k in keys}}
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    files = {k: v for k, v in repo_files(model_dir).items() if k != "model.safetensors"}
+    files.update(repo_files(shard_dir))
+    server = FakeHub({"org/sharded": {SHA_A: files}})
+    try:
+        use_fake_hub(monkeypatch, server, tmp_path / "hub-cache")
+        path = resolve_model_path("org/sharded")
+        shard = path / "model-00002-of-00002.safetensors"
+        shard.resolve().unlink()  # the blob and its link: as if the download was cut off
+        shard.unlink()
+        server.requests.clear()
+        assert resolve_model_path("org/sharded") == path
+        assert server.downloaded() == ["model-00002-of-00002.safetensors"]
+        assert shard.is_file()
+    finally:
+        server.close()

@@ -59,9 +59,27 @@ class _Wanted:
     patterns: tuple[str, ...]
     required: tuple[tuple[str, ...], ...]  # each group: at least one of these names or globs
     needed: str  # the required files, in words
+    # Whether every shard the safetensors index names must be there too (a download cut off
+    # between shards leaves a snapshot with some).
+    all_shards: bool = False
 
     def complete(self, path: Path) -> bool:
-        return all(any(any(path.glob(name)) for name in group) for group in self.required)
+        if not all(any(any(path.glob(name)) for name in group) for group in self.required):
+            return False
+        return not self.all_shards or _shards_present(path)
+
+
+def _shards_present(path: Path) -> bool:
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return True
+    import json
+
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return True  # the loader reports a malformed index with its own words
+    return all((path / shard).is_file() for shard in shards)
 
 
 def _model(weights: bool, code: bool) -> _Wanted:
@@ -71,7 +89,7 @@ def _model(weights: bool, code: bool) -> _Wanted:
     required = (("config.json",),) + ((WEIGHT_PATTERNS,) if weights else ())
     needed = "config.json" + (" and *.safetensors weights" if weights else "")
     needed += " (the engine reads Hugging Face safetensors checkpoints, or a local .gguf file)"
-    return _Wanted("model", patterns, required, needed)
+    return _Wanted("model", patterns, required, needed, all_shards=weights)
 
 
 _TOKENIZER = _Wanted(
@@ -119,9 +137,16 @@ def _snapshot(
     at = f" at revision {revision!r}" if revision else ""
     cached = None
     try:
+        # The same patterns as the download: huggingface_hub (>= 1.x) judges a cached
+        # snapshot complete against them, and the files never fetched must not count.
         cached = Path(
             snapshot_download(
-                repo_id, revision=revision, cache_dir=download_dir, local_files_only=True
+                repo_id,
+                revision=revision,
+                cache_dir=download_dir,
+                local_files_only=True,
+                allow_patterns=list(wanted.patterns),
+                ignore_patterns=list(SKIPPED_PATTERNS),
             )
         )
     except Exception:  # huggingface_hub raises several types for "not cached"

@@ -107,14 +107,21 @@ def _checked_overrides(value: dict | None) -> dict:
     return dict(check_overrides(value)) if value else {}
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def int_at_least(minimum: int):
+    """An argparse ``type``: an integer >= ``minimum``, or a message saying what is allowed."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {minimum}, got {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -252,7 +259,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0, help="Random seed (default: %(default)s).")
     model.add_argument(
         "--max-logprobs",
-        type=_non_negative_int,
+        type=int_at_least(0),
         default=20,
         help="Most log-probabilities a request may ask for per token (logprobs, top_logprobs, "
         "prompt_logprobs; default: %(default)s).",

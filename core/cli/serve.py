@@ -17,19 +17,13 @@ from engine.cli.args import (
     add_model_arg,
     configure_logging,
     engine_config_from_args,
+    int_at_least,
 )
 
 DEFAULT_BODY_LIMIT = 16 * 1024 * 1024
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive_int = int_at_least(1)
 
 
 def _string_list(text: str) -> list[str]:

@@ -41,10 +41,11 @@ from engine.server.anthropic_protocol import (
     MessagesRequest,
     MessagesResponse,
 )
-from engine.server.chat import ChatRun, render_chat_request, start_chat
+from engine.server.chat import ChatRun, reasoning_parser_for, render_chat_request, start_chat
 from engine.server.deltas import stream_deltas
 from engine.server.errors import APIError, bad_request, from_engine_error
 from engine.server.protocol import ChatCompletionRequest
+from engine.server.reasoning import ReasoningParser
 from engine.server.serving import ServingContext
 from engine.server.streaming import (
     ClientDisconnected,
@@ -110,6 +111,8 @@ def _chat_messages(message: AnthropicMessage, index: int) -> list[dict[str, Any]
         for j, block in enumerate(message.content):
             if block.type == "text":
                 texts.append({"type": "text", "text": block.text})
+            elif block.type in ("thinking", "redacted_thinking"):
+                continue  # earlier reasoning stays out of the prompt (module docstring)
             elif block.type == "tool_use":
                 arguments = json.dumps(block.input, ensure_ascii=False)
                 calls.append(
@@ -121,8 +124,8 @@ def _chat_messages(message: AnthropicMessage, index: int) -> list[dict[str, Any]
                 )
             else:
                 raise bad_request(
-                    f"{where}.{j}: an assistant message takes text and tool_use blocks, "
-                    f"got {block.type!r}",
+                    f"{where}.{j}: an assistant message takes text, tool_use and thinking "
+                    f"blocks, got {block.type!r}",
                     f"{where}.{j}.type",
                 )
         out: dict[str, Any] = {"role": "assistant", "content": texts or None}
@@ -204,8 +207,9 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw: Reques
     """Serve one Messages request through the chat path."""
     req = chat_request_of(body, stream=body.stream)
     run = await start_chat(ctx, req, request_id=f"msg_{uuid.uuid4().hex}", route="/v1/messages")
+    reasoning = reasoning_parser_for(ctx, req, run.tool_plan)
     if body.stream:
-        return EventStreamResponse(_stream(run), run.channel)
+        return EventStreamResponse(_stream(run, reasoning), run.channel)
     try:
         finals = await unless_disconnected(run.channel.collect_final(), raw)
     except ClientDisconnected:
@@ -218,8 +222,13 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw: Reques
     content: list[dict[str, Any]] = []
     calls: list[ToolCall] = []
     text = comp.text
+    if reasoning is not None:
+        thinking, rest = reasoning.split(comp.text)
+        if thinking:
+            content.append({"type": "thinking", "thinking": thinking, "signature": ""})
+        text = rest or ""
     if run.tool_plan.parser is not None:
-        parsed = run.tool_plan.parser.parse(comp.text)
+        parsed = run.tool_plan.parser.parse(text)
         calls = run.tool_plan.limit(parsed.calls)
         text = parsed.content or ""
     if text:
@@ -267,12 +276,15 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {to_json(data)}\n\n".encode()
 
 
-async def _stream(run: ChatRun) -> AsyncIterator[bytes]:
+async def _stream(run: ChatRun, reasoning: ReasoningParser | None) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: ``message_start``, per content block
     ``content_block_start``, its deltas and ``content_block_stop`` (a ``ping`` after the first
     block starts), then ``message_delta`` with the stop reason and usage, and
-    ``message_stop``. An error after the start is an ``error`` event."""
+    ``message_stop``. An error after the start is an ``error`` event. With a reasoning parser
+    the thinking comes first, as a ``thinking`` block of ``thinking_delta``s."""
     plan = run.tool_plan
+    thinking_stream = reasoning.stream() if reasoning is not None else None
+    thinking_open = False
     calls_stream = plan.parser.stream() if plan.parser is not None else None
     max_calls = None if plan.parallel_tool_calls else 1
     index = 0  # of the next content block
@@ -318,10 +330,27 @@ async def _stream(run: ChatRun) -> AsyncIterator[bytes]:
             for d in deltas:
                 output_tokens += len(d.token_ids)
                 finished = d.finish_reason is not None
+                piece = d.text
+                if thinking_stream is not None:
+                    said, piece = thinking_stream.step(d.text, finished)
+                    if said:
+                        if not thinking_open:
+                            block = {"type": "thinking", "thinking": "", "signature": ""}
+                            for e in start_block(block):
+                                yield e
+                            thinking_open = True
+                        delta = {"type": "thinking_delta", "thinking": said}
+                        yield _event(
+                            "content_block_delta",
+                            {"type": "content_block_delta", "index": index, "delta": delta},
+                        )
+                    if thinking_open and (piece or finished):
+                        yield stop_block()
+                        thinking_open = False
                 if calls_stream is None:
-                    update = StreamUpdate(d.text)
+                    update = StreamUpdate(piece)
                 else:
-                    update = calls_stream.feed(d.text) if d.text else StreamUpdate()
+                    update = calls_stream.feed(piece) if piece else StreamUpdate()
                     if finished:
                         last = calls_stream.finish()
                         update.content += last.content

@@ -6,7 +6,10 @@ path. The request models share the OpenAI models' strictness (``engine.server.pr
 strict types, finite numbers, valid Unicode, unknown fields ignored with a warning.
 
 Content blocks are told apart by their ``type``; a type this server does not take
-(``document``, ``thinking``, server tools...) is a 400 that lists the types it does take.
+(``document``, server tools...) is a 400 that lists the types it does take. An assistant turn's
+``thinking`` and ``redacted_thinking`` blocks (what clients send back of a reasoning model's
+earlier answers) are taken and left out of the prompt, as reasoning models' chat templates
+leave out earlier reasoning.
 """
 
 from __future__ import annotations
@@ -57,6 +60,21 @@ class ToolUseBlock(_Body):
     input: dict[str, Any]
 
 
+class ThinkingBlock(_Body):
+    """Reasoning of an earlier answer (``--reasoning-parser``), sent back in the history."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Body):
+    """Anthropic's encrypted reasoning, sent back in the history (never produced here)."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 class ToolResultBlock(_Body):
     """The result of call ``tool_use_id``, sent in a user message; ``content`` is text or
     text blocks."""
@@ -68,7 +86,9 @@ class ToolResultBlock(_Body):
 
 
 UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
-AssistantBlock = Annotated[TextBlock | ToolUseBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[
+    TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")
+]
 
 
 class UserMessage(_Body):
@@ -79,8 +99,8 @@ class UserMessage(_Body):
 
 
 class AssistantMessage(_Body):
-    """An assistant turn: a string, or ``text`` and ``tool_use`` blocks. A last assistant
-    turn is a prefill: the response continues it."""
+    """An assistant turn: a string, or ``text``, ``tool_use`` and (ignored) ``thinking``
+    blocks. A last assistant turn is a prefill: the response continues it."""
 
     role: Literal["assistant"]
     content: str | Annotated[list[AssistantBlock], Field(min_length=1)]
@@ -176,6 +196,15 @@ class ResponseTextBlock(BaseModel):
     text: str
 
 
+class ResponseThinkingBlock(BaseModel):
+    """A reasoning model's thinking (with ``--reasoning-parser``). ``signature`` is empty:
+    nothing here signs it, and a client sends it back as it came."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ResponseToolUseBlock(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -200,7 +229,12 @@ class MessagesResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[Annotated[ResponseTextBlock | ResponseToolUseBlock, Field(discriminator="type")]]
+    content: list[
+        Annotated[
+            ResponseThinkingBlock | ResponseTextBlock | ResponseToolUseBlock,
+            Field(discriminator="type"),
+        ]
+    ]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: AnthropicUsage

@@ -266,7 +266,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         channel.abort()  # a no-op once every request finished; else frees their KV blocks
 
     out = finals[rid]
-    thinking = _reasoning_parser(ctx, req, tool_plan)
+    thinking = reasoning_parser_for(ctx, req, tool_plan)
     choices = []
     completion_tokens = 0
     for comp in sorted(out.outputs, key=lambda c: c.index):
@@ -414,7 +414,7 @@ async def _stream(
     # One tool-call parser state per choice when the output is read for tool calls, and one
     # reasoning split per choice with --reasoning-parser (the tool parser reads the content).
     tool_deltas = [ToolCallDeltas(tool_plan) for _ in range(req.n)] if tool_plan.parser else None
-    parser = _reasoning_parser(ctx, req, tool_plan)
+    parser = reasoning_parser_for(ctx, req, tool_plan)
     thinking = [parser.stream() for _ in range(req.n)] if parser is not None else None
 
     def chunk(index: int, delta: str, logprobs: Any, finish: Any, stop: Any) -> bytes:
@@ -475,7 +475,7 @@ async def _stream(
     yield DONE
 
 
-def _reasoning_parser(
+def reasoning_parser_for(
     ctx: ServingContext, req: ChatCompletionRequest, tool_plan: ToolPlan
 ) -> ReasoningParser | None:
     """The server's reasoning parser for this request, or None: also None when the output is

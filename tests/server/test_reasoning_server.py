@@ -155,3 +155,28 @@ def test_a_constrained_output_is_all_content(r1):
     message = message["choices"][0]["message"]
     assert message["content"] == '{"greeting": "hello"}' and "reasoning" not in message
     assert _stream(server.base_url, body)[:2] == ("", '{"greeting": "hello"}')
+
+
+def test_anthropic_messages_return_a_thinking_block(r1):
+    """The Messages route: the reasoning as a ``thinking`` block before the text (streamed as
+    ``thinking_delta``s), and a client's next turn, which sends the block back, is taken."""
+    import anthropic
+
+    server, engine = r1
+    engine.script = THINKING
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="x")
+    reply = client.messages.create(model="fake-model", max_tokens=64, messages=USER)
+    assert [b.type for b in reply.content] == ["thinking", "text"]
+    assert reply.content[0].thinking == "\nThe user wants a greeting.\n"
+    assert reply.content[1].text == "\n\nHello there!"
+    with client.messages.stream(model="fake-model", max_tokens=64, messages=USER) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == reply.content[0].thinking
+    assert final.content[1].text == reply.content[1].text
+    assert "thinking_delta" in kinds and "text_delta" in kinds
+    history = [*USER, {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+               {"role": "user", "content": "Again."}]  # fmt: skip
+    again = client.messages.create(model="fake-model", max_tokens=64, messages=history)
+    assert again.content[-1].text == "\n\nHello there!"

@@ -3,7 +3,8 @@
 #
 #   OUT=/path/for/results bash tests/gpu/run_all.sh [STEP ...]
 #
-# GPU_TEST_WORKERS=N runs the tests step on N pytest-xdist workers.
+# GPU_TEST_WORKERS=N runs the tests step on N pytest-xdist workers; GPU_TEST_PATHS (default
+# "tests/triton_kernels tests/gpu") narrows it to the files a change touches.
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
 # llama-nano, profile; optional: conformance, spread, linear, kprofile, serve (HTTP against
 # offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
@@ -46,7 +47,8 @@ for step in "${steps[@]}"; do
       xdist=()
       [ "${GPU_TEST_WORKERS:-1}" -gt 1 ] && xdist=(-n "$GPU_TEST_WORKERS" --dist loadfile)
       timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" \
-        -rfE tests/triton_kernels tests/gpu -m "gpu or triton" ${GPU_TEST_ARGS:-} >"$OUT/tests.log" 2>&1
+        -rfE ${GPU_TEST_PATHS:-tests/triton_kernels tests/gpu} -m "gpu or triton" ${GPU_TEST_ARGS:-} \
+        >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -40 "$OUT/tests.log"
       ;;

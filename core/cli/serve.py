@@ -118,6 +118,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--root-path",
         default="",
+        metavar="PREFIX",
         help="The path prefix a reverse proxy serves the API under (FastAPI's root_path), "
         "e.g. /llm.",
     )
@@ -168,10 +169,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Let browsers send cookies and credentials with cross-origin requests.",
     )
-    web.add_argument("--ssl-keyfile", default=None, help="TLS private key file (PEM).")
-    web.add_argument("--ssl-certfile", default=None, help="TLS certificate file (PEM).")
     web.add_argument(
-        "--ssl-ca-certs", default=None, help="CA certificates to verify client certificates."
+        "--ssl-keyfile", default=None, metavar="FILE", help="TLS private key file (PEM)."
+    )
+    web.add_argument(
+        "--ssl-certfile", default=None, metavar="FILE", help="TLS certificate file (PEM)."
+    )
+    web.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="FILE",
+        help="CA certificates to verify client certificates.",
     )
     web.add_argument(
         "--ssl-cert-reqs",

@@ -139,15 +139,17 @@ for step in "${steps[@]}"; do
       --speculative-config '{"method": "eagle3", "model": "eagle3-llama-3.1-8b", "num_speculative_tokens": 4}' ;;
     llama-hf-b1) bench llama-hf-b1 200 latency --model llama-3.1-8b "${B1[@]}" --model-impl transformers ;;
     llama-hf-nano) bench llama-hf-nano 300 throughput --model llama-3.1-8b "${NANO[@]}" --model-impl transformers ;;
-    kprofile)  # GPU time per kernel of one decode step (torch.profiler)
+    kprofile)  # GPU time per kernel of one step (torch.profiler); KPROFILE_SPECS entries are
+      # MODEL:BATCH:CONTEXT[:PHASE[:QUANTIZATION]], e.g. llama-3.1-8b:1:128:decode:fp8
       specs=${KPROFILE_SPECS:-"qwen3-0.6b:256:800 qwen3-0.6b:1:128 llama-3.1-8b:1:128 llama-3.1-8b:256:800"}
       for spec in $specs; do
         spec=${spec//:/ }
         set -- $spec
         [ "$(left)" -lt 60 ] && { echo "SKIP kprofile $spec"; continue; }
         echo "=== kernel profile $spec at $(elapsed)s"
+        quant=(); [ -n "${5:-}" ] && quant=(--quantization $5)
         timeout -k 10 120 python3 -m engine.benchmarks.kernel_profile --model $1 --batch-size $2 \
-          --context-len $3 --phase ${4:-decode} --load-format dummy --dtype bfloat16 --steps 10 2>&1 \
+          --context-len $3 --phase ${4:-decode} "${quant[@]}" --load-format dummy --dtype bfloat16 --steps 10 2>&1 \
           | grep -vE "it/s\]|s/it\]|^Loading" | tee -a "$OUT/kprofile.log" | head -${KPROFILE_LINES:-30}
       done
       ;;

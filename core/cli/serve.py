@@ -129,6 +129,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "the prefix cache.",
     )
     server.add_argument(
+        "--max-stored-responses",
+        type=int_at_least(0),
+        default=1000,
+        metavar="N",
+        help="Responses API: how many responses each front-end process keeps in memory for "
+        "GET /v1/responses/{id} and previous_response_id, the oldest dropped first; 0 keeps "
+        "none (default: %(default)s).",
+    )
+    server.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="Add an X-Request-Id header to every response: the request's own, else a new one.",
@@ -422,6 +431,7 @@ def run_serve(args: argparse.Namespace) -> int:
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             reasoning_parser=args.reasoning_parser,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            max_stored_responses=args.max_stored_responses,
             lora_modules=lora_modules,
         ),
     )

@@ -60,6 +60,13 @@ from engine.server.protocol import (
     TokenizerInfoResponse,
     VersionResponse,
 )
+from engine.server.responses import (
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
+from engine.server.responses_protocol import ResponsesRequest
 from engine.server.serving import ServingContext, ServingOptions
 from engine.server.tools.request import validate_tools
 
@@ -230,6 +237,30 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         ctx = state.require_ctx()
         _warn_extra(body)
         return await count_message_tokens(ctx, body)
+
+    @app.post("/v1/responses", tags=["openai"])
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API through the chat template (``stream=true`` answers its
+        semantic server-sent events); function tools, structured outputs, reasoning items,
+        ``previous_response_id``."""
+        ctx = state.require_ctx()
+        _warn_extra(body)
+        return await create_response(ctx, body, request)
+
+    @app.get("/v1/responses/{response_id}", tags=["openai"])
+    async def retrieve_response(response_id: str):
+        """A response this front end keeps (``store``, the default)."""
+        return get_response(state.require_ctx(), response_id)
+
+    @app.delete("/v1/responses/{response_id}", tags=["openai"])
+    async def remove_response(response_id: str):
+        """Forget a kept response."""
+        return delete_response(state.require_ctx(), response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", tags=["openai"])
+    async def response_input_items(response_id: str):
+        """The input items of a kept response."""
+        return list_input_items(state.require_ctx(), response_id)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, tags=["openai"])
     async def embeddings(body: EmbeddingRequest, request: Request):

@@ -190,6 +190,13 @@ def context_length_error(
     )
 
 
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The 400 for pydantic's ``errors`` (a readable message naming the field), as a request
+    body that fails validation gets."""
+    message, param = _validation_message(errors)
+    return bad_request(message, param)
+
+
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """A readable message and the offending field for pydantic's errors."""
     parts = []

@@ -27,6 +27,7 @@ from engine.server.errors import bad_request, context_length_error
 from engine.server.models import LoRAModulePath, ServingModels, lora_requests_for
 from engine.server.protocol import ChatMessage, SamplingFields
 from engine.server.reasoning import ReasoningParser, get_reasoning_parser
+from engine.server.response_store import ResponseStore
 from engine.server.tools.parser import ToolParser, tool_parser_from_flags
 from engine.tokenizer import TokenIdRange
 
@@ -72,6 +73,8 @@ class ServingOptions:
     enable_prompt_tokens_details: bool = False
     # --reasoning-parser: a name from engine.server.reasoning.REASONING_PARSERS, or None.
     reasoning_parser: str | None = None
+    # --max-stored-responses: the Responses API's in-memory store (engine.server.response_store).
+    max_stored_responses: int = 1000
     tool_parser: ToolParser | None = field(init=False, default=None, repr=False)
     reasoning: ReasoningParser | None = field(init=False, default=None, repr=False)
     lora_requests: list[LoRARequest] = field(init=False, default_factory=list, repr=False)
@@ -123,6 +126,7 @@ class ServingContext:
                 getattr(getattr(async_engine.client, "connection", None), "num_clients", 1)
             ),
         )
+        self.response_store = ResponseStore(options.max_stored_responses)
         self.max_logprobs = min(
             options.limits.max_logprobs, int(getattr(engine_config, "max_logprobs", 20))
         )

@@ -1,0 +1,732 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``
+and ``GET /v1/responses/{id}/input_items``.
+
+A Responses request is translated into the chat path's own request (``ChatCompletionRequest``)
+and served by it, as the Anthropic Messages API is: the same chat template, tool parsers,
+forced tool use, reasoning parser, structured outputs and sampling. The translation:
+
+- ``instructions`` is a first ``system`` message; ``input`` as a string is one user message;
+- a ``message`` item is a chat message (``developer`` reads as ``system``; ``input_text`` /
+  ``output_text`` / ``refusal`` parts are text parts, ``input_image`` an ``image_url`` part);
+- ``function_call`` items are the ``tool_calls`` of an assistant message (joined to the
+  assistant message just before them), ``function_call_output`` a ``tool`` message answering
+  ``call_id``; ``reasoning`` items are taken and left out of the prompt;
+- ``previous_response_id`` puts the kept conversation of that response (its input and its
+  answer, not its instructions) before ``input``;
+- ``tools`` (``{"type": "function", "name", "parameters"}``) become the chat path's function
+  tools, ``tool_choice`` likewise; ``text.format`` is ``response_format``;
+  ``max_output_tokens`` is ``max_completion_tokens``; ``reasoning.effort`` reaches the chat
+  template as ``reasoning_effort``.
+
+The answer's ``output``: a ``reasoning`` item when the server's ``--reasoning-parser`` found
+reasoning, a ``message`` with one ``output_text`` part (left out when the answer is only tool
+calls), and a ``function_call`` item per parsed call. ``status`` is ``incomplete`` (with
+``incomplete_details.reason`` ``max_output_tokens``) when the length limit ended it.
+``usage.output_tokens_details.reasoning_tokens`` is the reasoning text re-tokenized (the
+engine does not mark where the reasoning's tokens end). Streaming answers OpenAI's semantic
+events (``response.created`` ... ``response.completed``), each with its ``sequence_number``.
+Errors use OpenAI's envelope; one after the stream started is an ``error`` event followed by
+``response.failed``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from engine.server.chat import ChatRun, chat_logprobs, reasoning_parser_for, start_chat
+from engine.server.deltas import stream_deltas
+from engine.server.errors import APIError, bad_request, from_engine_error, validation_error
+from engine.server.protocol import ChatCompletionRequest
+from engine.server.reasoning import ReasoningParser
+from engine.server.response_store import StoredResponse
+from engine.server.responses_protocol import (
+    PASSED_FIELDS,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputImage,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+)
+from engine.server.serving import ServingContext
+from engine.server.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    to_json,
+    unless_disconnected,
+)
+from engine.server.tools.parser import StreamUpdate, ToolCall
+
+ROUTE = "/v1/responses"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------- the conversation
+
+
+class Conversation:
+    """The chat messages of a request, and where each came from in the request (so that an
+    error the chat path raises about ``messages.3`` names ``input.2`` instead)."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.origins: list[str] = []
+
+    def add(self, message: dict[str, Any], origin: str) -> None:
+        self.messages.append(message)
+        self.origins.append(origin)
+
+    def rename(self, err: APIError) -> APIError:
+        """``err`` with a ``messages.N`` parameter (and message prefix) put in the request's
+        terms."""
+        param = err.param or ""
+        if not param.startswith("messages."):
+            return err
+        head, _, rest = param.removeprefix("messages.").partition(".")
+        if not head.isdigit() or int(head) >= len(self.origins):
+            return err
+        old = f"messages.{head}"
+        new = self.origins[int(head)]
+        err.param = new + ("." + rest if rest else "")
+        err.message = err.message.replace(old, new, 1)
+        return err
+
+
+def _text_of_parts(parts: list[Any], where: str) -> str:
+    """The text of text parts (a ``function_call_output``'s list form)."""
+    texts = []
+    for k, part in enumerate(parts):
+        if isinstance(part, InputImage):
+            raise bad_request(
+                f"{where}.{k}: a function_call_output takes text here, not images",
+                f"{where}.{k}.type",
+            )
+        texts.append(part.refusal if part.type == "refusal" else part.text)
+    return "".join(texts)
+
+
+def _content(item: MessageItem, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(item.content, str):
+        return item.content
+    parts: list[dict[str, Any]] = []
+    for k, part in enumerate(item.content):
+        at = f"{where}.content.{k}"
+        if isinstance(part, InputImage):
+            if item.role != "user":
+                raise bad_request(f"{at}: only user messages take images", f"{at}.type")
+            if part.image_url is None:
+                raise bad_request(
+                    f"{at}: uploaded files (file_id) are not kept by this server; send the "
+                    "image as image_url (a URL or a data: URL)",
+                    f"{at}.file_id",
+                )
+            url: dict[str, Any] = {"url": part.image_url}
+            if part.detail is not None:
+                url["detail"] = part.detail
+            parts.append({"type": "image_url", "image_url": url})
+        elif part.type == "refusal":
+            parts.append({"type": "text", "text": part.refusal})
+        else:
+            parts.append({"type": "text", "text": part.text})
+    return parts
+
+
+def add_input(conv: Conversation, body: ResponsesRequest) -> None:
+    """The chat messages of ``body.input``."""
+    if isinstance(body.input, str):
+        conv.add({"role": "user", "content": body.input}, "input")
+        return
+    for j, item in enumerate(body.input):
+        where = f"input.{j}"
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            conv.add({"role": role, "content": _content(item, where)}, where)
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = conv.messages[-1] if conv.messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                conv.add({"role": "assistant", "content": None, "tool_calls": [call]}, where)
+        elif isinstance(item, FunctionCallOutputItem):
+            output = item.output
+            if not isinstance(output, str):
+                output = _text_of_parts(output, f"{where}.output")
+            conv.add({"role": "tool", "tool_call_id": item.call_id, "content": output}, where)
+        elif isinstance(item, ReasoningItem):
+            continue  # earlier reasoning stays out of the prompt (module docstring)
+
+
+def _input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items with ids (``GET .../input_items``)."""
+    if isinstance(body.input, str):
+        items = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": body.input}]}]  # fmt: skip
+    else:
+        items = [
+            item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in body.input
+        ]
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}.get(kind, "item")  # fmt: skip
+        item.setdefault("id", _id(prefix))
+        out.append(item)
+    return out
+
+
+# ---------------------------------------------------------------- the chat request
+
+
+def _function_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        kind = tool.get("type")
+        if kind != "function":
+            raise bad_request(
+                f"{where}.type: this server runs function tools only (type 'function'), got "
+                f"{kind!r}; hosted tools (web search, file search, code interpreter, MCP...) "
+                "are OpenAI's",
+                f"{where}.type",
+            )
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"{where}.name: a function tool needs a name", f"{where}.name")
+        function = {"name": name}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice  # "auto", "none", "required" (anything else: the chat path's 400)
+    kind = choice.get("type")
+    if kind == "function":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("tool_choice: a function choice needs a name", "tool_choice.name")
+        return {"type": "function", "function": {"name": name}}
+    raise bad_request(
+        f"tool_choice.type: 'function' (or the strings 'auto', 'none', 'required') is taken "
+        f"here, got {kind!r}",
+        "tool_choice.type",
+    )
+
+
+def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.schema_ is None:
+        raise bad_request("text.format.schema: a json_schema format needs its schema",
+                          "text.format.schema")  # fmt: skip
+    schema: dict[str, Any] = {"name": fmt.name or "response", "schema": fmt.schema_}
+    if fmt.strict is not None:
+        schema["strict"] = fmt.strict
+    if fmt.description is not None:
+        schema["description"] = fmt.description
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def chat_request_of(body: ResponsesRequest, conv: Conversation) -> ChatCompletionRequest:
+    """The chat path's request for a Responses request over ``conv``."""
+    if body.background:
+        raise bad_request("background responses are not supported here", "background")
+    if body.truncation == "auto":
+        raise bad_request(
+            "truncation 'auto' is not supported: the conversation must fit the model's "
+            "context ('disabled', the default)",
+            "truncation",
+        )
+    if not conv.messages:
+        raise bad_request("input has no message to answer", "input")
+    data: dict[str, Any] = {
+        "model": body.model,
+        "messages": conv.messages,
+        "stream": body.stream,
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }
+    if body.max_output_tokens is not None:
+        data["max_completion_tokens"] = body.max_output_tokens
+    for name in PASSED_FIELDS:
+        value = getattr(body, name)
+        if value is not None:
+            data[name] = value
+    if body.tools:
+        data["tools"] = _function_tools(body.tools)
+    if body.tool_choice is not None:
+        data["tool_choice"] = _tool_choice(body.tool_choice)
+    response_format = _response_format(body)
+    if response_format is not None:
+        data["response_format"] = response_format
+    kwargs = dict(body.chat_template_kwargs or {})
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    if kwargs:
+        data["chat_template_kwargs"] = kwargs
+    if body.include and LOGPROBS_INCLUDE in body.include:
+        data["logprobs"] = True
+        data["top_logprobs"] = body.top_logprobs or 0
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as e:  # a passed-through field the chat path refuses
+        raise validation_error(e.errors()) from None
+
+
+# ---------------------------------------------------------------- the answer
+
+
+def _message_item(text: str, status: str, logprobs: list[Any] | None) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return {"id": _id("msg"), "type": "message", "role": "assistant", "status": status,
+            "content": [part]}  # fmt: skip
+
+
+def _call_item(call: ToolCall) -> dict[str, Any]:
+    return {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": "completed"}  # fmt: skip
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    return {"id": _id("rs"), "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}  # fmt: skip
+
+
+def _status(finish: str | None) -> tuple[str, dict[str, Any] | None]:
+    if finish == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def _usage(ctx: ServingContext, prompt: int, cached: int, output: int, reasoning: str) -> dict:
+    reasoning_tokens = 0
+    if reasoning and ctx.tokenizer is not None:
+        ids = ctx.tokenizer.encode(reasoning, add_special_tokens=False)
+        reasoning_tokens = min(len(ids), output)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt + output,
+    }
+
+
+def _response(
+    body: ResponsesRequest,
+    response_id: str,
+    model: str,
+    created: int,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    incomplete: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+    stored: bool = False,
+) -> dict[str, Any]:
+    """The response object (what OpenAI's ``Response`` holds), echoing the request."""
+    text = body.text.model_dump(mode="json", by_alias=True, exclude_none=True) if body.text else {}
+    text.setdefault("format", {"type": "text"})
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "status": status,
+        "error": error,
+        "incomplete_details": incomplete,
+        "model": model,
+        "output": output,
+        "usage": usage,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "max_tool_calls": body.max_tool_calls,
+        "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning,
+        "store": stored,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs,
+        "text": text,
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": body.tools or [],
+        "truncation": body.truncation or "disabled",
+        "user": body.user,
+        "background": False,
+    }
+
+
+def _answer_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """The answer as a chat message, for the kept conversation."""
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return message
+
+
+def _keep(
+    ctx: ServingContext,
+    body: ResponsesRequest,
+    response: dict[str, Any],
+    conv: Conversation,
+    answer: dict[str, Any],
+) -> None:
+    """Keep the response, with its conversation less the instructions (the earlier responses'
+    part included) and the answer."""
+    own = [m for m, o in zip(conv.messages, conv.origins, strict=True) if o != "instructions"]
+    stored = StoredResponse(response, _input_items(body), [*own, answer])
+    ctx.response_store.put(response["id"], stored)
+
+
+def _will_store(ctx: ServingContext, body: ResponsesRequest) -> bool:
+    return body.store and ctx.response_store.capacity > 0
+
+
+# ---------------------------------------------------------------- the routes
+
+
+async def create_response(ctx: ServingContext, body: ResponsesRequest, raw: Request):
+    """Serve one Responses request through the chat path."""
+    conv = Conversation()
+    if body.instructions:
+        conv.add({"role": "system", "content": body.instructions}, "instructions")
+    if body.previous_response_id is not None:
+        previous = ctx.response_store.get(body.previous_response_id)
+        if previous is None:
+            raise APIError(
+                404,
+                f"Previous response with id {body.previous_response_id!r} not found (this "
+                "server keeps responses in memory, per front-end process, up to "
+                f"{ctx.response_store.capacity})",
+                param="previous_response_id",
+            )
+        for m in json.loads(json.dumps(previous.messages)):  # a copy: merging edits it
+            conv.add(m, "previous_response_id")
+    add_input(conv, body)
+    req = chat_request_of(body, conv)
+    response_id = _id("resp")
+    try:
+        run = await start_chat(ctx, req, request_id=response_id, route=ROUTE)
+    except APIError as e:
+        raise conv.rename(e) from None
+    reasoning = reasoning_parser_for(ctx, req, run.tool_plan)
+    created = int(time.time())
+    if body.stream:
+        events = _stream(ctx, body, req, run, reasoning, created, conv)
+        return EventStreamResponse(events, run.channel)
+    try:
+        finals = await unless_disconnected(run.channel.collect_final(), raw)
+    except ClientDisconnected:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    except Exception as e:
+        raise from_engine_error(e) from e
+    finally:
+        run.channel.abort()  # a no-op once the request finished; else frees its KV blocks
+    final = finals[run.rid]
+    comp = final.outputs[0]
+    thinking, text = "", comp.text
+    if reasoning is not None:
+        said, rest = reasoning.split(comp.text)
+        thinking, text = said or "", rest or ""
+    calls: list[ToolCall] = []
+    if run.tool_plan.parser is not None:
+        parsed = run.tool_plan.parser.parse(text)
+        calls = _limit(run, body, parsed.calls)
+        text = parsed.content or ""
+    status, incomplete = _status(comp.finish_reason)
+    logprobs = None
+    if req.logprobs:
+        logprobs = [
+            lp.model_dump()
+            for lp in chat_logprobs(ctx, comp.token_ids, comp.logprobs, req.top_logprobs or 0)
+        ]
+    output: list[dict[str, Any]] = []
+    if thinking:
+        output.append(_reasoning_item(thinking))
+    if text or not calls:
+        output.append(_message_item(text, status, logprobs))
+    output.extend(_call_item(c) for c in calls)
+    usage = _usage(ctx, len(run.prompt_ids), final.num_cached_tokens or 0, len(comp.token_ids),
+                   thinking)  # fmt: skip
+    stored = _will_store(ctx, body)
+    response = _response(body, response_id, run.model, created, status=status, output=output,
+                         usage=usage, incomplete=incomplete, stored=stored)  # fmt: skip
+    if stored:
+        _keep(ctx, body, response, conv, _answer_message(text, calls))
+    return JSONResponse(response)
+
+
+def _limit(run: ChatRun, body: ResponsesRequest, calls: list[ToolCall]) -> list[ToolCall]:
+    calls = run.tool_plan.limit(calls)
+    return calls[: body.max_tool_calls] if body.max_tool_calls is not None else calls
+
+
+def get_response(ctx: ServingContext, response_id: str) -> dict[str, Any]:
+    return _stored(ctx, response_id).response
+
+
+def delete_response(ctx: ServingContext, response_id: str) -> dict[str, Any]:
+    if not ctx.response_store.delete(response_id):
+        raise _not_found(ctx, response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def list_input_items(ctx: ServingContext, response_id: str) -> dict[str, Any]:
+    items = _stored(ctx, response_id).input_items
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": False,
+    }
+
+
+def _stored(ctx: ServingContext, response_id: str) -> StoredResponse:
+    stored = ctx.response_store.get(response_id)
+    if stored is None:
+        raise _not_found(ctx, response_id)
+    return stored
+
+
+def _not_found(ctx: ServingContext, response_id: str) -> APIError:
+    return APIError(
+        404,
+        f"Response with id {response_id!r} not found (this server keeps responses in memory, "
+        f"per front-end process, up to {ctx.response_store.capacity}; store=false keeps none)",
+        param="response_id",
+    )
+
+
+# ---------------------------------------------------------------- streaming
+
+
+class _Events:
+    """Numbers and writes the stream's events (``event: <type>`` plus its JSON data)."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **data: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {to_json(payload)}\n\n".encode()
+
+
+async def _stream(
+    ctx: ServingContext,
+    body: ResponsesRequest,
+    req: ChatCompletionRequest,
+    run: ChatRun,
+    reasoning: ReasoningParser | None,
+    created: int,
+    conv: Conversation,
+) -> AsyncIterator[bytes]:
+    """OpenAI's event sequence: ``response.created``, ``response.in_progress``; per output
+    item ``response.output_item.added``, its parts and deltas, ``response.output_item.done``;
+    then ``response.completed`` (or ``response.incomplete``) with the whole response."""
+    event = _Events()
+    plan = run.tool_plan
+    thinking_stream = reasoning.stream() if reasoning is not None else None
+    calls_stream = plan.parser.stream() if plan.parser is not None else None
+    max_calls = None if plan.parallel_tool_calls else 1
+    if body.max_tool_calls is not None:
+        max_calls = min(max_calls or body.max_tool_calls, body.max_tool_calls)
+    top_n = req.top_logprobs or 0
+    per_delta_logprobs = req.logprobs and thinking_stream is None and calls_stream is None
+    output: list[dict[str, Any]] = []
+    thinking_item: dict[str, Any] | None = None
+    message_item: dict[str, Any] | None = None
+    thinking = text = ""
+    calls: list[ToolCall] = []
+    token_ids: list[int] = []
+    entries: list[Any] = []
+    finish: str | None = None
+    cached = 0
+
+    def in_progress() -> dict[str, Any]:
+        return _response(body, run.request_id, run.model, created, status="in_progress",
+                         output=[])  # fmt: skip
+
+    def close_thinking() -> list[bytes]:
+        nonlocal thinking_item
+        item, thinking_item = thinking_item, None
+        index = output.index(item)
+        part = {"type": "reasoning_text", "text": thinking}
+        item.update(content=[part], status="completed")
+        return [
+            event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                  content_index=0, text=thinking),
+            event("response.content_part.done", item_id=item["id"], output_index=index,
+                  content_index=0, part=part),
+            event("response.output_item.done", output_index=index, item=item),
+        ]  # fmt: skip
+
+    def open_message() -> list[bytes]:
+        nonlocal message_item
+        message_item = {"id": _id("msg"), "type": "message", "role": "assistant",
+                        "status": "in_progress", "content": []}  # fmt: skip
+        output.append(message_item)
+        index = len(output) - 1
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            event("response.output_item.added", output_index=index, item=message_item),
+            event("response.content_part.added", item_id=message_item["id"], output_index=index,
+                  content_index=0, part=part),
+        ]  # fmt: skip
+
+    def close_message(status: str) -> list[bytes]:
+        nonlocal message_item
+        item, message_item = message_item, None
+        index = output.index(item)
+        logprobs = []
+        if req.logprobs:
+            logprobs = [lp.model_dump() for lp in chat_logprobs(ctx, token_ids, entries, top_n)]
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+        item.update(content=[part], status=status)
+        return [
+            event("response.output_text.done", item_id=item["id"], output_index=index,
+                  content_index=0, text=text, logprobs=logprobs),
+            event("response.content_part.done", item_id=item["id"], output_index=index,
+                  content_index=0, part=part),
+            event("response.output_item.done", output_index=index, item=item),
+        ]  # fmt: skip
+
+    try:
+        yield event("response.created", response=in_progress())
+        yield event("response.in_progress", response=in_progress())
+        async for deltas in stream_deltas(run.channel, {run.rid: 0}, 1):
+            for d in deltas:
+                token_ids.extend(d.token_ids)
+                if d.logprobs is not None:
+                    entries.extend(d.logprobs)
+                finished = d.finish_reason is not None
+                piece = d.text
+                if thinking_stream is not None:
+                    said, piece = thinking_stream.step(d.text, finished)
+                    if said:
+                        if thinking_item is None and not thinking:
+                            thinking_item = {"id": _id("rs"), "type": "reasoning", "summary": [],
+                                             "content": [], "status": "in_progress"}  # fmt: skip
+                            output.append(thinking_item)
+                            index = len(output) - 1
+                            yield event("response.output_item.added", output_index=index,
+                                        item=thinking_item)  # fmt: skip
+                            yield event("response.content_part.added",
+                                        item_id=thinking_item["id"], output_index=index,
+                                        content_index=0,
+                                        part={"type": "reasoning_text", "text": ""})  # fmt: skip
+                        if thinking_item is not None:
+                            thinking += said
+                            yield event("response.reasoning_text.delta",
+                                        item_id=thinking_item["id"],
+                                        output_index=output.index(thinking_item),
+                                        content_index=0, delta=said)  # fmt: skip
+                    if thinking_item is not None and (piece or finished):
+                        for e in close_thinking():
+                            yield e
+                if calls_stream is None:
+                    update = StreamUpdate(piece)
+                else:
+                    update = calls_stream.feed(piece) if piece else StreamUpdate()
+                    if finished:
+                        last = calls_stream.finish()
+                        update.content += last.content
+                        update.calls.extend(last.calls)
+                if update.content:
+                    if message_item is None:
+                        for e in open_message():
+                            yield e
+                    text += update.content
+                    logprobs = []
+                    if per_delta_logprobs:
+                        logprobs = [lp.model_dump() for lp in
+                                    chat_logprobs(ctx, d.token_ids, d.logprobs, top_n)]  # fmt: skip
+                    yield event("response.output_text.delta", item_id=message_item["id"],
+                                output_index=output.index(message_item), content_index=0,
+                                delta=update.content, logprobs=logprobs)  # fmt: skip
+                for call in update.calls:
+                    if max_calls is not None and len(calls) >= max_calls:
+                        break
+                    if message_item is not None:
+                        for e in close_message("completed"):
+                            yield e
+                    item = {**_call_item(call), "arguments": "", "status": "in_progress"}
+                    output.append(item)
+                    index = len(output) - 1
+                    yield event("response.output_item.added", output_index=index, item=item)
+                    yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=index, delta=call.arguments)  # fmt: skip
+                    yield event("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=index, name=call.name,
+                                arguments=call.arguments)  # fmt: skip
+                    item.update(arguments=call.arguments, status="completed")
+                    yield event("response.output_item.done", output_index=index, item=item)
+                    calls.append(call)
+                if finished:
+                    finish = d.finish_reason
+                    cached = getattr(d.output, "num_cached_tokens", 0) or 0
+        status, incomplete = _status(finish)
+        if thinking_item is not None:
+            for e in close_thinking():
+                yield e
+        if message_item is None and not calls:
+            for e in open_message():
+                yield e
+        if message_item is not None:
+            for e in close_message(status):
+                yield e
+        usage = _usage(ctx, len(run.prompt_ids), cached, len(token_ids), thinking)
+        stored = _will_store(ctx, body)
+        response = _response(body, run.request_id, run.model, created, status=status,
+                             output=output, usage=usage, incomplete=incomplete,
+                             stored=stored)  # fmt: skip
+        if stored:
+            _keep(ctx, body, response, conv, _answer_message(text, calls))
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield event(kind, response=response)
+    except Exception as e:  # noqa: BLE001 - the status is sent already: report in-band
+        err = e if isinstance(e, APIError) else from_engine_error(e)
+        yield event("error", code=err.code or err.type, message=err.message, param=err.param)
+        failed = _response(body, run.request_id, run.model, created, status="failed",
+                           output=output,
+                           error={"code": "server_error", "message": err.message})  # fmt: skip
+        yield event("response.failed", response=failed)
+    finally:
+        run.channel.abort()

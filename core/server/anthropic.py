@@ -53,7 +53,8 @@ from engine.server.streaming import (
     to_json,
     unless_disconnected,
 )
-from engine.server.tools.parser import StreamUpdate, ToolCall
+from engine.server.tools.output import feed_stream
+from engine.server.tools.parser import ToolCall
 from engine.server.tools.request import normalize_tool_choice, validate_tools
 
 
@@ -347,14 +348,7 @@ async def _stream(run: ChatRun, reasoning: ReasoningParser | None) -> AsyncItera
                     if thinking_open and (piece or finished):
                         yield stop_block()
                         thinking_open = False
-                if calls_stream is None:
-                    update = StreamUpdate(piece)
-                else:
-                    update = calls_stream.feed(piece) if piece else StreamUpdate()
-                    if finished:
-                        last = calls_stream.finish()
-                        update.content += last.content
-                        update.calls.extend(last.calls)
+                update = feed_stream(calls_stream, piece, finished)
                 if update.content:
                     if not text_open:
                         for e in start_block({"type": "text", "text": ""}):

@@ -63,7 +63,8 @@ from engine.server.streaming import (
     to_json,
     unless_disconnected,
 )
-from engine.server.tools.parser import StreamUpdate, ToolCall
+from engine.server.tools.output import feed_stream
+from engine.server.tools.parser import ToolCall
 
 ROUTE = "/v1/responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -661,14 +662,7 @@ async def _stream(
                     if thinking_item is not None and (piece or finished):
                         for e in close_thinking():
                             yield e
-                if calls_stream is None:
-                    update = StreamUpdate(piece)
-                else:
-                    update = calls_stream.feed(piece) if piece else StreamUpdate()
-                    if finished:
-                        last = calls_stream.finish()
-                        update.content += last.content
-                        update.calls.extend(last.calls)
+                update = feed_stream(calls_stream, piece, finished)
                 if update.content:
                     if message_item is None:
                         for e in open_message():

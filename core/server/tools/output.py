@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.server.tools.parser import StreamUpdate, ToolCall
+from engine.server.tools.parser import StreamUpdate, ToolCall, ToolCallStream
 from engine.server.tools.request import ToolPlan
 
 
@@ -34,6 +34,19 @@ def parse_choice(
     return parsed.content, [c.to_openai() for c in calls], plan.calls_finish_reason
 
 
+def feed_stream(stream: ToolCallStream | None, text: str, finished: bool) -> StreamUpdate:
+    """What a tool parser's ``stream`` releases for the next ``text`` of an output (``None``:
+    no parser, all of it is content); ``finished`` releases what it held back."""
+    if stream is None:
+        return StreamUpdate(text)
+    update = stream.feed(text) if text else StreamUpdate()
+    if finished:
+        last = stream.finish()
+        update.content += last.content
+        update.calls.extend(last.calls)
+    return update
+
+
 class ToolCallDeltas:
     """Turns the text deltas of one choice into chat ``delta`` objects (content, tool calls)."""
 
@@ -51,11 +64,7 @@ class ToolCallDeltas:
 
     def step(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas to send for ``text``; ``finished`` releases what was held back."""
-        update = self._stream.feed(text) if text else StreamUpdate()
-        if finished:
-            last = self._stream.finish()
-            update.content += last.content
-            update.calls.extend(last.calls)
+        update = feed_stream(self._stream, text, finished)
         deltas: list[dict[str, Any]] = []
         if update.content:
             deltas.append({"content": update.content})

@@ -40,7 +40,8 @@ _DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a wrong type or value (`param` names the field), "
     "or a prompt too long for the context (`code: context_length_exceeded`).",
     401: "Missing or wrong API key (`Authorization: Bearer KEY` or `x-api-key: KEY`).",
-    404: "Unknown model (`code: model_not_found`).",
+    404: "Unknown model (`code: model_not_found`), or on the Responses API's routes an "
+    "unknown or forgotten response id (`param` names the field).",
     413: "Request body over `--max-request-body-bytes`.",
     500: "The engine failed (`code: engine_dead`), or an unexpected server error.",
     503: "Starting, draining, or the request was aborted by shutdown.",
@@ -50,6 +51,10 @@ _ROUTE_ERRORS = {
     ("post", "/v1/completions"): (400, 404, 413, 500, 503),
     ("post", "/v1/chat/completions"): (400, 404, 413, 500, 503),
     ("post", "/v1/messages"): (400, 404, 413, 500, 503),
+    ("post", "/v1/responses"): (400, 404, 413, 500, 503),
+    ("get", "/v1/responses/{response_id}"): (404, 500, 503),
+    ("delete", "/v1/responses/{response_id}"): (404, 500, 503),
+    ("get", "/v1/responses/{response_id}/input_items"): (404, 500, 503),
     ("post", "/v1/messages/count_tokens"): (400, 404, 413, 500, 503),
     ("post", "/v1/embeddings"): (400, 404, 413, 500, 503),
     ("post", "/tokenize"): (400, 404, 413, 500, 503),
@@ -170,7 +175,7 @@ def build_document(app: FastAPI, limits: ServedLimits | None, api_keys: bool) ->
 # out of the document once the model is known, as vLLM registers only its model's tasks' routes.
 _UNSERVED: dict[str, tuple[str, ...]] = {
     "generate": ("/v1/embeddings",),
-    "pooling": ("/v1/completions", "/v1/chat/completions", "/v1/messages"),
+    "pooling": ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"),
 }
 
 
@@ -227,6 +232,31 @@ def _document_responses(method: str, path: str, operation: dict, api_keys: bool)
             }
         }
 
+    if path == "/v1/responses" and "200" in responses:
+        content = responses["200"].setdefault("content", {})
+        content["text/event-stream"] = {
+            "schema": {
+                "type": "object",
+                "description": "With `stream: true`, OpenAI's Responses events: "
+                "`response.created`, `response.in_progress`, per output item "
+                "`response.output_item.added`, its parts and deltas, "
+                "`response.output_item.done`, then `response.completed` or "
+                "`response.incomplete` (an `error` event and `response.failed` on failure). "
+                "`data` is the JSON event, whose `type` is the event's name.",
+                "required": ["event", "data"],
+                "properties": {
+                    "event": {"type": "string"},
+                    "data": {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "type": "object",
+                            "required": ["type", "sequence_number"],
+                        },
+                    },
+                },
+            }
+        }
     if path == "/v1/messages" and "200" in responses:
         content = responses["200"].setdefault("content", {})
         content["text/event-stream"] = {

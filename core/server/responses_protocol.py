@@ -134,14 +134,15 @@ _ITEM_TAGS = {
 
 def _item_type(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "")
-    return _ITEM_TAGS.get(kind, "Message")
+    return _ITEM_TAGS.get(kind, "Message") if isinstance(kind, str) else "Message"
 
 
 def _known_item(value: Any) -> Any:
-    """A 400 naming the item's type for one this server does not take."""
+    """A 400 naming the item's type for one this server does not take (a type that is not a
+    string fails as the message item's ``type``)."""
     if isinstance(value, dict):
         kind = value.get("type", "message")
-        if kind not in _ITEM_TAGS:
+        if isinstance(kind, str) and kind not in _ITEM_TAGS:
             raise PydanticCustomError(
                 "item_type",
                 "input items of type '{kind}' are not taken here; the types taken are "
@@ -167,7 +168,7 @@ def _input_form(value: Any) -> str:
 
 # ``input``: its form is read from its shape, so that an error is about the items sent.
 Input = Annotated[
-    Annotated[str, Tag("Text")] | Annotated[list[InputItem], Tag("Items")],
+    Annotated[str, Tag("Text")] | Annotated[list[InputItem], Field(min_length=1), Tag("Items")],
     Discriminator(_input_form),
 ]
 

@@ -360,7 +360,9 @@ def test_json_schema_text_format_constrains_the_output(client, server):
             "text.format.schema",
             "schema",
         ),
-        ({"input": []}, "input", "no message"),
+        ({"input": []}, "input", "at least 1 item"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message"),
+        ({"input": [{"type": {}}]}, "input.0.type", "'message'"),
     ],
 )
 def test_bad_requests_name_the_field(http, server, body, param, words):

@@ -32,7 +32,12 @@ from engine.config import (
 )
 from engine.errors import InvalidRequestError
 from engine.lora.request import LoRARequest
-from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -314,6 +319,34 @@ class LLM:
             batch.append((str(next(self._counter)), text, params, ids, prio, None, True))
         self.llm_engine.add_requests(batch)  # all or none
         return self._run([r[0] for r in batch], use_tqdm)  # type: ignore[return-value]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` on an embedding model: the cosine similarity of the
+        embeddings of one ``text_1`` and each ``text_2`` (1:N), or of two lists of the same
+        length pairwise (N:N); one output per pair, in pair order. Each distinct text is
+        embedded once."""
+        from engine.scoring import cosine, score_pairs
+
+        pairs = score_pairs(text_1, text_2)
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self.embed(texts, pooling_params, use_tqdm), strict=True))
+        out = []
+        for a, b in pairs:
+            ea, eb = embedded[a], embedded[b]
+            out.append(
+                ScoringRequestOutput(
+                    request_id=f"{ea.request_id}_{eb.request_id}",
+                    outputs=ScoringOutput(cosine(ea.outputs.embedding, eb.outputs.embedding)),
+                    prompt_token_ids=list(ea.prompt_token_ids) + list(eb.prompt_token_ids),
+                )
+            )
+        return out
 
     def _generate_parsed(
         self,

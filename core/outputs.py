@@ -78,6 +78,24 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
+class ScoringOutput:
+    """One pair's score (vLLM's ``ScoringOutput``)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """The result of scoring one pair (vLLM's ``ScoringRequestOutput``): ``prompt_token_ids``
+    are the two texts' tokens, one after the other."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
 class EmbeddingRequestOutput:
     """The result of one embedding request (vLLM's ``EmbeddingRequestOutput``)."""
 

@@ -54,6 +54,10 @@ from engine.server.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -67,6 +71,7 @@ from engine.server.responses import (
     list_input_items,
 )
 from engine.server.responses_protocol import ResponsesRequest
+from engine.server.score import create_rerank, create_score
 from engine.server.serving import ServingContext, ServingOptions
 from engine.server.tools.request import validate_tools
 
@@ -262,6 +267,33 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
     async def response_input_items(response_id: str):
         """The input items of a kept response."""
         return list_input_items(state.require_ctx(), response_id)
+
+    def score_route(path: str):
+        async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
+            ctx = state.require_ctx()
+            _warn_extra(body)
+            return await create_score(ctx, body, request, path)
+
+        score.__doc__ = """vLLM's score API on an embedding model: the cosine similarity of
+        ``text_1`` and each ``text_2`` (1:N) or of two lists pairwise (N:N)."""
+        return score
+
+    def rerank_route(path: str):
+        async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
+            ctx = state.require_ctx()
+            _warn_extra(body)
+            return await create_rerank(ctx, body, request, path)
+
+        rerank.__doc__ = """Jina's and Cohere's rerank API (as vLLM serves it) on an
+        embedding model: ``documents`` ordered by their cosine similarity to ``query``."""
+        return rerank
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, score_route(path), methods=["POST"],
+                          response_model=ScoreResponse, tags=["vllm"])  # fmt: skip
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank_route(path), methods=["POST"],
+                          response_model=RerankResponse, tags=["vllm"])  # fmt: skip
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, tags=["openai"])
     async def embeddings(body: EmbeddingRequest, request: Request):

@@ -50,49 +50,20 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
     except ValueError as e:
         raise from_engine_error(e) from None
-    texts: list[str | None] = []
-    token_ids: list[list[int]] = []
-    for item in inputs:
-        if isinstance(item, str):
-            if not item:  # OpenAI refuses it too (a tokenizer may still add special tokens)
-                raise bad_request("input must not contain empty strings", "input")
-            ids = await ctx.encode(item)
-            texts.append(item)
-        else:
-            ids = list(item)
-            ctx.check_token_ids(ids, "input")
-            texts.append(None)
-        if not ids:
-            raise bad_request("input must not be empty", "input")
-        token_ids.append(ids)
-
-    engine = ctx.async_engine
-    channel = engine.open_channel(stream=False)
     request_id = random_id("embd")
-    rids = []
     try:
-        for i, (text, ids) in enumerate(zip(texts, token_ids, strict=True)):
-            rid = f"{request_id}-{i}"
-            ctx.log_request(rid, text if text is not None else ids, ids, params)
-            await engine.add_request(channel, rid, text, params, ids, req.priority)
-            rids.append(rid)
-        finals = await unless_disconnected(channel.collect_final(), raw)
+        vectors, num_tokens = await embed_inputs(
+            ctx, inputs, params, raw, request_id, req.priority, "input"
+        )
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)
-    except Exception as e:
-        raise from_engine_error(e) from None
-    finally:
-        channel.abort()  # a no-op once every request finished; else frees their KV blocks
-
     data = []
-    for i, rid in enumerate(rids):
-        vector = finals[rid].outputs.embedding
+    for i, vector in enumerate(vectors):
         if req.encoding_format == "base64":
             encoded = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
             data.append(EmbeddingData(index=i, embedding=encoded))
         else:
             data.append(EmbeddingData(index=i, embedding=vector))
-    num_tokens = sum(len(ids) for ids in token_ids)
     return EmbeddingResponse(
         id=request_id,
         created=int(time.time()),
@@ -100,3 +71,51 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
         data=data,
         usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
     )
+
+
+async def embed_inputs(
+    ctx: ServingContext,
+    inputs: list[str | list[int]],
+    params: PoolingParams,
+    raw: Request,
+    request_id: str,
+    priority: int = 0,
+    param: str = "input",
+) -> tuple[list[list[float]], int]:
+    """The embedding of each input (a text or token ids), in order, and the prompt tokens
+    they took: one engine request each, on one channel. Raises ``ClientDisconnected`` when
+    the client goes away (the requests are aborted), 400s naming ``param`` for empty input."""
+    texts: list[str | None] = []
+    token_ids: list[list[int]] = []
+    for item in inputs:
+        if isinstance(item, str):
+            if not item:  # OpenAI refuses it too (a tokenizer may still add special tokens)
+                raise bad_request(f"{param} must not contain empty strings", param)
+            ids = await ctx.encode(item)
+            texts.append(item)
+        else:
+            ids = list(item)
+            ctx.check_token_ids(ids, param)
+            texts.append(None)
+        if not ids:
+            raise bad_request(f"{param} must not be empty", param)
+        token_ids.append(ids)
+
+    engine = ctx.async_engine
+    channel = engine.open_channel(stream=False)
+    rids = []
+    try:
+        for i, (text, ids) in enumerate(zip(texts, token_ids, strict=True)):
+            rid = f"{request_id}-{i}"
+            ctx.log_request(rid, text if text is not None else ids, ids, params)
+            await engine.add_request(channel, rid, text, params, ids, priority)
+            rids.append(rid)
+        finals = await unless_disconnected(channel.collect_final(), raw)
+    except ClientDisconnected:
+        raise
+    except Exception as e:
+        raise from_engine_error(e) from None
+    finally:
+        channel.abort()  # a no-op once every request finished; else frees their KV blocks
+    vectors = [finals[rid].outputs.embedding for rid in rids]
+    return vectors, sum(len(ids) for ids in token_ids)

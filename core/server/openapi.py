@@ -46,6 +46,7 @@ _DESCRIPTIONS = {
     500: "The engine failed (`code: engine_dead`), or an unexpected server error.",
     503: "Starting, draining, or the request was aborted by shutdown.",
 }
+_SCORE_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 # The error statuses of each route, besides 401 on /v1 routes when API keys are set.
 _ROUTE_ERRORS = {
     ("post", "/v1/completions"): (400, 404, 413, 500, 503),
@@ -57,6 +58,7 @@ _ROUTE_ERRORS = {
     ("get", "/v1/responses/{response_id}/input_items"): (404, 500, 503),
     ("post", "/v1/messages/count_tokens"): (400, 404, 413, 500, 503),
     ("post", "/v1/embeddings"): (400, 404, 413, 500, 503),
+    **{("post", p): (400, 404, 413, 500, 503) for p in _SCORE_PATHS},
     ("post", "/tokenize"): (400, 404, 413, 500, 503),
     ("post", "/detokenize"): (400, 404, 413, 500, 503),
     ("get", "/v1/models"): (500, 503),
@@ -174,7 +176,7 @@ def build_document(app: FastAPI, limits: ServedLimits | None, api_keys: bool) ->
 # The model routes a runner does not serve (they answer 400 naming what the model supports), left
 # out of the document once the model is known, as vLLM registers only its model's tasks' routes.
 _UNSERVED: dict[str, tuple[str, ...]] = {
-    "generate": ("/v1/embeddings",),
+    "generate": ("/v1/embeddings", *_SCORE_PATHS),
     "pooling": ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"),
 }
 
@@ -317,6 +319,12 @@ def _served_limits(schemas: dict[str, Any], limits: ServedLimits) -> None:
     # A prompt has at least one token, so at most max_model_len - 1 can be generated.
     _integers(schemas["MessagesRequest"]["properties"]["max_tokens"],
               maximum=limits.max_model_len - 1)  # fmt: skip
+    if "ResponsesRequest" in schemas:
+        responses = schemas["ResponsesRequest"]["properties"]
+        _integers(responses["max_output_tokens"], maximum=limits.max_model_len - 1)
+        _integers(responses["min_tokens"], maximum=limits.max_model_len - 1)
+        _integers(responses["top_logprobs"], maximum=limits.max_logprobs)
+        _logit_bias_keys(responses["logit_bias"], limits.row_limit)
     completion = schemas["CompletionRequest"]["properties"]
     _integers(completion["logprobs"], maximum=limits.max_logprobs)
     _prompt(completion["prompt"], limits)

@@ -177,6 +177,11 @@ _IMAGE_URL_PART = {
     },
 }
 _CONTENT_PART = {"oneOf": [_TEXT_PART, _IMAGE_URL_PART]}
+_RERANK_DOCUMENT = {
+    "type": "object",
+    "required": ["text"],
+    "properties": {"text": {"type": "string", "minLength": 1}},
+}
 
 
 class _Body(BaseModel):
@@ -467,6 +472,86 @@ class EmbeddingResponse(BaseModel):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+# One text, or a non-empty list of them (read by shape, as the prompt forms are).
+ScoreTexts = Annotated[
+    Annotated[NonEmptyText, Tag("Text")]
+    | Annotated[list[NonEmptyText], Field(min_length=1), Tag("List")],
+    Discriminator(_text_or_list),
+]
+
+
+class ScoreRequest(_Request):
+    """``POST /score`` (vLLM's): how well each ``text_2`` answers ``text_1``. One ``text_1``
+    and one or more ``text_2`` (1:N), or lists of the same length (N:N, pairwise)."""
+
+    model: str | None = None
+    text_1: ScoreTexts
+    text_2: ScoreTexts
+    user: str | None = None
+    priority: Int64 = 0
+
+
+class ScoreData(BaseModel):
+    """One pair's score."""
+
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    """The answer to ``POST /score``: one score per pair, in pair order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankRequest(_Request):
+    """``POST /rerank`` (Jina's and Cohere's shape, as vLLM serves it): the ``documents``
+    ordered by relevance to ``query``; ``top_n`` keeps the best N (0 or absent: all);
+    ``return_documents: false`` leaves their text out of the results."""
+
+    model: str | None = None
+    query: NonEmptyText
+    documents: Annotated[
+        list[NonEmptyText | Annotated[dict[str, Any], WithJsonSchema(_RERANK_DOCUMENT)]],
+        Field(min_length=1),
+    ]
+    top_n: Count | None = None
+    return_documents: bool = True
+    user: str | None = None
+    priority: Int64 = 0
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    """One document: its index in the request, its text and its relevance score."""
+
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int = 0
+
+
+class RerankResponse(BaseModel):
+    """The answer to ``POST /rerank``: the documents, most relevant first."""
+
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
 
 
 class CompletionLogprobs(BaseModel):

@@ -23,10 +23,14 @@ from pydantic_core import PydanticCustomError
 from engine.server.protocol import (
     FLOAT32_MAX,
     FLOAT32_TINY,
+    INT64_MAX,
     Count,
+    Int64,
     NonEmptyText,
     Positive,
+    Stop,
     _Body,
+    _integral,
     _Request,
 )
 
@@ -227,19 +231,19 @@ class ResponsesRequest(_Request):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # vLLM's sampling extensions, checked as the chat route checks them.
-    top_k: Any = None
-    min_p: Any = None
-    seed: Any = None
-    stop: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    ignore_eos: Any = None
-    min_tokens: Any = None
-    priority: Any = None
-    skip_special_tokens: Any = None
-    logit_bias: Any = None
+    # vLLM's sampling extensions, with the chat route's types and bounds.
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), BeforeValidator(_integral)] | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: Int64 | None = None
+    stop: Stop | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=FLOAT32_MAX)
+    ignore_eos: bool | None = None
+    min_tokens: Count | None = None
+    priority: Int64 | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

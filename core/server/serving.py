@@ -168,7 +168,7 @@ class ServingContext:
         if have == "pooling":
             message = (
                 f"The model `{self.model_name}` is an embedding (pooling) model: it supports "
-                f"/v1/embeddings, not generation ({route})."
+                f"/v1/embeddings, /score and /rerank, not generation ({route})."
             )
         else:
             message = (

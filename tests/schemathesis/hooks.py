@@ -54,6 +54,12 @@ def map_case(context, case):
         _embedding(body)
     elif case.path in ("/v1/messages", "/v1/messages/count_tokens"):
         _anthropic(body, generates=case.path == "/v1/messages")
+    elif case.path == "/v1/responses":
+        _responses(body)
+    elif case.path in ("/score", "/v1/score"):
+        _score(body)
+    elif case.path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        _rerank(body)
     return case
 
 
@@ -265,6 +271,85 @@ def _anthropic(body: dict[str, Any], generates: bool) -> None:
         n = _count_anthropic(body)
     if generates:
         body["max_tokens"] = max(1, min(body["max_tokens"], MAX_MODEL_LEN - n, MAX_NEW_TOKENS))
+
+
+def _responses(body: dict[str, Any]) -> None:
+    """OpenAI's Responses API: the chat route's rules, in its shapes (core/server/responses.py
+    translates the request to a chat request, and the chat route's 400s follow)."""
+    body.pop("previous_response_id", None)  # an id no response was kept under: a 404
+    tools = body.get("tools") or []
+    unique = {}
+    for tool in tools:  # function tools with unique names and a schema that compiles
+        if tool.get("type") == "function" and isinstance(tool.get("name"), str) and tool["name"]:
+            unique.setdefault(tool["name"], {**tool, "parameters": {"type": "object"}})
+    body["tools"] = list(unique.values())
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if body["tools"]:
+            body["tool_choice"] = {"type": "function", "name": body["tools"][0]["name"]}
+        else:
+            body.pop("tool_choice")
+    elif choice is not None and (choice not in ("auto", "none", "required") or not body["tools"]):
+        body.pop("tool_choice")
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict):
+        if fmt.get("type") == "json_schema":
+            fmt["schema"] = {"type": "object"}  # a schema that compiles
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            text.pop("format")  # forced tool calls constrain the output already
+    if body.get("background"):
+        body["background"] = False  # not served here (a 400)
+    if body.get("truncation") == "auto":
+        body["truncation"] = "disabled"  # not served here (a 400)
+    items = body["input"]
+    if isinstance(items, list):
+        for item in items:
+            kind = item.get("type", "message")
+            if kind == "function_call":
+                item["arguments"] = "{}"  # arguments must be a JSON text
+            elif kind == "message" and isinstance(item.get("content"), list):
+                # The served model is a text model: an image part is a 400 naming it.
+                item["content"] = [
+                    p if p.get("type") != "input_image" else {"type": "input_text", "text": "x"}
+                    for p in item["content"]
+                ]
+            elif kind == "function_call_output" and isinstance(item.get("output"), list):
+                item["output"] = "done"  # text only
+        if not any(
+            item.get("type", "message") == "message"
+            or item.get("type") in ("function_call", "function_call_output")
+            for item in items
+        ):
+            items.append({"role": "user", "content": "Hi"})  # something to answer
+    if body.get("min_tokens"):
+        body["min_tokens"] = 0 if body.get("tool_choice") not in (None, "none", "auto") else 1
+    body["max_output_tokens"] = max(
+        1, min(body.get("max_output_tokens") or MAX_NEW_TOKENS, MAX_NEW_TOKENS)
+    )
+
+
+def _score(body: dict[str, Any]) -> None:
+    """The pairs are 1:N or N:N (lists of the same length)."""
+    first, second = body["text_1"], body["text_2"]
+    if isinstance(first, list) and len(first) > 1:
+        second = second if isinstance(second, list) else [second]
+        body["text_2"] = (second * len(first))[: len(first)]
+    for name in ("text_1", "text_2"):
+        texts = body[name] if isinstance(body[name], list) else [body[name]]
+        fixed = [t if 0 < _count(t, True) < MAX_MODEL_LEN else "Hi" for t in texts]
+        body[name] = fixed if isinstance(body[name], list) else fixed[0]
+
+
+def _rerank(body: dict[str, Any]) -> None:
+    """Every text fits the context."""
+    if not 0 < _count(body["query"], True) < MAX_MODEL_LEN:
+        body["query"] = "Hi"
+    docs = body["documents"]
+    for i, doc in enumerate(docs):
+        text = doc if isinstance(doc, str) else doc.get("text")
+        if not isinstance(text, str) or not 0 < _count(text, True) < MAX_MODEL_LEN:
+            docs[i] = "Hi"
 
 
 # ---------------------------------------------------------------- token counts

@@ -1,0 +1,149 @@
+"""vLLM's ``/score`` and ``/rerank`` routes on an embedding model: scores equal to
+sentence-transformers' ``util.cos_sim`` of its own embeddings of the same texts (a BERT model
+with mean pooling, not normalised, so the cosine is not a plain dot product), every pairing,
+ordering and ``top_n``, the route aliases, usage, the 400s, and no KV block left in use."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_harness import MAX_MODEL_LEN, RunningServer, engine_config, error_of
+
+from engine.testing.tiny_embedding_models import TEXTS, import_sentence_transformers, save_st_model
+
+QUERY = "what is a sentence?"
+
+
+@pytest.fixture(scope="module")
+def st_dir(tmp_path_factory):
+    return save_st_model(
+        tmp_path_factory.mktemp("bert-embed"),
+        "bert",
+        "mean",
+        normalize=False,
+        max_position_embeddings=MAX_MODEL_LEN,
+    )
+
+
+@pytest.fixture(scope="module")
+def st_model(st_dir):
+    st = import_sentence_transformers()
+    return st.SentenceTransformer(str(st_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def score_server(st_dir):
+    from engine.engine_core.core import EngineCore
+
+    with RunningServer(lambda: EngineCore.from_config(engine_config(st_dir))) as running:
+        yield running
+
+
+@pytest.fixture()
+def shttp(score_server):
+    with httpx.Client(base_url=score_server.base_url, timeout=60) as c:
+        yield c
+
+
+def cos_sim(st_model, a: list[str], b: list[str]):
+    st = import_sentence_transformers()
+    return st.util.cos_sim(
+        st_model.encode(a, convert_to_tensor=True), st_model.encode(b, convert_to_tensor=True)
+    )
+
+
+def _scores(body: dict) -> list[float]:
+    assert body["object"] == "list" and body["model"] == "tiny"
+    assert [d["index"] for d in body["data"]] == list(range(len(body["data"])))
+    assert all(d["object"] == "score" for d in body["data"])
+    return [d["score"] for d in body["data"]]
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_one_against_many_equals_sentence_transformers(shttp, st_model, score_server, path):
+    r = shttp.post(path, json={"model": "tiny", "text_1": QUERY, "text_2": TEXTS})
+    assert r.status_code == 200, r.text
+    want = cos_sim(st_model, [QUERY], TEXTS)[0].tolist()
+    assert _scores(r.json()) == pytest.approx(want, abs=1e-5)
+    tok = st_model.tokenizer
+    n = sum(len(tok(t).input_ids) for t in [QUERY, *TEXTS])  # each text embedded once
+    assert r.json()["usage"]["prompt_tokens"] == n
+    assert score_server.engine.num_used_blocks == 0
+
+
+def test_pairwise_and_one_to_one(shttp, st_model):
+    firsts, seconds = TEXTS[:2], TEXTS[2:]
+    r = shttp.post("/score", json={"text_1": firsts, "text_2": seconds}).json()
+    want = cos_sim(st_model, firsts, seconds).diagonal().tolist()
+    assert _scores(r) == pytest.approx(want, abs=1e-5)
+    r = shttp.post("/score", json={"text_1": TEXTS[0], "text_2": TEXTS[0]}).json()
+    assert _scores(r) == pytest.approx([1.0], abs=1e-5)
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_orders_the_documents(shttp, st_model, path):
+    docs = [TEXTS[0], {"text": TEXTS[1]}, TEXTS[2], TEXTS[3]]
+    r = shttp.post(path, json={"model": "tiny", "query": QUERY, "documents": docs})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = cos_sim(st_model, [QUERY], TEXTS)[0].tolist()
+    order = sorted(range(len(TEXTS)), key=lambda i: -want[i])
+    assert [x["index"] for x in body["results"]] == order
+    for x in body["results"]:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+        assert x["document"] == {"text": TEXTS[x["index"]]}
+    assert body["usage"]["total_tokens"] > 0 and body["model"] == "tiny"
+    top = shttp.post(
+        path, json={"query": QUERY, "documents": TEXTS, "top_n": 2, "return_documents": False}
+    ).json()
+    assert [x["index"] for x in top["results"]] == order[:2]
+    assert all(x["document"] is None for x in top["results"])
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS[:3]}, "text_2"),
+        ("/score", {"text_1": [], "text_2": "x"}, "text_1"),
+        ("/score", {"text_1": "", "text_2": "x"}, "text_1"),
+        ("/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/rerank", {"query": "q", "documents": [{"txt": "x"}]}, "documents.0"),
+        ("/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ],
+)
+def test_bad_requests_name_the_field(shttp, score_server, path, body, param):
+    err = error_of(shttp.post(path, json=body), 400)
+    assert err["param"] == param, err
+    assert score_server.engine.num_used_blocks == 0
+
+
+def test_a_generative_model_answers_400(http):
+    """The chat fixture's model generates: the scoring routes name what it supports."""
+    for path, body in [
+        ("/score", {"text_1": "a", "text_2": "b"}),
+        ("/rerank", {"query": "a", "documents": ["b"]}),
+    ]:
+        err = error_of(http.post(path, json=body), 400)
+        assert "generative model" in err["message"] and err["param"] == "model"
+
+
+def test_llm_score_equals_the_route(st_dir, st_model, shttp):
+    """The offline ``LLM.score`` (vLLM's): the same scores, one output per pair, and the
+    pairing rule's error."""
+    from engine.errors import InvalidRequestError
+    from engine.llm import LLM
+
+    llm = LLM.from_engine_config(engine_config(st_dir))
+    try:
+        outs = llm.score(QUERY, TEXTS, use_tqdm=False)
+        want = cos_sim(st_model, [QUERY], TEXTS)[0].tolist()
+        assert [o.outputs.score for o in outs] == pytest.approx(want, abs=1e-5)
+        tok = st_model.tokenizer
+        assert outs[1].prompt_token_ids == tok(QUERY).input_ids + tok(TEXTS[1]).input_ids
+        pairwise = llm.score(TEXTS[:2], TEXTS[2:], use_tqdm=False)
+        served = shttp.post("/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:]}).json()
+        assert [o.outputs.score for o in pairwise] == pytest.approx(_scores(served), abs=1e-6)
+        with pytest.raises(InvalidRequestError, match="1:N"):
+            llm.score(TEXTS[:2], TEXTS[:3])
+    finally:
+        llm.shutdown()

@@ -299,6 +299,25 @@ class LLM:
         one ``PoolingParams`` for all prompts or one per prompt (``dimensions``, ``normalize``).
         Every prompt is validated before any work starts.
         """
+        if self._pooler_task() == "score":
+            raise InvalidRequestError(
+                "this model is a cross-encoder (a sequence-classification head): it scores "
+                "text pairs with LLM.score, it does not embed",
+                "prompts",
+            )
+        return self._pool(prompts, pooling_params, use_tqdm, priority)
+
+    def _pooler_task(self) -> str | None:
+        cfg = getattr(self.llm_engine.config.model, "pooler_config", None)
+        return cfg.task if cfg is not None else None
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        use_tqdm: bool,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
         prompts = _prompt_list(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams()
@@ -327,15 +346,28 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` on an embedding model: the cosine similarity of the
-        embeddings of one ``text_1`` and each ``text_2`` (1:N), or of two lists of the same
-        length pairwise (N:N); one output per pair, in pair order. Each distinct text is
-        embedded once."""
+        """vLLM's ``LLM.score``: one ``text_1`` against each ``text_2`` (1:N), or two lists of
+        the same length pairwise (N:N); one output per pair, in pair order. A cross-encoder
+        (``*ForSequenceClassification``) reads each pair as one prompt (its tokenizer's pair
+        encoding) and scores it (the sigmoid of its logit); an embedding model embeds each
+        distinct text once and scores the cosine similarity of the two embeddings."""
         from engine.scoring import cosine, score_pairs
 
         pairs = score_pairs(text_1, text_2)
+        if self._pooler_task() == "score":
+            tok = self.get_tokenizer()
+            ids = [list(tok(a, b)["input_ids"]) for a, b in pairs]
+            outs = self._pool([{"prompt_token_ids": i} for i in ids], pooling_params, use_tqdm)
+            return [
+                ScoringRequestOutput(
+                    o.request_id,
+                    ScoringOutput(float(o.outputs.embedding[0])),
+                    list(o.prompt_token_ids),
+                )  # fmt: skip
+                for o in outs
+            ]
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        embedded = dict(zip(texts, self.embed(texts, pooling_params, use_tqdm), strict=True))
+        embedded = dict(zip(texts, self._pool(texts, pooling_params, use_tqdm), strict=True))
         out = []
         for a, b in pairs:
             ea, eb = embedded[a], embedded[b]

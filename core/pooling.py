@@ -37,11 +37,22 @@ if TYPE_CHECKING:
 
 POOLING_TYPES = ("LAST", "CLS", "MEAN")
 
-# Architectures that have no LM head: they can only embed.
-POOLING_ONLY_ARCHITECTURES = frozenset(
-    {"BertModel", "RobertaModel", "XLMRobertaModel", "Qwen3Model"}
+# Cross-encoders: a text pair in, its relevance score out (``/score``, ``/rerank``).
+CROSS_ENCODER_ARCHITECTURES = frozenset(
+    {
+        "BertForSequenceClassification",
+        "RobertaForSequenceClassification",
+        "XLMRobertaForSequenceClassification",
+    }
 )
-ENCODER_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
+# Architectures that have no LM head: they can only embed (or score).
+POOLING_ONLY_ARCHITECTURES = (
+    frozenset({"BertModel", "RobertaModel", "XLMRobertaModel", "Qwen3Model"})
+    | CROSS_ENCODER_ARCHITECTURES
+)
+ENCODER_ARCHITECTURES = (
+    frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"}) | CROSS_ENCODER_ARCHITECTURES
+)
 
 _ST_MODES = {
     "pooling_mode_cls_token": "CLS",
@@ -59,6 +70,9 @@ class PoolerConfig:
 
     pooling_type: str
     normalize: bool = True
+    # "embed": the pooled vector is the output; "score": a cross-encoder's classification
+    # head turns the pooled first token into a relevance score (sigmoid of its logit).
+    task: str = "embed"
     hidden_size: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
@@ -117,6 +131,9 @@ def resolve_pooler_config(
     """The pooler of a checkpoint (see the module docstring)."""
     encoder = any(a in ENCODER_ARCHITECTURES for a in architectures)
     cfg = PoolerConfig("CLS" if encoder else "LAST", hidden_size=int(hf_config.hidden_size))
+    if any(a in CROSS_ENCODER_ARCHITECTURES for a in architectures):
+        cfg.task, cfg.normalize, cfg.source = "score", False, "classification head"
+        return cfg
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     cfg.is_matryoshka = bool(getattr(hf_config, "is_matryoshka", False) or dims)
     cfg.matryoshka_dimensions = sorted(int(d) for d in dims) if dims else None
@@ -211,6 +228,15 @@ def pool(
         sums.index_add_(0, owner, hidden[rows].float())
         return sums / lens[:, None].float()
     raise ValueError(f"unknown pooling type {pooling_type!r}; one of {POOLING_TYPES}")
+
+
+def finish_scores(logits: torch.Tensor) -> list[torch.Tensor]:
+    """A cross-encoder's relevance scores: the sigmoid of each pair's one logit (what
+    sentence-transformers' ``CrossEncoder`` and vLLM's score API return), one ``[1]`` vector
+    per pair."""
+    import torch
+
+    return list(torch.sigmoid(logits.float()))
 
 
 def finish_embeddings(

@@ -173,6 +173,8 @@ def _resolve_runner(model_config: ModelConfig, hf_config: Any, path: Path) -> No
         return
     cfg = pooling.resolve_pooler_config(model_dir, hf_config, names)
     model_config.pooler_config = cfg
+    if cfg.task == "score" and getattr(hf_config, "sep_token_id", None) is None:
+        hf_config.sep_token_id = _sep_token_id(model_config, model_dir)
     if model_config.max_model_len is None:
         st_len = pooling.sentence_transformers_max_len(model_dir)
         if st_len is not None:
@@ -192,6 +194,21 @@ def _resolve_runner(model_config: ModelConfig, hf_config: Any, path: Path) -> No
         if cfg.is_matryoshka
         else "",
     )
+
+
+def _sep_token_id(model_config: ModelConfig, model_dir: Path | None) -> int | None:
+    """A cross-encoder's separator token id, from its tokenizer (BERT's config.json does not
+    name it; the model needs it to tell a pair's two texts apart)."""
+    source = getattr(model_config, "tokenizer", None) or model_dir
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the cross-encoder's tokenizer at {source}: {e}") from e
+    return tok.sep_token_id
 
 
 def _select(model_config: ModelConfig, hf_config: Any, registry: ModelRegistry, log: bool) -> Any:

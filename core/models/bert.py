@@ -178,3 +178,133 @@ class BertModel(nn.Module):
                 param.copy_(tensor)
             loaded.add(name)
         return loaded
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT / RoBERTa / XLM-RoBERTa cross-encoder (``*ForSequenceClassification``, e.g. the
+    bge-reranker and ms-marco MiniLM rerankers): the encoder, then the classification head
+    on the first token's hidden state (``engine.pooling`` pools it, the model runner calls
+    ``classify``).
+
+    BERT's head is its pooler (dense + tanh) and ``classifier``; RoBERTa's is
+    ``classifier.dense`` + tanh + ``classifier.out_proj``. A text pair comes as one prompt,
+    ``[CLS] A [SEP] B [SEP]`` as its tokenizer writes it; for BERT (two token types) the
+    tokens after the first separator are type 1, which is where BERT's tokenizer starts
+    ``token_type_ids`` of the second text (RoBERTa's tokenizers give every token type 0).
+    """
+
+    skip_checkpoint_prefixes = ("cls.", "lm_head.")
+    skip_checkpoint_reason = "heads a cross-encoder does not run"
+
+    def __init__(self, ctx: ModelContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.hf_config
+        self.num_labels = int(getattr(cfg, "num_labels", 1))
+        hidden = cfg.hidden_size
+        self.roberta_head = cfg.model_type in ("roberta", "xlm-roberta", "camembert")
+        if self.roberta_head:
+            self.classifier = nn.ModuleDict(
+                {"dense": nn.Linear(hidden, hidden), "out_proj": nn.Linear(hidden, self.num_labels)}
+            )
+        else:
+            self.pooler = nn.ModuleDict({"dense": nn.Linear(hidden, hidden)})
+            self.classifier = nn.Linear(hidden, self.num_labels)
+        # The loader fills sep_token_id from the tokenizer when config.json lacks it.
+        sep = getattr(cfg, "sep_token_id", None)
+        self.sep_token_id = int(sep) if sep is not None else None
+        type_vocab_size = int(getattr(cfg, "type_vocab_size", 1) or 1)
+        # BERT's tokenizers give the second text type 1; RoBERTa's give every token type 0.
+        self.pair_types = (
+            not self.roberta_head and type_vocab_size > 1 and self.sep_token_id is not None
+        )
+        if self.num_labels != 1:
+            raise ModelLoadError(
+                f"a cross-encoder with num_labels={self.num_labels}: scoring pairs takes one "
+                "label (a reranker's relevance logit)"
+            )
+        self.to(ctx.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: list[AttentionMetadata],
+        intermediate: Any = None,
+    ) -> torch.Tensor:
+        if self.pair_types:
+            types = _second_segment(input_ids, positions, self.sep_token_id)
+            hidden = self._embed_with_types(input_ids, positions, types)
+        else:
+            hidden = self.embeddings(input_ids, positions)
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, attn_metadata)
+        return hidden
+
+    def _embed_with_types(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor
+    ) -> torch.Tensor:
+        """BertEmbeddings with each token's own type (it adds type 0 to all)."""
+        emb = self.embeddings
+        x = emb.word_embeddings(input_ids)
+        x = x + emb.position_embeddings(positions + emb.position_offset)
+        x = x + emb.token_type_embeddings(types)
+        return emb.LayerNorm(x)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The head's logits ``[N, num_labels]`` (float32) of the pooled first tokens."""
+        x = pooled.to(self.classifier_dtype)
+        if self.roberta_head:
+            x = torch.tanh(self.classifier["dense"](x))
+            return self.classifier["out_proj"](x).float()
+        x = torch.tanh(self.pooler["dense"](x))
+        return self.classifier(x).float()
+
+    @property
+    def classifier_dtype(self) -> torch.dtype:
+        return next(self.classifier.parameters()).dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        head: list[tuple[str, Any]] = []
+
+        def trunk() -> Iterable[tuple[str, Any]]:
+            for name, tensor in weights:
+                bare = name
+                for prefix in ("bert.", "roberta.", "model."):
+                    bare = bare.removeprefix(prefix)
+                if bare.startswith(("classifier.", "pooler.")):
+                    head.append((bare, tensor))
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(trunk())
+        params = dict(self.named_parameters())
+        for name, tensor in head:
+            if self.roberta_head and name.startswith("pooler."):
+                continue  # RoBERTa's unused pooler
+            key = name
+            param = params.get(key)
+            if param is None:
+                raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for {type(self)}")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                    f"expects {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(key)
+        return loaded
+
+
+def _second_segment(
+    input_ids: torch.Tensor, positions: torch.Tensor, sep_token_id: int
+) -> torch.Tensor:
+    """Per token, 1 when a separator came before it in its own prompt (the second text of a
+    pair), else 0. Prompts are told apart by their positions restarting at 0 (a pooling
+    prompt runs whole in one step)."""
+    is_sep = (input_ids == sep_token_id).to(torch.int64)
+    before = torch.cumsum(is_sep, 0) - is_sep  # separators strictly before, over the batch
+    starts = positions == 0
+    owner = torch.cumsum(starts.to(torch.int64), 0) - 1  # the prompt each token belongs to
+    base = before[starts]  # separators before each prompt's first token
+    return ((before - base[owner]) > 0).to(torch.int64)

@@ -40,6 +40,13 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
     """Serve one embeddings request."""
     model = await ctx.check_model(req.model)
     ctx.require_runner("pooling", "/v1/embeddings")
+    if ctx.pooling_task == "score":
+        raise bad_request(
+            f"The model `{ctx.model_name}` is a cross-encoder (a sequence-classification "
+            "head): it scores text pairs on /score and /rerank, it does not embed "
+            "(/v1/embeddings).",
+            "model",
+        )
     inputs = _inputs(req)
     if len(inputs) > ctx.options.limits.max_prompts:
         raise bad_request(

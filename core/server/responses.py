@@ -424,6 +424,11 @@ def _will_store(ctx: ServingContext, body: ResponsesRequest) -> bool:
 
 async def create_response(ctx: ServingContext, body: ResponsesRequest, raw: Request):
     """Serve one Responses request through the chat path."""
+    if body.top_logprobs is not None and body.top_logprobs > ctx.max_logprobs:
+        raise bad_request(
+            f"top_logprobs must be in [0, {ctx.max_logprobs}], got {body.top_logprobs}",
+            "top_logprobs",
+        )
     conv = Conversation()
     if body.instructions:
         conv.add({"role": "system", "content": body.instructions}, "instructions")

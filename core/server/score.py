@@ -1,11 +1,13 @@
 """vLLM's scoring routes over an embedding model: ``POST /score`` (also ``/v1/score``) and
 ``POST /rerank`` (also ``/v1/rerank`` and ``/v2/rerank``, Jina's and Cohere's shape).
 
-A pair's score is the cosine similarity of the two texts' embeddings (the model's own pooling
-and normalisation, as ``/v1/embeddings`` returns them), computed in float32, which is what vLLM
-answers for an embedding model and what sentence-transformers' ``util.cos_sim`` gives. Each
-distinct text is embedded once per request. Cross-encoder (sequence-classification) models
-are not served here: a pooling model is an embedding model in this engine.
+On an embedding model a pair's score is the cosine similarity of the two texts' embeddings
+(the model's own pooling and normalisation, as ``/v1/embeddings`` returns them), computed in
+float32, which is what vLLM answers for an embedding model and what sentence-transformers'
+``util.cos_sim`` gives; each distinct text is embedded once per request. Cross-encoders
+(``*ForSequenceClassification``, e.g. bge-reranker) score each pair as one prompt, the
+way their tokenizer joins two texts: the sigmoid of the classification head's logit, what
+sentence-transformers' ``CrossEncoder`` and vLLM answer.
 """
 
 from __future__ import annotations
@@ -44,8 +46,21 @@ async def _scores(
     priority: int,
     param: str,
 ) -> tuple[list[float], int]:
-    """Each pair's cosine similarity, and the prompt tokens embedded."""
+    """Each pair's score, and the prompt tokens run: a cross-encoder's score of the pair as
+    one prompt, or the cosine similarity of the two texts' embeddings."""
     ctx.require_runner("pooling", route)
+    if len(pairs) > ctx.options.limits.max_prompts:
+        raise bad_request(
+            f"at most {ctx.options.limits.max_prompts} pairs per request, got {len(pairs)}",
+            param,
+        )
+    if ctx.pooling_task == "score":
+        ctx.require_tokenizer("scoring text pairs", param)
+        ids = [await ctx.run_tokenizer(_pair_ids, ctx.tokenizer, a, b) for a, b in pairs]
+        vectors, num_tokens = await embed_inputs(
+            ctx, ids, PoolingParams(), raw, request_id, priority, param
+        )
+        return [float(v[0]) for v in vectors], num_tokens
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text once
     if len(texts) > ctx.options.limits.max_prompts:
         raise bad_request(
@@ -58,6 +73,11 @@ async def _scores(
     )
     by_text = dict(zip(texts, vectors, strict=True))
     return [cosine(by_text[a], by_text[b]) for a, b in pairs], num_tokens
+
+
+def _pair_ids(tokenizer: Any, a: str, b: str) -> list[int]:
+    """A pair as one prompt, the way the cross-encoder's tokenizer joins two texts."""
+    return list(tokenizer(a, b)["input_ids"])
 
 
 async def create_score(ctx: ServingContext, req: ScoreRequest, raw: Request, route: str):

@@ -158,6 +158,13 @@ class ServingContext:
         await self.models.ensure(self._engine, name)
         return self.models.resolve(name)[0]
 
+    @property
+    def pooling_task(self) -> str | None:
+        """A pooling model's task: "embed" (an embedding model) or "score" (a cross-encoder);
+        None for a generative model."""
+        cfg = getattr(self.model_config, "pooler_config", None)
+        return cfg.task if cfg is not None else None
+
     def require_runner(self, runner: str, route: str) -> None:
         """400 naming what the model supports when ``route`` needs the other runner
         (``generate`` for completions and chat, ``pooling`` for embeddings)."""

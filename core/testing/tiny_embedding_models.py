@@ -96,3 +96,65 @@ def st_embeddings(path: Path, texts: list[str], normalize: bool | None = None) -
     return model.encode(
         texts, convert_to_tensor=True, normalize_embeddings=bool(normalize), batch_size=len(texts)
     ).float()
+
+
+def save_cross_encoder(out_dir: Path, kind: str, seed: int = 0, max_len: int = 128) -> Path:
+    """A tiny random cross-encoder (``BertForSequenceClassification`` with two token types, or
+    ``XLMRobertaForSequenceClassification`` with one; one label) saved with a tokenizer that
+    writes pairs as BERT (``<s> A </s> B </s>``, types 0 then 1) or RoBERTa
+    (``<s> A </s> </s> B </s>``) do, in ``out_dir``."""
+    import torch
+    import transformers
+    from tokenizers import processors
+
+    from engine.testing.tiny_models import build_tokenizer
+
+    tok = build_tokenizer(out_dir)
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+    cls, sep = tok.bos_token_id, tok.eos_token_id
+    if kind == "bert":
+        pair = "<s>:0 $A:0 </s>:0 $B:1 </s>:1"
+    elif kind == "xlm-roberta":
+        pair = "<s> $A </s> </s> $B </s>"
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    backend = tok.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair=pair, special_tokens=[("<s>", cls), ("</s>", sep)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        cls_token="<s>",
+        sep_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+    fast.save_pretrained(str(out_dir))
+    common = dict(
+        vocab_size=len(fast),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        pad_token_id=fast.pad_token_id,
+        num_labels=1,
+    )
+    if kind == "bert":
+        config = transformers.BertConfig(max_position_embeddings=max_len, type_vocab_size=2,
+                                         **common)  # fmt: skip
+        model_cls = transformers.BertForSequenceClassification
+    else:
+        config = transformers.XLMRobertaConfig(
+            max_position_embeddings=max_len + fast.pad_token_id + 1, **common
+        )
+        model_cls = transformers.XLMRobertaForSequenceClassification
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():  # weights large enough for the scores of pairs to differ
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -355,6 +355,7 @@ def test_json_schema_text_format_constrains_the_output(client, server):
             "allowed_tools",
         ),
         ({"input": "x", "top_k": "many"}, "top_k", "top_k"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
         (
             {"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}},
             "text.format.schema",

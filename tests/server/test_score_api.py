@@ -147,3 +147,73 @@ def test_llm_score_equals_the_route(st_dir, st_model, shttp):
             llm.score(TEXTS[:2], TEXTS[:3])
     finally:
         llm.shutdown()
+
+
+# ------------------------------------------------------------ cross-encoders
+
+PAIRS = [
+    (QUERY, TEXTS[0]),
+    (QUERY, TEXTS[1]),
+    (QUERY, TEXTS[2]),
+    (QUERY, TEXTS[3]),
+]
+
+
+def transformers_scores(model_dir, pairs) -> list[float]:
+    """transformers' own sigmoid of the classification logit of each pair, as its tokenizer
+    encodes the pair (token types included)."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return [
+            torch.sigmoid(model(**tok(a, b, return_tensors="pt")).logits[0, 0]).item()
+            for a, b in pairs
+        ]
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def cross_dir(request, tmp_path_factory):
+    from engine.testing.tiny_embedding_models import save_cross_encoder
+
+    out = tmp_path_factory.mktemp(f"cross-{request.param}")
+    return save_cross_encoder(out, request.param, max_len=MAX_MODEL_LEN)
+
+
+def test_llm_score_with_a_cross_encoder_equals_transformers(cross_dir):
+    """BERT (two token types: the second text is type 1) and XLM-RoBERTa (one type)
+    sequence-classification rerankers: the sigmoid of the logit of each pair, as transformers
+    computes it on the same weights; LLM.embed refuses a cross-encoder."""
+    from engine.errors import InvalidRequestError
+    from engine.llm import LLM
+
+    llm = LLM.from_engine_config(engine_config(cross_dir))
+    try:
+        want = transformers_scores(cross_dir, PAIRS)
+        got = llm.score(QUERY, [b for _, b in PAIRS], use_tqdm=False)
+        assert [o.outputs.score for o in got] == pytest.approx(want, abs=1e-5)
+        assert max(want) - min(want) > 1e-3  # the pairs score differently
+        with pytest.raises(InvalidRequestError, match="cross-encoder"):
+            llm.embed(["hello"], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_score_and_rerank_routes_with_a_cross_encoder(cross_dir):
+    from engine.engine_core.core import EngineCore
+
+    want = transformers_scores(cross_dir, PAIRS)
+    docs = [b for _, b in PAIRS]
+    factory = lambda: EngineCore.from_config(engine_config(cross_dir))  # noqa: E731
+    with RunningServer(factory) as server, httpx.Client(base_url=server.base_url) as c:
+        r = c.post("/v1/score", json={"text_1": QUERY, "text_2": docs}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert _scores(r.json()) == pytest.approx(want, abs=1e-5)
+        r = c.post("/v1/rerank", json={"query": QUERY, "documents": docs, "top_n": 3}, timeout=60)
+        order = sorted(range(len(docs)), key=lambda i: -want[i])[:3]
+        assert [x["index"] for x in r.json()["results"]] == order
+        err = error_of(c.post("/v1/embeddings", json={"input": "hello"}, timeout=60), 400)
+        assert "cross-encoder" in err["message"] and err["param"] == "model"
+        assert server.engine.num_used_blocks == 0

@@ -277,8 +277,52 @@ PYTHONIC_CASES = {
     ),
 }
 
+# Qwen3-Coder outputs as its chat template has the model write them (no tool schemas here:
+# a value is JSON when it reads as JSON, else text).
+_QC_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+QWEN3_CODER_CASES = {
+    "text_then_call": (
+        "I'll check.\n" + _QC_CALL,
+        "I'll check.\n",
+        [("get_weather", {"city": "Paris", "days": 3})],
+    ),
+    "two_calls": (
+        _QC_CALL + "\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+        None,
+        [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})],
+    ),
+    "multiline_code_value": (
+        "<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
+        "<parameter=content>\ndef f():\n    return {'a': [1, 2]}\n\n</parameter>\n"
+        "</function>\n</tool_call>",
+        None,
+        [("write_file", {"path": "a.py", "content": "def f():\n    return {'a': [1, 2]}\n"})],
+    ),
+    "json_values": (
+        '<tool_call>\n<function=f>\n<parameter=opts>\n{"x": [1, true]}\n</parameter>\n'
+        "<parameter=flag>\nfalse\n</parameter>\n</function>\n</tool_call>",
+        None,
+        [("f", {"opts": {"x": [1, True]}, "flag": False})],
+    ),
+    "no_call": ("Plain <tool words> here.", "Plain <tool words> here.", []),
+    "not_a_function_body": (
+        '<tool_call>\n{"name": "f"}\n</tool_call>',
+        '<tool_call>\n{"name": "f"}\n</tool_call>',
+        [],
+    ),
+    "unclosed_at_the_end": (
+        "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n",
+        None,
+        [("get_time", {"tz": "CET"})],
+    ),
+}
+
 CASES = (
     [("hermes", name, *case) for name, case in HERMES_CASES.items()]
+    + [("qwen3_coder", name, *case) for name, case in QWEN3_CODER_CASES.items()]
     + [("llama3_json", name, *case) for name, case in LLAMA_CASES.items()]
     + [("mistral", name, *case) for name, case in MISTRAL_CASES.items()]
     + [("pythonic", name, *case) for name, case in PYTHONIC_CASES.items()]
@@ -325,7 +369,7 @@ def test_stream_split_anywhere_matches_whole_parse(parser_name, name, text, cont
         shown, got = run_stream(parser, pieces)
         assert "".join(shown) == (content or ""), pieces
         assert calls_of(got) == calls, pieces
-        if calls and parser_name == "hermes" and "oops" not in text:
+        if calls and parser_name in ("hermes", "qwen3_coder") and "oops" not in text:
             # Well-formed calls: no piece of the markers is ever shown.
             assert not any("<tool" in s or "</tool" in s for s in shown), pieces
         if calls and content is None:
@@ -370,7 +414,8 @@ def test_registry_and_server_flags():
     # An out-of-tree parser by qualified name.
     assert load_tool_parser("engine.server.tools.hermes:HermesToolParser").name == "hermes"
     with pytest.raises(
-        ToolParserNotFound, match="choose one of hermes, llama3_json, mistral, pythonic"
+        ToolParserNotFound,
+        match="choose one of hermes, llama3_json, mistral, pythonic, qwen3_coder",
     ):
         load_tool_parser("granite")
     with pytest.raises(ToolParserNotFound, match="not a ToolParser"):
@@ -383,6 +428,43 @@ def test_registry_and_server_flags():
         tool_parser_from_flags(False, "hermes")
     with pytest.raises(ConfigError, match="unknown tool call parser 'nope'"):
         tool_parser_from_flags(True, "nope")
+
+
+def test_qwen3_coder_types_values_by_the_tools_schema():
+    """With the request's tools, a value is what its parameter's schema says: a string stays
+    text even when it reads as JSON; numbers, booleans, objects and nullable strings read."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "zip": {"type": "string"},
+            "count": {"type": "integer"},
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array"},
+            "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "mode": {"enum": ["1", "2"]},
+        },
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    text = (
+        "<tool_call>\n<function=f>\n"
+        + "".join(
+            f"<parameter={k}>\n{v}\n</parameter>\n"
+            for k, v in [("zip", "02134"), ("count", "12"), ("ok", "true"), ("tags", '["a"]'),
+                         ("note", "null"), ("mode", "1"), ("extra", "7")]
+        )
+        + "</function>\n</tool_call>"
+    )  # fmt: skip
+    plan = plan_tool_use(tools, "auto", parser=load_tool_parser("qwen3_coder"))
+    [call] = plan.parser.parse(text).calls
+    assert json.loads(call.arguments) == {
+        "zip": "02134", "count": 12, "ok": True, "tags": ["a"], "note": None, "mode": "1",
+        "extra": 7,
+    }  # fmt: skip
+    # Without the schema the string "12" would be a number: the plan's parser is bound.
+    [untyped] = load_tool_parser("qwen3_coder").parse(text.replace("02134", "12")).calls
+    assert json.loads(untyped.arguments)["zip"] == 12
+    [typed] = plan.parser.parse(text.replace("02134", "12")).calls
+    assert json.loads(typed.arguments)["zip"] == "12"
 
 
 def test_plan_tool_use():

@@ -19,6 +19,7 @@ generation (cut by ``max_tokens`` or a stop token) is a call if its JSON is comp
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from engine.server.tools.parser import (
     ContentBetweenCalls,
@@ -42,8 +43,13 @@ def _call_from_block(body: str) -> ToolCall | None:
     return call_from_object(obj, ("arguments", "parameters"))
 
 
-class _HermesStream(ContentBetweenCalls, ToolCallStream):
-    def __init__(self) -> None:
+class TaggedBlockStream(ContentBetweenCalls, ToolCallStream):
+    """Calls in ``<tool_call>...</tool_call>`` blocks, each block's body read by
+    ``parse_block`` (None: not a call, so the block is content); the Hermes JSON body by
+    default. Shared with formats that use the same tags around another body (Qwen3-Coder)."""
+
+    def __init__(self, parse_block: Callable[[str], ToolCall | None] | None = None) -> None:
+        self.parse_block = parse_block or _call_from_block
         self.buf = ""  # text not yet classified (a partial tag, or an open block's body)
         self.in_call = False
         self.pending_ws = ""  # whitespace-only text outside calls, shown once text follows
@@ -51,7 +57,7 @@ class _HermesStream(ContentBetweenCalls, ToolCallStream):
         self.num_calls = 0
 
     def _block(self, body: str, closed: bool, out: StreamUpdate) -> None:
-        call = _call_from_block(body)
+        call = self.parse_block(body)
         if call is not None:
             self.pending_ws = ""  # whitespace around calls is not content
             self.num_calls += 1
@@ -106,4 +112,4 @@ class HermesToolParser(ToolParser):
     needs_special_tokens = True
 
     def stream(self) -> ToolCallStream:
-        return _HermesStream()
+        return TaggedBlockStream()

@@ -26,6 +26,7 @@ TOOL_PARSERS: dict[str, str] = {
     "llama3_json": "engine.server.tools.llama3_json:Llama3JsonToolParser",
     "mistral": "engine.server.tools.mistral:MistralToolParser",
     "pythonic": "engine.server.tools.pythonic:PythonicToolParser",
+    "qwen3_coder": "engine.server.tools.qwen3_coder:Qwen3CoderToolParser",
 }
 
 
@@ -203,6 +204,13 @@ class ToolParser(ABC):
     @abstractmethod
     def stream(self) -> ToolCallStream:
         """A new parsing state for one generated choice."""
+
+    def for_tools(self, tools: list[dict[str, Any]] | None) -> ToolParser:
+        """The parser for one request's ``tools`` (validated chat function tools): itself,
+        unless the format needs the tools' schemas to read the calls (Qwen3-Coder writes
+        argument values as bare text, typed by their schema)."""
+        del tools
+        return self
 
     def parse(self, text: str) -> ParsedToolOutput:
         """Parse a whole generation (the stream, fed everything at once)."""

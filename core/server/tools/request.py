@@ -158,7 +158,9 @@ def plan_tool_use(
                 "tool_choice",
             )
         return ToolPlan(
-            template_tools=tools, parser=parser, parallel_tool_calls=parallel_tool_calls
+            template_tools=tools,
+            parser=parser.for_tools(tools),
+            parallel_tool_calls=parallel_tool_calls,
         )
     # "required" or a named function: guided decoding writes the calls, no parser flags needed.
     try:

@@ -166,18 +166,24 @@ class BertModel(nn.Module):
                 ("position_ids", "token_type_ids")
             ):
                 continue
-            param = params.get(name)
-            if param is None:
-                raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for {type(self)}")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                    f"expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
+            _copy_tensor(params, name, tensor, self)
             loaded.add(name)
         return loaded
+
+
+def _copy_tensor(params: dict[str, nn.Parameter], name: str, tensor: Any, model: Any) -> None:
+    """Copy checkpoint tensor ``name`` into its parameter (a ``ModelLoadError`` for an unknown
+    name or a wrong shape)."""
+    param = params.get(name)
+    if param is None:
+        raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for {type(model)}")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+            f"expects {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
 
 
 class BertForSequenceClassification(BertModel):
@@ -281,18 +287,8 @@ class BertForSequenceClassification(BertModel):
         for name, tensor in head:
             if self.roberta_head and name.startswith("pooler."):
                 continue  # RoBERTa's unused pooler
-            key = name
-            param = params.get(key)
-            if param is None:
-                raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for {type(self)}")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ModelLoadError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                    f"expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(key)
+            _copy_tensor(params, name, tensor, self)
+            loaded.add(name)
         return loaded
 
 

@@ -41,7 +41,13 @@ from engine.server.anthropic_protocol import (
     MessagesRequest,
     MessagesResponse,
 )
-from engine.server.chat import ChatRun, reasoning_parser_for, render_chat_request, start_chat
+from engine.server.chat import (
+    ChatRun,
+    final_outputs,
+    reasoning_parser_for,
+    render_chat_request,
+    start_chat,
+)
 from engine.server.deltas import stream_deltas
 from engine.server.errors import APIError, bad_request, from_engine_error
 from engine.server.protocol import ChatCompletionRequest
@@ -51,7 +57,6 @@ from engine.server.streaming import (
     ClientDisconnected,
     EventStreamResponse,
     to_json,
-    unless_disconnected,
 )
 from engine.server.tools.output import feed_stream
 from engine.server.tools.parser import ToolCall
@@ -212,13 +217,9 @@ async def create_message(ctx: ServingContext, body: MessagesRequest, raw: Reques
     if body.stream:
         return EventStreamResponse(_stream(run, reasoning), run.channel)
     try:
-        finals = await unless_disconnected(run.channel.collect_final(), raw)
+        finals = await final_outputs(run.channel, raw)
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except Exception as e:
-        raise from_engine_error(e) from e
-    finally:
-        run.channel.abort()  # a no-op once the request finished; else frees its KV blocks
     comp = finals[run.rid].outputs[0]
     content: list[dict[str, Any]] = []
     calls: list[ToolCall] = []

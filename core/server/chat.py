@@ -232,6 +232,21 @@ async def start_chat(
     return ChatRun(request_id, rid, model, ids, tool_plan, channel)
 
 
+async def final_outputs(channel: OutputChannel, raw: Request) -> dict[str, Any]:
+    """The finished outputs of the requests on ``channel`` by request id; the channel is
+    aborted afterwards (a no-op once they finished; else it frees their KV blocks). Raises
+    ``ClientDisconnected`` when the client left first, an ``APIError`` when the engine
+    failed."""
+    try:
+        return await unless_disconnected(channel.collect_final(), raw)
+    except ClientDisconnected:
+        raise
+    except Exception as e:
+        raise from_engine_error(e) from e
+    finally:
+        channel.abort()
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     """Serve one chat completions request."""
     prepared = await prepare_chat(ctx, req)
@@ -257,13 +272,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return EventStreamResponse(body, channel)
 
     try:
-        finals = await unless_disconnected(channel.collect_final(), raw)
+        finals = await final_outputs(channel, raw)
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except Exception as e:
-        raise from_engine_error(e) from e
-    finally:
-        channel.abort()  # a no-op once every request finished; else frees their KV blocks
 
     out = finals[rid]
     thinking = reasoning_parser_for(ctx, req, tool_plan)

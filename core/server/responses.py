@@ -41,7 +41,13 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from engine.server.chat import ChatRun, chat_logprobs, reasoning_parser_for, start_chat
+from engine.server.chat import (
+    ChatRun,
+    chat_logprobs,
+    final_outputs,
+    reasoning_parser_for,
+    start_chat,
+)
 from engine.server.deltas import stream_deltas
 from engine.server.errors import APIError, bad_request, from_engine_error, validation_error
 from engine.server.protocol import ChatCompletionRequest
@@ -61,7 +67,6 @@ from engine.server.streaming import (
     ClientDisconnected,
     EventStreamResponse,
     to_json,
-    unless_disconnected,
 )
 from engine.server.tools.output import feed_stream
 from engine.server.tools.parser import ToolCall
@@ -457,13 +462,9 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, raw: Requ
         events = _stream(ctx, body, req, run, reasoning, created, conv)
         return EventStreamResponse(events, run.channel)
     try:
-        finals = await unless_disconnected(run.channel.collect_final(), raw)
+        finals = await final_outputs(run.channel, raw)
     except ClientDisconnected:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except Exception as e:
-        raise from_engine_error(e) from e
-    finally:
-        run.channel.abort()  # a no-op once the request finished; else frees its KV blocks
     final = finals[run.rid]
     comp = final.outputs[0]
     thinking, text = "", comp.text

@@ -33,6 +33,8 @@ from engine.config import (
 from engine.errors import InvalidRequestError
 from engine.lora.request import LoRARequest
 from engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     RequestOutput,
     ScoringOutput,
@@ -299,13 +301,37 @@ class LLM:
         one ``PoolingParams`` for all prompts or one per prompt (``dimensions``, ``normalize``).
         Every prompt is validated before any work starts.
         """
-        if self._pooler_task() == "score":
+        if self._pooler_task() == "classify":
             raise InvalidRequestError(
-                "this model is a cross-encoder (a sequence-classification head): it scores "
-                "text pairs with LLM.score, it does not embed",
+                "this model is a sequence classifier: it classifies with LLM.classify (and, "
+                "with one label, scores text pairs with LLM.score); it does not embed",
                 "prompts",
             )
         return self._pool(prompts, pooling_params, use_tqdm, priority)
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` on a sequence-classification model: each prompt's class
+        probabilities (``outputs.probs``: the softmax of the head's logits, or with one label
+        the sigmoid of its logit), in the prompts' order."""
+        if self._pooler_task() != "classify":
+            raise InvalidRequestError(
+                "this model is not a sequence classifier (no *ForSequenceClassification "
+                "head): it embeds (LLM.embed)",
+                "prompts",
+            )
+        return [
+            ClassificationRequestOutput(
+                o.request_id,
+                ClassificationOutput(list(o.outputs.embedding)),
+                list(o.prompt_token_ids),
+            )  # fmt: skip
+            for o in self._pool(prompts, None, use_tqdm, priority)
+        ]
 
     def _pooler_task(self) -> str | None:
         cfg = getattr(self.llm_engine.config.model, "pooler_config", None)
@@ -354,7 +380,14 @@ class LLM:
         from engine.scoring import cosine, score_pairs
 
         pairs = score_pairs(text_1, text_2)
-        if self._pooler_task() == "score":
+        if self._pooler_task() == "classify":
+            labels = self.llm_engine.config.model.pooler_config.labels or []
+            if len(labels) != 1:
+                raise InvalidRequestError(
+                    f"this classifier has {len(labels)} labels: scoring text pairs takes a "
+                    "cross-encoder (one label)",
+                    "text_1",
+                )
             tok = self.get_tokenizer()
             ids = [list(tok(a, b)["input_ids"]) for a, b in pairs]
             outs = self._pool([{"prompt_token_ids": i} for i in ids], pooling_params, use_tqdm)

@@ -879,7 +879,7 @@ class ModelRunner:
     ) -> None:
         """Pool, truncate and normalise the hidden states of the requests whose whole
         prompt ran in this step (on the device; ``collect`` copies the vectors out)."""
-        from engine.pooling import finish_embeddings, finish_scores, pool
+        from engine.pooling import finish_classes, finish_embeddings, pool
 
         rows = [(i, s) for i, s in enumerate(scheduled) if s.pools]
         if not rows:
@@ -896,8 +896,8 @@ class ModelRunner:
             hidden, [qsl[i] for i, _ in rows], [batch.end(i) for i, _ in rows], cfg.pooling_type
         )
         params = [s.request.pooling_params for _, s in rows]
-        if cfg.task == "score":
-            vectors = finish_scores(self.model.classify(pooled))
+        if cfg.task == "classify":
+            vectors = finish_classes(self.model.classify(pooled))
         else:
             vectors = finish_embeddings(pooled, params, cfg.normalize)
         pending.pooled = [

@@ -78,6 +78,27 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
+class ClassificationOutput:
+    """One prompt's class probabilities (vLLM's ``ClassificationOutput``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """The result of classifying one prompt (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
 class ScoringOutput:
     """One pair's score (vLLM's ``ScoringOutput``)."""
 

@@ -70,9 +70,12 @@ class PoolerConfig:
 
     pooling_type: str
     normalize: bool = True
-    # "embed": the pooled vector is the output; "score": a cross-encoder's classification
-    # head turns the pooled first token into a relevance score (sigmoid of its logit).
+    # "embed": the pooled vector is the output; "classify": a sequence-classification head
+    # turns the pooled first token into class probabilities (``finish_classes``); with one
+    # label it is a cross-encoder, whose probability is a text pair's relevance score.
     task: str = "embed"
+    # A classifier's label names by class index (config.json's id2label).
+    labels: list[str] | None = None
     hidden_size: int = 0
     is_matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
@@ -132,7 +135,11 @@ def resolve_pooler_config(
     encoder = any(a in ENCODER_ARCHITECTURES for a in architectures)
     cfg = PoolerConfig("CLS" if encoder else "LAST", hidden_size=int(hf_config.hidden_size))
     if any(a in CROSS_ENCODER_ARCHITECTURES for a in architectures):
-        cfg.task, cfg.normalize, cfg.source = "score", False, "classification head"
+        cfg.task, cfg.normalize, cfg.source = "classify", False, "classification head"
+        num_labels = int(getattr(hf_config, "num_labels", 1) or 1)
+        id2label = getattr(hf_config, "id2label", None) or {}
+        cfg.labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}")))
+                      for i in range(num_labels)]  # fmt: skip
         return cfg
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     cfg.is_matryoshka = bool(getattr(hf_config, "is_matryoshka", False) or dims)
@@ -230,13 +237,16 @@ def pool(
     raise ValueError(f"unknown pooling type {pooling_type!r}; one of {POOLING_TYPES}")
 
 
-def finish_scores(logits: torch.Tensor) -> list[torch.Tensor]:
-    """A cross-encoder's relevance scores: the sigmoid of each pair's one logit (what
-    sentence-transformers' ``CrossEncoder`` and vLLM's score API return), one ``[1]`` vector
-    per pair."""
+def finish_classes(logits: torch.Tensor) -> list[torch.Tensor]:
+    """A classifier's class probabilities per prompt: the softmax of its logits, or with one
+    label the sigmoid of the logit (a cross-encoder's relevance score, what
+    sentence-transformers' ``CrossEncoder`` and vLLM's score API return)."""
     import torch
 
-    return list(torch.sigmoid(logits.float()))
+    logits = logits.float()
+    if logits.shape[-1] == 1:
+        return list(torch.sigmoid(logits))
+    return list(torch.softmax(logits, dim=-1))
 
 
 def finish_embeddings(

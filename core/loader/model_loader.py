@@ -173,7 +173,7 @@ def _resolve_runner(model_config: ModelConfig, hf_config: Any, path: Path) -> No
         return
     cfg = pooling.resolve_pooler_config(model_dir, hf_config, names)
     model_config.pooler_config = cfg
-    if cfg.task == "score" and getattr(hf_config, "sep_token_id", None) is None:
+    if cfg.task == "classify" and getattr(hf_config, "sep_token_id", None) is None:
         hf_config.sep_token_id = _sep_token_id(model_config, model_dir)
     if model_config.max_model_len is None:
         st_len = pooling.sentence_transformers_max_len(model_dir)

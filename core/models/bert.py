@@ -187,10 +187,11 @@ def _copy_tensor(params: dict[str, nn.Parameter], name: str, tensor: Any, model:
 
 
 class BertForSequenceClassification(BertModel):
-    """A BERT / RoBERTa / XLM-RoBERTa cross-encoder (``*ForSequenceClassification``, e.g. the
-    bge-reranker and ms-marco MiniLM rerankers): the encoder, then the classification head
-    on the first token's hidden state (``engine.pooling`` pools it, the model runner calls
-    ``classify``).
+    """A BERT / RoBERTa / XLM-RoBERTa sequence classifier (``*ForSequenceClassification``):
+    the encoder, then the classification head on the first token's hidden state
+    (``engine.pooling`` pools it, the model runner calls ``classify``). With one label it is a
+    cross-encoder (the bge-reranker and ms-marco MiniLM rerankers) whose probability scores a
+    text pair.
 
     BERT's head is its pooler (dense + tanh) and ``classifier``; RoBERTa's is
     ``classifier.dense`` + tanh + ``classifier.out_proj``. A text pair comes as one prompt,
@@ -223,11 +224,6 @@ class BertForSequenceClassification(BertModel):
         self.pair_types = (
             not self.roberta_head and type_vocab_size > 1 and self.sep_token_id is not None
         )
-        if self.num_labels != 1:
-            raise ModelLoadError(
-                f"a cross-encoder with num_labels={self.num_labels}: scoring pairs takes one "
-                "label (a reranker's relevance logit)"
-            )
         self.to(ctx.dtype)
 
     def forward(

@@ -26,6 +26,7 @@ from engine.server.anthropic_protocol import (
 )
 from engine.server.async_engine import AsyncEngine
 from engine.server.chat import create_chat_completion
+from engine.server.classify import create_classification
 from engine.server.completions import create_completion
 from engine.server.embeddings import create_embedding
 from engine.server.errors import APIError, bad_request, error_response, install_error_handlers
@@ -47,6 +48,8 @@ from engine.server.openapi import ServedLimits, install_openapi
 from engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ClassificationRequest,
+    ClassificationResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -288,6 +291,19 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         embedding model: ``documents`` ordered by their cosine similarity to ``query``."""
         return rerank
 
+    def classify_route(path: str):
+        async def classify(body: ClassificationRequest, request: Request):
+            ctx = state.require_ctx()
+            _warn_extra(body)
+            return await create_classification(ctx, body, request, path)
+
+        classify.__doc__ = """vLLM's classification API on a sequence classifier: each
+        input's class probabilities and most probable label."""
+        return classify
+
+    for path in ("/classify", "/v1/classify"):
+        app.add_api_route(path, classify_route(path), methods=["POST"],
+                          response_model=ClassificationResponse, tags=["vllm"])  # fmt: skip
     for path in ("/score", "/v1/score"):
         app.add_api_route(path, score_route(path), methods=["POST"],
                           response_model=ScoreResponse, tags=["vllm"])  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import time
+from typing import Any
 
 import numpy as np
 from fastapi import Request
@@ -27,8 +28,9 @@ from engine.server.serving import ServingContext, random_id
 from engine.server.streaming import ClientDisconnected, unless_disconnected
 
 
-def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
-    value = req.input
+def embedding_inputs(value: Any) -> list[str | list[int]]:
+    """The inputs of an ``input`` field in ``/v1/embeddings``' forms (a text, texts, token
+    ids, lists of token ids)."""
     if isinstance(value, str):
         return [value]
     if value and isinstance(value[0], int):
@@ -40,14 +42,14 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
     """Serve one embeddings request."""
     model = await ctx.check_model(req.model)
     ctx.require_runner("pooling", "/v1/embeddings")
-    if ctx.pooling_task == "score":
+    if ctx.pooling_task == "classify":
         raise bad_request(
-            f"The model `{ctx.model_name}` is a cross-encoder (a sequence-classification "
-            "head): it scores text pairs on /score and /rerank, it does not embed "
-            "(/v1/embeddings).",
+            f"The model `{ctx.model_name}` is a sequence classifier: it answers /classify "
+            "(and, with one label, scores text pairs on /score and /rerank); it does not "
+            "embed (/v1/embeddings).",
             "model",
         )
-    inputs = _inputs(req)
+    inputs = embedding_inputs(req.input)
     if len(inputs) > ctx.options.limits.max_prompts:
         raise bad_request(
             f"at most {ctx.options.limits.max_prompts} inputs per request, got {len(inputs)}",

@@ -46,7 +46,15 @@ _DESCRIPTIONS = {
     500: "The engine failed (`code: engine_dead`), or an unexpected server error.",
     503: "Starting, draining, or the request was aborted by shutdown.",
 }
-_SCORE_PATHS = ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+_SCORE_PATHS = (
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/classify",
+    "/v1/classify",
+)
 # The error statuses of each route, besides 401 on /v1 routes when API keys are set.
 _ROUTE_ERRORS = {
     ("post", "/v1/completions"): (400, 404, 413, 500, 503),
@@ -167,7 +175,7 @@ def build_document(app: FastAPI, limits: ServedLimits | None, api_keys: bool) ->
             },
         }
     if limits is not None:
-        for path in _UNSERVED[limits.runner]:
+        for path in _unserved(limits):
             doc["paths"].pop(path, None)
         _served_limits(schemas, limits)
     return doc
@@ -179,6 +187,22 @@ _UNSERVED: dict[str, tuple[str, ...]] = {
     "generate": ("/v1/embeddings", *_SCORE_PATHS),
     "pooling": ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"),
 }
+
+
+def _unserved(limits: ServedLimits) -> tuple[str, ...]:
+    """The routes the loaded model answers only with a 400: the other runner's, and among
+    the pooling routes those of the other task (an embedding model does not classify; a
+    classifier does not embed, and scores pairs only with one label)."""
+    paths = _UNSERVED[limits.runner]
+    pooler = limits.pooler
+    if limits.runner != "pooling" or pooler is None:
+        return paths
+    if getattr(pooler, "task", "embed") != "classify":
+        return (*paths, "/classify", "/v1/classify")
+    paths = (*paths, "/v1/embeddings")
+    if len(getattr(pooler, "labels", None) or []) != 1:
+        paths = (*paths, *(p for p in _SCORE_PATHS if "classify" not in p))
+    return paths
 
 
 def _error_schemas() -> dict[str, Any]:

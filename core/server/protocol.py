@@ -448,6 +448,36 @@ class EmbeddingRequest(_Request):
     priority: Int64 = 0
 
 
+class ClassificationRequest(_Request):
+    """``POST /classify`` (vLLM's): each input's class probabilities from a sequence
+    classifier. ``input`` takes the forms of ``/v1/embeddings``."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    user: str | None = None
+    priority: Int64 = 0
+
+
+class ClassificationData(BaseModel):
+    """One input's classes: the most probable ``label``, and every class's probability."""
+
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    """The answer to ``POST /classify``: one entry per input, in input order."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage
+
+
 class EmbeddingData(BaseModel):
     """One input's embedding."""
 

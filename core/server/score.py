@@ -54,7 +54,14 @@ async def _scores(
             f"at most {ctx.options.limits.max_prompts} pairs per request, got {len(pairs)}",
             param,
         )
-    if ctx.pooling_task == "score":
+    if ctx.pooling_task == "classify":
+        labels = ctx.model_config.pooler_config.labels or []
+        if len(labels) != 1:
+            raise bad_request(
+                f"The model `{ctx.model_name}` is a classifier with {len(labels)} labels: "
+                "scoring text pairs takes a cross-encoder (one label); it answers /classify",
+                "model",
+            )
         ctx.require_tokenizer("scoring text pairs", param)
         ids = [await ctx.run_tokenizer(_pair_ids, ctx.tokenizer, a, b) for a, b in pairs]
         vectors, num_tokens = await embed_inputs(

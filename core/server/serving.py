@@ -160,8 +160,9 @@ class ServingContext:
 
     @property
     def pooling_task(self) -> str | None:
-        """A pooling model's task: "embed" (an embedding model) or "score" (a cross-encoder);
-        None for a generative model."""
+        """A pooling model's task: "embed" (an embedding model) or "classify" (a
+        sequence-classification model; one label: a cross-encoder); None for a generative
+        model."""
         cfg = getattr(self.model_config, "pooler_config", None)
         return cfg.task if cfg is not None else None
 
@@ -175,7 +176,7 @@ class ServingContext:
         if have == "pooling":
             message = (
                 f"The model `{self.model_name}` is an embedding (pooling) model: it supports "
-                f"/v1/embeddings, /score and /rerank, not generation ({route})."
+                f"/v1/embeddings, /score and /rerank (or /classify), not generation ({route})."
             )
         else:
             message = (

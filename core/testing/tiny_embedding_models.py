@@ -98,11 +98,13 @@ def st_embeddings(path: Path, texts: list[str], normalize: bool | None = None) -
     ).float()
 
 
-def save_cross_encoder(out_dir: Path, kind: str, seed: int = 0, max_len: int = 128) -> Path:
+def save_cross_encoder(
+    out_dir: Path, kind: str, seed: int = 0, max_len: int = 128, labels: list[str] | None = None
+) -> Path:
     """A tiny random cross-encoder (``BertForSequenceClassification`` with two token types, or
-    ``XLMRobertaForSequenceClassification`` with one; one label) saved with a tokenizer that
-    writes pairs as BERT (``<s> A </s> B </s>``, types 0 then 1) or RoBERTa
-    (``<s> A </s> </s> B </s>``) do, in ``out_dir``."""
+    ``XLMRobertaForSequenceClassification`` with one; one label, or ``labels``: a classifier)
+    saved with a tokenizer that writes pairs as BERT (``<s> A </s> B </s>``, types 0 then 1)
+    or RoBERTa (``<s> A </s> </s> B </s>``) do, in ``out_dir``."""
     import torch
     import transformers
     from tokenizers import processors
@@ -140,8 +142,11 @@ def save_cross_encoder(out_dir: Path, kind: str, seed: int = 0, max_len: int = 1
         num_attention_heads=2,
         intermediate_size=64,
         pad_token_id=fast.pad_token_id,
-        num_labels=1,
+        num_labels=len(labels) if labels else 1,
     )
+    if labels:
+        common["id2label"] = dict(enumerate(labels))
+        common["label2id"] = {name: i for i, name in enumerate(labels)}
     if kind == "bert":
         config = transformers.BertConfig(max_position_embeddings=max_len, type_vocab_size=2,
                                          **common)  # fmt: skip

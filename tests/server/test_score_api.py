@@ -195,7 +195,7 @@ def test_llm_score_with_a_cross_encoder_equals_transformers(cross_dir):
         got = llm.score(QUERY, [b for _, b in PAIRS], use_tqdm=False)
         assert [o.outputs.score for o in got] == pytest.approx(want, abs=1e-5)
         assert max(want) - min(want) > 1e-3  # the pairs score differently
-        with pytest.raises(InvalidRequestError, match="cross-encoder"):
+        with pytest.raises(InvalidRequestError, match="sequence classifier"):
             llm.embed(["hello"], use_tqdm=False)
     finally:
         llm.shutdown()
@@ -215,5 +215,76 @@ def test_score_and_rerank_routes_with_a_cross_encoder(cross_dir):
         order = sorted(range(len(docs)), key=lambda i: -want[i])[:3]
         assert [x["index"] for x in r.json()["results"]] == order
         err = error_of(c.post("/v1/embeddings", json={"input": "hello"}, timeout=60), 400)
-        assert "cross-encoder" in err["message"] and err["param"] == "model"
+        assert "sequence classifier" in err["message"] and err["param"] == "model"
         assert server.engine.num_used_blocks == 0
+
+
+# ------------------------------------------------------------ classifiers
+
+LABELS = ["negative", "neutral", "positive"]
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    from engine.testing.tiny_embedding_models import save_cross_encoder
+
+    out = tmp_path_factory.mktemp("classifier")
+    return save_cross_encoder(out, "bert", max_len=MAX_MODEL_LEN, labels=LABELS)
+
+
+def transformers_probs(model_dir, texts) -> list[list[float]]:
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return [
+            torch.softmax(model(**tok(t, return_tensors="pt")).logits[0], -1).tolist()
+            for t in texts
+        ]
+
+
+def test_llm_classify_equals_transformers(classifier_dir):
+    """A 3-label classifier: softmax probabilities as transformers computes them; it neither
+    embeds nor scores pairs (one label is needed)."""
+    from engine.errors import InvalidRequestError
+    from engine.llm import LLM
+
+    llm = LLM.from_engine_config(engine_config(classifier_dir))
+    try:
+        got = llm.classify(TEXTS, use_tqdm=False)
+        want = transformers_probs(classifier_dir, TEXTS)
+        for g, w in zip(got, want, strict=True):
+            assert g.outputs.num_classes == 3
+            assert g.outputs.probs == pytest.approx(w, abs=1e-5)
+        with pytest.raises(InvalidRequestError, match="3 labels"):
+            llm.score("a", "b")
+    finally:
+        llm.shutdown()
+
+
+def test_classify_route(classifier_dir, shttp):
+    from engine.engine_core.core import EngineCore
+
+    want = transformers_probs(classifier_dir, TEXTS)
+    factory = lambda: EngineCore.from_config(engine_config(classifier_dir))  # noqa: E731
+    with RunningServer(factory) as server, httpx.Client(base_url=server.base_url) as c:
+        for path in ("/classify", "/v1/classify"):
+            r = c.post(path, json={"model": "tiny", "input": TEXTS}, timeout=60)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+            for i, d in enumerate(body["data"]):
+                assert d["index"] == i and d["num_classes"] == 3
+                assert d["probs"] == pytest.approx(want[i], abs=1e-5)
+                assert d["label"] == LABELS[max(range(3), key=want[i].__getitem__)]
+        err = error_of(c.post("/score", json={"text_1": "a", "text_2": "b"}, timeout=60), 400)
+        assert "3 labels" in err["message"]
+        paths = c.get("/openapi.json").json()["paths"]
+        assert "/classify" in paths and "/v1/embeddings" not in paths and "/score" not in paths
+        assert server.engine.num_used_blocks == 0
+    # An embedding model does not classify.
+    err = error_of(shttp.post("/classify", json={"input": "hello"}), 400)
+    assert "embedding model" in err["message"] and err["param"] == "model"
+    assert "/classify" not in shttp.get("/openapi.json").json()["paths"]

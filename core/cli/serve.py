@@ -227,7 +227,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         + ", ".join(_tool_parser_names())
         + " (hermes: <tool_call>{...}</tool_call>, Hermes and Qwen models; llama3_json: "
         '{"name": ..., "parameters": ...} objects, Llama 3.x; mistral: [TOOL_CALLS] calls, '
-        "Mistral and Mixtral models; pythonic: [f(x=1), g()] lists, Llama 3.2 / 4), or "
+        "Mistral and Mixtral models; pythonic: [f(x=1), g()] lists, Llama 3.2 / 4; "
+        "qwen3_coder: <function=f><parameter=x>...</parameter></function>, Qwen3-Coder), or "
         "module:Class of your own ToolParser. Needs --enable-auto-tool-choice.",
     )
     tools.add_argument(

@@ -513,3 +513,26 @@ def test_a_kept_function_call_is_in_the_next_turns_prompt(client, server):
     assert nxt.usage.input_tokens == reply.usage.prompt_tokens
     assert nxt.output_text == reply.choices[0].message.content
     no_blocks_used(server)
+
+
+def test_the_sdks_stream_helper_and_parse(scripted):
+    """The client's own helpers: ``responses.stream`` checks and accumulates the event
+    sequence into its final response; ``responses.parse`` sends a strict json_schema from a
+    pydantic model and reads the output back into it."""
+    from pydantic import BaseModel
+
+    server, engine, client = scripted
+    engine.script = SCRIPT
+    with client.responses.stream(model="fake-model", input="Weather?", tools=[CITY]) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "".join(deltas) == "\nLet me check."
+
+    class Answer(BaseModel):
+        city: str
+
+    engine.script = '{"city": "Rome"}'  # (the scripted engine ignores the grammar)
+    parsed = client.responses.parse(model="fake-model", input="City?", text_format=Answer)
+    assert parsed.output_parsed == Answer(city="Rome")
+    assert engine.last_params.structured_outputs is not None  # the schema reached the engine

@@ -37,21 +37,28 @@ if TYPE_CHECKING:
 
 POOLING_TYPES = ("LAST", "CLS", "MEAN")
 
-# Cross-encoders: a text pair in, its relevance score out (``/score``, ``/rerank``).
-CROSS_ENCODER_ARCHITECTURES = frozenset(
+# Sequence classifiers: class probabilities out (``/classify``); with one label, cross-encoders
+# (a text pair in, its relevance score out: ``/score``, ``/rerank``). The BERT family pools
+# the first token, the decoders the last.
+ENCODER_CLASSIFIERS = frozenset(
     {
         "BertForSequenceClassification",
         "RobertaForSequenceClassification",
         "XLMRobertaForSequenceClassification",
     }
 )
+SEQUENCE_CLASSIFIER_ARCHITECTURES = ENCODER_CLASSIFIERS | {
+    "LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+}
 # Architectures that have no LM head: they can only embed (or score).
 POOLING_ONLY_ARCHITECTURES = (
     frozenset({"BertModel", "RobertaModel", "XLMRobertaModel", "Qwen3Model"})
-    | CROSS_ENCODER_ARCHITECTURES
+    | SEQUENCE_CLASSIFIER_ARCHITECTURES
 )
 ENCODER_ARCHITECTURES = (
-    frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"}) | CROSS_ENCODER_ARCHITECTURES
+    frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"}) | ENCODER_CLASSIFIERS
 )
 
 _ST_MODES = {
@@ -134,7 +141,7 @@ def resolve_pooler_config(
     """The pooler of a checkpoint (see the module docstring)."""
     encoder = any(a in ENCODER_ARCHITECTURES for a in architectures)
     cfg = PoolerConfig("CLS" if encoder else "LAST", hidden_size=int(hf_config.hidden_size))
-    if any(a in CROSS_ENCODER_ARCHITECTURES for a in architectures):
+    if any(a in SEQUENCE_CLASSIFIER_ARCHITECTURES for a in architectures):
         cfg.task, cfg.normalize, cfg.source = "classify", False, "classification head"
         num_labels = int(getattr(hf_config, "num_labels", 1) or 1)
         id2label = getattr(hf_config, "id2label", None) or {}

@@ -293,3 +293,13 @@ class LlamaForCausalLM(CausalLM):
         return load_named_weights(
             self, self.stage_weights(weights), FUSED_WEIGHTS, self.ignore_checkpoint_tensor
         )
+
+
+def _llama_classifier() -> type:
+    from engine.models.pooling_adapter import as_classifier_model
+
+    return as_classifier_model(LlamaForCausalLM)
+
+
+# ``LlamaForSequenceClassification``: reward models and classifiers on the Llama trunk.
+LlamaForSequenceClassification = _llama_classifier()

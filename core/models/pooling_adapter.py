@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine.models.base import PPMissingLayer
 
@@ -45,6 +46,62 @@ def as_pooling_model(cls: type) -> type:
     PoolingModel.__module__ = cls.__module__
     _ADAPTED[cls] = PoolingModel
     return PoolingModel
+
+
+_CLASSIFIERS: dict[type, type] = {}
+
+
+def as_classifier_model(cls: type) -> type:
+    """The decoder class ``cls`` as a sequence classifier (``XForSequenceClassification``:
+    reward models, classifiers, converted rerankers): the trunk without its LM head, then a
+    ``score`` projection (no bias) of the last token's hidden state to ``num_labels`` logits,
+    which the model runner turns into probabilities (``engine.pooling.finish_classes``)."""
+    if cls in _CLASSIFIERS:
+        return _CLASSIFIERS[cls]
+    base = as_pooling_model(cls)
+
+    class SequenceClassifier(base):  # type: ignore[misc, valid-type]
+        skip_checkpoint_reason = "a sequence classifier has no LM head"
+
+        def __init__(self, ctx: Any) -> None:
+            super().__init__(ctx)
+            cfg = ctx.hf_config
+            self.num_labels = int(getattr(cfg, "num_labels", 1) or 1)
+            self.score = nn.Linear(cfg.hidden_size, self.num_labels, bias=False, dtype=ctx.dtype)
+
+        def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+            """The ``score`` head's logits ``[N, num_labels]`` (float32)."""
+            return self.score(pooled.to(self.score.weight.dtype)).float()
+
+        def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+            head: list[Any] = []
+
+            def trunk() -> Iterator[tuple[str, Any]]:
+                for name, tensor in weights:
+                    if name == "score.weight":
+                        head.append(tensor)
+                    else:
+                        yield name, tensor
+
+            loaded = super().load_weights(trunk())
+            if len(head) != 1 or tuple(head[0].shape) != tuple(self.score.weight.shape):
+                from engine.layers.weight_utils import ModelLoadError
+
+                shapes = [tuple(t.shape) for t in head]
+                raise ModelLoadError(
+                    f"a sequence classifier needs one score.weight of shape "
+                    f"{tuple(self.score.weight.shape)}; the checkpoint has {shapes or 'none'}"
+                )
+            with torch.no_grad():
+                self.score.weight.copy_(head[0])
+            loaded.add("score.weight")
+            return loaded
+
+    name = cls.__name__.removesuffix("ForCausalLM") + "ForSequenceClassification"
+    SequenceClassifier.__name__ = SequenceClassifier.__qualname__ = name
+    SequenceClassifier.__module__ = cls.__module__
+    _CLASSIFIERS[cls] = SequenceClassifier
+    return SequenceClassifier
 
 
 def _with_model_prefix(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

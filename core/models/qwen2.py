@@ -13,3 +13,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_options(cls, hf_config: Any) -> dict[str, bool]:
         return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+def _qwen2_classifier() -> type:
+    from engine.models.pooling_adapter import as_classifier_model
+
+    return as_classifier_model(Qwen2ForCausalLM)
+
+
+# ``Qwen2ForSequenceClassification``: reward models and classifiers on the Qwen2 trunk.
+Qwen2ForSequenceClassification = _qwen2_classifier()

@@ -24,3 +24,13 @@ def _qwen3_embedding() -> type:
 
 # ``Qwen3Model`` checkpoints (Qwen3-Embedding saved without an LM head): last-token pooling.
 Qwen3EmbeddingModel = _qwen3_embedding()
+
+
+def _qwen3_classifier() -> type:
+    from engine.models.pooling_adapter import as_classifier_model
+
+    return as_classifier_model(Qwen3ForCausalLM)
+
+
+# ``Qwen3ForSequenceClassification``: reward models, classifiers, converted rerankers.
+Qwen3ForSequenceClassification = _qwen3_classifier()

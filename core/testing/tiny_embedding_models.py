@@ -163,3 +163,45 @@ def save_cross_encoder(
             param.normal_(0, 0.3)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def save_decoder_classifier(
+    out_dir: Path, kind: str, labels: list[str], seed: int = 0, max_len: int = 256
+) -> Path:
+    """A tiny random decoder sequence classifier (``Qwen3ForSequenceClassification`` or
+    ``LlamaForSequenceClassification``: the trunk, then a ``score`` head on the last token)
+    with ``labels``, saved with its tokenizer in ``out_dir``."""
+    import torch
+    import transformers
+
+    from engine.testing.tiny_models import build_tokenizer
+
+    tok = build_tokenizer(out_dir)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=max_len,
+        num_labels=len(labels),
+        pad_token_id=tok.pad_token_id,
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+    )
+    if kind == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, **common)
+        model_cls = transformers.Qwen3ForSequenceClassification
+    elif kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForSequenceClassification
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():  # weights large enough for the classes to differ
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -288,3 +288,40 @@ def test_classify_route(classifier_dir, shttp):
     err = error_of(shttp.post("/classify", json={"input": "hello"}), 400)
     assert "embedding model" in err["message"] and err["param"] == "model"
     assert "/classify" not in shttp.get("/openapi.json").json()["paths"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_decoder_classifiers_equal_transformers(kind, tmp_path):
+    """``Qwen3ForSequenceClassification`` / ``LlamaForSequenceClassification`` (reward models,
+    classifiers): the last token's ``score`` logits, as transformers computes them; with one
+    label (a reward model) ``LLM.score`` reads a pair as the tokenizer joins it."""
+    import torch
+    import transformers
+
+    from engine.llm import LLM
+    from engine.testing.tiny_embedding_models import save_decoder_classifier
+
+    for labels in (LABELS, ["reward"]):
+        model_dir = save_decoder_classifier(tmp_path / f"{kind}-{len(labels)}", kind, labels)
+        tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+        ref = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        llm = LLM.from_engine_config(engine_config(model_dir))
+        try:
+            with torch.no_grad():
+                if len(labels) > 1:
+                    want = [
+                        torch.softmax(ref(**tok(t, return_tensors="pt")).logits[0], -1)
+                        for t in TEXTS
+                    ]
+                    got = [o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)]
+                    for g, w in zip(got, want, strict=True):
+                        assert g == pytest.approx(w.tolist(), abs=1e-5)
+                else:
+                    want = [
+                        torch.sigmoid(ref(**tok(QUERY, t, return_tensors="pt")).logits[0, 0])
+                        for t in TEXTS
+                    ]
+                    got = [o.outputs.score for o in llm.score(QUERY, TEXTS, use_tqdm=False)]
+                    assert got == pytest.approx([w.item() for w in want], abs=1e-5)
+        finally:
+            llm.shutdown()

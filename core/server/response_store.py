@@ -28,28 +28,49 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """An LRU-bounded map of response id to ``StoredResponse`` (``capacity`` 0 keeps none)."""
+    """An LRU-bounded map of response id to ``StoredResponse`` (``capacity`` 0 keeps none),
+    with the input and output items of the kept responses by item id (``item_reference``)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._items: dict[str, dict[str, Any]] = {}
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
         if self.capacity <= 0:
             return
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self.delete(response_id)
+        self._responses[response_id] = stored
+        for item in _items_of(stored):
+            self._items[item["id"]] = item
+        while len(self._responses) > self.capacity:
+            oldest = next(iter(self._responses))
+            self.delete(oldest)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._items.get(response_id)
+        stored = self._responses.get(response_id)
         if stored is not None:
-            self._items.move_to_end(response_id)
+            self._responses.move_to_end(response_id)
         return stored
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """An input or output item of a kept response, by its id."""
+        return self._items.get(item_id)
+
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        stored = self._responses.pop(response_id, None)
+        if stored is None:
+            return False
+        for item in _items_of(stored):
+            if self._items.get(item["id"]) is item:
+                del self._items[item["id"]]
+        return True
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._responses)
+
+
+def _items_of(stored: StoredResponse) -> list[dict[str, Any]]:
+    items = [*stored.input_items, *stored.response.get("output", [])]
+    # A reference is not an item of its own (its id is the item it names).
+    return [i for i in items if isinstance(i.get("id"), str) and i.get("type") != "item_reference"]

@@ -12,7 +12,8 @@ forced tool use, reasoning parser, structured outputs and sampling. The translat
   assistant message just before them), ``function_call_output`` a ``tool`` message answering
   ``call_id``; ``reasoning`` items are taken and left out of the prompt;
 - ``previous_response_id`` puts the kept conversation of that response (its input and its
-  answer, not its instructions) before ``input``;
+  answer, not its instructions) before ``input``; an ``item_reference`` stands for an input
+  or output item of a kept response;
 - ``tools`` (``{"type": "function", "name", "parameters"}``) become the chat path's function
   tools, ``tool_choice`` likewise; ``text.format`` is ``response_format``;
   ``max_output_tokens`` is ``max_completion_tokens``; ``reasoning.effort`` reaches the chat
@@ -213,7 +214,7 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest, raw: Requ
             )
         for m in json.loads(json.dumps(previous.messages)):  # a copy: merging edits it
             conv.add(m, "previous_response_id")
-    add_input(conv, body)
+    add_input(conv, body, ctx.response_store.item)
     req = chat_request_of(body, conv)
     response_id = new_id("resp")
     try:

@@ -6,6 +6,7 @@ the translated request; the mapping is described there."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -13,10 +14,12 @@ from pydantic import ValidationError
 from engine.server.errors import APIError, bad_request, validation_error
 from engine.server.protocol import ChatCompletionRequest
 from engine.server.responses_protocol import (
+    INPUT_ITEM,
     PASSED_FIELDS,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputImage,
+    ItemReference,
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
@@ -100,13 +103,28 @@ def _content(item: MessageItem, where: str) -> str | list[dict[str, Any]]:
     return parts
 
 
-def add_input(conv: Conversation, body: ResponsesRequest) -> None:
-    """The chat messages of ``body.input``."""
+def add_input(
+    conv: Conversation,
+    body: ResponsesRequest,
+    lookup: Callable[[str], dict[str, Any] | None] = lambda item_id: None,
+) -> None:
+    """The chat messages of ``body.input``; ``lookup`` finds a kept item by id (an
+    ``item_reference``; a 404 naming the item when it is not kept)."""
     if isinstance(body.input, str):
         conv.add({"role": "user", "content": body.input}, "input")
         return
     for j, item in enumerate(body.input):
         where = f"input.{j}"
+        if isinstance(item, ItemReference):
+            found = lookup(item.id)
+            if found is None:
+                raise APIError(
+                    404,
+                    f"{where}: no kept item with id {item.id!r} (items of responses this front "
+                    "end keeps can be referenced)",
+                    param=f"{where}.id",
+                )
+            item = INPUT_ITEM.validate_python(found)
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             conv.add({"role": role, "content": _content(item, where)}, where)

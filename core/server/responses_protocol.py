@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag
+from pydantic import BeforeValidator, Discriminator, Field, Tag, TypeAdapter
 from pydantic_core import PydanticCustomError
 
 from engine.server.protocol import (
@@ -126,6 +126,13 @@ class ReasoningItem(_Body):
     status: str | None = None
 
 
+class ItemReference(_Body):
+    """An item of a kept response (its input or its output) by ``id``."""
+
+    type: Literal["item_reference"]
+    id: NonEmptyText
+
+
 # Input item types, and the union tag of each (capitalised: an error's location then names
 # the item's index, not the tag).
 _ITEM_TAGS = {
@@ -133,6 +140,7 @@ _ITEM_TAGS = {
     "function_call": "FunctionCall",
     "function_call_output": "FunctionCallOutput",
     "reasoning": "Reasoning",
+    "item_reference": "ItemReference",
 }
 
 
@@ -150,7 +158,7 @@ def _known_item(value: Any) -> Any:
             raise PydanticCustomError(
                 "item_type",
                 "input items of type '{kind}' are not taken here; the types taken are "
-                "message, function_call, function_call_output and reasoning",
+                "message, function_call, function_call_output, reasoning and item_reference",
                 {"kind": kind},
             )
     return value
@@ -160,10 +168,15 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")]
     | Annotated[FunctionCallItem, Tag("FunctionCall")]
     | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
-    | Annotated[ReasoningItem, Tag("Reasoning")],
+    | Annotated[ReasoningItem, Tag("Reasoning")]
+    | Annotated[ItemReference, Tag("ItemReference")],
     Discriminator(_item_type),
     BeforeValidator(_known_item),
 ]
+
+
+# One input item on its own (an item_reference resolves to one of these).
+INPUT_ITEM = TypeAdapter(InputItem)
 
 
 def _input_form(value: Any) -> str:

@@ -330,9 +330,9 @@ def test_json_schema_text_format_constrains_the_output(client, server):
             "image_url",
         ),
         (
-            {"input": [{"type": "item_reference", "id": "msg_1"}]},
+            {"input": [{"type": "computer_call_output", "id": "c_1"}]},
             "input.0",
-            "type 'item_reference' are not taken",
+            "type 'computer_call_output' are not taken",
         ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
@@ -536,3 +536,31 @@ def test_the_sdks_stream_helper_and_parse(scripted):
     parsed = client.responses.parse(model="fake-model", input="City?", text_format=Answer)
     assert parsed.output_parsed == Answer(city="Rome")
     assert engine.last_params.structured_outputs is not None  # the schema reached the engine
+
+
+def test_item_references_resolve_to_kept_items(client, server, http):
+    """``item_reference`` items name an input or output item of a kept response: the same
+    prompt as sending those items; an unknown id is a 404 naming the item."""
+    first = client.responses.create(
+        model="tiny", input="Hello world", max_output_tokens=6, temperature=0
+    )
+    [user_item] = client.responses.input_items.list(first.id).data
+    answer = first.output[0]
+    refs = [
+        {"type": "item_reference", "id": user_item.id},
+        {"type": "item_reference", "id": answer.id},
+        {"role": "user", "content": "The quick brown fox"},
+    ]
+    got = client.responses.create(model="tiny", input=refs, max_output_tokens=6, temperature=0)
+    conversation = [
+        {"role": "user", "content": "Hello world"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "The quick brown fox"},
+    ]
+    want, usage, _ = chat_text(client, conversation, 6)
+    assert got.output_text == want and got.usage.input_tokens == usage.prompt_tokens
+    client.responses.delete(first.id)  # its items go with it
+    body = {"model": "tiny", "input": refs}
+    err = error_of(http.post("/v1/responses", json=body), 404)
+    assert err["param"] == "input.0.id" and user_item.id in err["message"]
+    no_blocks_used(server)

@@ -255,16 +255,15 @@ def build_app(options: ServerOptions, state: ServerState | None = None) -> FastA
         _warn_extra(body)
         return await create_response(ctx, body, request)
 
-    # One route for both methods, so that a 405 on this path allows both (Starlette's Allow
-    # header lists only the first matching route's methods).
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], tags=["openai"])
-    async def kept_response(response_id: str, request: Request):
-        """``GET``: a response this front end keeps (``store``, the default). ``DELETE``:
-        forget it."""
-        ctx = state.require_ctx()
-        if request.method == "DELETE":
-            return delete_response(ctx, response_id)
-        return get_response(ctx, response_id)
+    @app.get("/v1/responses/{response_id}", tags=["openai"])
+    async def retrieve_response(response_id: str):
+        """A response this front end keeps (``store``, the default)."""
+        return get_response(state.require_ctx(), response_id)
+
+    @app.delete("/v1/responses/{response_id}", tags=["openai"])
+    async def remove_response(response_id: str):
+        """Forget a kept response."""
+        return delete_response(state.require_ctx(), response_id)
 
     @app.get("/v1/responses/{response_id}/input_items", tags=["openai"])
     async def response_input_items(response_id: str):

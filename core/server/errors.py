@@ -360,7 +360,21 @@ def install_error_handlers(app: FastAPI) -> None:
         response = error_response(APIError(exc.status_code, message), route_path(request.scope))
         for name, value in (exc.headers or {}).items():  # 405's Allow (RFC 9110)
             response.headers[name] = value
+        if exc.status_code == 405:
+            response.headers["Allow"] = _allowed_methods(request)
         return response
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path (Starlette's 405 names only the first
+    matching route's, so GET and DELETE on one path, two routes, would allow GET alone)."""
+    path = request.scope.get("path", "")
+    methods: set[str] = set()
+    for route in request.app.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path):
+            methods |= set(getattr(route, "methods", None) or ())
+    return ", ".join(sorted(methods))
 
     # No handler for ``Exception`` here: Starlette runs that one inside its outermost
     # ServerErrorMiddleware, which re-raises after replying, and uvicorn then drops the

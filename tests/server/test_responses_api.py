@@ -564,3 +564,13 @@ def test_item_references_resolve_to_kept_items(client, server, http):
     err = error_of(http.post("/v1/responses", json=body), 404)
     assert err["param"] == "input.0.id" and user_item.id in err["message"]
     no_blocks_used(server)
+
+
+def test_a_405_allows_every_method_of_the_path(http):
+    """GET and DELETE are two routes on one path: the 405's Allow names both (Starlette's
+    names only the first route's), and the OpenAPI document keeps unique operation ids."""
+    r = http.request("OPTIONS", "/v1/responses/resp_x")
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
+    doc = http.get("/openapi.json").json()
+    ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids))

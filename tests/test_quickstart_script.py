@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import urllib.request
-import warnings
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "quickstart.sh"
@@ -49,6 +48,10 @@ def test_waits_for_health_and_names_the_real_port(tmp_path):
         ["bash", str(SCRIPT), str(model), "--port", str(port), "--max-num-seqs", "2"],
         cwd=tmp_path,
         env=env,
+        # A terminal's Ctrl-C: SIGINT at its default. A test run started in the background
+        # (`cmd &` in a script) inherits SIGINT ignored, and bash cannot trap a signal that
+        # was ignored on entry, so the script's Ctrl-C handling would never run.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -77,20 +80,7 @@ def test_waits_for_health_and_names_the_real_port(tmp_path):
         assert "8000" not in text
         assert '"GET /health' not in text  # the script's polling stays out of the log
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the script
-        before = len(lines)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            # Seen in three full-suite runs on 2026-12-05 (never when this file runs alone):
-            # the server sat idle after the first SIGTERM and left at the second, which is
-            # documented to exit at once. Not understood yet: say it loudly, with what the
-            # server logged after the signal, and check that the second Ctrl-C works.
-            after = "\n".join(line for line, _ in lines[before:])
-            message = f"engine serve ignored the first Ctrl-C for 60 s; it logged:\n{after}"
-            warnings.warn(message, stacklevel=1)
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(60)
-        assert code == 0, "\n".join(line for line, _ in lines)
+        assert proc.wait(60) == 0, text
         assert health(port) is None  # the server is gone
     finally:
         if proc.poll() is None:

@@ -37,10 +37,16 @@ class BertEmbeddings(nn.Module):
         roberta = cfg.model_type in ("roberta", "xlm-roberta", "camembert")
         self.position_offset = (cfg.pad_token_id or 0) + 1 if roberta else 0
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``types``: each token's type; None gives every token type 0."""
         x = self.word_embeddings(input_ids)
         x = x + self.position_embeddings(positions + self.position_offset)
-        x = x + self.token_type_embeddings.weight[0]
+        if types is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(types)
         return self.LayerNorm(x)
 
 
@@ -145,10 +151,14 @@ class BertModel(nn.Module):
         attn_metadata: list[AttentionMetadata],
         intermediate: Any = None,
     ) -> torch.Tensor:
-        hidden = self.embeddings(input_ids, positions)
+        hidden = self.embeddings(input_ids, positions, self.token_types(input_ids, positions))
         for layer in self.encoder.layer:
             hidden = layer(hidden, attn_metadata)
         return hidden
+
+    def token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Each token's type (None: all type 0, one text per prompt)."""
+        return None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.attention.self.attn for layer in self.encoder.layer]
@@ -226,31 +236,10 @@ class BertForSequenceClassification(BertModel):
         )
         self.to(ctx.dtype)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: list[AttentionMetadata],
-        intermediate: Any = None,
-    ) -> torch.Tensor:
-        if self.pair_types:
-            types = _second_segment(input_ids, positions, self.sep_token_id)
-            hidden = self._embed_with_types(input_ids, positions, types)
-        else:
-            hidden = self.embeddings(input_ids, positions)
-        for layer in self.encoder.layer:
-            hidden = layer(hidden, attn_metadata)
-        return hidden
-
-    def _embed_with_types(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor
-    ) -> torch.Tensor:
-        """BertEmbeddings with each token's own type (it adds type 0 to all)."""
-        emb = self.embeddings
-        x = emb.word_embeddings(input_ids)
-        x = x + emb.position_embeddings(positions + emb.position_offset)
-        x = x + emb.token_type_embeddings(types)
-        return emb.LayerNorm(x)
+    def token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        if not self.pair_types:
+            return None
+        return _second_segment(input_ids, positions, self.sep_token_id)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """The head's logits ``[N, num_labels]`` (float32) of the pooled first tokens."""

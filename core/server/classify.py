@@ -41,11 +41,6 @@ async def create_classification(
             "model",
         )
     inputs = embedding_inputs(req.input)
-    if len(inputs) > ctx.options.limits.max_prompts:
-        raise bad_request(
-            f"at most {ctx.options.limits.max_prompts} inputs per request, got {len(inputs)}",
-            "input",
-        )
     request_id = random_id("classify")
     try:
         probs, num_tokens = await embed_inputs(

@@ -50,11 +50,6 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingRequest, raw: Requ
             "model",
         )
     inputs = embedding_inputs(req.input)
-    if len(inputs) > ctx.options.limits.max_prompts:
-        raise bad_request(
-            f"at most {ctx.options.limits.max_prompts} inputs per request, got {len(inputs)}",
-            "input",
-        )
     try:
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
     except ValueError as e:
@@ -93,7 +88,13 @@ async def embed_inputs(
 ) -> tuple[list[list[float]], int]:
     """The embedding of each input (a text or token ids), in order, and the prompt tokens
     they took: one engine request each, on one channel. Raises ``ClientDisconnected`` when
-    the client goes away (the requests are aborted), 400s naming ``param`` for empty input."""
+    the client goes away (the requests are aborted), 400s naming ``param`` for empty input or
+    more inputs than the server's ``limits.max_prompts``."""
+    if len(inputs) > ctx.options.limits.max_prompts:
+        raise bad_request(
+            f"at most {ctx.options.limits.max_prompts} inputs per request, got {len(inputs)}",
+            param,
+        )
     texts: list[str | None] = []
     token_ids: list[list[int]] = []
     for item in inputs:

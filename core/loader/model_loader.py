@@ -171,9 +171,15 @@ def _resolve_runner(model_config: ModelConfig, hf_config: Any, path: Path) -> No
     model_config.runner_type = runner
     if runner != "pooling":
         return
+    if getattr(hf_config, "classifier_from_token", None):
+        _resolve_classifier_tokens(model_config, model_dir, hf_config)  # sets num_labels
     cfg = pooling.resolve_pooler_config(model_dir, hf_config, names)
     model_config.pooler_config = cfg
-    if cfg.task == "classify" and getattr(hf_config, "sep_token_id", None) is None:
+    if (
+        cfg.task == "classify"
+        and getattr(hf_config, "sep_token_id", None) is None
+        and not getattr(hf_config, "classifier_from_token", None)
+    ):
         hf_config.sep_token_id = _sep_token_id(model_config, model_dir)
     if model_config.max_model_len is None:
         st_len = pooling.sentence_transformers_max_len(model_dir)
@@ -194,6 +200,54 @@ def _resolve_runner(model_config: ModelConfig, hf_config: Any, path: Path) -> No
         if cfg.is_matryoshka
         else "",
     )
+
+
+def _resolve_classifier_tokens(
+    model_config: ModelConfig, model_dir: Path | None, hf_config: Any
+) -> None:
+    """A classifier made from a causal LM's head (vLLM's ``--hf-overrides`` keys, as for
+    Qwen3-Reranker: ``{"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}``): the listed
+    tokens' ids go into ``hf_config.classifier_from_token_ids`` and ``num_labels`` follows the
+    method. ``from_2_way_softmax`` (what ``is_original_qwen3_reranker`` means) scores
+    ``sigmoid(logit[second] - logit[first])``, the second token's probability in a softmax over
+    the two, as one label; otherwise each token's logit is a label."""
+    tokens = list(hf_config.classifier_from_token)
+    method = getattr(hf_config, "method", None)
+    if getattr(hf_config, "is_original_qwen3_reranker", False):
+        method = "from_2_way_softmax"
+    if method not in (None, "from_2_way_softmax", "no_post_processing"):
+        raise ModelLoadError(
+            f"hf_overrides method {method!r} is not supported; use 'from_2_way_softmax' "
+            "or 'no_post_processing'"
+        )
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ModelLoadError(
+            f"from_2_way_softmax needs two classifier_from_token entries (the negative, then "
+            f"the positive token), got {tokens}"
+        )
+    source = getattr(model_config, "tokenizer", None) or model_dir
+    if source is None:
+        raise ModelLoadError("classifier_from_token needs the model's tokenizer")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the tokenizer at {source}: {e}") from e
+    vocab = tok.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ModelLoadError(
+            f"classifier_from_token names {missing}, which are not tokens of the model's "
+            "vocabulary (each entry must be one token)"
+        )
+    hf_config.classifier_from_token_ids = [vocab[t] for t in tokens]
+    hf_config.classifier_method = method or "no_post_processing"
+    hf_config.num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
+    if hf_config.num_labels > 1:
+        hf_config.id2label = dict(enumerate(tokens))
+        hf_config.label2id = {t: i for i, t in enumerate(tokens)}
 
 
 def _sep_token_id(model_config: ModelConfig, model_dir: Path | None) -> int | None:

@@ -68,6 +68,21 @@ def as_classifier_model(cls: type) -> type:
             cfg = ctx.hf_config
             self.num_labels = int(getattr(cfg, "num_labels", 1) or 1)
             self.score = nn.Linear(cfg.hidden_size, self.num_labels, bias=False, dtype=ctx.dtype)
+            self.classifier_from_token_ids = getattr(cfg, "classifier_from_token_ids", None)
+            self.classifier_method = getattr(cfg, "classifier_method", None)
+
+        @classmethod
+        def checkpoint_prefixes_to_skip(cls, ctx: Any) -> tuple[tuple[str, ...], str]:
+            """As the decoder's, but a classifier made from the LM head's rows
+            (``classifier_from_token``) reads ``lm_head.``."""
+            parent = getattr(super(), "checkpoint_prefixes_to_skip", None)
+            if parent is not None:
+                prefixes, reason = parent(ctx)
+            else:
+                prefixes, reason = cls.skip_checkpoint_prefixes, cls.skip_checkpoint_reason
+            if getattr(ctx.hf_config, "classifier_from_token_ids", None):
+                prefixes = tuple(p for p in prefixes if p != "lm_head.")
+            return tuple(prefixes), reason
 
         def classify(self, pooled: torch.Tensor) -> torch.Tensor:
             """The ``score`` head's logits ``[N, num_labels]`` (float32)."""
@@ -75,15 +90,37 @@ def as_classifier_model(cls: type) -> type:
 
         def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
             head: list[Any] = []
+            # A classifier made from the LM head (engine.loader.model_loader's
+            # _resolve_classifier_tokens): the head's (or the tied embedding's) rows.
+            token_ids = self.classifier_from_token_ids
+            vocab_rows: dict[str, Any] = {}
 
             def trunk() -> Iterator[tuple[str, Any]]:
                 for name, tensor in weights:
-                    if name == "score.weight":
+                    if name == "score.weight" and token_ids is None:
                         head.append(tensor)
-                    else:
+                        continue
+                    if token_ids is not None and name.endswith(
+                        ("lm_head.weight", "embed_tokens.weight")
+                    ):
+                        vocab_rows[name.rsplit(".", 2)[-2]] = tensor
+                    if token_ids is None or not name.endswith("lm_head.weight"):
                         yield name, tensor
 
             loaded = super().load_weights(trunk())
+            if token_ids is not None:
+                rows = vocab_rows.get("lm_head", vocab_rows.get("embed_tokens"))
+                if rows is None:
+                    from engine.layers.weight_utils import ModelLoadError
+
+                    raise ModelLoadError(
+                        "classifier_from_token needs the checkpoint's lm_head.weight (or a "
+                        "tied embed_tokens.weight); it has neither"
+                    )
+                picked = torch.as_tensor(rows[token_ids]).float()
+                if self.classifier_method == "from_2_way_softmax":
+                    picked = picked[1:2] - picked[0:1]
+                head.append(picked)
             if len(head) != 1 or tuple(head[0].shape) != tuple(self.score.weight.shape):
                 from engine.layers.weight_utils import ModelLoadError
 

@@ -325,3 +325,86 @@ def test_decoder_classifiers_equal_transformers(kind, tmp_path):
                     assert got == pytest.approx([w.item() for w in want], abs=1e-5)
         finally:
             llm.shutdown()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_reranker_made_from_the_lm_head_equals_transformers(tmp_path, tied):
+    """Qwen3-Reranker as vLLM serves it: a causal LM with ``--hf-overrides
+    '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [NO,
+    YES], "is_original_qwen3_reranker": true}'`` scores a pair as the probability of YES in a
+    softmax over the two tokens' next-token logits at the pair's last token (the LM head's rows,
+    or the tied embedding's); without ``is_original_qwen3_reranker`` each token's logit is a
+    label. Checked against transformers' causal LM on the same weights and token ids."""
+    import torch
+    import transformers
+
+    from engine.llm import LLM
+    from engine.loader.model_loader import ModelLoadError
+    from engine.testing.tiny_models import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    vocab = tok.get_vocab()
+    no, yes = sorted(t for t in vocab if t.isalpha() and len(t) > 2)[:2]  # two real tokens
+    config = transformers.Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    ref = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for param in ref.parameters():
+            param.normal_(0, 0.2)
+    ref.save_pretrained(tmp_path)
+
+    def last_logits(text: str) -> torch.Tensor:
+        ids = tok(QUERY, text, return_tensors="pt")
+        with torch.no_grad():
+            return ref(**ids).logits[0, -1]
+
+    reranker = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": [no, yes],
+        "is_original_qwen3_reranker": True,
+    }
+    cfg = engine_config(tmp_path)
+    cfg.model.hf_overrides = reranker
+    llm = LLM.from_engine_config(cfg)
+    try:
+        got = [o.outputs.score for o in llm.score(QUERY, TEXTS, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    want = []
+    for t in TEXTS:
+        logits = last_logits(t)
+        want.append(torch.softmax(logits[[vocab[no], vocab[yes]]], -1)[1].item())
+    assert got == pytest.approx(want, abs=1e-5)
+    assert max(want) - min(want) > 1e-3  # the texts score differently
+
+    # Without is_original_qwen3_reranker: one label per token, their raw logits' softmax.
+    cfg = engine_config(tmp_path)
+    cfg.model.hf_overrides = {**reranker, "is_original_qwen3_reranker": False}
+    llm = LLM.from_engine_config(cfg)
+    try:
+        probs = [o.outputs.probs for o in llm.classify(TEXTS[:2], use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    for p, t in zip(probs, TEXTS[:2], strict=True):
+        with torch.no_grad():
+            ids = tok(t, return_tensors="pt")
+            logits = ref(**ids).logits[0, -1]
+        assert p == pytest.approx(
+            torch.softmax(logits[[vocab[no], vocab[yes]]], -1).tolist(), abs=1e-5
+        )
+
+    # A token the vocabulary does not have is refused at load, by name.
+    cfg = engine_config(tmp_path)
+    cfg.model.hf_overrides = {**reranker, "classifier_from_token": ["no-such-token!", yes]}
+    with pytest.raises(ModelLoadError, match="no-such-token!"):
+        LLM.from_engine_config(cfg)

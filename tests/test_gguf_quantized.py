@@ -67,9 +67,16 @@ def test_gguf_linear_kernels_match_the_dequantized_product(name, m):
     torch.testing.assert_close(got, want, rtol=0.03, atol=0.03)
 
 
+@pytest.fixture
+def no_amx(monkeypatch):
+    """The CPU paths without the compiled AMX kernels (engine_cpu.native; tested on their own
+    in tests/test_cpu_gguf_amx.py), as on CPUs that have no AMX."""
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "0")
+
+
 @pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 16])
-def test_cpu_wider_than_4_bits_runs_the_dense_bf16_product(name, m):
+def test_cpu_wider_than_4_bits_runs_the_dense_bf16_product(name, m, no_amx):
     """5-, 6- and 8-bit weights are dequantized at load on the CPU in 16-bit dtypes and
     oneDNN-prepacked: the product equals ``F.linear`` on the dequantized bf16 weight bit for
     bit (the int4 kernel's two-plane form cost 2-8x the dense product from batch 4 up)."""
@@ -100,7 +107,7 @@ def _cpu_keeps_vocabulary(cpu) -> bool:
 
 
 @pytest.mark.parametrize("m", [1, 16])
-def test_cpu_vocabulary_pack_is_exact_for_lookups_and_logits(m):
+def test_cpu_vocabulary_pack_is_exact_for_lookups_and_logits(m, no_amx):
     """A tied Q8_0 embedding / LM head on the CPU in bf16 keeps the file's int8 values and
     float16 block scales for lookups (the reference's rows bit for bit) and multiplies the
     dequantized bf16 matrix, oneDNN-prepacked (``F.linear`` on it bit for bit)."""
@@ -152,7 +159,7 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype):
+def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype, no_amx):
     """float32: the CPU multiplies the kept layers densely (exact); bf16: the 4-bit layers
     through torch's int4 kernel, within bf16 rounding of the scales, the 5/6/8-bit layers dense
     (oneDNN-packed), in fewer bytes than the dequantized model."""
@@ -182,7 +189,9 @@ def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype):
     assert _param_bytes(model) < _param_bytes(ref)
 
 
-def test_cpu_bf16_keeps_the_tied_vocabulary_quantized_with_the_same_logits(k_gguf, monkeypatch):
+def test_cpu_bf16_keeps_the_tied_vocabulary_quantized_with_the_same_logits(
+    k_gguf, monkeypatch, no_amx
+):
     """The tied Q8_0 embedding / LM head of a bf16 model on the CPU stays 8-bit for lookups
     (no dense matrix in the model); the logits equal those of the model whose vocabulary is
     dequantized at load (the path before), bit for bit."""

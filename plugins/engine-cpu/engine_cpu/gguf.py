@@ -3,6 +3,19 @@
 Every kept type decodes to ``W = scale * v + offset`` per group (``engine.kernels.gguf``). At
 load the blocks are repacked:
 
+* **On CPUs with AMX** (Intel Xeon since Sapphire Rapids; ``engine_cpu.native`` builds the
+  kernels of ``csrc/gguf_amx.c`` on first use), every kept type with 16-bit activations,
+  the tied embedding / LM head included: signed 8-bit values in AMX tile order with float32
+  scales (and offsets for the types with mins) per 16 or 32 values, about 1.1-1.3 bytes per
+  weight (the embedded Gemma 3 270M Q4_K_M: 356 MiB of weights against 715 MiB dense). Up to
+  ``BF16_ROWS`` activation rows (decode) are quantized per 32 values to int8, as llama.cpp
+  and vLLM's GGUF kernels do, and multiplied in int8 tiles, scaled per group in float32; more
+  rows (prefill) take a bfloat16 path that dequantizes each 16-row tile once per call into
+  the weights the dense bf16 layer would hold, so its product is ``F.linear`` on the
+  dequantized bf16 weight up to the order of the float32 sums. Embedding lookups dequantize
+  rows of the same layout, bit for bit the reference's. Measured in docs/benchmarks.md
+  ("CPU: GGUF layers on AMX").
+* Without AMX (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per
   group of 32), ``v`` as is, ``s = scale``, ``z = offset + 8 * scale``; 0.5 byte per weight
@@ -40,10 +53,161 @@ import torch.nn.functional as F
 
 from engine.kernels import gguf as ref
 from engine.layers.cpu_packed_linear import packing_supported, return_freed_memory
+from engine_cpu import native
 
 logger = logging.getLogger(__name__)
 
 _warned_dense: set[tuple[str, torch.dtype]] = set()
+_logged_amx: set[bool] = set()
+
+# The integer zero point of the types whose offset is -z * scale (engine.kernels.gguf): their
+# values are kept as the signed u - z, so the AMX product needs no offset term.
+_ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32}
+
+
+def _amx() -> bool:
+    """Whether the AMX kernels (engine_cpu/csrc/gguf_amx.c) serve 16-bit activations here;
+    says which path in the log once."""
+    lib = native.load()
+    if (lib is not None) not in _logged_amx:  # once per answer
+        _logged_amx.add(lib is not None)
+        if lib is not None:
+            logger.info(
+                "gguf_linear on the CPU: AMX int8 kernels on the GGUF values (activations "
+                "quantized per 32 values, as llama.cpp's)"
+            )
+        else:
+            logger.info(
+                "gguf_linear on the CPU: no AMX kernels (%s); 4-bit types use torch's int4 "
+                "kernel, the others are dequantized at load",
+                native.unavailable_reason(),
+            )
+    return lib is not None
+
+
+def _amx_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
+    """The AMX layout (engine_cpu/csrc/gguf_amx.c) of raw blocks ``[N, K / block, size]``:
+    signed 8-bit values in 16-row tiles of one group each, VNNI order, and float32 scales (and
+    offsets where the type has mins) per tile row and group. Output rows are padded to a
+    multiple of 16 with zero scales. Unpacked _VOCAB_CHUNK rows at a time, which bounds the
+    load's peak for a vocabulary matrix."""
+    n = blocks.shape[0]
+    k = blocks.shape[1] * t.block_size
+    g = t.group
+    zero = _ZERO.get(t.name)
+    tiles = -(-n // 16)
+    values = torch.zeros(tiles, k // g, g // 4, 16, 4, dtype=torch.int8)
+    scales = torch.zeros(tiles, k // g, 16)
+    offsets = None if zero is not None else torch.zeros(tiles, k // g, 16)
+    for start in range(0, n, _VOCAB_CHUNK):
+        rows = blocks[start : start + _VOCAB_CHUNK]
+        u, scale, offset = ref.unpack(rows, t.ggml_type)
+        r = u.shape[0]
+        pad = -r % 16  # only the last chunk (_VOCAB_CHUNK is a multiple of 16)
+        v = u.to(torch.int16) - (zero or 0)
+        if pad:
+            v = torch.cat([v, torch.zeros(pad, k, dtype=v.dtype)])
+            scale = torch.cat([scale, torch.zeros(pad, scale.shape[1])])
+            offset = torch.cat([offset, torch.zeros(pad, offset.shape[1])])
+        part = slice(start // 16, (start + r + pad) // 16)
+        count = (r + pad) // 16
+        values[part] = v.to(torch.int8).view(count, 16, k // g, g // 4, 4).permute(0, 2, 3, 1, 4)
+        scales[part] = scale.view(count, 16, k // g).transpose(1, 2)
+        if offsets is not None:
+            offsets[part] = offset.view(count, 16, k // g).transpose(1, 2)
+    packed = {"amx_values": values, "amx_scales": scales, "out_features": torch.tensor(n)}
+    if offsets is not None:
+        packed["amx_offsets"] = offsets
+    return packed
+
+
+def _amx_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an AMX-packed weight dequantized, float32 ``[len(ids), K]``: bit for bit
+    the reference's dequantization (``scale * (u - z)`` is exact in float32)."""
+    values = packed["amx_values"]  # [T, K / G, G / 4, 16, 4]
+    tiles, groups, quads, _, _ = values.shape
+    t, j = ids // 16, ids % 16
+    v = values[t, :, :, j, :].float().view(len(ids), groups, quads * 4)
+    rows = v * packed["amx_scales"][t, :, j].unsqueeze(-1)
+    if "amx_offsets" in packed:
+        rows = rows + packed["amx_offsets"][t, :, j].unsqueeze(-1)
+    return rows.view(len(ids), -1)
+
+
+# Above this many activation rows a bfloat16 input takes the kernels' bfloat16 path (weights
+# dequantized once per call, no per-group work per row); at or below it the int8 path, which
+# reads only the packed bytes. On the 2-vCPU Sapphire Rapids VM of docs/benchmarks.md the
+# int8 path was the faster one up to 16 rows.
+BF16_ROWS = 16
+
+
+def _amx_shape(packed: dict[str, torch.Tensor]) -> tuple[int, int, int, int]:
+    """(padded rows, real rows, group, K) of an AMX packing, cached by the values' storage
+    (read per call otherwise: a tensor-to-int conversion costs about as much as the kernel of
+    a small decode projection)."""
+    values = packed["amx_values"]
+    key = values.data_ptr()
+    found = _AMX_SHAPES.get(key)
+    if found is None or found[0] != tuple(values.shape):
+        tiles, groups, quads, _, _ = values.shape
+        dims = (tiles * 16, int(packed["out_features"]), quads * 4, groups * quads * 4)
+        found = _AMX_SHAPES[key] = (tuple(values.shape), dims)
+    return found[1]
+
+
+_AMX_SHAPES: dict[int, tuple[tuple[int, ...], tuple[int, int, int, int]]] = {}
+
+
+def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``."""
+    lib = native.load()
+    n_pad, n, group, k = _amx_shape(packed)
+    m = x2.shape[0]
+    offsets = packed.get("amx_offsets")
+    offsets_ptr = None if offsets is None else offsets.data_ptr()
+    y = torch.empty(m, n)
+    if m > BF16_ROWS and x2.dtype == torch.bfloat16:
+        xb = x2.contiguous()
+        scratch = torch.empty(torch.get_num_threads() * 2 * (k // 32) * 512, dtype=torch.int16)
+        lib.gguf_amx_gemm_bf16(
+            packed["amx_values"].data_ptr(),
+            packed["amx_scales"].data_ptr(),
+            offsets_ptr,
+            n_pad,
+            n,
+            k,
+            group,
+            xb.data_ptr(),
+            m,
+            y.data_ptr(),
+            n,
+            scratch.data_ptr(),
+        )
+        return y
+    bf16 = x2.dtype == torch.bfloat16
+    xc = x2.contiguous() if bf16 else x2.float().contiguous()
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // 32)
+    xs = torch.empty(m, k // group)
+    lib.gguf_quantize_rows(
+        xc.data_ptr(), int(bf16), m, k, group, xq.data_ptr(), xd.data_ptr(), xs.data_ptr()
+    )
+    lib.gguf_amx_gemm(
+        packed["amx_values"].data_ptr(),
+        packed["amx_scales"].data_ptr(),
+        offsets_ptr,
+        n_pad,
+        n,
+        k,
+        group,
+        xq.data_ptr(),
+        xd.data_ptr(),
+        xs.data_ptr(),
+        m,
+        y.data_ptr(),
+        n,
+    )
+    return y
 
 
 def _int4pack(
@@ -112,8 +276,12 @@ class CpuGGUFLinear:
     """``gguf_linear`` on the CPU (see the module docstring)."""
 
     def keeps_vocabulary(self, qtype: int, dtype: torch.dtype) -> bool:
-        """A tied Q8_0 embedding / LM head keeps its lookup table in 8 bits in bf16 (see
+        """A tied embedding / LM head stays quantized with 16-bit activations where the AMX
+        kernels run (every kept type: the lookups dequantize rows of the AMX layout);
+        elsewhere a Q8_0 one keeps its lookup table in 8 bits in bf16 (see
         ``_vocab_pack``)."""
+        if dtype != torch.float32 and _amx():
+            return True
         return (
             ref.gguf_type(qtype).name == "Q8_0"
             and dtype == torch.bfloat16
@@ -130,6 +298,8 @@ class CpuGGUFLinear:
     ) -> dict[str, torch.Tensor]:
         t = ref.gguf_type(qtype)
         dtype = dtype or torch.float32
+        if dtype != torch.float32 and _amx():
+            return _amx_pack(blocks, t)
         if vocabulary and self.keeps_vocabulary(qtype, dtype):
             held = [blocks]
             del blocks  # so that _vocab_pack can free the raw blocks early
@@ -161,7 +331,9 @@ class CpuGGUFLinear:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         shape = x.shape
-        if "onednn" in packed:
+        if "amx_values" in packed:
+            y = _amx_linear(x.reshape(-1, shape[-1]), packed)
+        elif "onednn" in packed:
             x2 = x.reshape(-1, shape[-1]).to(packed["onednn"].dtype).contiguous()
             y = torch.ops.mkldnn._linear_pointwise(x2, packed["onednn"], None, "none", [], "")
         elif "dense" in packed:
@@ -187,6 +359,8 @@ class CpuGGUFLinear:
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """The rows ``ids`` dequantized into ``dtype``, bit for bit the reference's."""
+        if "amx_values" in packed:
+            return _amx_rows(packed, ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
         if "vocab_q" not in packed:
             return ref.gguf_linear.embedding(ids, packed, qtype=qtype, dtype=dtype)
         flat = ids.reshape(-1)

@@ -34,22 +34,23 @@ def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from engine.kernels import gguf as ref
+    from engine.plugins import PluginManager
     from engine.testing.tiny_gguf import random_blocks
-    from engine_cpu import native
-    from engine_cpu.gguf import gguf_linear
 
     torch.set_num_threads(args.threads)
+    # The CPU platform's gguf_linear, through the registry (the core imports no plugin).
+    gguf_linear = PluginManager.from_env().kernel_registry().resolve("cpu").gguf_linear
     rows = [int(r) for r in args.rows.split(",")]
-    packings = ["amx", "torch"] if native.load() is not None else ["torch"]
-    if "amx" not in packings:
-        print(f"no AMX kernels here: {native.unavailable_reason()}")
     results = []
     for what, name, n, k in SHAPES:
         t = ref.gguf_type(name)
         blocks = torch.from_numpy(random_blocks(n, k, name)).view(n, -1, t.type_size)
-        for packing in packings:
+        for packing in ("amx", "torch"):
             os.environ["ENGINE_CPU_NATIVE"] = "1" if packing == "amx" else "0"
             packed = gguf_linear.prepack(blocks, qtype=t.ggml_type, dtype=torch.bfloat16)
+            if packing == "amx" and "amx_values" not in packed:
+                print(f"{what}: no AMX kernels on this machine (see the log)")
+                continue
             for m in rows:
                 x = torch.randn(m, k).bfloat16()
                 gguf_linear(x, packed, qtype=t.ggml_type)  # warm-up

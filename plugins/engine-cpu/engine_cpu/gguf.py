@@ -275,6 +275,16 @@ def _vocab_pack(held: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch
 class CpuGGUFLinear:
     """``gguf_linear`` on the CPU (see the module docstring)."""
 
+    def conformance_tolerance(self, dtype: str) -> tuple[float, float] | None:
+        """The conformance kit's bound for this op (``engine.testing.checks.check_kernel``):
+        with the AMX kernels, 16-bit activations are quantized to int8 per 32 values, which the
+        bf16 tolerance (2e-2) does not cover. Over 60 seeds of the kit's cases the largest
+        ``|got - want| / (1 + |want|)`` was 0.0405 (2026-12-05); 6e-2 states that with a
+        margin. float32 keeps the exact dense path and the kit's own tolerance."""
+        if dtype in ("bfloat16", "float16") and _amx():
+            return (6e-2, 6e-2)
+        return None
+
     def keeps_vocabulary(self, qtype: int, dtype: torch.dtype) -> bool:
         """A tied embedding / LM head stays quantized with 16-bit activations where the AMX
         kernels run (every kept type: the lookups dequantize rows of the AMX layout);

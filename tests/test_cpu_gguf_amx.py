@@ -52,12 +52,11 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", TYPES)
 def test_decode_rows_multiply_int8_activations_with_the_exact_weights(name):
-    op = cpu_gguf.gguf_linear
     n, k = 67, 512  # 67: the last 16-row tile is partly padding
     qtype = gk.gguf_type(name).ggml_type
     blocks = _blocks(n, k, name, seed=11)
-    packed = op.prepack(blocks, qtype=qtype, dtype=torch.bfloat16)
-    assert "amx_values" in packed and packed["amx_values"].dtype == torch.int8
+    packed = cpu_gguf._amx_pack(blocks, gk.gguf_type(name))  # every type: vocabularies use it
+    assert packed["amx_values"].dtype == torch.int8
     w = gk.dequantize(blocks, name).double()
     gen = torch.Generator().manual_seed(12)
     for m in (1, 3, 16):
@@ -67,17 +66,15 @@ def test_decode_rows_multiply_int8_activations_with_the_exact_weights(name):
         assert got.shape == (m, n)
         scale = float(want.abs().max())
         assert float((got - want).abs().max()) <= 2e-6 * scale, name
-        out = op(x, packed, qtype=qtype)
+        out = cpu_gguf.gguf_linear(x, packed, qtype=qtype)
         assert out.dtype == torch.bfloat16 and torch.equal(out, got.float().bfloat16())
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_prefill_rows_equal_the_dense_bf16_product(name):
-    op = cpu_gguf.gguf_linear
     n, k = 40, 512
-    qtype = gk.gguf_type(name).ggml_type
     blocks = _blocks(n, k, name, seed=13)
-    packed = op.prepack(blocks, qtype=qtype, dtype=torch.bfloat16)
+    packed = cpu_gguf._amx_pack(blocks, gk.gguf_type(name))
     w = gk.dequantize(blocks, name).bfloat16().double()
     gen = torch.Generator().manual_seed(14)
     for m in (cpu_gguf.BF16_ROWS + 1, 33, 50):  # one, two and an uneven pair of row tiles
@@ -98,6 +95,15 @@ def test_embedding_rows_are_the_reference_rows(name):
     ids = torch.tensor([[0, 36, 5], [5, 17, 16]])
     rows = op.embedding(ids, packed, qtype=qtype, dtype=torch.bfloat16)
     assert torch.equal(rows, gk.dequantize(blocks, name).bfloat16()[ids])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_every_kept_type_takes_the_amx_layout_in_bf16(name):
+    qtype = gk.gguf_type(name).ggml_type
+    packed = cpu_gguf.gguf_linear.prepack(
+        _blocks(32, 256, name, seed=18), qtype=qtype, dtype=torch.bfloat16
+    )
+    assert set(packed) >= {"amx_values", "amx_scales"} and "int4" not in packed
 
 
 def test_float32_activations_keep_the_exact_dense_path():

@@ -8,6 +8,10 @@ Q5_0 gate/up, Q4_K attention output and Q6_K down projections, as [out, in]) for
 without them: torch's int4 kernel for 4-bit types, dense oneDNN bf16 otherwise, as with
 ``ENGINE_CPU_NATIVE=0``), plus the bytes each packing holds. Random valid blocks; bf16
 activations; best of ``--repeat`` calls.
+
+``--quality FILE.gguf`` instead compares the prefill logits of a real file in bf16, with and
+without the AMX kernels, against the same file dequantized at load in float32: max and mean
+absolute logit difference and the share of positions whose argmax agrees.
 """
 
 from __future__ import annotations
@@ -77,14 +81,46 @@ def run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
+def quality(path: str, threads: int) -> list[dict]:
+    """Logit error of the bf16 packings against the float32 dequantized model (``--quality``)."""
+    import torch
+
+    from engine.testing.prefill import build_model, prefill_logits
+
+    torch.set_num_threads(threads)
+    ref, _ = build_model(path, quantization="none", dtype="float32")
+    want = prefill_logits(ref).float()
+    del ref
+    results = []
+    for packing in ("amx", "torch"):
+        os.environ["ENGINE_CPU_NATIVE"] = "1" if packing == "amx" else "0"
+        model, _ = build_model(path, dtype="bfloat16")
+        got = prefill_logits(model).float()
+        del model
+        diff = (got - want).abs()
+        row = {
+            "packing": packing,
+            "max_abs": round(float(diff.max()), 4),
+            "mean_abs": round(float(diff.mean()), 4),
+            "max_abs_logit": round(float(want.abs().max()), 2),
+            "argmax_agree": round(float((got.argmax(-1) == want.argmax(-1)).float().mean()), 4),
+            "positions": int(want.shape[0]),
+        }
+        results.append(row)
+        print(json.dumps(row))
+    os.environ.pop("ENGINE_CPU_NATIVE", None)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,4,16,64,256")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--quality", default=None, metavar="FILE", help="A .gguf file.")
     args = parser.parse_args()
-    results = run(args)
+    results = quality(args.quality, args.threads) if args.quality else run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

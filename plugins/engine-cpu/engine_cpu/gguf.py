@@ -4,10 +4,12 @@ Every kept type decodes to ``W = scale * v + offset`` per group (``engine.kernel
 load the blocks are repacked:
 
 * **On CPUs with AMX** (Intel Xeon since Sapphire Rapids; ``engine_cpu.native`` builds the
-  kernels of ``csrc/gguf_amx.c`` on first use), every kept type with 16-bit activations,
-  the tied embedding / LM head included: signed 8-bit values in AMX tile order with float32
-  scales (and offsets for the types with mins) per 16 or 32 values, about 1.1-1.3 bytes per
-  weight (the embedded Gemma 3 270M Q4_K_M: 356 MiB of weights against 715 MiB dense). Up to
+  kernels of ``csrc/gguf_amx.c`` on first use), every kept type with 16-bit activations, the
+  tied embedding / LM head included: signed 8-bit values in AMX tile order with float32 scales
+  (and offsets for the types with mins) per 16 or 32 values, about 1.1-1.3 bytes per weight
+  (the embedded Gemma 3 270M Q4_K_M: 356 MiB of weights against 715 MiB dense). For 4-bit
+  types that is about twice what torch's int4 packing holds (below); keeping their nibbles
+  packed in the tiles' source is the next step. Up to
   ``BF16_ROWS`` activation rows (decode) are quantized per 32 values to int8, as llama.cpp
   and vLLM's GGUF kernels do, and multiplied in int8 tiles, scaled per group in float32; more
   rows (prefill) take a bfloat16 path that dequantizes each 16-row tile once per call into
@@ -308,6 +310,9 @@ class CpuGGUFLinear:
     ) -> dict[str, torch.Tensor]:
         t = ref.gguf_type(qtype)
         dtype = dtype or torch.float32
+        # 4-bit layers too, although torch's int4 kernel holds half the bytes: 16 concurrent
+        # requests of the embedded model ran 9% faster with them on AMX (prefill steps: the
+        # int4 kernel re-dequantizes per 4 rows), docs/benchmarks.md.
         if dtype != torch.float32 and _amx():
             return _amx_pack(blocks, t)
         if vocabulary and self.keeps_vocabulary(qtype, dtype):

@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from engine.kernels import gguf as gk
-from engine.testing.tiny_gguf import random_blocks, write_tiny_gemma3_gguf
+from engine.testing.tiny_gguf import (
+    MIXED_SHAPE,
+    MIXED_TYPES,
+    random_blocks,
+    write_tiny_gemma3_gguf,
+)
 from engine_cpu import gguf as cpu_gguf
 from engine_cpu import native
 
@@ -113,32 +118,13 @@ def test_float32_activations_keep_the_exact_dense_path():
     assert "amx_values" not in packed
 
 
-K_TYPES = {
-    "token_embd": "Q8_0",
-    "attn_q": "Q4_K",
-    "attn_k": "Q4_K",
-    "attn_v": "Q6_K",
-    "attn_output": "Q5_K",
-    "ffn_gate": "Q4_0",
-    "ffn_up": "Q5_0",
-    "ffn_down": "Q8_0",
-}
-
-
 def test_a_bf16_model_runs_on_amx_near_the_dequantized_model(tmp_path):
     """Every layer and the tied vocabulary on the AMX layout, logits within the int8
     activations' error of the dequantized bf16 model (the same bound as the int4 path's
     test), greedy tokens equal where the logits are well separated, in half the bytes."""
     from quant_helpers import build, compare, prefill_logits
 
-    path = write_tiny_gemma3_gguf(
-        tmp_path / "tiny.gguf",
-        seed=3,
-        types=K_TYPES,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-    )
+    path = write_tiny_gemma3_gguf(tmp_path / "tiny.gguf", seed=3, types=MIXED_TYPES, **MIXED_SHAPE)
     model, _ = build(path, dtype="bfloat16")
     layer = model.model.layers[0]
     names = {n for n, _ in layer.named_parameters()}

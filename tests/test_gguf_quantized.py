@@ -25,7 +25,13 @@ from engine.parallel import ParallelContext
 from engine.plugins import PluginManager
 from engine.quantization.base import QuantizationError
 from engine.quantization.gguf import GGUFConfig
-from engine.testing.tiny_gguf import RANDOM_BLOCK_TYPES, random_blocks, write_tiny_gemma3_gguf
+from engine.testing.tiny_gguf import (
+    MIXED_SHAPE,
+    MIXED_TYPES,
+    RANDOM_BLOCK_TYPES,
+    random_blocks,
+    write_tiny_gemma3_gguf,
+)
 
 TYPES = list(RANDOM_BLOCK_TYPES)
 
@@ -134,17 +140,7 @@ def test_unknown_type_is_refused_with_the_kept_types():
 
 
 # ---- models --------------------------------------------------------------------------------
-K_TYPES = {
-    "token_embd": "Q8_0",
-    "attn_q": "Q4_K",
-    "attn_k": "Q4_K",
-    "attn_v": "Q6_K",
-    "attn_output": "Q5_K",
-    "ffn_gate": "Q4_0",
-    "ffn_up": "Q5_0",
-    "ffn_down": "Q8_0",
-}
-K_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+K_TYPES, K_SHAPE = MIXED_TYPES, MIXED_SHAPE
 
 
 @pytest.fixture(scope="module")

@@ -123,6 +123,21 @@ _SCALE_OFFSETS = {
 RANDOM_BLOCK_TYPES = tuple(_RANDOM_BLOCK_SCALE)
 
 
+# A tiny Gemma 3 whose tensors cover the K-quants and the legacy types at once (the tests'
+# mixed-type file: write_tiny_gemma3_gguf(path, types=MIXED_TYPES, **MIXED_SHAPE)).
+MIXED_TYPES = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q5_K",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q5_0",
+    "ffn_down": "Q8_0",
+}
+MIXED_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+
+
 def random_blocks(rows: int, cols: int, qtype_name: str, seed: int = 0) -> np.ndarray:
     """Random valid GGUF blocks ``uint8 [rows, cols / block_size * type_size]`` of type
     ``qtype_name``: random quants and sub-block scales, finite float16 block scales of a size

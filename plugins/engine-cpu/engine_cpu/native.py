@@ -42,13 +42,9 @@ _state: dict[str, object] = {}
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    from engine_cpu.platform import cpuinfo_field
+
+    return cpuinfo_field("flags") or platform.processor()
 
 
 def _cache_dir() -> Path:

@@ -13,14 +13,19 @@ _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
-def _cpu_model_name() -> str:
+def cpuinfo_field(name: str) -> str | None:
+    """The first ``name`` line's value in /proc/cpuinfo (Linux), else None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return _platform.processor() or _platform.machine() or "cpu"
+    return None
+
+
+def _cpu_model_name() -> str:
+    return cpuinfo_field("model name") or _platform.processor() or _platform.machine() or "cpu"
 
 
 def _vm_hwm_bytes() -> int | None:

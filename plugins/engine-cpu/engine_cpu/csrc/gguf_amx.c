@@ -288,10 +288,12 @@ void gguf_amx_gemm_bf16(const int8_t *values, const float *scales, const float *
                                      offsets ? offsets + t * groups * 16 : NULL, groups, group,
                                      bt + j * btiles * 512);
             }
-            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            /* Two activation tiles at a time while a second one of the same height follows
+             * (a shorter last tile takes a pass of its own, with its own configuration). */
+            for (int64_t m0 = 0, step = 0; m0 < M; m0 += step) {
                 int rows = M - m0 < 16 ? (int)(M - m0) : 16;
-                int64_t left = M - m0 - 16;
-                int two_m = left >= rows; /* a second activation tile of the same height */
+                int two_m = M - m0 - 16 >= rows;
+                step = two_m ? 32 : 16;
                 if (rows != configured_rows) {
                     configure_bf16(rows);
                     configured_rows = rows;
@@ -328,10 +330,6 @@ void gguf_amx_gemm_bf16(const int8_t *values, const float *scales, const float *
                         __asm__ volatile("" ::: "memory");
                         store_c(c, rows, y + (m0 + 16 * i) * ldy + n0, ldy, width);
                     }
-                if (!two_m && left > 0) { /* a shorter last activation tile: its own pass */
-                    m0 += 16 - 32;          /* the loop's += 32 lands on it */
-                    continue;
-                }
             }
         }
         if (configured_rows >= 0)

@@ -68,8 +68,8 @@ _ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32}
 
 
 def _amx() -> bool:
-    """Whether the AMX kernels (engine_cpu/csrc/gguf_amx.c) serve 16-bit activations here;
-    says which path in the log once."""
+    """Whether the AMX kernels (engine_cpu/csrc/gguf_amx.c) are here; says which path in the
+    log once."""
     lib = native.load()
     if (lib is not None) not in _logged_amx:  # once per answer
         _logged_amx.add(lib is not None)
@@ -85,6 +85,12 @@ def _amx() -> bool:
                 native.unavailable_reason(),
             )
     return lib is not None
+
+
+def _amx_serves(dtype: torch.dtype) -> bool:
+    """Whether activations of ``dtype`` take the AMX layout: 16-bit ones where the kernels are
+    here (float32 keeps the exact dense path)."""
+    return dtype != torch.float32 and _amx()
 
 
 def _amx_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
@@ -143,48 +149,29 @@ def _amx_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tenso
 BF16_ROWS = 16
 
 
-def _amx_shape(packed: dict[str, torch.Tensor]) -> tuple[int, int, int, int]:
-    """(padded rows, real rows, group, K) of an AMX packing, cached by the values' storage
-    (read per call otherwise: a tensor-to-int conversion costs about as much as the kernel of
-    a small decode projection)."""
-    values = packed["amx_values"]
-    key = values.data_ptr()
-    found = _AMX_SHAPES.get(key)
-    if found is None or found[0] != tuple(values.shape):
-        tiles, groups, quads, _, _ = values.shape
-        dims = (tiles * 16, int(packed["out_features"]), quads * 4, groups * quads * 4)
-        found = _AMX_SHAPES[key] = (tuple(values.shape), dims)
-    return found[1]
-
-
-_AMX_SHAPES: dict[int, tuple[tuple[int, ...], tuple[int, int, int, int]]] = {}
-
-
 def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``."""
     lib = native.load()
-    n_pad, n, group, k = _amx_shape(packed)
+    values = packed["amx_values"]  # [T, K / G, G / 4, 16, 4]
+    tiles, groups, quads, _, _ = values.shape
+    group, k = quads * 4, groups * quads * 4
+    n = int(packed["out_features"])
     m = x2.shape[0]
     offsets = packed.get("amx_offsets")
-    offsets_ptr = None if offsets is None else offsets.data_ptr()
+    weight = (
+        values.data_ptr(),
+        packed["amx_scales"].data_ptr(),
+        None if offsets is None else offsets.data_ptr(),
+        tiles * 16,
+        n,
+        k,
+        group,
+    )
     y = torch.empty(m, n)
     if m > BF16_ROWS and x2.dtype == torch.bfloat16:
         xb = x2.contiguous()
         scratch = torch.empty(torch.get_num_threads() * 2 * (k // 32) * 512, dtype=torch.int16)
-        lib.gguf_amx_gemm_bf16(
-            packed["amx_values"].data_ptr(),
-            packed["amx_scales"].data_ptr(),
-            offsets_ptr,
-            n_pad,
-            n,
-            k,
-            group,
-            xb.data_ptr(),
-            m,
-            y.data_ptr(),
-            n,
-            scratch.data_ptr(),
-        )
+        lib.gguf_amx_gemm_bf16(*weight, xb.data_ptr(), m, y.data_ptr(), n, scratch.data_ptr())
         return y
     bf16 = x2.dtype == torch.bfloat16
     xc = x2.contiguous() if bf16 else x2.float().contiguous()
@@ -194,21 +181,7 @@ def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tens
     lib.gguf_quantize_rows(
         xc.data_ptr(), int(bf16), m, k, group, xq.data_ptr(), xd.data_ptr(), xs.data_ptr()
     )
-    lib.gguf_amx_gemm(
-        packed["amx_values"].data_ptr(),
-        packed["amx_scales"].data_ptr(),
-        offsets_ptr,
-        n_pad,
-        n,
-        k,
-        group,
-        xq.data_ptr(),
-        xd.data_ptr(),
-        xs.data_ptr(),
-        m,
-        y.data_ptr(),
-        n,
-    )
+    lib.gguf_amx_gemm(*weight, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m, y.data_ptr(), n)
     return y
 
 
@@ -283,7 +256,7 @@ class CpuGGUFLinear:
         bf16 tolerance (2e-2) does not cover. Over 60 seeds of the kit's cases the largest
         ``|got - want| / (1 + |want|)`` was 0.0405 (2026-12-05); 6e-2 states that with a
         margin. float32 keeps the exact dense path and the kit's own tolerance."""
-        if dtype in ("bfloat16", "float16") and _amx():
+        if _amx_serves(getattr(torch, dtype)):
             return (6e-2, 6e-2)
         return None
 
@@ -292,7 +265,7 @@ class CpuGGUFLinear:
         kernels run (every kept type: the lookups dequantize rows of the AMX layout);
         elsewhere a Q8_0 one keeps its lookup table in 8 bits in bf16 (see
         ``_vocab_pack``)."""
-        if dtype != torch.float32 and _amx():
+        if _amx_serves(dtype):
             return True
         return (
             ref.gguf_type(qtype).name == "Q8_0"
@@ -313,7 +286,7 @@ class CpuGGUFLinear:
         # 4-bit layers too, although torch's int4 kernel holds half the bytes: 16 concurrent
         # requests of the embedded model ran 9% faster with them on AMX (prefill steps: the
         # int4 kernel re-dequantizes per 4 rows), docs/benchmarks.md.
-        if dtype != torch.float32 and _amx():
+        if _amx_serves(dtype):
             return _amx_pack(blocks, t)
         if vocabulary and self.keeps_vocabulary(qtype, dtype):
             held = [blocks]

@@ -171,14 +171,15 @@ def _resolve_runner(model_config: ModelConfig, hf_config: Any, path: Path) -> No
     model_config.runner_type = runner
     if runner != "pooling":
         return
-    if getattr(hf_config, "classifier_from_token", None):
+    from_lm_head = bool(getattr(hf_config, "classifier_from_token", None))
+    if from_lm_head:
         _resolve_classifier_tokens(model_config, model_dir, hf_config)  # sets num_labels
     cfg = pooling.resolve_pooler_config(model_dir, hf_config, names)
     model_config.pooler_config = cfg
     if (
         cfg.task == "classify"
         and getattr(hf_config, "sep_token_id", None) is None
-        and not getattr(hf_config, "classifier_from_token", None)
+        and not from_lm_head
     ):
         hf_config.sep_token_id = _sep_token_id(model_config, model_dir)
     if model_config.max_model_len is None:
@@ -226,15 +227,9 @@ def _resolve_classifier_tokens(
             f"from_2_way_softmax needs two classifier_from_token entries (the negative, then "
             f"the positive token), got {tokens}"
         )
-    source = getattr(model_config, "tokenizer", None) or model_dir
-    if source is None:
+    tok = _pooling_tokenizer(model_config, model_dir, "the model's")
+    if tok is None:
         raise ModelLoadError("classifier_from_token needs the model's tokenizer")
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(source))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read the tokenizer at {source}: {e}") from e
     vocab = tok.get_vocab()
     missing = [t for t in tokens if t not in vocab]
     if missing:
@@ -250,19 +245,26 @@ def _resolve_classifier_tokens(
         hf_config.label2id = {t: i for i, t in enumerate(tokens)}
 
 
-def _sep_token_id(model_config: ModelConfig, model_dir: Path | None) -> int | None:
-    """A cross-encoder's separator token id, from its tokenizer (BERT's config.json does not
-    name it; the model needs it to tell a pair's two texts apart)."""
+def _pooling_tokenizer(model_config: ModelConfig, model_dir: Path | None, whose: str) -> Any:
+    """The model's tokenizer (``--tokenizer``, else the model directory), read while the config
+    is resolved for what the config does not say; None without either. ``whose`` names the
+    reader in the error."""
     source = getattr(model_config, "tokenizer", None) or model_dir
     if source is None:
         return None
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(source))
+        return AutoTokenizer.from_pretrained(str(source))
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read the cross-encoder's tokenizer at {source}: {e}") from e
-    return tok.sep_token_id
+        raise ModelLoadError(f"cannot read {whose} tokenizer at {source}: {e}") from e
+
+
+def _sep_token_id(model_config: ModelConfig, model_dir: Path | None) -> int | None:
+    """A cross-encoder's separator token id, from its tokenizer (BERT's config.json does not
+    name it; the model needs it to tell a pair's two texts apart)."""
+    tok = _pooling_tokenizer(model_config, model_dir, "the cross-encoder's")
+    return None if tok is None else tok.sep_token_id
 
 
 def _select(model_config: ModelConfig, hf_config: Any, registry: ModelRegistry, log: bool) -> Any:

@@ -171,6 +171,25 @@ def save_decoder_classifier(
     """A tiny random decoder sequence classifier (``Qwen3ForSequenceClassification`` or
     ``LlamaForSequenceClassification``: the trunk, then a ``score`` head on the last token)
     with ``labels``, saved with its tokenizer in ``out_dir``."""
+    return save_tiny_decoder(
+        out_dir,
+        kind,
+        "ForSequenceClassification",
+        seed,
+        max_len,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+    )
+
+
+def save_tiny_decoder(
+    out_dir: Path, kind: str, head: str, seed: int = 0, max_len: int = 256, **config: Any
+) -> Path:
+    """A tiny random ``qwen3`` or ``llama`` decoder with ``head`` (``"ForCausalLM"``,
+    ``"ForSequenceClassification"``), ``config`` added to its transformers config, weights
+    drawn from N(0, 0.2) (large enough for classes and tokens to differ), saved with its
+    tokenizer in ``out_dir``."""
     import torch
     import transformers
 
@@ -185,22 +204,20 @@ def save_decoder_classifier(
         num_key_value_heads=2,
         intermediate_size=128,
         max_position_embeddings=max_len,
-        num_labels=len(labels),
         pad_token_id=tok.pad_token_id,
-        id2label=dict(enumerate(labels)),
-        label2id={name: i for i, name in enumerate(labels)},
+        **config,
     )
     if kind == "qwen3":
-        config = transformers.Qwen3Config(head_dim=16, **common)
-        model_cls = transformers.Qwen3ForSequenceClassification
+        hf_config = transformers.Qwen3Config(head_dim=16, **common)
+        model_cls = getattr(transformers, "Qwen3" + head)
     elif kind == "llama":
-        config = transformers.LlamaConfig(**common)
-        model_cls = transformers.LlamaForSequenceClassification
+        hf_config = transformers.LlamaConfig(**common)
+        model_cls = getattr(transformers, "Llama" + head)
     else:
         raise ValueError(f"unknown kind {kind!r}")
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    with torch.no_grad():  # weights large enough for the classes to differ
+    model = model_cls(hf_config).to(torch.float32)
+    with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.2)
     model.save_pretrained(out_dir)

@@ -340,28 +340,13 @@ def test_a_reranker_made_from_the_lm_head_equals_transformers(tmp_path, tied):
 
     from engine.llm import LLM
     from engine.loader.model_loader import ModelLoadError
-    from engine.testing.tiny_models import build_tokenizer
+    from engine.testing.tiny_embedding_models import save_tiny_decoder
 
-    tok = build_tokenizer(tmp_path)
+    save_tiny_decoder(tmp_path, "qwen3", "ForCausalLM", tie_word_embeddings=tied)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
     vocab = tok.get_vocab()
     no, yes = sorted(t for t in vocab if t.isalpha() and len(t) > 2)[:2]  # two real tokens
-    config = transformers.Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    ref = transformers.Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for param in ref.parameters():
-            param.normal_(0, 0.2)
-    ref.save_pretrained(tmp_path)
 
     def last_logits(text: str) -> torch.Tensor:
         ids = tok(QUERY, text, return_tensors="pt")

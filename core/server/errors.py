@@ -358,11 +358,16 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"method {request.method} not allowed on {route_path(request.scope)!r}"
         response = error_response(APIError(exc.status_code, message), route_path(request.scope))
-        for name, value in (exc.headers or {}).items():  # 405's Allow (RFC 9110)
+        for name, value in (exc.headers or {}).items():
             response.headers[name] = value
-        if exc.status_code == 405:
+        if exc.status_code == 405:  # RFC 9110: every method this path serves
             response.headers["Allow"] = _allowed_methods(request)
         return response
+
+    # No handler for ``Exception`` here: Starlette runs that one inside its outermost
+    # ServerErrorMiddleware, which re-raises after replying, and uvicorn then drops the
+    # keep-alive connection. ``UnexpectedErrorMiddleware`` (engine.server.middleware) answers
+    # unexpected exceptions instead, inside the app.
 
 
 def _allowed_methods(request: Request) -> str:
@@ -375,8 +380,3 @@ def _allowed_methods(request: Request) -> str:
         if regex is not None and regex.match(path):
             methods |= set(getattr(route, "methods", None) or ())
     return ", ".join(sorted(methods))
-
-    # No handler for ``Exception`` here: Starlette runs that one inside its outermost
-    # ServerErrorMiddleware, which re-raises after replying, and uvicorn then drops the
-    # keep-alive connection. ``UnexpectedErrorMiddleware`` (engine.server.middleware) answers
-    # unexpected exceptions instead, inside the app.

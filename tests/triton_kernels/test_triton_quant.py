@@ -82,7 +82,7 @@ def test_quantize_fp8_matches_the_reference(device, seed):
 @pytest.mark.parametrize(
     ("m", "split", "dot", "act"),
     [(1, 1, False, True), (1, 2, False, True), (3, 4, False, True), (9, 2, True, True),
-     (1, 2, False, False), (12, 1, True, False)],
+     (1, 2, False, False), (12, 1, True, False), (1, 2, True, True), (1, 1, True, False)],
 )  # fmt: skip
 def test_fp8_skinny_variants(m, split, dot, act, device, seed, monkeypatch):
     from engine_triton.kernels import fp8_linear as mod
@@ -148,14 +148,21 @@ def _wna16(n, k, bits, group, act_order, gen):
 
 
 @pytest.mark.parametrize(
-    ("m", "bits", "group", "split", "act_order"),
-    [(1, 4, 32, 1, False), (1, 4, 64, 2, False), (1, 4, 32, 4, True), (1, 8, 32, 2, False),
-     (4, 4, 32, 2, False), (16, 4, 64, 1, True), (7, 8, 64, 4, False)],
+    ("m", "bits", "group", "split", "act_order", "dot", "dtype"),
+    [(1, 4, 32, 1, False, False, torch.bfloat16), (1, 4, 64, 2, False, False, torch.bfloat16),
+     (1, 4, 32, 4, True, False, torch.bfloat16), (1, 8, 32, 2, False, False, torch.bfloat16),
+     (1, 4, 32, 2, False, True, torch.bfloat16), (1, 4, 64, 1, True, True, torch.float16),
+     (4, 4, 32, 2, False, True, torch.bfloat16), (16, 4, 64, 1, True, True, torch.bfloat16),
+     (7, 8, 64, 4, False, True, torch.bfloat16), (5, 8, 32, 2, False, True, torch.float16)],
 )  # fmt: skip
-def test_wna16_skinny_variants(m, bits, group, split, act_order, device, seed, monkeypatch):
+def test_wna16_skinny_variants(
+    m, bits, group, split, act_order, dot, dtype, device, seed, monkeypatch
+):
+    """Every path of the skinny kernel: one row by FMA or on the tensor cores, split K, act
+    order, 4 and 8 bits, and both half-precision dtypes (each with its own bit-trick offset;
+    8 bits in bfloat16 converts instead)."""
     from engine_triton.kernels import wna16_linear as wna16_mod
 
-    dot = m > 1
     block_k = 32
 
     def config(m_, n_, k_, group_, pack, sms):
@@ -165,8 +172,8 @@ def test_wna16_skinny_variants(m, bits, group, split, act_order, device, seed, m
     gen = torch.Generator().manual_seed(seed)
     n, k = 40, 256
     q, s, z, perm = _wna16(n, k, bits, group, act_order, gen)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
     want = ref.wna16_linear(
         x, ref.wna16_linear.prepack(q, s, z, bits=bits, group_size=group, perm=perm),
         bits=bits, group_size=group, bias=b,
@@ -178,7 +185,7 @@ def test_wna16_skinny_variants(m, bits, group, split, act_order, device, seed, m
     got = wna16_mod.wna16_linear(
         x.to(device), packed, bits=bits, group_size=group, bias=b.to(device)
     )
-    _close(got, want, torch.bfloat16, seed)
+    _close(got, want, dtype, seed)
 
 
 @pytest.mark.parametrize(("bits", "act_order"), [(4, False), (4, True), (8, False)])
@@ -188,7 +195,7 @@ def test_wna16_gemm_for_more_than_16_rows(bits, act_order, device, seed):
     gen = torch.Generator().manual_seed(seed)
     m, n, k, group = 45, 136, 128, 64
     q, s, z, perm = _wna16(n, k, bits, group, act_order, gen)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(m, k, generator=gen).to(dtype)
         want = ref.wna16_linear(
             x, ref.wna16_linear.prepack(q, s, z, bits=bits, group_size=group, perm=perm),

@@ -8,8 +8,9 @@ weight bandwidth that implies, for: bf16 (cuBLAS), FP8 W8A8 (the per-token quant
 skinny GEMV or cuBLASLt), FP8 weight-only, and AWQ-style W4A16 with groups of 128. Then the
 decode step's matmul time (x 32 layers) per method, which bounds batch-1 tokens/s.
 
-``--sweep`` also tries skinny-kernel configurations at M = 1 and prints the fastest per shape
-(candidates for a tuned table in ``fp8_linear.py`` / ``wna16_linear.py``).
+``--sweep`` also tries skinny-kernel configurations at M = 1 (FMA and tensor-core variants)
+and W4A16 GEMM tilings at 64, 256 and 1024 rows, and prints the fastest per shape (candidates
+for the defaults in ``fp8_linear.py`` / ``wna16_linear.py``).
 """
 
 from __future__ import annotations
@@ -27,27 +28,50 @@ SHAPES = {
 }
 ROWS = (1, 4, 16, 64, 256, 1024)
 ROTATE_BYTES = 256 << 20
+# Skinny-kernel configurations (block_n, block_k, num_warps, split_k, tensor cores) at M = 1.
 FP8_CANDIDATES = [
-    (4, 1024, 2, 1),
-    (8, 1024, 4, 1),
-    (4, 512, 2, 1),
-    (8, 512, 4, 1),
-    (16, 512, 4, 1),
-    (4, 2048, 4, 1),
-    (8, 1024, 4, 2),
-    (16, 1024, 8, 1),
+    (4, 1024, 2, 1, False),
+    (8, 1024, 4, 1, False),
+    (8, 512, 4, 1, False),
+    (16, 512, 4, 1, False),
+    # e4m3 x e4m3 on the tensor cores (the row padded to 16): no per-weight conversion.
+    (16, 256, 4, 2, True),
+    (32, 256, 4, 1, True),
+    (32, 256, 4, 2, True),
+    (32, 512, 4, 1, True),
+    (64, 128, 4, 2, True),
+    (64, 256, 4, 1, True),
+    (64, 256, 8, 2, True),
+    (128, 128, 4, 2, True),
 ]
 W4_CANDIDATES = [
-    (32, 128, 4, 1),
-    (32, 128, 4, 2),
-    (64, 128, 4, 1),
-    (64, 128, 4, 2),
-    (64, 128, 4, 4),
-    (128, 128, 4, 2),
-    (128, 128, 8, 4),
-    (32, 128, 2, 4),
-    (16, 128, 2, 4),
+    (32, 128, 4, 2, False),
+    (64, 128, 4, 1, False),
+    (64, 128, 4, 2, False),
+    (64, 128, 4, 4, False),
+    (128, 128, 4, 2, False),
+    (128, 128, 8, 4, False),
+    (32, 128, 2, 4, False),
+    (32, 128, 4, 2, True),
+    (64, 128, 4, 1, True),
+    (64, 128, 4, 2, True),
+    (64, 128, 4, 4, True),
+    (128, 128, 4, 2, True),
+    (128, 128, 8, 1, True),
 ]
+# The W4A16 GEMM (block_m, block_n, block_k, num_warps, num_stages) at GEMM_ROWS.
+W4_GEMM_CANDIDATES = [
+    (64, 128, 64, 4, 3),
+    (64, 128, 128, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (64, 256, 64, 8, 3),
+    (128, 64, 128, 4, 4),
+    (256, 128, 64, 8, 3),
+    (128, 128, 64, 4, 4),
+]
+GEMM_ROWS = (64, 256, 1024)
 
 
 def _copies(make, nbytes: int) -> list:
@@ -84,20 +108,20 @@ def _calls(torch, fp8_mod, w4_mod, n: int, k: int):
     return calls, nbytes
 
 
-def _sweep(torch, graph_us, mod, candidates, call, x) -> list:
-    """Time ``call`` at M = 1 for each skinny configuration (module's ``_skinny_config``
-    replaced), fastest first."""
-    original = mod._skinny_config
+def _sweep(graph_us, mod, attr, candidates, call, x) -> list:
+    """Time ``call`` on ``x`` for each configuration (the module's ``attr`` function replaced
+    by one returning the candidate), fastest first."""
+    original = getattr(mod, attr)
     timings = []
     try:
         for cand in candidates:
-            mod._skinny_config = lambda *a, c=cand: (*c, False)
+            setattr(mod, attr, lambda *a, c=cand: c)
             try:
                 timings.append((round(graph_us(lambda i: call(x, i)), 2), cand))
             except Exception as exc:  # a configuration the compiler or the K size refuses
                 timings.append((float("inf"), f"{cand}: {type(exc).__name__}"))
     finally:
-        mod._skinny_config = original
+        setattr(mod, attr, original)
     return sorted(timings, key=lambda t: t[0])
 
 
@@ -139,9 +163,21 @@ def main(argv: list[str] | None = None) -> int:
                 ("fp8_w8a8", fp8_mod, FP8_CANDIDATES),
                 ("w4a16_g128", w4_mod, W4_CANDIDATES),
             ):
-                timings = _sweep(torch, _graph_us, mod, cands, calls[label], x)
+                timings = _sweep(_graph_us, mod, "_skinny_config", cands, calls[label], x)
                 best[label] = timings[:3]
                 print(f"  sweep {name} {label} M=1: best {timings[:3]}", flush=True)
+            for m in GEMM_ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                timings = _sweep(
+                    _graph_us, w4_mod, "_gemm_config", W4_GEMM_CANDIDATES, calls["w4a16_g128"], x
+                )
+                best[f"w4a16_gemm_m{m}"] = timings[:3]
+                base = [t for t in timings if t[1] == W4_GEMM_CANDIDATES[0]]
+                print(
+                    f"  sweep {name} w4a16 GEMM M={m}: best {timings[:3]}; "
+                    f"current {base[0][0] if base else None}",
+                    flush=True,
+                )
             results["sweep"][name] = best
     results["decode_step_matmul_us_m1"] = {k: round(v, 1) for k, v in step_us.items()}
     print("\nper decode step at M=1, the 32 layers' projections (lm_head not included):")

@@ -10,7 +10,9 @@ The product is reorganised so that the weights are never dequantized element by 
 K tile (inside one group) ``sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn - z_n sum_k x_k)``,
 so each weight costs a shift, a mask, a conversion and one multiply-add; scale and zero point
 apply once per tile and feature. The integer values are exact in bf16/fp16, so the tensor-core
-path (``tl.dot`` of x against the integer tile) loses nothing either.
+path (``tl.dot`` of x against the integer tile) loses nothing either. The conversion is a bit
+trick, not a type conversion (``_dot_operand``): Hopper converts integers to floats at a
+quarter of its integer rate, which bounded these kernels by arithmetic instead of memory.
 
 * ``_wna16_skinny_kernel`` — decode (M <= 16): a stream over the 4-bit weights (half a byte per
   weight, read once), ``BLOCK_N`` features per program, split-K with the last-arriving program
@@ -63,6 +65,33 @@ def _unpack_rows(q_ptr, k_offs, cols, col_ok, stride_qk, BITS: tl.constexpr):
     return (words >> ((k_offs % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
 
 
+@triton.jit
+def _dot_operand(q, like, MAGIC: tl.constexpr):
+    """Integer fields ``q`` as tensor-core operands of ``like``'s dtype. With ``MAGIC`` (128
+    for bfloat16, 1024 for float16) the field is OR-ed into the mantissa of ``MAGIC`` and the
+    bits reinterpreted: ``MAGIC + q`` exactly, for an integer AND/OR instead of two type
+    conversions, which run at a quarter of the integer rate on Hopper and made the unpacking,
+    not the memory, the bound. The caller subtracts ``MAGIC`` once per tile through the zero
+    point. ``MAGIC`` 0 converts (float32 activations, fields too wide for the mantissa)."""
+    if MAGIC == 128:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif MAGIC == 1024:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        # int -> float32 -> activation dtype: exact, and the interpreter converts int32 to
+        # bfloat16 wrongly in one step.
+        return q.to(tl.float32).to(like.dtype)
+
+
+@triton.jit
+def _group_scale_zero(s_ptr, z_ptr, g, stride_sg, cols, col_ok, MAGIC: tl.constexpr):
+    """Group ``g``'s scales and zero points of features ``cols`` as float32, the zero point
+    raised by ``MAGIC`` (see ``_dot_operand``)."""
+    s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return s, z + MAGIC
+
+
 @triton.jit(do_not_specialize=["M"])
 def _wna16_skinny_kernel(
     x_ptr,
@@ -92,6 +121,7 @@ def _wna16_skinny_kernel(
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -111,29 +141,24 @@ def _wna16_skinny_kernel(
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            g = k0 // GROUP
-            s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, stride_sg, cols, col_ok, MAGIC)
             q = _unpack_rows(q_ptr, k0 + kk, cols, col_ok, stride_qk, BITS)
             offs = k0 + kk
             if HAS_PERM:
                 offs = tl.load(perm_ptr + offs)
             xk = tl.load(x_rows + offs[None, :])  # [BLOCK_M, BLOCK_K]
-            # int -> float32 -> activation dtype: exact, and the interpreter converts int32 to
-            # bfloat16 wrongly in one step.
-            dq = tl.dot(xk, q.to(tl.float32).to(xk.dtype), input_precision=PRECISION)
+            dq = tl.dot(xk, _dot_operand(q, xk, MAGIC), input_precision=PRECISION)
             xsum = tl.sum(xk.to(tl.float32), axis=1)
             acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
     else:
         # One row: the packed words [R, BLOCK_N] are loaded once and each of their PACK fields
-        # multiplies its strided slice of x (a shift, a mask, a conversion and an FMA per
-        # weight); the sum over the R packed rows waits until the end.
+        # multiplies its strided slice of x; the sum over the R packed rows waits until the
+        # end. A field becomes a float32 by OR-ing it into the mantissa of 2^23 and
+        # subtracting 2^23 (exact; integer and add units, not the quarter-rate conversion).
         r_idx = tl.arange(0, R)
         acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            g = k0 // GROUP
-            s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, stride_sg, cols, col_ok, 0)
             words = tl.load(
                 q_ptr + (k0 // PACK + r_idx).to(tl.int64)[:, None] * stride_qk + cols[None, :],
                 mask=col_ok[None, :],
@@ -146,7 +171,8 @@ def _wna16_skinny_kernel(
                 if HAS_PERM:
                     offs = tl.load(perm_ptr + offs)
                 xj = tl.load(x_ptr + offs).to(tl.float32)
-                part += ((words >> (j * BITS)) & MASK).to(tl.float32) * xj[:, None]
+                field = ((words >> (j * BITS)) & MASK) | 0x4B000000
+                part += (field.to(tl.float32, bitcast=True) - 8388608.0) * xj[:, None]
                 xs += xj
             acc2 += s[None, :] * (part - z[None, :] * xs[:, None])
         acc = tl.sum(acc2, axis=0)[None, :]
@@ -200,6 +226,7 @@ def _wna16_gemm_kernel(
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -221,9 +248,7 @@ def _wna16_gemm_kernel(
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * stride_sg + cols, mask=col_ok, other=0.0).to(tl.float32)
+        s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, stride_sg, cols, col_ok, MAGIC)
         q = tl.reshape(
             _unpack_tile(q_ptr, k0 // PACK + r_idx, cols, col_ok, stride_qk, BITS, R),
             (BLOCK_K, BLOCK_N),
@@ -232,7 +257,7 @@ def _wna16_gemm_kernel(
         if HAS_PERM:
             offs = tl.load(perm_ptr + offs)
         xk = tl.load(x_rows + offs[None, :])
-        dq = tl.dot(xk, q.to(tl.float32).to(xk.dtype), input_precision=PRECISION)
+        dq = tl.dot(xk, _dot_operand(q, xk, MAGIC), input_precision=PRECISION)
         xsum = tl.sum(xk.to(tl.float32), axis=1)
         acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
     if HAS_BIAS:
@@ -275,6 +300,21 @@ def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):
     ):
         split *= 2
     return block_n, block_k, warps, split, dot
+
+
+def _gemm_config(m: int, n: int, k: int, group: int, pack: int) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_warps, num_stages) of the tiled GEMM."""
+    return (64 if m > 32 else 32), 128, _block_k(group, k, pack, 64), 4, 3
+
+
+def _magic(dtype: torch.dtype, bits: int) -> int:
+    """``_dot_operand``'s offset for activations of ``dtype``: the power of two whose mantissa
+    holds every ``bits``-bit field exactly (bfloat16: 7 bits, float16: 10), 0 to convert."""
+    if dtype == torch.bfloat16 and bits <= 7:
+        return 128
+    if dtype == torch.float16 and bits <= 10:
+        return 1024
+    return 0
 
 
 class TritonWNA16Linear:
@@ -331,6 +371,7 @@ class TritonWNA16Linear:
             HAS_PERM=perm is not None,
             HAS_BIAS=bias is not None,
             PRECISION=precision,
+            MAGIC=_magic(x.dtype, bits),
         )
         perm_arg = perm if perm is not None else q
         bias_arg = bias if bias is not None else s
@@ -351,16 +392,14 @@ class TritonWNA16Linear:
                 DOT=dot, num_warps=warps, num_stages=3, **common,
             )  # fmt: skip
         else:
-            block_m = 64 if m > 32 else 32
-            block_n = 128
-            block_k = _block_k(group_size, k, pack, 64)
+            block_m, block_n, block_k, warps, stages = _gemm_config(m, n, k, group_size, pack)
             grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
             _wna16_gemm_kernel[grid](
                 x2, q, s, z, perm_arg, bias_arg, y,
                 m, n, k, group_size,
                 x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                num_warps=4, num_stages=3, **common,
+                num_warps=warps, num_stages=stages, **common,
             )  # fmt: skip
         return y.view(*x.shape[:-1], n)
 

@@ -7,7 +7,10 @@ dtype. ``x`` is ``[..., K]`` (any leading shape); ``W`` is logically ``[N, K]``.
   (``[N]``) float32 scale. With ``activation_quant`` (W8A8) the activations are quantized to
   e4m3 too: per token with a dynamic scale ``amax(|row|) / 448`` (``input_scale`` None), or
   with one static scale (``input_scale`` ``[1]``). Without it (weight-only, for devices with no
-  FP8 arithmetic) ``x`` is multiplied as it is.
+  FP8 arithmetic) ``x`` is multiplied as it is. An override may also take the weight-only
+  product for a W8A8 call where quantizing the activations buys no speed (engine-triton does
+  for decode batches of up to 16 rows): it is the more accurate of the two, and the
+  conformance kit's activations are exact in e4m3, so both meet the reference there.
 * ``fp8_block_linear`` — FP8 weights with one float32 scale per ``block_size = (bn, bk)``
   block (``weight_scale_inv`` ``[ceil(N / bn), ceil(K / bk)]``, the multiplier despite its
   checkpoint name), activations quantized per token and per ``bk``-wide group (dynamic).

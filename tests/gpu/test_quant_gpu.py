@@ -28,33 +28,40 @@ def _fp8_weight(n: int, k: int):
 
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("act", [True, False])
-def test_fp8_linear_at_8b_sizes(n, k, m, act, seed):
-    from engine_triton.kernels.fp8_linear import MAX_SKINNY_M, _scaled_mm_serves, fp8_linear
+@pytest.mark.parametrize("act", ["w8a8", "w8a8-quantized-decode", "weight-only"])
+def test_fp8_linear_at_8b_sizes(n, k, m, act, seed, monkeypatch):
+    from engine_triton.kernels import fp8_linear as mod
 
+    monkeypatch.setattr(mod, "DECODE_WEIGHT_ONLY", act != "w8a8-quantized-decode")
+    quantize = act != "weight-only"
     w, ws = _fp8_weight(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    got = fp8_linear(x, w, ws, None, None, act)
-    want = ref.fp8_linear(x, w, ws, None, None, act)
+    got = mod.fp8_linear(x, w, ws, None, None, quantize)
+    # W8A8 decode batches multiply the activations unquantized by default: that is the
+    # reference they are held to.
+    weight_only = not quantize or (m <= mod.MAX_SKINNY_M and mod.DECODE_WEIGHT_ONLY)
+    want = ref.fp8_linear(x, w, ws, None, None, not weight_only)
     # Rounding x to e4m3 is the same in both (the scale and division are IEEE); what differs
     # is the summation and the bf16 output. Our kernels sum in float32: 1% of the largest
     # output. cuBLASLt's FP8 GEMM (W8A8 rows past the skinny kernel, on Hopper) accumulates
     # with less precision: 1.115% (N = 28672) and 1.11% (K = 14336) at 300 rows, one case of
     # 40 in each of two runs (H200, H100; 2026-12-05), so it gets 2%.
-    cublas = act and m > MAX_SKINNY_M and _scaled_mm_serves(x, w)
+    cublas = not weight_only and m > mod.MAX_SKINNY_M and mod._scaled_mm_serves(x, w)
     assert _rel_err(got, want) < (2e-2 if cublas else 1e-2), f"seed={seed}"
 
 
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_fp8_static_input_scale_and_bias(m, seed):
-    from engine_triton.kernels.fp8_linear import fp8_linear
+    from engine_triton.kernels import fp8_linear as mod
 
     n, k = 4096, 4096
     w, ws = _fp8_weight(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     s = torch.tensor([4.0 / 448.0], device="cuda")
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    assert _rel_err(fp8_linear(x, w, ws, s, b), ref.fp8_linear(x, w, ws, s, b)) < 1e-2
+    decode = m <= mod.MAX_SKINNY_M and mod.DECODE_WEIGHT_ONLY  # the static scale unused
+    want = ref.fp8_linear(x, w, ws, s, b, not decode)
+    assert _rel_err(mod.fp8_linear(x, w, ws, s, b), want) < 1e-2
 
 
 @pytest.mark.parametrize("m", ROWS)

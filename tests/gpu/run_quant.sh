@@ -6,9 +6,9 @@
 #
 # Steps (default: tests qkernels fp8-b1 awq-b1 fp8-nano awq-nano fp8-mixed awq-mixed; in this
 # order); optional: bf16-mixed, kv-fp8 (the bf16 nano run with --kv-cache-dtype fp8: about
-# twice the KV blocks), sweep (M=1 skinny-kernel configurations), vllm-mixed (the vLLM kit on
-# the same mixed workload, FP8 then AWQ; needs .peers/ as its README describes, about 100 s of
-# engine start each). Logs go to $OUT/*.log, every benchmark's JSON into $OUT/results.json.
+# twice the KV blocks), sweep (the kernel configurations of quant_benchmark --sweep),
+# vllm-mixed (the vLLM kit on the same mixed workload, FP8 then AWQ; needs .peers/ as its
+# README describes, about 100 s of engine start each). Logs go to $OUT/*.log, every benchmark's JSON into $OUT/results.json.
 # A step is skipped when less than a minute of DEADLINE (seconds, default 560) is left.
 set -u
 source "$(dirname "$0")/common.sh"
@@ -41,7 +41,7 @@ for step in "${steps[@]}"; do
     qkernels|sweep)
       [ "$(left)" -lt 90 ] && { echo "SKIP $step"; continue; }
       echo "=== quantized kernel timings at $(elapsed)s"
-      extra=(); [ "$step" = sweep ] && extra=(--sweep --rows 1)
+      extra=(); [ "$step" = sweep ] && extra=(--sweep --rows 1,16,256)
       timeout -k 10 $(($(left) - 60)) python3 -m engine_triton.quant_benchmark "${extra[@]}" \
         --json "$OUT/$step.json" >"$OUT/$step.log" 2>&1
       echo "rc=$? at $(elapsed)s"

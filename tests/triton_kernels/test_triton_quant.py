@@ -96,8 +96,12 @@ def test_fp8_skinny_variants(m, split, dot, act, device, seed, monkeypatch):
     x = (_fp8_rows(m, k, gen).float() * _pow2((m, 1), -7, -4, gen)).to(torch.bfloat16)
     b = torch.randn(n, generator=gen).to(torch.bfloat16)
     want = ref.fp8_linear(x, w, ws, None, b, act)
-    got = mod.fp8_linear(x.to(device), w.to(device), ws.to(device), None, b.to(device), act)
-    _close(got, want, torch.bfloat16, seed)
+    # With activation quantization: the decode default (weight-only arithmetic; x is exact in
+    # e4m3 here, so both agree with the reference) and the quantizing kernel.
+    for weight_only in (True, False) if act else (True,):
+        monkeypatch.setattr(mod, "DECODE_WEIGHT_ONLY", weight_only)
+        got = mod.fp8_linear(x.to(device), w.to(device), ws.to(device), None, b.to(device), act)
+        _close(got, want, torch.bfloat16, seed)
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -148,27 +152,27 @@ def _wna16(n, k, bits, group, act_order, gen):
 
 
 @pytest.mark.parametrize(
-    ("m", "bits", "group", "split", "act_order", "dot", "dtype"),
-    [(1, 4, 32, 1, False, False, torch.bfloat16), (1, 4, 64, 2, False, False, torch.bfloat16),
-     (1, 4, 32, 4, True, False, torch.bfloat16), (1, 8, 32, 2, False, False, torch.bfloat16),
-     (1, 4, 32, 2, False, True, torch.bfloat16), (1, 4, 64, 1, True, True, torch.float16),
-     (4, 4, 32, 2, False, True, torch.bfloat16), (16, 4, 64, 1, True, True, torch.bfloat16),
-     (7, 8, 64, 4, False, True, torch.bfloat16), (5, 8, 32, 2, False, True, torch.float16)],
+    ("m", "bits", "group", "split", "act_order", "tiles", "dtype"),
+    [(1, 4, 32, 1, False, 1, torch.bfloat16), (1, 4, 64, 2, False, 2, torch.bfloat16),
+     (1, 4, 32, 4, True, 2, torch.bfloat16), (1, 8, 32, 2, False, 4, torch.bfloat16),
+     (1, 4, 32, 2, False, 8, torch.bfloat16), (1, 4, 64, 1, True, 4, torch.float16),
+     (1, 8, 64, 2, True, 2, torch.float16),
+     (4, 4, 32, 2, False, 0, torch.bfloat16), (16, 4, 64, 1, True, 0, torch.bfloat16),
+     (7, 8, 64, 4, False, 0, torch.bfloat16), (5, 8, 32, 2, False, 0, torch.float16),
+     (2, 4, 32, 1, False, 0, torch.float16)],
 )  # fmt: skip
 def test_wna16_skinny_variants(
-    m, bits, group, split, act_order, dot, dtype, device, seed, monkeypatch
+    m, bits, group, split, act_order, tiles, dtype, device, seed, monkeypatch
 ):
-    """Every path of the skinny kernel: one row by FMA or on the tensor cores, split K, act
-    order, 4 and 8 bits, and both half-precision dtypes (each with its own bit-trick offset;
-    8 bits in bfloat16 converts instead)."""
+    """Every path of the decode kernels: one row (several K tiles per iteration, some of them
+    past the split's end and masked), 2-16 rows on the tensor cores; split K, act order, 4
+    and 8 bits, and both half-precision dtypes (each with its own bit-trick offset; 8 bits in
+    bfloat16 converts instead)."""
     from engine_triton.kernels import wna16_linear as wna16_mod
 
     block_k = 32
-
-    def config(m_, n_, k_, group_, pack, sms):
-        return 32, block_k, 4, split, dot
-
-    monkeypatch.setattr(wna16_mod, "_skinny_config", config)
+    monkeypatch.setattr(wna16_mod, "_gemv_config", lambda *a: (32, block_k, tiles, 4, split))
+    monkeypatch.setattr(wna16_mod, "_skinny_config", lambda *a: (32, block_k, 4, split))
     gen = torch.Generator().manual_seed(seed)
     n, k = 40, 256
     q, s, z, perm = _wna16(n, k, bits, group, act_order, gen)
@@ -188,10 +192,17 @@ def test_wna16_skinny_variants(
     _close(got, want, dtype, seed)
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize(("bits", "act_order"), [(4, False), (4, True), (8, False)])
-def test_wna16_gemm_for_more_than_16_rows(bits, act_order, device, seed):
+def test_wna16_gemm_for_more_than_16_rows(bits, act_order, dense, device, seed, monkeypatch):
+    """The fused GEMM, and (``dense``) the dequantized weight through ``torch.mm`` that
+    serves batches of ``DENSE_MIN_ROWS`` rows or more: that weight is rounded to the
+    activation dtype, as a dense model's would be, so its reference is too (the dense
+    weights themselves are compared exactly)."""
+    from engine_triton.kernels import wna16_linear as wna16_mod
     from engine_triton.kernels.wna16_linear import wna16_linear
 
+    monkeypatch.setattr(wna16_mod, "DENSE_MIN_ROWS", 17 if dense else 1 << 30)
     gen = torch.Generator().manual_seed(seed)
     m, n, k, group = 45, 136, 128, 64
     q, s, z, perm = _wna16(n, k, bits, group, act_order, gen)
@@ -205,6 +216,14 @@ def test_wna16_gemm_for_more_than_16_rows(bits, act_order, device, seed):
         packed = wna16_linear.prepack(
             q.to(device), s.to(device), z.to(device), bits=bits, group_size=group, perm=dev_perm
         )
+        if dense:
+            g = torch.arange(k) // group
+            # [N, K], input features in the stored (permuted) order
+            w = ((q.float() - z.float()[:, g]) * s.float()[:, g]).to(dtype)
+            got_w = wna16_mod.dequantize_t(packed, bits=bits, group_size=group, dtype=dtype)
+            assert torch.equal(got_w.cpu(), w.t())
+            xp = x[:, perm] if perm is not None else x
+            want = (xp.float() @ w.float().t()).to(dtype)
         _close(wna16_linear(x.to(device), packed, bits=bits, group_size=group), want, dtype, seed)
 
 

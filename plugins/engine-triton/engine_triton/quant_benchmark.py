@@ -4,13 +4,15 @@
 
 For each projection (qkv, o, gate_up, down) and batch rows M, microseconds per call inside a
 CUDA graph of 100 back-to-back calls (weight copies rotated so HBM, not L2, is read), and the
-weight bandwidth that implies, for: bf16 (cuBLAS), FP8 W8A8 (the per-token quantizer plus the
-skinny GEMV or cuBLASLt), FP8 weight-only, and AWQ-style W4A16 with groups of 128. Then the
+weight bandwidth that implies, for: bf16 (cuBLAS), FP8 W8A8 as the model runs it (weight-only
+arithmetic up to 16 rows, then the per-token quantizer plus cuBLASLt), FP8 W8A8 quantizing
+the activations at every size, FP8 weight-only, and AWQ-style W4A16 with groups of 128. Then the
 decode step's matmul time (x 32 layers) per method, which bounds batch-1 tokens/s.
 
-``--sweep`` also tries skinny-kernel configurations at M = 1 (FMA and tensor-core variants)
-and W4A16 GEMM tilings at 64, 256 and 1024 rows, and prints the fastest per shape (candidates
-for the defaults in ``fp8_linear.py`` / ``wna16_linear.py``).
+``--sweep`` also tries kernel configurations per shape and prints the fastest (candidates for
+the defaults in ``fp8_linear.py`` / ``wna16_linear.py``): the FP8 skinny kernel and the W4A16
+one-row kernel at M = 1, the W4A16 tensor-core decode kernel at 16 rows, and the W4A16 GEMM
+tilings at 64, 256 and 1024 rows against the dequantized weight through cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,46 +30,53 @@ SHAPES = {
 }
 ROWS = (1, 4, 16, 64, 256, 1024)
 ROTATE_BYTES = 256 << 20
-# Skinny-kernel configurations (block_n, block_k, num_warps, split_k, tensor cores) at M = 1.
+# FP8 skinny-kernel configurations (block_n, block_k, num_warps, split_k, tensor cores) at
+# M = 1 (weight-only arithmetic: the decode default).
 FP8_CANDIDATES = [
     (4, 1024, 2, 1, False),
     (8, 1024, 4, 1, False),
+    (4, 2048, 4, 1, False),
     (8, 512, 4, 1, False),
     (16, 512, 4, 1, False),
-    # e4m3 x e4m3 on the tensor cores (the row padded to 16): no per-weight conversion.
-    (16, 256, 4, 2, True),
     (32, 256, 4, 1, True),
-    (32, 256, 4, 2, True),
-    (32, 512, 4, 1, True),
-    (64, 128, 4, 2, True),
     (64, 256, 4, 1, True),
-    (64, 256, 8, 2, True),
-    (128, 128, 4, 2, True),
+    (32, 512, 4, 1, True),
 ]
-W4_CANDIDATES = [
-    (32, 128, 4, 2, False),
-    (64, 128, 4, 1, False),
-    (64, 128, 4, 2, False),
-    (64, 128, 4, 4, False),
-    (128, 128, 4, 2, False),
-    (128, 128, 8, 4, False),
-    (32, 128, 2, 4, False),
-    (32, 128, 4, 2, True),
-    (64, 128, 4, 1, True),
-    (64, 128, 4, 2, True),
-    (64, 128, 4, 4, True),
-    (128, 128, 4, 2, True),
-    (128, 128, 8, 1, True),
+# The W4A16 one-row kernel (block_n, block_k, tiles per iteration, num_warps, split_k).
+W4_GEMV_CANDIDATES = [
+    (64, 128, 1, 4, 4),
+    (64, 128, 2, 4, 4),
+    (64, 128, 4, 4, 1),
+    (64, 128, 4, 4, 2),
+    (64, 128, 4, 4, 4),
+    (64, 128, 4, 4, 8),
+    (64, 128, 8, 8, 2),
+    (64, 128, 8, 8, 4),
+    (128, 128, 4, 8, 2),
+    (128, 128, 4, 8, 4),
+    (32, 128, 4, 2, 4),
+    (32, 128, 8, 4, 4),
+    (64, 128, 2, 4, 8),
+    (64, 128, 2, 2, 8),
 ]
-# The W4A16 GEMM (block_m, block_n, block_k, num_warps, num_stages) at GEMM_ROWS.
+# The W4A16 tensor-core decode kernel (block_n, block_k, num_warps, split_k) at 16 rows.
+W4_SKINNY_CANDIDATES = [
+    (32, 128, 4, 2),
+    (32, 128, 4, 4),
+    (64, 128, 4, 1),
+    (64, 128, 4, 2),
+    (64, 128, 4, 4),
+    (64, 128, 8, 2),
+    (128, 128, 4, 2),
+    (128, 128, 8, 1),
+]
+# The W4A16 GEMM (block_m, block_n, block_k, num_warps, num_stages) at GEMM_ROWS, against the
+# dequantized weight through cuBLAS ("dense").
 W4_GEMM_CANDIDATES = [
-    (64, 128, 64, 4, 3),
     (64, 128, 128, 4, 3),
-    (128, 128, 64, 8, 3),
     (128, 128, 128, 8, 3),
-    (128, 256, 64, 8, 3),
-    (64, 256, 64, 8, 3),
     (128, 64, 128, 4, 4),
+    (128, 256, 64, 8, 3),
     (256, 128, 64, 8, 3),
     (128, 128, 64, 4, 4),
 ]
@@ -78,10 +87,10 @@ def _copies(make, nbytes: int) -> list:
     return [make() for _ in range(max(2, ROTATE_BYTES // max(nbytes, 1)))]
 
 
-def _calls(torch, fp8_mod, w4_mod, n: int, k: int):
+def _calls(torch, fp8_mod, w4_mod, n: int, k: int, device: str = "cuda"):
     """(callables by method taking (x, i), weight bytes by method) for one projection shape,
     over rotated weight copies."""
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     bf16 = _copies(lambda: torch.randn(n, k, device=dev, dtype=torch.bfloat16), 2 * n * k)
     fp8 = _copies(lambda: (torch.randn(n, k, device=dev) * 64).to(torch.float8_e4m3fn), n * k)
     ws = torch.rand(n, device=dev) * 1e-3
@@ -99,11 +108,26 @@ def _calls(torch, fp8_mod, w4_mod, n: int, k: int):
     def f_fp8_wo(x, i):
         return fp8_mod.fp8_linear(x, fp8[i % len(fp8)], ws, None, None, False)
 
+    def f_fp8_q(x, i):  # W8A8 with the activations quantized at every M (no decode shortcut)
+        default = fp8_mod.DECODE_WEIGHT_ONLY
+        fp8_mod.DECODE_WEIGHT_ONLY = False
+        try:
+            return fp8_mod.fp8_linear(x, fp8[i % len(fp8)], ws)
+        finally:
+            fp8_mod.DECODE_WEIGHT_ONLY = default
+
     def f_w4(x, i):
         return w4_mod.wna16_linear(x, w4[i % len(w4)], bits=4, group_size=128)
 
-    calls = {"bf16": f_bf16, "fp8_w8a8": f_fp8, "fp8_weight_only": f_fp8_wo, "w4a16_g128": f_w4}
-    nbytes = {"bf16": 2 * n * k, "fp8_w8a8": n * k, "fp8_weight_only": n * k}
+    calls = {
+        "bf16": f_bf16,
+        "fp8_w8a8": f_fp8,
+        "fp8_w8a8_quantized": f_fp8_q,
+        "fp8_weight_only": f_fp8_wo,
+        "w4a16_g128": f_w4,
+    }
+    nbytes = {"bf16": 2 * n * k, "fp8_w8a8": n * k, "fp8_w8a8_quantized": n * k}
+    nbytes["fp8_weight_only"] = n * k
     nbytes["w4a16_g128"] = n * k // 2 + 4 * n * (k // 128)
     return calls, nbytes
 
@@ -123,6 +147,46 @@ def _sweep(graph_us, mod, attr, candidates, call, x) -> list:
     finally:
         setattr(mod, attr, original)
     return sorted(timings, key=lambda t: t[0])
+
+
+def _sweep_shape(name, k, calls, fp8_mod, w4_mod, graph_us, torch, device="cuda") -> dict:
+    """The configuration sweeps of one projection shape, printed; the three fastest of each."""
+    best = {}
+
+    def report(label, timings, current=None):
+        best[label] = timings[:3]
+        tail = f"; current {current}" if current is not None else ""
+        print(f"  sweep {name} {label}: best {timings[:3]}{tail}", flush=True)
+
+    x1 = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    x16 = torch.randn(16, k, device=device, dtype=torch.bfloat16)
+    report(
+        "fp8 M=1",
+        _sweep(graph_us, fp8_mod, "_skinny_config", FP8_CANDIDATES, calls["fp8_w8a8"], x1),
+    )
+    gemv = [c for c in W4_GEMV_CANDIDATES if k % (c[1] * c[4]) == 0]
+    report("w4a16 M=1", _sweep(graph_us, w4_mod, "_gemv_config", gemv, calls["w4a16_g128"], x1))
+    skinny = [c for c in W4_SKINNY_CANDIDATES if k % (c[1] * c[3]) == 0]
+    report(
+        "w4a16 M=16",
+        _sweep(graph_us, w4_mod, "_skinny_config", skinny, calls["w4a16_g128"], x16),
+    )
+    dense_rows = w4_mod.DENSE_MIN_ROWS
+    try:
+        for m in GEMM_ROWS:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            w4_mod.DENSE_MIN_ROWS = 1 << 30
+            timings = _sweep(
+                graph_us, w4_mod, "_gemm_config", W4_GEMM_CANDIDATES, calls["w4a16_g128"], x
+            )
+            current = round(graph_us(lambda i, x=x: calls["w4a16_g128"](x, i)), 2)
+            w4_mod.DENSE_MIN_ROWS = 1
+            dense = round(graph_us(lambda i, x=x: calls["w4a16_g128"](x, i)), 2)
+            timings = sorted(timings + [(dense, "dense")], key=lambda t: t[0])
+            report(f"w4a16 GEMM M={m}", timings, current)
+    finally:
+        w4_mod.DENSE_MIN_ROWS = dense_rows
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,28 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"{name:8s} M={m:5d} {cells}", flush=True)
         if args.sweep:
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            best = {}
-            for label, mod, cands in (
-                ("fp8_w8a8", fp8_mod, FP8_CANDIDATES),
-                ("w4a16_g128", w4_mod, W4_CANDIDATES),
-            ):
-                timings = _sweep(_graph_us, mod, "_skinny_config", cands, calls[label], x)
-                best[label] = timings[:3]
-                print(f"  sweep {name} {label} M=1: best {timings[:3]}", flush=True)
-            for m in GEMM_ROWS:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                timings = _sweep(
-                    _graph_us, w4_mod, "_gemm_config", W4_GEMM_CANDIDATES, calls["w4a16_g128"], x
-                )
-                best[f"w4a16_gemm_m{m}"] = timings[:3]
-                base = [t for t in timings if t[1] == W4_GEMM_CANDIDATES[0]]
-                print(
-                    f"  sweep {name} w4a16 GEMM M={m}: best {timings[:3]}; "
-                    f"current {base[0][0] if base else None}",
-                    flush=True,
-                )
-            results["sweep"][name] = best
+            results["sweep"][name] = _sweep_shape(name, k, calls, fp8_mod, w4_mod, _graph_us, torch)
     results["decode_step_matmul_us_m1"] = {k: round(v, 1) for k, v in step_us.items()}
     print("\nper decode step at M=1, the 32 layers' projections (lm_head not included):")
     for method, us in step_us.items():

@@ -29,9 +29,13 @@ import triton
 import triton.language as tl
 
 from engine.quantization.utils import pack_int32
-from engine_triton.kernels.linear import _SCRATCH, _sm_count, m_bucket
+from engine_triton.kernels.linear import _SCRATCH, _sm_count
 
 MAX_SKINNY_M = 16
+# From this many rows on, the weight is dequantized to the activation dtype and multiplied by
+# cuBLAS (``dequantize_t``): the fused GEMM unpacks every weight once per row tile, which costs
+# more than writing and reading the dense weight once when there are hundreds of rows.
+DENSE_MIN_ROWS = 256
 
 
 @triton.jit
@@ -117,15 +121,11 @@ def _wna16_skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr,
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     MAGIC: tl.constexpr,
 ):
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    R: tl.constexpr = BLOCK_K // PACK
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -137,46 +137,47 @@ def _wna16_skinny_kernel(
     x_rows = x_ptr + rows_c.to(tl.int64)[:, None] * stride_xm
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    if DOT:
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, stride_sg, cols, col_ok, MAGIC)
-            q = _unpack_rows(q_ptr, k0 + kk, cols, col_ok, stride_qk, BITS)
-            offs = k0 + kk
-            if HAS_PERM:
-                offs = tl.load(perm_ptr + offs)
-            xk = tl.load(x_rows + offs[None, :])  # [BLOCK_M, BLOCK_K]
-            dq = tl.dot(xk, _dot_operand(q, xk, MAGIC), input_precision=PRECISION)
-            xsum = tl.sum(xk.to(tl.float32), axis=1)
-            acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
-    else:
-        # One row: the packed words [R, BLOCK_N] are loaded once and each of their PACK fields
-        # multiplies its strided slice of x; the sum over the R packed rows waits until the
-        # end. A field becomes a float32 by OR-ing it into the mantissa of 2^23 and
-        # subtracting 2^23 (exact; integer and add units, not the quarter-rate conversion).
-        r_idx = tl.arange(0, R)
-        acc2 = tl.zeros((R, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, stride_sg, cols, col_ok, 0)
-            words = tl.load(
-                q_ptr + (k0 // PACK + r_idx).to(tl.int64)[:, None] * stride_qk + cols[None, :],
-                mask=col_ok[None, :],
-                other=0,
-            )
-            part = tl.zeros((R, BLOCK_N), dtype=tl.float32)
-            xs = tl.zeros((R,), dtype=tl.float32)
-            for j in tl.static_range(PACK):
-                offs = k0 + r_idx * PACK + j
-                if HAS_PERM:
-                    offs = tl.load(perm_ptr + offs)
-                xj = tl.load(x_ptr + offs).to(tl.float32)
-                field = ((words >> (j * BITS)) & MASK) | 0x4B000000
-                part += (field.to(tl.float32, bitcast=True) - 8388608.0) * xj[:, None]
-                xs += xj
-            acc2 += s[None, :] * (part - z[None, :] * xs[:, None])
-        acc = tl.sum(acc2, axis=0)[None, :]
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        s, z = _group_scale_zero(s_ptr, z_ptr, k0 // GROUP, stride_sg, cols, col_ok, MAGIC)
+        q = _unpack_rows(q_ptr, k0 + kk, cols, col_ok, stride_qk, BITS)
+        offs = k0 + kk
+        if HAS_PERM:
+            offs = tl.load(perm_ptr + offs)
+        xk = tl.load(x_rows + offs[None, :])  # [BLOCK_M, BLOCK_K]
+        dq = tl.dot(xk, _dot_operand(q, xk, MAGIC), input_precision=PRECISION)
+        xsum = tl.sum(xk.to(tl.float32), axis=1)
+        acc += s[None, :] * (dq - z[None, :] * xsum[:, None])
+    _store_split(
+        acc, rows, cols, col_ok, M, N, pid_n, pid_k, part_ptr, counter_ptr, b_ptr, y_ptr,
+        stride_ym, SPLIT_K, HAS_BIAS, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
+
+@triton.jit
+def _store_split(
+    acc,
+    rows,
+    cols,
+    col_ok,
+    M,
+    N,
+    pid_n,
+    pid_k,
+    part_ptr,
+    counter_ptr,
+    b_ptr,
+    y_ptr,
+    stride_ym,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Write a program's float32 partial ``acc`` ``[BLOCK_M, BLOCK_N]``: straight to ``y``
+    without split-K; with it, to the workspace, the last program of the column block to
+    arrive summing the ``SPLIT_K`` partials (``linear.py``'s scheme) and adding the bias."""
     out_mask = (rows < M)[:, None] & col_ok[None, :]
     y_offs = rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     if SPLIT_K > 1:
@@ -198,6 +199,135 @@ def _wna16_skinny_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _unit_field(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Field ``j`` of every word as the float32 ``1 + q / 2**BITS``: the field is shifted to
+    the top of the mantissa and OR-ed into 1.0's bits (a shift and one AND-OR per weight, no
+    integer-to-float conversion, which runs at a quarter of the integer rate on Hopper, and no
+    subtraction: the caller removes the 1 once per tile through ``sum(x)``)."""
+    shift: tl.constexpr = 23 - BITS - j * BITS
+    if shift > 0:
+        moved = words << shift
+    elif shift < 0:
+        moved = words >> (-shift)
+    else:
+        moved = words
+    mant: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)
+    return ((moved & mant) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _wna16_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    counter_ptr,
+    N,
+    K,
+    K_PER_SPLIT,
+    GROUP,
+    stride_qk,
+    stride_sg,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    TILES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """One row (batch-1 decode): each iteration loads ``TILES`` K tiles of packed words at
+    once, ``[TILES, BLOCK_K / PACK, BLOCK_N]`` (each tile inside one group), so that enough
+    bytes are in flight per SM to stream at memory speed (one 4 KB tile per iteration left the
+    kernel waiting on load latency at a third of the bandwidth). Per field, ``_unit_field``
+    gives ``v = 1 + q / 2**BITS`` and one FMA accumulates ``x * v``; per tile and feature,
+    ``sum x (q - z) = 2**BITS * sum(x v) - (2**BITS + z) * sum(x)``."""
+    PACK: tl.constexpr = 32 // BITS
+    R: tl.constexpr = BLOCK_K // PACK
+    ONE: tl.constexpr = 1 << BITS
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N  # masked, not clamped (see the skinny kernel)
+    t_idx = tl.arange(0, TILES)
+    r_idx = tl.arange(0, R)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc = tl.zeros((TILES, R, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, TILES * BLOCK_K):
+        tile_k = k0 + t_idx * BLOCK_K  # [TILES]
+        t_ok = tile_k < k_hi
+        sz_offs = (tile_k // GROUP)[:, None] * stride_sg + cols[None, :]
+        sz_ok = t_ok[:, None] & col_ok[None, :]
+        s = tl.load(s_ptr + sz_offs, mask=sz_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz_offs, mask=sz_ok, other=0.0).to(tl.float32)
+        prow = (tile_k // PACK)[:, None] + r_idx[None, :]  # [TILES, R]
+        words = tl.load(
+            q_ptr + prow.to(tl.int64)[:, :, None] * stride_qk + cols[None, None, :],
+            mask=t_ok[:, None, None] & col_ok[None, None, :],
+            other=0,
+        )
+        part = tl.zeros((TILES, R, BLOCK_N), dtype=tl.float32)
+        xs = tl.zeros((TILES, R), dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            offs = tile_k[:, None] + r_idx[None, :] * PACK + j  # [TILES, R]
+            if HAS_PERM:
+                offs = tl.load(perm_ptr + offs, mask=t_ok[:, None], other=0)
+            xj = tl.load(x_ptr + offs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            part += _unit_field(words, j, BITS) * xj[:, :, None]
+            xs += xj
+        acc += s[:, None, :] * (part * ONE - (z[:, None, :] + ONE) * xs[:, :, None])
+    out = tl.sum(tl.sum(acc, axis=0), axis=0)[None, :]
+    _store_split(
+        out, tl.arange(0, 1), cols, col_ok, 1, N, pid_n, pid_k, part_ptr, counter_ptr, b_ptr,
+        y_ptr, 0, SPLIT_K, HAS_BIAS, 1, BLOCK_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _wna16_dequant_kernel(
+    q_ptr,
+    s_ptr,
+    z_ptr,
+    w_ptr,
+    KP,
+    N,
+    GROUP,
+    stride_qk,
+    stride_sg,
+    stride_wk,
+    BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The dense ``W^T`` ``[K, N]`` in the activation dtype, ``(q - z) * s``, for batches
+    large enough that cuBLAS on the dense weight beats the fused GEMM (the weight is written
+    once and read once more: cheap next to a GEMM over hundreds of rows)."""
+    PACK: tl.constexpr = 32 // BITS
+    prow = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (prow < KP)[:, None] & (cols < N)[None, :]
+    words = tl.load(q_ptr + prow.to(tl.int64)[:, None] * stride_qk + cols[None, :], mask=ok)
+    shifts = tl.arange(0, PACK) * BITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [R, PACK, N]
+    k = prow[:, None] * PACK + tl.arange(0, PACK)[None, :]  # [R, PACK]
+    sz_offs = (k // GROUP)[:, :, None] * stride_sg + cols[None, None, :]
+    ok3 = ok[:, None, :]
+    s = tl.load(s_ptr + sz_offs, mask=ok3, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz_offs, mask=ok3, other=0.0).to(tl.float32)
+    w = (q.to(tl.float32) - z) * s
+    tl.store(
+        w_ptr + k.to(tl.int64)[:, :, None] * stride_wk + cols[None, None, :],
+        w.to(w_ptr.dtype.element_ty),
+        mask=ok3,
+    )
 
 
 # M changes from step to step: not specialized (one compiled variant for every batch size).
@@ -280,16 +410,29 @@ def _block_k(group: int, k: int, pack: int, limit: int) -> int:
     return block
 
 
-def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):
-    """(block_n, block_k, num_warps, split_k, dot): half a byte per weight, so wide feature
-    blocks; split K until about two waves over the SMs."""
-    mb = m_bucket(m)
-    dot = mb >= 2
+def _gemv_config(n: int, k: int, group: int, pack: int, sms: int):
+    """(block_n, block_k, tiles, num_warps, split_k) of the one-row kernel, from
+    ``quant_benchmark --sweep`` on the Llama-3.1-8B projections (H200, 2026-12-06): 32
+    features, 4 K tiles per iteration, 2 warps and K split in 4 (qkv 12.38 us, o 10.73, down
+    26.66); 64 features, one tile and 4 warps where N alone gives many programs (gate_up
+    39.40 against 44.29)."""
     block_k = _block_k(group, k, pack, 128)
-    # One row: at least 64 features (256-byte rows of packed words); split K rather than
-    # narrow the block further.
-    block_n, smallest, warps = (64, 32, 4) if dot else (128, 64, 4)
-    while block_n > smallest and triton.cdiv(n, block_n) < 2 * sms:
+    if triton.cdiv(n, 32) >= 4 * sms:
+        block_n, tiles, warps = 64, 1, 4
+    else:
+        block_n, tiles, warps = 32, max(1, 512 // block_k), 2
+    split = 1
+    while split < 4 and k % (block_k * split * 2) == 0 and k // (split * 2) >= tiles * block_k:
+        split *= 2
+    return block_n, block_k, tiles, warps, split
+
+
+def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):
+    """(block_n, block_k, num_warps, split_k) of the tensor-core kernel for 2-16 rows: split
+    K until about two waves over the SMs."""
+    block_k = _block_k(group, k, pack, 128)
+    block_n = 64
+    while block_n > 32 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     split = 1
     while (
@@ -299,12 +442,22 @@ def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):
         and k // (split * 2) >= 2 * block_k
     ):
         split *= 2
-    return block_n, block_k, warps, split, dot
+    return block_n, block_k, 4, split
 
 
 def _gemm_config(m: int, n: int, k: int, group: int, pack: int) -> tuple[int, int, int, int, int]:
-    """(block_m, block_n, block_k, num_warps, num_stages) of the tiled GEMM."""
-    return (64 if m > 32 else 32), 128, _block_k(group, k, pack, 64), 4, 3
+    """(block_m, block_n, block_k, num_warps, num_stages) of the tiled GEMM: the fastest of
+    ``quant_benchmark --sweep`` on the Llama-3.1-8B projections (H100, 2026-12-05): 128-wide K
+    tiles everywhere; 128x64 tiles where N is small (o, down), 128x128 with 8 warps for wide N
+    or many rows."""
+    block_k = _block_k(group, k, pack, 128)
+    if m <= 32:
+        return 32, 128, block_k, 4, 3
+    if m <= 64 and n >= 6144:
+        return 64, 128, block_k, 4, 3
+    if m <= 256 and n < 6144:
+        return 128, 64, block_k, 4, 4
+    return 128, 128, block_k, 8, 3
 
 
 def _magic(dtype: torch.dtype, bits: int) -> int:
@@ -315,6 +468,24 @@ def _magic(dtype: torch.dtype, bits: int) -> int:
     if dtype == torch.float16 and bits <= 10:
         return 1024
     return 0
+
+
+def dequantize_t(
+    packed: dict[str, torch.Tensor], *, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The dense transposed weight ``[K, N]`` of a prepacked layer, ``(q - z) * s`` in
+    ``dtype`` (rows in the packed order: with act order, multiply ``x[:, perm]``)."""
+    q, s, z = packed["qweight"], packed["scales"], packed["zeros"]
+    pack = 32 // bits
+    k, n = q.shape[0] * pack, q.shape[1]
+    w_t = torch.empty((k, n), dtype=dtype, device=q.device)
+    block_r, block_n = 8, 128
+    grid = (triton.cdiv(q.shape[0], block_r), triton.cdiv(n, block_n))
+    _wna16_dequant_kernel[grid](
+        q, s, z, w_t, q.shape[0], n, group_size, q.stride(0), s.stride(0), w_t.stride(0),
+        BITS=bits, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+    return w_t
 
 
 class TritonWNA16Linear:
@@ -375,8 +546,20 @@ class TritonWNA16Linear:
         )
         perm_arg = perm if perm is not None else q
         bias_arg = bias if bias is not None else s
-        if m <= MAX_SKINNY_M:
-            block_n, block_k, warps, split, dot = _skinny_config(
+        if m == 1:
+            block_n, block_k, tiles, warps, split = _gemv_config(
+                n, k, group_size, pack, _sm_count(x.device)
+            )
+            grid_n = triton.cdiv(n, block_n)
+            part, counters = _SCRATCH.get(x.device, split * n, grid_n) if split > 1 else (y, y)
+            _wna16_gemv_kernel[(grid_n, split)](
+                x2, q, s, z, perm_arg, bias_arg, y, part, counters,
+                n, k, k // split, group_size, q.stride(0), s.stride(0),
+                BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles, SPLIT_K=split,
+                HAS_PERM=perm is not None, HAS_BIAS=bias is not None, num_warps=warps,
+            )  # fmt: skip
+        elif m <= MAX_SKINNY_M:
+            block_n, block_k, warps, split = _skinny_config(
                 m, n, k, group_size, pack, _sm_count(x.device)
             )
             grid_n = triton.cdiv(n, block_n)
@@ -388,9 +571,15 @@ class TritonWNA16Linear:
                 x2, q, s, z, perm_arg, bias_arg, y, part, counters,
                 m, n, k, k // split, group_size,
                 x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
-                BLOCK_M=16 if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-                DOT=dot, num_warps=warps, num_stages=3, **common,
+                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                num_warps=warps, num_stages=3, **common,
             )  # fmt: skip
+        elif m >= DENSE_MIN_ROWS:
+            w_t = dequantize_t(packed, bits=bits, group_size=group_size, dtype=x.dtype)
+            xp = x2.index_select(1, perm) if perm is not None else x2
+            torch.mm(xp, w_t, out=y)
+            if bias is not None:
+                y += bias
         else:
             block_m, block_n, block_k, warps, stages = _gemm_config(m, n, k, group_size, pack)
             grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)

@@ -262,10 +262,11 @@ def _skinny_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int
     if dot:
         block_n, block_k, warps = 64, 128, 4
     elif mb == 1:
-        # quant_benchmark --sweep on the Llama-3.1-8B projections (H200, 2026-12-06): 8 rows
-        # x 512 bytes for the wide layers (qkv 9.81 us, gate_up 34.21), 8 x 1024 for o and
-        # down (6.92, 17.40); 4 x 1024 with 2 warps, the earlier choice, was 1-4% slower.
-        block_n, block_k, warps = 8, (512 if n > 4096 else 1024), 4
+        # The bf16 kernel's measured choice for the 8B shapes (4 rows x 512, 2 warps) at the
+        # same bytes per load. The H200 sweep of 2026-12-06 found 8 rows x 512/1024 bytes with
+        # 4 warps 1-4% faster (docs/benchmarks.md); not the default until the GPU tests have
+        # run on it.
+        block_n, block_k, warps = 4, 1024, 2
     elif mb == 2:
         block_n, block_k, warps = 16, 256, 4
     else:

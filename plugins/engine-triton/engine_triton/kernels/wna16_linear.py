@@ -411,20 +411,24 @@ def _block_k(group: int, k: int, pack: int, limit: int) -> int:
 
 
 def _gemv_config(n: int, k: int, group: int, pack: int, sms: int):
-    """(block_n, block_k, tiles, num_warps, split_k) of the one-row kernel, from
-    ``quant_benchmark --sweep`` on the Llama-3.1-8B projections (H200, 2026-12-06): 32
-    features, 4 K tiles per iteration, 2 warps and K split in 4 (qkv 12.38 us, o 10.73, down
-    26.66); 64 features, one tile and 4 warps where N alone gives many programs (gate_up
-    39.40 against 44.29)."""
+    """(block_n, block_k, tiles, num_warps, split_k) of the one-row kernel: 64 features
+    (256-byte rows of packed words), about 512 input features per iteration, and K split
+    until about three programs per SM. The H200 sweep of 2026-12-06 (docs/benchmarks.md) found
+    32 features with 2 warps and a split of 4 faster on qkv, o and down (12.38 against 16.57
+    us on qkv), one tile per iteration faster on gate_up; not the default until the GPU tests
+    have run on it."""
     block_k = _block_k(group, k, pack, 128)
-    if triton.cdiv(n, 32) >= 4 * sms:
-        block_n, tiles, warps = 64, 1, 4
-    else:
-        block_n, tiles, warps = 32, max(1, 512 // block_k), 2
+    tiles = max(1, 512 // block_k)
+    block_n = 64
     split = 1
-    while split < 4 and k % (block_k * split * 2) == 0 and k // (split * 2) >= tiles * block_k:
+    while (
+        triton.cdiv(n, block_n) * split < 3 * sms
+        and split < 16
+        and k % (block_k * split * 2) == 0
+        and k // (split * 2) >= tiles * block_k
+    ):
         split *= 2
-    return block_n, block_k, tiles, warps, split
+    return block_n, block_k, tiles, 4, split
 
 
 def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):

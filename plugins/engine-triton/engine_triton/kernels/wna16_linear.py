@@ -14,12 +14,19 @@ path (``tl.dot`` of x against the integer tile) loses nothing either. The conver
 trick, not a type conversion (``_dot_operand``): Hopper converts integers to floats at a
 quarter of its integer rate, which bounded these kernels by arithmetic instead of memory.
 
-* ``_wna16_skinny_kernel`` — decode (M <= 16): a stream over the 4-bit weights (half a byte per
-  weight, read once), ``BLOCK_N`` features per program, split-K with the last-arriving program
-  summing the partials (``linear.py``'s scheme and workspace), FMA for one row, ``tl.dot``
-  (rows padded to 16) for more.
-* ``_wna16_gemm_kernel`` — prefill and large decode batches: tiled ``tl.dot`` GEMM with the
+* ``_wna16_gemv_kernel`` — one row (batch-1 decode): a stream over the packed weights (half a
+  byte per 4-bit weight, read once), several K tiles per iteration, each field turned into the
+  float ``1 + q / 2**bits`` by a shift and an AND-OR (``_unit_field``), split-K with the
+  last-arriving program summing the partials (``_store_split``: ``linear.py``'s scheme and
+  workspace).
+* ``_wna16_skinny_kernel`` — 2-16 rows: the same split-K stream, ``tl.dot`` with the rows
+  padded to 16.
+* ``_wna16_gemm_kernel`` — 17 to ``DENSE_MIN_ROWS - 1`` rows: tiled ``tl.dot`` GEMM with the
   same per-tile correction.
+* ``DENSE_MIN_ROWS`` rows or more (prefill, large decode batches): the layer's weight
+  dequantized to the activation dtype (``dequantize_t``) and multiplied by cuBLAS, which beat
+  the fused GEMM 2-3.7x on the Llama-3.1-8B projections at 256 and 1,024 rows (H200,
+  ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

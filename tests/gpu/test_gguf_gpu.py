@@ -50,20 +50,10 @@ def test_gguf_linear_at_model_sizes(name, n, k, m):
 
 def test_tiny_gguf_through_the_engine_matches_the_dequantized_file(tmp_path):
     from engine import LLM, SamplingParams
-    from engine.testing.tiny_gguf import write_tiny_gemma3_gguf
+    from engine.testing.tiny_gguf import MIXED_TYPES, write_tiny_gemma3_gguf
 
-    types = {
-        "token_embd": "Q8_0",
-        "attn_q": "Q4_K",
-        "attn_k": "Q4_K",
-        "attn_v": "Q6_K",
-        "attn_output": "Q5_K",
-        "ffn_gate": "Q4_0",
-        "ffn_up": "Q5_0",
-        "ffn_down": "Q8_0",
-    }
     path = write_tiny_gemma3_gguf(
-        tmp_path / "k.gguf", seed=3, types=types, hidden_size=256, intermediate_size=512
+        tmp_path / "k.gguf", seed=3, types=MIXED_TYPES, hidden_size=256, intermediate_size=512
     )
     prompts = [{"prompt_token_ids": p} for p in ([2, 9, 11, 40, 3], [2, 100], list(range(10, 60)))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

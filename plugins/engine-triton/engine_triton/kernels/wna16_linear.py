@@ -438,7 +438,7 @@ def _gemv_config(n: int, k: int, group: int, pack: int, sms: int):
     return block_n, block_k, tiles, 4, split
 
 
-def _skinny_config(m: int, n: int, k: int, group: int, pack: int, sms: int):
+def _skinny_config(n: int, k: int, group: int, pack: int, sms: int):
     """(block_n, block_k, num_warps, split_k) of the tensor-core kernel for 2-16 rows: split
     K until about two waves over the SMs."""
     block_k = _block_k(group, k, pack, 128)
@@ -571,7 +571,7 @@ class TritonWNA16Linear:
             )  # fmt: skip
         elif m <= MAX_SKINNY_M:
             block_n, block_k, warps, split = _skinny_config(
-                m, n, k, group_size, pack, _sm_count(x.device)
+                n, k, group_size, pack, _sm_count(x.device)
             )
             grid_n = triton.cdiv(n, block_n)
             if split > 1:

@@ -241,3 +241,68 @@ def test_argmax_model_vocabularies(vocab, n, seed):
             assert out.dtype == torch.int64
             assert torch.equal(out, expected), f"seed={seed}"
             assert int(out[0]) == 11
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_programmatic_dependent_launch_chain_in_a_cuda_graph(rows, seed, monkeypatch):
+    """With programmatic dependent launch (``kernels/pdl.py``) each kernel may start before the
+    one it depends on has finished, and waits for it inside the kernel. A chain of dependent
+    decode kernels (norms, split-K GEMVs sharing one workspace, the gated activation, FP8 and
+    4-bit GEMVs, argmax), eager and captured in a CUDA graph replayed with new inputs, gives
+    results bit-identical to the same kernels launched without PDL."""
+    from engine_triton.kernels import activation, argmax, fp8_linear, linear, norm, pdl
+    from engine_triton.kernels.wna16_linear import wna16_linear
+
+    device = torch.device("cuda")
+    if not pdl.pdl_enabled(device):
+        pytest.skip("PDL needs an sm_90+ CUDA device (and ENGINE_TRITON_PDL not 0)")
+    h, inter, h2, vocab = 2048, 5632, 3072, 32000
+    bf = torch.bfloat16
+
+    def weight(n, k):
+        return (torch.randn(n, k, device=device) * k**-0.5).to(bf)
+
+    w_norm, w_norm2 = torch.randn(h, device=device).to(bf), torch.randn(h, device=device).to(bf)
+    w_gate_up, w_down, w_head = weight(2 * inter, h), weight(h, inter), weight(vocab, h)
+    w_fp8 = (torch.randn(h2, h, device=device) * 16).to(torch.float8_e4m3fn)
+    fp8_scale = torch.rand(h2, device=device) * 1e-3 + 1e-4
+    q4 = torch.randint(0, 16, (h, h2), device=device, dtype=torch.uint8)
+    s4 = (torch.rand(h, h2 // 128, device=device) * 0.02 + 1e-3).half()
+    z4 = torch.randint(0, 16, (h, h2 // 128), device=device, dtype=torch.uint8)
+    packed = wna16_linear.prepack(q4, s4, z4, bits=4, group_size=128)
+    split = linear.SkinnyConfig(16, 128, 4, 3, split_k=4)
+
+    def chain(x, residual):
+        a = norm.rms_norm(x, w_norm, 1e-6)
+        b = activation.silu_and_mul(linear.skinny_linear(a, w_gate_up))
+        c = linear.skinny_linear(b, w_down, None, split)
+        d, r = norm.fused_add_rms_norm(c, residual, w_norm2, 1e-6)
+        e = fp8_linear.fp8_linear(d, w_fp8, fp8_scale)
+        f = wna16_linear(e, packed, bits=4, group_size=128)
+        logits = linear.skinny_linear(f, w_head)
+        return a, b, c, d, r, e, f, logits, argmax.argmax(logits)
+
+    def reference(x, residual):
+        monkeypatch.setenv(pdl.ENV, "0")
+        try:
+            return [t.clone() for t in chain(x, residual)]
+        finally:
+            monkeypatch.delenv(pdl.ENV)
+
+    def check(got, want, what):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(g, w), f"seed={seed} rows={rows} {what}: output {i} differs"
+
+    x = torch.randn(rows, h, device=device).to(bf)
+    residual = torch.randn(rows, h, device=device).to(bf)
+    check(chain(x, residual), reference(x, residual), "eager")  # also compiles both variants
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(x, residual)
+    for i in range(5):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(outs, reference(x, residual), f"replay {i}")

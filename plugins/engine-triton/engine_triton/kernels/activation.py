@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _tanh(x):
@@ -18,8 +20,16 @@ def _tanh(x):
 
 @triton.jit
 def _act_and_mul_kernel(
-    x_ptr, out_ptr, x_stride, out_stride, inter, ACT: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    out_ptr,
+    x_stride,
+    out_stride,
+    inter,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -44,8 +54,9 @@ def _launch(x: torch.Tensor, act: int) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     if rows:
         _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, ACT=act, BLOCK=block, num_warps=4
-        )
+            x2, out, x2.stride(0), out.stride(0), inter, ACT=act, BLOCK=block, num_warps=4,
+            **pdl_launch(x.device),
+        )  # fmt: skip
     return out.view(*x.shape[:-1], inter)
 
 

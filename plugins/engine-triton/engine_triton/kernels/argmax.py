@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from engine_triton.kernels.linear import _sm_count
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
 MIN_CHUNK = 1024  # fewest logits per program when a row is split
 BLOCK = 1024
@@ -62,7 +63,9 @@ def _argmax_kernel(
     splits,
     MAX_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     lo = split * chunk
@@ -179,5 +182,6 @@ def argmax(logits: torch.Tensor, splits: int | None = None) -> torch.Tensor:
         MAX_SPLITS=MAX_SPLITS,
         BLOCK=BLOCK,
         num_warps=4,
+        **pdl_launch(logits.device),
     )
     return out

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from engine_triton.kernels.kv_cache import _to_fp8
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
 
@@ -259,7 +260,9 @@ def _decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -614,4 +617,5 @@ def paged_decode(
         KV_FP8=fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_launch(query.device),
     )

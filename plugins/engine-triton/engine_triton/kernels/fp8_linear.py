@@ -30,6 +30,7 @@ import triton.language as tl
 
 from engine.kernels.quantized import FP8_MAX, FP8_MIN_SCALE
 from engine_triton.kernels.linear import _SCRATCH, SM_COUNT_FALLBACK, _sm_count, m_bucket
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_SKINNY_M = 16
 # Decode batches (M <= 16) of a W8A8 layer skip the activation quantization and multiply the
@@ -59,7 +60,9 @@ def _quant_fp8_kernel(
     STATIC: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     start = g * GROUP
@@ -115,6 +118,7 @@ def quantize_fp8(
         FP8_MAX_C=FP8_MAX,
         MIN_SCALE=FP8_MIN_SCALE,
         num_warps=4,
+        **pdl_launch(x.device),
     )
     return q, scales
 
@@ -146,7 +150,9 @@ def _fp8_skinny_kernel(
     W_SCALE_SCALAR: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -336,6 +342,7 @@ def fp8_skinny(
         EVEN_K=k % (block_k * split) == 0,
         num_warps=warps,
         num_stages=3,
+        **pdl_launch(x.device),
     )
     return y
 

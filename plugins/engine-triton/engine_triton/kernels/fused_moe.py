@@ -50,6 +50,7 @@ import triton.language as tl
 
 from engine.kernels import reference as ref
 from engine_triton.kernels.linear import _Scratch
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_ROUTER_EXPERTS = 1024  # register-resident softmax; more experts take the torch reference
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,7 +68,9 @@ def _topk_softmax_kernel(
     K_POW2: tl.constexpr,
     E_POW2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, E_POW2)
     valid = lanes < E
@@ -118,6 +121,7 @@ def moe_topk_softmax(
         E_POW2=e_pow2,
         RENORMALIZE=bool(renormalize),
         num_warps=1 if e_pow2 <= 256 else 4,
+        **pdl_launch(logits.device),
     )
     return weights, ids
 
@@ -228,7 +232,9 @@ def _decode_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair)
@@ -280,7 +286,9 @@ def _decode_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // TOP_K
@@ -600,13 +608,13 @@ def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig) -> None:
     _decode_gate_up_kernel[(pairs, triton.cdiv(i, cfg.gate_up_n))](
         x, w13, ids, inter, pairs, h, i, x.stride(0), w13.stride(0), w13.stride(1),
         TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k, EVEN_K=h % cfg.gate_up_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     _decode_down_kernel[(pairs, grid_n)](
         inter, w2, ids, weights, out, ws, counters, t, h, i, w2.stride(0), w2.stride(1),
         out.stride(0),
         TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN_K=i % cfg.down_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
 
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+
 
 # The slot mapping is sliced past the decodes, so its alignment changes from step to step; do
 # not compile a variant per alignment (see attention._prefill_kernel).
@@ -33,7 +35,9 @@ def _write_kv_kernel(
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
     FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     h = tl.arange(0, HEADS_PAD)[:, None]
@@ -98,4 +102,5 @@ def write_kv_cache(
         DIM_PAD=triton.next_power_of_2(head_size),
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
+        **pdl_launch(key.device),
     )

@@ -41,6 +41,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+
 MAX_M = 16
 DTYPES = (torch.bfloat16, torch.float16)
 # Device types ``linear`` sends to the kernel (ROCm's torch reports "cuda" too). Interpreter
@@ -271,7 +273,9 @@ def _skinny_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -439,6 +443,7 @@ def skinny_linear(
         PRECISION=precision,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch(x.device),
     )
     return y
 

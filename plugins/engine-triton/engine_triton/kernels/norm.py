@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -30,7 +32,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -94,6 +98,7 @@ def _launch(x, residual, weight, eps):
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=num_warps,
+            **pdl_launch(x.device),
         )
     return out.view(x.shape), res_out.view(x.shape)
 

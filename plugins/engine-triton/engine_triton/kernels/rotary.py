@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+
 
 def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
     """A new contiguous ``[T, heads * head_size]`` copy of ``x`` (one copy, whatever its
@@ -119,7 +121,9 @@ def _qk_norm_rotary_kernel(
     K_HEADS_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     TAIL_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     half = rot_dim // 2
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -194,6 +198,7 @@ def qk_norm_rotary(
             HALF_PAD=half_pad,
             TAIL_PAD=triton.next_power_of_2(tail) if tail > 0 else 0,
             num_warps=num_warps,
+            **pdl_launch(q.device),
         )
     if q is not query:
         query.copy_(q.view(query.shape))

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from engine.quantization.utils import pack_int32
 from engine_triton.kernels.linear import _SCRATCH, _sm_count
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_SKINNY_M = 16
 # From this many rows on, the weight is dequantized to the activation dtype and multiplied by
@@ -132,7 +133,9 @@ def _wna16_skinny_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     MAGIC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -249,6 +252,7 @@ def _wna16_gemv_kernel(
     SPLIT_K: tl.constexpr,
     HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One row (batch-1 decode): each iteration loads ``TILES`` K tiles of packed words at
     once, ``[TILES, BLOCK_K / PACK, BLOCK_N]`` (each tile inside one group), so that enough
@@ -256,6 +260,7 @@ def _wna16_gemv_kernel(
     kernel waiting on load latency at a third of the bandwidth). Per field, ``_unit_field``
     gives ``v = 1 + q / 2**BITS`` and one FMA accumulates ``x * v``; per tile and feature,
     ``sum x (q - z) = 2**BITS * sum(x v) - (2**BITS + z) * sum(x)``."""
+    pdl_wait(USE_PDL)
     PACK: tl.constexpr = 32 // BITS
     R: tl.constexpr = BLOCK_K // PACK
     ONE: tl.constexpr = 1 << BITS
@@ -568,6 +573,7 @@ class TritonWNA16Linear:
                 n, k, k // split, group_size, q.stride(0), s.stride(0),
                 BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles, SPLIT_K=split,
                 HAS_PERM=perm is not None, HAS_BIAS=bias is not None, num_warps=warps,
+                **pdl_launch(x.device),
             )  # fmt: skip
         elif m <= MAX_SKINNY_M:
             block_n, block_k, warps, split = _skinny_config(
@@ -583,7 +589,7 @@ class TritonWNA16Linear:
                 m, n, k, k // split, group_size,
                 x2.stride(0), q.stride(0), s.stride(0), y.stride(0),
                 BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-                num_warps=warps, num_stages=3, **common,
+                num_warps=warps, num_stages=3, **common, **pdl_launch(x.device),
             )  # fmt: skip
         elif m >= DENSE_MIN_ROWS:
             w_t = dequantize_t(packed, bits=bits, group_size=group_size, dtype=x.dtype)

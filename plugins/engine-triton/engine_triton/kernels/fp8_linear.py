@@ -268,11 +268,10 @@ def _skinny_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int
     if dot:
         block_n, block_k, warps = 64, 128, 4
     elif mb == 1:
-        # The bf16 kernel's measured choice for the 8B shapes (4 rows x 512, 2 warps) at the
-        # same bytes per load. The H200 sweep of 2026-12-06 found 8 rows x 512/1024 bytes with
-        # 4 warps 1-4% faster (docs/benchmarks.md); not the default until the GPU tests have
-        # run on it.
-        block_n, block_k, warps = 4, 1024, 2
+        # The H200 sweep of 2026-12-06 (docs/benchmarks.md): 8 rows of 1,024 bytes (512 for
+        # the widest layers) with 4 warps, 1-4% faster on the 8B projections than the bf16
+        # kernel's choice at the same bytes per load (4 rows x 1,024, 2 warps).
+        block_n, block_k, warps = 8, 512 if n > 4096 else 1024, 4
     elif mb == 2:
         block_n, block_k, warps = 16, 256, 4
     else:

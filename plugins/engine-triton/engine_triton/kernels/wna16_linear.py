@@ -44,6 +44,8 @@ MAX_SKINNY_M = 16
 # cuBLAS (``dequantize_t``): the fused GEMM unpacks every weight once per row tile, which costs
 # more than writing and reading the dense weight once when there are hundreds of rows.
 DENSE_MIN_ROWS = 256
+# 1.0f's bits, the one-row kernel's ``one_bits`` argument (see ``_unit_field``).
+ONE_BITS = 0x3F800000
 
 
 @triton.jit
@@ -212,11 +214,13 @@ def _store_split(
 
 
 @triton.jit
-def _unit_field(words, j: tl.constexpr, BITS: tl.constexpr):
+def _unit_field(words, j: tl.constexpr, BITS: tl.constexpr, one_bits):
     """Field ``j`` of every word as the float32 ``1 + q / 2**BITS``: the field is shifted to
     the top of the mantissa and OR-ed into 1.0's bits (a shift and one AND-OR per weight, no
     integer-to-float conversion, which runs at a quarter of the integer rate on Hopper, and no
-    subtraction: the caller removes the 1 once per tile through ``sum(x)``)."""
+    subtraction: the caller removes the 1 once per tile through ``sum(x)``). ``one_bits`` is
+    1.0's bit pattern passed as a kernel argument: held in a register, the mask and the OR
+    fuse into one three-input LOP3, where two immediates (one per instruction) took two."""
     shift: tl.constexpr = 23 - BITS - j * BITS
     if shift > 0:
         moved = words << shift
@@ -225,7 +229,7 @@ def _unit_field(words, j: tl.constexpr, BITS: tl.constexpr):
     else:
         moved = words
     mant: tl.constexpr = ((1 << BITS) - 1) << (23 - BITS)
-    return ((moved & mant) | 0x3F800000).to(tl.float32, bitcast=True)
+    return ((moved & mant) | one_bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -245,6 +249,7 @@ def _wna16_gemv_kernel(
     GROUP,
     stride_qk,
     stride_sg,
+    one_bits,
     BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -293,7 +298,7 @@ def _wna16_gemv_kernel(
             if HAS_PERM:
                 offs = tl.load(perm_ptr + offs, mask=t_ok[:, None], other=0)
             xj = tl.load(x_ptr + offs, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            part += _unit_field(words, j, BITS) * xj[:, :, None]
+            part += _unit_field(words, j, BITS, one_bits) * xj[:, :, None]
             xs += xj
         acc += s[:, None, :] * (part * ONE - (z[:, None, :] + ONE) * xs[:, :, None])
     out = tl.sum(tl.sum(acc, axis=0), axis=0)[None, :]
@@ -423,24 +428,27 @@ def _block_k(group: int, k: int, pack: int, limit: int) -> int:
 
 
 def _gemv_config(n: int, k: int, group: int, pack: int, sms: int):
-    """(block_n, block_k, tiles, num_warps, split_k) of the one-row kernel: 64 features
-    (256-byte rows of packed words), about 512 input features per iteration, and K split
-    until about three programs per SM. The H200 sweep of 2026-12-06 (docs/benchmarks.md) found
-    32 features with 2 warps and a split of 4 faster on qkv, o and down (12.38 against 16.57
-    us on qkv), one tile per iteration faster on gate_up; not the default until the GPU tests
-    have run on it."""
+    """(block_n, block_k, tiles, num_warps, split_k) of the one-row kernel: the fastest of the
+    H200 sweep of 2026-12-06 on the Llama-3.1-8B projections (docs/benchmarks.md): 32
+    features, four 128-wide K tiles per iteration, 2 warps and K split in 4 (qkv 12.38 us
+    against 16.57 for 64 features with 4 warps and the split filling the SMs three times);
+    for very wide layers (gate_up, N = 28,672: enough feature blocks already) 64 features, one
+    tile per iteration, 4 warps (39.40 us against 54.99). K is split in 4, or further (up to
+    16) until the programs fill the SMs twice, as far as K holds whole iterations."""
     block_k = _block_k(group, k, pack, 128)
-    tiles = max(1, 512 // block_k)
-    block_n = 64
+    if n >= 16384:
+        block_n, tiles, warps = 64, 1, 4
+    else:
+        block_n, tiles, warps = 32, max(1, 512 // block_k), 2
     split = 1
     while (
-        triton.cdiv(n, block_n) * split < 3 * sms
+        (split < 4 or triton.cdiv(n, block_n) * split < 2 * sms)
         and split < 16
         and k % (block_k * split * 2) == 0
         and k // (split * 2) >= tiles * block_k
     ):
         split *= 2
-    return block_n, block_k, tiles, 4, split
+    return block_n, block_k, tiles, warps, split
 
 
 def _skinny_config(n: int, k: int, group: int, pack: int, sms: int):
@@ -541,11 +549,11 @@ class TritonWNA16Linear:
         group_size: int,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q, s, z = packed["qweight"], packed["scales"], packed["zeros"]
         perm = packed.get("perm")
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        q, s, z = packed["qweight"], packed["scales"], packed["zeros"]
         m, k = x2.shape
         n = q.shape[1]
         pack = 32 // bits
@@ -570,7 +578,7 @@ class TritonWNA16Linear:
             part, counters = _SCRATCH.get(x.device, split * n, grid_n) if split > 1 else (y, y)
             _wna16_gemv_kernel[(grid_n, split)](
                 x2, q, s, z, perm_arg, bias_arg, y, part, counters,
-                n, k, k // split, group_size, q.stride(0), s.stride(0),
+                n, k, k // split, group_size, q.stride(0), s.stride(0), ONE_BITS,
                 BITS=bits, BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles, SPLIT_K=split,
                 HAS_PERM=perm is not None, HAS_BIAS=bias is not None, num_warps=warps,
                 **pdl_launch(x.device),

@@ -78,8 +78,14 @@ def test_fp8_block_linear_at_8b_sizes(n, k, m, seed):
 
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 128)])
-def test_wna16_linear_at_8b_sizes(n, k, m, bits, group, seed):
+@pytest.mark.parametrize(
+    "bits,group,layout",
+    [(4, 128, "triton"), (4, 32, "triton"), (8, 128, "triton"), (4, 128, "int4pack"),
+     (4, 32, "int4pack")],
+)  # fmt: skip
+def test_wna16_linear_at_8b_sizes(n, k, m, bits, group, layout, seed):
+    """Both layouts: the Triton kernels' (``prepack`` without the activation dtype, or for
+    8 bits) and torch's int4 tiles (what a bf16 model's 4-bit layers get)."""
     from engine_triton.kernels.wna16_linear import wna16_linear
 
     maxq = (1 << bits) - 1
@@ -88,12 +94,16 @@ def test_wna16_linear_at_8b_sizes(n, k, m, bits, group, seed):
     z = torch.randint(0, maxq + 1, (n, k // group), device="cuda", dtype=torch.uint8)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     kw = dict(bits=bits, group_size=group)
-    got = wna16_linear(x, wna16_linear.prepack(q, s, z, **kw), **kw)
+    dtype = torch.bfloat16 if layout == "int4pack" else None
+    packed = wna16_linear.prepack(q, s, z, dtype=dtype, **kw)
+    assert ("int4pack" in packed) == (layout == "int4pack")
+    got = wna16_linear(x, packed, **kw)
     want = ref.wna16_linear(x, ref.wna16_linear.prepack(q, s, z, **kw), **kw)
     assert _rel_err(got, want) < 1e-2, f"seed={seed}"
 
 
-def test_wna16_act_order(seed):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_wna16_act_order(dtype, seed):
     from engine_triton.kernels.wna16_linear import wna16_linear
 
     n, k, group = 4096, 4096, 128
@@ -102,11 +112,31 @@ def test_wna16_act_order(seed):
     z = torch.full((n, k // group), 8, device="cuda", dtype=torch.uint8)
     perm = torch.randperm(k, device="cuda")
     kw = dict(bits=4, group_size=group)
-    for m in (1, 300):
+    for m in (1, 16, 17, 300):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        got = wna16_linear(x, wna16_linear.prepack(q, s, z, perm=perm, **kw), **kw)
+        got = wna16_linear(x, wna16_linear.prepack(q, s, z, perm=perm, dtype=dtype, **kw), **kw)
         want = ref.wna16_linear(x, ref.wna16_linear.prepack(q, s, z, perm=perm, **kw), **kw)
-        assert _rel_err(got, want) < 1e-2
+        assert _rel_err(got, want) < 1e-2, f"seed={seed} m={m}"
+
+
+@pytest.mark.parametrize("n,k", [(64, 256), (24, 96), (4096, 4096), (6144, 14336)])
+def test_int4pack_reference_packer_matches_torch(n, k, seed):
+    """``int4pack.pack_reference`` (the layout from its description, what the CPU tests use)
+    is exactly torch's CUDA converter, and the Triton dequantization of torch's words is the
+    weight torch's own kernel multiplies by (same products at 16 rows)."""
+    from engine_triton.kernels import int4pack
+
+    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+    s = torch.rand(n, k // 32, device="cuda") * 0.01 + 0.001
+    z = torch.randint(0, 16, (n, k // 32), device="cuda", dtype=torch.uint8)
+    packed = int4pack.pack(q, s, z, 32)  # torch's converter on CUDA
+    inner = int4pack.inner_k_tiles(k)
+    assert torch.equal(packed["int4pack"], int4pack.pack_reference(q, inner)), f"seed={seed}"
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    dense = int4pack.dequantize(packed, n, 32)
+    got = torch._weight_int4pack_mm(x, packed["int4pack"], 32, packed["scale_zero"])
+    want = x.float() @ dense.float().t()
+    assert _rel_err(got, want) < 1e-2, f"seed={seed}"
 
 
 @pytest.mark.parametrize("m", [1, 300])

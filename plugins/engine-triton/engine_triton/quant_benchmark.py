@@ -6,8 +6,10 @@ For each projection (qkv, o, gate_up, down) and batch rows M, microseconds per c
 CUDA graph of 100 back-to-back calls (weight copies rotated so HBM, not L2, is read), and the
 weight bandwidth that implies, for: bf16 (cuBLAS), FP8 W8A8 as the model runs it (weight-only
 arithmetic up to 16 rows, then the per-token quantizer plus cuBLASLt), FP8 W8A8 quantizing
-the activations at every size, FP8 weight-only, and AWQ-style W4A16 with groups of 128. Then the
-decode step's matmul time (x 32 layers) per method, which bounds batch-1 tokens/s.
+the activations at every size, FP8 weight-only, and AWQ-style W4A16 with groups of 128 as a bf16
+model runs it (torch's int4 tiles on NVIDIA sm_80+, ``int4pack.py``) and in the Triton kernels'
+layout (``w4a16_g128_triton``). Then the decode step's matmul time (x 32 layers) per method,
+which bounds batch-1 tokens/s.
 
 ``--sweep`` also tries kernel configurations per shape and prints the fastest (candidates for
 the defaults in ``fp8_linear.py`` / ``wna16_linear.py``): the FP8 skinny kernel and the W4A16
@@ -97,7 +99,13 @@ def _calls(torch, fp8_mod, w4_mod, n: int, k: int, device: str = "cuda"):
     q = torch.randint(0, 16, (n, k), device=dev, dtype=torch.uint8)
     s = (torch.rand(n, k // 128, device=dev) * 0.01).half()
     z = torch.full((n, k // 128), 8, device=dev, dtype=torch.uint8)
-    w4 = _copies(lambda: w4_mod.wna16_linear.prepack(q, s, z, bits=4, group_size=128), n * k // 2)
+    # As a bf16 model's layers get them (torch's int4 tiles where available), and in the Triton
+    # kernels' layout (what the configuration sweeps time).
+    w4 = _copies(
+        lambda: w4_mod.wna16_linear.prepack(q, s, z, bits=4, group_size=128, dtype=torch.bfloat16),
+        n * k // 2,
+    )
+    w4t = _copies(lambda: w4_mod.wna16_linear.prepack(q, s, z, bits=4, group_size=128), n * k // 2)
 
     def f_bf16(x, i):
         return torch.nn.functional.linear(x, bf16[i % len(bf16)])
@@ -119,16 +127,21 @@ def _calls(torch, fp8_mod, w4_mod, n: int, k: int, device: str = "cuda"):
     def f_w4(x, i):
         return w4_mod.wna16_linear(x, w4[i % len(w4)], bits=4, group_size=128)
 
+    def f_w4_triton(x, i):
+        return w4_mod.wna16_linear(x, w4t[i % len(w4t)], bits=4, group_size=128)
+
     calls = {
         "bf16": f_bf16,
         "fp8_w8a8": f_fp8,
         "fp8_w8a8_quantized": f_fp8_q,
         "fp8_weight_only": f_fp8_wo,
         "w4a16_g128": f_w4,
+        "w4a16_g128_triton": f_w4_triton,
     }
     nbytes = {"bf16": 2 * n * k, "fp8_w8a8": n * k, "fp8_w8a8_quantized": n * k}
     nbytes["fp8_weight_only"] = n * k
     nbytes["w4a16_g128"] = n * k // 2 + 4 * n * (k // 128)
+    nbytes["w4a16_g128_triton"] = nbytes["w4a16_g128"]
     return calls, nbytes
 
 
@@ -165,11 +178,13 @@ def _sweep_shape(name, k, calls, fp8_mod, w4_mod, graph_us, torch, device="cuda"
         _sweep(graph_us, fp8_mod, "_skinny_config", FP8_CANDIDATES, calls["fp8_w8a8"], x1),
     )
     gemv = [c for c in W4_GEMV_CANDIDATES if k % (c[1] * c[4]) == 0]
-    report("w4a16 M=1", _sweep(graph_us, w4_mod, "_gemv_config", gemv, calls["w4a16_g128"], x1))
+    report(
+        "w4a16 M=1", _sweep(graph_us, w4_mod, "_gemv_config", gemv, calls["w4a16_g128_triton"], x1)
+    )
     skinny = [c for c in W4_SKINNY_CANDIDATES if k % (c[1] * c[3]) == 0]
     report(
         "w4a16 M=16",
-        _sweep(graph_us, w4_mod, "_skinny_config", skinny, calls["w4a16_g128"], x16),
+        _sweep(graph_us, w4_mod, "_skinny_config", skinny, calls["w4a16_g128_triton"], x16),
     )
     dense_rows = w4_mod.DENSE_MIN_ROWS
     try:
@@ -177,11 +192,11 @@ def _sweep_shape(name, k, calls, fp8_mod, w4_mod, graph_us, torch, device="cuda"
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             w4_mod.DENSE_MIN_ROWS = 1 << 30
             timings = _sweep(
-                graph_us, w4_mod, "_gemm_config", W4_GEMM_CANDIDATES, calls["w4a16_g128"], x
+                graph_us, w4_mod, "_gemm_config", W4_GEMM_CANDIDATES, calls["w4a16_g128_triton"], x
             )
-            current = round(graph_us(lambda i, x=x: calls["w4a16_g128"](x, i)), 2)
+            current = round(graph_us(lambda i, x=x: calls["w4a16_g128_triton"](x, i)), 2)
             w4_mod.DENSE_MIN_ROWS = 1
-            dense = round(graph_us(lambda i, x=x: calls["w4a16_g128"](x, i)), 2)
+            dense = round(graph_us(lambda i, x=x: calls["w4a16_g128_triton"](x, i)), 2)
             timings = sorted(timings + [(dense, "dense")], key=lambda t: t[0])
             report(f"w4a16 GEMM M={m}", timings, current)
     finally:

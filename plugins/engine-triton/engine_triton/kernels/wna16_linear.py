@@ -27,6 +27,10 @@ quarter of its integer rate, which bounded these kernels by arithmetic instead o
   dequantized to the activation dtype (``dequantize_t``) and multiplied by cuBLAS, which beat
   the fused GEMM 2-3.7x on the Llama-3.1-8B projections at 256 and 1,024 rows (H200,
   ``docs/benchmarks.md``).
+
+4-bit layers of bf16 models on NVIDIA sm_80+ take none of these: ``prepack`` stores them in
+torch's int4 tile layout and ``int4pack.py`` multiplies them (torch's kernel up to 16 rows,
+dequantize + cuBLAS above), faster at every batch size measured (``INT4PACK``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import triton
 import triton.language as tl
 
 from engine.quantization.utils import pack_int32
+from engine_triton.kernels import int4pack
 from engine_triton.kernels.linear import _SCRATCH, _sm_count
 from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
@@ -44,6 +49,9 @@ MAX_SKINNY_M = 16
 # cuBLAS (``dequantize_t``): the fused GEMM unpacks every weight once per row tile, which costs
 # more than writing and reading the dense weight once when there are hundreds of rows.
 DENSE_MIN_ROWS = 256
+# 4-bit layers of bf16 models on NVIDIA sm_80+ keep torch's int4 tile layout and multiply
+# with its kernel (``int4pack.py``); False keeps them on the Triton kernels below.
+INT4PACK = True
 # 1.0f's bits, the one-row kernel's ``one_bits`` argument (see ``_unit_field``).
 ONE_BITS = 0x3F800000
 
@@ -526,6 +534,12 @@ class TritonWNA16Linear:
         perm: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:
+        n, k = qweight.shape
+        if INT4PACK and int4pack.supported(n, k, bits, group_size, qweight.device, dtype):
+            packed = int4pack.pack(qweight, scales, zeros, group_size)
+            if perm is not None:
+                packed["perm"] = perm.to(torch.int32).contiguous()
+            return packed
         # Scales travel with the weights: 2 bytes each where that is exact (checkpoints store
         # float16; the loader holds them in float32), zero points as float16 integers.
         scale_dtype = scales.dtype
@@ -553,6 +567,9 @@ class TritonWNA16Linear:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        if "int4pack" in packed:
+            y = int4pack.linear(x2, packed, group_size, bias, perm)
+            return y.view(*x.shape[:-1], y.shape[-1])
         q, s, z = packed["qweight"], packed["scales"], packed["zeros"]
         m, k = x2.shape
         n = q.shape[1]

@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.quantized import FP8_MAX, FP8_MIN_SCALE
+from engine_triton.kernels import pdl
 from engine_triton.kernels.linear import _SCRATCH, SM_COUNT_FALLBACK, _sm_count, m_bucket
-from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+from engine_triton.kernels.pdl import pdl_launch, pdl_prefetch_wait, pdl_wait
 
 MAX_SKINNY_M = 16
 # Decode batches (M <= 16) of a W8A8 layer skip the activation quantization and multiply the
@@ -151,8 +152,8 @@ def _fp8_skinny_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -164,6 +165,10 @@ def _fp8_skinny_kernel(
     kk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if PREFETCH:  # one row, whole K tiles, PDL: the first weight tile loads before the wait
+        w_first = pdl_prefetch_wait(w_rows + (k_lo + kk)[None, :], USE_PDL)
+    else:
+        pdl_wait(USE_PDL)
 
     if DOT:
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -182,7 +187,11 @@ def _fp8_skinny_kernel(
         acc = tl.trans(acc_t)
     elif BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_start = k_lo
+        if PREFETCH:
+            acc2 += w_first.to(tl.float32) * tl.load(x_ptr + k_lo + kk).to(tl.float32)[None, :]
+            k_start = k_lo + BLOCK_K
+        for k0 in range(k_start, k_hi, BLOCK_K):
             offs = k0 + kk
             if EVEN_K:
                 w = tl.load(w_rows + offs[None, :])
@@ -314,6 +323,8 @@ def fp8_skinny(
     else:
         part, counters = y, y
     x_mode = 0 if x_scale is None else (2 if static_x_scale else 1)
+    even_k = k % (block_k * split) == 0
+    launch = pdl_launch(x.device)
     _fp8_skinny_kernel[(grid_n, split)](
         x,
         x_scale if x_scale is not None else weight_scale,
@@ -338,10 +349,11 @@ def fp8_skinny(
         X_SCALE=x_mode,
         W_SCALE_SCALAR=weight_scale.numel() == 1,
         HAS_BIAS=bias is not None,
-        EVEN_K=k % (block_k * split) == 0,
+        EVEN_K=even_k,
         num_warps=warps,
         num_stages=3,
-        **pdl_launch(x.device),
+        PREFETCH=pdl.PREFETCH_WEIGHTS and bool(launch) and not dot and m_bucket(m) == 1 and even_k,
+        **launch,
     )
     return y
 

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+from engine_triton.kernels import pdl
+from engine_triton.kernels.pdl import pdl_launch, pdl_prefetch_wait, pdl_wait
 
 MAX_M = 16
 DTYPES = (torch.bfloat16, torch.float16)
@@ -274,8 +275,8 @@ def _skinny_kernel(
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -288,6 +289,10 @@ def _skinny_kernel(
     kk = tl.arange(0, BLOCK_K)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if PREFETCH:  # one row, whole K tiles, PDL: the first weight tile loads before the wait
+        w_first = pdl_prefetch_wait(w_rows + (k_lo + kk)[None, :], USE_PDL)
+    else:
+        pdl_wait(USE_PDL)
 
     if DOT:
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T: W is the MMA's A
@@ -304,7 +309,11 @@ def _skinny_kernel(
         acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
     elif BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_start = k_lo
+        if PREFETCH:
+            acc2 += w_first.to(tl.float32) * tl.load(x_ptr + k_lo + kk).to(tl.float32)[None, :]
+            k_start = k_lo + BLOCK_K
+        for k0 in range(k_start, k_hi, BLOCK_K):
             offs = k0 + kk
             if EVEN_K:
                 w = tl.load(w_rows + offs[None, :])
@@ -419,6 +428,8 @@ def skinny_linear(
     if bias is not None:
         bias = bias if bias.stride(0) == 1 else bias.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    even_k = k % (cfg.block_k * split) == 0
+    launch = pdl_launch(x.device)
     _skinny_kernel[(grid_n, split)](
         x,
         weight,
@@ -439,11 +450,12 @@ def skinny_linear(
         SPLIT_K=split,
         DOT=cfg.dot,
         HAS_BIAS=bias is not None,
-        EVEN_K=k % (cfg.block_k * split) == 0,
+        EVEN_K=even_k,
         PRECISION=precision,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl_launch(x.device),
+        PREFETCH=pdl.PREFETCH_WEIGHTS and bool(launch) and block_m == 1 and not cfg.dot and even_k,
+        **launch,
     )
     return y
 

@@ -10,10 +10,11 @@ programmatic edges, so the captured decode graphs get the same overlap.
 
 The contract, for every kernel launched with ``**pdl_launch(device)``:
 
-* it takes ``USE_PDL: tl.constexpr`` and calls ``pdl_wait(USE_PDL)`` as its first statement,
-  before any load of data an earlier kernel may write (activations, caches, counters,
-  workspaces) and before any store (its output may reuse memory that the predecessor is still
-  reading); no program may return before it;
+* it takes ``USE_PDL: tl.constexpr`` and calls ``pdl_wait(USE_PDL)`` before any load of data
+  an earlier kernel may write (activations, caches, counters, workspaces) and before any store
+  (its output may reuse memory that the predecessor is still reading); no program may return
+  before it. Only index arithmetic may precede it, or, through ``pdl_prefetch_wait``, the load
+  of a first weight tile;
 * ``pdl_wait`` then lets the next kernel in the stream launch. Because every PDL kernel waits
   for its predecessor's completion before it completes, completion stays transitive along the
   stream, as without PDL.
@@ -32,6 +33,9 @@ import triton
 import triton.language as tl
 
 ENV = "ENGINE_TRITON_PDL"
+# One-row weight-streaming kernels (the bf16 and FP8 skinny GEMVs) load their first weight tile
+# before waiting for the previous kernel (``pdl_prefetch_wait``); False waits first.
+PREFETCH_WEIGHTS = True
 _SUPPORTED: dict[int, bool] = {}
 
 
@@ -42,6 +46,16 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_prefetch_wait(ptrs, USE_PDL: tl.constexpr):
+    """Load ``ptrs`` (memory no kernel writes: weights), then ``pdl_wait``; returns the loaded
+    tile. A weight-streaming kernel's first tile is then in flight while the previous kernel
+    drains, instead of after it."""
+    tile = tl.load(ptrs)
+    pdl_wait(USE_PDL)
+    return tile
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -50,9 +50,13 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 @triton.jit
 def pdl_prefetch_wait(ptrs, USE_PDL: tl.constexpr):
-    """Load ``ptrs`` (memory no kernel writes: weights), then ``pdl_wait``; returns the loaded
-    tile. A weight-streaming kernel's first tile is then in flight while the previous kernel
-    drains, instead of after it."""
+    """Load ``ptrs``, then ``pdl_wait``; returns the loaded tile. A weight-streaming kernel's
+    first tile is then in flight while the previous kernel drains, instead of after it.
+
+    Only for memory that the kernel right before this one cannot be writing: the load is not
+    ordered after it. Weights qualify: they are written at load time, and LoRA slot copies
+    (the rows a LoRA layer appends to its weight) happen between steps, so a norm or an
+    activation kernel that waits for them always comes between them and a GEMV."""
     tile = tl.load(ptrs)
     pdl_wait(USE_PDL)
     return tile

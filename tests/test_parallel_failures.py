@@ -44,36 +44,8 @@ def worker_pids(llm: LLM) -> list[int]:
     return [w["pid"] for w in llm.llm_engine.runner.workers]
 
 
-def wait_gone(pids: list[int], timeout: float = DEADLINE_S) -> list[int]:
-    """The pids still alive (zombies count as alive) after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in pids if psutil.pid_exists(p)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.02)
-
-
-def wait_exited(pids: list[int], timeout: float = DEADLINE_S) -> list[int]:
-    """The pids still running after up to ``timeout`` seconds, for orphans: unlike
-    ``wait_gone``, a zombie counts as exited. Once their parent is dead, reaping them falls to
-    the machine's init process, which neither the engine nor the test controls (a busy CI
-    machine's PID 1 left one unreaped past the deadline)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.02)
-
-
 def _states(pids: list[int]) -> dict[int, str]:
+    """Each pid's process status, or "gone"."""
     states = {}
     for pid in pids:
         try:
@@ -81,6 +53,22 @@ def _states(pids: list[int]) -> dict[int, str]:
         except psutil.NoSuchProcess:
             states[pid] = "gone"
     return states
+
+
+def wait_gone(pids: list[int], timeout: float = DEADLINE_S, *, orphans: bool = False) -> list[int]:
+    """The pids still alive after up to ``timeout`` seconds. Zombies count as alive, except
+    for ``orphans``: once their parent is dead, reaping them falls to the machine's init
+    process, which neither the engine nor the test controls (a busy CI machine's PID 1 left
+    one unreaped past the deadline), so there a zombie counts as exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if orphans:
+            alive = [p for p, s in _states(pids).items() if s not in ("gone", psutil.STATUS_ZOMBIE)]
+        else:
+            alive = [p for p in pids if psutil.pid_exists(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
 
 
 def test_worker_killed_while_idle_is_noticed_and_nothing_is_left(llama_dir):
@@ -153,7 +141,7 @@ def test_killing_the_engine_process_kills_its_workers(llama_dir, tmp_path):
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
         proc.kill()
         proc.wait()
-        left = wait_exited(pids)
+        left = wait_gone(pids, orphans=True)
         assert left == [], f"workers outlived their engine: {_states(left)}"
     finally:
         proc.kill()

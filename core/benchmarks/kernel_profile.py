@@ -7,6 +7,14 @@ prompts, runs them until every one is decoding, then records ``--steps`` engine 
 step and share of the step's kernel time, plus the wall time per step. With captured decode
 graphs the kernels inside each replay are listed the same way (CUPTI reports them); add
 ``--enforce-eager`` to see the eager launches instead.
+
+A kernel's own duration overstates what it costs when kernels overlap: with programmatic
+dependent launch (``engine_triton/kernels/pdl.py``) a kernel starts while its predecessor still
+runs and waits inside, so its duration includes that wait. The *path* column charges each
+kernel only the time by which it extends the timeline (its end minus the latest end before it,
+in start order), so the path times and the idle gaps add up to the GPU span exactly. Idle gaps
+shorter than ``--gap-split-us`` (default 20) are counted as launch gaps between kernels of one
+step; longer ones as host time between steps.
 """
 
 from __future__ import annotations
@@ -35,6 +43,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="Profiled decode steps.")
     parser.add_argument("--top", type=int, default=25, help="Kernels listed.")
     parser.add_argument(
+        "--gap-split-us",
+        type=float,
+        default=20.0,
+        help="Idle gaps shorter than this count as launch gaps, longer ones as host time.",
+    )
+    parser.add_argument(
         "--phase",
         choices=("decode", "prefill"),
         default="decode",
@@ -43,15 +57,43 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _kernel_events(prof: Any) -> list[tuple[str, float]]:
-    """(name, microseconds) of every GPU kernel/memcpy the profiler saw."""
+def _kernel_events(prof: Any) -> list[tuple[str, float, float, float]]:
+    """(name, microseconds, start, end) of every GPU kernel/memcpy the profiler saw; start and
+    end in the profiler's microsecond clock."""
     out = []
     for ev in prof.events():
         device_type = str(getattr(ev, "device_type", ""))
         if "CUDA" not in device_type:
             continue
-        out.append((ev.name, float(ev.device_time) if hasattr(ev, "device_time") else 0.0))
+        us = float(ev.device_time) if hasattr(ev, "device_time") else 0.0
+        span = getattr(ev, "time_range", None)
+        start = float(span.start) if span is not None else 0.0
+        end = float(span.end) if span is not None else start + us
+        out.append((ev.name, us, start, end))
     return out
+
+
+def critical_path(
+    events: Sequence[tuple[str, float, float, float]], gap_split_us: float
+) -> tuple[dict[str, float], float, float]:
+    """Per kernel name, the microseconds by which its launches extend the GPU timeline (end
+    minus the latest earlier end, in start order); plus the idle time in gaps shorter than
+    ``gap_split_us`` (between the kernels of a step) and in longer ones (host time)."""
+    path: dict[str, float] = defaultdict(float)
+    short_idle = long_idle = 0.0
+    latest_end = None
+    for name, _, start, end in sorted(events, key=lambda e: (e[2], e[3])):
+        if latest_end is None:
+            latest_end = start
+        gap = start - latest_end
+        if gap > 0:
+            if gap < gap_split_us:
+                short_idle += gap
+            else:
+                long_idle += gap
+        path[name] += max(0.0, end - max(start, latest_end))
+        latest_end = max(latest_end, end)
+    return path, short_idle, long_idle
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,9 +127,12 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - start
     engine.abort_request([f"p{i}" for i in range(args.batch_size)])
 
+    events = _kernel_events(prof)
     per_name: dict[str, list[float]] = defaultdict(list)
-    for name, us in _kernel_events(prof):
+    for name, us, _, _ in events:
         per_name[name].append(us)
+    path, launch_idle, host_idle = critical_path(events, args.gap_split_us)
+    steps = args.steps
     gpu_us = sum(sum(v) for v in per_name.values()) / args.steps
     rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
     print(
@@ -95,13 +140,28 @@ def run(args: argparse.Namespace) -> int:
         f"ms/step, kernel time {gpu_us / 1e3:.3f} ms/step, "
         f"{sum(len(v) for v in per_name.values()) / args.steps:.0f} kernels/step"
     )
-    print(f"{'us/step':>9} {'share':>6} {'calls':>6}  kernel")
+    print(
+        f"GPU timeline per step: {sum(path.values()) / steps:.1f} us in kernels (path), "
+        f"{launch_idle / steps:.1f} us idle in gaps < {args.gap_split_us:g} us, "
+        f"{host_idle / steps:.1f} us idle in longer gaps"
+    )
+    print(f"{'us/step':>9} {'share':>6} {'path us':>8} {'calls':>6}  kernel")
     table = []
     for name, times in rows[: args.top]:
-        us = sum(times) / args.steps
-        calls = len(times) / args.steps
-        table.append({"kernel": name, "us_per_step": round(us, 2), "calls_per_step": calls})
-        print(f"{us:9.1f} {100 * us / max(gpu_us, 1e-9):5.1f}% {calls:6.1f}  {name[:110]}")
+        us = sum(times) / steps
+        calls = len(times) / steps
+        table.append(
+            {
+                "kernel": name,
+                "us_per_step": round(us, 2),
+                "path_us_per_step": round(path[name] / steps, 2),
+                "calls_per_step": calls,
+            }
+        )
+        print(
+            f"{us:9.1f} {100 * us / max(gpu_us, 1e-9):5.1f}% {path[name] / steps:8.1f} "
+            f"{calls:6.1f}  {name[:100]}"
+        )
     lora_us = sum(sum(t) for name, t in per_name.items() if "lora" in name.lower()) / args.steps
     lora_calls = sum(len(t) for name, t in per_name.items() if "lora" in name.lower()) / args.steps
     if loras or lora_calls:
@@ -117,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
             "context_len": args.context_len,
             "wall_ms_per_step": round(1e3 * wall / args.steps, 4),
             "kernel_ms_per_step": round(gpu_us / 1e3, 4),
+            "path_ms_per_step": round(sum(path.values()) / steps / 1e3, 4),
+            "launch_gap_ms_per_step": round(launch_idle / steps / 1e3, 4),
+            "host_gap_ms_per_step": round(host_idle / steps / 1e3, 4),
             "kernels": table,
             "lora_kernel_us_per_step": round(lora_us, 2),
             "lora_kernel_share": round(lora_us / max(gpu_us, 1e-9), 4),

@@ -91,6 +91,31 @@ def test_decode_split_kv(dtype, splits, window, cap, append, device, seed):
     _check(out, batch, scale, window, cap, dtype, seed)
 
 
+@pytest.mark.parametrize("splits", [8, 32])
+def test_decode_combines_only_the_splits_a_context_fills(splits, device, seed):
+    """Many splits over contexts of different lengths and a group of 8 query heads per KV
+    head (Qwen3-30B-A3B's 32/4): a long context fills several splits and is combined across
+    them; a short one fills one and is written without a combine; the unused splits exit."""
+    from engine.kernels.reference import write_kv_cache
+    from engine_triton.kernels.attention import paged_decode
+
+    batch = make_batch([1, 1, 1, 1], [300, 70, 16, 2], 16, 2, 32, 16, torch.float32, device)
+    meta = _tensors(batch, device)
+    expected_cache = batch.kv_cache.clone()
+    write_kv_cache(batch.key, batch.value, expected_cache, meta.slot_mapping)
+    out = torch.full_like(batch.query, float("nan"))
+    counters = torch.zeros(4 * 2, dtype=torch.int32, device=device)
+    for _ in range(2):  # the counters left at zero serve the next launch
+        paged_decode(
+            batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, 4, 0.2,
+            num_splits=splits, split_counters=counters, key=batch.key, value=batch.value,
+            slot_mapping=meta.slot_mapping,
+        )  # fmt: skip
+        assert not counters.any(), "the arrival counters must be left at zero"
+    assert torch.equal(batch.kv_cache.cpu(), expected_cache.cpu()), f"seed={seed}"
+    _check(out, batch, 0.2, None, None, torch.float32, seed)
+
+
 def test_decode_skips_empty_padding_rows(device, seed):
     """A padded graph batch has requests of length 0: their output is zero, never NaN."""
     from engine_triton.kernels.attention import paged_decode

@@ -15,11 +15,14 @@ so every key/value tile is loaded once for the whole group. In the prefill kerne
 one (token, head-in-group) pair: ``BLOCK_M`` rows hold ``BLOCK_M // G`` tokens.
 
 Decode (flash-decoding): the grid is ``(requests, kv_heads, splits)``; each program reduces one
-slice of the context to a partial output and a log-sum-exp, and the last program of each
-(request, KV head) to finish (an atomic arrival counter) combines the slices, so one launch does
-it all. The same launch also appends each request's newest key/value to the cache. ``splits``
-depends only on the batch size and head count, and every length is read from device tensors, so
-the launch can be captured in a CUDA graph and replayed with new lengths.
+slice of the context (a whole number of tiles) to a partial output and a log-sum-exp, and the
+last program of each (request, KV head) to finish (an atomic arrival counter) combines the
+slices, all G heads of the group at once, so one launch does it all. A context shorter than the
+splits fills only the first few (the rest exit at once) and is combined over those; one that
+fits in a single slice is written without a combine. The same launch also appends each
+request's newest key/value to the cache. ``splits`` depends only on the batch size and head
+count, and every length is read from device tensors, so the launch can be captured in a CUDA
+graph and replayed with new lengths.
 """
 
 from __future__ import annotations
@@ -251,7 +254,7 @@ def _decode_kernel(
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
     APPEND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
@@ -270,8 +273,14 @@ def _decode_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    # Each split takes a whole number of tiles; trailing splits may get nothing.
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    # Each split takes a whole number of tiles (at least one); the first ``used`` splits hold
+    # the context and the rest exit at once, so a short context is combined over only the
+    # splits it fills (and one that fits in a single split is written without a combine).
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N), 1) * BLOCK_N
+    used = tl.maximum(tl.cdiv(seq_len - lo, per_split), 1)
+    if SPLIT_KV:
+        if split >= used:
+            return
     s_lo = lo + split * per_split
     s_hi = tl.minimum(s_lo + per_split, seq_len)
     cache_hi = s_hi
@@ -336,9 +345,11 @@ def _decode_kernel(
     o_mask = g_ok[:, None] & d_mask[None, :]
     if not SPLIT_KV:
         tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), o_mask)
+    elif used == 1:
+        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), o_mask)
     else:
         # Partials [B, num_heads, splits, HEAD_PAD] and log2-sum-exp [B, num_heads, splits];
-        # the last of the (request, KV head)'s splits to arrive combines them (one launch).
+        # the last of the (request, KV head)'s used splits to arrive combines them (one launch).
         idx = (seq * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -347,28 +358,39 @@ def _decode_kernel(
         # Every warp's partial stores must be issued before the (single-thread) arrival.
         tl.debug_barrier()
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == num_splits - 1:
+        if arrived == used - 1:
             tl.atomic_xchg(counter, 0)  # ready for the next launch
-            sp = tl.arange(0, MAX_SPLITS)
-            sp_ok = sp < num_splits
-            for gi in tl.static_range(G):  # one query head of the group at a time
-                base = (seq * num_heads + kv_head * G + gi) * num_splits
-                lse_all = tl.load(
-                    part_lse_ptr + base + sp, mask=sp_ok, other=float("-inf"), cache_modifier=".cg"
+            # All G heads at once, split by split: the loop is unrolled over SPLITS_POW2 and
+            # holds no store, so its loads are all in flight together (a loop over the heads
+            # with a store per head waited for memory once per head).
+            base = (seq * num_heads + head) * num_splits  # [G_PAD]
+            sp = tl.arange(0, SPLITS_POW2)
+            lse_all = tl.load(
+                part_lse_ptr + base[:, None] + sp[None, :],
+                mask=g_ok[:, None] & (sp < used)[None, :],
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            m_all = tl.max(lse_all, axis=1)
+            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+            total = tl.sum(tl.exp2(lse_all - m_all[:, None]), axis=1)
+            merged = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
+            for s in tl.static_range(SPLITS_POW2):
+                s_ok = g_ok & (s < used)
+                lse_s = tl.load(
+                    part_lse_ptr + base + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg"
                 )
-                m_all = tl.max(lse_all, axis=0)
-                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-                w = tl.exp2(lse_all - m_all)
-                total = tl.sum(w, axis=0)
-                parts = tl.load(
-                    part_out_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :],
-                    mask=sp_ok[:, None],
+                part = tl.load(
+                    part_out_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :],
+                    mask=s_ok[:, None],
                     other=0.0,
                     cache_modifier=".cg",
                 )
-                merged = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-                h_row = seq * o_stride_t + (kv_head * G + gi).to(tl.int64) * o_stride_h
-                tl.store(out_ptr + h_row + d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+                merged += part * tl.exp2(lse_s - m_all)[:, None]
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(
+                out_ptr + o_rows[:, None] + d[None, :], merged.to(out_ptr.dtype.element_ty), o_mask
+            )
 
 
 def _interpreted(t: torch.Tensor) -> bool:
@@ -606,7 +628,7 @@ def paged_decode(
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         SPLIT_KV=num_splits > 1,
-        MAX_SPLITS=MAX_SPLITS,
+        SPLITS_POW2=triton.next_power_of_2(num_splits),
         APPEND=append,
         BLOCK_N=cfg["block_n"],
         PAGE=page,

@@ -156,6 +156,10 @@ LINEAR_SHAPES = {
     "llama-gate_up": (28672, 4096),
     "llama-down": (4096, 14336),
     "llama-lm_head": (128256, 4096),
+    "moe-qkv": (5120, 2048),  # Qwen3-30B-A3B's attention and router projections
+    "moe-o": (2048, 4096),
+    "moe-router": (128, 2048),
+    "moe-lm_head": (151936, 2048),
 }
 LINEAR_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 

@@ -205,6 +205,10 @@ LINEAR_SHAPES = {
     "llama-8b gate_up": (28672, 4096, 32),
     "llama-8b down": (4096, 14336, 32),
     "llama-8b lm_head": (128256, 4096, 1),
+    "qwen3-30b-a3b qkv": (5120, 2048, 48),
+    "qwen3-30b-a3b o": (2048, 4096, 48),
+    "qwen3-30b-a3b router": (128, 2048, 48),
+    "qwen3-30b-a3b lm_head": (151936, 2048, 1),
 }
 GRAPH_CALLS = 100
 L2_ROTATE_BYTES = 256 << 20  # weight copies a graph cycles through, well past the 50 MB L2

@@ -133,6 +133,11 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig | None] = {
     (4, 128256, 4096): C(128, 128, 4, 3, 1, True),  # llama-8b lm_head: 235.11 vs 242.42
     (8, 128256, 4096): C(128, 128, 4, 3, 1, True),  # llama-8b lm_head: 233.91 vs 241.3
     (16, 128256, 4096): C(128, 128, 4, 3, 1, True),  # llama-8b lm_head: 235.97 vs 246.46
+    # Qwen3-30B-A3B at one row, measured on an H100 (2026-12-06, same tool, us/call in a graph).
+    # Its lm_head (151936 x 2048) keeps the rule: 194.19 against 194.30 with C(4, 512, 2, 4).
+    (1, 5120, 2048): C(8, 1024, 8, 2, 1, False),  # qkv: 7.68; C(4, 512, 2, 4) 8.44; cuBLAS 9.34
+    (1, 2048, 4096): C(8, 1024, 8, 2, 1, False),  # o: 6.85; C(4, 512, 2, 4) 7.92; cuBLAS 10.64
+    (1, 128, 2048): C(8, 1024, 8, 2, 1, False),  # router: 1.83; rule 3.02; cuBLAS 5.15
 }
 
 

@@ -66,3 +66,39 @@ def test_run_quant_benches_through_common_sh(tmp_path: Path) -> None:
     assert set(results) == {"fp8-b1", "awq-b1"}
     assert not list(out.glob("*-b1.json"))  # merged into results.json, the parts removed
     assert "--quantization fp8" in log.read_text()
+
+
+def test_ab_base_extracts_the_plugin_at_a_commit(tmp_path: Path) -> None:
+    """``ab_base.sh REV`` leaves REV's ``engine_triton`` package (not the working tree's) in
+    ``ab_base/``, replacing an earlier copy."""
+    repo = tmp_path / "repo"
+    pkg = repo / "plugins" / "engine-triton" / "engine_triton"
+    pkg.mkdir(parents=True)
+    (repo / "tests" / "gpu").mkdir(parents=True)
+    shutil.copy(GPU / "ab_base.sh", repo / "tests" / "gpu" / "ab_base.sh")
+    (pkg / "kernel.py").write_text("VERSION = 1\n")
+
+    def git(*args: str) -> str:
+        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+        done = subprocess.run(["git", "-C", str(repo), *args], check=True, env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        return done.stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    first = git("rev-parse", "HEAD")
+    (pkg / "kernel.py").write_text("VERSION = 2\n")
+    git("commit", "-qam", "two")
+    (pkg / "kernel.py").write_text("VERSION = 3\n")  # uncommitted
+    (repo / "ab_base" / "engine_triton").mkdir(parents=True)
+    (repo / "ab_base" / "engine_triton" / "stale.py").write_text("")
+    script = repo / "tests" / "gpu" / "ab_base.sh"
+    out = subprocess.run(["bash", str(script), first], check=True, capture_output=True, text=True)
+    assert first[:7] in out.stdout
+    copy = repo / "ab_base" / "engine_triton"
+    assert (copy / "kernel.py").read_text() == "VERSION = 1\n"
+    assert not (copy / "stale.py").exists()
+    subprocess.run(["bash", str(script), "HEAD"], check=True, capture_output=True)
+    assert (copy / "kernel.py").read_text() == "VERSION = 2\n"

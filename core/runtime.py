@@ -63,9 +63,21 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
 def resolve_dtype(config: EngineConfig, hf_config: Any, platform: Any) -> None:
     """Turn ``dtype="auto"`` into the checkpoint's dtype; the platform's ``default_dtype``
     where the checkpoint declares none (a GGUF file); float32 where the platform cannot
-    compute in the declared one (logged, since the user asked for "auto", not for a dtype)."""
-    if config.model.dtype != "auto":
-        return
+    compute in the declared one (logged, since the user asked for "auto", not for a dtype).
+    A dtype the platform only emulates is kept, with a warning."""
+    if config.model.dtype == "auto":
+        _resolve_auto_dtype(config, hf_config, platform)
+    if config.model.dtype in platform.emulated_dtypes():
+        logger.warning(
+            "dtype %s has no native arithmetic on platform %s here: its matmuls are emulated "
+            "and run slower than float32's (2-5x at 16 rows on an AVX2-only CPU, "
+            "docs/benchmarks.md); --dtype float32 is faster here, at twice the weight memory",
+            config.model.dtype,
+            platform.name,
+        )
+
+
+def _resolve_auto_dtype(config: EngineConfig, hf_config: Any, platform: Any) -> None:
     from engine.loader.model_loader import declared_dtype
 
     # The loader reads the top-level dtype, then the text_config's (multimodal configs).

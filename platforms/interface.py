@@ -124,6 +124,13 @@ class Platform:
         return "float32"
 
     @classmethod
+    def emulated_dtypes(cls) -> tuple[str, ...]:
+        """Supported dtypes this device computes without native arithmetic, so slower than
+        float32 (bfloat16 on a CPU without AVX512-BF16 or AMX). The engine keeps such a dtype
+        when it is asked for or declared by the checkpoint, and warns."""
+        return ()
+
+    @classmethod
     def scheduler_defaults(cls, config: EngineConfig) -> tuple[int, int] | None:
         """``(max_num_seqs, max_num_batched_tokens)`` for the limits the user left unset,
         chosen for this device and ``config.scheduler.usage`` ("offline" for the ``LLM``

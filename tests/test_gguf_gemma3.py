@@ -158,6 +158,30 @@ def test_auto_dtype_of_a_gguf_file_is_the_platforms(tiny, monkeypatch, caplog, n
     assert f"the checkpoint declares no dtype: dtype=auto uses {want} on cpu" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "native_bf16,dtype,warned",
+    [(False, "bfloat16", True), (True, "bfloat16", False), (False, "auto", False)],
+    ids=["emulated-bf16", "native-bf16", "auto-on-emulated"],
+)
+def test_an_emulated_dtype_is_kept_with_a_warning(
+    tiny, monkeypatch, caplog, native_bf16, dtype, warned
+):
+    """bfloat16 asked for on a CPU without native bf16 arithmetic runs as asked, and the log
+    says it is slower there than float32 and how to choose that; on a CPU with it, or with
+    ``auto`` (which takes float32 there), nothing is said."""
+    import logging
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with caplog.at_level(logging.INFO, logger="engine.runtime"):
+        llm = tiny_llm(tiny[0], dtype=dtype)
+    assert llm.llm_engine.config.model.dtype == ("float32" if dtype == "auto" else dtype)
+    said = "dtype bfloat16 has no native arithmetic on platform cpu" in caplog.text
+    assert said == warned, caplog.text
+    if warned:
+        assert "--dtype float32 is faster here" in caplog.text
+
+
 def test_registry_serves_gemma3_text(tmp_path):
     """Only the text architecture is registered; anything else names what is supported."""
     from engine.models.registry import ModelRegistry

@@ -39,6 +39,15 @@ def _vm_hwm_bytes() -> int | None:
     return None
 
 
+def _native_bf16() -> bool:
+    """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX), by torch's own
+    feature probes (private: absent ones count as no)."""
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 class CpuPlatform(Platform):
     """Runs on the host CPU. Always available, lowest priority (0).
 
@@ -64,12 +73,13 @@ class CpuPlatform(Platform):
         """bfloat16 on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX), where oneDNN's
         bf16 matmuls run about twice as fast as float32 on half the bytes (docs/benchmarks.md);
         float32 elsewhere, where bf16 is emulated and slower."""
-        import torch
+        return "bfloat16" if _native_bf16() else "float32"
 
-        # torch's own CPU feature probes (private: absent ones count as no).
-        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        native = any(getattr(torch.cpu, name, lambda: False)() for name in probes)
-        return "bfloat16" if native else "float32"
+    @classmethod
+    def emulated_dtypes(cls) -> tuple[str, ...]:
+        """bfloat16 on a CPU without AVX512-BF16 or AMX: there its matmuls ran 2-5x slower
+        than float32's at 16 rows (an AVX2-only AMD EPYC, docs/benchmarks.md)."""
+        return () if _native_bf16() else ("bfloat16",)
 
     @classmethod
     def device_count(cls) -> int:

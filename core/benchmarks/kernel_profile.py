@@ -127,18 +127,18 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - start
     engine.abort_request([f"p{i}" for i in range(args.batch_size)])
 
+    steps = args.steps
     events = _kernel_events(prof)
     per_name: dict[str, list[float]] = defaultdict(list)
     for name, us, _, _ in events:
         per_name[name].append(us)
     path, launch_idle, host_idle = critical_path(events, args.gap_split_us)
-    steps = args.steps
-    gpu_us = sum(sum(v) for v in per_name.values()) / args.steps
+    gpu_us = sum(sum(v) for v in per_name.values()) / steps
     rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
     print(
-        f"batch {args.batch_size}, context {args.context_len}: wall {1e3 * wall / args.steps:.3f} "
+        f"batch {args.batch_size}, context {args.context_len}: wall {1e3 * wall / steps:.3f} "
         f"ms/step, kernel time {gpu_us / 1e3:.3f} ms/step, "
-        f"{sum(len(v) for v in per_name.values()) / args.steps:.0f} kernels/step"
+        f"{sum(len(v) for v in per_name.values()) / steps:.0f} kernels/step"
     )
     print(
         f"GPU timeline per step: {sum(path.values()) / steps:.1f} us in kernels (path), "
@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
             f"{us:9.1f} {100 * us / max(gpu_us, 1e-9):5.1f}% {path[name] / steps:8.1f} "
             f"{calls:6.1f}  {name[:100]}"
         )
-    lora_us = sum(sum(t) for name, t in per_name.items() if "lora" in name.lower()) / args.steps
-    lora_calls = sum(len(t) for name, t in per_name.items() if "lora" in name.lower()) / args.steps
+    lora_us = sum(sum(t) for name, t in per_name.items() if "lora" in name.lower()) / steps
+    lora_calls = sum(len(t) for name, t in per_name.items() if "lora" in name.lower()) / steps
     if loras or lora_calls:
         print(
             f"LoRA kernels: {lora_us:.1f} us/step ({100 * lora_us / max(gpu_us, 1e-9):.1f}% of "
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             "benchmark": "kernel_profile",
             "batch_size": args.batch_size,
             "context_len": args.context_len,
-            "wall_ms_per_step": round(1e3 * wall / args.steps, 4),
+            "wall_ms_per_step": round(1e3 * wall / steps, 4),
             "kernel_ms_per_step": round(gpu_us / 1e3, 4),
             "path_ms_per_step": round(sum(path.values()) / steps / 1e3, 4),
             "launch_gap_ms_per_step": round(launch_idle / steps / 1e3, 4),

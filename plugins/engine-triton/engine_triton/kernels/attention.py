@@ -254,7 +254,7 @@ def _decode_kernel(
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
+    COMBINE_CHUNK: tl.constexpr,
     APPEND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
@@ -343,54 +343,79 @@ def _decode_kernel(
         out = out * v_scale
     o_rows = seq * o_stride_t + head.to(tl.int64) * o_stride_h
     o_mask = g_ok[:, None] & d_mask[None, :]
-    if not SPLIT_KV:
-        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), o_mask)
-    elif used == 1:
-        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), o_mask)
-    else:
-        # Partials [B, num_heads, splits, HEAD_PAD] and log2-sum-exp [B, num_heads, splits];
-        # the last of the (request, KV head)'s used splits to arrive combines them (one launch).
-        idx = (seq * num_heads + head) * num_splits + split
-        tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=g_ok[:, None])
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + idx, lse, mask=g_ok)
-        counter = counter_ptr + seq * num_kv_heads + kv_head
-        # Every warp's partial stores must be issued before the (single-thread) arrival.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == used - 1:
-            tl.atomic_xchg(counter, 0)  # ready for the next launch
-            # All G heads at once, split by split: the loop is unrolled over SPLITS_POW2 and
-            # holds no store, so its loads are all in flight together (a loop over the heads
-            # with a store per head waited for memory once per head).
-            base = (seq * num_heads + head) * num_splits  # [G_PAD]
-            sp = tl.arange(0, SPLITS_POW2)
-            lse_all = tl.load(
-                part_lse_ptr + base[:, None] + sp[None, :],
-                mask=g_ok[:, None] & (sp < used)[None, :],
-                other=float("-inf"),
+    o_ptrs = out_ptr + o_rows[:, None] + d[None, :]
+    if SPLIT_KV:
+        if used > 1:
+            # Partials [B, num_heads, splits, HEAD_PAD] and log2-sum-exp [B, num_heads, splits];
+            # the last of the (request, KV head)'s used splits to arrive combines them (one
+            # launch).
+            idx = (seq * num_heads + head) * num_splits + split
+            tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=g_ok[:, None])
+            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+            tl.store(part_lse_ptr + idx, lse, mask=g_ok)
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            # Every warp's partial stores must be issued before the (single-thread) arrival.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == used - 1:
+                tl.atomic_xchg(counter, 0)  # ready for the next launch
+                merged = _combine_splits(
+                    part_out_ptr, part_lse_ptr, (seq * num_heads + head) * num_splits, g_ok, d,
+                    used, HEAD_PAD, G_PAD, COMBINE_CHUNK,
+                )  # fmt: skip
+                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), o_mask)
+            return
+    # No split, or a context that fits in one split: this program holds the whole answer.
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), o_mask)
+
+
+@triton.jit
+def _combine_splits(
+    part_out_ptr,
+    part_lse_ptr,
+    base,
+    g_ok,
+    d,
+    used,
+    HEAD_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The G heads' partial outputs of splits ``0..used-1`` (rows ``base + s``), merged by
+    their log2-sum-exp weights: an online merge over chunks of ``CHUNK`` splits. Within a
+    chunk the loop is unrolled and holds no store, so its loads are in flight together (a
+    loop over the heads with a store per head waited for memory once per head); the chunk
+    loop runs at run time, so one compiled variant serves every split count."""
+    m_run = tl.full([G_PAD], -1.0e30, tl.float32)
+    total = tl.zeros([G_PAD], tl.float32)
+    merged = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
+    for c in range(0, used, CHUNK):
+        sp = c + tl.arange(0, CHUNK)
+        lse_c = tl.load(
+            part_lse_ptr + base[:, None] + sp[None, :],
+            mask=g_ok[:, None] & (sp < used)[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m_run, tl.max(lse_c, axis=1))
+        alpha = tl.exp2(m_run - m_new)
+        total = total * alpha + tl.sum(tl.exp2(lse_c - m_new[:, None]), axis=1)
+        merged = merged * alpha[:, None]
+        for s in tl.static_range(CHUNK):
+            s_ok = g_ok & (c + s < used)
+            row = base + c + s
+            lse_s = tl.load(
+                part_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg"
+            )
+            part = tl.load(
+                part_out_ptr + row[:, None] * HEAD_PAD + d[None, :],
+                mask=s_ok[:, None],
+                other=0.0,
                 cache_modifier=".cg",
             )
-            m_all = tl.max(lse_all, axis=1)
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            total = tl.sum(tl.exp2(lse_all - m_all[:, None]), axis=1)
-            merged = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
-            for s in tl.static_range(SPLITS_POW2):
-                s_ok = g_ok & (s < used)
-                lse_s = tl.load(
-                    part_lse_ptr + base + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg"
-                )
-                part = tl.load(
-                    part_out_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :],
-                    mask=s_ok[:, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                merged += part * tl.exp2(lse_s - m_all)[:, None]
-            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-            tl.store(
-                out_ptr + o_rows[:, None] + d[None, :], merged.to(out_ptr.dtype.element_ty), o_mask
-            )
+            merged += part * tl.exp2(lse_s - m_new)[:, None]
+        m_run = m_new
+    return merged / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 def _interpreted(t: torch.Tensor) -> bool:
@@ -496,6 +521,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 MAX_SPLITS = 32
+# Splits the combine merges per unrolled group (its loads in flight together); a run-time
+# loop takes the groups, so the kernel compiles once for every split count.
+COMBINE_CHUNK = 8
 # Launch configurations of the decode kernel (key/value tile length, warps, pipeline depth),
 # for batches that split the context and for those that do not; the fastest of a sweep on an
 # H200 (python -m engine_triton.benchmark, 2026-11-29): 3.87 TB/s at 256 x ~850 tokens.
@@ -628,7 +656,7 @@ def paged_decode(
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         SPLIT_KV=num_splits > 1,
-        SPLITS_POW2=triton.next_power_of_2(num_splits),
+        COMBINE_CHUNK=COMBINE_CHUNK,
         APPEND=append,
         BLOCK_N=cfg["block_n"],
         PAGE=page,

@@ -16,6 +16,14 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
   one image in Gemma 3) inside which every query also sees the keys after it: a query at ``p``
   in ``[s, e)`` sees ``j`` iff ``j <= p`` or ``j < e`` (and the window, ``p - j < W``, still
   holds). A span lies whole inside one step's new tokens or already-cached ones plus them.
+* **A shared prefix** (a backend that sets ``supports_cascade_attention``): when decodes of a
+  step start with the same physical blocks, the model runner finds them as a ``SharedPrefix``
+  (its length in tokens, whole blocks all cached before the step, and the decodes that hold
+  it) and, if the backend's ``use_cascade_attention`` accepts it, passes it on the device as
+  ``AttentionMetadata.cascade`` (``CascadeInputs``); the backend may then attend over those
+  blocks once for all those decodes and over each one's own rest separately, merging the two
+  by their log-sum-exp (cascade attention). The result is the same attention. The inputs are
+  read on the device, so captured decode graphs replay cascade steps too.
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
 * An fp8 KV cache (a backend lists the float8 dtypes it stores in
   ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
@@ -79,6 +87,103 @@ class BatchLayout:
     # Per request, the position spans [start, end) whose queries attend bidirectionally within
     # the span (see the module docstring); None: none in this step.
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # A prefix that decodes of this step hold in the same blocks, for a backend that runs
+    # cascade attention over it (see the module docstring); None: attend as usual.
+    shared_prefix: SharedPrefix | None = None
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """A prefix that several decodes of one step hold in the same physical blocks: ``length``
+    tokens (whole blocks, all cached before the step) of the block table of ``rows[0]``, held
+    by the decodes ``rows`` (ascending indices below ``num_decodes``)."""
+
+    length: int
+    rows: tuple[int, ...]
+
+
+def find_shared_prefix(
+    block_tables: list[list[int]], seq_lens: list[int], num_decodes: int, block_size: int
+) -> SharedPrefix | None:
+    """The shared prefix among the first ``num_decodes`` requests that saves the most reads:
+    among the decodes whose first block is the most common one, the length ``L`` (in whole
+    blocks below each one's newest token) that maximises ``(decodes holding L - 1) * L``.
+    None when no two decodes share a block. Requests that joined later and computed the same
+    prompt again (in the step that first cached it) hold other blocks: they are left out
+    rather than cancelling the sharing of the rest."""
+    if num_decodes < 2:
+        return None
+    from collections import Counter
+
+    tables = block_tables[:num_decodes]
+    first, count = Counter(t[0] if t else -1 for t in tables).most_common(1)[0]
+    if count < 2 or first < 0:
+        return None
+    import numpy as np
+
+    members = [i for i, t in enumerate(tables) if t and t[0] == first]
+    usable = [min(len(tables[i]), (seq_lens[i] - 1) // block_size) for i in members]
+    longest = max(usable)
+    if longest <= 0:
+        return None
+    # Each member's shared length with the longest member's table (all share its block 0).
+    # This runs on every decode step over hundreds of tables, so it compares list slices
+    # (C-level): first the previous member's length (most members share the same prefix),
+    # else a bisection (prefix equality is monotone in the length).
+    ref = tables[members[usable.index(longest)]]
+    shared = np.empty(len(members), dtype=np.int64)
+    guess, ref_head = 0, []
+    for row, (i, n) in enumerate(zip(members, usable, strict=True)):
+        table = tables[i]
+        g = min(guess, n)
+        head_matches = table[:g] == (ref_head if g == guess else ref[:g])
+        if head_matches and (g == n or table[g] != ref[g]):
+            shared[row] = g
+            continue
+        lo, hi = (g, n + 1) if head_matches else (0, g)  # table[:lo] matches, table[:hi] not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if table[:mid] == ref[:mid]:
+                lo = mid
+            else:
+                hi = mid
+        shared[row] = guess = lo
+        ref_head = ref[:guess]
+    order = np.sort(shared)[::-1]  # order[k - 1]: the k-th longest; k members hold >= it
+    gains = (np.arange(len(order))) * order  # (k - 1) * L_k
+    best = int(gains.argmax())
+    length = int(order[best])
+    if length <= 0 or gains[best] <= 0:
+        return None
+    rows = tuple(members[r] for r in np.flatnonzero(shared >= length).tolist())
+    return SharedPrefix(length * block_size, rows)
+
+
+@dataclass
+class CascadeInputs:
+    """A ``SharedPrefix`` as the backend reads it, on the device: ``starts`` (int32
+    ``[num_decodes]``: the prefix length for the decodes that hold it, 0 for the others) and
+    ``prefix`` (int32 ``[2]``: the length in tokens, and a decode's row of the block table
+    whose first blocks are the prefix). In an eager step ``build_metadata`` makes them; in a
+    captured decode graph they are static buffers the runner fills before each replay, so
+    one graph serves every prefix."""
+
+    starts: torch.Tensor
+    prefix: torch.Tensor
+
+    @classmethod
+    def from_prefix(
+        cls, prefix: SharedPrefix, num_decodes: int, device: torch.device | str
+    ) -> CascadeInputs:
+        """One host-to-device copy of ``prefix``'s starts and (length, first holder)."""
+        import torch
+
+        host = torch.zeros(num_decodes + 2, dtype=torch.int32)
+        host[list(prefix.rows)] = prefix.length
+        host[num_decodes] = prefix.length
+        host[num_decodes + 1] = prefix.rows[0]
+        buf = host.to(device)
+        return cls(starts=buf[:num_decodes], prefix=buf[num_decodes:])
 
 
 @dataclass
@@ -100,6 +205,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     # Per request, bidirectional position spans (BatchLayout.bidirectional_spans), or None.
     bidirectional_spans_cpu: list[list[tuple[int, int]]] | None = None
+    # BatchLayout.shared_prefix on the device, for cascade attention (None: attend as usual).
+    cascade: CascadeInputs | None = None
 
 
 class AttentionBackend(ABC):
@@ -129,6 +236,16 @@ class AttentionBackend(ABC):
     # True when ``forward`` honours ``AttentionMetadata.bidirectional_spans_cpu`` (queries see
     # later keys inside a span: image tokens of Gemma 3).
     supports_bidirectional_spans: ClassVar[bool] = False
+    # True when ``forward`` honours ``AttentionMetadata.cascade`` (cascade attention over a
+    # prefix many decodes share; see the module docstring), in captured decode graphs too
+    # (``supports_decode_graphs``). The model runner then looks for one in each step.
+    supports_cascade_attention: ClassVar[bool] = False
+
+    @classmethod
+    def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:
+        """Whether ``prefix`` (held by ``len(prefix.rows)`` of the step's ``num_decodes``
+        decodes) should be attended once for them all: the backend's cost model."""
+        return False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -228,6 +345,11 @@ class AttentionBackend(ABC):
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(layout.seq_lens),
             bidirectional_spans_cpu=layout.bidirectional_spans,
+            cascade=(
+                CascadeInputs.from_prefix(layout.shared_prefix, layout.num_decodes, device)
+                if layout.shared_prefix is not None
+                else None
+            ),
         )
 
     def __init__(

@@ -16,6 +16,13 @@ step costs no extra launch. The captured attention metadata carries only the pad
 and ``max_seq_len = max_model_len`` as Python numbers, so only backends that read lengths from
 the tensors may be captured: they declare ``supports_decode_graphs = True``.
 
+**Cascade attention.** Where the attention backend runs it (``supports_cascade_attention``)
+a second, coarser set of decode graphs (``cascade_sizes``) is captured with
+``AttentionMetadata.cascade`` pointing at two more static buffers: each request's start after
+the shared prefix, and the prefix's length and block-table row. A step whose decodes share a
+prefix (``run(..., shared_prefix=...)``) fills them and replays the cascade graph that holds
+it, so one graph serves every prefix length.
+
 Used by ``ModelRunner`` when the platform ``supports_graph_capture`` and
 ``EngineConfig.enforce_eager`` is off (``--enforce-eager``).
 """
@@ -29,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.attention_backends.interface import AttentionMetadata
+from engine.attention_backends.interface import AttentionMetadata, CascadeInputs, SharedPrefix
 from engine.request import PLACEHOLDER_TOKEN
 
 if TYPE_CHECKING:
@@ -48,6 +55,19 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[i
     sizes += list(range(16, top, 8))
     sizes.append(top)
     return sorted(set(sizes))
+
+
+def cascade_batch_sizes(sizes: list[int]) -> list[int]:
+    """The batch sizes captured with cascade attention: 8, 16, 24, 32, then steps of about
+    1.5x (48, 64, 96, 128, ...) among the decode graph ``sizes``, and their largest, so a
+    cascade step pads its batch by at most half (cascade pays only for many decodes, and each
+    size is one more graph to capture)."""
+    top = sizes[-1]
+    coarse, power = [8, 16, 24], 32
+    while power < top:
+        coarse += [power, power * 3 // 2]
+        power *= 2
+    return sorted(s for s in {*coarse, top} if s in sizes and s >= 8)
 
 
 def feedback_row(feedback_rows: dict[str, int] | None, request_id: str) -> int:
@@ -104,10 +124,13 @@ class DecodeGraphs:
         eager: bool = False,
         extra: Any = None,
         capture_error_mode: str = "global",
+        cascade_group: int | None = None,
     ) -> None:
         """``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"`` when the
         captured forward runs collectives (tensor parallelism), so that the process group's
-        watchdog thread may keep querying its CUDA events while a graph is being captured."""
+        watchdog thread may keep querying its CUDA events while a graph is being captured.
+        ``cascade_group`` names the KV-cache group (a full-attention one) whose layers run
+        cascade attention in the cascade graphs; None captures none."""
         self.model = model
         # Called right after the model in the captured computation: a tensor it produced on
         # the side (the target layers' hidden states an EAGLE-3 head reads), kept per graph.
@@ -122,6 +145,10 @@ class DecodeGraphs:
         self.eager = eager
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
+        self.cascade_group = cascade_group if query_len == 1 else None
+        self.cascade_sizes = (
+            cascade_batch_sizes(self.sizes) if self.cascade_group is not None else []
+        )
         # Padded query tokens may look up to q - 1 positions past a table's last block.
         self.max_blocks = -(-max_model_len // block_size) + (-(-q // block_size) if q > 1 else 0)
         b, g, w = self.max_batch, num_groups, self.max_blocks
@@ -133,22 +160,25 @@ class DecodeGraphs:
         # twins, so each step is one host-to-device copy per buffer; block tables go through a
         # staging copy of only the columns in use.
         self._i64 = torch.zeros((3 + g) * t, dtype=torch.int64, device=device)
-        self._seq = torch.zeros(g * b, dtype=torch.int32, device=device)
+        # The sequence lengths of each group, then (cascade graphs) each request's start after
+        # the shared prefix and the prefix's (length, block-table row).
+        self._seq = torch.zeros(g * b + b + 2, dtype=torch.int32, device=device)
         self._tables = torch.zeros((g, b, w), dtype=torch.int32, device=device)
         self._table_stage = torch.zeros(g * b * w, dtype=torch.int32, device=device)
         self._qsl = torch.arange(b + 1, dtype=torch.int32, device=device) * q
         self._host_i64 = torch.zeros((3 + g) * t, dtype=torch.int64, pin_memory=pin)
-        self._host_seq = torch.zeros(g * b, dtype=torch.int32, pin_memory=pin)
+        self._host_seq = torch.zeros(g * b + b + 2, dtype=torch.int32, pin_memory=pin)
         self._host_tables = torch.zeros(g * b * w, dtype=torch.int32, pin_memory=pin)
         self._np_i64 = self._host_i64.numpy()
         self._np_seq = self._host_seq.numpy()
         self._np_tables = self._host_tables.numpy()
         # The host buffers are free again once it fires.
         self._copied = None if eager else torch.cuda.Event()
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._input_ids: dict[int, torch.Tensor] = {}  # the ids each graph ran (fed back)
-        self._extras: dict[int, torch.Tensor] = {}
+        # Keyed by (batch size, cascade).
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._input_ids: dict[tuple[int, bool], torch.Tensor] = {}  # the ids it ran (fed back)
+        self._extras: dict[tuple[int, bool], torch.Tensor] = {}
         self._last_extra: torch.Tensor | None = None
         self._pool = None
         self._captured = False
@@ -163,15 +193,24 @@ class DecodeGraphs:
     def _sources(self, n: int) -> torch.Tensor:
         return self._i64[2 * self.max_tokens : 2 * self.max_tokens + n]
 
-    def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, n: int, cascade: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The captured computation for ``n`` requests: feed back in-flight tokens, then the
         model. Returns the hidden states, the input ids it ran and the ``extra`` output."""
         tokens = n * self.query_len
         ids = gather_feedback(self._ids(tokens), self._sources(tokens), self.feedback)
-        hidden = self.model(ids, self._positions(tokens), self._metadata(n))
+        hidden = self.model(ids, self._positions(tokens), self._metadata(n, cascade))
         return hidden, ids, self.extra() if self.extra is not None else None
 
-    def _metadata(self, n: int) -> list[AttentionMetadata]:
+    def _cascade_inputs(self, n: int) -> CascadeInputs:
+        base = self.num_groups * self.max_batch
+        return CascadeInputs(
+            starts=self._seq[base : base + n],
+            prefix=self._seq[base + self.max_batch : base + self.max_batch + 2],
+        )
+
+    def _metadata(self, n: int, cascade: bool = False) -> list[AttentionMetadata]:
         b, t, q = self.max_batch, self.max_tokens, self.query_len
         out = []
         for g in range(self.num_groups):
@@ -188,6 +227,9 @@ class DecodeGraphs:
                     seq_lens=self._seq[g * b : g * b + n],
                     block_table=self._tables[g, :n],
                     slot_mapping=slots,
+                    cascade=(
+                        self._cascade_inputs(n) if cascade and g == self.cascade_group else None
+                    ),
                 )
             )
         return out
@@ -210,9 +252,13 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # The plain graphs, then the cascade ones; a cascade graph captured with no prefix
+        # (length 0, every start 0) attends as usual until a replay fills its buffers.
+        keys = [(n, False) for n in reversed(self.sizes)]
+        keys += [(n, True) for n in reversed(self.cascade_sizes)]
         with torch.cuda.stream(stream):
-            for n in reversed(self.sizes):
-                self._forward(n)  # warm-up: Triton compiles outside the capture
+            for key in keys:
+                self._forward(*key)  # warm-up: Triton compiles outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(
                     graph,
@@ -220,28 +266,41 @@ class DecodeGraphs:
                     stream=stream,
                     capture_error_mode=self.capture_error_mode,
                 ):
-                    self._outputs[n], self._input_ids[n], extra = self._forward(n)
+                    self._outputs[key], self._input_ids[key], extra = self._forward(*key)
                 if extra is not None:
-                    self._extras[n] = extra
-                self._graphs[n] = graph
+                    self._extras[key] = extra
+                self._graphs[key] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         what = "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens/request)"
+        cascade = f" and {len(self.cascade_sizes)} with cascade attention" * bool(
+            self.cascade_sizes
+        )
         logger.info(
-            "captured %d %s graphs (batch 1..%d) in %.1f s", len(self.sizes), what, b, seconds
+            "captured %d %s graphs (batch 1..%d)%s in %.1f s",
+            len(self.sizes),
+            what,
+            b,
+            cascade,
+            seconds,
         )
         return seconds
 
     # ---- replay -----------------------------------------------------------------------------
-    def padded_size(self, num_seqs: int) -> int | None:
-        """The captured size that holds ``num_seqs`` requests (None: too many)."""
+    def padded_size(self, num_seqs: int, cascade: bool = False) -> int | None:
+        """The captured size (of the cascade graphs with ``cascade``) that holds ``num_seqs``
+        requests (None: too many)."""
         if num_seqs > self.max_batch or not self._captured:
             return None
-        for n in self.sizes:
+        for n in self.cascade_sizes if cascade else self.sizes:
             if n >= num_seqs:
                 return n
         return None
+
+    def takes_cascade(self, num_seqs: int) -> bool:
+        """Whether a cascade graph holds a decode batch of ``num_seqs`` requests."""
+        return self.padded_size(num_seqs, cascade=True) is not None
 
     def qualifies(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether a graph holds this batch: one-token decodes (``query_len`` 1), or decodes
@@ -264,12 +323,16 @@ class DecodeGraphs:
         return self._last_extra[: num * self.query_len]
 
     def run(
-        self, scheduled: list[ScheduledRequest], feedback_rows: dict[str, int] | None = None
+        self,
+        scheduled: list[ScheduledRequest],
+        feedback_rows: dict[str, int] | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> torch.Tensor | None:
         """Replay the graph for a qualifying batch; hidden states ``[B * query_len, hidden]``
         (a view of the graph's static output, valid until the next replay).
         ``feedback_rows`` maps request ids to their row in the feedback tensor, for inputs
-        that are still placeholders."""
+        that are still placeholders; ``shared_prefix`` (of group ``cascade_group``'s tables)
+        replays a cascade graph, which must hold the batch (``takes_cascade``)."""
         if not self.qualifies(scheduled):
             return None
         num, q = len(scheduled), self.query_len
@@ -292,6 +355,7 @@ class DecodeGraphs:
             [s.block_ids for s in scheduled],
             tokens,
             sources,
+            shared_prefix,
         )
 
     def replay(
@@ -301,14 +365,18 @@ class DecodeGraphs:
         block_ids: list[list[list[int]]],
         tokens: np.ndarray,
         sources: np.ndarray | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> torch.Tensor | None:
         """Replay for ``len(starts)`` requests given as arrays: request ``i`` has
         ``counts[i] <= query_len`` tokens from position ``starts[i]``, ``tokens[i, :count]``
         (``[num, query_len]``), unless ``sources[i, t] >= 0`` names the row of the feedback
-        tensor that holds it; ``block_ids[i][g]`` is its table of group ``g``. None when the
-        batch is too large."""
+        tensor that holds it; ``block_ids[i][g]`` is its table of group ``g``; with
+        ``shared_prefix`` through a cascade graph. None when the batch is too large."""
         num = len(starts)
-        n = self.padded_size(num)
+        cascade = shared_prefix is not None
+        if cascade and not self.cascade_sizes:
+            raise ValueError("these decode graphs were captured without cascade attention")
+        n = self.padded_size(num, cascade)
         if n is None:
             return None
         q = self.query_len
@@ -353,6 +421,12 @@ class DecodeGraphs:
             slots[:] = -1
             for i, (tb, p, c) in enumerate(zip(lists, starts, counts, strict=True)):
                 slots[i, :c] = [tb[(p + j) // bs] * bs + (p + j) % bs for j in range(c)]
+        if cascade:
+            base = g_count * b
+            seq[base : base + n] = 0
+            seq[base + np.asarray(shared_prefix.rows, dtype=np.int64)] = shared_prefix.length
+            seq[base + b] = shared_prefix.length
+            seq[base + b + 1] = shared_prefix.rows[0]
         # Block tables, packed [group, request, width] with only the columns in use.
         stage = tables[: g_count * num * width].reshape(g_count, num, width)
         for g in range(g_count):
@@ -366,10 +440,11 @@ class DecodeGraphs:
         self._tables[:, :num, :width].copy_(self._table_stage[:count].view(g_count, num, width))
         if self.eager:
             with torch.inference_mode():
-                hidden, self._last_ids, self._last_extra = self._forward(n)
+                hidden, self._last_ids, self._last_extra = self._forward(n, cascade)
             return hidden[: num * q]
         self._copied.record()
-        self._graphs[n].replay()
-        self._last_ids = self._input_ids[n]
-        self._last_extra = self._extras.get(n)
-        return self._outputs[n][: num * q]
+        key = (n, cascade)
+        self._graphs[key].replay()
+        self._last_ids = self._input_ids[key]
+        self._last_extra = self._extras.get(key)
+        return self._outputs[key][: num * q]

@@ -56,6 +56,7 @@ class LLM:
     ``max_num_batched_tokens`` (None: the platform's offline defaults, logged; 1024 and 16384
     on a GPU of 70 GiB or more, else 256 and 8192), ``enable_prefix_caching``,
     ``attention_backend``, ``platform``, ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
+    ``disable_cascade_attn`` (never attend a prefix all decodes share once for all of them),
     ``load_format``, ``model_loader_extra_config`` (``{"dummy_init": "uniform"}``: vLLM's
     dummy weights), ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (uni, mp, ray), ``enable_expert_parallel`` (MoE experts
@@ -106,6 +107,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         num_gpu_blocks_override: int | None = None,
         enforce_eager: bool = False,
+        disable_cascade_attn: bool = False,
         load_format: str = "auto",
         model_loader_extra_config: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
@@ -161,6 +163,7 @@ class LLM:
                 max_model_len=max_model_len,
                 load_format=load_format,
                 model_loader_extra_config=dict(model_loader_extra_config or {}),
+                disable_cascade_attn=disable_cascade_attn,
                 seed=seed,
                 served_model_name=served_model_name,
                 trust_remote_code=trust_remote_code,

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
+from engine.attention_backends.interface import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    SharedPrefix,
+    find_shared_prefix,
+)
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import feedback_row, gather_feedback
 from engine.kernels.registry import Kernels
@@ -164,6 +170,11 @@ class ModelRunner:
         self.platform = platform
         self.kernels = kernels
         self.attn_backend_cls = attn_backend_cls
+        # Cascade attention over a prefix many decodes share, where the backend offers it.
+        self._cascade = bool(
+            getattr(attn_backend_cls, "supports_cascade_attention", False)
+            and not config.model.disable_cascade_attn
+        )
         self.sampler = sampler
         self.sampler_cls = sampler_cls
         self.plugins = plugins
@@ -642,6 +653,8 @@ class ModelRunner:
             eager=eager,
             extra=extra,
             capture_error_mode=capture_error_mode,
+            # Only full-attention layers cascade; that group is first when there is one.
+            cascade_group=0 if self._cascade and groups[0] is None else None,
         )
         # With LoRA the graphs contain the adapter kernels, reading the mapping buffers.
         with self.lora.capturing() if self.lora is not None else nullcontext():
@@ -710,7 +723,9 @@ class ModelRunner:
             if self.graphs is not None and not (
                 self.mm is not None and self.mm.spans_any(scheduled)
             ):
-                hidden = self.graphs.run(scheduled, self._feedback_rows)
+                hidden = self.graphs.run(
+                    scheduled, self._feedback_rows, self._graph_shared_prefix(scheduled)
+                )
             if hidden is not None:  # replayed a captured decode graph
                 ids = self.graphs.last_input_ids(len(scheduled))
                 batch = _Batch(ids, None, [], list(range(len(scheduled) + 1)))
@@ -904,6 +919,33 @@ class ModelRunner:
             (s.request.request_id, v) for (_, s), v in zip(rows, vectors, strict=True)
         ]
 
+    def _cascade_prefix(
+        self, tables: list[list[int]], seq_lens: list[int], num_decodes: int
+    ) -> SharedPrefix | None:
+        """The shared prefix the backend attends once for this step's decodes; None: none."""
+        if not self._cascade or num_decodes < 2:
+            return None
+        prefix = find_shared_prefix(tables, seq_lens, num_decodes, self.block_size)
+        if prefix is not None and self.attn_backend_cls.use_cascade_attention(prefix, num_decodes):
+            return prefix
+        return None
+
+    def _graph_shared_prefix(self, scheduled: list[ScheduledRequest]) -> SharedPrefix | None:
+        """The shared prefix a decode graph replay of ``scheduled`` attends once (through a
+        cascade graph), or None: no cascade graphs, a batch they do not hold, a step with a
+        prefill (it runs eagerly and finds its prefix in ``layout``), or no prefix worth it."""
+        graphs = self.graphs
+        if (
+            graphs.cascade_group is None
+            or not graphs.takes_cascade(len(scheduled))
+            or any(s.num_new_tokens != 1 for s in scheduled)
+        ):
+            return None
+        g = graphs.cascade_group
+        tables = [s.block_ids[g] for s in scheduled]
+        lens = [s.start + 1 for s in scheduled]
+        return self._cascade_prefix(tables, lens, len(scheduled))
+
     def layout(
         self,
         starts: list[int],
@@ -948,6 +990,12 @@ class ModelRunner:
                 bs,
                 num_decodes,
                 bidirectional_spans=bidirectional_spans,
+                # Sliding-window layers never cascade (their old blocks are null placeholders).
+                shared_prefix=(
+                    self._cascade_prefix(tables, seq_lens, num_decodes)
+                    if groups[g] is None
+                    else None
+                ),
             )
             if self.shape_buckets is not None:
                 layout = self.shape_buckets.pad_layout(layout, num_tokens)

@@ -91,4 +91,5 @@ class ShapeBuckets:
             layout.block_size,
             layout.num_decodes,
             table_width=self.pad_blocks(max(width, 1)),
+            shared_prefix=layout.shared_prefix,
         )

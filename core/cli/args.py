@@ -371,6 +371,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     device.add_argument("--enforce-eager", action="store_true", help="Never capture device graphs.")
     device.add_argument(
+        "--disable-cascade-attn",
+        action="store_true",
+        help="Never attend a prefix that all decodes of a step share once for all of them "
+        "(cascade attention, where the attention backend offers it).",
+    )
+    device.add_argument(
         "--cpu-threads",
         type=int,
         default=None,
@@ -556,6 +562,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             load_format=args.load_format,
             model_loader_extra_config=getattr(args, "model_loader_extra_config", None) or {},
+            disable_cascade_attn=getattr(args, "disable_cascade_attn", False),
             seed=args.seed,
             served_model_name=args.served_model_name,
             generation_config=args.generation_config,

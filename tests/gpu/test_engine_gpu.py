@@ -74,6 +74,36 @@ def test_triton_eager_matches_cpu(tiny_model, cpu_tokens):
     assert tokens == cpu_tokens
 
 
+def test_cascade_attention_matches_cpu(tiny_model, monkeypatch):
+    """40 requests behind one 320-token prefix: their decode steps run cascade attention
+    through the captured cascade decode graphs (thresholds lowered to this batch) and give
+    the CPU path's greedy tokens."""
+    from paged_reference import record_cascades
+
+    log = record_cascades(monkeypatch, min_decodes=8)
+    rng = random.Random(1)
+    prefix = [rng.randrange(10, 300) for _ in range(320)]
+    prompts = [prefix + [rng.randrange(10, 300) for _ in range(1 + i)] for i in range(40)]
+    prompts.append([rng.randrange(10, 300) for _ in range(350)])  # shares nothing
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+    def run(**kwargs) -> list[list[int]]:
+        llm = LLM(tiny_model, dtype="float32", block_size=16, max_num_batched_tokens=2048,
+                  **kwargs)  # fmt: skip
+        llm.generate(prompts[:1], params, use_tqdm=False)  # the prefix in the cache
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = run(platform="cpu", attention_backend="torch")
+    log.clear()
+    tokens = run(platform="cuda", attention_backend="triton", num_gpu_blocks_override=512)
+    assert max(log.graph_lengths, default=0) == 320, "no graph replay ran cascade attention"
+    assert tokens == expected
+
+
 def test_sdpa_matches_cpu(tiny_model, cpu_tokens):
     tokens, (graphs, _) = _run(
         tiny_model, platform="cuda", attention_backend="sdpa", num_gpu_blocks_override=512

@@ -56,8 +56,8 @@ def _run(setup, assignment, **kwargs):
     if runner.graphs is not None:
         run = runner.graphs.run
 
-        def counting(scheduled, feedback_rows=None):
-            hidden = run(scheduled, feedback_rows)
+        def counting(scheduled, *args, **kwargs):
+            hidden = run(scheduled, *args, **kwargs)
             if hidden is not None:
                 replays.append({s.request.lora_id for s in scheduled})
             return hidden

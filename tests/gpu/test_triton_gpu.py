@@ -144,6 +144,36 @@ def test_decode_every_split_count(batch_size, seed):
         assert rel_error(out, expected) < TOLERANCE[torch.bfloat16], f"seed={seed}"
 
 
+@pytest.mark.parametrize("batch_size", [32, 256])
+def test_decode_cascade_at_8b_shape(batch_size, seed):
+    """Cascade attention at the Llama-3.1-8B head shape: a 2,000-token prefix in the same
+    blocks for all requests but the last, suffixes of 1-500 tokens; the shared pass and the
+    decode kernel (its automatic splits) against the oracle."""
+    from engine.attention_backends.interface import (
+        CascadeInputs,
+        SharedPrefix,
+        find_shared_prefix,
+    )
+    from engine_triton.kernels.attention import paged_decode
+
+    suffix = torch.randint(1, 500, (batch_size,)).tolist()
+    slens = [2000 + n for n in suffix]
+    batch = make_batch([1] * batch_size, slens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    for table in batch.block_tables[1:-1]:  # the last request holds its own copy
+        table[:125] = batch.block_tables[0][:125]
+    prefix = find_shared_prefix(batch.block_tables, slens, batch_size, 16)
+    assert prefix == SharedPrefix(2000, tuple(range(batch_size - 1)))
+    meta = _meta(batch)
+    out = torch.full_like(batch.query, float("nan"))
+    cascade = CascadeInputs.from_prefix(prefix, batch_size, "cuda")
+    paged_decode(batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, batch_size,
+                 128**-0.5, cascade_starts=cascade.starts, cascade_prefix=cascade.prefix)  # fmt: skip
+    expected = reference_attention(batch.query, batch.kv_cache, [1] * batch_size, slens,
+                                   batch.block_tables, 128**-0.5)  # fmt: skip
+    err = rel_error(out, expected)
+    assert err < TOLERANCE[torch.bfloat16], f"seed={seed} rel_error={err}"
+
+
 # Decode matmuls x[M, K] @ W[N, K]^T of Qwen3-0.6B and Llama-3.1-8B: (N, K).
 LINEAR_SHAPES = {
     "qwen-qkv": (4096, 1024),

@@ -119,3 +119,58 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # Relative-error bounds against the float64 oracle (METHOD.md's ranges).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+class CascadeLog:
+    """What ``record_cascades`` saw: the length of every shared prefix the model runner chose
+    (eager layouts and graph replays alike), of those replayed through a cascade graph, and
+    how many ``paged_decode`` calls ran a shared pass (with graphs recorded, only their
+    warm-up and capture calls reach Python)."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self.graph_lengths: list[int] = []
+        self.shared_passes = 0
+
+    def clear(self) -> None:
+        self.lengths.clear()
+        self.graph_lengths.clear()
+        self.shared_passes = 0
+
+
+def record_cascades(monkeypatch, min_decodes: int, min_prefix: int = 256) -> CascadeLog:
+    """Lower the triton backend's cascade thresholds to a test's batch (``min_decodes``
+    holders, ``min_prefix`` tokens, no minimum saving) and record every shared prefix the
+    model runner chose, and those replayed through cascade decode graphs."""
+    import engine_triton.kernels.attention as attention
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.model_runner import ModelRunner
+    from engine_triton.attention import TritonAttentionBackend
+
+    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_DECODES", min_decodes)
+    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_PREFIX", min_prefix)
+    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_SAVED", 0)
+    log = CascadeLog()
+    choose, replay = ModelRunner._cascade_prefix, DecodeGraphs.replay
+    decode = attention.paged_decode
+
+    def recording_decode(*args, **kwargs):
+        log.shared_passes += kwargs.get("cascade_prefix") is not None
+        return decode(*args, **kwargs)
+
+    def recording_choose(self, *args, **kwargs):
+        prefix = choose(self, *args, **kwargs)
+        if prefix is not None:
+            log.lengths.append(prefix.length)
+        return prefix
+
+    def recording_replay(self, *args, **kwargs):
+        prefix = kwargs.get("shared_prefix", args[5] if len(args) > 5 else None)
+        if prefix is not None:
+            log.graph_lengths.append(prefix.length)
+        return replay(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "_cascade_prefix", recording_choose)
+    monkeypatch.setattr(DecodeGraphs, "replay", recording_replay)
+    monkeypatch.setattr(attention, "paged_decode", recording_decode)
+    return log

@@ -116,6 +116,139 @@ def test_decode_combines_only_the_splits_a_context_fills(splits, device, seed):
     _check(out, batch, 0.2, None, None, torch.float32, seed)
 
 
+def _share_prefix(batch, shared_blocks, rows=None):
+    """Make the first ``shared_blocks`` blocks of requests ``rows`` (default: all) those of
+    request 0 (the blocks they replace stay in the cache, unreferenced), as the prefix cache
+    does."""
+    for i, table in enumerate(batch.block_tables):
+        if i and (rows is None or i in rows):
+            table[:shared_blocks] = batch.block_tables[0][:shared_blocks]
+    return shared_blocks * batch.block_size
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,splits,shared_splits,append,cap,holders",
+    [
+        (torch.float32, 4, 2, 1, 1, True, None, None),  # one slice each side
+        (torch.bfloat16, 4, 1, 2, 3, True, None, None),  # split rest, prefix in 3 slices
+        (torch.float32, 3, 3, 4, 2, False, 2.5, None),  # MHA, soft-cap, newest from the cache
+        (torch.bfloat16, 8, 2, 1, 2, True, None, None),  # 5 requests x 4 heads: 2 row tiles
+        (torch.float32, 4, 2, 2, 2, True, None, {1, 3, 4}),  # request 2 holds other blocks
+    ],
+)
+def test_decode_cascade_over_shared_prefix(
+    dtype, heads, kv_heads, splits, shared_splits, append, cap, holders, device, seed
+):
+    """Cascade attention: the shared prefix attended once for the requests that hold it,
+    each request's rest (a non-holder's whole context) by the decode kernel, merged; the same
+    attention as without it. Some requests have nothing after the prefix but their newest
+    token, one has more splits than tokens."""
+    from engine.attention_backends.interface import (
+        CascadeInputs,
+        SharedPrefix,
+        find_shared_prefix,
+    )
+    from engine.kernels.reference import write_kv_cache
+    from engine_triton.kernels.attention import paged_decode
+
+    seq_lens = [29, 21, 40, 21, 25]
+    batch = make_batch([1] * 5, seq_lens, heads, kv_heads, 16, 4, dtype, device)
+    prefix = _share_prefix(batch, 5, holders)  # 20 tokens; the shortest request has 21
+    rows = tuple(sorted({0} | (holders or {1, 2, 3, 4})))
+    found = find_shared_prefix(batch.block_tables, seq_lens, 5, 4)
+    assert found == SharedPrefix(prefix, rows)
+    cascade = CascadeInputs.from_prefix(found, 5, device)
+    meta = _tensors(batch, device)
+    expected_cache = batch.kv_cache.clone()
+    write_kv_cache(batch.key, batch.value, expected_cache, meta.slot_mapping)
+    if not append:
+        batch.kv_cache.copy_(expected_cache)
+    out = torch.full_like(batch.query, float("nan"))
+    counters = torch.zeros(5 * kv_heads, dtype=torch.int32, device=device)
+    extra = dict(key=batch.key, value=batch.value, slot_mapping=meta.slot_mapping) if append else {}
+    paged_decode(
+        batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, 5, 0.3, None, cap,
+        num_splits=splits, split_counters=counters, cascade_starts=cascade.starts,
+        cascade_prefix=cascade.prefix, shared_splits=shared_splits, **extra,
+    )  # fmt: skip
+    assert torch.equal(batch.kv_cache.cpu(), expected_cache.cpu()), f"seed={seed}"
+    assert not counters.any(), "the arrival counters must be left at zero"
+    _check(out, batch, 0.3, None, cap, dtype, seed)
+
+
+def test_backend_cascade_from_metadata(device, seed):
+    """``forward`` runs cascade attention when the metadata names a shared prefix, and the
+    answer matches the oracle; under a sliding window it ignores the prefix."""
+    from engine.attention_backends.interface import CascadeInputs, SharedPrefix
+    from engine_triton.attention import TritonAttentionBackend
+
+    batch = make_batch([1, 1, 1, 4], [18, 23, 17, 9], 4, 2, 16, 4, torch.float32, device)
+    prefix = _share_prefix(batch, 4, {2})  # request 1 holds its own blocks
+    meta = _tensors(batch, device)
+    meta.cascade = CascadeInputs.from_prefix(SharedPrefix(prefix, (0, 2)), 3, device)
+    for window in (None, 7):
+        backend = TritonAttentionBackend(4, 16, 2, 0.25, sliding_window=window)
+        out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, meta)
+        _check(out, batch, 0.25, window, None, torch.float32, seed)
+
+
+def test_find_shared_prefix():
+    from engine.attention_backends.interface import SharedPrefix, find_shared_prefix
+
+    tables = [[7, 3, 9, 1], [7, 3, 9, 2], [7, 3, 5]]
+    # Blocks 7, 3 held by all three beat 7, 3, 9 held by two: (3 - 1) * 2 > (2 - 1) * 3.
+    assert find_shared_prefix(tables, [16, 15, 12], 3, 4) == SharedPrefix(8, (0, 1, 2))
+    # Only blocks below every request's newest token count (the third block holds it here).
+    assert find_shared_prefix([[7, 3, 9], [7, 3, 9]], [9, 12], 2, 4) == SharedPrefix(8, (0, 1))
+    assert find_shared_prefix([[7, 3], [7, 3]], [8, 8], 2, 4) == SharedPrefix(4, (0, 1))
+    assert find_shared_prefix(tables, [16, 15, 12], 1, 4) is None  # one decode: no sharing
+    assert find_shared_prefix([[7, 3], [8, 3]], [8, 8], 2, 4) is None
+    # Only the decodes (the first num_decodes rows) are compared.
+    assert find_shared_prefix([[7, 3, 1], [7, 3, 2], [7, 3]], [12, 12, 8], 2, 4) == SharedPrefix(
+        8, (0, 1)
+    )
+    # A request that computed the same prompt again (other blocks) is left out, not a veto;
+    # the most common first block wins.
+    many = [[5, 6, 7, 8]] + [[1, 2, 3, 40 + i] for i in range(4)] + [[1, 9, 9, 9]]
+    assert find_shared_prefix(many, [16] * 6, 6, 4) == SharedPrefix(12, (1, 2, 3, 4))
+
+
+def test_find_shared_prefix_against_brute_force():
+    """Random tables grown from a few shared stems (as the prefix cache hands them out):
+    the prefix found is the one a brute-force search over every length picks."""
+    import random
+
+    from engine.attention_backends.interface import find_shared_prefix
+
+    rng = random.Random(7)
+    for _ in range(200):
+        stems = [[rng.randrange(1000) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+        tables, lens = [], []
+        for i in range(rng.randint(2, 24)):
+            stem = rng.choice(stems)
+            table = stem[: rng.randint(0, len(stem))] + [5000 + 100 * i + j for j in range(4)]
+            tables.append(table[: rng.randint(1, len(table))])
+            lens.append(4 * len(tables[-1]) - rng.randint(0, 3))
+        found = find_shared_prefix(tables, lens, len(tables), 4)
+        # Brute force: among the decodes with the most common first block, every length L and
+        # the decodes whose usable blocks start with the longest one's first L blocks.
+        firsts = [t[0] for t in tables]
+        first = max(firsts, key=firsts.count)  # the first seen among equals, as Counter
+        members = [i for i, t in enumerate(tables) if t[0] == first]
+        usable = {i: min(len(tables[i]), (lens[i] - 1) // 4) for i in members}
+        ref = tables[max(members, key=lambda i: (usable[i], -i))]
+        best = (0, 0, ())
+        for length in range(1, max(usable.values()) + 1):
+            rows = tuple(
+                i for i in members if usable[i] >= length and tables[i][:length] == ref[:length]
+            )
+            best = max(best, ((len(rows) - 1) * length, length, rows))
+        if firsts.count(first) < 2 or best[0] <= 0:
+            assert found is None, (tables, lens, found)
+        else:
+            assert (found.length, found.rows) == (best[1] * 4, best[2]), (tables, lens, found)
+
+
 def test_decode_skips_empty_padding_rows(device, seed):
     """A padded graph batch has requests of length 0: their output is zero, never NaN."""
     from engine_triton.kernels.attention import paged_decode

@@ -4,7 +4,10 @@ It keeps the default KV-cache layout ``(2, num_blocks, block_size, num_kv_heads,
 and the reference's slot convention, so a cache written by the reference ``write_kv_cache`` is
 read correctly here and vice versa. Decode tokens (the first ``num_decodes`` of a batch) go
 through the split-KV decode kernel, the rest through the varlen prefill kernel, which attends
-over each request's cached prefix as well (chunked prefill, prefix caching).
+over each request's cached prefix as well (chunked prefill, prefix caching). When many decodes
+share a long cached prefix (``AttentionMetadata.cascade``), the decode kernel is preceded
+by a shared pass over it (cascade attention, ``kernels/attention.py``), in the captured
+decode graphs too.
 
 Importing this module is cheap: Triton and torch are imported when the backend is used.
 """
@@ -14,7 +17,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.attention_backends.interface import AttentionBackend, AttentionMetadata, BatchLayout
+from engine.attention_backends.interface import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    SharedPrefix,
+)
 from engine.platforms.detect import module_available
 
 if TYPE_CHECKING:
@@ -45,6 +53,27 @@ class TritonAttentionBackend(AttentionBackend):
         () if os.environ.get("TRITON_INTERPRET") == "1" else ("float8_e4m3fn",)
     )
     max_head_size: ClassVar[int] = 256
+    supports_cascade_attention: ClassVar[bool] = True
+
+    # Cascade attention pays when the shared prefix is read by many decodes: the shared pass
+    # then reads it once per tile of 64 (request, head) rows instead of once per request. Its
+    # cost is one more launch per layer and the merge of each holder's partials; a decode
+    # graph batch is padded to the next cascade graph size (DecodeGraphs.cascade_sizes). The
+    # shared prefix must be at least CASCADE_MIN_PREFIX tokens, held by CASCADE_MIN_DECODES
+    # decodes, and save at least CASCADE_MIN_SAVED token reads (Llama-3.1-8B: 4 KiB a token
+    # and layer, so 16,384 saved reads are 64 MiB, about 20 us of HBM time, a layer).
+    CASCADE_MIN_DECODES: ClassVar[int] = 8
+    CASCADE_MIN_PREFIX: ClassVar[int] = 256
+    CASCADE_MIN_SAVED: ClassVar[int] = 16384
+
+    @classmethod
+    def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:
+        rows = len(prefix.rows)
+        return (
+            rows >= cls.CASCADE_MIN_DECODES
+            and prefix.length >= cls.CASCADE_MIN_PREFIX
+            and (rows - 1) * prefix.length >= cls.CASCADE_MIN_SAVED
+        )
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -84,10 +113,18 @@ class TritonAttentionBackend(AttentionBackend):
             self._counters = buf
         return buf
 
+    def _cascade_args(self, metadata: AttentionMetadata) -> dict:
+        """``paged_decode``'s cascade arguments for this step (none under a sliding window:
+        such a layer's old blocks are dropped, never shared)."""
+        cascade = metadata.cascade
+        if cascade is None or self.sliding_window:
+            return {}
+        return {"cascade_starts": cascade.starts, "cascade_prefix": cascade.prefix}
+
     def launch_configs(self, device: torch.device) -> dict[str, dict]:
         """Launch configurations by kernel regime (``"prefill"``, ``"decode"``,
-        ``"decode_split"``, ``"decode_many_splits"``) overriding the kernels' defaults, which
-        were tuned on an H200. Empty here; a platform's subclass returns its tuning table
+        ``"decode_split"``, ``"decode_many_splits"``, ``"shared_prefix"``) overriding the
+        kernels' defaults, which were tuned on an H200. Empty here; a platform's subclass returns its tuning table
         (engine-rocm's per gfx family)."""
         return {}
 
@@ -135,6 +172,7 @@ class TritonAttentionBackend(AttentionBackend):
                 configs=tuning,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                **self._cascade_args(metadata),
             )
         if metadata.num_seqs > num_decodes:
             paged_prefill(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.attention_backends.interface import AttentionMetadata, BatchLayout
+from engine.attention_backends.interface import AttentionMetadata, BatchLayout, CascadeInputs
 
 if TYPE_CHECKING:
     import torch
@@ -54,4 +54,9 @@ def build_metadata_pinned(layout: BatchLayout, device: torch.device) -> Attentio
         slot_mapping=slot_mapping,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=list(layout.seq_lens),
+        cascade=(
+            CascadeInputs.from_prefix(layout.shared_prefix, layout.num_decodes, device)
+            if layout.shared_prefix is not None
+            else None
+        ),
     )

@@ -214,9 +214,11 @@ def _prefill_kernel(
 # See _prefill_kernel: in mixed steps the per-request metadata comes from a packed buffer whose
 # offsets change from step to step; specializing on their alignment recompiled mid-run.
 @triton.jit(
-    do_not_specialize=["bt_stride", "num_splits"],
-    do_not_specialize_on_alignment=["seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr"],
-)
+    do_not_specialize=["bt_stride", "num_splits", "num_shared"],
+    do_not_specialize_on_alignment=[
+        "seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr", "kv_start_ptr"
+    ],
+)  # fmt: skip
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -249,12 +251,15 @@ def _decode_kernel(
     num_heads,
     num_kv_heads,
     num_splits,
+    kv_start_ptr,
+    num_shared,
     k_scale,
     v_scale,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     COMBINE_CHUNK: tl.constexpr,
+    CASCADE: tl.constexpr,
     APPEND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
@@ -270,7 +275,13 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Cascade attention: a request's first kv_start tokens (the shared prefix, for the requests
+    # that hold it; 0 for the others) were attended by _shared_prefix_kernel, whose
+    # num_shared partials wait in the slots after this request's splits. Never with a window.
     lo = 0
+    if CASCADE:
+        kv_start = tl.load(kv_start_ptr + seq)
+        lo = kv_start
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     # Each split takes a whole number of tiles (at least one); the first ``used`` splits hold
@@ -345,11 +356,16 @@ def _decode_kernel(
     o_mask = g_ok[:, None] & d_mask[None, :]
     o_ptrs = out_ptr + o_rows[:, None] + d[None, :]
     if SPLIT_KV:
-        if used > 1:
-            # Partials [B, num_heads, splits, HEAD_PAD] and log2-sum-exp [B, num_heads, splits];
-            # the last of the (request, KV head)'s used splits to arrive combines them (one
-            # launch).
-            idx = (seq * num_heads + head) * num_splits + split
+        merge = used > 1
+        if CASCADE:  # a holder of the shared prefix merges even one split with it
+            merge = merge | (kv_start > 0)
+        if merge:
+            # Partials [B, num_heads, parts, HEAD_PAD] and log2-sum-exp [B, num_heads, parts]
+            # (parts: the splits, then the shared prefix's); the last of the (request, KV
+            # head)'s used splits to arrive combines them all (one launch).
+            num_parts = num_splits + num_shared
+            base = (seq * num_heads + head) * num_parts  # [G_PAD]
+            idx = base + split
             tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=g_ok[:, None])
             lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
             tl.store(part_lse_ptr + idx, lse, mask=g_ok)
@@ -359,10 +375,19 @@ def _decode_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == used - 1:
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
-                merged = _combine_splits(
-                    part_out_ptr, part_lse_ptr, (seq * num_heads + head) * num_splits, g_ok, d,
-                    used, HEAD_PAD, G_PAD, COMBINE_CHUNK,
+                m_run = tl.full([G_PAD], -1.0e30, tl.float32)
+                total = tl.zeros([G_PAD], tl.float32)
+                merged = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
+                m_run, total, merged = _merge_partials(
+                    m_run, total, merged, part_out_ptr, part_lse_ptr, base, g_ok, d, used,
+                    HEAD_PAD, COMBINE_CHUNK,
                 )  # fmt: skip
+                if CASCADE:
+                    m_run, total, merged = _merge_partials(
+                        m_run, total, merged, part_out_ptr, part_lse_ptr, base + num_splits,
+                        g_ok, d, num_shared, HEAD_PAD, COMBINE_CHUNK,
+                    )  # fmt: skip
+                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
                 tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), o_mask)
             return
     # No split, or a context that fits in one split: this program holds the whole answer.
@@ -370,30 +395,31 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_splits(
+def _merge_partials(
+    m_run,
+    total,
+    merged,
     part_out_ptr,
     part_lse_ptr,
     base,
     g_ok,
     d,
-    used,
+    count,
     HEAD_PAD: tl.constexpr,
-    G_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """The G heads' partial outputs of splits ``0..used-1`` (rows ``base + s``), merged by
-    their log2-sum-exp weights: an online merge over chunks of ``CHUNK`` splits. Within a
-    chunk the loop is unrolled and holds no store, so its loads are in flight together (a
-    loop over the heads with a store per head waited for memory once per head); the chunk
-    loop runs at run time, so one compiled variant serves every split count."""
-    m_run = tl.full([G_PAD], -1.0e30, tl.float32)
-    total = tl.zeros([G_PAD], tl.float32)
-    merged = tl.zeros([G_PAD, HEAD_PAD], tl.float32)
-    for c in range(0, used, CHUNK):
+    """Fold the G heads' partial outputs at rows ``base + 0 .. base + count - 1`` into a
+    running log2-sum-exp merge (``m_run``: the largest log2-sum-exp so far, ``total``: the
+    sum of weights relative to it, ``merged``: the weighted sum of outputs), in chunks of
+    ``CHUNK`` partials. Within a chunk the loop is unrolled and holds no store, so its loads
+    are in flight together (a loop over the heads with a store per head waited for memory
+    once per head); the chunks are a run-time loop, so one compiled variant serves every
+    split count."""
+    for c in range(0, count, CHUNK):
         sp = c + tl.arange(0, CHUNK)
         lse_c = tl.load(
             part_lse_ptr + base[:, None] + sp[None, :],
-            mask=g_ok[:, None] & (sp < used)[None, :],
+            mask=g_ok[:, None] & (sp < count)[None, :],
             other=float("-inf"),
             cache_modifier=".cg",
         )
@@ -402,7 +428,7 @@ def _combine_splits(
         total = total * alpha + tl.sum(tl.exp2(lse_c - m_new[:, None]), axis=1)
         merged = merged * alpha[:, None]
         for s in tl.static_range(CHUNK):
-            s_ok = g_ok & (c + s < used)
+            s_ok = g_ok & (c + s < count)
             row = base + c + s
             lse_s = tl.load(
                 part_lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg"
@@ -415,7 +441,95 @@ def _combine_splits(
             )
             merged += part * tl.exp2(lse_s - m_new)[:, None]
         m_run = m_new
-    return merged / tl.where(total == 0.0, 1.0, total)[:, None]
+    return m_run, total, merged
+
+
+@triton.jit(
+    do_not_specialize=["num_rows", "bt_stride", "num_parts", "part0"],
+    do_not_specialize_on_alignment=["block_table_ptr", "kv_start_ptr", "prefix_ptr"],
+)
+def _shared_prefix_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_table_ptr,
+    bt_stride,
+    kv_start_ptr,
+    prefix_ptr,
+    num_rows,
+    q_stride_t,
+    q_stride_h,
+    stride_blk,
+    stride_tok,
+    stride_head,
+    scale,
+    softcap,
+    head_size,
+    num_heads,
+    num_parts,
+    part0,
+    v_scale,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """Cascade attention's shared pass: the decode queries (a tile row is one (request,
+    head-in-group) pair: rows of many requests share each key/value tile, so the prefix is
+    read once per tile of rows instead of once per request) against the shared prefix,
+    ``prefix_ptr[0]`` tokens of block-table row ``prefix_ptr[1]``, which the requests with a
+    nonzero ``kv_start`` hold; the others' rows see nothing (an empty partial). Both are read
+    on the device, so a captured graph serves every prefix. The grid's third axis splits the
+    prefix; each split leaves a partial output and log2-sum-exp in slot ``part0 + split`` of
+    each row's partials (an empty one when the prefix is too short to reach it), which the
+    decode kernel combines."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    num_split = tl.num_programs(2)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < num_rows
+    seq = (r // G).to(tl.int64)
+    head = kv_head * G + r % G
+    d = tl.arange(0, HEAD_PAD)
+    d_mask = d < head_size
+    q_rows = seq * q_stride_t + head.to(tl.int64) * q_stride_h
+    pdl_wait(USE_PDL)
+    prefix_len = tl.load(prefix_ptr)
+    bt_row = block_table_ptr + tl.load(prefix_ptr + 1).to(tl.int64) * bt_stride
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None] & d_mask[None, :])
+    holds = tl.load(kv_start_ptr + seq, mask=row_ok, other=0) > 0
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(prefix_len, num_split), BLOCK_N), 1) * BLOCK_N
+    lo = part * per_split
+    hi = tl.minimum(lo + per_split, prefix_len)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, n, n_mask,
+            holds[:, None] & n_mask[None, :], kv_head, stride_blk, stride_tok, stride_head, d,
+            d_mask, scale, softcap, USE_SOFTCAP, PAGE, PRECISION, KV_FP8,
+        )  # fmt: skip
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if KV_FP8:
+        out = out * v_scale
+    idx = (seq * num_heads + head) * num_parts + part0 + part
+    tl.store(part_out_ptr + idx[:, None] * HEAD_PAD + d[None, :], out, mask=row_ok[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(part_lse_ptr + idx, lse, mask=row_ok)
 
 
 def _interpreted(t: torch.Tensor) -> bool:
@@ -549,6 +663,22 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return max(1, min(MAX_SPLITS, splits))
 
 
+# Cascade attention's shared pass (_shared_prefix_kernel): rows of (request, head) pairs per
+# tile and prefix tokens per key/value tile (the prefill kernel's tile).
+SHARED_PREFIX_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+MAX_SHARED_PARTS = 16
+
+
+def shared_prefix_splits(programs: int, device: torch.device) -> int:
+    """How many slices the shared prefix is cut into when ``programs`` (row tiles x KV heads)
+    attend it: enough to fill the GPU about twice over. A function of the batch shape only
+    (the prefix length is read on the device), so a captured graph serves every prefix; a
+    prefix too short to reach a slice leaves it an empty partial."""
+    sms = _num_sms(device)
+    splits = triton.next_power_of_2(triton.cdiv(2 * sms, max(programs, 1)))
+    return max(1, min(MAX_SHARED_PARTS, splits))
+
+
 def paged_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -568,6 +698,9 @@ def paged_decode(
     configs: dict[str, dict] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    cascade_starts: torch.Tensor | None = None,
+    cascade_prefix: torch.Tensor | None = None,
+    shared_splits: int | None = None,
 ) -> None:
     """One query token per request (request ``i`` is token ``i`` of ``query``/``out``
     [T, H, D]) over its paged context of ``seq_lens[i]`` tokens. Writes ``out[:num_seqs]``.
@@ -579,6 +712,15 @@ def paged_decode(
     same launch; one is allocated when not given. ``configs`` replaces the launch
     configuration of a regime (``"decode"``, ``"decode_split"``, ``"decode_many_splits"``: no
     split, some, 16 or more), e.g. with a platform's tuning table; ``config`` overrides on top.
+
+    Cascade attention (no sliding window): with ``cascade_prefix`` (int32 ``[2]`` on the
+    device: a prefix length L in whole cached blocks and a ``block_table`` row that holds it)
+    and ``cascade_starts`` (int32 ``[num_seqs]``: L for the requests whose first L tokens are
+    those blocks, 0 for the others), the shared prefix is attended once for all its holders
+    by ``_shared_prefix_kernel`` (launched first; configuration regime ``"shared_prefix"``),
+    each request's own rest by the decode kernel, which merges both. Both tensors are read on
+    the device, so a captured graph serves every prefix; ``shared_splits`` fixes how many
+    slices the shared pass cuts the prefix into (default: ``shared_prefix_splits``).
     """
     if num_seqs == 0:
         return
@@ -599,12 +741,26 @@ def paged_decode(
     if interp:
         cfg = {"block_n": 16, "num_warps": 4, "num_stages": 1}
     head_pad = max(16, triton.next_power_of_2(head_size))
-    if num_splits > 1:
+    if (cascade_prefix is None) != (cascade_starts is None):
+        raise ValueError("cascade attention needs both cascade_prefix and cascade_starts")
+    if cascade_prefix is not None and sliding_window:
+        raise ValueError("cascade attention (cascade_prefix) with a sliding window")
+    shared_parts = 0
+    if cascade_prefix is not None:
+        shared_cfg = dict(SHARED_PREFIX_CONFIG, **(configs or {}).get("shared_prefix", {}))
+        if interp:
+            shared_cfg = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}
+        shared_block_m = max(shared_cfg["block_m"], triton.next_power_of_2(group))
+        row_tiles = triton.cdiv(num_seqs * group, shared_block_m)
+        shared_parts = shared_splits or shared_prefix_splits(row_tiles * num_kv_heads, query.device)
+        shared_parts = max(1, min(shared_parts, MAX_SHARED_PARTS))
+    num_parts = num_splits + shared_parts
+    if num_parts > 1:
         part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_parts, head_pad), dtype=torch.float32, device=query.device
         )
         part_lse = torch.empty(
-            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+            (num_seqs, num_heads, num_parts), dtype=torch.float32, device=query.device
         )
         if split_counters is None:
             split_counters = torch.zeros(
@@ -619,6 +775,42 @@ def paged_decode(
     if not append:
         key = value = query  # unused
         slot_mapping = seq_lens  # unused
+    if shared_parts:
+        _shared_prefix_kernel[(row_tiles, num_kv_heads, shared_parts)](
+            query,
+            k_cache,
+            v_cache,
+            part_out,
+            part_lse,
+            block_table,
+            block_table.stride(0),
+            cascade_starts,
+            cascade_prefix,
+            num_seqs * group,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            scale * k_scale if fp8 else scale,
+            logit_softcap or 0.0,
+            head_size,
+            num_heads,
+            num_parts,
+            num_splits,
+            float(v_scale),
+            G=group,
+            BLOCK_M=shared_block_m,
+            BLOCK_N=shared_cfg["block_n"],
+            PAGE=page,
+            HEAD_PAD=head_pad,
+            USE_SOFTCAP=bool(logit_softcap),
+            PRECISION=_precision(query.dtype),
+            KV_FP8=fp8,
+            num_warps=shared_cfg["num_warps"],
+            num_stages=shared_cfg["num_stages"],
+            **pdl_launch(query.device),
+        )
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -651,12 +843,15 @@ def paged_decode(
         num_heads,
         num_kv_heads,
         num_splits,
+        cascade_starts if shared_parts else seq_lens,  # unused without a shared prefix
+        shared_parts,
         float(k_scale),
         float(v_scale),
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
-        SPLIT_KV=num_splits > 1,
+        SPLIT_KV=num_parts > 1,
         COMBINE_CHUNK=COMBINE_CHUNK,
+        CASCADE=shared_parts > 0,
         APPEND=append,
         BLOCK_N=cfg["block_n"],
         PAGE=page,

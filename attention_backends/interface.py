@@ -240,6 +240,9 @@ class AttentionBackend(ABC):
     # prefix many decodes share; see the module docstring), in captured decode graphs too
     # (``supports_decode_graphs``). The model runner then looks for one in each step.
     supports_cascade_attention: ClassVar[bool] = False
+    # The fewest decodes ``use_cascade_attention`` ever accepts: no cascade decode graph is
+    # captured for smaller batches.
+    cascade_min_decodes: ClassVar[int] = 2
 
     @classmethod
     def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:

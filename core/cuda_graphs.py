@@ -57,17 +57,19 @@ def graph_batch_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[i
     return sorted(set(sizes))
 
 
-def cascade_batch_sizes(sizes: list[int]) -> list[int]:
+def cascade_batch_sizes(sizes: list[int], min_batch: int = 1) -> list[int]:
     """The batch sizes captured with cascade attention: 8, 16, 24, 32, then steps of about
     1.5x (48, 64, 96, 128, ...) among the decode graph ``sizes``, and their largest, so a
     cascade step pads its batch by at most half (cascade pays only for many decodes, and each
-    size is one more graph to capture)."""
+    size is one more graph to capture); none below ``min_batch`` but the one that holds it."""
     top = sizes[-1]
     coarse, power = [8, 16, 24], 32
     while power < top:
         coarse += [power, power * 3 // 2]
         power *= 2
-    return sorted(s for s in {*coarse, top} if s in sizes and s >= 8)
+    picked = sorted(s for s in {*coarse, top} if s in sizes and s >= 8)
+    first = next((i for i, s in enumerate(picked) if s >= min_batch), len(picked))
+    return picked[first:]
 
 
 def feedback_row(feedback_rows: dict[str, int] | None, request_id: str) -> int:
@@ -125,12 +127,15 @@ class DecodeGraphs:
         extra: Any = None,
         capture_error_mode: str = "global",
         cascade_group: int | None = None,
+        cascade_min_batch: int = 1,
     ) -> None:
         """``capture_error_mode`` is ``torch.cuda.graph``'s: ``"thread_local"`` when the
         captured forward runs collectives (tensor parallelism), so that the process group's
         watchdog thread may keep querying its CUDA events while a graph is being captured.
         ``cascade_group`` names the KV-cache group (a full-attention one) whose layers run
-        cascade attention in the cascade graphs; None captures none."""
+        cascade attention in the cascade graphs; None captures none. No cascade graph is
+        captured for fewer than ``cascade_min_batch`` requests (the backend's
+        ``cascade_min_decodes``)."""
         self.model = model
         # Called right after the model in the captured computation: a tensor it produced on
         # the side (the target layers' hidden states an EAGLE-3 head reads), kept per graph.
@@ -147,7 +152,9 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.cascade_group = cascade_group if query_len == 1 else None
         self.cascade_sizes = (
-            cascade_batch_sizes(self.sizes) if self.cascade_group is not None else []
+            cascade_batch_sizes(self.sizes, cascade_min_batch)
+            if self.cascade_group is not None
+            else []
         )
         # Padded query tokens may look up to q - 1 positions past a table's last block.
         self.max_blocks = -(-max_model_len // block_size) + (-(-q // block_size) if q > 1 else 0)

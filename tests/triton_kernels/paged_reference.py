@@ -147,7 +147,7 @@ def record_cascades(monkeypatch, min_decodes: int, min_prefix: int = 256) -> Cas
     from engine.model_runner import ModelRunner
     from engine_triton.attention import TritonAttentionBackend
 
-    monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_DECODES", min_decodes)
+    monkeypatch.setattr(TritonAttentionBackend, "cascade_min_decodes", min_decodes)
     monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_PREFIX", min_prefix)
     monkeypatch.setattr(TritonAttentionBackend, "CASCADE_MIN_SAVED", 0)
     log = CascadeLog()

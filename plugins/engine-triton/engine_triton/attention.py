@@ -59,10 +59,13 @@ class TritonAttentionBackend(AttentionBackend):
     # then reads it once per tile of 64 (request, head) rows instead of once per request. Its
     # cost is one more launch per layer and the merge of each holder's partials; a decode
     # graph batch is padded to the next cascade graph size (DecodeGraphs.cascade_sizes). The
-    # shared prefix must be at least CASCADE_MIN_PREFIX tokens, held by CASCADE_MIN_DECODES
+    # shared prefix must be at least CASCADE_MIN_PREFIX tokens, held by ``cascade_min_decodes``
     # decodes, and save at least CASCADE_MIN_SAVED token reads (Llama-3.1-8B: 4 KiB a token
-    # and layer, so 16,384 saved reads are 64 MiB, about 20 us of HBM time, a layer).
-    CASCADE_MIN_DECODES: ClassVar[int] = 8
+    # and layer, so 16,384 saved reads are 64 MiB, about 20 us of HBM time, a layer). On an
+    # H100 with a 2,000-token prefix it paid from about 65 decodes up (15.5 against 19.6 ms a
+    # step at 193-256) and cost up to 0.2 ms a step at 32 or fewer: with few readers the L2
+    # cache already serves the shared blocks (docs/benchmarks.md, 2026-12-06 third session).
+    cascade_min_decodes: ClassVar[int] = 64
     CASCADE_MIN_PREFIX: ClassVar[int] = 256
     CASCADE_MIN_SAVED: ClassVar[int] = 16384
 
@@ -70,7 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
     def use_cascade_attention(cls, prefix: SharedPrefix, num_decodes: int) -> bool:
         rows = len(prefix.rows)
         return (
-            rows >= cls.CASCADE_MIN_DECODES
+            rows >= cls.cascade_min_decodes
             and prefix.length >= cls.CASCADE_MIN_PREFIX
             and (rows - 1) * prefix.length >= cls.CASCADE_MIN_SAVED
         )

@@ -6,7 +6,8 @@
 # GPU_TEST_WORKERS=N runs the tests step on N pytest-xdist workers; GPU_TEST_PATHS (default
 # "tests/triton_kernels tests/gpu") narrows it to the files a change touches.
 # Steps (default: all, in this order): tests, kernels, qwen-nano, qwen-b1, llama-b1,
-# llama-nano, profile; optional: conformance, spread, linear, kprofile, serve (HTTP against
+# llama-nano, profile; optional: conformance, spread, linear, cascade-kernels (cascade
+# attention's shared pass, each launch configuration against the plain decode kernel), kprofile, serve (HTTP against
 # offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
 # mixture-of-experts steps moe-kernels, moe-b1, moe-nano, mixtral-b1, spec-base, spec-ngram,
 # spec-draft, spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts
@@ -92,6 +93,15 @@ for step in "${steps[@]}"; do
       echo "rc=$? at $(elapsed)s"
       grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels.log"
       JSONS+=("moe-kernels")
+      ;;
+    cascade-kernels)  # cascade attention's shared pass at the 8B shape vs the plain decode kernel
+      echo "=== cascade kernel sweep at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --cascade-only \
+        --json "$OUT/cascade-kernels.json" >"$OUT/cascade-kernels.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "^cascade|ERROR|Error" "$OUT/cascade-kernels.log"
+      grep -A3 -E "^cascade .* B=" "$OUT/cascade-kernels.log" | grep -v "^cascade"
+      JSONS+=("cascade-kernels")
       ;;
     lora-kernels)  # the LoRA op per 8B projection vs the base projection, in CUDA graphs
       echo "=== lora kernel sweep at $(elapsed)s"

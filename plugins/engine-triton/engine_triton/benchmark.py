@@ -24,6 +24,12 @@ must read (the distinct experts hit, plus activations), the achieved GB/s agains
 measured copy bandwidth, the routing kernel's time, and the per-decode-step total over the
 model's layers against the time to read the model's active parameters once.
 
+``python -m engine_triton.benchmark --cascade-only [--cascade-batches 64,128,256]`` times
+the decode kernel with cascade attention (``paged_decode`` with a shared prefix) for each launch
+configuration of the shared pass, against the plain decode kernel over the same contexts, on
+the Llama-3.1-8B attention shape: 64-256 requests behind one 2,000-token prefix in shared
+blocks, each with 1-600 tokens of its own, per call inside a CUDA graph.
+
 ``python -m engine_triton.benchmark --lora-only [--lora-tokens 1,8,...] [--lora-rank 16]``
 times the multi-LoRA op (``engine_triton.kernels.lora``: one shrink and one expand launch) on
 the four Llama-3.1-8B projections (fused q/k/v, o, fused gate/up, down), bf16, 8 adapter slots
@@ -43,7 +49,9 @@ import random
 import sys
 
 
-def _paged(batch: int, ctx: list[int], hq: int, hkv: int, d: int, page: int, dtype):
+def _paged(
+    batch: int, ctx: list[int], hq: int, hkv: int, d: int, page: int, dtype, device: str = "cuda"
+):
     import torch
 
     need = [(c + page - 1) // page for c in ctx]
@@ -58,18 +66,18 @@ def _paged(batch: int, ctx: list[int], hq: int, hkv: int, d: int, page: int, dty
         at += n
         pos = ctx[i] - 1
         slots.append(ids[at - n + pos // page] * page + pos % page)
-    cache = torch.randn(2, len(ids), page, hkv, d, dtype=dtype, device="cuda")
-    q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
-    k = torch.randn(batch, hkv, d, dtype=dtype, device="cuda")
-    v = torch.randn(batch, hkv, d, dtype=dtype, device="cuda")
+    cache = torch.randn(2, len(ids), page, hkv, d, dtype=dtype, device=device)
+    q = torch.randn(batch, hq, d, dtype=dtype, device=device)
+    k = torch.randn(batch, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(batch, hkv, d, dtype=dtype, device=device)
     return dict(
         query=q,
         key=k,
         value=v,
         kv_cache=cache,
-        seq_lens=torch.tensor(ctx, dtype=torch.int32, device="cuda"),
-        block_table=table.cuda(),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        block_table=table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
     )
 
 
@@ -118,6 +126,93 @@ def sweep_decode(results: dict) -> None:
         for r in rows[:6]:
             print("  ", r, flush=True)
         print("   worst:", rows[-1], flush=True)
+
+
+# Cascade attention's shared pass (``_shared_prefix_kernel``): the attention shape, the
+# shared prefix and the batches of issue 20's shared-prefix workload (256 requests behind one
+# 2,000-token prompt), and the launch configurations tried.
+CASCADE_SHAPES = {"llama-3.1-8b": dict(hq=32, hkv=8, d=128, layers=32)}
+CASCADE_PREFIX = 2000
+CASCADE_SUFFIX = (1, 600)  # each request's own tokens after the prefix
+CASCADE_CONFIGS = [
+    {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st}
+    for bm, bn, w, st in itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3))
+]
+
+
+def _each_call(fn, **kwargs):
+    """``call(i)`` for ``_graph_us``: ``fn(**kwargs)``, the same call every time."""
+    return lambda i: fn(**kwargs)
+
+
+def sweep_cascade(
+    results: dict,
+    batches: tuple[int, ...] = (64, 128, 256),
+    configs: list[dict] | None = None,
+    device: str = "cuda",
+) -> None:
+    """Time ``paged_decode`` with cascade attention (the shared pass's launch configurations
+    of ``CASCADE_CONFIGS``, regime ``"shared_prefix"``) against the plain decode kernel over
+    the same contexts, per call inside a CUDA graph, on ``CASCADE_SHAPES`` at each batch: every
+    request holds the same ``CASCADE_PREFIX`` tokens in the same blocks, then its own
+    ``CASCADE_SUFFIX`` tokens. Prints microseconds a call and a decode step's worth (times the
+    layers), and each configuration's largest difference from the plain kernel's output."""
+    import torch
+
+    from engine.attention_backends.interface import CascadeInputs, SharedPrefix
+    from engine_triton.kernels.attention import paged_decode
+
+    page = 16
+    configs = CASCADE_CONFIGS if configs is None else configs
+    print(f"cascade: {torch.cuda.get_device_name(device)}, bf16, prefix {CASCADE_PREFIX} "
+          f"tokens, own suffixes {CASCADE_SUFFIX}; us = per call in a graph", flush=True)  # fmt: skip
+    for name, sh in CASCADE_SHAPES.items():
+        hq, hkv, d = sh["hq"], sh["hkv"], sh["d"]
+        for b in batches:
+            rng = random.Random(b)
+            ctx = [CASCADE_PREFIX + rng.randint(*CASCADE_SUFFIX) for _ in range(b)]
+            torch.manual_seed(b)
+            inputs = _paged(b, ctx, hq, hkv, d, page, torch.bfloat16, device)
+            table = inputs["block_table"]
+            shared_blocks = CASCADE_PREFIX // page
+            table[1:, :shared_blocks] = table[0, :shared_blocks]  # as the prefix cache does
+            cascade = CascadeInputs.from_prefix(
+                SharedPrefix(shared_blocks * page, tuple(range(b))), b, device
+            )
+            counters = torch.zeros(b * hkv, dtype=torch.int32, device=device)
+            reads = (shared_blocks * page + sum(ctx) - b * shared_blocks * page) * hkv * d * 4
+
+            decode = functools.partial(
+                paged_decode, query=inputs["query"], kv_cache=inputs["kv_cache"],
+                seq_lens=inputs["seq_lens"], block_table=table, num_seqs=b, scale=d**-0.5,
+                key=inputs["key"], value=inputs["value"], slot_mapping=inputs["slot_mapping"],
+                split_counters=counters,
+            )  # fmt: skip
+            plain = torch.empty_like(inputs["query"])
+            plain_us = _graph_us(_each_call(decode, out=plain))
+            rows = [{"config": "plain decode", "us": round(plain_us, 1)}]
+            for cfg in configs:
+                out = torch.empty_like(inputs["query"])
+                run = _each_call(decode, out=out, cascade_starts=cascade.starts,
+                                 cascade_prefix=cascade.prefix, configs={"shared_prefix": cfg})  # fmt: skip
+                try:
+                    us = _graph_us(run)
+                except Exception as e:  # a configuration the compiler refuses
+                    rows.append({"config": cfg, "error": repr(e)[:120]})
+                    continue
+                err = (out.float() - plain.float()).abs().max().item()
+                rows.append({"config": cfg, "us": round(us, 1), "max_err": round(err, 4)})
+            rows.sort(key=lambda r: r.get("us", 1e12))
+            key = f"cascade {name} B={b}"
+            results[key] = {"reads_MB": round(reads / 1e6, 1), "rows": rows}
+            print(f"{key}: {reads / 1e6:.1f} MB of distinct keys/values; plain decode "
+                  f"{plain_us:.1f} us ({plain_us * sh['layers'] / 1e3:.2f} ms a step)", flush=True)  # fmt: skip
+            for r in rows[:6]:
+                step = f" ({r['us'] * sh['layers'] / 1e3:.2f} ms a step)" if "us" in r else ""
+                print("  ", r, step, flush=True)
+            errors = [r for r in rows if "error" in r or r.get("max_err", 0) > 0.05]
+            if errors:
+                print("   ERROR or max_err > 0.05:", errors[:3], flush=True)
 
 
 def spread_check(results: dict, num_blocks: int = 72764) -> None:
@@ -676,11 +771,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--moe-no-candidates", action="store_true", help="time only the rule's configuration"
     )
+    parser.add_argument(
+        "--cascade-only",
+        action="store_true",
+        help="Only the cascade attention sweep (the shared pass's configurations).",
+    )
+    parser.add_argument("--cascade-batches", default="64,128,256", help="requests per call")
     parser.add_argument("--lora-only", action="store_true", help="Only the multi-LoRA op sweep.")
     parser.add_argument("--lora-tokens", default="1,8,32,64,128,256", help="tokens per call")
     parser.add_argument("--lora-rank", type=int, default=16, help="adapter rank")
     args = parser.parse_args(argv)
     results: dict = {}
+    if args.cascade_only:
+        sweep_cascade(results, tuple(int(v) for v in args.cascade_batches.split(",")))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     if args.lora_only:
         sweep_lora(results, tuple(int(v) for v in args.lora_tokens.split(",")), args.lora_rank)
         if args.json:

@@ -42,6 +42,7 @@ class StepProfiler:
         self.schedule_s = 0.0
         self.execute_s = 0.0
         self.collect_s = 0.0
+        self.cascade_graph_steps = 0
         self._pending_start: Any = None
         self._pending_graph_end: Any = None
         self._batch = 0
@@ -137,11 +138,12 @@ class StepProfiler:
             model.forward = marked_forward
         graphs = getattr(runner, "graphs", None)
         if graphs is not None:
-            for graph in graphs._graphs.values():
+            for (_, cascade), graph in graphs._graphs.items():
                 replay = graph.replay
 
-                def marked_replay(replay: Any = replay) -> Any:
+                def marked_replay(replay: Any = replay, cascade: bool = cascade) -> Any:
                     self._mark_forward()
+                    self.cascade_graph_steps += cascade
                     out = replay()
                     self._pending_graph_end = self._event()
                     return out
@@ -165,7 +167,7 @@ class StepProfiler:
         graph_steps = [(a.elapsed_time(g), g.elapsed_time(c), n) for a, g, c, n in self._spans if g]
         buckets: dict[str, list[tuple[float, float]]] = {}
         for graph_ms, rest_ms, n in graph_steps:
-            key = next(f"<={b}" for b in (1, 8, 32, 64, 128, 192, 256, 10**9) if n <= b)
+            key = next((f"<={b}" for b in (1, 8, 32, 64, 128, 192, 256) if n <= b), ">256")
             buckets.setdefault(key, []).append((graph_ms, rest_ms))
         per_batch = {
             k: {
@@ -198,6 +200,8 @@ class StepProfiler:
             "mean_host_only_ms": round(1e3 * (self.step_s - gpu_s) / steps, 3),
             "graph_s": round(sum(x for x, _, _ in graph_steps) / 1e3, 3),
             "decode_graph_by_batch": per_batch,
+            # Replays of cascade decode graphs (cascade attention over a shared prefix).
+            "cascade_graph_steps": self.cascade_graph_steps,
             **extra,
         }
 

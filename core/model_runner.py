@@ -924,7 +924,7 @@ class ModelRunner:
         self, tables: list[list[int]], seq_lens: list[int], num_decodes: int
     ) -> SharedPrefix | None:
         """The shared prefix the backend attends once for this step's decodes; None: none."""
-        if not self._cascade or num_decodes < 2:
+        if not self._cascade or num_decodes < max(2, self.attn_backend_cls.cascade_min_decodes):
             return None
         prefix = find_shared_prefix(tables, seq_lens, num_decodes, self.block_size)
         if prefix is not None and self.attn_backend_cls.use_cascade_attention(prefix, num_decodes):

@@ -30,6 +30,14 @@ case "$1 $2" in
     exit 0 ;;
 esac
 case "$*" in *"import setuptools"*|*"import torch"*) exit 0 ;; esac
+if [ "$1" = tests/gpu/vllm_peer_mixed.py ]; then  # the vLLM kit: a RESULT and a JSON each
+  for wl in ${3//,/ }; do
+    json='{"shape": "'$2'", "workload": "'$wl'", "output_tok_s": 7}'
+    echo "RESULT $json"
+    echo "$json" > "$OUT/vllm_$2_$wl.json"
+  done
+  exit 0
+fi
 exec PYTHON "$@"
 """
 
@@ -102,3 +110,37 @@ def test_ab_base_extracts_the_plugin_at_a_commit(tmp_path: Path) -> None:
     assert not (copy / "stale.py").exists()
     subprocess.run(["bash", str(script), "HEAD"], check=True, capture_output=True)
     assert (copy / "kernel.py").read_text() == "VERSION = 2\n"
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="the scripts use coreutils' timeout")
+def test_run_all_runs_the_vllm_kit_beside_ours(tmp_path: Path) -> None:
+    """The ``vllm-llama`` step unpacks the kit, runs its three workloads in one engine start
+    and merges their JSONs into ``results.json`` next to ours; without a kit it is skipped."""
+    bin_dir, kit = tmp_path / "bin", tmp_path / "kit"
+    bin_dir.mkdir()
+    kit.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    (kit / "vllm_peer.py").write_text("")
+    (kit / "run_on_gpu.sh").write_text('echo "check $*" >> "$FAKE_LOG"\n')
+    out, log = tmp_path / "out", tmp_path / "calls.log"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
+               FAKE_LOG=str(log), PEER_KIT=str(kit), DEADLINE="400")  # fmt: skip
+    run = subprocess.run(["bash", str(GPU / "run_all.sh"), "llama-b1", "vllm-llama"], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert '"workload": "shared-prefix"' in run.stdout
+    calls = log.read_text()
+    assert "check check" in calls
+    assert "tests/gpu/vllm_peer_mixed.py llama3-8b b1,mixed,shared-prefix" in calls
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"llama-b1"} | {
+        f"vllm_llama3-8b_{w}" for w in ("b1", "mixed", "shared-prefix")
+    }
+    assert results["vllm_llama3-8b_mixed"]["output_tok_s"] == 7
+    env["PEER_KIT"] = str(tmp_path / "none")
+    run = subprocess.run(["bash", str(GPU / "run_all.sh"), "vllm-qwen"], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0 and "SKIP vllm-qwen: no" in run.stdout

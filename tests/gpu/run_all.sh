@@ -17,7 +17,11 @@
 # llama-nano), llama-hf-b1 / llama-hf-nano (the llama steps through the transformers
 # modeling backend, --model-impl transformers), and issue 20's llama-mixed (512 requests of
 # --workload mixed) and llama-shared (256 behind one 2,000-token prefix, --workload
-# shared-prefix); BENCH_ARGS adds flags to those two (e.g. the old --max-num-seqs 256). Logs go to $OUT/tests.log,
+# shared-prefix); BENCH_ARGS adds flags to those two (e.g. the old --max-num-seqs 256); and
+# vLLM 0.24.0 on the same machine (the kit of shared/peers/vllm copied to .peers/, carried:
+# its README says how): vllm-qwen (nano-vllm's workload and batch 1 on the Qwen3-0.6B shape,
+# beside qwen-nano / qwen-b1) and vllm-llama (batch 1, the mixed and the shared-prefix
+# workloads on the Llama-3.1-8B shape, beside llama-b1 / llama-mixed / llama-shared). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -183,6 +187,20 @@ for step in "${steps[@]}"; do
       python3 -c "import pstats; pstats.Stats('/tmp/bench.prof').sort_stats('tottime').print_stats(45)" \
         >"$OUT/profile.txt" 2>&1
       grep -E "Throughput|Steps" /tmp/profile-run.log
+      ;;
+    vllm-qwen | vllm-llama)  # vLLM beside us: one engine start, then each workload
+      kit=${PEER_KIT:-.peers}
+      [ -f "$kit/vllm_peer.py" ] || { echo "SKIP $step: no $kit/ (see shared/peers/vllm/README.md)"; continue; }
+      [ "$(left)" -lt 150 ] && { echo "SKIP $step: $(left)s left"; continue; }
+      if [ $step = vllm-qwen ]; then shape=qwen3-0.6b wls=nano,b1; else shape=llama3-8b wls=b1,mixed,shared-prefix; fi
+      echo "=== $step ($shape: $wls) at $(elapsed)s"
+      timeout -k 10 $(($(left) - 10)) bash "$kit/run_on_gpu.sh" check >/dev/null 2>&1
+      PYTHONPATH=${PEER_HOME:-$HOME/vllm-peer}/site:${PYTHONPATH:-} PEER_KIT="$kit" OUT="$OUT" \
+        timeout -k 10 $(($(left) - 10)) python3 tests/gpu/vllm_peer_mixed.py $shape $wls \
+        >"$OUT/vllm_$shape.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "RESULT|^init |Traceback|Error" "$OUT/vllm_$shape.log" | cut -c1-300 | tail -5
+      for wl in ${wls//,/ }; do JSONS+=("vllm_${shape}_$wl"); done
       ;;
     *) echo "unknown step $step" ;;
   esac

@@ -98,8 +98,8 @@ class ModelConfig:
     # ("embed" means pooling, "generate" generate).
     runner: str = "auto"
     task: str | None = None
-    # As vLLM's --disable-cascade-attn: never attend a prefix shared by all decodes once
-    # (engine.attention_backends.interface, supports_cascade_attention).
+    # As vLLM's --disable-cascade-attn: never attend a prefix many decodes share once for all
+    # of them (engine.attention_backends.interface, supports_cascade_attention).
     disable_cascade_attn: bool = False
     # Filled in by the loader once the config is read:
     hf_config: Any = None

@@ -56,7 +56,7 @@ class LLM:
     ``max_num_batched_tokens`` (None: the platform's offline defaults, logged; 1024 and 16384
     on a GPU of 70 GiB or more, else 256 and 8192), ``enable_prefix_caching``,
     ``attention_backend``, ``platform``, ``seed``, ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``enforce_eager``,
-    ``disable_cascade_attn`` (never attend a prefix all decodes share once for all of them),
+    ``disable_cascade_attn`` (never attend a prefix many decodes share once for all of them),
     ``load_format``, ``model_loader_extra_config`` (``{"dummy_init": "uniform"}``: vLLM's
     dummy weights), ``tensor_parallel_size``, ``pipeline_parallel_size``,
     ``distributed_executor_backend`` (uni, mp, ray), ``enable_expert_parallel`` (MoE experts

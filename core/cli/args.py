@@ -373,8 +373,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     device.add_argument(
         "--disable-cascade-attn",
         action="store_true",
-        help="Never attend a prefix that all decodes of a step share once for all of them "
-        "(cascade attention, where the attention backend offers it).",
+        help="Never attend a cached prefix that many decodes of a step share once for all of "
+        "them (cascade attention, where the attention backend offers it).",
     )
     device.add_argument(
         "--cpu-threads",

@@ -61,7 +61,7 @@ def cascade_batch_sizes(sizes: list[int], min_batch: int = 1) -> list[int]:
     """The batch sizes captured with cascade attention: 8, 16, 24, 32, then steps of about
     1.5x (48, 64, 96, 128, ...) among the decode graph ``sizes``, and their largest, so a
     cascade step pads its batch by at most half (cascade pays only for many decodes, and each
-    size is one more graph to capture); none below ``min_batch`` but the one that holds it."""
+    size is one more graph to capture); none smaller than ``min_batch``."""
     top = sizes[-1]
     coarse, power = [8, 16, 24], 32
     while power < top:

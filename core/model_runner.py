@@ -655,7 +655,7 @@ class ModelRunner:
             capture_error_mode=capture_error_mode,
             # Only full-attention layers cascade; that group is first when there is one.
             cascade_group=0 if self._cascade and groups[0] is None else None,
-            cascade_min_batch=getattr(self.attn_backend_cls, "cascade_min_decodes", 2),
+            cascade_min_batch=self.attn_backend_cls.cascade_min_decodes,
         )
         # With LoRA the graphs contain the adapter kernels, reading the mapping buffers.
         with self.lora.capturing() if self.lora is not None else nullcontext():

@@ -101,6 +101,14 @@ class SharedPrefix:
     length: int
     rows: tuple[int, ...]
 
+    def write(self, starts, pair) -> None:
+        """Write the device form (``CascadeInputs``) into host arrays: ``starts`` (each
+        decode's start after the prefix: the length for the rows that hold it, 0 for the
+        others) and ``pair`` (the length, and the block-table row of the first holder)."""
+        starts[:] = 0
+        starts[list(self.rows)] = self.length
+        pair[0], pair[1] = self.length, self.rows[0]
+
 
 def find_shared_prefix(
     block_tables: list[list[int]], seq_lens: list[int], num_decodes: int, block_size: int
@@ -178,12 +186,17 @@ class CascadeInputs:
         """One host-to-device copy of ``prefix``'s starts and (length, first holder)."""
         import torch
 
-        host = torch.zeros(num_decodes + 2, dtype=torch.int32)
-        host[list(prefix.rows)] = prefix.length
-        host[num_decodes] = prefix.length
-        host[num_decodes + 1] = prefix.rows[0]
+        host = torch.empty(num_decodes + 2, dtype=torch.int32)
+        prefix.write(host[:num_decodes], host[num_decodes:])
         buf = host.to(device)
         return cls(starts=buf[:num_decodes], prefix=buf[num_decodes:])
+
+    @classmethod
+    def of_layout(cls, layout: BatchLayout, device: torch.device | str) -> CascadeInputs | None:
+        """``from_prefix`` of the layout's shared prefix; None when it has none."""
+        if layout.shared_prefix is None:
+            return None
+        return cls.from_prefix(layout.shared_prefix, layout.num_decodes, device)
 
 
 @dataclass
@@ -348,11 +361,7 @@ class AttentionBackend(ABC):
             query_start_loc_cpu=qsl,
             seq_lens_cpu=list(layout.seq_lens),
             bidirectional_spans_cpu=layout.bidirectional_spans,
-            cascade=(
-                CascadeInputs.from_prefix(layout.shared_prefix, layout.num_decodes, device)
-                if layout.shared_prefix is not None
-                else None
-            ),
+            cascade=CascadeInputs.of_layout(layout, device),
         )
 
     def __init__(

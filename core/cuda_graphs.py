@@ -428,12 +428,9 @@ class DecodeGraphs:
             slots[:] = -1
             for i, (tb, p, c) in enumerate(zip(lists, starts, counts, strict=True)):
                 slots[i, :c] = [tb[(p + j) // bs] * bs + (p + j) % bs for j in range(c)]
-        if cascade:
+        if cascade:  # the buffers _cascade_inputs views
             base = g_count * b
-            seq[base : base + n] = 0
-            seq[base + np.asarray(shared_prefix.rows, dtype=np.int64)] = shared_prefix.length
-            seq[base + b] = shared_prefix.length
-            seq[base + b + 1] = shared_prefix.rows[0]
+            shared_prefix.write(seq[base : base + n], seq[base + b : base + b + 2])
         # Block tables, packed [group, request, width] with only the columns in use.
         stage = tables[: g_count * num * width].reshape(g_count, num, width)
         for g in range(g_count):

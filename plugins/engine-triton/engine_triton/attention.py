@@ -127,8 +127,8 @@ class TritonAttentionBackend(AttentionBackend):
     def launch_configs(self, device: torch.device) -> dict[str, dict]:
         """Launch configurations by kernel regime (``"prefill"``, ``"decode"``,
         ``"decode_split"``, ``"decode_many_splits"``, ``"shared_prefix"``) overriding the
-        kernels' defaults, which were tuned on an H200. Empty here; a platform's subclass returns its tuning table
-        (engine-rocm's per gfx family)."""
+        kernels' defaults, which were tuned on an H200. Empty here; a platform's subclass
+        returns its tuning table (engine-rocm's per gfx family)."""
         return {}
 
     def forward(

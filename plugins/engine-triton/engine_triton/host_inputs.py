@@ -54,9 +54,5 @@ def build_metadata_pinned(layout: BatchLayout, device: torch.device) -> Attentio
         slot_mapping=slot_mapping,
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=list(layout.seq_lens),
-        cascade=(
-            CascadeInputs.from_prefix(layout.shared_prefix, layout.num_decodes, device)
-            if layout.shared_prefix is not None
-            else None
-        ),
+        cascade=CascadeInputs.of_layout(layout, device),
     )

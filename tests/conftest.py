@@ -52,6 +52,15 @@ def plugin_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     importlib.invalidate_caches()
 
 
+@pytest.fixture
+def torch_cpu_kernels(monkeypatch):
+    """The CPU plugin without its compiled kernels (``ENGINE_CPU_NATIVE=0``: GGUF layers on
+    torch's int4 kernel or dense, exact in float32), as on CPUs that have neither AMX nor AVX2.
+    For tests of model loading against an exact reference; the compiled kernels, which quantize
+    activations to int8 as llama.cpp does, are tested in tests/test_cpu_gguf_{amx,avx2}.py."""
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "0")
+
+
 @pytest.fixture(scope="session")
 def tiny_gemma3_gguf_file(tmp_path_factory) -> Path:
     """A tiny random Gemma 3 GGUF (the embedded default model's architecture and format)."""

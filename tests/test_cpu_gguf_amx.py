@@ -11,6 +11,9 @@ use by ``engine_cpu.native``), against torch computations of what they must retu
 * a tiny Gemma 3 GGUF model: logits near the dequantized model's, in fewer bytes;
 * the build: a cache directory of its own, and ``ENGINE_CPU_NATIVE=0``.
 
+The module runs the AMX family alone (``ENGINE_CPU_NATIVE=amx``; the AVX2 kernels have
+tests/test_cpu_gguf_avx2.py).
+
 Skipped only where this machine cannot run AMX (the reason is the skip message).
 """
 
@@ -32,8 +35,15 @@ from engine_cpu import native
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 pytestmark = pytest.mark.skipif(
-    native.load() is None, reason=f"no AMX kernels here: {native.unavailable_reason()}"
+    native.load("amx") is None, reason=f"no AMX kernels here: {native.unavailable_reason('amx')}"
 )
+
+
+@pytest.fixture(autouse=True)
+def amx_only(monkeypatch):
+    """The AMX family alone (ENGINE_CPU_NATIVE=amx): float32 activations, which AMX leaves to
+    the AVX2 kernels where those are allowed, then take the exact dense path."""
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "amx")
 
 
 def _blocks(rows: int, cols: int, name: str, seed: int) -> torch.Tensor:
@@ -143,13 +153,13 @@ def test_a_bf16_model_runs_on_amx_near_the_dequantized_model(tmp_path):
 def test_the_build_goes_to_its_cache_and_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("ENGINE_CPU_KERNEL_CACHE", str(tmp_path))
-    lib = native.load()
+    lib = native.load("amx")
     assert lib is not None and lib.gguf_amx_available() == 1
-    built = list(tmp_path.glob("engine_cpu_kernels-*.so"))
+    built = list(tmp_path.glob("engine_cpu_amx-*.so"))
     assert len(built) == 1 and not list(tmp_path.glob("*.so.tmp*"))
     monkeypatch.setenv("ENGINE_CPU_NATIVE", "0")
-    assert native.load() is None
-    assert "ENGINE_CPU_NATIVE=0" in native.unavailable_reason()
+    assert native.load("amx") is None
+    assert "ENGINE_CPU_NATIVE=0" in native.unavailable_reason("amx")
     packed = cpu_gguf.gguf_linear.prepack(
         _blocks(16, 256, "Q5_0", seed=17), qtype=6, dtype=torch.bfloat16
     )
@@ -163,7 +173,7 @@ def test_a_failed_build_is_a_warning_with_the_compiler_output(tmp_path, monkeypa
     monkeypatch.setenv("ENGINE_CPU_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     with caplog.at_level("WARNING", logger="engine_cpu.native"):
-        assert native.load() is None
-    assert "false -O3" in native.unavailable_reason()
-    assert any("compiled CPU kernels are unavailable" in r.message for r in caplog.records)
+        assert native.load("amx") is None
+    assert "false -O3" in native.unavailable_reason("amx")
+    assert any("compiled amx kernels are unavailable" in r.message for r in caplog.records)
     assert not list(tmp_path.iterdir())  # no half-written library left behind

@@ -94,7 +94,7 @@ def tiny_llm(path: Path, **kw) -> LLM:
     return LLM(**{**args, **kw})
 
 
-def test_tiny_gemma3_greedy_matches_transformers(tiny):
+def test_tiny_gemma3_greedy_matches_transformers(tiny, torch_cpu_kernels):
     path, hf = tiny
     llm = tiny_llm(path)
     prompts = tiny_prompts(hf.config.vocab_size)
@@ -234,7 +234,7 @@ def real_llm(path: Path) -> LLM:
     )
 
 
-def test_real_gemma3_matches_recorded_transformers_tokens(real_gguf):
+def test_real_gemma3_matches_recorded_transformers_tokens(real_gguf, torch_cpu_kernels):
     data = recorded()
     llm = real_llm(real_gguf)
     prompts = data["prompts"]
@@ -248,7 +248,7 @@ def test_real_gemma3_matches_recorded_transformers_tokens(real_gguf):
 
 
 @pytest.mark.slow
-def test_real_gemma3_matches_transformers_live(real_gguf):
+def test_real_gemma3_matches_transformers_live(real_gguf, torch_cpu_kernels):
     """Recompute transformers' greedy tokens from the GGUF (float32) and compare with ours and
     with the recorded file. ~2-5 minutes on two cores."""
     from transformers import AutoModelForCausalLM

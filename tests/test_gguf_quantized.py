@@ -58,7 +58,7 @@ def test_dequantize_is_bit_exact_against_the_gguf_library(name):
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("m", [1, 5])
-def test_gguf_linear_kernels_match_the_dequantized_product(name, m):
+def test_gguf_linear_kernels_match_the_dequantized_product(name, m, torch_cpu_kernels):
     cpu = PluginManager.from_env().kernel_registry().resolve("cpu").gguf_linear
     n, k = 48, 512
     blocks = _blocks(n, k, name, seed=1)
@@ -74,16 +74,9 @@ def test_gguf_linear_kernels_match_the_dequantized_product(name, m):
     torch.testing.assert_close(got, want, rtol=0.03, atol=0.03)
 
 
-@pytest.fixture
-def no_amx(monkeypatch):
-    """The CPU paths without the compiled AMX kernels (engine_cpu.native; tested on their own
-    in tests/test_cpu_gguf_amx.py), as on CPUs that have no AMX."""
-    monkeypatch.setenv("ENGINE_CPU_NATIVE", "0")
-
-
 @pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 16])
-def test_cpu_wider_than_4_bits_runs_the_dense_bf16_product(name, m, no_amx):
+def test_cpu_wider_than_4_bits_runs_the_dense_bf16_product(name, m, torch_cpu_kernels):
     """5-, 6- and 8-bit weights are dequantized at load on the CPU in 16-bit dtypes and
     oneDNN-prepacked: the product equals ``F.linear`` on the dequantized bf16 weight bit for
     bit (the int4 kernel's two-plane form cost 2-8x the dense product from batch 4 up)."""
@@ -114,7 +107,7 @@ def _cpu_keeps_vocabulary(cpu) -> bool:
 
 
 @pytest.mark.parametrize("m", [1, 16])
-def test_cpu_vocabulary_pack_is_exact_for_lookups_and_logits(m, no_amx):
+def test_cpu_vocabulary_pack_is_exact_for_lookups_and_logits(m, torch_cpu_kernels):
     """A tied Q8_0 embedding / LM head on the CPU in bf16 keeps the file's int8 values and
     float16 block scales for lookups (the reference's rows bit for bit) and multiplies the
     dequantized bf16 matrix, oneDNN-prepacked (``F.linear`` on it bit for bit)."""
@@ -156,7 +149,7 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype, no_amx):
+def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype, torch_cpu_kernels):
     """float32: the CPU multiplies the kept layers densely (exact); bf16: the 4-bit layers
     through torch's int4 kernel, within bf16 rounding of the scales, the 5/6/8-bit layers dense
     (oneDNN-packed), in fewer bytes than the dequantized model."""
@@ -192,7 +185,7 @@ def test_kept_quantized_model_matches_the_dequantized_one(k_gguf, dtype, no_amx)
 
 
 def test_cpu_bf16_keeps_the_tied_vocabulary_quantized_with_the_same_logits(
-    k_gguf, monkeypatch, no_amx
+    k_gguf, monkeypatch, torch_cpu_kernels
 ):
     """The tied Q8_0 embedding / LM head of a bf16 model on the CPU stays 8-bit for lookups
     (no dense matrix in the model); the logits equal those of the model whose vocabulary is
@@ -243,7 +236,7 @@ def test_engine_greedy_tokens_equal_the_dequantized_path(k_gguf):
     assert run() == run(quantization="none")
 
 
-def test_llama_permuted_rows_come_back_from_raw_blocks(tmp_path):
+def test_llama_permuted_rows_come_back_from_raw_blocks(tmp_path, torch_cpu_kernels):
     from quant_helpers import build, compare, prefill_logits
     from transformers import LlamaConfig, LlamaForCausalLM
 

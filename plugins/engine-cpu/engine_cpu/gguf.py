@@ -17,7 +17,18 @@ load the blocks are repacked:
   dequantized bf16 weight up to the order of the float32 sums. Embedding lookups dequantize
   rows of the same layout, bit for bit the reference's. Measured in docs/benchmarks.md
   ("CPU: GGUF layers on AMX").
-* Without AMX (or with ``ENGINE_CPU_NATIVE=0``), as follows.
+* **On other x86-64 CPUs with AVX2** (Intel since Haswell, AMD since Zen; ``csrc/gguf_avx2.c``),
+  and on AMX CPUs for float32 activations: every kept type in every activation dtype, the tied
+  embedding / LM head included, row by row in 32-value blocks: the 4-bit types two values a
+  byte, the 5- and 6-bit types a byte each (unsigned, with float32 scales and offsets per
+  group), Q8_0 as its signed bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 355
+  MiB of weights against 1,087 MiB dense in float32, its default dtype on such a CPU). The
+  activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
+  dot products (``VPMADDUBSW``), scaled per block in float32; the kernels take any number of
+  rows (at 64 rows about as fast as oneDNN's float32 product on this project's 2-core EPYC,
+  several times faster at one row, where the weights' bytes decide). Measured in
+  docs/benchmarks.md ("CPU: GGUF layers on AVX2").
+* Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per
   group of 32), ``v`` as is, ``s = scale``, ``z = offset + 8 * scale``; 0.5 byte per weight
@@ -70,7 +81,7 @@ _ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32}
 def _amx() -> bool:
     """Whether the AMX kernels (engine_cpu/csrc/gguf_amx.c) are here; says which path in the
     log once."""
-    lib = native.load()
+    lib = native.load("amx")
     if (lib is not None) not in _logged_amx:  # once per answer
         _logged_amx.add(lib is not None)
         if lib is not None:
@@ -80,9 +91,7 @@ def _amx() -> bool:
             )
         else:
             logger.info(
-                "gguf_linear on the CPU: no AMX kernels (%s); 4-bit types use torch's int4 "
-                "kernel, the others are dequantized at load",
-                native.unavailable_reason(),
+                "gguf_linear on the CPU: no AMX kernels (%s)", native.unavailable_reason("amx")
             )
     return lib is not None
 
@@ -151,7 +160,7 @@ BF16_ROWS = 16
 
 def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``."""
-    lib = native.load()
+    lib = native.load("amx")
     values = packed["amx_values"]  # [T, K / G, G / 4, 16, 4]
     tiles, groups, quads, _, _ = values.shape
     group, k = quads * 4, groups * quads * 4
@@ -183,6 +192,123 @@ def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tens
     )
     lib.gguf_amx_gemm(*weight, xq.data_ptr(), xd.data_ptr(), xs.data_ptr(), m, y.data_ptr(), n)
     return y
+
+
+# ---- AVX2 (engine_cpu/csrc/gguf_avx2.c) ---------------------------------------------------------
+_PACK_U8, _PACK_U4, _PACK_S8 = 0, 1, 2  # the kernel's packings (see its header)
+_logged_avx2: set[bool] = set()
+
+
+def _avx2() -> bool:
+    """Whether the AVX2 kernels (engine_cpu/csrc/gguf_avx2.c) are here; says so in the log once."""
+    lib = native.load("avx2")
+    if (lib is not None) not in _logged_avx2:
+        _logged_avx2.add(lib is not None)
+        if lib is not None:
+            logger.info(
+                "gguf_linear on the CPU: AVX2 int8 kernels on the GGUF values (activations "
+                "quantized per 32 values, as llama.cpp's)"
+            )
+        else:
+            logger.info(
+                "gguf_linear on the CPU: no AVX2 kernels (%s); 4-bit types use torch's int4 "
+                "kernel in 16-bit dtypes, the others are dequantized at load",
+                native.unavailable_reason("avx2"),
+            )
+    return lib is not None
+
+
+def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
+    """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
+    by row: Q8_0 as its signed bytes (scales only); 4-bit types as two values a byte (value j
+    of a 32-value block in the low nibble of byte j, value 16 + j in its high nibble); the 5-
+    and 6-bit types a byte each; float32 scales and, except for Q8_0, offsets per group.
+    Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's peak for a vocabulary
+    matrix."""
+    n = blocks.shape[0]
+    k = blocks.shape[1] * t.block_size
+    signed = t.name == "Q8_0"
+    pack = _PACK_S8 if signed else _PACK_U4 if t.bits == 4 else _PACK_U8
+    values = torch.empty(n, k // 2 if pack == _PACK_U4 else k, dtype=torch.uint8)
+    scales = torch.empty(n, k // t.group)
+    offsets = None if signed else torch.empty(n, k // t.group)
+    for start in range(0, n, _VOCAB_CHUNK):
+        part = slice(start, min(start + _VOCAB_CHUNK, n))
+        u, scale, offset = ref.unpack(blocks[part], t.ggml_type)
+        r = u.shape[0]
+        if signed:  # canonical u = q + 128, offset -128 d: keep q with no offset
+            values[part] = (u.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+        elif pack == _PACK_U4:
+            halves = u.view(r, k // 32, 2, 16)
+            values[part] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(r, k // 2)
+        else:
+            values[part] = u
+        scales[part] = scale
+        if offsets is not None:
+            offsets[part] = offset
+    packed = {
+        "avx2_values": values,
+        "avx2_scales": scales,
+        "avx2_layout": torch.tensor([pack, t.group]),
+    }
+    if offsets is not None:
+        packed["avx2_offsets"] = offsets
+    return packed
+
+
+def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``."""
+    m = x2.shape[0]
+    lib = native.load("avx2")
+    pack, group = (int(v) for v in packed["avx2_layout"])
+    scales = packed["avx2_scales"]
+    n, k = scales.shape[0], scales.shape[1] * group
+    bf16 = x2.dtype == torch.bfloat16
+    xc = x2.contiguous() if bf16 else x2.float().contiguous()
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd = torch.empty(m, k // 32)
+    xs = torch.empty(m, k // group)
+    lib.gguf_avx2_quantize_rows(
+        xc.data_ptr(), int(bf16), m, k, group, xq.data_ptr(), xd.data_ptr(), xs.data_ptr()
+    )
+    offsets = packed.get("avx2_offsets")
+    y = torch.empty(m, n)
+    lib.gguf_avx2_gemm(
+        packed["avx2_values"].data_ptr(),
+        pack,
+        scales.data_ptr(),
+        None if offsets is None else offsets.data_ptr(),
+        n,
+        k,
+        group,
+        xq.data_ptr(),
+        xd.data_ptr(),
+        xs.data_ptr(),
+        m,
+        y.data_ptr(),
+        n,
+    )
+    return y
+
+
+def _avx2_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an AVX2-packed weight dequantized, float32 ``[len(ids), K]``: bit for bit
+    the reference's dequantization (``scale * u + offset``, one rounding)."""
+    pack, group = (int(v) for v in packed["avx2_layout"])
+    raw = packed["avx2_values"].index_select(0, ids)
+    r = raw.shape[0]
+    if pack == _PACK_S8:
+        v = raw.view(torch.int8).float()
+    elif pack == _PACK_U4:
+        b = raw.view(r, -1, 1, 16)
+        v = torch.cat((b & 0x0F, b >> 4), dim=2).view(r, -1).float()
+    else:
+        v = raw.float()
+    scales = packed["avx2_scales"].index_select(0, ids)
+    v = v.view(r, scales.shape[1], group) * scales.unsqueeze(-1)
+    if "avx2_offsets" in packed:
+        v = v + packed["avx2_offsets"].index_select(0, ids).unsqueeze(-1)
+    return v.view(r, -1)
 
 
 def _int4pack(
@@ -252,20 +378,22 @@ class CpuGGUFLinear:
 
     def conformance_tolerance(self, dtype: str) -> tuple[float, float] | None:
         """The conformance kit's bound for this op (``engine.testing.checks.check_kernel``):
-        with the AMX kernels, 16-bit activations are quantized to int8 per 32 values, which the
-        bf16 tolerance (2e-2) does not cover. Over 60 seeds of the kit's cases the largest
-        ``|got - want| / (1 + |want|)`` was 0.0405 (2026-12-05); 6e-2 states that with a
-        margin. float32 keeps the exact dense path and the kit's own tolerance."""
-        if _amx_serves(getattr(torch, dtype)):
+        with the AMX kernels (16-bit activations) and the AVX2 kernels (every dtype), the
+        activations are quantized to int8 per 32 values, which the bf16 tolerance (2e-2) does
+        not cover. Over 60 seeds of the kit's cases the largest ``|got - want| / (1 + |want|)``
+        was 0.0405 on AMX (2026-12-05); 6e-2 states that with a margin. Without either, the
+        exact paths keep the kit's own tolerance."""
+        if _amx_serves(getattr(torch, dtype)) or _avx2():
             return (6e-2, 6e-2)
         return None
 
     def keeps_vocabulary(self, qtype: int, dtype: torch.dtype) -> bool:
         """A tied embedding / LM head stays quantized with 16-bit activations where the AMX
-        kernels run (every kept type: the lookups dequantize rows of the AMX layout);
+        kernels run, and in every dtype where the AVX2 kernels run (every kept type: the
+        lookups dequantize rows of the kernels' layout);
         elsewhere a Q8_0 one keeps its lookup table in 8 bits in bf16 (see
         ``_vocab_pack``)."""
-        if _amx_serves(dtype):
+        if _amx_serves(dtype) or _avx2():
             return True
         return (
             ref.gguf_type(qtype).name == "Q8_0"
@@ -288,6 +416,8 @@ class CpuGGUFLinear:
         # int4 kernel re-dequantizes per 4 rows), docs/benchmarks.md.
         if _amx_serves(dtype):
             return _amx_pack(blocks, t)
+        if _avx2():
+            return _avx2_pack(blocks, t)
         if vocabulary and self.keeps_vocabulary(qtype, dtype):
             held = [blocks]
             del blocks  # so that _vocab_pack can free the raw blocks early
@@ -321,6 +451,8 @@ class CpuGGUFLinear:
         shape = x.shape
         if "amx_values" in packed:
             y = _amx_linear(x.reshape(-1, shape[-1]), packed)
+        elif "avx2_values" in packed:
+            y = _avx2_linear(x.reshape(-1, shape[-1]), packed)
         elif "onednn" in packed:
             x2 = x.reshape(-1, shape[-1]).to(packed["onednn"].dtype).contiguous()
             y = torch.ops.mkldnn._linear_pointwise(x2, packed["onednn"], None, "none", [], "")
@@ -349,6 +481,8 @@ class CpuGGUFLinear:
         """The rows ``ids`` dequantized into ``dtype``, bit for bit the reference's."""
         if "amx_values" in packed:
             return _amx_rows(packed, ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
+        if "avx2_values" in packed:
+            return _avx2_rows(packed, ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
         if "vocab_q" not in packed:
             return ref.gguf_linear.embedding(ids, packed, qtype=qtype, dtype=dtype)
         flat = ids.reshape(-1)

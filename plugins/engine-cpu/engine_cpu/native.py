@@ -1,5 +1,12 @@
 """The CPU plugin's compiled kernels (``engine_cpu/csrc``), built on first use for this machine.
 
+Two families, each its own shared library:
+
+* ``amx`` (``csrc/gguf_amx.c``): GGUF matmuls in AMX int8 / bf16 tiles, for Intel Xeons since
+  Sapphire Rapids (AVX-512 BF16, AMX-INT8/BF16, and Linux granting the process the tile state);
+* ``avx2`` (``csrc/gguf_avx2.c``): GGUF matmuls as AVX2 int8 dot products, for any x86-64 CPU
+  with AVX2, FMA and F16C (Intel since Haswell, AMD since Zen).
+
 The sources are plain C with x86 intrinsics, compiled by the system's C compiler with
 ``-march=native`` into a shared library under ``~/.cache/engine/cpu-kernels`` (or
 ``$ENGINE_CPU_KERNEL_CACHE``), named by a hash of the sources, the flags, the compiler and the
@@ -9,11 +16,12 @@ workers, ``--api-server-count``) never load a half-written file. The library is 
 torch, so its OpenMP calls resolve to torch's already-loaded ``libgomp.so.1`` and share torch's
 thread pool (``torch.set_num_threads`` applies to them).
 
-``load()`` returns None, with the reason in ``unavailable_reason()`` (logged once by the
-caller), where there is no compiler, the CPU lacks AMX (Intel Xeon since Sapphire Rapids),
-Linux refuses the process AMX's tile state, or the platform is not x86-64 Linux; the kernels'
-callers then keep their torch paths. ``ENGINE_CPU_NATIVE=0`` turns the
-compiled kernels off.
+``load(family)`` returns None, with the reason in ``unavailable_reason(family)`` (logged once by
+the caller), where there is no compiler, the CPU lacks the family's instructions, Linux refuses
+the process AMX's tile state, or the platform is not x86-64 Linux; the kernels' callers then
+keep their torch paths. ``ENGINE_CPU_NATIVE=0`` turns every compiled kernel off;
+``ENGINE_CPU_NATIVE=avx2`` (a comma-separated list of families) allows only those, e.g. to run
+the AVX2 kernels on a CPU that also has AMX; unset or ``1``: every family this CPU can run.
 """
 
 from __future__ import annotations
@@ -28,17 +36,57 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("gguf_amx.c",)
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _LIBS = ("-lm",)
-# /proc/cpuinfo names of what csrc/gguf_amx.c needs.
-_NEEDS = ("avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One library of kernels: its sources and the /proc/cpuinfo flags they need."""
+
+    sources: tuple[str, ...]
+    needs: tuple[str, ...]
+    declare: Callable[[ctypes.CDLL], None]
+
+
+def _declare_amx(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.gguf_amx_available.restype = i32
+    lib.gguf_quantize_rows.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, ptr]
+    lib.gguf_quantize_rows.restype = None
+    lib.gguf_amx_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, ptr, ptr, ptr, i64, ptr, i64]
+    lib.gguf_amx_gemm.restype = None
+    lib.gguf_amx_gemm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, ptr, i64, ptr, i64, ptr]
+    lib.gguf_amx_gemm_bf16.restype = None
+    if not lib.gguf_amx_available():
+        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl)")
+
+
+def _declare_avx2(lib: ctypes.CDLL) -> None:
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.gguf_avx2_available.restype = i32
+    lib.gguf_avx2_quantize_rows.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, ptr]
+    lib.gguf_avx2_quantize_rows.restype = None
+    lib.gguf_avx2_gemm.argtypes = [ptr, i32, ptr, ptr, i64, i64, i32, ptr, ptr, ptr, i64, ptr, i64]
+    lib.gguf_avx2_gemm.restype = None
+
+
+FAMILIES: dict[str, _Family] = {
+    "amx": _Family(
+        ("gguf_amx.c",),
+        ("avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"),
+        _declare_amx,
+    ),
+    "avx2": _Family(("gguf_avx2.c",), ("avx2", "fma", "f16c"), _declare_avx2),
+}
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, dict[str, object]] = {}
 
 
 def _cpu_flags() -> str:
@@ -58,27 +106,28 @@ class NotThisMachine(RuntimeError):
     """The kernels are not for this machine (no AMX, not x86-64 Linux): expected, not a fault."""
 
 
-def _build() -> ctypes.CDLL:
+def _build(name: str) -> ctypes.CDLL:
+    family = FAMILIES[name]
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise NotThisMachine(
             f"built only for x86-64 Linux, this is {sys.platform} {platform.machine()}"
         )
     flags = _cpu_flags().split()
-    missing = [f for f in _NEEDS if f not in flags]
+    missing = [f for f in family.needs if f not in flags]
     if missing:
         raise NotThisMachine(f"the CPU lacks {', '.join(missing)}")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
     src_dir = Path(__file__).parent / "csrc"
-    sources = [src_dir / s for s in _SOURCES]
+    sources = [src_dir / s for s in family.sources]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     for part in [*(s.read_bytes() for s in sources), " ".join(_CFLAGS + _LIBS).encode()]:
         digest.update(part)
     digest.update(version.encode())
     digest.update(" ".join(sorted(flags)).encode())
-    target = _cache_dir() / f"engine_cpu_kernels-{digest.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"engine_cpu_{name}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -89,43 +138,51 @@ def _build() -> ctypes.CDLL:
             os.unlink(tmp)
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
         os.replace(tmp, target)
-        logger.info("engine-cpu: compiled kernels into %s", target)
+        logger.info("engine-cpu: compiled the %s kernels into %s", name, target)
     import torch  # noqa: F401  (torch's libgomp first, see the module docstring)
 
     lib = ctypes.CDLL(str(target))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    i32 = ctypes.c_int
-    lib.gguf_amx_available.restype = i32
-    lib.gguf_quantize_rows.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, ptr]
-    lib.gguf_quantize_rows.restype = None
-    lib.gguf_amx_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, ptr, ptr, ptr, i64, ptr, i64]
-    lib.gguf_amx_gemm.restype = None
-    lib.gguf_amx_gemm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, ptr, i64, ptr, i64, ptr]
-    lib.gguf_amx_gemm_bf16.restype = None
-    if not lib.gguf_amx_available():
-        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl)")
+    family.declare(lib)
     return lib
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled library, built on the first call; None where it cannot be (see
-    ``unavailable_reason``) or while ``ENGINE_CPU_NATIVE=0`` (read on every call)."""
-    if os.environ.get("ENGINE_CPU_NATIVE", "1") == "0":
+def _turned_off(name: str) -> str | None:
+    """Why ``ENGINE_CPU_NATIVE`` (read on every call) excludes family ``name``, or None."""
+    setting = os.environ.get("ENGINE_CPU_NATIVE", "1").strip()
+    if setting == "0":
+        return "turned off by ENGINE_CPU_NATIVE=0"
+    if setting in ("", "1"):
+        return None
+    allowed = {part.strip() for part in setting.split(",")}
+    if name not in allowed:
+        return f"not in ENGINE_CPU_NATIVE={setting}"
+    return None
+
+
+def load(family: str = "amx") -> ctypes.CDLL | None:
+    """The compiled library of ``family`` (a key of ``FAMILIES``), built on the first call; None
+    where it cannot be (see ``unavailable_reason``) or while ``ENGINE_CPU_NATIVE`` excludes
+    it."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown CPU kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    if _turned_off(family):
         return None
     with _lock:
-        if "lib" not in _state and "error" not in _state:
+        state = _state.setdefault(family, {})
+        if "lib" not in state and "error" not in state:
             try:
-                _state["lib"] = _build()
+                state["lib"] = _build(family)
             except NotThisMachine as e:
-                _state["error"] = str(e)
+                state["error"] = str(e)
             except (OSError, RuntimeError) as e:  # this machine should have had them
-                _state["error"] = str(e)
-                logger.warning("engine-cpu: the compiled CPU kernels are unavailable: %s", e)
-        return _state.get("lib")  # type: ignore[return-value]
+                state["error"] = str(e)
+                logger.warning("engine-cpu: the compiled %s kernels are unavailable: %s", family, e)
+        return state.get("lib")  # type: ignore[return-value]
 
 
-def unavailable_reason() -> str | None:
-    """Why ``load()`` returned None (None when it has not, or has not been called)."""
-    if os.environ.get("ENGINE_CPU_NATIVE", "1") == "0":
-        return "turned off by ENGINE_CPU_NATIVE=0"
-    return _state.get("error")  # type: ignore[return-value]
+def unavailable_reason(family: str = "amx") -> str | None:
+    """Why ``load(family)`` returned None (None when it has not, or has not been called)."""
+    off = _turned_off(family)
+    if off:
+        return off
+    return _state.get(family, {}).get("error")  # type: ignore[return-value]

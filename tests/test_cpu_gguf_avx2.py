@@ -1,0 +1,163 @@
+"""The CPU plugin's AVX2 kernels for GGUF layers (``engine_cpu/csrc/gguf_avx2.c``, built on first
+use by ``engine_cpu.native``), against torch computations of what they must return:
+
+* products: the activations quantized per 32 values (amax / 127, rounded to nearest even, as
+  the kernel does) times the dequantized weight, to float32 summation order, for every kept
+  type, float32 and bfloat16 activations, row counts around the kernel's blocking (1-4 rows a
+  pass, two weight rows a pass from 16 rows) and an odd output count;
+* the packing: 4-bit types as two values a byte, Q8_0 signed without offsets;
+* embedding rows: the reference's dequantization, bit for bit;
+* a tiny Gemma 3 GGUF model in float32 (this CPU kind's default dtype): logits near the
+  dequantized model's, in fewer bytes;
+* ``ENGINE_CPU_NATIVE``: ``0`` turns the kernels off, a family list keeps only those.
+
+The module runs the AVX2 family alone (``ENGINE_CPU_NATIVE=avx2``), so a CPU with AMX tests it
+too. Skipped only where this machine cannot run AVX2 (the reason is the skip message).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import gguf as gk
+from engine.testing.tiny_gguf import MIXED_SHAPE, MIXED_TYPES, random_blocks, write_tiny_gemma3_gguf
+from engine_cpu import gguf as cpu_gguf
+from engine_cpu import native
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+pytestmark = pytest.mark.skipif(
+    native.load("avx2") is None, reason=f"no AVX2 kernels here: {native.unavailable_reason('avx2')}"
+)
+
+
+@pytest.fixture(autouse=True)
+def avx2_only(monkeypatch):
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "avx2")
+
+
+def _blocks(rows: int, cols: int, name: str, seed: int) -> torch.Tensor:
+    t = gk.gguf_type(name)
+    raw = random_blocks(rows, cols, name, seed)
+    return torch.from_numpy(raw).view(rows, cols // t.block_size, t.type_size)
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernel reads it: per 32 values d = amax / 127 and q = round(x * 127 /
+    amax) (nearest even), returned dequantized (float64 d * q)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # A float32 division of two tensors, as the kernel's 127.0f / amax.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q.double() * (amax / 127.0).double()).view(m, k)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_products_are_int8_activations_times_the_exact_weights(name):
+    n, k = 67, 512  # odd: the last weight row goes alone when two are paired (16+ rows)
+    qtype = gk.gguf_type(name).ggml_type
+    blocks = _blocks(n, k, name, seed=11)
+    packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
+    assert "avx2_values" in packed
+    w = gk.dequantize(blocks, name).double()
+    gen = torch.Generator().manual_seed(12)
+    for m in (1, 2, 3, 4, 5, 15, 16, 19, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            want = _quantized_activations(x) @ w.T
+            got = cpu_gguf._avx2_linear(x, packed).double()
+            assert got.shape == (m, n)
+            scale = float(want.abs().max())
+            assert float((got - want).abs().max()) <= 2e-6 * scale, (name, m, dtype)
+            out = cpu_gguf.gguf_linear(x, packed, qtype=qtype)
+            assert out.dtype == dtype and torch.equal(out, got.float().to(dtype))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_the_packing_holds_the_values_in_their_bits(name):
+    t = gk.gguf_type(name)
+    n, k = 8, 256
+    packed = cpu_gguf._avx2_pack(_blocks(n, k, name, seed=21), t)
+    values = packed["avx2_values"]
+    if t.bits == 4:
+        assert values.shape == (n, k // 2)
+    else:
+        assert values.shape == (n, k)
+    assert ("avx2_offsets" in packed) == (name != "Q8_0")
+    assert packed["avx2_scales"].shape == (n, k // t.group)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_embedding_rows_are_the_reference_rows(name):
+    op = cpu_gguf.gguf_linear
+    qtype = gk.gguf_type(name).ggml_type
+    for dtype in (torch.float32, torch.bfloat16):
+        assert op.keeps_vocabulary(qtype, dtype)
+        blocks = _blocks(37, 256, name, seed=15)
+        packed = op.prepack(blocks, qtype=qtype, dtype=dtype, vocabulary=True)
+        ids = torch.tensor([[0, 36, 5], [5, 17, 16]])
+        rows = op.embedding(ids, packed, qtype=qtype, dtype=dtype)
+        assert torch.equal(rows, gk.dequantize(blocks, name).to(dtype)[ids])
+
+
+def test_a_float32_model_runs_on_avx2_near_the_dequantized_model(tmp_path):
+    """Every layer and the tied vocabulary in the AVX2 layout, logits within the int8
+    activations' error of the dequantized float32 model, in well under half the bytes."""
+    from quant_helpers import build, compare, prefill_logits
+
+    path = write_tiny_gemma3_gguf(tmp_path / "tiny.gguf", seed=3, types=MIXED_TYPES, **MIXED_SHAPE)
+    model, _ = build(path, dtype="float32")
+    layer = model.model.layers[0]
+    names = {n for n, _ in layer.named_parameters()}
+    assert any(n.endswith("_avx2_values") for n in names), sorted(names)
+    assert model.model.embed_tokens.vocab_method is not None
+    ref, _ = build(path, quantization="none", dtype="float32")
+    want = prefill_logits(ref)
+    compare(prefill_logits(model), want, 0.05 * float(want.abs().max()))
+
+    def nbytes(m: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    assert nbytes(model) < 0.45 * nbytes(ref)
+
+
+def test_the_setting_picks_the_families(monkeypatch):
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "0")
+    assert native.load("avx2") is None
+    assert "ENGINE_CPU_NATIVE=0" in native.unavailable_reason("avx2")
+    packed = cpu_gguf.gguf_linear.prepack(_blocks(16, 256, "Q5_0", seed=17), qtype=6)
+    assert "avx2_values" not in packed
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "amx")
+    assert native.load("avx2") is None
+    assert "not in ENGINE_CPU_NATIVE=amx" in native.unavailable_reason("avx2")
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "avx2")
+    assert native.load("amx") is None and native.load("avx2") is not None
+    with pytest.raises(ValueError, match="unknown CPU kernel family 'sse'"):
+        native.load("sse")
+
+
+def test_each_family_builds_into_its_own_library(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("ENGINE_CPU_KERNEL_CACHE", str(tmp_path))
+    lib = native.load("avx2")
+    assert lib is not None and lib.gguf_avx2_available() == 1
+    built = list(tmp_path.glob("engine_cpu_avx2-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("tmp*.so"))
+
+
+def test_a_failed_build_is_a_warning_with_the_compiler_output(tmp_path, monkeypatch, caplog):
+    """A compiler that fails is said loudly (the GGUF layers then keep the torch packings, and
+    the log says why)."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("ENGINE_CPU_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level("WARNING", logger="engine_cpu.native"):
+        assert native.load("avx2") is None
+    assert "false -O3" in native.unavailable_reason("avx2")
+    assert any("compiled avx2 kernels are unavailable" in r.message for r in caplog.records)
+    assert not list(tmp_path.iterdir())  # no half-written library left behind
+    packed = cpu_gguf.gguf_linear.prepack(_blocks(16, 256, "Q5_0", seed=17), qtype=6)
+    assert "avx2_values" not in packed

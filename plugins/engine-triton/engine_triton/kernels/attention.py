@@ -664,8 +664,11 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
 
 
 # Cascade attention's shared pass (_shared_prefix_kernel): rows of (request, head) pairs per
-# tile and prefix tokens per key/value tile (the prefill kernel's tile).
-SHARED_PREFIX_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+# tile and prefix tokens per key/value tile. Chosen by `python -m engine_triton.benchmark
+# --cascade-only` (H100, Llama-3.1-8B shape, 64/128/256 requests behind 2,000 tokens,
+# 2026-12-06): 64.4 / 107.8 / 175.2 us a layer against 67.2 / 111.7 / 179.8 for the prefill
+# kernel's 64 x 64 tile it used before; best or within 1% of the best at every size.
+SHARED_PREFIX_CONFIG = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3}
 MAX_SHARED_PARTS = 16
 
 

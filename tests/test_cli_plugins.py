@@ -65,7 +65,8 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert backends["torch"]["distribution"] == "engine-llm"
     assert backends["triton"]["distribution"] == "engine-llm-triton"
     assert backends["triton"]["auto_rank"] is None  # not in the CPU platform's auto order
-    assert report["auto_order"] == ["torch"]
+    assert report["auto_order"] == ["cpu", "torch"]
+    assert backends["cpu"]["distribution"] == "engine-llm-cpu"
     # Overrides: engine-llm-triton's (when triton is installed) target GPUs; the CPU's are
     # engine-llm-cpu's norms, argmax and quantized matmuls.
     on_cpu = [
@@ -242,13 +243,18 @@ def test_unknown_and_unusable_attention_backend_from_the_cli(plugin_env, capsys,
     install_fixtures(plugin_env, "engine-bad-backend")
     monkeypatch.setenv("ENGINE_PLUGINS", "cpu,badbackend")
     code, _, err = run_main(capsys, "plugins", "--attention-backend", "flashy")
-    assert_one_paragraph_error(code, err, "Unknown attention backend 'flashy'", "auto, torch, bad")
+    assert_one_paragraph_error(
+        code, err, "Unknown attention backend 'flashy'", "auto, torch, bad, cpu"
+    )
     code, _, err = run_main(capsys, "plugins", "--attention-backend", "bad")
     assert_one_paragraph_error(
         code, err, "Could not import attention backend 'bad'", "engine-bad-backend"
     )
     code, _, err = run_main(capsys, "plugins", "--attention-backend", "auto")
-    assert code == 0 and "Selected attention backend: torch" in err
+    from engine_cpu import native
+
+    auto = "cpu" if native.load("avx2") is not None else "torch"  # cpu: its compiled kernels
+    assert code == 0 and f"Selected attention backend: {auto}" in err
 
 
 def test_malformed_entry_points_fail_the_cli_with_one_paragraph(plugin_env, capsys, monkeypatch):

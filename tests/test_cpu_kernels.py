@@ -1,5 +1,7 @@
-"""engine-llm-cpu's kernel overrides: exactly the reference's results (the conformance kit checks
-them on random inputs too; these are the cases that tell the ops apart)."""
+"""engine-llm-cpu's kernel overrides: the torch forms exactly the reference's results, the
+compiled norms (engine_cpu/csrc/cpu_ops.c) the reference's to float32 rounding (the
+conformance kit checks them on random inputs too; these are the cases that tell the ops
+apart)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def _strided_heads(t: int, heads: int, d: int, dtype: torch.dtype, scale: float)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("weight_dtype", ["float32", "same"])
-def test_rms_norms_are_the_reference_bit_for_bit(dtype, weight_dtype):
+def test_rms_norms_are_the_reference_bit_for_bit(dtype, weight_dtype, torch_cpu_kernels):
     from engine_cpu.norms import fused_add_rms_norm, rms_norm
 
     torch.manual_seed(0)
@@ -68,7 +70,9 @@ def test_rms_norms_are_the_reference_bit_for_bit(dtype, weight_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("norm", ["float32", "same", None])
 @pytest.mark.parametrize("is_neox, rot_frac", [(True, 1.0), (False, 1.0), (True, 0.5)])
-def test_qk_norm_rotary_is_the_reference_bit_for_bit(dtype, norm, is_neox, rot_frac):
+def test_qk_norm_rotary_is_the_reference_bit_for_bit(
+    dtype, norm, is_neox, rot_frac, torch_cpu_kernels
+):
     """In place into column slices of one fused qkv output; Gemma 3 270M's shape (4 query
     heads, 1 KV head, 256 dims) among them; the layouts the override hands to the reference
     (interleaved pairs, partial rotary) too."""
@@ -96,3 +100,70 @@ def test_the_cpu_platform_uses_the_norm_overrides():
     for name in ("rms_norm", "fused_add_rms_norm", "qk_norm_rotary"):
         assert kernels.impls[name].provider == "engine-llm-cpu"
         assert kernels.impls[name].fn.__module__ == "engine_cpu.norms"
+
+
+def _compiled(monkeypatch) -> None:
+    """The compiled norms (the avx2 family), or a skip saying why they are not here."""
+    from engine_cpu import native
+
+    monkeypatch.setenv("ENGINE_CPU_NATIVE", "avx2")
+    if native.load("avx2") is None:
+        pytest.skip(f"no AVX2 kernels here: {native.unavailable_reason('avx2')}")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: within a few ulps of the largest value (eight-lane sums and fused multiply-adds
+    against torch's order; the rotary's differences can cancel); bfloat16: the same value, or
+    one bfloat16 step where the float32 results straddle a rounding point."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    top = float(want.float().abs().max())
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * top)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-8 * top)
+        assert float((got != want).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_rms_norms_match_the_reference(dtype, monkeypatch):
+    from engine_cpu.norms import fused_add_rms_norm, rms_norm
+
+    _compiled(monkeypatch)
+    torch.manual_seed(0)
+    for t, h in ((1, 640), (16, 640), (7, 100), (33, 1152), (3, 7)):
+        for scale in (1e-3, 1.0, 300.0):
+            w = 1.0 + 0.3 * torch.randn(h)
+            x = (torch.randn(t, h) * scale).to(dtype)
+            r = (torch.randn(t, h) * scale).to(dtype)
+            _close(rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+            out, res = fused_add_rms_norm(x, r, w, 1e-6)
+            ref_out, ref_res = ref.fused_add_rms_norm(x, r, w, 1e-6)
+            assert torch.equal(res, ref_res)  # one rounded add
+            _close(out, ref_out)
+            # a strided input (a column slice) and a bf16 weight go the same way
+            wide = (torch.randn(t, h + 5) * scale).to(dtype)[:, 2 : h + 2]
+            _close(rms_norm(wide, w.to(dtype), 1e-5), ref.rms_norm(wide, w.to(dtype), 1e-5))
+        heads = _strided_heads(t, 4, 64, dtype, 2.0)
+        w = 1.0 + 0.3 * torch.randn(64)
+        _close(rms_norm(heads, w, 1e-6), ref.rms_norm(heads, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False])
+def test_compiled_qk_norm_rotary_matches_the_reference(dtype, norm, monkeypatch):
+    from engine.testing.inputs import rope_cache
+    from engine_cpu.norms import qk_norm_rotary
+
+    _compiled(monkeypatch)
+    torch.manual_seed(0)
+    for t, h, hkv, d in ((1, 4, 1, 256), (16, 4, 1, 256), (5, 4, 2, 64), (3, 8, 8, 128)):
+        cache = rope_cache(4096, d)
+        positions = torch.randint(0, 4096, (t,))
+        qkv = (torch.randn(t, (h + 2 * hkv) * d) * 4).to(dtype)
+        qw, kw = (1.0 + 0.3 * torch.randn(d) for _ in range(2)) if norm else (None, None)
+        ours, theirs = qkv.clone(), qkv.clone()
+        args = (cache, d, True, qw, kw, 1e-6)
+        qk_norm_rotary(positions, ours[:, : h * d], ours[:, h * d : (h + hkv) * d], *args)
+        ref.qk_norm_rotary(positions, theirs[:, : h * d], theirs[:, h * d : (h + hkv) * d], *args)
+        _close(ours, theirs)
+        assert torch.equal(ours[:, (h + hkv) * d :], qkv[:, (h + hkv) * d :])  # values untouched

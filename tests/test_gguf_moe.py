@@ -102,7 +102,11 @@ def test_weights_are_the_gguf_librarys_dequantization(moe_gguf):
     assert len(seen) == len(expected) + reference.config.num_hidden_layers
 
 
-def test_greedy_tokens_equal_transformers_on_the_same_weights(moe_gguf, tmp_path, monkeypatch):
+def test_greedy_tokens_equal_transformers_on_the_same_weights(
+    moe_gguf, tmp_path, monkeypatch, torch_cpu_kernels
+):
+    """Token for token, so through the exact torch kernels: the compiled CPU ones quantize
+    activations to int8 (tests/test_cpu_gguf_avx2.py holds them to that)."""
     kind, path, reference = moe_gguf
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "cache"))
     rng = random.Random(1)

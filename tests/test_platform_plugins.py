@@ -58,7 +58,7 @@ def test_cpu_platform_memory_profiling() -> None:
     block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
     after = CpuPlatform.peak_memory()
     assert after >= before and after >= block.numel() * 4
-    assert CpuPlatform.default_attention_backends() == ["torch"]
+    assert CpuPlatform.default_attention_backends() == ["cpu", "torch"]
     assert CpuPlatform.dist_backend == "gloo"
     assert CpuPlatform.supported_dtypes == ("float32", "bfloat16")
     assert CpuPlatform.torch_device() == torch.device("cpu")

@@ -2,8 +2,9 @@
 data parallelism, and what happens when a process dies.
 
 Every server here is the real command in a subprocess. Starting one costs seconds, so the
-module shares two of them: ``one`` (one front end, one core; killed by the last test) and
-``many`` (``--api-server-count 2 --data-parallel-size 2``, stopped by the drain test).
+module shares three of them: ``one`` (one front end, one core; killed by the last test),
+``long_context`` (4,096 positions, for the cancellation test) and ``many``
+(``--api-server-count 2 --data-parallel-size 2``, stopped by the drain test).
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ PROMPTS = [
 def one(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-one") / "server.log"
     with ServeProcess(tiny_model_dir, log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """A server whose requests can run 2,000 tokens: long enough that cancelled streams are
+    cut well before their end however slowly the (shared, loaded) CPUs deliver the aborts."""
+    from engine.testing.tiny_models import build_tiny_model
+
+    model = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-long"), "llama", max_position_embeddings=4096
+    )
+    log = tmp_path_factory.mktemp("serve-long") / "server.log"
+    with ServeProcess(model, log, "--max-model-len", "4096") as server:
         yield server
 
 
@@ -185,13 +200,14 @@ def _wait_idle(base: str, timeout: float = 30.0) -> str:
         time.sleep(0.05)
 
 
-def test_200_cancelled_streams_leave_no_kv_block_in_use(one):
-    base = one.base_url
+def test_200_cancelled_streams_leave_no_kv_block_in_use(long_context):
+    base = long_context.base_url
+    max_tokens = 2000
 
     async def cut(client: httpx.AsyncClient, i: int) -> int:
         body = {
             "prompt": f"stream number {i} of many",
-            "max_tokens": 200,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
             "temperature": 0.7,
             "stream": True,
@@ -218,7 +234,7 @@ def test_200_cancelled_streams_leave_no_kv_block_in_use(one):
     assert sum(1 for c in chunks if c) >= 190, "the streams were not running when cut"
     text = _wait_idle(base)  # 0 requests, KV-cache usage exactly 0: every block free
     generated = sum(metric_values(text, "engine:generation_tokens_total").values()) - before
-    assert generated < 200 * 200 // 2, "the cut streams ran to the end: they were not aborted"
+    assert generated < 200 * max_tokens // 2, "the cut streams ran to the end: not aborted"
     r = httpx.post(base + "/v1/completions", json={"prompt": "after", "max_tokens": 5,
                                                    "ignore_eos": True}, timeout=60)  # fmt: skip
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

@@ -48,11 +48,14 @@ _LIBS = ("-lm",)
 
 @dataclass(frozen=True)
 class _Family:
-    """One library of kernels: its sources and the /proc/cpuinfo flags they need."""
+    """One library of kernels: its sources (with the headers they include, which name the
+    build too), the /proc/cpuinfo flags they need, and the function that declares its
+    entry points' C types."""
 
     sources: tuple[str, ...]
     needs: tuple[str, ...]
     declare: Callable[[ctypes.CDLL], None]
+    headers: tuple[str, ...] = ()
 
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
@@ -75,6 +78,26 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     lib.gguf_avx2_quantize_rows.restype = None
     lib.gguf_avx2_gemm.argtypes = [ptr, i32, ptr, ptr, i64, i64, i32, ptr, ptr, ptr, i64, ptr, i64]
     lib.gguf_avx2_gemm.restype = None
+    f32 = ctypes.c_float
+    lib.cpu_rms_norm.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, f32]
+    lib.cpu_fused_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, ptr, f32]
+    lib.cpu_qk_norm_rotary.argtypes = [
+        *(ptr, i64, i64, ptr, i64, i64, i32, i64, i64),
+        *(ptr, ptr, ptr, ptr, f32),
+    ]
+    lib.cpu_write_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i32, i64, i64, i64]
+    lib.cpu_paged_decode.argtypes = [
+        *(ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64),
+        *(i32, i64, i64, i64, i64, i64, f32, f32, i64),
+    ]
+    for fn in (
+        lib.cpu_rms_norm,
+        lib.cpu_fused_add_rms_norm,
+        lib.cpu_qk_norm_rotary,
+        lib.cpu_write_kv,
+        lib.cpu_paged_decode,
+    ):
+        fn.restype = None
 
 
 FAMILIES: dict[str, _Family] = {
@@ -83,7 +106,9 @@ FAMILIES: dict[str, _Family] = {
         ("avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"),
         _declare_amx,
     ),
-    "avx2": _Family(("gguf_avx2.c",), ("avx2", "fma", "f16c"), _declare_avx2),
+    "avx2": _Family(
+        ("gguf_avx2.c", "cpu_ops.c"), ("avx2", "fma", "f16c"), _declare_avx2, ("avx2_common.h",)
+    ),
 }
 _lock = threading.Lock()
 _state: dict[str, dict[str, object]] = {}
@@ -121,9 +146,13 @@ def _build(name: str) -> ctypes.CDLL:
         raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
     src_dir = Path(__file__).parent / "csrc"
     sources = [src_dir / s for s in family.sources]
+    headers = [src_dir / h for h in family.headers]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in [*(s.read_bytes() for s in sources), " ".join(_CFLAGS + _LIBS).encode()]:
+    for part in [
+        *(s.read_bytes() for s in sources + headers),
+        " ".join(_CFLAGS + _LIBS).encode(),
+    ]:
         digest.update(part)
     digest.update(version.encode())
     digest.update(" ".join(sorted(flags)).encode())
@@ -148,7 +177,10 @@ def _build(name: str) -> ctypes.CDLL:
 
 def _turned_off(name: str) -> str | None:
     """Why ``ENGINE_CPU_NATIVE`` (read on every call) excludes family ``name``, or None."""
-    setting = os.environ.get("ENGINE_CPU_NATIVE", "1").strip()
+    setting = os.environ.get("ENGINE_CPU_NATIVE")
+    if setting is None or setting == "1":
+        return None
+    setting = setting.strip()
     if setting == "0":
         return "turned off by ENGINE_CPU_NATIVE=0"
     if setting in ("", "1"):
@@ -167,6 +199,9 @@ def load(family: str = "amx") -> ctypes.CDLL | None:
         raise ValueError(f"unknown CPU kernel family {family!r}; known: {', '.join(FAMILIES)}")
     if _turned_off(family):
         return None
+    built = _state.get(family)
+    if built is not None and "lib" in built:  # the per-op fast path: no lock once built
+        return built["lib"]  # type: ignore[return-value]
     with _lock:
         state = _state.setdefault(family, {})
         if "lib" not in state and "error" not in state:

@@ -128,4 +128,5 @@ class CpuPlatform(Platform):
 
     @classmethod
     def default_attention_backends(cls, config: Any = None) -> list[str]:
-        return ["torch"]
+        # The compiled decode path where it builds (x86-64 with AVX2), else the reference.
+        return ["cpu", "torch"]

@@ -19,6 +19,12 @@ def engine_platform():
 
 
 @hookimpl
+def engine_attention_backends() -> dict[str, str]:
+    """The ``cpu`` backend (compiled decode attention), by qualified name (imported when used)."""
+    return {"cpu": "engine_cpu.attention:CpuAttentionBackend"}
+
+
+@hookimpl
 def engine_kernels(registry) -> None:
     """CPU kernel overrides (``engine_cpu.kernels``): exact, only faster."""
     from engine_cpu import kernels

@@ -26,37 +26,17 @@
  * Threads: an OpenMP loop over output rows, in the OpenMP runtime torch already loaded (see
  * engine_cpu/native.py).
  */
-#include <immintrin.h>
-#include <stdint.h>
-
-#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
-#error "gguf_avx2 needs AVX2, FMA and F16C"
-#endif
+#include "avx2_common.h"
 
 enum { PACK_U8 = 0, PACK_U4 = 1, PACK_S8 = 2 };
 
 int gguf_avx2_available(void) { return 1; }
-
-static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 static inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm_cvtsi128_si32(s);
-}
-
-static inline __m256 load8(const void *x, int x_bf16, int64_t at) {
-    if (x_bf16) { /* bf16 -> float32: the 16 bits on top */
-        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-    }
-    return _mm256_loadu_ps((const float *)x + at);
 }
 
 /* Quantize x [M, K] (bfloat16 when x_bf16, else float32; K a multiple of 32) per 32 values:

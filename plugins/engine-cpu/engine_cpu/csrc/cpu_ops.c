@@ -1,0 +1,234 @@
+/* The small per-layer ops of a CPU decode step, one call each instead of ten torch ops:
+ * RMSNorm (plain and with the residual add), the per-head q/k RMSNorm with the rotary
+ * embedding, the KV-cache write and paged decode attention. Activations and caches are float32
+ * or bfloat16 (`bf16` flags); arithmetic is float32 throughout, each result rounded once to the
+ * activation dtype, in the order of the torch reference (engine/kernels/reference.py,
+ * engine/attention_backends/torch_ref.py). Sums run in eight float32 lanes, so a result can
+ * differ from torch's in the last bit.
+ *
+ * Strides are in elements. Threads (OpenMP, torch's runtime; see engine_cpu/native.py) only
+ * where the work is large enough to pay for waking them: a decode row takes microseconds.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "avx2_common.h"
+
+#define PARALLEL_WORK (1 << 16)
+
+/* sum of squares of x[0..D) */
+static inline float sum_squares(const void *x, int bf16, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = load8(x, bf16, i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float s = hsum_ps(acc);
+    for (; i < D; i++) {
+        float v = load1(x, bf16, i);
+        s += v * v;
+    }
+    return s;
+}
+
+/* out = (x * rsqrt(mean(x^2) + eps)) * w over one row of D values; `tmp` (D floats) gets the
+ * float32 result when not NULL. */
+static inline void norm_row(const void *x, void *out, int bf16, int64_t D, const float *w,
+                            float eps, float *tmp) {
+    float r = 1.0f / sqrtf(sum_squares(x, bf16, D) / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) {
+        float v = load1(x, bf16, i) * r * w[i];
+        if (out)
+            store1(out, bf16, i, v);
+        if (tmp)
+            tmp[i] = v;
+    }
+}
+
+static inline const void *at(const void *base, int bf16, int64_t offset) {
+    return (const char *)base + offset * (bf16 ? 2 : 4);
+}
+
+static inline void *at_mut(void *base, int bf16, int64_t offset) {
+    return (char *)base + offset * (bf16 ? 2 : 4);
+}
+
+/* RMSNorm of T x H rows of D values: row (t, h) at x + t * x_row + h * x_head, written at
+ * out + t * o_row + h * o_head (per-head views of a fused projection are such rows). */
+void cpu_rms_norm(const void *x, int64_t x_row, int64_t x_head, void *out, int64_t o_row,
+                  int64_t o_head, int bf16, int64_t T, int64_t H, int64_t D, const float *w,
+                  float eps) {
+#pragma omp parallel for collapse(2) schedule(static) if (T * H * D >= PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++)
+            norm_row(at(x, bf16, t * x_row + h * x_head),
+                     at_mut(out, bf16, t * o_row + h * o_head), bf16, D, w, eps, NULL);
+}
+
+/* summed = x + residual (rounded to the dtype), normed = RMSNorm(summed); rows of D values,
+ * x and residual with their own row strides, the outputs contiguous. */
+void cpu_fused_add_rms_norm(const void *x, int64_t x_row, const void *residual, int64_t r_row,
+                            void *normed, void *summed, int bf16, int64_t T, int64_t D,
+                            const float *w, float eps) {
+#pragma omp parallel for schedule(static) if (T * D >= PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++) {
+        const void *xr = at(x, bf16, t * x_row);
+        const void *rr = at(residual, bf16, t * r_row);
+        void *sr = at_mut(summed, bf16, t * D);
+        for (int64_t i = 0; i < D; i++)
+            store1(sr, bf16, i, load1(xr, bf16, i) + load1(rr, bf16, i));
+        norm_row(sr, at_mut(normed, bf16, t * D), bf16, D, w, eps, NULL);
+    }
+}
+
+/* In place, for each token t and each of the `heads` heads of x (row t at x + t * x_row,
+ * head h at + h * D): the per-head RMSNorm when w is not NULL (rounded to the dtype, as the
+ * separate op returns it), then the rotary embedding over the whole head in the "neox" layout
+ * (halves rotated): cos/sin of position positions[t] from cos_sin [positions, D] (cos then sin
+ * halves, float32). */
+static void norm_rotary(void *x, int64_t x_row, int64_t heads, int bf16, int64_t T, int64_t D,
+                        const int64_t *positions, const float *cos_sin, const float *w,
+                        float eps) {
+    const int64_t half = D / 2;
+#pragma omp parallel for collapse(2) schedule(static) if (T * heads * D >= PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            float buf[1024];
+            float *v = D <= 1024 ? buf : malloc(D * sizeof(float));
+            void *row = at_mut(x, bf16, t * x_row + h * D);
+            if (w) {
+                norm_row(row, NULL, bf16, D, w, eps, v);
+                if (bf16)
+                    for (int64_t i = 0; i < D; i++)
+                        v[i] = bf16_to_float(float_to_bf16(v[i]));
+            } else {
+                for (int64_t i = 0; i < D; i++)
+                    v[i] = load1(row, bf16, i);
+            }
+            const float *cs = cos_sin + positions[t] * D;
+            for (int64_t j = 0; j < half; j++) {
+                float c = cs[j], s = cs[half + j];
+                float x1 = v[j], x2 = v[half + j];
+                store1(row, bf16, j, x1 * c + x2 * -s);
+                store1(row, bf16, half + j, x2 * c + x1 * s);
+            }
+            if (v != buf)
+                free(v);
+        }
+}
+
+void cpu_qk_norm_rotary(void *q, int64_t q_row, int64_t q_heads, void *k, int64_t k_row,
+                        int64_t k_heads, int bf16, int64_t T, int64_t D, const int64_t *positions,
+                        const float *cos_sin, const float *q_w, const float *k_w, float eps) {
+    norm_rotary(q, q_row, q_heads, bf16, T, D, positions, cos_sin, q_w, eps);
+    norm_rotary(k, k_row, k_heads, bf16, T, D, positions, cos_sin, k_w, eps);
+}
+
+/* The cache [2, slots, H, D] (contiguous; `plane` = slots * H * D elements per half) gets key
+ * and value rows (token t, head h at + t * row + h * head) at slots[t]; negative slots
+ * (padding) are skipped. The cache has the activations' dtype. */
+void cpu_write_kv(const void *key, int64_t k_row, int64_t k_head, const void *value,
+                  int64_t v_row, int64_t v_head, void *cache, int64_t plane,
+                  const int64_t *slots, int bf16, int64_t T, int64_t H, int64_t D) {
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0)
+            continue;
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(at_mut(cache, bf16, (slot * H + h) * D), at(key, bf16, t * k_row + h * k_head),
+                   D * size);
+            memcpy(at_mut(cache, bf16, plane + (slot * H + h) * D),
+                   at(value, bf16, t * v_row + h * v_head), D * size);
+        }
+    }
+}
+
+static inline float dot(const float *q, const void *k, int bf16, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, bf16, i), acc);
+    float s = hsum_ps(acc);
+    for (; i < D; i++)
+        s += q[i] * load1(k, bf16, i);
+    return s;
+}
+
+/* Decode attention: request b's one query (heads Hq; row b at q + b * q_row, head h at
+ * + h * q_head) against its keys and values at positions [start, seq_lens[b]) through the
+ * block table (row b at block_table + b * bt_row; position p in block p / BS, slot p % BS),
+ * start = seq_lens[b] - window when window > 0 (a sliding window), else 0. Caches
+ * [num_blocks, BS, Hkv, D] contiguous, query head h reading KV head h / (Hq / Hkv). Scores
+ * q.k * scale, soft-capped as cap * tanh(s / cap) when softcap > 0, softmax, then the weighted
+ * sum of values, written at out + b * o_row + h * o_head. Threads over (request, KV head). */
+void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
+                      const void *v_cache, const int32_t *block_table, int64_t bt_row,
+                      const int32_t *seq_lens, void *out, int64_t o_row, int64_t o_head,
+                      int bf16, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                      float scale, float softcap, int64_t window) {
+    const int64_t G = Hq / Hkv;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++)
+        work += seq_lens[b];
+#pragma omp parallel for collapse(2) schedule(dynamic) if (work * Hq * D >= PARALLEL_WORK)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t kh = 0; kh < Hkv; kh++) {
+            const int64_t len = seq_lens[b];
+            const int64_t start = window > 0 && len > window ? len - window : 0;
+            const int64_t n = len - start;
+            float *qf = malloc((G * D + G * n + G * D) * sizeof(float));
+            float *scores = qf + G * D, *acc = scores + G * n;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t i = 0; i < D; i++)
+                    qf[g * D + i] = load1(q, bf16, b * q_row + (kh * G + g) * q_head + i);
+            const int32_t *table = block_table + b * bt_row;
+            for (int64_t p = start; p < len; p++) {
+                int64_t slot = (int64_t)table[p / BS] * BS + p % BS;
+                const void *krow = at(k_cache, bf16, (slot * Hkv + kh) * D);
+                for (int64_t g = 0; g < G; g++) {
+                    float s = dot(qf + g * D, krow, bf16, D) * scale;
+                    if (softcap > 0.0f)
+                        s = softcap * tanhf(s / softcap);
+                    scores[g * n + p - start] = s;
+                }
+            }
+            float sums[64];
+            float *sum = G <= 64 ? sums : malloc(G * sizeof(float));
+            for (int64_t g = 0; g < G; g++) {
+                float *sg = scores + g * n, mx = -INFINITY, total = 0.0f;
+                for (int64_t j = 0; j < n; j++)
+                    mx = sg[j] > mx ? sg[j] : mx;
+                for (int64_t j = 0; j < n; j++) {
+                    sg[j] = expf(sg[j] - mx);
+                    total += sg[j];
+                }
+                sum[g] = total;
+                for (int64_t i = 0; i < D; i++)
+                    acc[g * D + i] = 0.0f;
+            }
+            for (int64_t p = start; p < len; p++) {
+                int64_t slot = (int64_t)table[p / BS] * BS + p % BS;
+                const void *vrow = at(v_cache, bf16, (slot * Hkv + kh) * D);
+                for (int64_t g = 0; g < G; g++) {
+                    __m256 wv = _mm256_set1_ps(scores[g * n + p - start]);
+                    float *ag = acc + g * D;
+                    int64_t i = 0;
+                    for (; i + 8 <= D; i += 8)
+                        _mm256_storeu_ps(ag + i, _mm256_fmadd_ps(wv, load8(vrow, bf16, i),
+                                                                 _mm256_loadu_ps(ag + i)));
+                    for (; i < D; i++)
+                        ag[i] += scores[g * n + p - start] * load1(vrow, bf16, i);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float inv = 1.0f / sum[g];
+                for (int64_t i = 0; i < D; i++)
+                    store1(out, bf16, b * o_row + (kh * G + g) * o_head + i, acc[g * D + i] * inv);
+            }
+            if (sum != sums)
+                free(sum);
+            free(qf);
+        }
+}

@@ -1,10 +1,11 @@
 """The CPU plugin's AVX2 kernels for GGUF layers (``engine_cpu/csrc/gguf_avx2.c``, built on first
 use by ``engine_cpu.native``), against torch computations of what they must return:
 
-* products: the activations quantized per 32 values (amax / 127, rounded to nearest even, as
-  the kernel does) times the dequantized weight, to float32 summation order, for every kept
-  type, float32 and bfloat16 activations, row counts around the kernel's blocking (1-4 rows a
-  pass, two weight rows a pass from 16 rows) and an odd output count;
+* products up to ``AVX2_DENSE_ROWS`` rows: the activations quantized per 32 values (amax /
+  127, rounded to nearest even, as the kernel does) times the dequantized weight, to float32
+  summation order, for every kept type, float32 and bfloat16 activations, row counts around
+  the kernel's blocking (1-4 rows a pass, two weight rows a pass from 16 rows) and an odd
+  output count; above it, the float32 product of the exact weights, tile by tile;
 * the packing: 4-bit types as two values a byte, Q8_0 signed without offsets;
 * embedding rows: the reference's dequantization, bit for bit;
 * a tiny Gemma 3 GGUF model in float32 (this CPU kind's default dtype): logits near the
@@ -74,6 +75,30 @@ def test_products_are_int8_activations_times_the_exact_weights(name):
             assert float((got - want).abs().max()) <= 2e-6 * scale, (name, m, dtype)
             out = cpu_gguf.gguf_linear(x, packed, qtype=qtype)
             assert out.dtype == dtype and torch.equal(out, got.float().to(dtype))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_many_rows_are_the_float32_product_of_the_exact_weights(name, monkeypatch):
+    """Above AVX2_DENSE_ROWS the product runs over tiles of the weight dequantized per call:
+    F.linear on the dequantized float32 weight, to summation order; with tiles of 16 rows
+    (patched) an output count of 67 needs five, the last one partial."""
+    monkeypatch.setattr(cpu_gguf, "_TILE_VALUES", 16 * 512)
+    monkeypatch.setattr(cpu_gguf, "_scratch", [])
+    n, k = 67, 512
+    qtype = gk.gguf_type(name).ggml_type
+    blocks = _blocks(n, k, name, seed=23)
+    packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
+    w = gk.dequantize(blocks, name).double()
+    gen = torch.Generator().manual_seed(24)
+    for m in (cpu_gguf.AVX2_DENSE_ROWS + 1, 300):
+        x = torch.randn(m, k, generator=gen)
+        want = x.double() @ w.T
+        got = cpu_gguf.gguf_linear(x, packed, qtype=qtype).double()
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), (name, m)
+        got = cpu_gguf.gguf_linear(x.bfloat16(), packed, qtype=qtype)
+        assert got.dtype == torch.bfloat16
+        want = x.bfloat16().double() @ w.T
+        assert float((got.double() - want).abs().max()) <= 1e-2 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -256,9 +256,58 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     return packed
 
 
+# Above this many activation rows the product is float32 over tiles of the weight dequantized
+# per call (the int8 dot products' per-block float work grows with the rows; a float32 GEMM
+# reads a tile many times from cache). On the 2-core EPYC of docs/benchmarks.md, 4096 x 640
+# Q5_0 / 640 x 2048 Q6_K: equal at 128 rows (5.8 / 3.0-3.4 ms), at 512 rows 24.0 against 33.9
+# ms and 8.8 against 14.6, at 1024 rows 40.2 against 88.5 and 17.2 against 24.2.
+AVX2_DENSE_ROWS = 128
+# Weight rows dequantized at a time for that product (a scratch buffer reused across calls:
+# a fresh one would page-fault on every call).
+_TILE_VALUES = 1 << 20
+_scratch: list[torch.Tensor] = []
+
+
+def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``x2 [M, K]`` (as float32) times the weight dequantized tile by tile, float32 ``[M, N]``:
+    the exact weights, so the product is ``F.linear`` on the dequantized float32 weight. Not
+    thread-safe (one scratch buffer): a process runs its model's layers one at a time."""
+    lib = native.load("avx2")
+    pack, group = (int(v) for v in packed["avx2_layout"])
+    scales = packed["avx2_scales"]
+    n, k = scales.shape[0], scales.shape[1] * group
+    rows = max(16, _TILE_VALUES // k)
+    if not _scratch or _scratch[0].numel() < min(rows, n) * k:
+        _scratch[:] = [torch.empty(min(rows, n) * k)]
+    offsets = packed.get("avx2_offsets")
+    x = x2.float().contiguous()
+    y = torch.empty(x.shape[0], n) if n > rows else None
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = _scratch[0][: (n1 - n0) * k].view(n1 - n0, k)
+        lib.gguf_avx2_dequantize(
+            packed["avx2_values"].data_ptr(),
+            pack,
+            scales.data_ptr(),
+            None if offsets is None else offsets.data_ptr(),
+            n0,
+            n1,
+            k,
+            group,
+            w.data_ptr(),
+        )
+        if y is None:
+            return torch.mm(x, w.t())
+        y[:, n0:n1] = torch.mm(x, w.t())
+    return y
+
+
 def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``."""
+    """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``: int8 dot products up to
+    ``AVX2_DENSE_ROWS`` rows, the float32 product over dequantized tiles above."""
     m = x2.shape[0]
+    if m > AVX2_DENSE_ROWS:
+        return _avx2_dense_product(x2, packed)
     lib = native.load("avx2")
     pack, group = (int(v) for v in packed["avx2_layout"])
     scales = packed["avx2_scales"]

@@ -205,3 +205,36 @@ void gguf_avx2_gemm(const uint8_t *values, int pack, const float *scales, const 
 #undef ROWS
     }
 }
+
+/* Rows n0 .. n1 - 1 of W dequantized into float32 `out` [n1 - n0, K]: s * u + o per group, one
+ * rounding (s * u is exact, see engine/kernels/gguf.py), so each value equals the reference's.
+ * For many activation rows (prefill) a float32 product over tiles of these beats the int8 dot
+ * products, whose per-block float work grows with the rows. */
+void gguf_avx2_dequantize(const uint8_t *values, int pack, const float *scales,
+                          const float *offsets, int64_t n0, int64_t n1, int64_t K, int group,
+                          float *out) {
+    const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
+    const int64_t block_bytes = pack == PACK_U4 ? 16 : 32;
+    const int64_t ng = K / group;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = values + n * row_bytes;
+        const float *s = scales + n * ng;
+        const float *o = offsets ? offsets + n * ng : 0;
+        float *dst = out + (n - n0) * K;
+        for (int64_t b = 0; b < K / 32; b++) {
+            __m256i wv = load_block(w + b * block_bytes, pack);
+            __m128i lo = _mm256_castsi256_si128(wv), hi = _mm256_extracti128_si256(wv, 1);
+            __m128i quarter[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int q = 0; q < 4; q++) { /* values 8q .. 8q + 7 of the block */
+                __m256i i32 = pack == PACK_S8 ? _mm256_cvtepi8_epi32(quarter[q])
+                                              : _mm256_cvtepu8_epi32(quarter[q]);
+                int64_t g = (32 * b + 8 * q) / group;
+                __m256 v = _mm256_mul_ps(_mm256_set1_ps(s[g]), _mm256_cvtepi32_ps(i32));
+                if (o)
+                    v = _mm256_add_ps(v, _mm256_set1_ps(o[g]));
+                _mm256_storeu_ps(dst + 32 * b + 8 * q, v);
+            }
+        }
+    }
+}

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_gguf_helpers import TYPES, gguf_blocks, quantized_activations
 
 from engine.kernels import gguf as gk
 from engine.testing.tiny_gguf import (
     MIXED_SHAPE,
     MIXED_TYPES,
-    random_blocks,
     write_tiny_gemma3_gguf,
 )
 from engine_cpu import gguf as cpu_gguf
 from engine_cpu import native
-
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 pytestmark = pytest.mark.skipif(
     native.load("amx") is None, reason=f"no AMX kernels here: {native.unavailable_reason('amx')}"
@@ -46,37 +44,18 @@ def amx_only(monkeypatch):
     monkeypatch.setenv("ENGINE_CPU_NATIVE", "amx")
 
 
-def _blocks(rows: int, cols: int, name: str, seed: int) -> torch.Tensor:
-    t = gk.gguf_type(name)
-    raw = random_blocks(rows, cols, name, seed)
-    return torch.from_numpy(raw).view(rows, cols // t.block_size, t.type_size)
-
-
-def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel reads it: per 32 values d = amax / 127 and q = round(x * 127 /
-    amax) (nearest even), returned dequantized (float64 d * q)."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # A float32 division of two tensors, as the kernel's 127.0f / amax (torch turns a Python
-    # scalar over a tensor into reciprocal-then-multiply, which rounds differently).
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv).clamp(-127, 127)
-    return (q.double() * (amax / 127.0).double()).view(m, k)
-
-
 @pytest.mark.parametrize("name", TYPES)
 def test_decode_rows_multiply_int8_activations_with_the_exact_weights(name):
     n, k = 67, 512  # 67: the last 16-row tile is partly padding
     qtype = gk.gguf_type(name).ggml_type
-    blocks = _blocks(n, k, name, seed=11)
+    blocks = gguf_blocks(n, k, name, seed=11)
     packed = cpu_gguf._amx_pack(blocks, gk.gguf_type(name))  # every type: vocabularies use it
     assert packed["amx_values"].dtype == torch.int8
     w = gk.dequantize(blocks, name).double()
     gen = torch.Generator().manual_seed(12)
     for m in (1, 3, 16):
         x = torch.randn(m, k, generator=gen).bfloat16()
-        want = _quantized_activations(x) @ w.T
+        want = quantized_activations(x) @ w.T
         got = cpu_gguf._amx_linear(x, packed).double()
         assert got.shape == (m, n)
         scale = float(want.abs().max())
@@ -88,7 +67,7 @@ def test_decode_rows_multiply_int8_activations_with_the_exact_weights(name):
 @pytest.mark.parametrize("name", TYPES)
 def test_prefill_rows_equal_the_dense_bf16_product(name):
     n, k = 40, 512
-    blocks = _blocks(n, k, name, seed=13)
+    blocks = gguf_blocks(n, k, name, seed=13)
     packed = cpu_gguf._amx_pack(blocks, gk.gguf_type(name))
     w = gk.dequantize(blocks, name).bfloat16().double()
     gen = torch.Generator().manual_seed(14)
@@ -105,7 +84,7 @@ def test_embedding_rows_are_the_reference_rows(name):
     qtype = gk.gguf_type(name).ggml_type
     assert op.keeps_vocabulary(qtype, torch.bfloat16)
     assert not op.keeps_vocabulary(qtype, torch.float32) or name == "Q8_0"
-    blocks = _blocks(37, 256, name, seed=15)
+    blocks = gguf_blocks(37, 256, name, seed=15)
     packed = op.prepack(blocks, qtype=qtype, dtype=torch.bfloat16, vocabulary=True)
     ids = torch.tensor([[0, 36, 5], [5, 17, 16]])
     rows = op.embedding(ids, packed, qtype=qtype, dtype=torch.bfloat16)
@@ -116,14 +95,14 @@ def test_embedding_rows_are_the_reference_rows(name):
 def test_every_kept_type_takes_the_amx_layout_in_bf16(name):
     qtype = gk.gguf_type(name).ggml_type
     packed = cpu_gguf.gguf_linear.prepack(
-        _blocks(32, 256, name, seed=18), qtype=qtype, dtype=torch.bfloat16
+        gguf_blocks(32, 256, name, seed=18), qtype=qtype, dtype=torch.bfloat16
     )
     assert set(packed) >= {"amx_values", "amx_scales"} and "int4" not in packed
 
 
 def test_float32_activations_keep_the_exact_dense_path():
     packed = cpu_gguf.gguf_linear.prepack(
-        _blocks(16, 256, "Q8_0", seed=16), qtype=8, dtype=torch.float32
+        gguf_blocks(16, 256, "Q8_0", seed=16), qtype=8, dtype=torch.float32
     )
     assert "amx_values" not in packed
 
@@ -161,7 +140,7 @@ def test_the_build_goes_to_its_cache_and_can_be_turned_off(tmp_path, monkeypatch
     assert native.load("amx") is None
     assert "ENGINE_CPU_NATIVE=0" in native.unavailable_reason("amx")
     packed = cpu_gguf.gguf_linear.prepack(
-        _blocks(16, 256, "Q5_0", seed=17), qtype=6, dtype=torch.bfloat16
+        gguf_blocks(16, 256, "Q5_0", seed=17), qtype=6, dtype=torch.bfloat16
     )
     assert "amx_values" not in packed
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_gguf_helpers import TYPES, gguf_blocks, quantized_activations
 
 from engine.kernels import gguf as gk
-from engine.testing.tiny_gguf import MIXED_SHAPE, MIXED_TYPES, random_blocks, write_tiny_gemma3_gguf
+from engine.testing.tiny_gguf import MIXED_SHAPE, MIXED_TYPES, write_tiny_gemma3_gguf
 from engine_cpu import gguf as cpu_gguf
 from engine_cpu import native
-
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 pytestmark = pytest.mark.skipif(
     native.load("avx2") is None, reason=f"no AVX2 kernels here: {native.unavailable_reason('avx2')}"
@@ -38,29 +37,11 @@ def avx2_only(monkeypatch):
     monkeypatch.setenv("ENGINE_CPU_NATIVE", "avx2")
 
 
-def _blocks(rows: int, cols: int, name: str, seed: int) -> torch.Tensor:
-    t = gk.gguf_type(name)
-    raw = random_blocks(rows, cols, name, seed)
-    return torch.from_numpy(raw).view(rows, cols // t.block_size, t.type_size)
-
-
-def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel reads it: per 32 values d = amax / 127 and q = round(x * 127 /
-    amax) (nearest even), returned dequantized (float64 d * q)."""
-    m, k = x.shape
-    blocks = x.float().view(m, k // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # A float32 division of two tensors, as the kernel's 127.0f / amax.
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv).clamp(-127, 127)
-    return (q.double() * (amax / 127.0).double()).view(m, k)
-
-
 @pytest.mark.parametrize("name", TYPES)
 def test_products_are_int8_activations_times_the_exact_weights(name):
     n, k = 67, 512  # odd: the last weight row goes alone when two are paired (16+ rows)
     qtype = gk.gguf_type(name).ggml_type
-    blocks = _blocks(n, k, name, seed=11)
+    blocks = gguf_blocks(n, k, name, seed=11)
     packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
     assert "avx2_values" in packed
     w = gk.dequantize(blocks, name).double()
@@ -68,7 +49,7 @@ def test_products_are_int8_activations_times_the_exact_weights(name):
     for m in (1, 2, 3, 4, 5, 15, 16, 19, 40):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k, generator=gen).to(dtype)
-            want = _quantized_activations(x) @ w.T
+            want = quantized_activations(x) @ w.T
             got = cpu_gguf._avx2_linear(x, packed).double()
             assert got.shape == (m, n)
             scale = float(want.abs().max())
@@ -86,7 +67,7 @@ def test_many_rows_are_the_float32_product_of_the_exact_weights(name, monkeypatc
     monkeypatch.setattr(cpu_gguf, "_scratch", [])
     n, k = 67, 512
     qtype = gk.gguf_type(name).ggml_type
-    blocks = _blocks(n, k, name, seed=23)
+    blocks = gguf_blocks(n, k, name, seed=23)
     packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
     w = gk.dequantize(blocks, name).double()
     gen = torch.Generator().manual_seed(24)
@@ -105,7 +86,7 @@ def test_many_rows_are_the_float32_product_of_the_exact_weights(name, monkeypatc
 def test_the_packing_holds_the_values_in_their_bits(name):
     t = gk.gguf_type(name)
     n, k = 8, 256
-    packed = cpu_gguf._avx2_pack(_blocks(n, k, name, seed=21), t)
+    packed = cpu_gguf._avx2_pack(gguf_blocks(n, k, name, seed=21), t)
     values = packed["avx2_values"]
     if t.bits == 4:
         assert values.shape == (n, k // 2)
@@ -121,7 +102,7 @@ def test_embedding_rows_are_the_reference_rows(name):
     qtype = gk.gguf_type(name).ggml_type
     for dtype in (torch.float32, torch.bfloat16):
         assert op.keeps_vocabulary(qtype, dtype)
-        blocks = _blocks(37, 256, name, seed=15)
+        blocks = gguf_blocks(37, 256, name, seed=15)
         packed = op.prepack(blocks, qtype=qtype, dtype=dtype, vocabulary=True)
         ids = torch.tensor([[0, 36, 5], [5, 17, 16]])
         rows = op.embedding(ids, packed, qtype=qtype, dtype=dtype)
@@ -153,7 +134,7 @@ def test_the_setting_picks_the_families(monkeypatch):
     monkeypatch.setenv("ENGINE_CPU_NATIVE", "0")
     assert native.load("avx2") is None
     assert "ENGINE_CPU_NATIVE=0" in native.unavailable_reason("avx2")
-    packed = cpu_gguf.gguf_linear.prepack(_blocks(16, 256, "Q5_0", seed=17), qtype=6)
+    packed = cpu_gguf.gguf_linear.prepack(gguf_blocks(16, 256, "Q5_0", seed=17), qtype=6)
     assert "avx2_values" not in packed
     monkeypatch.setenv("ENGINE_CPU_NATIVE", "amx")
     assert native.load("avx2") is None
@@ -184,5 +165,5 @@ def test_a_failed_build_is_a_warning_with_the_compiler_output(tmp_path, monkeypa
     assert "false -O3" in native.unavailable_reason("avx2")
     assert any("compiled avx2 kernels are unavailable" in r.message for r in caplog.records)
     assert not list(tmp_path.iterdir())  # no half-written library left behind
-    packed = cpu_gguf.gguf_linear.prepack(_blocks(16, 256, "Q5_0", seed=17), qtype=6)
+    packed = cpu_gguf.gguf_linear.prepack(gguf_blocks(16, 256, "Q5_0", seed=17), qtype=6)
     assert "avx2_values" not in packed

@@ -109,7 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from engine.cli.args import merge_model_args
 
         merge_model_args(args)  # `engine serve X` and `engine serve --model X` alike
-        return int(func(args) or 0)
+        status = int(func(args) or 0)
+        # Output still buffered when the reader has gone would otherwise fail in the
+        # interpreter's final flush ("Exception ignored ... BrokenPipeError"), outside this
+        # handler; flushing here brings that error into it (Python's note on SIGPIPE).
+        sys.stdout.flush()
+        return status
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED

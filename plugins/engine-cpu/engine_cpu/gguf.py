@@ -24,10 +24,11 @@ load the blocks are repacked:
   group), Q8_0 as its signed bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 355
   MiB of weights against 1,087 MiB dense in float32, its default dtype on such a CPU). The
   activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
-  dot products (``VPMADDUBSW``), scaled per block in float32; the kernels take any number of
-  rows (at 64 rows about as fast as oneDNN's float32 product on this project's 2-core EPYC,
-  several times faster at one row, where the weights' bytes decide). Measured in
-  docs/benchmarks.md ("CPU: GGUF layers on AVX2").
+  dot products (``VPMADDUBSW``), scaled per block in float32, up to ``AVX2_DENSE_ROWS`` rows
+  (decode: 1.3-2.7x faster than the dense float32 product at one row on this project's 2-core
+  EPYC, where the weights' bytes decide); more rows (prefill) take a float32 GEMM over tiles
+  of the weight dequantized per call, the exact weights. Measured in docs/benchmarks.md
+  ("CPU: GGUF layers and the decode step compiled for AVX2").
 * Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per

@@ -267,6 +267,8 @@ AVX2_DENSE_ROWS = 128
 # a fresh one would page-fault on every call).
 _TILE_VALUES = 1 << 20
 _scratch: list[torch.Tensor] = []
+# The int8 products' quantized activations (grown as needed; not thread-safe either).
+_xscratch: list[torch.Tensor] = []
 
 
 def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -274,7 +276,7 @@ def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> to
     the exact weights, so the product is ``F.linear`` on the dequantized float32 weight. Not
     thread-safe (one scratch buffer): a process runs its model's layers one at a time."""
     lib = native.load("avx2")
-    pack, group = (int(v) for v in packed["avx2_layout"])
+    pack, group = packed["avx2_layout"].tolist()
     scales = packed["avx2_scales"]
     n, k = scales.shape[0], scales.shape[1] * group
     rows = max(16, _TILE_VALUES // k)
@@ -310,20 +312,22 @@ def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Ten
     if m > AVX2_DENSE_ROWS:
         return _avx2_dense_product(x2, packed)
     lib = native.load("avx2")
-    pack, group = (int(v) for v in packed["avx2_layout"])
+    pack, group = packed["avx2_layout"].tolist()  # (iterating the tensor costs ~8 us)
     scales = packed["avx2_scales"]
     n, k = scales.shape[0], scales.shape[1] * group
     bf16 = x2.dtype == torch.bfloat16
     xc = x2.contiguous() if bf16 else x2.float().contiguous()
-    xq = torch.empty(m, k, dtype=torch.int8)
-    xd = torch.empty(m, k // 32)
-    xs = torch.empty(m, k // group)
-    lib.gguf_avx2_quantize_rows(
-        xc.data_ptr(), int(bf16), m, k, group, xq.data_ptr(), xd.data_ptr(), xs.data_ptr()
-    )
+    # The quantized activations in a scratch buffer reused across calls (three torch.empty
+    # calls with a dtype cost ~15 us a product, ~100 products a decode step).
+    need = m * k + 4 * m * (k // 32 + k // 16) + 128  # xq, xd, xs (up to 16-value groups)
+    if not _xscratch or _xscratch[0].numel() < need:
+        _xscratch[:] = [torch.empty(max(need, 1 << 16), dtype=torch.uint8)]
+    base = _xscratch[0].data_ptr()
     offsets = packed.get("avx2_offsets")
     y = torch.empty(m, n)
-    lib.gguf_avx2_gemm(
+    lib.gguf_avx2_linear(
+        xc.data_ptr(),
+        int(bf16),
         packed["avx2_values"].data_ptr(),
         pack,
         scales.data_ptr(),
@@ -331,12 +335,9 @@ def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Ten
         n,
         k,
         group,
-        xq.data_ptr(),
-        xd.data_ptr(),
-        xs.data_ptr(),
         m,
+        base + (-base % 64),
         y.data_ptr(),
-        n,
     )
     return y
 
@@ -344,7 +345,7 @@ def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Ten
 def _avx2_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of an AVX2-packed weight dequantized, float32 ``[len(ids), K]``: bit for bit
     the reference's dequantization (``scale * u + offset``, one rounding)."""
-    pack, group = (int(v) for v in packed["avx2_layout"])
+    pack, group = packed["avx2_layout"].tolist()
     raw = packed["avx2_values"].index_select(0, ids)
     r = raw.shape[0]
     if pack == _PACK_S8:

@@ -80,6 +80,8 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     lib.gguf_avx2_gemm.restype = None
     lib.gguf_avx2_dequantize.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32, ptr]
     lib.gguf_avx2_dequantize.restype = None
+    lib.gguf_avx2_linear.argtypes = [ptr, i32, ptr, i32, ptr, ptr, i64, i64, i32, i64, ptr, ptr]
+    lib.gguf_avx2_linear.restype = None
     f32 = ctypes.c_float
     lib.cpu_rms_norm.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, f32]
     lib.cpu_fused_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, ptr, f32]

@@ -238,3 +238,17 @@ void gguf_avx2_dequantize(const uint8_t *values, int pack, const float *scales,
         }
     }
 }
+
+/* gguf_avx2_quantize_rows then gguf_avx2_gemm in one call (a decode step makes about a hundred
+ * of these, where each foreign call from Python costs microseconds): x [M, K] (bfloat16 when
+ * x_bf16, else float32, contiguous) times W into y [M, N] (row stride N). `scratch` holds at
+ * least M * K + 4 * M * (K / 32 + K / 16) + 64 bytes, 64-byte aligned. */
+void gguf_avx2_linear(const void *x, int x_bf16, const uint8_t *values, int pack,
+                      const float *scales, const float *offsets, int64_t N, int64_t K, int group,
+                      int64_t M, uint8_t *scratch, float *y) {
+    int8_t *xq = (int8_t *)scratch;
+    float *xd = (float *)(scratch + ((M * K + 63) & ~(int64_t)63));
+    float *xs = xd + M * (K / 32);
+    gguf_avx2_quantize_rows(x, x_bf16, M, K, group, xq, xd, xs);
+    gguf_avx2_gemm(values, pack, scales, offsets, N, K, group, xq, xd, xs, M, y, N);
+}

@@ -60,15 +60,7 @@ class TorchReferenceBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``."""
-        num_tokens = metadata.num_actual_tokens
-        write_kv_cache(
-            key[:num_tokens],
-            value[:num_tokens],
-            kv_cache,
-            metadata.slot_mapping[:num_tokens],
-            self.k_scale,
-            self.v_scale,
-        )
+        self._write_kv(key, value, kv_cache, metadata)
         # Rows past num_actual_tokens (padding) stay zero.
         out = torch.zeros_like(query)
         qsl = metadata.query_start_loc_cpu
@@ -82,7 +74,25 @@ class TorchReferenceBackend(AttentionBackend):
                 out[lo:hi] = self._prefill(query[lo:hi], kv_cache, metadata, i, seq_lens[i])
         return out
 
-    # ---- helpers ----------------------------------------------------------------------------
+    # ---- helpers (``_write_kv`` and ``_decode`` are what a faster subclass overrides) ---------
+    def _write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """The step's keys and values (its first ``num_actual_tokens`` rows) into the cache."""
+        num_tokens = metadata.num_actual_tokens
+        write_kv_cache(
+            key[:num_tokens],
+            value[:num_tokens],
+            kv_cache,
+            metadata.slot_mapping[:num_tokens],
+            self.k_scale,
+            self.v_scale,
+        )
+
     def _window_start(self, first_query_pos: int) -> int:
         """The first key position any query at or after ``first_query_pos`` can see."""
         if self.sliding_window is None:

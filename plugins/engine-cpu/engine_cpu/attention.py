@@ -44,27 +44,26 @@ class CpuAttentionBackend(TorchReferenceBackend):
             ]
         return []
 
-    def forward(
+    def _native(self, kv_cache: torch.Tensor, *tensors: torch.Tensor):
+        """The compiled library when the cache and ``tensors`` (rows of unit stride) share a
+        float32/bfloat16 dtype and the cache is contiguous; None otherwise (the reference)."""
+        if kv_cache.dtype not in _NATIVE_DTYPES or not kv_cache.is_contiguous():
+            return None
+        for t in tensors:
+            if t.dtype != kv_cache.dtype or t.stride(-1) != 1:
+                return None
+        return native.load("avx2")
+
+    def _write_kv(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """See ``AttentionBackend.forward``."""
-        lib = native.load("avx2")
-        if (
-            lib is None
-            or kv_cache.dtype not in _NATIVE_DTYPES
-            or not (query.dtype == key.dtype == value.dtype == kv_cache.dtype)
-            or not kv_cache.is_contiguous()
-            or query.stride(-1) != 1
-            or key.stride(-1) != 1
-            or value.stride(-1) != 1
-        ):
-            return super().forward(query, key, value, kv_cache, metadata)
-        bf16 = int(kv_cache.dtype == torch.bfloat16)
+    ) -> None:
+        lib = self._native(kv_cache, key, value)
+        if lib is None:
+            return super()._write_kv(key, value, kv_cache, metadata)
         num_tokens = metadata.num_actual_tokens
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         slots = metadata.slot_mapping[:num_tokens].to(torch.int64).contiguous()
@@ -78,45 +77,49 @@ class CpuAttentionBackend(TorchReferenceBackend):
             kv_cache.data_ptr(),
             num_blocks * block_size * num_kv_heads * head_size,
             slots.data_ptr(),
-            bf16,
+            int(kv_cache.dtype == torch.bfloat16),
             num_tokens,
             num_kv_heads,
             head_size,
         )
-        # Rows past num_actual_tokens (padding) stay zero.
-        out = torch.zeros_like(query)
-        nd = metadata.num_decodes
-        if nd:
-            table = metadata.block_table[:nd]
-            if table.dtype != torch.int32 or table.stride(-1) != 1:
-                table = table.to(torch.int32).contiguous()
-            seq_lens = metadata.seq_lens[:nd].to(torch.int32).contiguous()
-            lib.cpu_paged_decode(
-                query.data_ptr(),
-                query.stride(0),
-                query.stride(1),
-                kv_cache[0].data_ptr(),
-                kv_cache[1].data_ptr(),
-                table.data_ptr(),
-                table.stride(0),
-                seq_lens.data_ptr(),
-                out.data_ptr(),
-                out.stride(0),
-                out.stride(1),
-                bf16,
-                nd,
-                self.num_heads,
-                num_kv_heads,
-                head_size,
-                block_size,
-                self.scale,
-                self.logit_softcap or 0.0,
-                self.sliding_window or 0,
-            )
-        qsl = metadata.query_start_loc_cpu
-        seq_lens_cpu = metadata.seq_lens_cpu
-        for i in range(nd, metadata.num_seqs):
-            lo, hi = qsl[i], qsl[i + 1]
-            if hi > lo:
-                out[lo:hi] = self._prefill(query[lo:hi], kv_cache, metadata, i, seq_lens_cpu[i])
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        seq_lens: list[int],
+    ) -> torch.Tensor:
+        lib = self._native(kv_cache, query)
+        if lib is None:
+            return super()._decode(query, kv_cache, md, seq_lens)
+        nd = query.shape[0]
+        _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+        table = md.block_table[:nd]
+        if table.dtype != torch.int32 or table.stride(-1) != 1:
+            table = table.to(torch.int32).contiguous()
+        lens = md.seq_lens[:nd].to(torch.int32).contiguous()
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        lib.cpu_paged_decode(
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            table.data_ptr(),
+            table.stride(0),
+            lens.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            int(kv_cache.dtype == torch.bfloat16),
+            nd,
+            self.num_heads,
+            num_kv_heads,
+            head_size,
+            block_size,
+            self.scale,
+            self.logit_softcap or 0.0,
+            self.sliding_window or 0,
+        )
         return out

@@ -23,8 +23,10 @@ the shared prefix, and the prefix's length and block-table row. A step whose dec
 prefix (``run(..., shared_prefix=...)``) fills them and replays the cascade graph that holds
 it, so one graph serves every prefix length.
 
-Used by ``ModelRunner`` when the platform ``supports_graph_capture`` and
-``EngineConfig.enforce_eager`` is off (``--enforce-eager``).
+Used by ``ModelRunner`` when the platform's ``decode_graphs_class()`` names it (platforms that
+``supports_graph_capture`` on a CUDA device) and ``EngineConfig.enforce_eager`` is off
+(``--enforce-eager``). A platform may name a subclass that replays steps its own way: the CPU's
+native plans (``engine_cpu.plan``) override ``_execute``.
 """
 
 from __future__ import annotations
@@ -442,13 +444,19 @@ class DecodeGraphs:
         count = g_count * num * width
         self._table_stage[:count].copy_(self._host_tables[:count], non_blocking=True)
         self._tables[:, :num, :width].copy_(self._table_stage[:count].view(g_count, num, width))
+        return self._execute(n, cascade)[: num * q]
+
+    def _execute(self, n: int, cascade: bool) -> torch.Tensor:
+        """Run the step for ``n`` (padded) requests on the filled static buffers: replay its
+        graph, or run the forward (``eager``). Returns the static output; sets the ids and
+        ``extra`` that ``last_input_ids`` and ``last_extra`` return."""
         if self.eager:
             with torch.inference_mode():
                 hidden, self._last_ids, self._last_extra = self._forward(n, cascade)
-            return hidden[: num * q]
+            return hidden
         self._copied.record()
         key = (n, cascade)
         self._graphs[key].replay()
         self._last_ids = self._input_ids[key]
         self._last_extra = self._extras.get(key)
-        return self._outputs[key][: num * q]
+        return self._outputs[key]

@@ -614,26 +614,33 @@ class ModelRunner:
 
     def capture_graphs(self, eager: bool = False) -> float | None:
         """Capture decode CUDA graphs (``engine.cuda_graphs``) for the allocated cache when the
-        platform supports graph capture, the attention backend declares
-        ``supports_decode_graphs`` and ``enforce_eager`` is off. With speculative decoding the
+        platform names a capturing class (``Platform.decode_graphs_class``: CUDA graphs, or
+        the CPU's native plans), the attention backend declares ``supports_decode_graphs`` and
+        ``enforce_eager`` is off. With speculative decoding the
         verification steps (``num_speculative_tokens + 1`` tokens per request) get their own
         graphs, for the batches that speculate. Returns the seconds taken, or None when graphs
         are not used. ``eager=True`` (tests) builds the same replay machinery without
         recording graphs, on any device."""
+        from engine.cuda_graphs import DecodeGraphs
+
+        graphs_cls = DecodeGraphs if eager else self.platform.decode_graphs_class()
         if not eager and (
             self.config.enforce_eager
-            or not self.platform.supports_graph_capture
+            or graphs_cls is None
             or not getattr(self.attn_backend_cls, "supports_decode_graphs", False)
-            or self.device.type != "cuda"
         ):
             return None
         if self.parallel.pp_size > 1:
             logger.info("decode graphs are not captured under pipeline parallelism (eager steps)")
             return None
+        if graphs_cls is not DecodeGraphs and (
+            self.lora is not None or self.config.speculative is not None
+        ):
+            # A platform's own replay (the CPU's native plans) takes plain decode steps only.
+            logger.info("decode steps stay eager with LoRA or speculative decoding here")
+            return None
         assert self.model is not None and self.kv_caches, "allocate_kv_cache() first"
         from contextlib import nullcontext
-
-        from engine.cuda_graphs import DecodeGraphs
 
         groups = self._groups if self._groups is not None else self.kv_cache_groups()
         max_num_seqs = self.config.scheduler.max_num_seqs
@@ -645,7 +652,7 @@ class ModelRunner:
         # Collectives run inside the graphs under tensor parallelism; the process group's
         # watchdog thread must stay free to query its events during a capture.
         capture_error_mode = "thread_local" if self.parallel.world_size > 1 else "global"
-        self.graphs = DecodeGraphs(
+        self.graphs = graphs_cls(
             *args,
             max_num_seqs,
             self.device,

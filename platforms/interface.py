@@ -131,6 +131,18 @@ class Platform:
         return ()
 
     @classmethod
+    def decode_graphs_class(cls) -> type | None:
+        """The class that captures and replays decode steps on this platform
+        (``engine.cuda_graphs.DecodeGraphs`` or a subclass with its own ``_execute``), or None
+        for eager steps only. By default CUDA graphs where ``supports_graph_capture`` and the
+        device is a CUDA (or HIP) one. Only the engine calls it (no plugin API bump)."""
+        if not cls.supports_graph_capture or cls.device_type != "cuda":
+            return None
+        from engine.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs
+
+    @classmethod
     def scheduler_defaults(cls, config: EngineConfig) -> tuple[int, int] | None:
         """``(max_num_seqs, max_num_batched_tokens)`` for the limits the user left unset,
         chosen for this device and ``config.scheduler.usage`` ("offline" for the ``LLM``

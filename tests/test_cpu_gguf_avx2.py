@@ -23,6 +23,7 @@ import torch
 from cpu_gguf_helpers import TYPES, gguf_blocks, quantized_activations
 
 from engine.kernels import gguf as gk
+from engine.layers.embedding import round_to_dtype
 from engine.testing.tiny_gguf import MIXED_SHAPE, MIXED_TYPES, write_tiny_gemma3_gguf
 from engine_cpu import gguf as cpu_gguf
 from engine_cpu import native
@@ -107,7 +108,12 @@ def test_embedding_rows_are_the_reference_rows(name):
         packed = op.prepack(blocks, qtype=qtype, dtype=dtype, vocabulary=True)
         ids = torch.tensor([[0, 36, 5], [5, 17, 16]])
         rows = op.embedding(ids, packed, qtype=qtype, dtype=dtype)
-        assert torch.equal(rows, gk.dequantize(blocks, name).to(dtype)[ids])
+        want = gk.dequantize(blocks, name).to(dtype)[ids]
+        assert torch.equal(rows, want)
+        # With Gemma's embedding scale folded into the lookup: the reference's multiply.
+        scale = round_to_dtype(25.3, dtype)
+        scaled = op.embedding(ids, packed, qtype=qtype, dtype=dtype, scale=scale)
+        assert torch.equal(scaled, want * scale)
 
 
 def test_a_float32_model_runs_on_avx2_near_the_dequantized_model(tmp_path):

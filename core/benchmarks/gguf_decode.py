@@ -23,14 +23,29 @@ import random
 import time
 
 
-def _run(model: str, mode: str, dtype: str, threads: int, prompt_len: int, gen_len: int) -> dict:
+def _run(
+    model: str,
+    mode: str,
+    dtype: str,
+    threads: int,
+    prompt_len: int,
+    gen_len: int,
+    enforce_eager: bool = False,
+) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from engine import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=model, dtype=dtype, quantization=mode, max_model_len=1024, max_num_seqs=1)
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        quantization=mode,
+        max_model_len=1024,
+        max_num_seqs=1,
+        enforce_eager=enforce_eager,
+    )
     load_s = time.perf_counter() - start
     net = llm.llm_engine.runner.model
     tensors = list(net.parameters()) + list(net.buffers())
@@ -64,6 +79,7 @@ def _run(model: str, mode: str, dtype: str, threads: int, prompt_len: int, gen_l
     return {
         "mode": mode,
         "dtype": dtype,
+        "enforce_eager": enforce_eager,
         "threads": threads,
         "decode_tok_s": round(1.0 / best, 2),
         "weight_bytes": weight_bytes,
@@ -81,6 +97,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--modes", default="gguf,none")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Decode steps as Python calls, without the CPU's native plans (or CUDA graphs).",
+    )
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -92,7 +113,16 @@ def main() -> None:
     for mode in args.modes.split(","):
         with ctx.Pool(1) as pool:
             r = pool.apply(
-                _run, (model, mode, args.dtype, args.threads, args.prompt_len, args.gen_len)
+                _run,
+                (
+                    model,
+                    mode,
+                    args.dtype,
+                    args.threads,
+                    args.prompt_len,
+                    args.gen_len,
+                    args.enforce_eager,
+                ),
             )
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)

@@ -109,8 +109,9 @@ class VocabParallelEmbedding(_VocabRows):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.vocab_method is not None:  # single rank only (see GGUFVocabMethod)
-            x = self.vocab_method.embedding(input_ids)
-        elif self.parallel.tp_size == 1:
+            # The method applies the scale: a kernel may fold it into the lookup.
+            return self.vocab_method.embedding(input_ids, scale=self.embed_scale)
+        if self.parallel.tp_size == 1:
             x = F.embedding(input_ids, self.weight)
         else:
             mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -121,7 +122,7 @@ class VocabParallelEmbedding(_VocabRows):
             # The scale rounded to the activations' dtype first, as transformers multiplies by
             # a tensor of that dtype; a Python number, so that no host-to-device copy runs
             # inside a CUDA graph capture (a device tensor made here would be one).
-            x = x * _rounded(self.embed_scale, x.dtype)
+            x = x * round_to_dtype(self.embed_scale, x.dtype)
         return x
 
 
@@ -175,6 +176,8 @@ class ParallelLMHead(_VocabRows):
 
 
 @functools.lru_cache(maxsize=32)
-def _rounded(value: float, dtype: torch.dtype) -> float:
-    """``value`` rounded to ``dtype`` (on the host: safe during graph capture)."""
+@functools.lru_cache(maxsize=64)
+def round_to_dtype(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype``, as a Python number (no device tensor, so safe during a
+    graph capture; cached, so a recorded CPU plan sees no torch op for it either)."""
     return torch.tensor(value, dtype=dtype).item()

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from engine.kernels.gguf import GGUF_TYPE_NAMES, GGUFType
+from engine.layers.embedding import round_to_dtype
 from engine.layers.linear import LinearMethod, ShardLayout
 from engine.layers.weight_utils import ModelLoadError, materialize
 from engine.quantization.base import QuantizationConfig, QuantizationError
@@ -155,6 +156,15 @@ class GGUFLinearMethod(LinearMethod):
     # -- compute -------------------------------------------------------------------------------
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         op = kernel(layer, "gguf_linear")
+        if len(self.runs) > 1 and getattr(op, "writes_out", False):
+            # Each run's product straight into its columns of one output (no concatenation).
+            y = x.new_empty(*x.shape[:-1], sum(rows for _t, rows in self.runs))
+            col = 0
+            for r, (t, rows) in enumerate(self.runs):
+                packed = {key: getattr(layer, f"gguf{r}_{key}") for key in self.packed_names[r]}
+                op(x, packed, qtype=t.ggml_type, out=y[..., col : col + rows])
+                col += rows
+            return y if bias is None else y + bias.to(y.dtype)
         outs = []
         for r, (t, _rows) in enumerate(self.runs):
             packed = {key: getattr(layer, f"gguf{r}_{key}") for key in self.packed_names[r]}
@@ -214,9 +224,18 @@ class GGUFVocabMethod:
         replace_param(module, "qweight", None)
         return blocks
 
-    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` dequantized, ``[*ids.shape, hidden]`` in the model dtype."""
-        return self.op.embedding(ids, self.packed, qtype=self.type.ggml_type, dtype=self.dtype)
+    def embedding(self, ids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """The rows ``ids`` dequantized, ``[*ids.shape, hidden]`` in the model dtype, times
+        ``scale`` rounded to that dtype (Gemma's embedding scale) when given. A kernel whose
+        ``embedding`` takes the scale (``scales_embedding = True``) applies it in the lookup;
+        otherwise it is one more multiply here, with the same result."""
+        op, qtype = self.op, self.type.ggml_type
+        if scale is None:
+            return op.embedding(ids, self.packed, qtype=qtype, dtype=self.dtype)
+        s = round_to_dtype(scale, self.dtype)
+        if getattr(op, "scales_embedding", False):
+            return op.embedding(ids, self.packed, qtype=qtype, dtype=self.dtype, scale=s)
+        return op.embedding(ids, self.packed, qtype=qtype, dtype=self.dtype) * s
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ matrix^T`` (the raw logits of the tied head), in ``hidden``'s dtype."""

@@ -35,6 +35,10 @@ class CpuAttentionBackend(TorchReferenceBackend):
 
     name: ClassVar[str] = "cpu"
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    # A batch of decodes reads its lengths, tables and slots from the metadata's tensors only
+    # (the compiled paths), so the CPU's native plans (engine_cpu.plan) may record it. Any
+    # other path is torch ops, which a recording refuses.
+    supports_decode_graphs: ClassVar[bool] = True
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -53,6 +57,26 @@ class CpuAttentionBackend(TorchReferenceBackend):
             if t.dtype != kv_cache.dtype or t.stride(-1) != 1:
                 return None
         return native.load("avx2")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.forward``. A batch of decodes only (one query row each) goes
+        straight to the compiled write and decode, with no output to zero and copy into."""
+        n = query.shape[0]
+        if (
+            metadata.num_decodes == metadata.num_seqs == metadata.num_actual_tokens == n
+            and metadata.cascade is None
+            and self._native(kv_cache, query, key, value) is not None
+        ):
+            self._write_kv(key, value, kv_cache, metadata)
+            return self._decode(query, kv_cache, metadata, metadata.seq_lens_cpu)
+        return super().forward(query, key, value, kv_cache, metadata)
 
     def _write_kv(
         self,

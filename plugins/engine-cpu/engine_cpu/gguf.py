@@ -305,12 +305,17 @@ def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> to
     return y
 
 
-def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+def _avx2_linear(
+    x2: torch.Tensor, packed: dict[str, torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``: int8 dot products up to
-    ``AVX2_DENSE_ROWS`` rows, the float32 product over dequantized tiles above."""
+    ``AVX2_DENSE_ROWS`` rows, the float32 product over dequantized tiles above. ``out``, a
+    float32 ``[M, N]`` view with unit column stride (columns of a wider output), receives the
+    int8 products directly."""
     m = x2.shape[0]
     if m > AVX2_DENSE_ROWS:
-        return _avx2_dense_product(x2, packed)
+        y = _avx2_dense_product(x2, packed)
+        return y if out is None else out.copy_(y)
     lib = native.load("avx2")
     pack, group = packed["avx2_layout"].tolist()  # (iterating the tensor costs ~8 us)
     scales = packed["avx2_scales"]
@@ -318,13 +323,14 @@ def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Ten
     bf16 = x2.dtype == torch.bfloat16
     xc = x2.contiguous() if bf16 else x2.float().contiguous()
     # The quantized activations in a scratch buffer reused across calls (three torch.empty
-    # calls with a dtype cost ~15 us a product, ~100 products a decode step).
+    # calls with a dtype cost ~15 us a product, ~100 products a decode step). A grown buffer
+    # does not free the old one: a recorded plan (engine_cpu.plan) may still point at it.
     need = m * k + 4 * m * (k // 32 + k // 16) + 128  # xq, xd, xs (up to 16-value groups)
     if not _xscratch or _xscratch[0].numel() < need:
-        _xscratch[:] = [torch.empty(max(need, 1 << 16), dtype=torch.uint8)]
+        _xscratch.insert(0, torch.empty(max(need, 1 << 16), dtype=torch.uint8))
     base = _xscratch[0].data_ptr()
     offsets = packed.get("avx2_offsets")
-    y = torch.empty(m, n)
+    y = torch.empty(m, n) if out is None else out
     lib.gguf_avx2_linear(
         xc.data_ptr(),
         int(bf16),
@@ -338,28 +344,45 @@ def _avx2_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Ten
         m,
         base + (-base % 64),
         y.data_ptr(),
+        y.stride(0),
     )
     return y
 
 
-def _avx2_rows(packed: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of an AVX2-packed weight dequantized, float32 ``[len(ids), K]``: bit for bit
-    the reference's dequantization (``scale * u + offset``, one rounding)."""
+def _avx2_rows(
+    packed: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Rows ``ids`` of an AVX2-packed weight dequantized into ``dtype`` ``[len(ids), K]``: bit
+    for bit the reference's dequantization (``scale * u + offset``, one rounding), then, with
+    ``scale`` (already rounded to ``dtype``), times it as the embedding's multiply rounds."""
     pack, group = packed["avx2_layout"].tolist()
-    raw = packed["avx2_values"].index_select(0, ids)
-    r = raw.shape[0]
-    if pack == _PACK_S8:
-        v = raw.view(torch.int8).float()
-    elif pack == _PACK_U4:
-        b = raw.view(r, -1, 1, 16)
-        v = torch.cat((b & 0x0F, b >> 4), dim=2).view(r, -1).float()
-    else:
-        v = raw.float()
-    scales = packed["avx2_scales"].index_select(0, ids)
-    v = v.view(r, scales.shape[1], group) * scales.unsqueeze(-1)
-    if "avx2_offsets" in packed:
-        v = v + packed["avx2_offsets"].index_select(0, ids).unsqueeze(-1)
-    return v.view(r, -1)
+    scales = packed["avx2_scales"]
+    k = scales.shape[1] * group
+    offsets = packed.get("avx2_offsets")
+    bf16 = dtype == torch.bfloat16
+    if dtype not in (torch.float32, torch.bfloat16):
+        rows = _avx2_rows(packed, ids).to(dtype)
+        return rows if scale is None else rows * scale
+    ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
+    out = torch.empty(ids.shape[0], k, dtype=dtype)
+    native.load("avx2").gguf_avx2_rows(
+        packed["avx2_values"].data_ptr(),
+        pack,
+        scales.data_ptr(),
+        None if offsets is None else offsets.data_ptr(),
+        ids.data_ptr(),
+        ids.shape[0],
+        k,
+        group,
+        out.data_ptr(),
+        int(bf16),
+        int(scale is not None),
+        1.0 if scale is None else scale,
+    )
+    return out
 
 
 def _int4pack(
@@ -425,7 +448,15 @@ def _vocab_pack(held: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch
 
 
 class CpuGGUFLinear:
-    """``gguf_linear`` on the CPU (see the module docstring)."""
+    """``gguf_linear`` on the CPU (see the module docstring).
+
+    Two optional capabilities of the op, for a decode step without torch ops between the
+    compiled kernels (``engine_cpu.plan``): ``writes_out``, the product takes ``out=`` (a
+    layer stored in runs of several types fills its columns of one output, no concatenation),
+    and ``scales_embedding``, the lookup takes the embedding's ``scale=``."""
+
+    writes_out = True
+    scales_embedding = True
 
     def conformance_tolerance(self, dtype: str) -> tuple[float, float] | None:
         """The conformance kit's bound for this op (``engine.testing.checks.check_kernel``):
@@ -498,8 +529,22 @@ class CpuGGUFLinear:
         *,
         qtype: int,
         bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``out`` (``writes_out``): a ``[..., N]`` view in ``x``'s dtype, e.g. this run's
+        columns of a layer stored in runs of several types, that receives the result."""
         shape = x.shape
+        if out is not None and bias is None and "avx2_values" in packed:
+            x2 = x.reshape(-1, shape[-1])
+            y2 = out.view(x2.shape[0], out.shape[-1]) if out.dim() > 1 else None
+            if (
+                y2 is not None
+                and out.dtype == torch.float32
+                and out.stride(-1) == 1
+                and x2.shape[0] <= AVX2_DENSE_ROWS
+            ):
+                _avx2_linear(x2, packed, y2)
+                return out
         if "amx_values" in packed:
             y = _amx_linear(x.reshape(-1, shape[-1]), packed)
         elif "avx2_values" in packed:
@@ -519,7 +564,8 @@ class CpuGGUFLinear:
                 y = y[:, :n]
         if bias is not None:
             y = y + bias.to(y.dtype)
-        return y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+        y = y.to(x.dtype).view(*shape[:-1], y.shape[-1])
+        return y if out is None else out.copy_(y)
 
     def embedding(
         self,
@@ -528,19 +574,24 @@ class CpuGGUFLinear:
         *,
         qtype: int,
         dtype: torch.dtype,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """The rows ``ids`` dequantized into ``dtype``, bit for bit the reference's."""
-        if "amx_values" in packed:
-            return _amx_rows(packed, ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
+        """The rows ``ids`` dequantized into ``dtype``, bit for bit the reference's; times
+        ``scale`` (``scales_embedding``: rounded to ``dtype`` by the caller) when given."""
         if "avx2_values" in packed:
-            return _avx2_rows(packed, ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
-        if "vocab_q" not in packed:
-            return ref.gguf_linear.embedding(ids, packed, qtype=qtype, dtype=dtype)
-        flat = ids.reshape(-1)
-        rows = _q8_rows(
-            packed["vocab_q"].index_select(0, flat), packed["vocab_d"].index_select(0, flat)
-        )
-        return rows.to(dtype).view(*ids.shape, -1)
+            rows = _avx2_rows(packed, ids.reshape(-1), dtype, scale)
+            return rows.view(*ids.shape, -1)
+        if "amx_values" in packed:
+            rows = _amx_rows(packed, ids.reshape(-1)).to(dtype).view(*ids.shape, -1)
+        elif "vocab_q" not in packed:
+            rows = ref.gguf_linear.embedding(ids, packed, qtype=qtype, dtype=dtype)
+        else:
+            flat = ids.reshape(-1)
+            q8 = _q8_rows(
+                packed["vocab_q"].index_select(0, flat), packed["vocab_d"].index_select(0, flat)
+            )
+            rows = q8.to(dtype).view(*ids.shape, -1)
+        return rows if scale is None else rows * scale
 
 
 gguf_linear = CpuGGUFLinear()

@@ -39,6 +39,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,25 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     lib.gguf_avx2_gemm.restype = None
     lib.gguf_avx2_dequantize.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i32, ptr]
     lib.gguf_avx2_dequantize.restype = None
-    lib.gguf_avx2_linear.argtypes = [ptr, i32, ptr, i32, ptr, ptr, i64, i64, i32, i64, ptr, ptr]
-    lib.gguf_avx2_linear.restype = None
     f32 = ctypes.c_float
+    lib.gguf_avx2_linear.argtypes = [
+        ptr,
+        i32,
+        ptr,
+        i32,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i32,
+        i64,
+        ptr,
+        ptr,
+        i64,
+    ]
+    lib.gguf_avx2_linear.restype = None
+    lib.gguf_avx2_rows.argtypes = [ptr, i32, ptr, ptr, ptr, i64, i64, i32, ptr, i32, i32, f32]
+    lib.gguf_avx2_rows.restype = None
     lib.cpu_rms_norm.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, f32]
     lib.cpu_fused_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, ptr, f32]
     lib.cpu_qk_norm_rotary.argtypes = [
@@ -94,14 +111,58 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
         *(ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64),
         *(i32, i64, i64, i64, i64, i64, f32, f32, i64),
     ]
+    lib.cpu_gated_act.argtypes = [ptr, i64, ptr, i64, i32, i64, i64, i32]
     for fn in (
         lib.cpu_rms_norm,
         lib.cpu_fused_add_rms_norm,
         lib.cpu_qk_norm_rotary,
         lib.cpu_write_kv,
         lib.cpu_paged_decode,
+        lib.cpu_gated_act,
     ):
         fn.restype = None
+    lib.cpu_plan_run.argtypes = [ptr, i64]
+    lib.cpu_plan_run.restype = None
+    # The kernels a decode step calls, recordable into a native plan (engine_cpu.plan): each
+    # has a twin ``<name>_p`` in csrc/cpu_plan.c taking its arguments from an int64 array.
+    for name in _PLANNED_AVX2:
+        setattr(lib, name, Kernel(name, getattr(lib, name), getattr(lib, name + "_p")))
+
+
+_PLANNED_AVX2 = (
+    "gguf_avx2_linear",
+    "gguf_avx2_rows",
+    "cpu_rms_norm",
+    "cpu_fused_add_rms_norm",
+    "cpu_qk_norm_rotary",
+    "cpu_write_kv",
+    "cpu_paged_decode",
+    "cpu_gated_act",
+)
+
+
+class Kernel:
+    """A compiled kernel as the CPU ops call it (``lib.<name>(...)``), which a native plan can
+    record: while ``engine_cpu.plan`` records a decode step (``recorder`` set), each call is
+    appended to the plan and then run as usual. The plan runs the kernel's twin, which reads the
+    same arguments from an int64 array: ``kinds`` says how each converts (``p`` pointer, ``i``
+    integer, ``f`` float)."""
+
+    __slots__ = ("name", "fn", "twin", "kinds")
+    recorder: ClassVar[Any] = None  # the engine_cpu.plan recorder while one is active
+
+    def __init__(self, name: str, fn: Any, twin: Any) -> None:
+        self.name, self.fn = name, fn
+        self.twin = ctypes.cast(twin, ctypes.c_void_p).value
+        self.kinds = "".join(
+            "p" if t is ctypes.c_void_p else "f" if t is ctypes.c_float else "i"
+            for t in fn.argtypes
+        )
+
+    def __call__(self, *args: Any) -> None:
+        if Kernel.recorder is not None:
+            Kernel.recorder.record(self, args)
+        self.fn(*args)
 
 
 FAMILIES: dict[str, _Family] = {
@@ -111,7 +172,10 @@ FAMILIES: dict[str, _Family] = {
         _declare_amx,
     ),
     "avx2": _Family(
-        ("gguf_avx2.c", "cpu_ops.c"), ("avx2", "fma", "f16c"), _declare_avx2, ("avx2_common.h",)
+        ("gguf_avx2.c", "cpu_ops.c", "cpu_plan.c"),
+        ("avx2", "fma", "f16c"),
+        _declare_avx2,
+        ("avx2_common.h",),
     ),
 }
 _lock = threading.Lock()

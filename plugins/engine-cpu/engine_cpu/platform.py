@@ -127,6 +127,18 @@ class CpuPlatform(Platform):
             return rss
 
     @classmethod
+    def decode_graphs_class(cls) -> type | None:
+        """Native plans (``engine_cpu.plan``): each decode batch size recorded on first use and
+        then run by one call into the compiled kernels, where they build (x86-64 with AVX2)."""
+        from engine_cpu import native
+
+        if native.load("avx2") is None:
+            return None
+        from engine_cpu.plan import CpuDecodePlans
+
+        return CpuDecodePlans
+
+    @classmethod
     def default_attention_backends(cls, config: Any = None) -> list[str]:
         # The compiled decode path where it builds (x86-64 with AVX2), else the reference.
         return ["cpu", "torch"]

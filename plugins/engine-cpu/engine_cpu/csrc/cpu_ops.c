@@ -232,3 +232,69 @@ void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *
             free(qf);
         }
 }
+
+/* exp(x) in eight float32 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 split in two parts so r is
+ * exact), e^r from a degree-6 polynomial (Cephes' expf coefficients), 2^n put into the
+ * exponent. Within 2 ulp of expf over the clamped range; the clamp keeps 2^n finite. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* act(gate) * up for T rows of [gate (I values), up (I values)] (row stride x_row) into out
+ * (row stride o_row): act 0 = SiLU, gate / (1 + e^-gate); act 1 = GELU with the tanh
+ * approximation, 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), computed as
+ * g / (1 + e^(-2u)), the same function. float32 arithmetic, one rounding to the dtype at the
+ * end (bfloat16: act(gate) rounded before the product, as torch's two ops); vectorized exp,
+ * so a value can differ from torch's in the last bits. */
+void cpu_gated_act(const void *x, int64_t x_row, void *out, int64_t o_row, int bf16, int64_t T,
+                   int64_t I, int act) {
+#pragma omp parallel for schedule(static) if (T * I >= PARALLEL_WORK)
+    for (int64_t t = 0; t < T; t++) {
+        const void *gate = at(x, bf16, t * x_row);
+        const void *up = at(x, bf16, t * x_row + I);
+        void *o = at_mut(out, bf16, t * o_row);
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 g = load8(gate, bf16, i), u = load8(up, bf16, i), z = g;
+            if (act == 1) { /* z = 2u = 2 sqrt(2/pi) (g + 0.044715 g^3) */
+                __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+                z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                                  _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+            }
+            __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                       exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)));
+            __m256 a = _mm256_div_ps(g, den);
+            if (bf16) { /* act(gate) rounded to bfloat16 first, as torch's two ops round it */
+                float ta[8], tu[8];
+                _mm256_storeu_ps(ta, a);
+                _mm256_storeu_ps(tu, u);
+                for (int j = 0; j < 8; j++)
+                    store1(o, 1, i + j, bf16_to_float(float_to_bf16(ta[j])) * tu[j]);
+            } else {
+                _mm256_storeu_ps((float *)o + i, _mm256_mul_ps(a, u));
+            }
+        }
+        for (; i < I; i++) {
+            float g = load1(gate, bf16, i), u = load1(up, bf16, i), z = g;
+            if (act == 1)
+                z = 1.5957691216057308f * (g + 0.044715f * g * g * g);
+            float a = g / (1.0f + expf(-z));
+            if (bf16)
+                a = bf16_to_float(float_to_bf16(a));
+            store1(o, bf16, i, a * u);
+        }
+    }
+}

@@ -241,14 +241,52 @@ void gguf_avx2_dequantize(const uint8_t *values, int pack, const float *scales,
 
 /* gguf_avx2_quantize_rows then gguf_avx2_gemm in one call (a decode step makes about a hundred
  * of these, where each foreign call from Python costs microseconds): x [M, K] (bfloat16 when
- * x_bf16, else float32, contiguous) times W into y [M, N] (row stride N). `scratch` holds at
- * least M * K + 4 * M * (K / 32 + K / 16) + 64 bytes, 64-byte aligned. */
+ * x_bf16, else float32, contiguous) times W into y [M, N] (row stride ldy, so that the products
+ * of a layer stored in runs of several types fill their columns of one output). `scratch` holds
+ * at least M * K + 4 * M * (K / 32 + K / 16) + 64 bytes, 64-byte aligned. */
 void gguf_avx2_linear(const void *x, int x_bf16, const uint8_t *values, int pack,
                       const float *scales, const float *offsets, int64_t N, int64_t K, int group,
-                      int64_t M, uint8_t *scratch, float *y) {
+                      int64_t M, uint8_t *scratch, float *y, int64_t ldy) {
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(scratch + ((M * K + 63) & ~(int64_t)63));
     float *xs = xd + M * (K / 32);
     gguf_avx2_quantize_rows(x, x_bf16, M, K, group, xq, xd, xs);
-    gguf_avx2_gemm(values, pack, scales, offsets, N, K, group, xq, xd, xs, M, y, N);
+    gguf_avx2_gemm(values, pack, scales, offsets, N, K, group, xq, xd, xs, M, y, ldy);
+}
+
+/* Rows ids[0 .. R - 1] of W dequantized (an embedding lookup) into out [R, K] (bfloat16 when
+ * out_bf16, else float32), each value the reference's s * u + o rounded once to the dtype, then,
+ * when `scaled`, multiplied by `scale` (already rounded to the dtype) and rounded again: the
+ * embedding scale of Gemma, as the torch path applies it after the lookup. */
+void gguf_avx2_rows(const uint8_t *values, int pack, const float *scales, const float *offsets,
+                    const int64_t *ids, int64_t R, int64_t K, int group, void *out, int out_bf16,
+                    int scaled, float scale) {
+    const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
+    const int64_t block_bytes = pack == PACK_U4 ? 16 : 32;
+    const int64_t ng = K / group;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = ids[r];
+        const uint8_t *w = values + n * row_bytes;
+        const float *s = scales + n * ng;
+        const float *o = offsets ? offsets + n * ng : 0;
+        for (int64_t b = 0; b < K / 32; b++) {
+            __m256i wv = load_block(w + b * block_bytes, pack);
+            uint8_t raw[32];
+            _mm256_storeu_si256((__m256i *)raw, wv);
+            for (int j = 0; j < 32; j++) {
+                const int64_t k = 32 * b + j, g = k / group;
+                float u = pack == PACK_S8 ? (float)(int8_t)raw[j] : (float)raw[j];
+                float v = s[g] * u;
+                if (o)
+                    v = v + o[g];
+                if (out_bf16) {
+                    if (scaled)
+                        v = bf16_to_float(float_to_bf16(v)) * scale;
+                    ((uint16_t *)out)[r * K + k] = float_to_bf16(v);
+                } else {
+                    ((float *)out)[r * K + k] = scaled ? v * scale : v;
+                }
+            }
+        }
+    }
 }

@@ -149,3 +149,21 @@ def test_the_compiled_gated_activations_are_the_reference(name, dtype):
     # A strided input (the gate/up halves of a wider row) reads the same values.
     wide = torch.cat([x, torch.zeros(5, 16, dtype=dtype)], dim=1)[:, : x.shape[1]]
     assert torch.equal(getattr(activations, name)(wide), got)
+
+
+def test_a_kernel_without_a_twin_refuses_the_recording():
+    """Every compiled call goes through ``native.Kernel``, so none can run unseen by a
+    recording; one the plans cannot call (no twin) is named."""
+    lib = native.load("avx2")
+    recorder = plan.PlanRecorder()
+    x = torch.randn(1, 64)
+    xq = torch.empty(64, dtype=torch.int8)
+    xd, xs = torch.empty(2), torch.empty(4)
+    native.Kernel.recorder = recorder
+    try:
+        lib.gguf_avx2_quantize_rows(
+            x.data_ptr(), 0, 1, 64, 32, xq.data_ptr(), xd.data_ptr(), xs.data_ptr()
+        )
+    finally:
+        native.Kernel.recorder = None
+    assert recorder.refused == ["gguf_avx2_quantize_rows"] and not recorder.calls

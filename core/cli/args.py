@@ -369,7 +369,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="Attention backend (auto or a name from `engine plugins`).",
     )
-    device.add_argument("--enforce-eager", action="store_true", help="Never capture device graphs.")
+    device.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Never capture decode steps (CUDA graphs on GPUs, native plans on the CPU).",
+    )
     device.add_argument(
         "--disable-cascade-attn",
         action="store_true",

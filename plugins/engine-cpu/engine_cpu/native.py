@@ -70,6 +70,9 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
     lib.gguf_amx_gemm_bf16.restype = None
     if not lib.gguf_amx_available():
         raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl)")
+    # No twins: a recording that meets one of these refuses itself (see Kernel).
+    for name in ("gguf_quantize_rows", "gguf_amx_gemm", "gguf_amx_gemm_bf16"):
+        setattr(lib, name, Kernel(name, getattr(lib, name), None))
 
 
 def _declare_avx2(lib: ctypes.CDLL) -> None:
@@ -127,6 +130,8 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     # has a twin ``<name>_p`` in csrc/cpu_plan.c taking its arguments from an int64 array.
     for name in _PLANNED_AVX2:
         setattr(lib, name, Kernel(name, getattr(lib, name), getattr(lib, name + "_p")))
+    for name in ("gguf_avx2_quantize_rows", "gguf_avx2_gemm", "gguf_avx2_dequantize"):
+        setattr(lib, name, Kernel(name, getattr(lib, name), None))
 
 
 _PLANNED_AVX2 = (
@@ -146,23 +151,24 @@ class Kernel:
     record: while ``engine_cpu.plan`` records a decode step (``recorder`` set), each call is
     appended to the plan and then run as usual. The plan runs the kernel's twin, which reads the
     same arguments from an int64 array: ``kinds`` says how each converts (``p`` pointer, ``i``
-    integer, ``f`` float)."""
+    integer, ``f`` float). Every kernel a step can call is one of these, so none can run
+    unseen by a recording: one without a twin (``twin`` None) makes the recording refuse."""
 
     __slots__ = ("name", "fn", "twin", "kinds")
     recorder: ClassVar[Any] = None  # the engine_cpu.plan recorder while one is active
 
     def __init__(self, name: str, fn: Any, twin: Any) -> None:
         self.name, self.fn = name, fn
-        self.twin = ctypes.cast(twin, ctypes.c_void_p).value
+        self.twin = None if twin is None else ctypes.cast(twin, ctypes.c_void_p).value
         self.kinds = "".join(
             "p" if t is ctypes.c_void_p else "f" if t is ctypes.c_float else "i"
             for t in fn.argtypes
         )
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, *args: Any) -> Any:
         if Kernel.recorder is not None:
             Kernel.recorder.record(self, args)
-        self.fn(*args)
+        return self.fn(*args)
 
 
 FAMILIES: dict[str, _Family] = {

@@ -123,6 +123,9 @@ class PlanRecorder:
         self.refused: list[str] = []
 
     def record(self, kernel: native.Kernel, args: tuple[Any, ...]) -> None:
+        if kernel.twin is None:
+            self.refused.append(kernel.name)
+            return
         words = []
         for kind, value in zip(kernel.kinds, args, strict=True):
             if kind == "f":
@@ -280,6 +283,9 @@ class CpuDecodePlans(DecodeGraphs):
             if guard.refused:
                 names = ", ".join(sorted(set(guard.refused)))
                 raise PlanRecordingError(f"torch ops between the compiled kernels ({names})")
+            if recorder.refused:
+                names = ", ".join(sorted(set(recorder.refused)))
+                raise PlanRecordingError(f"compiled kernels a plan cannot call yet ({names})")
             self._plans[n] = build_plan(recorder.calls, guard.allocations, hidden)
         except PlanRecordingError as e:
             self._refused = str(e)

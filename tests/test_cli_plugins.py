@@ -76,7 +76,9 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     ]
     quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "gguf_linear"]
     norms = ["rms_norm", "fused_add_rms_norm", "qk_norm_rotary"]
-    assert on_cpu == [(k, "engine-llm-cpu") for k in [*norms, "argmax", *quantized]], on_cpu
+    activations = ["silu_and_mul", "gelu_tanh_and_mul"]
+    want = [*norms, *activations, "argmax", *quantized]
+    assert on_cpu == [(k, "engine-llm-cpu") for k in want], on_cpu
     methods = {m["name"]: m for m in report["quantization_methods"]}
     assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]
     assert all(m["usable"] and m["provider"] == "engine-llm" for m in methods.values())

@@ -189,7 +189,7 @@ _state: dict[str, dict[str, object]] = {}
 
 
 def _cpu_flags() -> str:
-    from engine_cpu.platform import cpuinfo_field
+    from engine_cpu.cpuinfo import cpuinfo_field
 
     return cpuinfo_field("flags") or platform.processor()
 

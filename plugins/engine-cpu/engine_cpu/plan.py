@@ -60,8 +60,15 @@ _ALLOCATIONS = frozenset(
 _METADATA = frozenset({"aten.resolve_neg.default", "aten.resolve_conj.default"})
 
 
+_NATIVE_CACHES = (torch.float32, torch.bfloat16)
+
+
 class PlanRecordingError(RuntimeError):
     """A decode step cannot be recorded into a native plan (the message says why)."""
+
+
+class _RecordingFailed(RuntimeError):
+    """The recorded step raised: the runner takes it eagerly instead."""
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -247,16 +254,31 @@ class CpuDecodePlans(DecodeGraphs):
 
     def capture(self) -> float:
         seconds = super().capture()  # eager: zeroes the static buffers
-        logger.info(
-            "decode steps of 1..%d requests run as native plans (recorded on first use)",
-            self.max_batch,
-        )
+        # The compiled attention reads float32 and bfloat16 caches; any other (float16, FP8)
+        # goes through the reference, which needs the host-side lengths a replay lacks.
+        caches = {
+            m.kv_cache.dtype
+            for m in self.model.modules()
+            if isinstance(getattr(m, "kv_cache", None), torch.Tensor)
+        }
+        other = sorted(str(d).replace("torch.", "") for d in caches - set(_NATIVE_CACHES))
+        if other:
+            self._refused = f"a {', '.join(other)} KV cache (plans read float32 or bfloat16)"
+            logger.info("decode steps stay eager: %s", self._refused)
+        else:
+            logger.info(
+                "decode steps of 1..%d requests run as native plans (recorded on first use)",
+                self.max_batch,
+            )
         return seconds
 
     def run(self, scheduled, feedback_rows=None, shared_prefix=None):
         if self._refused is not None or shared_prefix is not None:
             return None
-        return super().run(scheduled, feedback_rows, None)
+        try:
+            return super().run(scheduled, feedback_rows, None)
+        except _RecordingFailed:
+            return None  # the runner runs this step eagerly, as every later one
 
     def _execute(self, n: int, cascade: bool) -> torch.Tensor:
         ids = self._ids(n)
@@ -277,6 +299,12 @@ class CpuDecodePlans(DecodeGraphs):
         try:
             with guard:
                 hidden = self.model(self._ids(n), self._positions(n), self._metadata(n))
+        except Exception as e:
+            # A path the replay's static inputs do not serve (one that wants host-side
+            # lengths, say). Whatever it wrote to the cache, the eager step rewrites alike.
+            self._refused = f"the recorded step failed ({type(e).__name__}: {e})"
+            logger.warning("decode steps stay eager: %s", self._refused)
+            raise _RecordingFailed from e
         finally:
             native.Kernel.recorder = None
         try:

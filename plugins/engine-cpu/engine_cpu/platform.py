@@ -8,20 +8,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from engine.platforms.interface import Platform
+from engine_cpu.cpuinfo import cpuinfo_field
 
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
-
-
-def cpuinfo_field(name: str) -> str | None:
-    """The first ``name`` line's value in /proc/cpuinfo (Linux), else None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def _cpu_model_name() -> str:

@@ -20,4 +20,5 @@ def silu_and_mul(x):
 
 @hookimpl
 def engine_kernels(registry):
-    registry.register("silu_and_mul", silu_and_mul, platforms=("cpu",), priority=5)
+    # Above engine-llm-cpu's own compiled silu_and_mul (the default priority, 10).
+    registry.register("silu_and_mul", silu_and_mul, platforms=("cpu",), priority=20)

@@ -22,6 +22,12 @@ buffers (``engine.cuda_graphs.DecodeGraphs``, whose subclass it is):
   ``cpu_plan_run`` once (``csrc/cpu_plan.c``); the hidden states are a view of the arena,
   valid until the next step.
 
+Like a CUDA graph, a plan assumes that the forward decides nothing from a step's values on the
+host (only from its batch size): the attention backend declares ``supports_decode_graphs``
+(the ``cpu`` backend's compiled decode reads lengths, tables and slots from tensors), and a
+float16 or FP8 KV cache, which the reference attention serves, keeps the steps eager. A
+recording whose forward raises falls back to the eager step, with a warning.
+
 Batches are recorded at their exact size (padding costs real arithmetic on a CPU) up to
 ``MAX_PLAN_BATCH``: above it the kernels' own time dwarfs the Python's. Steps with prefill
 chunks, LoRA and speculative verification stay eager. ``--enforce-eager`` turns plans off.

@@ -140,3 +140,46 @@ def test_auto_picks_the_cpu_backend_where_the_kernels_build(monkeypatch):
     monkeypatch.setenv("ENGINE_CPU_NATIVE", "0")
     (reason,) = CpuAttentionBackend.unavailable_reasons()
     assert "compiled AVX2 kernels" in reason and "ENGINE_CPU_NATIVE=0" in reason
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("window,softcap", [(None, None), (300, None), (None, 20.0)])
+def test_long_contexts_split_over_threads_match_dense(threads, window, softcap):
+    """Fewer (request, KV head) pairs than threads: each context is cut into slices whose
+    softmax sums are combined (one KV head, batch 1 and 2, contexts of 1 to 900 tokens; an
+    empty context gives zeros)."""
+    torch.manual_seed(threads)
+    heads, kv_heads, d, bs = 4, 1, 64, 16
+    backend = CpuAttentionBackend(heads, d, kv_heads, 0.125, window, softcap)
+    kv_cache = torch.randn(2, 64, bs, kv_heads, d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens in ([900], [1], [130, 700], [200, 0]):
+            tables, slots, qs, ks, vs, expected = [], [], [], [], [], []
+            next_block = 0
+            for n in lens:
+                nb = max(1, -(-n // bs))
+                table = list(range(next_block, next_block + nb))
+                next_block += nb
+                ck, cv = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
+                for p in range(max(n - 1, 0)):
+                    kv_cache[0, table[p // bs], p % bs] = ck[p]
+                    kv_cache[1, table[p // bs], p % bs] = cv[p]
+                tables.append(table)
+                slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs if n else -1)
+                q = torch.randn(1, heads, d)
+                qs.append(q)
+                ks.append(ck[-1:] if n else torch.zeros(1, kv_heads, d))
+                vs.append(cv[-1:] if n else torch.zeros(1, kv_heads, d))
+                want = torch.zeros(1, heads, d)
+                if n:
+                    want = dense_attention(q, ck, cv, 0.125, window, softcap=softcap)
+                expected.append(want)
+            layout = BatchLayout([1] * len(lens), lens, tables, slots, bs, len(lens))
+            md = CpuAttentionBackend.build_metadata(layout, torch.device("cpu"))
+            backend._write_kv(torch.cat(ks), torch.cat(vs), kv_cache, md)
+            out = backend._decode(torch.cat(qs), kv_cache, md, lens)
+            torch.testing.assert_close(out, torch.cat(expected), atol=2e-5, rtol=2e-5)
+    finally:
+        torch.set_num_threads(before)

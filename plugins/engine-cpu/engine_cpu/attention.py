@@ -5,8 +5,9 @@ The reference (``engine.attention_backends.torch_ref``) gathers every decode's k
 through the block tables into one padded tensor, builds a mask and calls SDPA: about 20 torch
 ops a layer, 0.3 ms a call for one 64-token decode of the embedded Gemma 3 270M on a 2-core
 EPYC. Here one call reads the cache through the block table in place, per request and KV head
-(grouped query heads together): scores in float32, soft-capping and the sliding window as the
-reference applies them, softmax, the weighted sum of values, rounded once to the query's
+(grouped query heads together; with fewer of those than threads, each context is also cut into
+slices whose softmax sums are combined): scores in float32, soft-capping and the sliding window
+as the reference applies them, softmax, the weighted sum of values, rounded once to the query's
 dtype. Prefill chunks keep the reference's path (SDPA over the gathered context, which is
 compute-bound there), and so does every case the compiled kernels do not take: a float16 or
 FP8 cache (the reference dequantizes FP8 as it gathers) or activations of another dtype than

@@ -10,6 +10,7 @@
  * where the work is large enough to pay for waking them: a decode row takes microseconds.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "avx2_common.h"
@@ -156,83 +157,6 @@ static inline float dot(const float *q, const void *k, int bf16, int64_t D) {
     return s;
 }
 
-/* Decode attention: request b's one query (heads Hq; row b at q + b * q_row, head h at
- * + h * q_head) against its keys and values at positions [start, seq_lens[b]) through the
- * block table (row b at block_table + b * bt_row; position p in block p / BS, slot p % BS),
- * start = seq_lens[b] - window when window > 0 (a sliding window), else 0. Caches
- * [num_blocks, BS, Hkv, D] contiguous, query head h reading KV head h / (Hq / Hkv). Scores
- * q.k * scale, soft-capped as cap * tanh(s / cap) when softcap > 0, softmax, then the weighted
- * sum of values, written at out + b * o_row + h * o_head. Threads over (request, KV head). */
-void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
-                      const void *v_cache, const int32_t *block_table, int64_t bt_row,
-                      const int32_t *seq_lens, void *out, int64_t o_row, int64_t o_head,
-                      int bf16, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                      float scale, float softcap, int64_t window) {
-    const int64_t G = Hq / Hkv;
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; b++)
-        work += seq_lens[b];
-#pragma omp parallel for collapse(2) schedule(dynamic) if (work * Hq * D >= PARALLEL_WORK)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t kh = 0; kh < Hkv; kh++) {
-            const int64_t len = seq_lens[b];
-            const int64_t start = window > 0 && len > window ? len - window : 0;
-            const int64_t n = len - start;
-            float *qf = malloc((G * D + G * n + G * D) * sizeof(float));
-            float *scores = qf + G * D, *acc = scores + G * n;
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t i = 0; i < D; i++)
-                    qf[g * D + i] = load1(q, bf16, b * q_row + (kh * G + g) * q_head + i);
-            const int32_t *table = block_table + b * bt_row;
-            for (int64_t p = start; p < len; p++) {
-                int64_t slot = (int64_t)table[p / BS] * BS + p % BS;
-                const void *krow = at(k_cache, bf16, (slot * Hkv + kh) * D);
-                for (int64_t g = 0; g < G; g++) {
-                    float s = dot(qf + g * D, krow, bf16, D) * scale;
-                    if (softcap > 0.0f)
-                        s = softcap * tanhf(s / softcap);
-                    scores[g * n + p - start] = s;
-                }
-            }
-            float sums[64];
-            float *sum = G <= 64 ? sums : malloc(G * sizeof(float));
-            for (int64_t g = 0; g < G; g++) {
-                float *sg = scores + g * n, mx = -INFINITY, total = 0.0f;
-                for (int64_t j = 0; j < n; j++)
-                    mx = sg[j] > mx ? sg[j] : mx;
-                for (int64_t j = 0; j < n; j++) {
-                    sg[j] = expf(sg[j] - mx);
-                    total += sg[j];
-                }
-                sum[g] = total;
-                for (int64_t i = 0; i < D; i++)
-                    acc[g * D + i] = 0.0f;
-            }
-            for (int64_t p = start; p < len; p++) {
-                int64_t slot = (int64_t)table[p / BS] * BS + p % BS;
-                const void *vrow = at(v_cache, bf16, (slot * Hkv + kh) * D);
-                for (int64_t g = 0; g < G; g++) {
-                    __m256 wv = _mm256_set1_ps(scores[g * n + p - start]);
-                    float *ag = acc + g * D;
-                    int64_t i = 0;
-                    for (; i + 8 <= D; i += 8)
-                        _mm256_storeu_ps(ag + i, _mm256_fmadd_ps(wv, load8(vrow, bf16, i),
-                                                                 _mm256_loadu_ps(ag + i)));
-                    for (; i < D; i++)
-                        ag[i] += scores[g * n + p - start] * load1(vrow, bf16, i);
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float inv = 1.0f / sum[g];
-                for (int64_t i = 0; i < D; i++)
-                    store1(out, bf16, b * o_row + (kh * G + g) * o_head + i, acc[g * D + i] * inv);
-            }
-            if (sum != sums)
-                free(sum);
-            free(qf);
-        }
-}
-
 /* exp(x) in eight float32 lanes: x = n ln2 + r (|r| <= ln2 / 2, ln2 split in two parts so r is
  * exact), e^r from a degree-6 polynomial (Cephes' expf coefficients), 2^n put into the
  * exponent. Within 2 ulp of expf over the clamped range; the clamp keeps 2^n finite. */
@@ -251,6 +175,146 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Positions [p0, p1) of request b's context for KV head kh (its G query heads, already in
+ * float32 at qf [G, D]): per head the largest score m[g], the sum of exp(score - m[g]) l[g] and
+ * the exp-weighted sum of values acc[g, :] (not yet divided by l). An empty range gives
+ * m = -inf, l = 0, acc = 0. `scores` holds G * (p1 - p0) floats. */
+static void decode_part(const float *qf, const void *k_cache, const void *v_cache,
+                        const int32_t *table, int bf16, int64_t Hkv, int64_t kh, int64_t G,
+                        int64_t D, int64_t BS, float scale, float softcap, int64_t p0,
+                        int64_t p1, float *scores, float *m, float *l, float *acc) {
+    const int64_t n = p1 - p0;
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t slot = (int64_t)table[p / BS] * BS + p % BS;
+        const void *krow = at(k_cache, bf16, (slot * Hkv + kh) * D);
+        for (int64_t g = 0; g < G; g++) {
+            float sc = dot(qf + g * D, krow, bf16, D) * scale;
+            if (softcap > 0.0f)
+                sc = softcap * tanhf(sc / softcap);
+            scores[g * n + p - p0] = sc;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = scores + g * n, mx = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < n; j++)
+            mx = sg[j] > mx ? sg[j] : mx;
+        int64_t j = 0;
+        __m256 t8 = _mm256_setzero_ps();
+        for (; j + 8 <= n; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(sg + j, e);
+            t8 = _mm256_add_ps(t8, e);
+        }
+        total = hsum_ps(t8);
+        for (; j < n; j++) {
+            sg[j] = expf(sg[j] - mx);
+            total += sg[j];
+        }
+        m[g] = mx;
+        l[g] = total;
+        for (int64_t i = 0; i < D; i++)
+            acc[g * D + i] = 0.0f;
+    }
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t slot = (int64_t)table[p / BS] * BS + p % BS;
+        const void *vrow = at(v_cache, bf16, (slot * Hkv + kh) * D);
+        for (int64_t g = 0; g < G; g++) {
+            const float w = scores[g * n + p - p0];
+            __m256 wv = _mm256_set1_ps(w);
+            float *ag = acc + g * D;
+            int64_t i = 0;
+            for (; i + 8 <= D; i += 8)
+                _mm256_storeu_ps(ag + i,
+                                 _mm256_fmadd_ps(wv, load8(vrow, bf16, i), _mm256_loadu_ps(ag + i)));
+            for (; i < D; i++)
+                ag[i] += w * load1(vrow, bf16, i);
+        }
+    }
+}
+
+/* Decode attention: request b's one query (heads Hq; row b at q + b * q_row, head h at
+ * + h * q_head) against its keys and values at positions [start, seq_lens[b]) through the
+ * block table (row b at block_table + b * bt_row; position p in block p / BS, slot p % BS),
+ * start = seq_lens[b] - window when window > 0 (a sliding window), else 0. Caches
+ * [num_blocks, BS, Hkv, D] contiguous, query head h reading KV head h / (Hq / Hkv). Scores
+ * q.k * scale, soft-capped as cap * tanh(s / cap) when softcap > 0, softmax, then the weighted
+ * sum of values, written at out + b * o_row + h * o_head (zeros for an empty context).
+ *
+ * Threads over (request, KV head); where those are fewer than the threads (batch 1, models
+ * with one KV head), each context is also cut into up to `threads` slices of at least
+ * MIN_SPLIT positions, whose partial softmax sums are combined per head afterwards, as split-K
+ * decode kernels on GPUs do. The exponentials run eight lanes at a time (exp8). */
+#define MIN_SPLIT 64
+#define MAX_SPLITS 64
+void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
+                      const void *v_cache, const int32_t *block_table, int64_t bt_row,
+                      const int32_t *seq_lens, void *out, int64_t o_row, int64_t o_head,
+                      int bf16, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
+                      float scale, float softcap, int64_t window) {
+    const int64_t G = Hq / Hkv;
+    int64_t work = 0, longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = seq_lens[b];
+        const int64_t n = window > 0 && len > window ? window : len;
+        work += n;
+        longest = n > longest ? n : longest;
+    }
+    const int parallel = work * Hq * D >= PARALLEL_WORK;
+    const int64_t threads = parallel ? omp_get_max_threads() : 1;
+    int64_t S = 1; /* slices per (request, KV head) */
+    if (B * Hkv < threads) {
+        S = (threads + B * Hkv - 1) / (B * Hkv);
+        if (S > longest / MIN_SPLIT)
+            S = longest / MIN_SPLIT > 1 ? longest / MIN_SPLIT : 1;
+        if (S > MAX_SPLITS)
+            S = MAX_SPLITS;
+    }
+    /* Per (request, KV head, slice): m [G], l [G], acc [G, D]. */
+    const int64_t part = G * (D + 2);
+    float *parts = malloc((size_t)(B * Hkv * S * part) * sizeof(float));
+#pragma omp parallel for collapse(3) schedule(dynamic) if (parallel)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t kh = 0; kh < Hkv; kh++)
+            for (int64_t sl = 0; sl < S; sl++) {
+                const int64_t len = seq_lens[b];
+                const int64_t start = window > 0 && len > window ? len - window : 0;
+                const int64_t n = len - start;
+                const int64_t p0 = start + n * sl / S, p1 = start + n * (sl + 1) / S;
+                float *pt = parts + ((b * Hkv + kh) * S + sl) * part;
+                float *qf = malloc((G * D + G * (p1 - p0 + 1)) * sizeof(float));
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t i = 0; i < D; i++)
+                        qf[g * D + i] = load1(q, bf16, b * q_row + (kh * G + g) * q_head + i);
+                decode_part(qf, k_cache, v_cache, block_table + b * bt_row, bf16, Hkv, kh, G,
+                            D, BS, scale, softcap, p0, p1, qf + G * D, pt, pt + G, pt + 2 * G);
+                free(qf);
+            }
+    /* Combine the slices: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M). */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t kh = 0; kh < Hkv; kh++)
+            for (int64_t g = 0; g < G; g++) {
+                const float *p = parts + (b * Hkv + kh) * S * part;
+                float mx = -INFINITY, total = 0.0f;
+                for (int64_t sl = 0; sl < S; sl++)
+                    mx = p[sl * part + g] > mx ? p[sl * part + g] : mx;
+                float wts[MAX_SPLITS];
+                for (int64_t sl = 0; sl < S; sl++) {
+                    const float *ps = p + sl * part;
+                    wts[sl] = ps[G + g] > 0.0f ? expf(ps[g] - mx) : 0.0f;
+                    total += ps[G + g] * wts[sl];
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                const int64_t o = b * o_row + (kh * G + g) * o_head;
+                for (int64_t i = 0; i < D; i++) {
+                    float v = 0.0f;
+                    for (int64_t sl = 0; sl < S; sl++)
+                        v += p[sl * part + 2 * G + g * D + i] * wts[sl];
+                    store1(out, bf16, o + i, v * inv);
+                }
+            }
+    free(parts);
 }
 
 /* act(gate) * up for T rows of [gate (I values), up (I values)] (row stride x_row) into out

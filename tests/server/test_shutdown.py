@@ -112,12 +112,15 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[6:]) for line in lines[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert "draining" not in lines[-2]
     log.seek(0)
     text = log.read()
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    # On failure, the last chunk (an error's envelope, say) and the server's log say why.
+    why = f"last chunk {chunks[-1]}; {len(chunks)} chunks; server log:\n{text[-3000:]}"
+    assert "choices" in chunks[-1], why
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", why
+    assert "draining" not in lines[-2]
     assert "shutting down: waiting up to 60 s for 1 in-flight request(s)" in text
     assert "ready in" in text
     assert '"GET /health' not in text  # silenced access-log lines

@@ -26,7 +26,7 @@ class PlatformSuite(ConformanceSuite):
     description: ClassVar[str] = (
         "attributes, detection (stable, available, cheap in a fresh interpreter: no heavy "
         "import, no device context), device facts, memory profiling, check_config reasons, "
-        "auto backend selection, fp8 flavour"
+        "auto backend selection, fp8 flavour, the decode-graphs class"
     )
 
     def checks(self, target: ConformanceTarget) -> Iterator[ConformanceCheck]:
@@ -43,6 +43,7 @@ class PlatformSuite(ConformanceSuite):
             "check-config": lambda seed: _checks().check_config_validation(platform),
             "default-backends": lambda seed: _checks().check_default_backends(platform, pm),
             "fp8-dtype": lambda seed: _checks().check_fp8_dtype(platform),
+            "decode-graphs": lambda seed: _checks().check_decode_graphs_class(platform),
         }
         for prop, run in props.items():
             yield ConformanceCheck(self.name, entry.name, prop, run, provider=entry.plugin.name)

@@ -193,6 +193,19 @@ def check_fp8_dtype(platform: type[Platform]) -> None:
     )
 
 
+def check_decode_graphs_class(platform: type[Platform]) -> None:
+    """``decode_graphs_class()`` is None or ``engine.cuda_graphs.DecodeGraphs`` (a subclass
+    replays its own way through ``_execute``), the same class each time."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    first, second = platform.decode_graphs_class(), platform.decode_graphs_class()
+    assert first is second, f"decode_graphs_class() is not stable: {first} then {second}"
+    assert first is None or (isinstance(first, type) and issubclass(first, DecodeGraphs)), (
+        f"decode_graphs_class() = {first!r}; expected None or a subclass of "
+        "engine.cuda_graphs.DecodeGraphs"
+    )
+
+
 def check_default_backends(platform: type[Platform], pm: Any) -> None:
     """The platform names backends, and ``auto`` finds one for each supported dtype."""
     names = platform.default_attention_backends(None)

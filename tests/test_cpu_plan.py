@@ -122,7 +122,7 @@ def test_buffers_share_arena_bytes_only_when_their_uses_do_not_overlap():
     # Uses: 0 in call 0; 1 in calls 0-1; 2 in calls 1-2; 3 in 2-3; 4 (the output) from 3 on.
     calls = [(0, [p[0], p[1]], "pp"), (0, [p[1], p[2]], "pp"), (0, [p[2], p[3]], "pp")]
     calls.append((0, [p[3], p[4], 7], "ppi"))
-    starts, offsets, size = plan._layout(calls, bufs, bufs[4])
+    _spans, starts, offsets, size = plan._layout(calls, bufs, bufs[4])
     life = {0: (0, 0), 1: (0, 1), 2: (1, 2), 3: (2, 3), 4: (3, 4)}
     where = {i: offsets[starts.index(p[i])] for i in range(5)}
     for i in range(5):

@@ -156,20 +156,21 @@ class GGUFLinearMethod(LinearMethod):
     # -- compute -------------------------------------------------------------------------------
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         op = kernel(layer, "gguf_linear")
-        if len(self.runs) > 1 and getattr(op, "writes_out", False):
+        runs = [
+            (t, rows, {key: getattr(layer, f"gguf{r}_{key}") for key in self.packed_names[r]})
+            for r, (t, rows) in enumerate(self.runs)
+        ]
+        if len(runs) == 1:
+            y = op(x, runs[0][2], qtype=runs[0][0].ggml_type)
+        elif getattr(op, "writes_out", False):
             # Each run's product straight into its columns of one output (no concatenation).
-            y = x.new_empty(*x.shape[:-1], sum(rows for _t, rows in self.runs))
+            y = x.new_empty(*x.shape[:-1], sum(rows for _t, rows, _p in runs))
             col = 0
-            for r, (t, rows) in enumerate(self.runs):
-                packed = {key: getattr(layer, f"gguf{r}_{key}") for key in self.packed_names[r]}
+            for t, rows, packed in runs:
                 op(x, packed, qtype=t.ggml_type, out=y[..., col : col + rows])
                 col += rows
-            return y if bias is None else y + bias.to(y.dtype)
-        outs = []
-        for r, (t, _rows) in enumerate(self.runs):
-            packed = {key: getattr(layer, f"gguf{r}_{key}") for key in self.packed_names[r]}
-            outs.append(op(x, packed, qtype=t.ggml_type))
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        else:
+            y = torch.cat([op(x, packed, qtype=t.ggml_type) for t, _rows, packed in runs], dim=-1)
         return y if bias is None else y + bias.to(y.dtype)
 
 

@@ -537,12 +537,7 @@ class CpuGGUFLinear:
         if out is not None and bias is None and "avx2_values" in packed:
             x2 = x.reshape(-1, shape[-1])
             y2 = out.view(x2.shape[0], out.shape[-1]) if out.dim() > 1 else None
-            if (
-                y2 is not None
-                and out.dtype == torch.float32
-                and out.stride(-1) == 1
-                and x2.shape[0] <= AVX2_DENSE_ROWS
-            ):
+            if y2 is not None and out.dtype == torch.float32 and out.stride(-1) == 1:
                 _avx2_linear(x2, packed, y2)
                 return out
         if "amx_values" in packed:

@@ -160,20 +160,28 @@ class NativePlan:
         return self.output
 
 
-def _layout(calls, allocations, output: torch.Tensor) -> tuple[list[int], list[int], int]:
+def _owner(spans: list[tuple[int, int]], starts: list[int], ptr: int) -> int | None:
+    """The index of the span (start, bytes) that holds ``ptr``, or None."""
+    i = bisect.bisect_right(starts, ptr) - 1
+    if i >= 0 and ptr < spans[i][0] + max(spans[i][1], 1):
+        return i
+    return None
+
+
+def _layout(
+    calls, allocations, output: torch.Tensor
+) -> tuple[list[tuple[int, int]], list[int], list[int], int]:
     """Offsets in one arena for the recording's ``allocations`` (by their storages), so that
     two buffers whose recorded uses overlap never share bytes; the ``output``'s buffer lives to
-    the end. Returns (storage starts, offsets, arena bytes); unused buffers get no bytes."""
+    the end. Returns (storage spans as (start, bytes), their starts, offsets, arena bytes);
+    unused buffers get no bytes (offset -1)."""
     spans = sorted({_storage(t) for t in allocations})
     starts = [s for s, _n in spans]
     first = [None] * len(spans)
     last = [-1] * len(spans)
 
     def owner(ptr: int) -> int | None:
-        i = bisect.bisect_right(starts, ptr) - 1
-        if i >= 0 and ptr < spans[i][0] + max(spans[i][1], 1):
-            return i
-        return None
+        return _owner(spans, starts, ptr)
 
     for c, (_fn, words, kinds) in enumerate(calls):
         for kind, word in zip(kinds, words, strict=True):
@@ -204,19 +212,18 @@ def _layout(calls, allocations, output: torch.Tensor) -> tuple[list[int], list[i
         placed.append((offset, offset + size, first[i], last[i]))
         offsets[i] = offset
         top = max(top, offset + size)
-    return starts, offsets, top
+    return spans, starts, offsets, top
 
 
 def build_plan(calls, allocations, output: torch.Tensor) -> NativePlan:
     """The plan of a recording: its buffers moved into one arena (see ``_layout``)."""
-    starts, offsets, size = _layout(calls, allocations, output)
+    spans, starts, offsets, size = _layout(calls, allocations, output)
     arena = torch.empty(max(size, _ALIGN) + _ALIGN, dtype=torch.uint8)
     base = arena.data_ptr() + (-arena.data_ptr() % _ALIGN)
-    spans = sorted({_storage(t) for t in allocations})
 
     def moved(ptr: int) -> int:
-        i = bisect.bisect_right(starts, ptr) - 1
-        if i >= 0 and ptr < spans[i][0] + max(spans[i][1], 1) and offsets[i] >= 0:
+        i = _owner(spans, starts, ptr)
+        if i is not None and offsets[i] >= 0:
             return base + offsets[i] + (ptr - spans[i][0])
         return ptr
 

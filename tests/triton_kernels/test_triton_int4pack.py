@@ -113,3 +113,52 @@ def test_only_where_torch_has_the_kernel():
     assert not supported(4096, 4096, 4, 48, cuda, torch.bfloat16)  # no such group size
     assert not supported(4100, 4096, 4, 128, cuda, torch.bfloat16)  # N not a multiple of 8
     assert not supported(4096, 4112, 4, 32, cuda, torch.bfloat16)  # K not a multiple of 32
+
+
+def test_tile_order_is_the_fields_stored_order():
+    """Unpacking a super-tile's words in their stored order ([row tile, t, p, field]) gives,
+    for row 8 nt + t // 4, exactly the inputs ``tile_order`` lists for its lane's column pair."""
+    from engine_triton.kernels.int4pack import pack_reference, tile_order
+
+    n, k, inner = 8, 256, 8
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    words = pack_reference(q, inner).to(torch.int64)  # [1, K / 128, 32, 4]
+    fields = (words[..., None] >> (4 * torch.arange(8))) & 0xF  # [1, ko, t, p, f]
+    order = tile_order(k, inner)
+    assert sorted(order.tolist()) == list(range(k))
+    for row in range(n):
+        # Lanes t = 4 row + c, c = 0..3: [ko, c, p, f] flattened per super-tile.
+        unpacked = fields[0, :, 4 * row : 4 * row + 4].reshape(-1)
+        assert torch.equal(unpacked.to(torch.uint8), q[row, order])
+
+
+@pytest.mark.parametrize("x_tile_order", [True, False])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"), [(17, 40, 256, 128), (33, 64, 128, 32), (20, 16, 192, 64)]
+)
+def test_gemm_matches_the_dequantized_product(m, n, k, group, x_tile_order, device, seed):
+    """The GEMM that reads the 4-bit tiles directly (both activation orders, odd row counts,
+    a row tile cut by N, every group size and super-tile width) equals the product with the
+    dequantized weight up to float32 summation order."""
+    from engine_triton.kernels import int4pack
+
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, k // group) * 0.02 + 1e-3
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8)
+    packed = {key: t.to(device) for key, t in int4pack.pack(q, scales, zeros, group).items()}
+    x = torch.randn(m, k).to(torch.bfloat16).to(device)
+    perm = torch.randperm(k).to(torch.int32)  # act order: x[:, perm] meets the packed columns
+    config = int4pack._gemm_config
+    try:
+        int4pack._gemm_config = lambda m_, n_: (16, 1 if n % 16 else 2, 4, 2, x_tile_order)
+        y = int4pack.gemm(x, packed, group)
+        y_perm = int4pack.gemm(x, packed, group, perm.to(device))
+    finally:
+        int4pack._gemm_config = config
+    w = int4pack.dequantize(packed, n, group).float().cpu()
+    expected = x.float().cpu() @ w.t()
+    torch.testing.assert_close(
+        y_perm.float().cpu(), x.float().cpu()[:, perm.long()] @ w.t(), atol=1e-2, rtol=1e-2
+    )
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float().cpu(), expected, atol=1e-2, rtol=1e-2)

@@ -94,6 +94,35 @@ def expand_block_scales(
     return weight_scale_inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 
 
+def dequantize_fp8_experts(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int] | list[int] | None = None,
+    slices: int = 1,
+) -> torch.Tensor:
+    """FP8 expert weights ``[..., N, K]`` (one expert, or stacked) as float32 ``weight *
+    scale``: ``scale`` is per output channel ``[..., N]`` (``block_size`` None) or per
+    ``(bn, bk)`` block ``[..., slices * ceil(N / slices / bn), ceil(K / bk)]``, where the rows
+    are ``slices`` equal parts with blocks of their own (``fused_moe_fp8``'s w13: gate, then
+    up). The spec of ``fused_moe_fp8``'s weights."""
+    w = weight.float()
+    if block_size is None:
+        return w * scale.float().unsqueeze(-1)
+    bn, bk = int(block_size[0]), int(block_size[1])
+    n, k = w.shape[-2:]
+    part = n // slices
+    rows = -(-part // bn)
+    s = scale.float()
+    full = torch.cat(
+        [
+            s[..., i * rows : (i + 1) * rows, :].repeat_interleave(bn, -2)[..., :part, :]
+            for i in range(slices)
+        ],
+        dim=-2,
+    )
+    return w * full.repeat_interleave(bk, -1)[..., :k]
+
+
 def wna16_activations(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """``x`` as ``[M, K]`` rows, its features in the packed weight's order (``packed["perm"]``,
     the act-order of a GPTQ checkpoint)."""

@@ -8,7 +8,8 @@ Mixture-of-experts: ``moe_topk_softmax`` routes (softmax over the experts in flo
 optional renormalisation) and ``fused_moe`` runs the routed experts (gate/up, SiLU-and-mul,
 down, weighted sum over the top-k). The reference groups the token/expert pairs by expert with
 one sort and runs one matmul pair per expert that received tokens: no loop over tokens, and
-the weights of experts nobody chose are never read.
+the weights of experts nobody chose are never read. ``fused_moe_fp8`` is the same with FP8
+experts (per-channel or block scales), weight-only: it dequantizes each routed expert.
 
 The quantized matmuls (``fp8_linear``, ``fp8_block_linear``, ``int8_linear``,
 ``wna16_linear``) are specified in ``engine.kernels.quantized``.
@@ -21,11 +22,13 @@ adapter slot's shrink (their A matrices appended to the weight).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.gguf import gguf_linear
-from engine.kernels.quantized import QUANTIZED_REFERENCE_KERNELS
+from engine.kernels.quantized import QUANTIZED_REFERENCE_KERNELS, dequantize_fp8_experts
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,9 +225,57 @@ def fused_moe(
     activation dtype; SiLU-and-mul computes in float32 from the rounded gate/up and rounds
     once; the weighted sum over the top-k accumulates in float32 and rounds once at the end.
     """
+    return routed_experts(hidden, w13.shape[0], lambda e: (w13[e], w2[e]), topk_weights, topk_ids)
+
+
+def fused_moe_fp8(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block_size: tuple[int, int] | list[int] | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` with FP8 (e4m3) experts, **weight-only**: the activations stay in
+    hidden's dtype (no W8A8 activation quantization); each expert's weights are
+    ``w * scale`` in float32 (``engine.kernels.quantized.dequantize_fp8_experts``).
+
+    ``w13`` [E, 2I, H] and ``w2`` [E, H, I] are float8_e4m3fn. Scales (float32):
+
+    * per output channel (``block_size`` None): ``w13_scale`` [E, 2I], ``w2_scale`` [E, H];
+    * per ``block_size = (bn, bk)`` block: ``w13_scale`` [E, 2 * ceil(I / bn), ceil(H / bk)]
+      (the gate's block rows, then the up projection's: each half has its own blocks, as in
+      the checkpoint, so I need not be a multiple of bn), ``w2_scale``
+      [E, ceil(H / bn), ceil(I / bk)]. Partial last blocks are allowed.
+
+    Rounding points as ``fused_moe``: each matmul multiplies hidden-dtype activations by the
+    float32 weights in float32 and rounds its output to hidden's dtype. Only the experts that
+    received a token are dequantized (on every call: this is the slow, portable path).
+    """
+
+    def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            dequantize_fp8_experts(w13[e], w13_scale[e], block_size, slices=2),
+            dequantize_fp8_experts(w2[e], w2_scale[e], block_size),
+        )
+
+    return routed_experts(hidden, w13.shape[0], weights, topk_weights, topk_ids)
+
+
+def routed_experts(
+    hidden: torch.Tensor,
+    num_experts: int,
+    expert_weights: Any,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``fused_moe``'s computation with each expert's ``(w13 [2I, H], w2 [H, I])`` taken from
+    ``expert_weights(e)``, called once per expert that received a token. Weights in another
+    dtype than ``hidden`` (dequantized float32) multiply the activations in that dtype; every
+    matmul's output is rounded to hidden's dtype."""
     num_tokens, hidden_size = hidden.shape
-    num_experts = w13.shape[0]
-    inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
@@ -242,9 +293,11 @@ def fused_moe(
         if n == 0:
             continue
         stop = start + n
-        gate_up = F.linear(x[start:stop], w13[expert])
+        w13, w2 = expert_weights(expert)
+        inter = w13.shape[0] // 2
+        gate_up = F.linear(x[start:stop].to(w13.dtype), w13).to(hidden.dtype)
         act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(hidden.dtype)
-        y = F.linear(act, w2[expert]).float() * weights[start:stop, None]
+        y = F.linear(act.to(w2.dtype), w2).to(hidden.dtype).float() * weights[start:stop, None]
         out.index_add_(0, tokens[start:stop], y)
         start = stop
     return out.to(hidden.dtype)
@@ -354,6 +407,7 @@ REFERENCE_KERNELS = {
     "argmax": argmax,
     "moe_topk_softmax": moe_topk_softmax,
     "fused_moe": fused_moe,
+    "fused_moe_fp8": fused_moe_fp8,
     "add_lora_linear": add_lora_linear,
     "lora_expand_augmented": lora_expand_augmented,
 }

@@ -28,6 +28,8 @@ KERNEL_NAMES = (
     "argmax",
     "moe_topk_softmax",
     "fused_moe",
+    # FP8 experts, weight-only (engine.kernels.reference.fused_moe_fp8).
+    "fused_moe_fp8",
     # Quantized matmuls (engine.kernels.quantized); wna16_linear carries its own prepack.
     "fp8_linear",
     "fp8_block_linear",

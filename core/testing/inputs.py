@@ -214,6 +214,49 @@ def _fused_moe_cases(dtype, gen):
     return cases
 
 
+def _fp8_expert_scales(gen, e, n, k, std, block, slices=1):
+    """Positive float32 scales of FP8 experts ``[E, N, K]`` whose e4m3 values have std 64:
+    per channel ``[E, N]``, or per block (``block`` rows per ``slices`` part, see
+    ``engine.kernels.quantized.dequantize_fp8_experts``)."""
+    if block is None:
+        shape: tuple[int, ...] = (e, n)
+    else:
+        bn, bk = block
+        shape = (e, slices * -(-(n // slices) // bn), -(-k // bk))
+    return (std / 64.0) * (0.5 + torch.rand(shape, generator=gen))
+
+
+def _fused_moe_fp8_cases(dtype, gen):
+    # FP8 experts with per-channel or block scales (128x128 as real checkpoints, with sizes
+    # that leave partial blocks; a small block so every expert has several), and the routing
+    # of the unquantized cases: idle experts, a popular one, a choice held elsewhere.
+    cases = []
+    for t, e, k, h, i, block in (
+        (3, 8, 2, 40, 24, None),
+        (1, 16, 8, 64, 48, (128, 128)),
+        (33, 8, 2, 48, 40, (16, 32)),
+        (5, 4, 2, 160, 72, (128, 128)),
+    ):
+        x = _randn(gen, dtype, t, h)
+        w13 = (torch.randn(e, 2 * i, h, generator=gen) * 64).clamp(-448, 448)
+        w2 = (torch.randn(e, h, i, generator=gen) * 64).clamp(-448, 448)
+        w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+        s13 = _fp8_expert_scales(gen, e, 2 * i, h, h**-0.5, block, slices=2)
+        s2 = _fp8_expert_scales(gen, e, h, i, i**-0.5, block)
+        scores = torch.rand(t, e, generator=gen)
+        scores[:, 1] += 0.5  # a popular expert
+        scores[:, e - 1] = -1.0  # never chosen
+        weights, ids = torch.topk(scores, k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).float()
+        ids = ids.to(torch.int32)
+        ids[0, -1] = -1  # held elsewhere
+        how = "channel" if block is None else f"block{block[0]}x{block[1]}"
+        cases.append(
+            (f"T{t}-E{e}-top{k}-H{h}-I{i}-{how}", (x, w13, w2, weights, ids, s13, s2, block))
+        )
+    return cases
+
+
 # ---- the quantized matmuls --------------------------------------------------------------------
 # Inputs are built so that quantizing the activations is exact (every row's largest magnitude
 # is the type's maximum and scales are powers of two): an implementation that computes the
@@ -430,6 +473,7 @@ register_kernel_inputs("linear", _linear_cases)
 register_kernel_inputs("argmax", _argmax_cases)
 register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
 register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
+register_kernel_inputs("fused_moe_fp8", _fused_moe_fp8_cases, kind="moe")
 register_kernel_inputs("fp8_linear", _fp8_linear_cases)
 register_kernel_inputs("fp8_block_linear", _fp8_block_cases)
 register_kernel_inputs("int8_linear", _int8_linear_cases)

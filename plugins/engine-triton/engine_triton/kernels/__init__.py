@@ -29,7 +29,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from engine_triton.kernels.argmax import argmax
     from engine_triton.kernels.fp8_linear import fp8_block_linear, fp8_linear
-    from engine_triton.kernels.fused_moe import fused_moe, moe_topk_softmax
+    from engine_triton.kernels.fused_moe import fused_moe, fused_moe_fp8, moe_topk_softmax
     from engine_triton.kernels.gguf_linear import gguf_linear
     from engine_triton.kernels.int8_linear import int8_linear
     from engine_triton.kernels.kv_cache import write_kv_cache
@@ -51,6 +51,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "argmax": argmax,
         "moe_topk_softmax": moe_topk_softmax,
         "fused_moe": fused_moe,
+        "fused_moe_fp8": fused_moe_fp8,
         "fp8_linear": fp8_linear,
         "fp8_block_linear": fp8_block_linear,
         "int8_linear": int8_linear,

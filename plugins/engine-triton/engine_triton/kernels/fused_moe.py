@@ -42,6 +42,7 @@ rounding of the reference).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +208,38 @@ def grouped_config(num_pairs: int, num_experts: int) -> GroupedConfig:
     return GroupedConfig(128, 128, 64, 8, 8, 3, gate_up_n=64)  # 2 x 128x64 accumulators
 
 
+# ---- FP8 expert scales -------------------------------------------------------------------------
+@triton.jit
+def _w13_scale_rows(
+    s_ptr, expert, cols, INTER, stride_se, stride_sn,
+    SCALE: tl.constexpr, SCALE_BN: tl.constexpr,
+):  # fmt: skip
+    """Pointers to the scales of gate rows ``cols`` and of the matching up rows: the scale
+    itself per channel (SCALE 1: ``[E, 2I]``), the first of its block row per block (SCALE
+    2: ``[E, 2 * ceil(I / bn), ceil(H / bk)]``, the gate's block rows then the up's; add the
+    block column). Unused (and dead code) without scales."""
+    base = s_ptr + expert.to(tl.int64) * stride_se
+    if SCALE == 2:
+        gate = base + (cols // SCALE_BN) * stride_sn
+        up = base + (tl.cdiv(INTER, SCALE_BN) + cols // SCALE_BN) * stride_sn
+    else:
+        gate = base + cols * stride_sn
+        up = base + (cols + INTER) * stride_sn
+    return gate, up
+
+
+@triton.jit
+def _w2_scale_rows(
+    s_ptr, expert, rows, stride_se, stride_sn, SCALE: tl.constexpr, SCALE_BN: tl.constexpr
+):
+    """As ``_w13_scale_rows`` for the down projection's rows (``[E, H]`` per channel,
+    ``[E, ceil(H / bn), ceil(I / bk)]`` per block)."""
+    base = s_ptr + expert.to(tl.int64) * stride_se
+    if SCALE == 2:
+        return base + (rows // SCALE_BN) * stride_sn
+    return base + rows * stride_sn
+
+
 # ---- decode kernels ---------------------------------------------------------------------------
 @triton.jit
 def _silu_mul(gate, up, out_dtype: tl.constexpr):
@@ -228,11 +261,17 @@ def _decode_gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    SCALE: tl.constexpr = 0,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -246,6 +285,9 @@ def _decode_gate_up_kernel(
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     gate_rows = w_base + cols_c.to(tl.int64)[:, None] * stride_wn
     up_rows = w_base + (cols_c + INTER).to(tl.int64)[:, None] * stride_wn
+    g_scales, u_scales = _w13_scale_rows(
+        s_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
+    )
     x_row = x_ptr + token.to(tl.int64) * stride_xt
     kk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -261,9 +303,19 @@ def _decode_gate_up_kernel(
             x = tl.load(x_row + offs, mask=k_ok, other=0.0).to(tl.float32)
             wg = tl.load(gate_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
             wu = tl.load(up_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
-        acc_g += wg.to(tl.float32) * x[None, :]
-        acc_u += wu.to(tl.float32) * x[None, :]
-    h = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), inter_ptr.dtype.element_ty)
+        if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
+            kb = k0 // SCALE_BK
+            acc_g += wg.to(tl.float32) * tl.load(g_scales + kb)[:, None] * x[None, :]
+            acc_u += wu.to(tl.float32) * tl.load(u_scales + kb)[:, None] * x[None, :]
+        else:
+            acc_g += wg.to(tl.float32) * x[None, :]
+            acc_u += wu.to(tl.float32) * x[None, :]
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if SCALE == 1:
+        gate = gate * tl.load(g_scales)
+        up = up * tl.load(u_scales)
+    h = _silu_mul(gate, up, inter_ptr.dtype.element_ty)
     tl.store(inter_ptr + pair.to(tl.int64) * INTER + cols, h, mask=cols < INTER)
 
 
@@ -282,11 +334,17 @@ def _decode_down_kernel(
     stride_we,
     stride_wn,
     stride_ot,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    SCALE: tl.constexpr = 0,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -299,6 +357,7 @@ def _decode_down_kernel(
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if expert >= 0:
         w_rows = w2_ptr + expert.to(tl.int64) * stride_we + rows_c.to(tl.int64)[:, None] * stride_wn
+        scales = _w2_scale_rows(s_ptr, expert, rows_c, stride_se, stride_sn, SCALE, SCALE_BN)
         a_row = inter_ptr + pair.to(tl.int64) * INTER
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -311,8 +370,14 @@ def _decode_down_kernel(
                 k_ok = offs < INTER
                 a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
                 w = tl.load(w_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
-        y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+            if SCALE == 2:
+                acc += w.to(tl.float32) * tl.load(scales + k0 // SCALE_BK)[:, None] * a[None, :]
+            else:
+                acc += w.to(tl.float32) * a[None, :]
+        y = tl.sum(acc, axis=1)
+        if SCALE == 1:
+            y = y * tl.load(scales)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.load(topk_w_ptr + pair)
     # The top-k sum: every choice of the token leaves its weighted rows in the float32
     # workspace and arrives at the (token, row block) counter; the last to arrive adds the
@@ -416,6 +481,9 @@ def _grouped_gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -424,6 +492,9 @@ def _grouped_gate_up_kernel(
     E_POW2: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALE: tl.constexpr = 0,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     num_n = tl.cdiv(INTER, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -441,6 +512,9 @@ def _grouped_gate_up_kernel(
     # [BLOCK_K, BLOCK_N] views of the gate and up rows (K contiguous in memory).
     g_ptrs = w_base + cols_c.to(tl.int64)[None, :] * stride_wn + kk[:, None]
     u_ptrs = w_base + (cols_c + INTER).to(tl.int64)[None, :] * stride_wn + kk[:, None]
+    g_scales, u_scales = _w13_scale_rows(
+        s_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
+    )
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -453,11 +527,22 @@ def _grouped_gate_up_kernel(
             x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+        if SCALE != 0:  # e4m3 values are exact in every activation dtype
+            wg = wg.to(x.dtype)
+            wu = wu.to(x.dtype)
+        if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
+            kb = k0 // SCALE_BK
+            acc_g += tl.dot(x, wg, input_precision=PRECISION) * tl.load(g_scales + kb)[None, :]
+            acc_u += tl.dot(x, wu, input_precision=PRECISION) * tl.load(u_scales + kb)[None, :]
+        else:
+            acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if SCALE == 1:
+        acc_g = acc_g * tl.load(g_scales)[None, :]
+        acc_u = acc_u * tl.load(u_scales)[None, :]
     h = _silu_mul(acc_g, acc_u, inter_ptr.dtype.element_ty)
     out = inter_ptr + pairs.to(tl.int64)[:, None] * INTER + cols[None, :]
     tl.store(out, h, mask=row_ok[:, None] & (cols < INTER)[None, :])
@@ -478,6 +563,9 @@ def _grouped_down_kernel(
     E,
     stride_we,
     stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -485,6 +573,9 @@ def _grouped_down_kernel(
     E_POW2: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALE: tl.constexpr = 0,
+    SCALE_BN: tl.constexpr = 1,
+    SCALE_BK: tl.constexpr = 1,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -502,6 +593,7 @@ def _grouped_down_kernel(
         w2_ptr + expert.to(tl.int64) * stride_we + cols_c.to(tl.int64)[None, :] * stride_wn
         + kk[:, None]
     )  # fmt: skip
+    scales = _w2_scale_rows(s_ptr, expert, cols_c, stride_se, stride_sn, SCALE, SCALE_BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         if EVEN_K:
@@ -511,9 +603,17 @@ def _grouped_down_kernel(
             k_ok = (k0 + kk) < INTER
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SCALE != 0:
+            w = w.to(a.dtype)
+        if SCALE == 2:
+            kb = k0 // SCALE_BK
+            acc += tl.dot(a, w, input_precision=PRECISION) * tl.load(scales + kb)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALE == 1:
+        acc = acc * tl.load(scales)[None, :]
     dtype = pair_out_ptr.dtype.element_ty
     weight = tl.load(topk_w_ptr + pairs64, mask=row_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * weight[:, None]
@@ -563,6 +663,42 @@ def _check(hidden, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int,
     return t, h, e, i, k
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' float32 scales as the kernels read them (see
+    ``engine.kernels.reference.fused_moe_fp8``): ``mode`` 1 per output channel, 2 per
+    ``(bn, bk)`` block; ``None`` in place of this object: unquantized experts."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    mode: int
+    bn: int = 1
+    bk: int = 1
+
+    def args(self, which: str) -> tuple[torch.Tensor, int, int]:
+        t = self.w13 if which == "w13" else self.w2
+        return t, t.stride(0), t.stride(1)
+
+    def constexprs(self) -> dict[str, int]:
+        return {"SCALE": self.mode, "SCALE_BN": self.bn, "SCALE_BK": self.bk}
+
+    def k_tile(self, block_k: int) -> int:
+        """The K step for ``block_k``: block scales need every step inside one block column."""
+        return block_k if self.mode != 2 else math.gcd(block_k, self.bk)
+
+
+def _scale_args(scales: ExpertScales | None, which: str, dummy: torch.Tensor) -> tuple:
+    return (dummy, 0, 0) if scales is None else scales.args(which)
+
+
+def _scale_constexprs(scales: ExpertScales | None) -> dict[str, int]:
+    return {} if scales is None else scales.constexprs()
+
+
+def _k_tile(scales: ExpertScales | None, block_k: int) -> int:
+    return block_k if scales is None else scales.k_tile(block_k)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -576,6 +712,65 @@ def fused_moe(
 ) -> torch.Tensor:
     """See ``engine.kernels.reference.fused_moe``. ``variant`` ("decode" / "grouped") and the
     configurations override the rules (tests and the benchmark use them)."""
+    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, None, variant, decode_config, config)
+
+
+def fused_moe_fp8(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block_size: tuple[int, int] | list[int] | None = None,
+    *,
+    variant: str | None = None,
+    decode_config: DecodeConfig | None = None,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """See ``engine.kernels.reference.fused_moe_fp8``: FP8 (e4m3) experts, **weight-only**.
+
+    The same kernels as ``fused_moe`` (same dispatch, configurations and rounding points),
+    loading one byte per weight instead of two (what decode is bound by) and converting it in
+    registers: the decode GEMVs scale each weight in float32 (per channel: the row's sum once);
+    the grouped GEMMs convert the e4m3 tile to the activation dtype (exact) for the tensor
+    cores and scale the float32 product, per column after the K loop (per channel) or per K
+    step (block scales: the K step is cut to divide the block's width, so each step lies in
+    one block column). Activations are not quantized (no W8A8): the FP8 tensor-core path for
+    large prefill batches is not written yet."""
+    _, h, e, i, _ = _check(hidden, w13, w2, topk_weights, topk_ids)
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fused_moe_fp8 takes float8_e4m3fn experts, got {w13.dtype}/{w2.dtype}")
+    if block_size is None:
+        want13, want2 = (e, 2 * i), (e, h)
+        scales = ExpertScales(w13_scale.float().contiguous(), w2_scale.float().contiguous(), 1)
+    else:
+        bn, bk = int(block_size[0]), int(block_size[1])
+        if bk % 16:
+            raise ValueError(
+                f"fused_moe_fp8: block scales {bn}x{bk} need block columns that are a multiple "
+                "of 16 (the tensor-core K step)"
+            )
+        want13 = (e, 2 * triton.cdiv(i, bn), triton.cdiv(h, bk))
+        want2 = (e, triton.cdiv(h, bn), triton.cdiv(i, bk))
+        scales = ExpertScales(
+            w13_scale.float().contiguous(), w2_scale.float().contiguous(), 2, bn, bk
+        )
+    if tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
+        raise ValueError(
+            f"fused_moe_fp8 scales do not fit: w13_scale {tuple(w13_scale.shape)} (expected "
+            f"{want13}), w2_scale {tuple(w2_scale.shape)} (expected {want2}), block_size "
+            f"{block_size}"
+        )
+    return _fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, scales, variant, decode_config, config
+    )
+
+
+def _fused_moe(
+    hidden, w13, w2, topk_weights, topk_ids, scales, variant, decode_config, config
+) -> torch.Tensor:
     t, h, e, i, k = _check(hidden, w13, w2, topk_weights, topk_ids)
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
     if t == 0:
@@ -588,15 +783,16 @@ def fused_moe(
     if variant is None:
         variant = "decode" if use_decode(t, k, e) else "grouped"
     if variant == "decode":
-        _run_decode(x, w13, w2, weights, ids, out, decode_config or DecodeConfig())
+        _run_decode(x, w13, w2, weights, ids, out, decode_config or DecodeConfig(), scales)
     elif variant == "grouped":
-        _run_grouped(x, w13, w2, weights, ids, out, config or grouped_config(t * k, e))
+        cfg = config or grouped_config(t * k, e)
+        _run_grouped(x, w13, w2, weights, ids, out, cfg, scales)
     else:
         raise ValueError(f"unknown fused_moe variant {variant!r} (decode, grouped)")
     return out
 
 
-def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig) -> None:
+def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig, scales=None) -> None:
     t, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -605,16 +801,20 @@ def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig) -> None:
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     grid_n = triton.cdiv(h, cfg.down_n)
     ws, counters = _SCRATCH.get(x.device, pairs * h, t * grid_n)
+    gu_k, down_k = _k_tile(scales, cfg.gate_up_k), _k_tile(scales, cfg.down_k)
     _decode_gate_up_kernel[(pairs, triton.cdiv(i, cfg.gate_up_n))](
         x, w13, ids, inter, pairs, h, i, x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.gate_up_k, EVEN_K=h % cfg.gate_up_k == 0,
+        *_scale_args(scales, "w13", w13),
+        TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=gu_k, EVEN_K=h % gu_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
+        **_scale_constexprs(scales),
     )  # fmt: skip
     _decode_down_kernel[(pairs, grid_n)](
         inter, w2, ids, weights, out, ws, counters, t, h, i, w2.stride(0), w2.stride(1),
-        out.stride(0),
-        TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=cfg.down_k, EVEN_K=i % cfg.down_k == 0,
+        out.stride(0), *_scale_args(scales, "w2", w2),
+        TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=down_k, EVEN_K=i % down_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
+        **_scale_constexprs(scales),
     )  # fmt: skip
 
 
@@ -646,7 +846,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return counts, sorted_pairs, max_m_blocks
 
 
-def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig) -> None:
+def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig, scales=None) -> None:
     t, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -657,20 +857,21 @@ def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig) -> None:
     precision = _precision(x.dtype)
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     gu_n = cfg.gate_up_block_n
+    block_k = _k_tile(scales, cfg.block_k)
     _grouped_gate_up_kernel[(max_m * triton.cdiv(i, gu_n),)](
         x, w13, counts, sorted_pairs, inter, pairs, max_m, h, i, e,
-        x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=gu_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, E_POW2=e_pow2, EVEN_K=h % cfg.block_k == 0, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x.stride(0), w13.stride(0), w13.stride(1), *_scale_args(scales, "w13", w13),
+        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=gu_n, BLOCK_K=block_k,
+        GROUP_M=cfg.group_m, E_POW2=e_pow2, EVEN_K=h % block_k == 0, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales),
     )  # fmt: skip
     pair_out = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
     _grouped_down_kernel[(max_m * triton.cdiv(h, cfg.block_n),)](
         inter, w2, counts, sorted_pairs, weights, pair_out, pairs, max_m, h, i, e,
-        w2.stride(0), w2.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        E_POW2=e_pow2, EVEN_K=i % cfg.block_k == 0, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        w2.stride(0), w2.stride(1), *_scale_args(scales, "w2", w2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        E_POW2=e_pow2, EVEN_K=i % block_k == 0, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales),
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(h))
     _topk_sum_kernel[(t, triton.cdiv(h, block))](

@@ -132,11 +132,19 @@ class FusedMoEMethodBase:
     """How a ``FusedMoE`` stores and runs its experts (unquantized, FP8, W4A16, ...).
 
     ``create_weights`` registers the parameters on the layer, each with a ``weight_loader``
-    (usually ``layer.weight_loader``) and a ``moe_shard_kind`` of ``"w13"`` or ``"w2"`` saying
-    which stacked layout it has; ``process_weights_after_loading`` runs once every checkpoint
-    tensor is in (repacking, scale folding); ``apply`` computes the routed experts' weighted sum
-    for this rank's experts (no collective: the layer reduces).
+    (usually ``layer.weight_loader``; called as ``loader(param, tensor, shard_id, expert_id)``)
+    and a ``moe_shard_kind`` of ``"w13"`` or ``"w2"`` saying which stacked layout it has. A
+    parameter named ``<kind>_<suffix>`` with ``checkpoint_suffix = suffix`` receives the
+    checkpoint's per-expert ``...experts.<e>.<proj>.<suffix>`` tensors (``weight`` when unset:
+    ``w13_weight``, ``w2_weight``; an FP8 method adds ``w13_weight_scale_inv`` and so on);
+    ``optional`` ones may be absent. ``ignored_checkpoint_suffixes`` are per-expert tensors the
+    method reads and drops. ``process_weights_after_loading`` runs once every checkpoint tensor
+    is in (repacking, scale folding); ``apply`` computes the routed experts' weighted sum for
+    this rank's experts (no collective: the layer reduces).
     """
+
+    #: per-expert checkpoint tensors (by suffix) that are accepted and dropped
+    ignored_checkpoint_suffixes: tuple[str, ...] = ()
 
     def create_weights(
         self,
@@ -277,7 +285,9 @@ class FusedMoE(nn.Module):
             if getter is None:
                 raise NotImplementedError(
                     f"quantization {getattr(quant_config, 'name', type(quant_config).__name__)!r}"
-                    f" has no method for MoE experts ({prefix or 'FusedMoE'})"
+                    f" has no method for MoE experts ({prefix or 'FusedMoE'}); quantized experts "
+                    "are served for fp8 (fp8-format checkpoints, or --quantization fp8 on a "
+                    "bf16/fp16 checkpoint) and gguf (dequantized at load)"
                 )
             quant_method = getter(self, prefix)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod()
@@ -402,7 +412,7 @@ class FusedMoE(nn.Module):
 
 
 # ---- checkpoint names -------------------------------------------------------------------------
-_PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<suffix>\w+)$")
 _STACKED = re.compile(r"^(?P<layer>.+)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)$")
 _STACKED_SHARDS = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -425,22 +435,31 @@ class ExpertCheckpointMapping:
     def __init__(self, model: nn.Module, proj_names: Mapping[str, str] = QWEN_EXPERT_NAMES):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
         self.proj_names = dict(proj_names)
-        self._seen: dict[str, set[tuple[str, int]]] = {name: set() for name in self.layers}
+        # (checkpoint suffix, shard, expert) of every tensor loaded, per layer.
+        self._seen: dict[str, set[tuple[str, str, int]]] = {name: set() for name in self.layers}
 
-    def _route(self, name: str) -> tuple[str, str, int | None] | None:
+    def _route(self, name: str) -> tuple[str, str, int | None, str] | None:
+        """(layer, shard, expert or None when stacked, checkpoint suffix) of an expert tensor;
+        suffix ``""`` for one the layer's method drops."""
         base = name[: -len(".weight")] if name.endswith(".weight") else name
         m = _STACKED.match(base)
         if m and m["layer"] in self.layers:
-            return m["layer"], _STACKED_SHARDS[m["proj"]], None
+            return m["layer"], _STACKED_SHARDS[m["proj"]], None, "weight"
         m = _PER_EXPERT.match(name)
         if m and m["layer"] in self.layers:
+            layer = self.layers[m["layer"]]
+            suffix = m["suffix"]
+            if suffix in layer.quant_method.ignored_checkpoint_suffixes:
+                suffix = ""
+            elif suffix not in expert_checkpoint_suffixes(layer):
+                return None  # not an expert tensor this layer knows: the caller decides
             shard = self.proj_names.get(m["proj"])
             if shard is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {name!r}: unknown expert projection {m['proj']!r} "
                     f"(expected one of {', '.join(self.proj_names)})"
                 )
-            return m["layer"], shard, int(m["expert"])
+            return m["layer"], shard, int(m["expert"]), suffix
         return None
 
     def filter(
@@ -452,16 +471,19 @@ class ExpertCheckpointMapping:
             if route is None:
                 yield name, tensor
                 continue
-            layer_name, shard, expert = route
+            layer_name, shard, expert, suffix = route
+            if not suffix:
+                continue  # read and dropped by the layer's method (e.g. unused input scales)
             layer = self.layers[layer_name]
-            param = layer.w2_weight if shard == "w2" else layer.w13_weight
+            param = getattr(layer, f"{'w2' if shard == 'w2' else 'w13'}_{suffix}")
+            loader = getattr(param, "weight_loader", layer.weight_loader)
             try:
-                layer.weight_loader(param, tensor, shard, expert)
+                loader(param, tensor, shard, expert)
             except ModelLoadError as e:
                 raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
             experts = range(layer.num_experts) if expert is None else (expert,)
             parts = ("w1", "w3") if shard == "w13" else (shard,)
-            self._seen[layer_name].update((p, e) for p in parts for e in experts)
+            self._seen[layer_name].update((suffix, p, e) for p in parts for e in experts)
 
     def loaded(self) -> set[str]:
         """Names of the stacked parameters every expert tensor arrived for; raises
@@ -471,17 +493,24 @@ class ExpertCheckpointMapping:
         done: set[str] = set()
         for layer_name, layer in self.layers.items():
             seen = self._seen[layer_name]
-            for param, parts in (("w13_weight", ("w1", "w3")), ("w2_weight", ("w2",))):
+            for pname, param in layer.named_parameters(recurse=False):
+                kind = getattr(param, "moe_shard_kind", None)
+                if kind is None:
+                    continue
+                suffix = getattr(param, "checkpoint_suffix", "weight")
+                parts = ("w1", "w3") if kind == "w13" else ("w2",)
                 absent = [
-                    f"{layer_name}.{e}.{shard_names[p]}.weight"
+                    f"{layer_name}.{e}.{shard_names[p]}.{suffix}"
                     for e in range(layer.num_experts)
                     for p in parts
-                    if (p, e) not in seen
+                    if (suffix, p, e) not in seen
                 ]
+                if absent and getattr(param, "optional", False):
+                    continue
                 if absent:
                     missing += absent
                 else:
-                    done.add(f"{layer_name}.{param}")
+                    done.add(f"{layer_name}.{pname}")
         if missing:
             shown = ", ".join(missing[:12])
             more = f" (and {len(missing) - 12} more)" if len(missing) > 12 else ""
@@ -489,6 +518,16 @@ class ExpertCheckpointMapping:
                 f"checkpoint is missing {len(missing)} expert tensor(s): {shown}{more}"
             )
         return done
+
+
+def expert_checkpoint_suffixes(layer: FusedMoE) -> set[str]:
+    """The per-expert checkpoint suffixes the layer's parameters receive (``weight``, and a
+    quantized method's scales)."""
+    return {
+        getattr(p, "checkpoint_suffix", "weight")
+        for p in layer.parameters(recurse=False)
+        if getattr(p, "moe_shard_kind", None) is not None
+    }
 
 
 # ---- expert load ------------------------------------------------------------------------------

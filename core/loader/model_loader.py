@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.layers.fused_moe import FusedMoE
 from engine.layers.linear import UNQUANTIZED, LinearBase, process_weights_after_loading
 from engine.layers.weight_utils import ModelLoadError
 from engine.loader.lazy_tensor import LazySafetensor, ReadStats
@@ -560,7 +561,11 @@ def _quantized_linear_params(model: nn.Module) -> dict[str, tuple[str, LinearBas
     method is a quantization method (one entry per layer is enough to visit each once)."""
     out: dict[str, tuple[str, LinearBase]] = {}
     for layer_name, module in model.named_modules():
-        if isinstance(module, LinearBase) and module.quant_method is not UNQUANTIZED:
+        method = getattr(module, "quant_method", None)
+        # FusedMoE experts whose method stores quantized values (FP8 checkpoints) fill them
+        # the same way; online methods quantize the normal dummy weights after loading.
+        experts = isinstance(module, FusedMoE) and getattr(method, "serialized", False)
+        if experts or isinstance(module, LinearBase) and method is not UNQUANTIZED:
             for pname, _ in module.named_parameters(recurse=False):
                 out[f"{layer_name}.{pname}" if layer_name else pname] = (layer_name, module)
     return out
@@ -738,10 +743,7 @@ def check_quantized_layout(
         with torch.device("meta"):
             model = model_cls(ctx)
     except NotImplementedError as exc:  # e.g. FusedMoE without a method for its experts
-        raise QuantizationError(
-            f"quantization {method!r} cannot run this model: {exc}; quantized mixture-of-"
-            "experts checkpoints are not supported yet (serve the unquantized checkpoint)"
-        ) from None
+        raise QuantizationError(f"quantization {method!r} cannot run this model: {exc}") from None
     except QuantizationError as exc:
         raise QuantizationError(f"quantization {method!r}{where}: {exc}") from None
     if tp == 1:

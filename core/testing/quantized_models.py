@@ -79,13 +79,20 @@ def _write(
     return dst
 
 
+# Mixtral's per-expert projections (``...experts.<e>.w1``): quantized like the others.
+MIXTRAL_EXPERT_SUFFIXES = ("w1", "w2", "w3")
+
+
 def quantized_linears(state: dict[str, torch.Tensor]) -> list[str]:
-    """The module names (``model.layers.0.self_attn.q_proj``) of the decoder projections."""
+    """The module names (``model.layers.0.self_attn.q_proj``) of the decoder projections,
+    routed experts' included (``...mlp.experts.3.gate_proj``, ``...experts.3.w1``)."""
     names = []
     for key in state:
         if key.endswith(".weight"):
             module = key[: -len(".weight")]
-            if module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
+            last = module.rsplit(".", 1)[-1]
+            expert = ".experts." in module and last in MIXTRAL_EXPERT_SUFFIXES
+            if last in LINEAR_SUFFIXES or expert:
                 names.append(module)
     return sorted(names)
 

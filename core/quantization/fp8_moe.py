@@ -195,7 +195,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     def init_dummy_weights(self, layer: FusedMoE, generator: torch.Generator) -> None:
         """``--load-format dummy`` with an FP8 checkpoint config: random e4m3 experts of the
         dense method's scale (dequantized std 0.02), so FP8 MoE shapes can be benchmarked."""
-        for name, param in layer.named_parameters(recurse=False):
+        for param in layer.parameters(recurse=False):
             if param.dtype == FP8_DTYPE:
                 param.data.copy_(random_fp8(param.shape, _DUMMY_STD, generator, param.device))
             elif getattr(param, "moe_shard_kind", None) is not None:

@@ -80,6 +80,73 @@ def test_fused_moe_replays_in_a_cuda_graph(experts):
         assert torch.equal(out, eager), (name, t, variant)
 
 
+# ---- FP8 experts (weight-only) ----------------------------------------------------------------
+def _fp8_block_quantize(w: torch.Tensor, bn: int = 128, bk: int = 128):
+    """Stacked experts [E, N, K] -> (e4m3, float32 [E, ceil(N / bn), ceil(K / bk)]) block
+    scales, each block's largest magnitude mapped to 448 (as Qwen3-*-FP8 checkpoints)."""
+    e, n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(e, rows * bn, cols * bk, device=w.device, dtype=torch.float32)
+    padded[:, :n, :k] = w.float()
+    tiles = padded.view(e, rows, bn, cols, bk)
+    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
+    q = (tiles / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(e, rows * bn, cols * bk)[:, :n, :k].contiguous(), scale
+
+
+def _fp8_experts(w13, w2, scheme):
+    """The bf16 experts as ``fused_moe_fp8`` takes them: (w13, w2, s13, s2, block_size)."""
+    from engine.quantization.fp8_moe import quantize_fp8_experts
+
+    if scheme == "channel":
+        q13, s13 = quantize_fp8_experts(w13)
+        q2, s2 = quantize_fp8_experts(w2)
+        return q13, q2, s13, s2, None
+    i = w13.shape[1] // 2
+    g, sg = _fp8_block_quantize(w13[:, :i])
+    u, su = _fp8_block_quantize(w13[:, i:])
+    q2, s2 = _fp8_block_quantize(w2)
+    return torch.cat([g, u], 1), q2, torch.cat([sg, su], 1), s2, (128, 128)
+
+
+@pytest.mark.parametrize("scheme", ["block128", "channel"])
+def test_fused_moe_fp8_matches_reference_at_model_sizes(experts, scheme, seed):
+    """Qwen3-30B-A3B-FP8's and an FP8 Mixtral's expert shapes (128x128 blocks or per-channel
+    scales), both paths and the rule's choice, against the dequantizing reference; then each
+    path captured in a CUDA graph and replayed on new routing."""
+    from engine_triton.kernels import fused_moe as fm
+
+    name, k, w13, w2 = experts
+    q13, q2, s13, s2, block = _fp8_experts(w13, w2, scheme)
+    e, _, h = w13.shape
+    for t in TOKENS[name]:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _route(t, e, k)
+        if t > 2:
+            ids[1, 0] = -1  # an expert held by another rank
+        expected = ref.fused_moe_fp8(x, q13, q2, weights, ids, s13, s2, block)
+        variants = ["grouped"] + (["decode"] if t * k <= fm.DECODE_MAX_PAIRS else [])
+        for variant in variants + [None]:
+            out = fm.fused_moe_fp8(x, q13, q2, weights, ids, s13, s2, block, variant=variant)
+            close(out, expected, torch.bfloat16, f"{seed} {name} {scheme} T={t} {variant}")
+    for t, variant in ((1, "decode"), (96, "grouped")):
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _route(t, e, k)
+        args = (x, q13, q2, weights, ids, s13, s2, block)
+        fm.fused_moe_fp8(*args, variant=variant)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fm.fused_moe_fp8(*args, variant=variant)
+        new_w, new_ids = _route(t, e, k)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fm.fused_moe_fp8(*args, variant=variant)), (name, t, variant)
+    del q13, q2
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("e,k", [(128, 8), (8, 2), (60, 4)])
 def test_topk_softmax_matches_reference(e, k):
     from engine_triton.kernels.fused_moe import moe_topk_softmax
@@ -159,3 +226,22 @@ def test_expert_load_is_counted_inside_decode_graphs(tiny_moe, tmp_path, async_f
         assert load["routed_tokens"] == exact
     else:
         assert exact <= load["routed_tokens"] <= exact + 5 * spec.top_k * layers
+
+
+def test_fp8_moe_models_on_triton_with_cuda_graphs_match_cpu(tiny_moe, tmp_path):
+    """A block-wise (128x128) fp8 checkpoint of the tiny MoE model with only its experts
+    quantized (the dense layers would run W8A8 on the GPU and weight-only on the CPU): the
+    experts through engine-triton's fused_moe_fp8 inside decode graphs give the CPU's
+    (reference) greedy tokens."""
+    from pathlib import Path
+
+    from engine.testing import quantized_models as qm
+
+    state = qm._load_state(Path(tiny_moe))
+    dense = [m for m in qm.quantized_linears(state) if ".experts." not in m]
+    fp8, _ = qm.write_fp8(tiny_moe, tmp_path / "fp8", None, block=(128, 128), ignored_layers=dense)
+    cpu, _ = _run(str(fp8), platform="cpu", attention_backend="torch")
+    gpu, graphs = _run(str(fp8), platform="cuda", attention_backend="triton",
+                       num_gpu_blocks_override=512)  # fmt: skip
+    assert graphs, "decode graphs were not captured"
+    assert gpu == cpu

@@ -78,6 +78,72 @@ def test_fused_moe_matches_reference(case, dtype, variant, device, seed):
     close(out, ref.fused_moe(x, w13, w2, weights, ids), dtype, seed)
 
 
+# FP8 experts: (tokens, experts, top-k, hidden, intermediate, popular, unused) x scales.
+FP8_CASES = {
+    "odd-tokens-idle-experts": (5, 8, 2, 40, 24, None, (0, 6, 7)),
+    "one-expert-takes-all": (9, 8, 1, 48, 40, 3, ()),
+    "batch1-top8": (1, 16, 8, 64, 48, None, ()),
+}
+FP8_SCALES = {"channel": None, "block128": (128, 128), "block16x32": (16, 32)}
+
+
+def _fp8_experts(e, h, i, block):
+    """Random e4m3 experts with positive scales of the layout ``block`` asks for."""
+    from engine.testing.inputs import _fp8_expert_scales
+
+    w13 = (torch.randn(e, 2 * i, h) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w2 = (torch.randn(e, h, i) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    s13 = _fp8_expert_scales(gen, e, 2 * i, h, h**-0.5, block, slices=2)
+    s2 = _fp8_expert_scales(gen, e, h, i, i**-0.5, block)
+    return w13, w2, s13, s2
+
+
+@pytest.mark.parametrize("variant", ["decode", "grouped"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scales", list(FP8_SCALES))
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fused_moe_fp8_matches_reference(case, scales, dtype, variant, device, seed):
+    """FP8 experts (weight-only) through both paths: per-channel scales, 128x128 blocks on
+    sizes that leave partial blocks (H 40-64, I 24-48), and 16x32 blocks (several per expert,
+    the K step cut to 32 where the configuration asks for more)."""
+    from engine_triton.kernels.fused_moe import DecodeConfig, GroupedConfig, fused_moe_fp8
+
+    t, e, k, h, i, popular, unused = FP8_CASES[case]
+    block = FP8_SCALES[scales]
+    x = torch.randn(t, h).to(dtype)
+    w13, w2, s13, s2 = _fp8_experts(e, h, i, block)
+    weights, ids = _route(t, e, k, popular, unused)
+    if case == "odd-tokens-idle-experts":
+        ids[2, 1] = -1  # held by another expert-parallel rank
+    args = (x, w13, w2, weights, ids, s13, s2)
+    decode = {**DECODE, "gate_up_k": 64}  # cut to the 32-wide blocks of block16x32
+    out = fused_moe_fp8(
+        *(a.to(device) for a in args),
+        block,
+        variant=variant,
+        decode_config=DecodeConfig(**decode),
+        config=GroupedConfig(**{**GROUPED, "block_k": 64}),
+    )
+    assert out.shape == (t, h) and out.dtype == dtype
+    close(out, ref.fused_moe_fp8(*args, block), dtype, seed)
+
+
+def test_fused_moe_fp8_rejects_what_it_cannot_run(device):
+    from engine_triton.kernels.fused_moe import fused_moe_fp8
+
+    t, e, k, h, i = 2, 4, 2, 32, 16
+    x = torch.randn(t, h, device=device)
+    w13, w2, s13, s2 = (a.to(device) for a in _fp8_experts(e, h, i, None))
+    weights, ids = (a.to(device) for a in _route(t, e, k))
+    with pytest.raises(ValueError, match="scales do not fit"):
+        fused_moe_fp8(x, w13, w2, weights, ids, s13[:, :i], s2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fused_moe_fp8(x, w13, w2, weights, ids, s13, s2, (128, 8))
+    with pytest.raises(ValueError, match="float8_e4m3fn experts"):
+        fused_moe_fp8(x, w13.float(), w2, weights, ids, s13, s2)
+
+
 @pytest.mark.parametrize("variant", ["decode", "grouped"])
 def test_choices_held_by_other_ranks_add_nothing(variant, device, seed):
     """Expert parallelism: -1 ids (experts on another rank) contribute zero; a token whose
@@ -147,7 +213,7 @@ def test_topk_softmax_matches_reference(e, k, renorm, dtype, device, seed):
     torch.testing.assert_close(weights.cpu(), exp_w, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fused_moe", "moe_topk_softmax"])
+@pytest.mark.parametrize("name", ["fused_moe", "fused_moe_fp8", "moe_topk_softmax"])
 def test_conformance_kit_accepts_the_overrides(name):
     """The kit's own kernel check (what ``--engine-conformance=cuda`` runs on a GPU)."""
     from engine.testing.checks import check_kernel
@@ -159,10 +225,13 @@ def test_conformance_kit_accepts_the_overrides(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, quantization):
     """A tiny Qwen3-MoE through the engine with every kernel, routing and experts included, in
     the interpreter: greedy tokens equal the torch reference path's (chunked prefill, decodes
-    of several requests: the decode and the grouped expert paths both run)."""
+    of several requests: the decode and the grouped expert paths both run). With
+    ``--quantization fp8`` the experts go through ``fused_moe_fp8`` (online per-channel FP8,
+    weight-only), the dense layers through the FP8 linears."""
     import engine_triton.kernels as triton_kernels
     from engine import LLM, SamplingParams
     from engine.testing.tiny_models import build_tiny_model
@@ -186,10 +255,10 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch):
 
     def generate():
         llm = LLM(path, attention_backend="torch", dtype="float32", block_size=4,
-                  max_num_batched_tokens=8, platform="cpu")  # fmt: skip
+                  max_num_batched_tokens=8, platform="cpu", quantization=quantization)  # fmt: skip
         kernels = llm.llm_engine.runner.kernels
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], (
-            kernels.provider("fused_moe")
+            kernels.provider("fused_moe_fp8" if quantization else "fused_moe")
         )
 
     expected, provider = generate()

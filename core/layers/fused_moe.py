@@ -16,14 +16,16 @@
   **method object** (``FusedMoEMethodBase``). ``UnquantizedFusedMoEMethod`` holds the stacked
   weights ``w13_weight [E_local, 2 * I_local, H]`` (each expert's gate rows, then its up rows)
   and ``w2_weight [E_local, H, I_local]`` and calls the ``fused_moe`` kernel; quantized methods
-  (FP8, W4A16) plug in at the same three calls.
+  plug in at the same three calls (FP8: ``engine.quantization.fp8_moe.Fp8MoEMethod``, through
+  the ``fused_moe_fp8`` kernel).
 
 Checkpoints store experts one tensor per expert and projection (``experts.7.gate_proj.weight``,
 Mixtral's ``experts.7.w1.weight``), or already stacked (transformers 5's in-memory
 ``experts.gate_up_proj``; GGUF's ``ffn_gate_exps``). ``ExpertCheckpointMapping`` routes either
 form to ``FusedMoE.weight_loader``, which copies each tensor straight into this rank's slice of
 the stacked parameter (experts held by other ranks are skipped), and names the tensors a
-checkpoint lacks.
+checkpoint lacks. A method's other per-expert tensors (FP8's ``experts.7.gate_proj.
+weight_scale_inv``) go by suffix to its ``w13_<suffix>`` / ``w2_<suffix>`` parameters.
 """
 
 from __future__ import annotations
@@ -425,6 +427,9 @@ class ExpertCheckpointMapping:
     at module path ``P`` (e.g. ``model.layers.0.mlp.experts``):
 
     * ``P.<expert>.<proj>.weight``: one expert's ``[I, H]`` gate/up or ``[H, I]`` down;
+    * ``P.<expert>.<proj>.<suffix>``: a quantized method's per-expert tensor (a scale), loaded
+      into the layer's ``w13_<suffix>`` / ``w2_<suffix>`` by that parameter's loader, or read
+      and dropped when the method ignores the suffix;
     * ``P.gate_up_proj`` ``[E, 2I, H]``, ``P.gate_proj`` / ``P.up_proj`` ``[E, I, H]``,
       ``P.down_proj`` ``[E, H, I]`` (``.weight`` suffix optional): every expert at once.
 

@@ -33,6 +33,13 @@ pairs P = T * top_k (``use_decode``):
   table is materialised. Grids are sized for the worst case padding (no host sync: the whole
   path can be captured in a CUDA graph); blocks past the padded total exit at once.
 
+``fused_moe_fp8`` runs FP8 (e4m3) experts through the same kernels, **weight-only** (the
+activations stay in their dtype; no W8A8): a ``SCALE`` constexpr (0 for unquantized experts,
+which compile exactly as before) makes them load one byte per weight and scale in registers,
+per output channel (1: the decode GEMV's row sums, the grouped GEMM's columns after the K loop)
+or per ``(bn, bk)`` block (2: each K step, cut to divide bk so it lies in one block column; the
+grouped GEMMs convert the e4m3 tile to the activation dtype, exactly, for the tensor cores).
+
 Ids of -1 (choices held by another expert-parallel rank) are skipped everywhere. Arithmetic is
 float32; the gate/up results are rounded to the activation dtype before SiLU-and-mul and each
 expert's down result before it is weighted, as the torch reference does; the grouped path also

@@ -321,3 +321,92 @@ def test_block_fp8_experts_split_and_placed_over_two_ranks_match_one_process(tmp
             assert llm.llm_engine.num_used_blocks == 0
         finally:
             llm.llm_engine.shutdown()
+
+
+# ---- compressed-tensors ---------------------------------------------------------------------
+def write_ct_fp8_experts(src, out, ref, strategy: str, block=(16, 32)):
+    """A compressed-tensors (``float-quantized``) checkpoint with only the routed experts in
+    FP8, written by hand (the library quantizes ``nn.Linear`` modules, and transformers 5
+    keeps experts stacked): per-channel ``weight_scale`` ``[N, 1]`` with token-dynamic
+    activations, or ``block`` scales with group-dynamic ones, as llm-compressor writes them."""
+    weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False}
+    if strategy == "channel":
+        weights["strategy"] = "channel"
+        inputs = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}
+    else:
+        weights.update(strategy="block", block_structure=list(block))
+        inputs = {"type": "float", "num_bits": 8, "strategy": "group", "dynamic": True,
+                  "group_size": block[1]}  # fmt: skip
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["re:.*experts\\.\\d+\\..*"],
+                "weights": weights,
+                "input_activations": inputs,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+    def quantize(w: torch.Tensor, module: str):
+        if strategy == "channel":
+            scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+            q = (w / scale).clamp(-448, 448).to(FP8)
+            return {"weight": q, "weight_scale": scale}, q.float() * scale
+        bn, bk = block
+        n, k = w.shape
+        rows, cols = -(-n // bn), -(-k // bk)
+        scale = torch.empty(rows, cols)
+        for i in range(rows):
+            for j in range(cols):
+                tile = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+                scale[i, j] = tile.abs().amax().clamp(min=1e-12) / 448.0
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        q = (w / full).clamp(-448, 448).to(FP8)
+        return {"weight": q, "weight_scale": scale}, q.float() * full
+
+    experts = [m for m in qm.quantized_linears(qm._load_state(src)) if ".experts." in m]
+    return qm._quantize_checkpoint(src, out, ref, quantize, config, modules=experts)
+
+
+@pytest.mark.parametrize(
+    "kind,strategy", [("qwen3_moe", "channel"), ("qwen3_moe", "block"), ("mixtral", "channel")]
+)
+def test_compressed_tensors_fp8_experts_match_the_dequantized_reference(
+    kind, strategy, request, tmp_path
+):
+    src = request.getfixturevalue(kind)
+    quantized, reference = write_ct_fp8_experts(src, tmp_path / "q", tmp_path / "ref", strategy)
+    model, quant = build(quantized)
+    assert quant.name == "compressed-tensors"
+    layer = experts_of(model)[0]
+    assert layer.w13_weight.dtype == FP8
+    e, i, h = layer.num_local_experts, layer.intermediate_size, layer.hidden_size
+    if strategy == "channel":
+        assert layer.w13_weight_scale.shape == (e, 2 * i)
+    else:
+        assert layer.w13_weight_scale.shape == (e, 2 * -(-i // 16), -(-h // 32))
+    ref, _ = build(reference)
+    got = prefill_logits(model)
+    compare(got, prefill_logits(ref), ATOL)
+    unquantized, _ = build(src)
+    assert float((got - prefill_logits(unquantized)).abs().max()) > 10 * ATOL
+
+
+def test_compressed_tensors_integer_experts_are_refused(qwen3_moe, tmp_path):
+    """A W4A16 group over the experts: no MoE method for it, said at build."""
+    quantized, _ = write_ct_fp8_experts(qwen3_moe, tmp_path / "q", None, "channel")
+    import json
+
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"] = {
+        "type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True
+    }  # fmt: skip
+    del config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    config["quantization_config"]["format"] = "pack-quantized"
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="compressed-tensors wna16 experts"):
+        build(quantized)

@@ -409,3 +409,35 @@ class CompressedTensorsConfig(QuantizationConfig):
                 "compressed-tensors schemes; a fused layer needs one"
             )
         return schemes[0].method(self.activation_quant)
+
+    def get_moe_method(self, layer: Any, prefix: str) -> Any:
+        """FP8 experts (``engine.quantization.fp8_moe``, weight-only) for the FP8 schemes:
+        tensor or channel weights, and 2-D blocks; None (unquantized experts) when no group
+        targets them. The scheme is the one of the first expert's gate projection (Qwen's
+        ``experts.0.gate_proj``, Mixtral's ``experts.0.w1``); other schemes are refused."""
+        from engine.quantization.fp8_moe import fp8_moe_method
+
+        base = self.checkpoint_names(prefix)[0]
+        schemes = {self.scheme_for(f"{base}.0.{proj}") for proj in ("gate_proj", "w1")}
+        schemes.discard(None)
+        if not schemes:
+            return None
+        scheme = schemes.pop()
+        if scheme.kind == "fp8":
+            return fp8_moe_method(
+                self, layer, prefix, serialized=True, weight_scheme=scheme.weights["strategy"]
+            )
+        if scheme.kind == "fp8_block":
+            return fp8_moe_method(
+                self,
+                layer,
+                prefix,
+                serialized=True,
+                block_size=tuple(scheme.weights["block_structure"]),
+                scale_name="weight_scale",
+            )
+        raise NotImplementedError(
+            f"compressed-tensors {scheme.kind} experts ({prefix}) are not supported; quantized "
+            "MoE experts are served for FP8 schemes (tensor/channel weights, or blocks), "
+            "weight-only"
+        )

@@ -287,7 +287,6 @@ class Fp8Config(QuantizationConfig):
         self.weight_block_size = weight_block_size
         self.ignored_layers = list(ignored_layers or [])
         self.activation_quant = True  # set for the device by bind()
-        self._moe_logged = False
 
     @classmethod
     def from_flag(cls) -> Fp8Config:
@@ -367,30 +366,10 @@ class Fp8Config(QuantizationConfig):
     def get_moe_method(self, layer: Any, prefix: str) -> Any:
         """FP8 experts for a ``FusedMoE`` (``engine.quantization.fp8_moe``), weight-only; None
         (unquantized experts) when the checkpoint's ignore list names them."""
-        from engine.quantization.fp8_moe import Fp8MoEMethod
+        from engine.quantization.fp8_moe import fp8_moe_method
 
         if matches_module(self.checkpoint_names(prefix)[0], self.ignored_layers):
             return None
-        kernels = getattr(layer, "kernels", None)
-        platform = getattr(kernels, "platform", None)
-        if kernels is not None and platform != "cpu" and kernels.is_reference("fused_moe_fp8"):
-            raise QuantizationError(
-                f"{prefix}: no plugin provides fused_moe_fp8 on {platform}: only the torch "
-                "reference does, which dequantizes every routed expert on every call (install "
-                "engine-triton, or a vendor plugin that registers it)"
-            )
-        method = Fp8MoEMethod(serialized=self.serialized, block_size=self.weight_block_size)
-        if not self._moe_logged:
-            self._moe_logged = True
-            where = "fused_moe_fp8"
-            if kernels is not None:
-                where = f"{kernels.provider('fused_moe_fp8')}'s fused_moe_fp8"
-                if kernels.is_reference("fused_moe_fp8"):
-                    where += ", which dequantizes each routed expert per call (slow)"
-            logger.info(
-                "fp8: MoE experts are FP8 (%s), multiplied weight-only by %s: activations stay "
-                "in the model dtype (no W8A8 for experts)",
-                method.scheme,
-                where,
-            )
-        return method
+        return fp8_moe_method(
+            self, layer, prefix, serialized=self.serialized, block_size=self.weight_block_size
+        )

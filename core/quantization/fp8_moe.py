@@ -75,13 +75,26 @@ def quantize_fp8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class Fp8MoEMethod(FusedMoEMethodBase):
     """FP8 experts (see the module docstring). ``serialized``: the checkpoint stores e4m3
     expert weights (else they are quantized after loading, per channel); ``block_size``: the
-    checkpoint's ``weight_block_size`` (else per-tensor scales when serialized)."""
+    checkpoint's ``weight_block_size``, its scales named ``scale_name`` (``weight_scale_inv``
+    in the fp8 format, ``weight_scale`` in compressed-tensors); otherwise, serialized,
+    ``weight_scheme`` ``"tensor"`` (one scale per expert projection) or ``"channel"``
+    (compressed-tensors' ``[N, 1]`` per output channel), named ``weight_scale``."""
 
     def __init__(
-        self, *, serialized: bool, block_size: tuple[int, int] | None = None, name: str = "fp8"
+        self,
+        *,
+        serialized: bool,
+        block_size: tuple[int, int] | None = None,
+        weight_scheme: str = "tensor",
+        scale_name: str = "weight_scale_inv",
+        name: str = "fp8",
     ) -> None:
+        if weight_scheme not in ("tensor", "channel"):
+            raise ValueError(f"weight_scheme must be 'tensor' or 'channel', got {weight_scheme!r}")
         self.serialized = serialized
         self.block_size = (int(block_size[0]), int(block_size[1])) if block_size else None
+        self.weight_scheme = weight_scheme
+        self.scale_name = scale_name if self.block_size else "weight_scale"
         self.name = name
         # A static-activation checkpoint's input_scale: the experts run weight-only.
         self.ignored_checkpoint_suffixes = ("input_scale",) if serialized else ()
@@ -92,7 +105,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             return "online, per-channel scales"
         if self.block_size:
             return f"{self.block_size[0]}x{self.block_size[1]} block scales"
-        return "per-tensor scales"
+        return f"per-{self.weight_scheme} scales"
 
     # ---- parameters ---------------------------------------------------------------------
     def create_weights(
@@ -109,6 +122,11 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         self._add(layer, "w2", "weight", (e, h, ip), wdtype, layer.weight_loader)
         if not self.serialized:
             return
+        if self.block_size is None and self.weight_scheme == "channel":
+            loader = functools.partial(self._load_channel_scale, layer)
+            self._add(layer, "w13", "weight_scale", (e, 2 * ip), torch.float32, loader)
+            self._add(layer, "w2", "weight_scale", (e, h), torch.float32, loader)
+            return
         if self.block_size is None:
             loader = functools.partial(self._load_tensor_scale, layer)
             self._add(layer, "w13", "weight_scale", (e, 2), torch.float32, loader)
@@ -124,9 +142,9 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             )
         loader = functools.partial(self._load_block_scale, layer)
         shape13 = (e, 2 * _cdiv(ip, bn), _cdiv(h, bk))
-        self._add(layer, "w13", "weight_scale_inv", shape13, torch.float32, loader)
+        self._add(layer, "w13", self.scale_name, shape13, torch.float32, loader)
         shape2 = (e, _cdiv(h, bn), _cdiv(ip, bk))
-        self._add(layer, "w2", "weight_scale_inv", shape2, torch.float32, loader)
+        self._add(layer, "w2", self.scale_name, shape2, torch.float32, loader)
 
     @staticmethod
     def _add(layer, kind, suffix, shape, dtype, loader) -> nn.Parameter:
@@ -169,10 +187,34 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             raise ModelLoadError(f"shard {shard_id!r} does not fit {param.moe_shard_kind} scales")
         param.data[local, column].copy_(materialize(loaded).reshape(()))
 
+    def _load_channel_scale(
+        self, layer: FusedMoE, param: nn.Parameter, loaded: Any, shard_id: str, expert_id=None
+    ) -> None:
+        local = self._local(layer, f"{shard_id} weight_scale", expert_id)
+        if local is None:
+            return
+        h, i = layer.hidden_size, layer.intermediate_size
+        ip, rank = layer.intermediate_size_per_partition, layer.parallel.tp_rank
+        rows = h if shard_id == "w2" else i
+        if tuple(loaded.shape) not in ((rows,), (rows, 1)):
+            raise ModelLoadError(
+                f"{shard_id} weight_scale: expected per-channel scales of shape ({rows}, 1), got "
+                f"{tuple(loaded.shape)}"
+            )
+        kind = param.moe_shard_kind
+        dst = param.data[local]
+        if kind == "w13" and shard_id in ("w1", "w3"):
+            src = materialize(narrow(loaded, 0, rank * ip, ip)).reshape(ip)
+            dst.narrow(0, 0 if shard_id == "w1" else ip, ip).copy_(src)
+        elif kind == "w2" and shard_id == "w2":
+            dst.copy_(materialize(loaded).reshape(h))  # output channels: not split
+        else:
+            raise ModelLoadError(f"shard {shard_id!r} does not fit {kind} scales")
+
     def _load_block_scale(
         self, layer: FusedMoE, param: nn.Parameter, loaded: Any, shard_id: str, expert_id=None
     ) -> None:
-        local = self._local(layer, f"{shard_id} weight_scale_inv", expert_id)
+        local = self._local(layer, f"{shard_id} {self.scale_name}", expert_id)
         if local is None:
             return
         assert self.block_size is not None
@@ -208,7 +250,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                 q, scale = quantize_fp8_experts(getattr(layer, f"{kind}_weight").data)
                 replace_param(layer, f"{kind}_weight", q)
                 replace_param(layer, f"{kind}_weight_scale", scale)
-        elif self.block_size is None:
+        elif self.block_size is None and self.weight_scheme == "tensor":
             # Per-tensor (w1, w3 | w2) -> per output channel: exact, and one kernel mode.
             ip, h = layer.intermediate_size_per_partition, layer.hidden_size
             s13 = layer.w13_weight_scale.data.float().repeat_interleave(ip, dim=1)
@@ -223,8 +265,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                 )
 
     def _scale(self, layer: FusedMoE, kind: str) -> torch.Tensor:
-        suffix = "weight_scale_inv" if self.serialized and self.block_size else "weight_scale"
-        return getattr(layer, f"{kind}_{suffix}")
+        return getattr(layer, f"{kind}_{self.scale_name}")
 
     # ---- compute ------------------------------------------------------------------------
     def apply(
@@ -245,3 +286,34 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             self._scale(layer, "w2"),
             block,
         )
+
+
+def fp8_moe_method(config: Any, layer: Any, prefix: str, **kwargs: Any) -> Fp8MoEMethod:
+    """An ``Fp8MoEMethod(**kwargs)`` for the FP8 quantization ``config`` (fp8,
+    compressed-tensors) of the MoE layer ``prefix``: refused on a GPU platform whose only
+    ``fused_moe_fp8`` is the torch reference; the first one of a config logs how its experts
+    run."""
+    kernels = getattr(layer, "kernels", None)
+    platform = getattr(kernels, "platform", None)
+    if kernels is not None and platform != "cpu" and kernels.is_reference("fused_moe_fp8"):
+        raise QuantizationError(
+            f"{prefix}: no plugin provides fused_moe_fp8 on {platform}: only the torch "
+            "reference does, which dequantizes every routed expert on every call (install "
+            "engine-triton, or a vendor plugin that registers it)"
+        )
+    method = Fp8MoEMethod(**kwargs)
+    if not getattr(config, "_moe_logged", False):
+        config._moe_logged = True
+        where = "fused_moe_fp8"
+        if kernels is not None:
+            where = f"{kernels.provider('fused_moe_fp8')}'s fused_moe_fp8"
+            if kernels.is_reference("fused_moe_fp8"):
+                where += ", which dequantizes each routed expert per call (slow)"
+        logger.info(
+            "%s: MoE experts are FP8 (%s), multiplied weight-only by %s: activations stay in "
+            "the model dtype (no W8A8 for experts)",
+            getattr(config, "name", "fp8"),
+            method.scheme,
+            where,
+        )
+    return method

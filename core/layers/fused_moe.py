@@ -289,7 +289,8 @@ class FusedMoE(nn.Module):
                     f"quantization {getattr(quant_config, 'name', type(quant_config).__name__)!r}"
                     f" has no method for MoE experts ({prefix or 'FusedMoE'}); quantized experts "
                     "are served for fp8 (fp8-format checkpoints, or --quantization fp8 on a "
-                    "bf16/fp16 checkpoint) and gguf (dequantized at load)"
+                    "bf16/fp16 checkpoint), compressed-tensors FP8 schemes and gguf "
+                    "(dequantized at load)"
                 )
             quant_method = getter(self, prefix)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod()

@@ -410,3 +410,38 @@ def test_compressed_tensors_integer_experts_are_refused(qwen3_moe, tmp_path):
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="compressed-tensors wna16 experts"):
         build(quantized)
+
+
+def test_the_qwen3_30b_fp8_shape_builds_and_splits_as_the_real_checkpoint(tmp_path):
+    """The built-in Qwen3-30B-A3B-FP8 shape (what ``--model qwen3-30b-a3b-fp8 --load-format
+    dummy`` benchmarks): its config resolves to block-wise fp8 with FP8 experts; built on the
+    meta device as a rank would, it splits at TP=2 (384 = 3 blocks per rank), is refused at
+    TP=4 (192 per rank), and places whole experts at TP=4 with expert parallelism."""
+    import json
+
+    from engine.attention_backends.torch_ref import TorchReferenceBackend
+    from engine.benchmarks.workload import write_builtin_model
+    from engine.config import ModelConfig
+    from engine.kernels.registry import KernelRegistry
+    from engine.loader import load_hf_config
+    from engine.loader.model_loader import check_quantized_layout
+    from engine.models.registry import ModelRegistry
+    from engine.quantization.fp8 import Fp8Config
+
+    path = write_builtin_model("qwen3-30b-fp8", str(tmp_path))
+    quant = Fp8Config.from_config(
+        json.loads((tmp_path / "qwen3-30b-a3b-fp8" / "config.json").read_text())[
+            "quantization_config"
+        ]
+    )
+    assert quant.weight_block_size == (128, 128)
+    config = ModelConfig(model=path, load_format="dummy")
+    load_hf_config(config)
+    args = (config, KernelRegistry().resolve("cpu"), TorchReferenceBackend, ModelRegistry(), quant)
+    check_quantized_layout(*args, 1)
+    check_quantized_layout(*args, 2)
+    check_quantized_layout(*args, 4, True)
+    with pytest.raises(
+        QuantizationError, match=r"each rank's 192 of the experts' 768 intermediate features"
+    ):
+        check_quantized_layout(*args, 4)

@@ -132,11 +132,23 @@ BUILTIN_SHAPES["llama-3.1-8b-awq"] = dict(
         "version": "gemm",
     },
 )
+# Qwen3-30B-A3B-FP8's config (block-wise FP8: 128x128 weight_scale_inv, dynamic activations),
+# for --load-format dummy: random e4m3 experts and linears (FP8 MoE benchmarks).
+BUILTIN_SHAPES["qwen3-30b-a3b-fp8"] = dict(
+    BUILTIN_SHAPES["qwen3-30b-a3b"],
+    quantization_config={
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+)
 ALIASES = {
     "llama3-8b": "llama-3.1-8b",
     "llama-3-8b": "llama-3.1-8b",
     "qwen3-0.6B": "qwen3-0.6b",
     "qwen3-30b": "qwen3-30b-a3b",
+    "qwen3-30b-fp8": "qwen3-30b-a3b-fp8",
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "mixtral": "mixtral-8x7b",
     "llama3-8b-awq": "llama-3.1-8b-awq",

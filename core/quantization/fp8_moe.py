@@ -72,6 +72,30 @@ def quantize_fp8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
+def quantize_fp8_experts_blocks(
+    weight: torch.Tensor, block_size: tuple[int, int], slices: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked experts ``[E, N, K]`` -> (e4m3, float32 block scales) in ``fused_moe_fp8``'s
+    layout: each ``(bn, bk)`` block's largest magnitude maps to 448, the rows cut into
+    ``slices`` equal parts with blocks of their own (w13: 2, gate then up), partial last
+    blocks allowed. For tests and benchmarks (checkpoints bring their own)."""
+    bn, bk = int(block_size[0]), int(block_size[1])
+    e, n, k = weight.shape
+    part = n // slices
+    qs, ss = [], []
+    for s in range(slices):
+        w = weight[:, s * part : (s + 1) * part].float()
+        rows, cols = _cdiv(part, bn), _cdiv(k, bk)
+        padded = torch.zeros(e, rows * bn, cols * bk, device=w.device)
+        padded[:, :part, :k] = w
+        tiles = padded.view(e, rows, bn, cols, bk)
+        scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+        q = (tiles / scale[:, :, None, :, None]).clamp(-448.0, 448.0).to(FP8_DTYPE)
+        qs.append(q.view(e, rows * bn, cols * bk)[:, :part, :k])
+        ss.append(scale)
+    return torch.cat(qs, 1).contiguous(), torch.cat(ss, 1).contiguous()
+
+
 class Fp8MoEMethod(FusedMoEMethodBase):
     """FP8 experts (see the module docstring). ``serialized``: the checkpoint stores e4m3
     expert weights (else they are quantized after loading, per channel); ``block_size``: the

@@ -273,9 +273,11 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, qu
     assert calls["decode"] > 0 and calls["grouped"] > 0, calls
 
 
-def test_moe_benchmark_sweep_runs(monkeypatch, capsys):
-    """``python -m engine_triton.benchmark --moe-only`` end to end on one tiny shape with the
-    GPU timers stubbed (the numbers mean nothing here; the code path and the error check do)."""
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8):
+    """``python -m engine_triton.benchmark --moe-only [--moe-fp8 block]`` end to end on one
+    tiny shape with the GPU timers stubbed (the numbers mean nothing here; the code path and
+    the error check do)."""
     from engine_triton import benchmark
 
     if torch.cuda.is_available():
@@ -293,10 +295,11 @@ def test_moe_benchmark_sweep_runs(monkeypatch, capsys):
     # The rule's choice and one alternative per batch: the interpreter compiles each one.
     monkeypatch.setattr(benchmark, "_moe_candidates", lambda t, k, e: every(t, k, e)[:2])
     results: dict = {}
-    benchmark.sweep_moe(results, tokens=(1, 5), device="cpu")
+    benchmark.sweep_moe(results, tokens=(1, 5), device="cpu", fp8=fp8)
     out = capsys.readouterr().out
     assert "tiny: 8 experts, top-2" in out and "T=1 " in out and "T=5 " in out
-    rows = results["moe tiny T=5"]["rows"]
+    assert ("fp8 experts (block scales" in out) == bool(fp8)
+    rows = results[f"moe{' fp8-block' if fp8 else ''} tiny T=5"]["rows"]
     assert rows[0]["rule"] and rows[0]["config"].startswith("grouped")
     assert any(r["config"].startswith("decode") for r in rows)
     assert all("error" not in r and r["max_err"] < 0.06 for r in rows), rows

@@ -14,7 +14,8 @@ each as a plain ``do_bench`` (L2 flushed) and per call inside a CUDA graph of 10
 calls over rotating weight copies (how the engine runs them). It prints achieved weight GB/s,
 the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the kernel module.
 
-``python -m engine_triton.benchmark --moe-only [--moe-shapes S] [--moe-tokens 1,8,...]`` times
+``python -m engine_triton.benchmark --moe-only [--moe-shapes S] [--moe-tokens 1,8,...]
+[--moe-fp8 block|channel]`` (FP8 experts through ``fused_moe_fp8``, weight-only) times
 the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
 (128 experts, top-8, hidden 2048, 768 wide) and Mixtral-8x7B (8 experts, top-2, 4096, 14336)
 shapes, bf16, uniformly random routing, for each token count: both ways through the experts
@@ -473,15 +474,59 @@ def _copy_gbps(device: str, nbytes: int = 1 << 30) -> float:
 
 
 def _moe_call(x, weights, routes, kw):
-    """``call(j)``: the fused MoE on weight copy ``j`` and routing ``j`` (rotating)."""
-    from engine_triton.kernels import fused_moe as fm
+    """``call(j)``: the fused MoE on weight copy ``j`` and routing ``j`` (rotating). A copy
+    is ``(w13, w2)``, or ``(w13, w2, w13_scale, w2_scale, block_size)`` for FP8 experts."""
 
     def call(j):
-        w13, w2 = weights[j % len(weights)]
         ids, w = routes[j % len(routes)]
-        return fm.fused_moe(x, w13, w2, w, ids, **kw)
+        return _moe_run(x, weights[j % len(weights)], w, ids, kw)
 
     return call
+
+
+def _moe_run(x, copy, topk_weights, topk_ids, kw):
+    from engine_triton.kernels import fused_moe as fm
+
+    if len(copy) == 2:
+        return fm.fused_moe(x, *copy, topk_weights, topk_ids, **kw)
+    w13, w2, s13, s2, block = copy
+    return fm.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block, **kw)
+
+
+def _moe_reference(x, copy, topk_weights, topk_ids):
+    from engine.kernels import reference as ref
+
+    if len(copy) == 2:
+        return ref.fused_moe(x, *copy, topk_weights, topk_ids)
+    w13, w2, s13, s2, block = copy
+    return ref.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block)
+
+
+# ``--moe-fp8``: FP8 experts (weight-only) with per-channel or 128x128 block scales.
+MOE_FP8_SCHEMES = {"channel": None, "block": (128, 128)}
+
+
+def _moe_experts(e, h, i, dtype, device, fp8: str | None) -> tuple:
+    """One random copy of a layer's experts, quantized to FP8 when ``fp8`` (one bf16 copy
+    alive at a time)."""
+    import torch
+
+    w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5
+    w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5
+    return _fp8_copy(w13, w2, fp8) if fp8 else (w13, w2)
+
+
+def _fp8_copy(w13, w2, scheme: str) -> tuple:
+    from engine.quantization.fp8_moe import quantize_fp8_experts, quantize_fp8_experts_blocks
+
+    block = MOE_FP8_SCHEMES[scheme]
+    if block is None:
+        q13, s13 = quantize_fp8_experts(w13)
+        q2, s2 = quantize_fp8_experts(w2)
+    else:
+        q13, s13 = quantize_fp8_experts_blocks(w13, block, slices=2)
+        q2, s2 = quantize_fp8_experts_blocks(w2, block)
+    return q13, q2, s13, s2, block
 
 
 def _topk_call(logits, top_k):
@@ -524,20 +569,22 @@ def sweep_moe(
     candidates: bool = True,
     budget_s: float = 200.0,
     device: str = "cuda",
+    fp8: str | None = None,
 ) -> None:
     """Time the fused MoE kernel per layer on ``MOE_SHAPES`` (see the module docstring).
-    After ``budget_s`` seconds only the rule's choice is timed."""
+    After ``budget_s`` seconds only the rule's choice is timed. ``fp8`` (a key of
+    ``MOE_FP8_SCHEMES``) times ``fused_moe_fp8`` on the same experts quantized to e4m3
+    (weight-only, bf16 activations): a byte per weight, so the copy-speed floor halves."""
     import time
 
     import torch
 
-    from engine.kernels import reference as ref
-    from engine_triton.kernels import fused_moe as fm
-
     t0 = time.perf_counter()
     dtype = torch.bfloat16
+    weight_bytes = 1 if fp8 else dtype.itemsize
     copy = _copy_gbps(device)
-    print(f"moe: {torch.cuda.get_device_name(device)}, bf16, copy bandwidth {copy:.0f} GB/s; "
+    what = f"fp8 experts ({fp8} scales, weight-only), bf16 activations" if fp8 else "bf16"
+    print(f"moe: {torch.cuda.get_device_name(device)}, {what}, copy bandwidth {copy:.0f} GB/s; "
           f"us = per call in a graph over rotating weights and routings", flush=True)  # fmt: skip
     results["moe copy GBps"] = round(copy)
     tuned = []
@@ -545,16 +592,14 @@ def sweep_moe(
     for name in names:
         sh = MOE_SHAPES[name]
         e, k, h, i = sh["experts"], sh["top_k"], sh["hidden"], sh["inter"]
-        expert_bytes = 3 * h * i * dtype.itemsize
+        expert_bytes = 3 * h * i * weight_bytes
         copies = max(1, min(8, -(-MOE_ROTATE_BYTES // (e * expert_bytes))))
         torch.manual_seed(0)
-        weights = [
-            (torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5,
-             torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5)
-            for _ in range(copies)
-        ]  # fmt: skip
+        weights = [_moe_experts(e, h, i, dtype, device, fp8) for _ in range(copies)]
         gen = torch.Generator(device="cpu").manual_seed(0)
-        floor_bytes = (sh["other_params"] + sh["layers"] * k * 3 * h * i) * dtype.itemsize
+        floor_bytes = (
+            sh["other_params"] * dtype.itemsize + sh["layers"] * k * 3 * h * i * weight_bytes
+        )
         floor_us = floor_bytes / copy * 1e-3  # read once at the copy rate
         print(f"\n{name}: {e} experts, top-{k}, hidden {h}, inter {i}, {sh['layers']} layers; "
               f"batch-1 step reads {floor_bytes / 1e9:.2f} GB of active weights = "
@@ -569,8 +614,7 @@ def sweep_moe(
                 routes.append((ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)))
             distinct = sum(len(set(r[0].flatten().tolist())) for r in routes) / rounds
             nbytes = distinct * expert_bytes + 2 * t * h * dtype.itemsize
-            w13, w2 = weights[0]
-            expected = ref.fused_moe(x, w13, w2, routes[0][1], routes[0][0]).float()
+            expected = _moe_reference(x, weights[0], routes[0][1], routes[0][0]).float()
             over = time.perf_counter() - t0 > budget_s
             cands = (
                 _moe_candidates(t, k, e)
@@ -584,7 +628,7 @@ def sweep_moe(
 
                 call = _moe_call(x, weights, routes, kw)
                 try:
-                    err = (fm.fused_moe(x, w13, w2, routes[0][1], routes[0][0], **kw).float()
+                    err = (_moe_run(x, weights[0], routes[0][1], routes[0][0], kw).float()
                            - expected).abs().max().item()  # fmt: skip
                     us = _graph_us(call, calls=max(10, min(GRAPH_CALLS, 4 * rounds)))
                 except Exception as exc:  # a configuration the compiler refuses
@@ -598,7 +642,7 @@ def sweep_moe(
             best = min(ok, key=lambda r: r["us"]) if ok else None
             logits = torch.randn(t, e, device=device, dtype=dtype)
             topk_us = _graph_us(_topk_call(logits, k), calls=50)
-            results[f"moe {name} T={t}"] = {
+            results[f"moe{' fp8-' + fp8 if fp8 else ''} {name} T={t}"] = {
                 "bytes": round(nbytes), "distinct_experts": round(distinct, 1),
                 "topk_softmax_us": round(topk_us, 2), "rows": rows,
             }  # fmt: skip
@@ -769,6 +813,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--moe-tokens", default="1,2,4,8,32,128,512,2048", help="tokens per call")
     parser.add_argument(
+        "--moe-fp8",
+        choices=sorted(MOE_FP8_SCHEMES),
+        default=None,
+        help="time fused_moe_fp8 (e4m3 experts, weight-only) with these scales",
+    )
+    parser.add_argument(
         "--moe-no-candidates", action="store_true", help="time only the rule's configuration"
     )
     parser.add_argument(
@@ -800,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
             shapes=args.moe_shapes.split(",") if args.moe_shapes else None,
             tokens=tuple(int(v) for v in args.moe_tokens.split(",")),
             candidates=not args.moe_no_candidates,
+            fp8=args.moe_fp8,
         )
         if args.json:
             with open(args.json, "w") as f:

@@ -2,7 +2,8 @@
 reference), against the *dequantized reference*: the same model with every quantized weight
 replaced by its exact dequantized value, run unquantized.
 
-* ``--quantization fp8`` online on tiny random Qwen3-MoE and Mixtral checkpoints: the
+* ``--quantization fp8`` online on tiny random Qwen3-MoE, Mixtral and Qwen2-MoE (a shared
+  expert, dense layers among sparse ones) checkpoints: the
   reference is the unquantized model with every linear's and expert's rows rounded to e4m3
   per channel here, independently of the engine's code;
 * block-wise ``fp8`` checkpoints as Qwen3-30B-A3B-FP8 ships them (128x128 ``weight_scale_inv``
@@ -48,7 +49,12 @@ def mixtral(tmp_path_factory):
     return _source(tmp_path_factory, "mixtral", num_hidden_layers=2)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    return _source(tmp_path_factory, "qwen2_moe", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
 def source(request):
     return request.param, request.getfixturevalue(request.param)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -201,7 +202,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         local = self._local(layer, f"{shard_id} weight_scale", expert_id)
         if local is None:
             return
-        if loaded.numel() != 1:
+        if math.prod(tuple(loaded.shape)) != 1:
             raise ModelLoadError(
                 f"{shard_id} weight_scale: expected a per-tensor scale (one element), got shape "
                 f"{tuple(loaded.shape)}"

@@ -198,6 +198,14 @@ class Fp8LinearMethod(LinearMethod):
             x, layer.weight, layer.weight_scale, layer.input_scale, bias, self.activation_quant
         )
 
+    def fp8_input_min_rows(self, layer: LinearBase) -> int | None:
+        """W8A8 with dynamic per-token activation scales takes its input pre-quantized from
+        as many rows as the bound ``fp8_linear`` says (``fp8_activation_min_rows``; an
+        implementation without it never does). Static scales and weight-only: never."""
+        if not self.activation_quant or self.static_input:
+            return None
+        return getattr(kernel(layer, "fp8_linear"), "fp8_activation_min_rows", None)
+
 
 class Fp8BlockLinearMethod(LinearMethod):
     """FP8 weights with one scale per ``block_size`` block (``scale_name``: the checkpoint's

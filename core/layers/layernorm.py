@@ -68,7 +68,7 @@ class RMSNorm(nn.Module):
         it (``consumer.fp8_input_min_rows()``); None: always return the normed tensor."""
         self._fp8_consumer = () if consumer is None else (consumer,)
 
-    def _fp8_rows(self, x: torch.Tensor) -> bool:
+    def _writes_fp8(self, x: torch.Tensor) -> bool:
         if not self._fp8_consumer:
             return False
         min_rows = self._fp8_consumer[0].fp8_input_min_rows()
@@ -78,7 +78,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | Fp8Activation | tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         shape = x.shape
-        if self._fp8_rows(x):
+        if self._writes_fp8(x):
             return self._forward_fp8(x, residual)
         if residual is None:
             # Per-head norms (q/k norm) pass a [T, H, D] view of the fused qkv output: rms_norm

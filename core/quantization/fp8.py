@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from engine.kernels.quantized import FP8_DTYPE, FP8_MAX
+from engine.kernels.quantized import FP8_DTYPE, FP8_MAX, Fp8Activation
 from engine.layers.linear import LinearMethod, ShardLayout
 from engine.layers.weight_utils import ModelLoadError, init_dummy_parameter
 from engine.quantization.base import (
@@ -193,7 +193,11 @@ class Fp8LinearMethod(LinearMethod):
         else:
             layer.input_scale = None
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x W^T + bias``; ``x`` may come quantized from its producer (``Fp8Activation``,
+        see ``fp8_input_min_rows``)."""
         return kernel(layer, "fp8_linear")(
             x, layer.weight, layer.weight_scale, layer.input_scale, bias, self.activation_quant
         )

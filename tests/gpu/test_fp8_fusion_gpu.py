@@ -77,8 +77,8 @@ def test_fp8_prefill_logits_identical_fused_and_unfused(fp8_model):
     from engine.layers.fp8_input import link_fp8_inputs, unlink_fp8_inputs
     from engine.testing.prefill import PROMPT, build_model, prefill_logits
 
-    model, quant = build_model(fp8_model, "fp8", dtype="bfloat16", device="cuda")
-    assert quant.activation_quant
+    # build_model's spec carries no capability, so W8A8 is asked for (_needs_fp8 checked it).
+    model, _ = build_model(fp8_model, "fp8", dtype="bfloat16", device="cuda", activation_quant=True)
     links = link_fp8_inputs(model)
     assert links and all(not r for r in links.values()), links
     prompt = PROMPT * 3  # 66 rows: above the 16-row threshold
@@ -88,15 +88,21 @@ def test_fp8_prefill_logits_identical_fused_and_unfused(fp8_model):
     assert torch.equal(fused, plain), float((fused - plain).abs().max())
 
 
-def test_fp8_engine_with_cuda_graphs_identical_fused_and_unfused(fp8_model, monkeypatch):
+def test_fp8_engine_with_cuda_graphs_identical_fused_and_unfused(tmp_path, monkeypatch):
     """40 requests decode together (batches of up to 40 rows, captured in CUDA graphs): the
-    greedy tokens and logprobs with the fusion linked equal those without it, and the fused
-    kernels did run."""
+    greedy tokens and their logprobs with the fusion linked equal those without it, and the
+    fused kernels did run. The unfused engine runs twice first: if it does not repeat itself
+    (a non-deterministic kernel), comparing the fused one to it would prove nothing."""
     _needs_fp8()
     import engine.layers.fp8_input as fp8_input
     from engine import LLM, SamplingParams
+    from engine.testing.tiny_models import build_tiny_model
     from engine_triton.kernels import norm
 
+    path = str(
+        build_tiny_model(tmp_path, "llama", hidden_size=256, intermediate_size=512, num_heads=4,
+                         num_kv_heads=2)
+    )  # fmt: skip
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randrange(10, 300) for _ in range(rng.randrange(1, 90))]}
@@ -118,7 +124,7 @@ def test_fp8_engine_with_cuda_graphs_identical_fused_and_unfused(fp8_model, monk
             return result
 
         monkeypatch.setattr(fp8_input, "link_fp8_inputs", linker)
-        llm = LLM(fp8_model, quantization="fp8", dtype="bfloat16", num_gpu_blocks_override=512)
+        llm = LLM(path, quantization="fp8", dtype="bfloat16", num_gpu_blocks_override=512)
         assert llm.llm_engine.runner.graphs is not None, "CUDA graphs are off"
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outs]
@@ -131,10 +137,12 @@ def test_fp8_engine_with_cuda_graphs_identical_fused_and_unfused(fp8_model, monk
         torch.cuda.empty_cache()
         return tokens, logprobs
 
+    plain = run(False)
+    # (The engine's own spec has the device's capability: W8A8 on sm_89+ with no forcing.)
+    if run(False) != plain:
+        pytest.skip("the unfused FP8 engine is not deterministic run to run on this GPU")
+    assert not calls
     fused = run(True)
     assert calls, "the fused norm kernel never ran"
-    calls.clear()
-    plain = run(False)
-    assert not calls
     assert fused[0] == plain[0]
     assert fused[1] == plain[1]

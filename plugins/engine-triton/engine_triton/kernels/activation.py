@@ -4,15 +4,16 @@ Grid: (rows, column blocks). Arithmetic in float32, one rounding to the output d
 
 ``silu_and_mul_quant_fp8`` writes ``silu(gate) * up`` as e4m3 with a per-token scale for an
 FP8 linear (the down projection). The scale needs the whole row's absolute maximum before the
-first value can be quantized, so one program owns one row and walks it twice in
-4096-wide chunks (16 warps, 8 values per thread and operand: 256 rows are only 256 programs,
-about two per SM on an H100, so each keeps many loads in flight; untuned): pass one computes each value, rounds it to the input dtype (what
-``silu_and_mul`` would store) and keeps the running maximum; pass two computes the same values
-again and writes them quantized. Recomputing costs a second read of the row's gate/up (from L2
-for the batch sizes that take this path: 256 rows of Llama-3.1-8B's 14,336-wide gate/up are
-15 MB) instead of a bf16 round trip through memory and a second launch, and keeps registers at
+first value can be quantized, so one program owns one row and walks it twice in 4096-wide
+chunks: pass one computes each value, rounds it to the input dtype (what ``silu_and_mul``
+would store) and keeps the running maximum; pass two computes the same values again and
+writes them quantized. Recomputing costs a second read of the row's gate/up (from L2 for the
+batch sizes that take this path: 256 rows of Llama-3.1-8B's 14,336-wide gate/up are 15 MB)
+instead of a bf16 round trip through memory and a second launch, and keeps registers at
 ``BLOCK`` values per operand whatever the width (a whole 14,336-wide row in registers would
-need 16,384-wide blocks). The per-element arithmetic is ``_act_and_mul_kernel``'s, so the
+need 16,384-wide blocks). 16 warps, 8 values per thread and operand: 256 rows are only 256
+programs, about two per SM on an H100, so each keeps many loads in flight (untuned:
+``quant_benchmark --producers`` times the alternatives). The per-element arithmetic is ``_act_and_mul_kernel``'s, so the
 result is bit-identical to ``silu_and_mul`` followed by ``quantize_fp8``.
 """
 

@@ -24,11 +24,21 @@ dtype. ``x`` is ``[..., K]`` (any leading shape); ``W`` is logically ``[N, K]``.
   ``wna16_linear(x, packed, ...)`` uses that. An override provides both (a callable object
   with a ``prepack`` method); the layer never looks inside ``packed``.
 
+``fp8_linear`` also takes its activations already quantized (``Fp8Activation``: e4m3 values
+and per-token dynamic scales, exactly what its own dynamic quantization of ``x`` would give),
+so that the kernel producing ``x`` (an RMSNorm, SiLU-and-mul) can write e4m3 directly
+(``*_quant_fp8`` ops in ``engine.kernels.reference``). An implementation that accepts one
+says from how many rows with the attribute ``fp8_activation_min_rows`` on its callable (the
+reference: 1; engine-triton: 17, since it multiplies up to 16 rows weight-only); a caller
+passes one only from that many rows, and never to an implementation without the attribute.
+
 Rounding to a quantized type is round-to-nearest-even with saturation at the type's range;
 a dynamic scale is never below ``FP8_MIN_SCALE`` / ``INT8_MIN_SCALE`` (an all-zero row).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +50,30 @@ INT8_MIN_SCALE = 1e-10
 
 
 # ---- activation quantization (what the ops do to x first) ------------------------------------
+class Fp8Activation(NamedTuple):
+    """Activations quantized to e4m3 per token by the kernel that produced them, handed to
+    ``fp8_linear`` in place of ``x`` (W8A8 with dynamic per-token scales only).
+
+    ``data``: e4m3, ``x``'s shape ``[..., K]``; ``scale``: float32 ``[M, 1]`` for the ``M``
+    rows of ``data`` flattened, ``fp8_dynamic_scale`` of the unquantized rows; ``dtype``: the
+    dtype ``x`` had, which the product is returned in. ``data * scale`` is exactly
+    ``fp8_quantize(x, fp8_dynamic_scale(x)) * scale``: a linear gives the same result for
+    either form of its input."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the activations (that of ``data``)."""
+        return self.data.shape
+
+    def rows(self) -> torch.Tensor:
+        """``data`` as ``[M, K]`` rows."""
+        return self.data.reshape(-1, self.data.shape[-1])
+
+
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` rounded to e4m3, saturated at +-448 (``scale`` broadcasts against ``x``)."""
     return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -54,6 +88,14 @@ def fp8_dynamic_scale(x2d: torch.Tensor, group_size: int | None = None) -> torch
     else:
         amax = xf.unflatten(-1, (-1, group_size)).amax(dim=-1)
     return (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+
+
+def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., K]`` -> (e4m3 ``[..., K]``, float32 ``[M, 1]``): the dynamic per-token
+    quantization ``fp8_linear`` applies to its activations (the ``*_quant_fp8`` ops' spec)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    scale = fp8_dynamic_scale(x2)
+    return fp8_quantize(x2, scale).view(x.shape), scale
 
 
 def int8_quantize(
@@ -140,7 +182,7 @@ def finish_linear(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -
 
 # ---- the ops ---------------------------------------------------------------------------------
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None = None,
@@ -149,9 +191,11 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x @ (weight * weight_scale)^T + bias`` with FP8 ``weight`` ``[N, K]`` and float32
     ``weight_scale`` ``[1]`` or ``[N]``; see the module docstring for ``input_scale`` and
-    ``activation_quant``."""
-    x2 = x.reshape(-1, x.shape[-1])
+    ``activation_quant``, and for ``x`` given as an ``Fp8Activation``."""
     w = weight.float() * weight_scale.float().reshape(-1, 1)
+    if isinstance(x, Fp8Activation):
+        return finish_linear((x.rows().float() * x.scale) @ w.T, bias, x)
+    x2 = x.reshape(-1, x.shape[-1])
     if activation_quant:
         sx = (
             fp8_dynamic_scale(x2)
@@ -265,6 +309,9 @@ class WNA16Linear:
 
 
 wna16_linear = WNA16Linear()
+
+# The reference takes an ``Fp8Activation`` at any row count (it always quantizes per token).
+fp8_linear.fp8_activation_min_rows = 1  # type: ignore[attr-defined]
 
 QUANTIZED_REFERENCE_KERNELS = {
     "fp8_linear": fp8_linear,

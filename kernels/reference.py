@@ -11,6 +11,16 @@ one sort and runs one matmul pair per expert that received tokens: no loop over 
 the weights of experts nobody chose are never read. ``fused_moe_fp8`` is the same with FP8
 experts (per-channel or block scales), weight-only: it dequantizes each routed expert.
 
+FP8 activations straight from their producer (``rms_norm_quant_fp8``,
+``fused_add_rms_norm_quant_fp8``, ``silu_and_mul_quant_fp8``): the op's result in the input
+dtype, quantized to e4m3 per token exactly as ``fp8_linear`` quantizes a bf16 ``x``
+(``engine.kernels.quantized.fp8_quantize_per_token``), returned as ``(e4m3 [..., H], float32
+scale [M, 1])`` (the residual op adds the new residual). They exist so that a platform can
+write e4m3 from the norm or activation kernel instead of the bf16 values plus a separate
+quantization pass; an override must equal its own platform's unfused op followed by that
+quantization bit for bit (``engine.layers.fp8_input`` only fuses where the two ops come from
+the same provider).
+
 The quantized matmuls (``fp8_linear``, ``fp8_block_linear``, ``int8_linear``,
 ``wna16_linear``) are specified in ``engine.kernels.quantized``.
 
@@ -28,7 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.gguf import gguf_linear
-from engine.kernels.quantized import QUANTIZED_REFERENCE_KERNELS, dequantize_fp8_experts
+from engine.kernels.quantized import (
+    QUANTIZED_REFERENCE_KERNELS,
+    dequantize_fp8_experts,
+    fp8_quantize_per_token,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,6 +59,23 @@ def fused_add_rms_norm(
     """``residual = x + residual``; returns ``(rms_norm(residual), residual)``."""
     summed = (x.float() + residual.float()).to(x.dtype)
     return rms_norm(summed, weight, eps), summed
+
+
+def rms_norm_quant_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` quantized per token to e4m3: ``(q [..., H], scale [M, 1])``."""
+    return fp8_quantize_per_token(rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_quant_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` with the normed output quantized per token to e4m3:
+    ``(q [..., H], scale [M, 1], new residual)``."""
+    out, summed = fused_add_rms_norm(x, residual, weight, eps)
+    q, scale = fp8_quantize_per_token(out)
+    return q, scale, summed
 
 
 def rotary_embedding(
@@ -119,6 +150,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2I] (gate then up) -> silu(gate) * up: [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_and_mul`` quantized per token to e4m3: ``(q [..., I], scale [M, 1])``."""
+    return fp8_quantize_per_token(silu_and_mul(x))
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -398,6 +434,9 @@ REFERENCE_KERNELS = {
     "gguf_linear": gguf_linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
+    "rms_norm_quant_fp8": rms_norm_quant_fp8,
+    "fused_add_rms_norm_quant_fp8": fused_add_rms_norm_quant_fp8,
+    "silu_and_mul_quant_fp8": silu_and_mul_quant_fp8,
     "rotary_embedding": rotary_embedding,
     "qk_norm_rotary": qk_norm_rotary,
     "silu_and_mul": silu_and_mul,

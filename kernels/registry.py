@@ -23,6 +23,10 @@ KERNEL_NAMES = (
     "qk_norm_rotary",
     "silu_and_mul",
     "gelu_tanh_and_mul",
+    # The norms and SiLU-and-mul writing e4m3 per token for an FP8 linear (W8A8).
+    "rms_norm_quant_fp8",
+    "fused_add_rms_norm_quant_fp8",
+    "silu_and_mul_quant_fp8",
     "write_kv_cache",
     "linear",
     "argmax",

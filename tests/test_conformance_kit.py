@@ -196,8 +196,9 @@ def test_a_plugin_without_a_platform_is_checked_on_the_chosen_one(
         "rms_norm and float32 or backend and float32-H4",
         "-rs",
     )
-    # 2 kernels, 4 backend cases (GQA, window, soft-cap, fp8 KV cache)
-    result.assert_outcomes(skipped=6)
+    # 4 kernels (rms_norm, fused_add_rms_norm and their *_quant_fp8 forms), 4 backend cases
+    # (GQA, window, soft-cap, fp8 KV cache)
+    result.assert_outcomes(skipped=8)
     result.stdout.fnmatch_lines(
         [
             "*triton cannot serve float32-H4/2-D64-B16: runs on the CPU only under TRITON_INTERPRET=1*",

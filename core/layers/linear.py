@@ -157,6 +157,14 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def fp8_input_min_rows(self, layer: LinearBase) -> int | None:
+        """From how many rows ``apply`` takes an ``engine.kernels.quantized.Fp8Activation``
+        (the input already quantized to e4m3 per token by the kernel that produced it, see
+        ``engine.layers.fp8_input``) in place of ``x`` with the same result; None (the
+        default): never. Asked at every call, so a method swapped in later (a LoRA wrapper)
+        answers for itself."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Weights in the model dtype, ``[output_size_per_partition, input_size_per_partition]``,
@@ -274,6 +282,11 @@ class LinearBase(nn.Module):
         self.quant_method.process_weights_after_loading(self)
 
     # -- compute ------------------------------------------------------------------------------
+    def fp8_input_min_rows(self) -> int | None:
+        """From how many rows ``forward`` takes an ``Fp8Activation`` in place of ``x``
+        (``LinearMethod.fp8_input_min_rows``; None: never)."""
+        return self.quant_method.fp8_input_min_rows(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
@@ -522,6 +535,12 @@ class RowParallelLinear(LinearBase):
         part = self.input_size_per_partition
         start, length = _packed_extent(self.tp_rank * part, part, pack, self.input_size, what)
         self._copy(param, narrow(loaded, d, start, length), what)
+
+    def fp8_input_min_rows(self) -> int | None:
+        # A layer that cuts its rank's columns out of the whole input needs it unquantized.
+        if not self.input_is_parallel and self.tp_size > 1:
+            return None
+        return super().fp8_input_min_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:

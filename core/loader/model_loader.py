@@ -598,10 +598,14 @@ def load_model(
     checkpoint tensor is read only in the part this process holds. ``quant_config`` picks the
     linear layers' quantization methods; ``multimodal_config`` (``MultiModalConfig``) tells a
     multimodal model whether to build its vision tower. Every linear layer's method gets its
-    post-loading pass (``process_weights_after_loading``). ``stats`` counts the checkpoint bytes
-    offered and read. Returns the model in eval mode with frozen parameters.
+    post-loading pass (``process_weights_after_loading``), then norms and activations that
+    feed an FP8 W8A8 linear are linked to write its FP8 input (``link_fp8_inputs``).
+    ``stats`` counts the checkpoint bytes offered and read. Returns the model in eval mode
+    with frozen parameters.
     """
     from tqdm.auto import tqdm
+
+    from engine.layers.fp8_input import link_fp8_inputs
 
     registry = registry or ModelRegistry()
     if model_config.hf_config is None:
@@ -643,6 +647,7 @@ def load_model(
             init=model_config.dummy_init,
         )
         process_weights_after_loading(model)
+        link_fp8_inputs(model)
         return model.eval()
 
     kv_scales: set[str] = set()
@@ -693,6 +698,7 @@ def load_model(
     if kv_scales:
         _load_kv_scales(model, files, kv_scales)
     process_weights_after_loading(model)
+    link_fp8_inputs(model)
     return model.eval()
 
 

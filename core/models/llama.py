@@ -8,7 +8,7 @@ checkpoint tensor into its slice).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -106,6 +106,10 @@ class LlamaMLP(nn.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up fused (column-parallel, each
     split over the ranks) and down row-parallel."""
 
+    #: The activation feeds the down projection alone: it may write FP8 for it
+    #: (``engine.layers.fp8_input``).
+    fp8_input_producers: ClassVar[tuple[tuple[str, str], ...]] = (("act_fn", "down_proj"),)
+
     def __init__(
         self,
         hidden_size: int,
@@ -143,6 +147,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried separately so that each norm fuses the
     residual add (``fused_add_rms_norm``)."""
+
+    #: Each norm's output feeds one linear alone (the residual is carried separately): with
+    #: FP8 W8A8 linears the norm may write their FP8 input (``engine.layers.fp8_input``).
+    fp8_input_producers: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("input_layernorm", "self_attn.qkv_proj"),
+        ("post_attention_layernorm", "mlp.gate_up_proj"),
+    )
 
     def __init__(
         self,

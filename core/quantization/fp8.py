@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from engine.kernels.quantized import FP8_DTYPE, FP8_MAX
+from engine.kernels.quantized import FP8_DTYPE, FP8_MAX, Fp8Activation
 from engine.layers.linear import LinearMethod, ShardLayout
 from engine.layers.weight_utils import ModelLoadError, init_dummy_parameter
 from engine.quantization.base import (
@@ -193,10 +193,22 @@ class Fp8LinearMethod(LinearMethod):
         else:
             layer.input_scale = None
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x W^T + bias``; ``x`` may come quantized from its producer (``Fp8Activation``,
+        see ``fp8_input_min_rows``)."""
         return kernel(layer, "fp8_linear")(
             x, layer.weight, layer.weight_scale, layer.input_scale, bias, self.activation_quant
         )
+
+    def fp8_input_min_rows(self, layer: LinearBase) -> int | None:
+        """W8A8 with dynamic per-token activation scales takes its input pre-quantized from
+        as many rows as the bound ``fp8_linear`` says (``fp8_activation_min_rows``; an
+        implementation without it never does). Static scales and weight-only: never."""
+        if not self.activation_quant or self.static_input:
+            return None
+        return getattr(kernel(layer, "fp8_linear"), "fp8_activation_min_rows", None)
 
 
 class Fp8BlockLinearMethod(LinearMethod):

@@ -139,6 +139,49 @@ def _gated_activation_cases(dtype, gen):
     return [(f"T{t}-I{i}", (_randn(gen, dtype, t, 2 * i),)) for t, i in ((7, 48), (1, 128))]
 
 
+# ---- FP8 from the norm / activation: inputs whose results are exact in e4m3 -------------------
+# The fused ops quantize their own output, so a 1-ulp difference in that output between two
+# correct implementations (a bf16 rounding, the GPU's rsqrt) could move an e4m3 value a whole
+# step. These inputs make every intermediate exact: rows of +-c with c a power of two and
+# eps = 0 normalise to exactly +-1, so the normed row is +-weight; the weight (and SiLU's up
+# half, with gate 32 or 64 where silu(gate) == gate in float32) are e4m3 values times a power
+# of two with +-448 in every row, so the scale is a power of two and every quotient is e4m3.
+# Random inputs are checked bit-for-bit against each plugin's own unfused ops in its tests.
+def _fp8_exact_weight(gen: torch.Generator, dtype: torch.dtype, h: int) -> torch.Tensor:
+    return (_fp8_rows(1, h, gen)[0].float() * 2.0**-8).to(dtype)
+
+
+def _unit_rows(gen: torch.Generator, t: int, h: int) -> torch.Tensor:
+    sign = torch.where(torch.rand(t, h, generator=gen) < 0.5, -1.0, 1.0)
+    return sign * _pow2((t, 1), -2, 3, gen)
+
+
+def _rms_norm_quant_fp8_cases(dtype, gen):
+    return [
+        (f"T{t}-H{h}", (_unit_rows(gen, t, h).to(dtype), _fp8_exact_weight(gen, dtype, h), 0.0))
+        for t, h in ((7, 96), (1, 256))
+    ]
+
+
+def _fused_add_rms_norm_quant_fp8_cases(dtype, gen):
+    cases = []
+    for t, h in ((7, 96), (1, 256)):
+        summed = _unit_rows(gen, t, h)
+        x = summed * (torch.randint(1, 4, (t, h), generator=gen).float() / 4)
+        args = (x.to(dtype), (summed - x).to(dtype), _fp8_exact_weight(gen, dtype, h), 0.0)
+        cases.append((f"T{t}-H{h}", args))
+    return cases
+
+
+def _silu_and_mul_quant_fp8_cases(dtype, gen):
+    cases = []
+    for t, i in ((7, 48), (1, 128), (3, 200)):
+        gate = _pow2((t, 1), 5, 7, gen).expand(t, i)
+        up = _fp8_rows(t, i, gen).float() * _pow2((t, 1), -9, -6, gen)
+        cases.append((f"T{t}-I{i}", (torch.cat([gate, up], dim=-1).to(dtype),)))
+    return cases
+
+
 def _write_kv_cache_cases(dtype, gen):
     num_blocks, block_size, kv_heads, head = 5, 8, 2, 32  # an odd number of blocks
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:6].to(torch.int64)
@@ -468,6 +511,9 @@ register_kernel_inputs("rotary_embedding", _rotary_cases)
 register_kernel_inputs("qk_norm_rotary", _qk_norm_rotary_cases, in_place=(1, 2))
 register_kernel_inputs("silu_and_mul", _gated_activation_cases)
 register_kernel_inputs("gelu_tanh_and_mul", _gated_activation_cases)
+register_kernel_inputs("rms_norm_quant_fp8", _rms_norm_quant_fp8_cases)
+register_kernel_inputs("fused_add_rms_norm_quant_fp8", _fused_add_rms_norm_quant_fp8_cases)
+register_kernel_inputs("silu_and_mul_quant_fp8", _silu_and_mul_quant_fp8_cases)
 register_kernel_inputs("write_kv_cache", _write_kv_cache_cases, in_place=(2,))
 register_kernel_inputs("linear", _linear_cases)
 register_kernel_inputs("argmax", _argmax_cases)

@@ -33,7 +33,8 @@ for step in "${steps[@]}"; do
     tests)
       echo "=== quantization GPU tests at $(elapsed)s"
       timeout -k 10 $(($(left) - 30)) python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_quant_gpu.py tests/gpu/test_gguf_gpu.py tests/triton_kernels/test_triton_quant.py \
+        tests/gpu/test_quant_gpu.py tests/gpu/test_gguf_gpu.py tests/gpu/test_fp8_fusion_gpu.py \
+        tests/triton_kernels/test_triton_quant.py tests/triton_kernels/test_triton_fp8_fusion.py \
         tests/triton_kernels/test_triton_gguf.py -m "gpu or triton" \
         >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"

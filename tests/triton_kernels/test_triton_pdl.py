@@ -122,6 +122,7 @@ def test_every_pdl_launched_kernel_waits_first():
     assert {
         "_rms_norm_kernel",
         "_act_and_mul_kernel",
+        "_silu_and_mul_quant_kernel",
         "_qk_norm_rotary_kernel",
         "_decode_kernel",
         "_skinny_kernel",

@@ -11,6 +11,12 @@ model runs it (torch's int4 tiles on NVIDIA sm_80+, ``int4pack.py``) and in the 
 layout (``w4a16_g128_triton``). Then the decode step's matmul time (x 32 layers) per method,
 which bounds batch-1 tokens/s.
 
+``--producers`` times, instead, the kernels that write an FP8 linear's input (hidden 4096,
+intermediate 14336): ``fused_add_rms_norm`` + ``quantize_fp8`` against
+``fused_add_rms_norm_quant_fp8``, ``silu_and_mul`` + ``quantize_fp8`` against
+``silu_and_mul_quant_fp8`` and its (chunk, warps) candidates (``SILU_QUANT_CANDIDATES``;
+the default is ``_QUANT_BLOCK`` / ``_QUANT_WARPS`` in ``activation.py``), per batch rows.
+
 ``--sweep`` also tries kernel configurations per shape and prints the fastest (candidates for
 the defaults in ``fp8_linear.py`` / ``wna16_linear.py``): the FP8 skinny kernel and the W4A16
 one-row kernel at M = 1, the W4A16 tensor-core decode kernel at 16 rows, and the W4A16 GEMM
@@ -101,6 +107,53 @@ INT4PACK_CANDIDATES = [
     (128, 16, 8, 3, False),
 ]
 INT4PACK_ROWS = (32, 64, 128, 256, 512, 1024)
+# The FP8 SiLU-and-mul kernel's (columns per chunk, num_warps), for --producers.
+SILU_QUANT_CANDIDATES = [(1024, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16)]
+PRODUCER_ROWS = (17, 64, 256, 512, 1024)
+
+
+def _producer_row(torch, graph_us, m: int, device: str = "cuda") -> dict:
+    """One batch size of ``_producers``."""
+    from engine_triton.kernels import activation, norm
+    from engine_triton.kernels.fp8_linear import quantize_fp8
+
+    bf16 = torch.bfloat16
+    w = torch.ones(4096, device=device, dtype=bf16)
+    x = torch.randn(m, 4096, device=device, dtype=bf16)
+    res = torch.randn(m, 4096, device=device, dtype=bf16)
+    gate_up = torch.randn(m, 2 * 14336, device=device, dtype=bf16)
+    row = {
+        "norm+quant": graph_us(lambda i: quantize_fp8(norm.fused_add_rms_norm(x, res, w, 1e-5)[0])),
+        "norm_fp8": graph_us(lambda i: norm.fused_add_rms_norm_quant_fp8(x, res, w, 1e-5)),
+        "silu+quant": graph_us(lambda i: quantize_fp8(activation.silu_and_mul(gate_up))),
+    }
+    default = (activation._QUANT_BLOCK, activation._QUANT_WARPS)
+    for block, warps in SILU_QUANT_CANDIDATES:
+        activation._QUANT_BLOCK, activation._QUANT_WARPS = block, warps
+        try:
+            row[f"silu_fp8 {block}x{warps}w"] = graph_us(
+                lambda i: activation.silu_and_mul_quant_fp8(gate_up)
+            )
+        finally:
+            activation._QUANT_BLOCK, activation._QUANT_WARPS = default
+    return {k: round(v, 2) for k, v in row.items()}
+
+
+def _producers(torch, graph_us, rows: list[int]) -> dict:
+    """Microseconds per call of the plain producer + quantizer and of the fused producer
+    (see the module docstring), at Llama-3.1-8B widths, by batch rows."""
+    from engine_triton.kernels import activation
+
+    results: dict = {}
+    for m in rows:
+        results[m] = _producer_row(torch, graph_us, m)
+        cells = " | ".join(f"{k}: {v:7.2f}us" for k, v in results[m].items())
+        print(
+            f"M={m:5d} {cells} (default silu_fp8 "
+            f"{activation._QUANT_BLOCK}x{activation._QUANT_WARPS}w)",
+            flush=True,
+        )
+    return results
 
 
 def _copies(make, nbytes: int) -> list:
@@ -268,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true", help="also sweep M=1 configurations")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--rows", default=None, help="batch rows, comma-separated")
+    parser.add_argument(
+        "--producers", action="store_true", help="time the FP8 norm / SiLU kernels instead"
+    )
     parser.add_argument(
         "--int4pack-sweep",
         action="store_true",
@@ -283,8 +339,15 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"gpu": torch.cuda.get_device_name(0), "int4pack": sweep}, f, indent=2)
         return 0
-    rows = [int(r) for r in args.rows.split(",")]
+    default_rows = PRODUCER_ROWS if args.producers else ROWS
+    rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]
     results: dict = {"gpu": torch.cuda.get_device_name(0), "shapes": {}, "sweep": {}}
+    if args.producers:
+        results["producers"] = _producers(torch, _graph_us, rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
     step_us: dict[str, float] = {}
     for name, (n, k) in SHAPES.items():
         calls, nbytes = _calls(torch, fp8_mod, w4_mod, n, k)

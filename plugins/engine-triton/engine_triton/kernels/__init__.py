@@ -26,7 +26,11 @@ GPU_PLATFORMS = ("cuda", "rocm")
 
 def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS) -> None:
     """Register every Triton kernel with the engine's kernel registry for ``platforms``."""
-    from engine_triton.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from engine_triton.kernels.activation import (
+        gelu_tanh_and_mul,
+        silu_and_mul,
+        silu_and_mul_quant_fp8,
+    )
     from engine_triton.kernels.argmax import argmax
     from engine_triton.kernels.fp8_linear import fp8_block_linear, fp8_linear
     from engine_triton.kernels.fused_moe import fused_moe, fused_moe_fp8, moe_topk_softmax
@@ -35,7 +39,12 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.kv_cache import write_kv_cache
     from engine_triton.kernels.linear import linear
     from engine_triton.kernels.lora import add_lora_linear, lora_expand_augmented
-    from engine_triton.kernels.norm import fused_add_rms_norm, rms_norm
+    from engine_triton.kernels.norm import (
+        fused_add_rms_norm,
+        fused_add_rms_norm_quant_fp8,
+        rms_norm,
+        rms_norm_quant_fp8,
+    )
     from engine_triton.kernels.rotary import qk_norm_rotary, rotary_embedding
     from engine_triton.kernels.wna16_linear import wna16_linear
 
@@ -46,6 +55,9 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "qk_norm_rotary": qk_norm_rotary,
         "silu_and_mul": silu_and_mul,
         "gelu_tanh_and_mul": gelu_tanh_and_mul,
+        "rms_norm_quant_fp8": rms_norm_quant_fp8,
+        "fused_add_rms_norm_quant_fp8": fused_add_rms_norm_quant_fp8,
+        "silu_and_mul_quant_fp8": silu_and_mul_quant_fp8,
         "write_kv_cache": write_kv_cache,
         "linear": linear,
         "argmax": argmax,

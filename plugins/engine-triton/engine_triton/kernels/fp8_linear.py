@@ -20,6 +20,13 @@ Three kernels:
 
 ``fp8_linear`` for W8A8 with M > 16 on sm_90+ and bfloat16 activations uses
 ``torch._scaled_mm`` (cuBLASLt, row-wise scales) instead of the tiled kernel.
+
+``fp8_linear`` also takes activations its producer already quantized per token
+(``engine.kernels.quantized.Fp8Activation``, from the ``*_quant_fp8`` norm and activation
+kernels): from ``MAX_SKINNY_M + 1`` rows (``fp8_linear.fp8_activation_min_rows``), where it
+would have run ``quantize_fp8`` on ``x`` itself, it skips that launch and multiplies the given
+e4m3 rows and scales. (Should one arrive with fewer rows, it is multiplied W8A8 by the skinny
+kernel: correct, though not what an unquantized ``x`` would get there.)
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.quantized import FP8_MAX, FP8_MIN_SCALE
+from engine.kernels.quantized import FP8_MAX, FP8_MIN_SCALE, Fp8Activation
 from engine_triton.kernels import pdl
 from engine_triton.kernels.linear import _SCRATCH, SM_COUNT_FALLBACK, _sm_count, m_bucket
 from engine_triton.kernels.pdl import pdl_launch, pdl_prefetch_wait, pdl_wait
@@ -504,9 +511,12 @@ def fp8_gemm(
 _CAPABILITY: dict[torch.device, tuple[int, int]] = {}
 
 
-def _scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """cuBLASLt's row-wise FP8 GEMM: Hopper or newer, bf16 output, sizes multiples of 16."""
-    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+def _scaled_mm_serves(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> bool:
+    """cuBLASLt's row-wise FP8 GEMM: Hopper or newer, bf16 output (``out_dtype``, default
+    ``x``'s dtype), sizes multiples of 16."""
+    if x.device.type != "cuda" or (out_dtype or x.dtype) != torch.bfloat16:
         return False
     n, k = weight.shape
     if n % 16 or k % 16:
@@ -522,7 +532,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None = None,
@@ -530,30 +540,55 @@ def fp8_linear(
     activation_quant: bool = True,
 ) -> torch.Tensor:
     """See ``engine.kernels.quantized.fp8_linear``."""
-    x2 = _rows(x)
-    m = x2.shape[0]
     n = weight.shape[0]
     ws = weight_scale.to(torch.float32)
+    if isinstance(x, Fp8Activation):
+        xq, xs = _rows(x.data), x.scale
+        y = _fp8_w8a8(xq, xs, weight, ws, bias, x.dtype, static=False)
+        return y.view(*x.shape[:-1], n)
+    x2 = _rows(x)
+    m = x2.shape[0]
     if activation_quant and not (DECODE_WEIGHT_ONLY and m <= MAX_SKINNY_M):
         xq, xs = quantize_fp8(x2, input_scale)
-        static = input_scale is not None
-        if m <= MAX_SKINNY_M:
-            y = fp8_skinny(xq, xs, weight, ws, bias, x.dtype, static_x_scale=static)
-        elif _scaled_mm_serves(x2, weight):
-            scale_a = xs.expand(m, 1).contiguous() if static else xs
-            scale_b = ws.expand(n).reshape(1, n).contiguous()
-            y = torch._scaled_mm(
-                xq, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype
-            )
-            if bias is not None:
-                y = y + bias
-        else:
-            y = fp8_gemm(xq, xs, weight, ws, bias, x.dtype, static_a_scale=static)
+        y = _fp8_w8a8(xq, xs, weight, ws, bias, x.dtype, static=input_scale is not None)
     elif m <= MAX_SKINNY_M:
         y = fp8_skinny(x2, None, weight, ws, bias, x.dtype)
     else:
         y = fp8_gemm(x2, None, weight, ws, bias, x.dtype)
     return y.view(*x.shape[:-1], n)
+
+
+# A producer may hand fp8_linear its activations quantized from this many rows on: above the
+# skinny kernel's rows, where every W8A8 call quantizes per token (at or below, the call may be
+# multiplied weight-only: DECODE_WEIGHT_ONLY).
+fp8_linear.fp8_activation_min_rows = MAX_SKINNY_M + 1  # type: ignore[attr-defined]
+
+
+def _fp8_w8a8(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    ws: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    static: bool,
+) -> torch.Tensor:
+    """e4m3 rows ``xq`` ``[M, K]`` with scales ``xs`` (``[M, 1]``, or ``[1]`` when
+    ``static``) times the e4m3 weight: the skinny kernel, cuBLASLt or the tiled GEMM."""
+    m = xq.shape[0]
+    n = weight.shape[0]
+    if m <= MAX_SKINNY_M:
+        y = fp8_skinny(xq, xs, weight, ws, bias, out_dtype, static_x_scale=static)
+    elif _scaled_mm_serves(xq, weight, out_dtype):
+        scale_a = xs.expand(m, 1).contiguous() if static else xs
+        scale_b = ws.expand(n).reshape(1, n).contiguous()
+        y = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = fp8_gemm(xq, xs, weight, ws, bias, out_dtype, static_a_scale=static)
+    return y
 
 
 def fp8_block_linear(

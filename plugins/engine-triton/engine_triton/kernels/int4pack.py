@@ -7,8 +7,10 @@ Llama-3.1-8B projections it beat our Triton W4A16 kernels at every batch of 1 to
 394.9 at sixteen), so 4-bit layers of bf16 models keep their weights in its layout:
 
 * up to ``MAX_ROWS`` rows: ``_weight_int4pack_mm``;
-* more rows: the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` (this module, in
-  Triton) and multiplied by cuBLAS, which beat torch's kernel from 32 rows on.
+* from ``MAX_ROWS + 1`` to ``DENSE_MIN_ROWS - 1`` rows: ``_int4pack_gemm_kernel`` (this module,
+  in Triton), which reads the tiles as stored and dequantizes in registers;
+* more rows (prefill): the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` and
+  multiplied by cuBLAS, the dequantization's cost spread over the rows.
 
 **The layout** (CUDA; ``inner`` = k-tiles of 16 per super-tile, 8 here where K allows):
 ``int32 [N / 8, K / (16 * inner), 32, inner / 2]``. Word ``[nt, ko, t, p]`` holds eight 4-bit

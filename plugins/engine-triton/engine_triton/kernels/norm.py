@@ -1,9 +1,17 @@
-"""RMSNorm and fused residual-add + RMSNorm as Triton kernels.
+"""RMSNorm and fused residual-add + RMSNorm as Triton kernels, optionally writing the normed
+rows as e4m3 with per-token scales for an FP8 linear (``*_quant_fp8``).
 
 One program normalises one row. Arithmetic is float32 and the result is cast back to the input
 dtype, as ``engine.kernels.reference`` specifies; the fused variant rounds the sum to the input
 dtype first and normalises that rounded sum, so both outputs match the reference bit-for-bit in
 float32 and to rounding in bf16/fp16.
+
+With ``QUANT`` the same program, after the same arithmetic, rounds the normed row to the input
+dtype (what ``rms_norm`` would store), takes its absolute maximum and writes the row quantized
+as ``quantize_fp8`` (``fp8_linear.py``) would from the stored values: scale
+``max(amax / 448, FP8_MIN_SCALE)`` with IEEE division, values ``x / scale`` saturated and
+rounded to e4m3. The whole row is in registers already, so the quantization costs no second
+read, and the result is bit-identical to ``rms_norm`` followed by ``quantize_fp8``.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.quantized import FP8_MAX, FP8_MIN_SCALE
 from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
 
@@ -22,6 +31,7 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    scale_ptr,
     x_stride,
     x_stride_inner,
     inner,
@@ -32,6 +42,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    QUANT: tl.constexpr = False,
+    FP8_MAX_C: tl.constexpr = 448.0,
+    MIN_SCALE: tl.constexpr = 1.0,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -51,7 +64,16 @@ def _rms_norm_kernel(
     var = tl.sum(xf * xf, axis=0) / hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = xf * tl.rsqrt(var + eps) * w
-    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        # out_ptr is e4m3: quantize the values rms_norm would have stored (in x's dtype).
+        yr = y.to(x.dtype).to(tl.float32)
+        amax = tl.max(tl.abs(yr), axis=0)  # masked columns are 0
+        scale = tl.maximum(tl.div_rn(amax, FP8_MAX_C), MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        q = tl.minimum(tl.maximum(tl.div_rn(yr, scale), -FP8_MAX_C), FP8_MAX_C)
+        tl.store(out_ptr + row * out_stride + cols, q.to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -65,11 +87,16 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return x2, x2.stride(0), 0, 1
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, quant=False):
+    """``(out, residual out, scales)``: ``out`` in x's dtype, or e4m3 with float32 per-row
+    ``scales`` ``[rows, 1]`` when ``quant`` (else ``scales`` is None)."""
     hidden = x.shape[-1]
     x2, x_stride, x_stride_inner, inner = _rows_view(x)
     rows = x.numel() // hidden
-    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    out = torch.empty(
+        (rows, hidden), dtype=torch.float8_e4m3fn if quant else x.dtype, device=x.device
+    )
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quant else None
     block = triton.next_power_of_2(hidden)
     # Wide rows want more warps to keep registers per thread low.
     num_warps = min(max(block // 256, 1), 16)
@@ -79,7 +106,8 @@ def _launch(x, residual, weight, eps):
         res2 = residual.reshape(-1, hidden)
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
-        res_out = torch.empty_like(out)
+        res_out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    quant_args = {"QUANT": True, "FP8_MAX_C": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE} if quant else {}
     if rows:
         _rms_norm_kernel[(rows,)](
             x2,
@@ -87,6 +115,7 @@ def _launch(x, residual, weight, eps):
             weight,
             out,
             res_out,
+            scales if quant else out,
             x_stride,
             x_stride_inner,
             inner,
@@ -98,9 +127,10 @@ def _launch(x, residual, weight, eps):
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=num_warps,
+            **quant_args,
             **pdl_launch(x.device),
         )
-    return out.view(x.shape), res_out.view(x.shape)
+    return out.view(x.shape), res_out.view(x.shape), scales
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,4 +143,23 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual``; returns ``(rms_norm(residual), residual)`` as new tensors."""
-    return _launch(x, residual, weight, eps)
+    out, res, _ = _launch(x, residual, weight, eps)
+    return out, res
+
+
+def rms_norm_quant_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` written as e4m3 per token: ``(q [..., H], float32 scales [M, 1])``,
+    bit-identical to ``quantize_fp8(rms_norm(x, weight, eps))``."""
+    q, _, scales = _launch(x, None, weight, eps, quant=True)
+    return q, scales
+
+
+def fused_add_rms_norm_quant_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` with the normed rows written as e4m3 per token:
+    ``(q, float32 scales [M, 1], new residual)``."""
+    q, res, scales = _launch(x, residual, weight, eps, quant=True)
+    return q, scales, res

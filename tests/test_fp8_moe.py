@@ -451,3 +451,23 @@ def test_the_qwen3_30b_fp8_shape_builds_and_splits_as_the_real_checkpoint(tmp_pa
         QuantizationError, match=r"each rank's 192 of the experts' 768 intermediate features"
     ):
         check_quantized_layout(*args, 4)
+
+
+@pytest.mark.parametrize("block,slices", [((128, 128), 2), ((16, 32), 2), ((16, 32), 1)])
+def test_block_quantizer_writes_the_kernels_layout(block, slices):
+    """``quantize_fp8_experts_blocks`` (tests, benchmarks) against the spec's dequantizer:
+    each block's largest magnitude lands on 448 (exactly the block's amax after scaling), and
+    the dequantized experts are the originals to e4m3 precision; gate and up blocks apart."""
+    from engine.kernels.quantized import dequantize_fp8_experts
+    from engine.quantization.fp8_moe import quantize_fp8_experts_blocks
+
+    w = torch.randn(3, 2 * 40, 72)
+    w[:, 40:] *= 10  # the up half 10x the gate's: shared blocks would show
+    q, scale = quantize_fp8_experts_blocks(w, block, slices)
+    bn, bk = block
+    part = w.shape[1] // slices
+    assert scale.shape == (3, slices * -(-part // bn), -(-72 // bk))
+    back = dequantize_fp8_experts(q, scale, block, slices)
+    # e4m3: 3 mantissa bits (relative 2^-4), subnormal steps of 2^-9 times the block scale
+    assert torch.allclose(back, w, rtol=2**-4, atol=2**-10 * float(scale.max()))
+    assert float(q.float().abs().amax()) == 448.0

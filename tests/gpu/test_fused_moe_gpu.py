@@ -81,32 +81,17 @@ def test_fused_moe_replays_in_a_cuda_graph(experts):
 
 
 # ---- FP8 experts (weight-only) ----------------------------------------------------------------
-def _fp8_block_quantize(w: torch.Tensor, bn: int = 128, bk: int = 128):
-    """Stacked experts [E, N, K] -> (e4m3, float32 [E, ceil(N / bn), ceil(K / bk)]) block
-    scales, each block's largest magnitude mapped to 448 (as Qwen3-*-FP8 checkpoints)."""
-    e, n, k = w.shape
-    rows, cols = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(e, rows * bn, cols * bk, device=w.device, dtype=torch.float32)
-    padded[:, :n, :k] = w.float()
-    tiles = padded.view(e, rows, bn, cols, bk)
-    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
-    q = (tiles / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(e, rows * bn, cols * bk)[:, :n, :k].contiguous(), scale
-
-
 def _fp8_experts(w13, w2, scheme):
     """The bf16 experts as ``fused_moe_fp8`` takes them: (w13, w2, s13, s2, block_size)."""
-    from engine.quantization.fp8_moe import quantize_fp8_experts
+    from engine.quantization.fp8_moe import quantize_fp8_experts, quantize_fp8_experts_blocks
 
     if scheme == "channel":
         q13, s13 = quantize_fp8_experts(w13)
         q2, s2 = quantize_fp8_experts(w2)
         return q13, q2, s13, s2, None
-    i = w13.shape[1] // 2
-    g, sg = _fp8_block_quantize(w13[:, :i])
-    u, su = _fp8_block_quantize(w13[:, i:])
-    q2, s2 = _fp8_block_quantize(w2)
-    return torch.cat([g, u], 1), q2, torch.cat([sg, su], 1), s2, (128, 128)
+    q13, s13 = quantize_fp8_experts_blocks(w13, (128, 128), slices=2)
+    q2, s2 = quantize_fp8_experts_blocks(w2, (128, 128))
+    return q13, q2, s13, s2, (128, 128)
 
 
 @pytest.mark.parametrize("scheme", ["block128", "channel"])

@@ -7,7 +7,6 @@
 # Steps (default: tests qkernels fp8-b1 awq-b1 fp8-nano awq-nano fp8-mixed awq-mixed; in this
 # order); optional: bf16-mixed, kv-fp8 (the bf16 nano run with --kv-cache-dtype fp8: about
 # twice the KV blocks), sweep (the kernel configurations of quant_benchmark --sweep),
-# int4pack (the int4-tile tests and the GEMM's configurations against the dense path),
 # vllm-mixed (the vLLM kit on the same mixed workload, FP8 then AWQ; needs .peers/ as its
 # README describes, about 100 s of engine start each). Logs go to $OUT/*.log, every benchmark's JSON into $OUT/results.json.
 # A step is skipped when less than a minute of DEADLINE (seconds, default 560) is left.
@@ -39,16 +38,6 @@ for step in "${steps[@]}"; do
         >"$OUT/tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"
       tail -15 "$OUT/tests.log"
-      ;;
-    int4pack)
-      echo "=== int4-tile tests and GEMM sweep at $(elapsed)s"
-      timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider \
-        tests/triton_kernels/test_triton_int4pack.py >"$OUT/int4pack-tests.log" 2>&1
-      echo "tests rc=$?"; tail -3 "$OUT/int4pack-tests.log"
-      timeout -k 10 $(($(left) - 60)) python3 -m engine_triton.quant_benchmark --int4pack-sweep \
-        --json "$OUT/int4pack.json" >"$OUT/int4pack.log" 2>&1
-      echo "rc=$? at $(elapsed)s"
-      grep "int4pack" "$OUT/int4pack.log"
       ;;
     qkernels|sweep)
       [ "$(left)" -lt 90 ] && { echo "SKIP $step"; continue; }

@@ -89,24 +89,6 @@ W4_GEMM_CANDIDATES = [
     (128, 128, 64, 4, 4),
 ]
 GEMM_ROWS = (64, 256, 1024)
-# The GEMM over torch's int4 tiles (``int4pack._gemm_config``: block_m, block_nt (row tiles of
-# 8 outputs), num_warps, num_stages, activations gathered into the tile order) at
-# INT4PACK_ROWS, against the dequantized weight through cuBLAS.
-INT4PACK_CANDIDATES = [
-    (32, 8, 4, 3, True),
-    (32, 16, 4, 3, True),
-    (64, 8, 4, 3, True),
-    (64, 16, 4, 3, True),
-    (64, 16, 8, 3, True),
-    (64, 32, 8, 3, True),
-    (128, 8, 4, 3, True),
-    (128, 16, 8, 3, True),
-    (128, 16, 8, 4, True),
-    (128, 32, 8, 3, True),
-    (64, 16, 4, 3, False),
-    (128, 16, 8, 3, False),
-]
-INT4PACK_ROWS = (32, 64, 128, 256, 512, 1024)
 # The FP8 SiLU-and-mul kernel's (columns per chunk, num_warps), for --producers.
 SILU_QUANT_CANDIDATES = [(1024, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16)]
 PRODUCER_ROWS = (17, 64, 256, 512, 1024)
@@ -275,42 +257,6 @@ def _sweep_shape(name, k, calls, fp8_mod, w4_mod, graph_us, torch, device="cuda"
     return best
 
 
-def _int4pack_sweep(name, n, k, graph_us, torch, device="cuda") -> dict:
-    """The int4-tile GEMM's configurations against the dense path, per row count, printed;
-    the three fastest of each."""
-    from engine_triton.kernels import int4pack
-
-    q = torch.randint(0, 16, (n, k), device=device, dtype=torch.uint8)
-    s = torch.rand(n, k // 128, device=device) * 0.01
-    z = torch.full((n, k // 128), 8, device=device, dtype=torch.uint8)
-    packs = _copies(lambda: int4pack.pack(q, s, z, 128), n * k // 2)
-    best = {}
-    for m in INT4PACK_ROWS:
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        timings = _sweep(
-            graph_us,
-            int4pack,
-            "_gemm_config",
-            INT4PACK_CANDIDATES,
-            lambda x_, i: int4pack.gemm(x_, packs[i % len(packs)], 128),
-            x,
-        )
-        dense = graph_us(
-            lambda i, x=x: torch.nn.functional.linear(
-                x, int4pack.dequantize(packs[i % len(packs)], n, 128)
-            )
-        )
-        default = graph_us(lambda i, x=x: int4pack.gemm(x, packs[i % len(packs)], 128))
-        timings = sorted(timings + [(round(dense, 2), "dense")], key=lambda t: t[0])
-        best[m] = {"top": timings[:3], "default": round(default, 2), "dense": round(dense, 2)}
-        print(
-            f"  int4pack {name} M={m}: best {timings[:3]}; default {default:.2f}; "
-            f"dense {dense:.2f}",
-            flush=True,
-        )
-    return best
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -325,20 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--producers", action="store_true", help="time the FP8 norm / SiLU kernels instead"
     )
-    parser.add_argument(
-        "--int4pack-sweep",
-        action="store_true",
-        help="only sweep the int4-tile GEMM's configurations against the dense path",
-    )
     args = parser.parse_args(argv)
-    if args.int4pack_sweep:
-        sweep = {
-            name: _int4pack_sweep(name, n, k, _graph_us, torch) for name, (n, k) in SHAPES.items()
-        }
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(0), "int4pack": sweep}, f, indent=2)
-        return 0
     default_rows = PRODUCER_ROWS if args.producers else ROWS
     rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]
     results: dict = {"gpu": torch.cuda.get_device_name(0), "shapes": {}, "sweep": {}}

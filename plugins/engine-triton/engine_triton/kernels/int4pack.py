@@ -7,10 +7,8 @@ Llama-3.1-8B projections it beat our Triton W4A16 kernels at every batch of 1 to
 394.9 at sixteen), so 4-bit layers of bf16 models keep their weights in its layout:
 
 * up to ``MAX_ROWS`` rows: ``_weight_int4pack_mm``;
-* from ``MAX_ROWS + 1`` to ``DENSE_MIN_ROWS - 1`` rows: ``_int4pack_gemm_kernel`` (this module,
-  in Triton), which reads the tiles as stored and dequantizes in registers;
-* more rows (prefill): the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` and
-  multiplied by cuBLAS, the dequantization's cost spread over the rows.
+* more rows: the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` (this module, in
+  Triton) and multiplied by cuBLAS, which beat torch's kernel from 32 rows on.
 
 **The layout** (CUDA; ``inner`` = k-tiles of 16 per super-tile, 8 here where K allows):
 ``int32 [N / 8, K / (16 * inner), 32, inner / 2]``. Word ``[nt, ko, t, p]`` holds eight 4-bit
@@ -32,13 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_triton.kernels.pdl import pdl_launch, pdl_wait
-
 # Rows up to which torch's kernel multiplies; above, dequantize + cuBLAS.
 MAX_ROWS = 16
-# Rows from which the weight is dequantized to bf16 and multiplied by cuBLAS; between
-# ``MAX_ROWS`` and this, ``_int4pack_gemm_kernel`` reads the 4-bit tiles directly.
-DENSE_MIN_ROWS = 1024
 GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -97,28 +90,9 @@ def unpack_reference(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return q
 
 
-# The order of a super-tile's ``16 * INNER`` inputs in which the GEMM below unpacks its words
-# ("tile order"): position ``v = (c * P + p) * 8 + 4 * lo + j`` (``P = INNER / 2``; ``c`` the
-# lane's column pair ``t % 4``, ``p`` the word, ``lo`` and ``j`` the field ``4 lo + j``) holds
-# input ``32 p + 8 j + 2 c + lo``. Words unpacked in their stored order come out in this order
-# with no permutation; the activations are gathered into it instead (``tile_order``).
-
-
-def tile_order(k: int, inner: int) -> torch.Tensor:
-    """``[K]``: the input feature at each position of the tile order, super-tile by
-    super-tile (``x[:, tile_order(K, inner)]`` lines the activations up with the words)."""
-    p_words = inner // 2
-    v = torch.arange(16 * inner)
-    f, cp = v % 8, v // 8
-    p, c = cp % p_words, cp // p_words
-    within = 32 * p + 8 * (f % 4) + 2 * c + f // 4
-    starts = torch.arange(0, k, 16 * inner)
-    return (starts[:, None] + within[None, :]).reshape(-1)
-
-
 def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
-    """``{"int4pack", "scale_zero", "tile_order"}`` of a ``[N, K]`` 4-bit weight with ``[N, K /
-    group]`` scales and integer zero points (``tile_order`` as int32, for the GEMM). On CUDA torch's own converter packs (the GPU test holds it
+    """``{"int4pack", "scale_zero"}`` of a ``[N, K]`` 4-bit weight with ``[N, K / group]``
+    scales and integer zero points. On CUDA torch's own converter packs (the GPU test holds it
     to ``pack_reference``); elsewhere (interpreter tests) the reference does."""
     n, k = qweight.shape
     inner = inner_k_tiles(k)
@@ -133,8 +107,7 @@ def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group
     s = scales.to(torch.float32)
     zero = (8.0 - zeros.to(torch.float32)) * s
     scale_zero = torch.stack([s, zero], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
-    order = tile_order(k, inner).to(device=q.device, dtype=torch.int32)
-    return {"int4pack": words, "scale_zero": scale_zero, "tile_order": order}
+    return {"int4pack": words, "scale_zero": scale_zero}
 
 
 @triton.jit
@@ -202,132 +175,6 @@ def dequantize(packed: dict[str, torch.Tensor], n: int, group_size: int) -> torc
     return out
 
 
-@triton.jit
-def _int4pack_gemm_kernel(
-    x_ptr,
-    w_ptr,
-    sz_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    GROUP,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    INNER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_NT: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    X_TILE_ORDER: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):
-    """``y [M, N] = x [M, K] @ W^T`` straight from torch's int4 tiles: each program multiplies
-    ``BLOCK_M`` rows by ``8 BLOCK_NT`` outputs, one k super-tile (``16 INNER`` inputs) per
-    iteration. The words are loaded as stored (one contiguous ``128 INNER``-byte run per row
-    tile), split into fields, dequantized in float32 exactly as ``_int4pack_dequant_kernel``
-    does (``(q - 8) * scale + zero``, rounded once to bf16) and fed to ``tl.dot``, so each 4-bit
-    weight leaves memory once per row block instead of being written and read back as bf16.
-    With ``X_TILE_ORDER`` the caller has gathered ``x``'s columns into the tile order (see
-    ``tile_order``) and the fields need no reordering; otherwise the fields are permuted in
-    registers into input order, as the dequantization kernel does."""
-    pdl_wait(USE_PDL)
-    P: tl.constexpr = INNER // 2
-    KT: tl.constexpr = 16 * INNER
-    BLOCK_N: tl.constexpr = 8 * BLOCK_NT
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_c = tl.minimum(rows, M - 1)
-    x_rows = x_ptr + rows_c.to(tl.int64)[:, None] * stride_xm
-    kk = tl.arange(0, KT)
-    nt = pid_n * BLOCK_NT + tl.arange(0, BLOCK_NT)
-    nt_ok = nt < N // 8
-    t = tl.arange(0, 32)
-    p = tl.arange(0, P)
-    w_offs = nt.to(tl.int64)[:, None, None] * stride_wn + t[None, :, None] * P + p[None, None, :]
-    # Scale and zero of output row 8 nt + t // 4 for word p's 32 inputs (one group: groups
-    # are multiples of 32), in the words' own [B, 32, P] shape.
-    n_of = (nt[:, None, None] * 8 + t[None, :, None] // 4).to(tl.int64)
-    shifts = tl.arange(0, 8) * 4
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ko in range(0, K // KT):
-        words = tl.load(w_ptr + w_offs + ko * (32 * P), mask=nt_ok[:, None, None], other=0)
-        g = (ko * KT + 32 * p) // GROUP
-        sz = (g.to(tl.int64)[None, None, :] * N + n_of) * 2
-        scale = tl.load(sz_ptr + sz, mask=nt_ok[:, None, None], other=0.0).to(tl.float32)
-        zero = tl.load(sz_ptr + sz + 1, mask=nt_ok[:, None, None], other=0.0).to(tl.float32)
-        q = (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF  # [B, 32, P, 8]
-        # 2**23 + q by OR-ing q into 2**23's mantissa (an integer op, not a conversion), so
-        # (f - (2**23 + 8)) is q - 8 exactly and w matches the dequantization kernel's.
-        f = (q | 0x4B000000).to(tl.float32, bitcast=True)
-        w = ((f - 8388616.0) * scale[:, :, :, None] + zero[:, :, :, None]).to(tl.bfloat16)
-        if X_TILE_ORDER:
-            w = tl.reshape(w, (BLOCK_N, KT))  # [nt, r, c, p, f]: rows 8 nt + r, tile order
-        else:
-            # t = 4 r + c and f = 4 lo + j: [B, r, c, p, lo, j] -> [B, r, p, j, c, lo].
-            w = tl.reshape(w, (BLOCK_NT, 8, 4, P, 2, 4))
-            w = tl.permute(w, (0, 1, 3, 5, 2, 4))
-            w = tl.reshape(w, (BLOCK_N, KT))
-        xk = tl.load(x_rows + (ko * KT + kk)[None, :])
-        acc = tl.dot(xk, tl.trans(w), acc)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    tl.store(
-        y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=mask,
-    )
-
-
-def _gemm_config(m: int, n: int) -> tuple[int, int, int, int, bool]:
-    """(block_m, block_nt, num_warps, num_stages, x in tile order) of the GEMM."""
-    block_m = 32 if m <= 32 else 64 if m <= 64 else 128
-    block_nt = 16 if n >= 8192 else 8
-    return block_m, block_nt, 4 if block_m * block_nt <= 1024 else 8, 3, True
-
-
-def gemm(
-    x: torch.Tensor,
-    packed: dict[str, torch.Tensor],
-    group_size: int,
-    perm: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``x [M, K] @ W^T`` through ``_int4pack_gemm_kernel``: ``x`` bf16 in the checkpoint's
-    input order, gathered here by one ``index_select`` into the tile order (composed with the
-    act order ``perm`` if any), or by ``perm`` alone where the configuration permutes the
-    fields instead."""
-    words, scale_zero = packed["int4pack"], packed["scale_zero"]
-    inner = 2 * words.shape[-1]
-    m, k = x.shape
-    n = scale_zero.shape[1]
-    block_m, block_nt, warps, stages, x_tile_order = _gemm_config(m, n)
-    if x_tile_order:
-        order = packed["tile_order"]
-        x = x.index_select(1, order if perm is None else perm.index_select(0, order))
-    elif perm is not None:
-        x = x.index_select(1, perm)
-    elif not x.is_contiguous():
-        x = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, 8 * block_nt),)
-    _int4pack_gemm_kernel[grid](
-        x, words, scale_zero, y, m, n, k, group_size,
-        x.stride(0), words.stride(0), y.stride(0),
-        INNER=inner, BLOCK_M=block_m, BLOCK_NT=block_nt, GROUP_M=8, X_TILE_ORDER=x_tile_order,
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device),
-    )  # fmt: skip
-    return y
-
-
 def linear(
     x: torch.Tensor,
     packed: dict[str, torch.Tensor],
@@ -340,18 +187,13 @@ def linear(
     if x.dtype != torch.bfloat16:
         raise ValueError(f"int4pack layers take bfloat16 activations, got {x.dtype}")
     n = packed["scale_zero"].shape[1]
-    m = x.shape[0]
-    if MAX_ROWS < m < DENSE_MIN_ROWS:
-        y = gemm(x, packed, group_size, perm)
+    xp = x.index_select(1, perm) if perm is not None else x
+    if not xp.is_contiguous():
+        xp = xp.contiguous()
+    if xp.shape[0] <= MAX_ROWS:
+        y = torch._weight_int4pack_mm(xp, packed["int4pack"], group_size, packed["scale_zero"])
     else:
-        xp = x.index_select(1, perm) if perm is not None else x
-        if not xp.is_contiguous():
-            xp = xp.contiguous()
-        if m <= MAX_ROWS:
-            w, sz = packed["int4pack"], packed["scale_zero"]
-            y = torch._weight_int4pack_mm(xp, w, group_size, sz)
-        else:
-            y = torch.nn.functional.linear(xp, dequantize(packed, n, group_size))
+        y = torch.nn.functional.linear(xp, dequantize(packed, n, group_size))
     if bias is not None:
         y += bias
     return y

@@ -30,8 +30,7 @@ quarter of its integer rate, which bounded these kernels by arithmetic instead o
 
 4-bit layers of bf16 models on NVIDIA sm_80+ take none of these: ``prepack`` stores them in
 torch's int4 tile layout and ``int4pack.py`` multiplies them (torch's kernel up to 16 rows,
-its own GEMM over the tiles up to ``int4pack.DENSE_MIN_ROWS``, dequantize + cuBLAS above),
-faster at every batch size measured (``INT4PACK``).
+dequantize + cuBLAS above), faster at every batch size measured (``INT4PACK``).
 """
 
 from __future__ import annotations

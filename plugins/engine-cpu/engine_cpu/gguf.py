@@ -21,8 +21,9 @@ load the blocks are repacked:
   and on AMX CPUs for float32 activations: every kept type in every activation dtype, the tied
   embedding / LM head included, row by row in 32-value blocks: the 4-bit types two values a
   byte, the 5- and 6-bit types a byte each (unsigned, with float32 scales and offsets per
-  group), Q8_0 as its signed bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 355
-  MiB of weights against 1,087 MiB dense in float32, its default dtype on such a CPU). The
+  group; no offsets where they are -z times the scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed
+  bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 345 MiB of weights against
+  1,087 MiB dense in float32, its default dtype on such a CPU). The
   activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
   dot products (``VPMADDUBSW``), scaled per block in float32, up to ``AVX2_DENSE_ROWS`` rows
   (decode: 1.3-2.7x faster than the dense float32 product at one row on this project's 2-core

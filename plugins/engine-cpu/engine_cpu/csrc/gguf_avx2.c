@@ -159,8 +159,8 @@ static inline __attribute__((always_inline)) void tile_dot(
 
 /* One output row against one activation row (batch-1 decode), 32-value groups, K >= 256: the
  * same sums as tile_dot in fewer instructions a block, where one activation row leaves the
- * product bound by them (measured: 8-12% less time than tile_dot for the vocabulary and the
- * Q5_0 layers of the embedded Gemma 3, one thread). Eight blocks' scales are loaded and
+ * product bound by them (measured: 10-13% less time than tile_dot for the vocabulary and the
+ * Q5_0 layers of the embedded Gemma 3, one thread; docs/benchmarks.md, sixth session). Eight blocks' scales are loaded and
  * multiplied by the activation's as one vector, from which each block takes its lane (no
  * scalar loads); the last eight end at the row's last block, the lanes already done skipped.
  * Even and odd blocks go to two accumulators. The offsets' term sum_g o[g] * xs[g] (or -z

@@ -40,7 +40,10 @@ def avx2_only(monkeypatch):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_products_are_int8_activations_times_the_exact_weights(name):
-    n, k = 67, 512  # odd: the last weight row goes alone when two are paired (16+ rows)
+    # n odd: the last weight row goes alone when two are paired (16+ rows); k = 640 for the
+    # 32-value block types (20 blocks: one row's eight-block scale loads end on a partial
+    # eight at one activation row), 512 for the K-quants' 256-value super-blocks
+    n, k = 67, 512 if name.endswith("_K") else 640
     qtype = gk.gguf_type(name).ggml_type
     blocks = gguf_blocks(n, k, name, seed=11)
     packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
@@ -94,7 +97,8 @@ def test_the_packing_holds_the_values_in_their_bits(name):
         assert values.shape == (n, k // 2)
     else:
         assert values.shape == (n, k)
-    assert ("avx2_offsets" in packed) == (name != "Q8_0")
+    # no offsets for Q8_0 (signed values) and where they are -z times the scale
+    assert ("avx2_offsets" in packed) == (name not in ("Q4_0", "Q5_0", "Q6_K", "Q8_0"))
     assert packed["avx2_scales"].shape == (n, k // t.group)
 
 

@@ -23,7 +23,9 @@ def test_argmax_is_torch_argmax_with_ties_nan_and_inf(dtype):
     x[2, 17] = float("nan")  # a NaN counts as the maximum
     x[3, 4000] = x[3, 9] = x[3].max() + 1  # a tie far apart
     x[4] = 0.0  # all equal
-    for logits in (x, x[:, :4999]):  # and a padded-vocabulary view (row stride != V)
+    # and a padded-vocabulary view (row stride != V), one row (float32: the compiled kernel's
+    # one-thread case), rows shorter than its eight lanes
+    for logits in (x, x[:, :4999], x[2:3], x[3:4], x[:, :5]):
         out = argmax(logits)
         assert out.dtype == torch.int64
         assert torch.equal(out, ref.argmax(logits))

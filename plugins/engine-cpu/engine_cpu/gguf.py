@@ -21,8 +21,9 @@ load the blocks are repacked:
   and on AMX CPUs for float32 activations: every kept type in every activation dtype, the tied
   embedding / LM head included, row by row in 32-value blocks: the 4-bit types two values a
   byte, the 5- and 6-bit types a byte each (unsigned, with float32 scales and offsets per
-  group), Q8_0 as its signed bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 355
-  MiB of weights against 1,087 MiB dense in float32, its default dtype on such a CPU). The
+  group; no offsets where they are -z times the scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed
+  bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 345 MiB of weights against
+  1,087 MiB dense in float32, its default dtype on such a CPU). The
   activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
   dot products (``VPMADDUBSW``), scaled per block in float32, up to ``AVX2_DENSE_ROWS`` rows
   (decode: 1.3-2.7x faster than the dense float32 product at one row on this project's 2-core
@@ -219,20 +220,28 @@ def _avx2() -> bool:
     return lib is not None
 
 
+# The zero points of the types whose offset is -z times the scale (engine.kernels.gguf): their
+# offsets are not stored, the kernels derive them (a quarter less to read for Q6_K's 16-value
+# groups, a tenth for Q5_0).
+_AVX2_ZERO = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+
+
 def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
     by row: Q8_0 as its signed bytes (scales only); 4-bit types as two values a byte (value j
     of a 32-value block in the low nibble of byte j, value 16 + j in its high nibble); the 5-
-    and 6-bit types a byte each; float32 scales and, except for Q8_0, offsets per group.
-    Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's peak for a vocabulary
-    matrix."""
+    and 6-bit types a byte each; float32 scales per group and, except for Q8_0 and the types
+    whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word carries),
+    float32 offsets. Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's peak for a
+    vocabulary matrix."""
     n = blocks.shape[0]
     k = blocks.shape[1] * t.block_size
     signed = t.name == "Q8_0"
+    zero = _AVX2_ZERO.get(t.name, 0)
     pack = _PACK_S8 if signed else _PACK_U4 if t.bits == 4 else _PACK_U8
     values = torch.empty(n, k // 2 if pack == _PACK_U4 else k, dtype=torch.uint8)
     scales = torch.empty(n, k // t.group)
-    offsets = None if signed else torch.empty(n, k // t.group)
+    offsets = None if signed or zero else torch.empty(n, k // t.group)
     for start in range(0, n, _VOCAB_CHUNK):
         part = slice(start, min(start + _VOCAB_CHUNK, n))
         u, scale, offset = ref.unpack(blocks[part], t.ggml_type)
@@ -250,7 +259,8 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     packed = {
         "avx2_values": values,
         "avx2_scales": scales,
-        "avx2_layout": torch.tensor([pack, t.group]),
+        # the kernels' layout word: the packing, and the zero point in bits 16-23
+        "avx2_layout": torch.tensor([pack | zero << 16, t.group]),
     }
     if offsets is not None:
         packed["avx2_offsets"] = offsets

@@ -115,6 +115,7 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
         *(i32, i64, i64, i64, i64, i64, f32, f32, i64),
     ]
     lib.cpu_gated_act.argtypes = [ptr, i64, ptr, i64, i32, i64, i64, i32]
+    lib.cpu_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
     for fn in (
         lib.cpu_rms_norm,
         lib.cpu_fused_add_rms_norm,
@@ -122,6 +123,7 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
         lib.cpu_write_kv,
         lib.cpu_paged_decode,
         lib.cpu_gated_act,
+        lib.cpu_argmax_f32,
     ):
         fn.restype = None
     lib.cpu_plan_run.argtypes = [ptr, i64]
@@ -130,7 +132,12 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     # has a twin ``<name>_p`` in csrc/cpu_plan.c taking its arguments from an int64 array.
     for name in _PLANNED_AVX2:
         setattr(lib, name, Kernel(name, getattr(lib, name), getattr(lib, name + "_p")))
-    for name in ("gguf_avx2_quantize_rows", "gguf_avx2_gemm", "gguf_avx2_dequantize"):
+    for name in (
+        "gguf_avx2_quantize_rows",
+        "gguf_avx2_gemm",
+        "gguf_avx2_dequantize",
+        "cpu_argmax_f32",  # sampling's, outside the recorded forward
+    ):
         setattr(lib, name, Kernel(name, getattr(lib, name), None))
 
 

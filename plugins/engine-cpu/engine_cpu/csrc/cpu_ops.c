@@ -362,3 +362,62 @@ void cpu_gated_act(const void *x, int64_t x_row, void *out, int64_t o_row, int b
         }
     }
 }
+
+/* The index of each row's maximum, as torch.argmax(x, dim=-1) gives it: the first (lowest) one
+ * when tied, the first NaN where a row has one (a NaN counts as the maximum), 0 for a row of
+ * -inf. x [rows, n] float32 (n >= 1), row stride ld; out int64 [rows]. Eight lanes keep their
+ * strictly greater maximum and its index (so each lane's is its first), merged at the end by
+ * value, then lowest index. Rows over threads when there are several; a greedy batch-1 step's
+ * one row (the vocabulary's logits, just written, in cache) on one thread took 255 us through
+ * torch.argmax. */
+void cpu_argmax_f32(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * ld;
+        float m = -INFINITY;
+        int64_t mi = 0, i = 0;
+        int nan = 0;
+        if (n >= 8) {
+            __m256 best = _mm256_set1_ps(-INFINITY), nans = _mm256_setzero_ps();
+            __m256i bidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = bidx;
+            const __m256i eight = _mm256_set1_epi32(8);
+            for (; i + 8 <= n; i += 8) {
+                __m256 a = _mm256_loadu_ps(v + i);
+                __m256 gt = _mm256_cmp_ps(a, best, _CMP_GT_OQ);
+                best = _mm256_blendv_ps(best, a, gt);
+                bidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bidx),
+                                                             _mm256_castsi256_ps(idx), gt));
+                nans = _mm256_or_ps(nans, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+                idx = _mm256_add_epi32(idx, eight);
+            }
+            nan = _mm256_movemask_ps(nans) != 0;
+            float bv[8];
+            int32_t bi[8];
+            _mm256_storeu_ps(bv, best);
+            _mm256_storeu_si256((__m256i *)bi, bidx);
+            m = bv[0];
+            mi = bi[0];
+            for (int l = 1; l < 8; l++)
+                if (bv[l] > m || (bv[l] == m && bi[l] < mi)) {
+                    m = bv[l];
+                    mi = bi[l];
+                }
+        }
+        for (int64_t j = i; j < n && !nan; j++) {
+            if (isnan(v[j]))
+                nan = 1;
+            else if (v[j] > m || j == 0) {
+                m = v[j];
+                mi = j;
+            }
+        }
+        if (nan) { /* the first NaN */
+            for (int64_t j = 0; j < n; j++)
+                if (isnan(v[j])) {
+                    mi = j;
+                    break;
+                }
+        }
+        out[r] = mi;
+    }
+}

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from engine.kernels.quantized import FP8_DTYPE, FP8_MAX, Fp8Activation
+from engine.kernels.quantized import FP8_DTYPE, Fp8Activation
 from engine.layers.linear import LinearMethod, ShardLayout
 from engine.layers.weight_utils import ModelLoadError, init_dummy_parameter
 from engine.quantization.base import (
@@ -46,6 +46,8 @@ from engine.quantization.utils import (
     add_param,
     kernel,
     per_slice_scale,
+    quantize_fp8_per_channel,
+    quantize_fp8_per_tensor,
     random_fp8,
     replace_param,
 )
@@ -90,22 +92,6 @@ def fp8_device_reasons(spec: QuantizationSpec) -> list[str]:
             "(e4m3 converted by bit shifts, as Marlin does) is not written yet"
         ]
     return []
-
-
-def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[N, K]`` -> (e4m3 ``[N, K]``, float32 scale ``[N]``): each row scaled so its
-    largest magnitude maps to 448."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` -> (e4m3, float32 scale ``[1]``) with one scale for the whole tensor."""
-    w = weight.float()
-    scale = (w.abs().amax() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny).reshape(1)
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def expand_slice_scales(layer: LinearBase, scales: torch.Tensor) -> torch.Tensor:

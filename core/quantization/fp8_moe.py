@@ -45,7 +45,7 @@ from engine.layers.weight_utils import (
     set_weight_loader,
 )
 from engine.quantization.base import QuantizationError
-from engine.quantization.utils import random_fp8, replace_param
+from engine.quantization.utils import quantize_fp8_per_channel, random_fp8, replace_param
 
 if TYPE_CHECKING:
     from engine.layers.fused_moe import FusedMoE
@@ -64,8 +64,6 @@ def quantize_fp8_experts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Stacked experts ``[E, N, K]`` -> (e4m3 ``[E, N, K]``, float32 ``[E, N]``): each expert's
     rows scaled so that their largest magnitude maps to 448. One expert at a time, so the
     float32 working copy is one expert's."""
-    from engine.quantization.fp8 import quantize_fp8_per_channel
-
     q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
     scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
     for e in range(weight.shape[0]):

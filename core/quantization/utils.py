@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.kernels.quantized import FP8_DTYPE, FP8_MAX
 from engine.kernels.reference import REFERENCE_KERNELS
 from engine.layers.linear import ShardLayout, set_shard_layout
 from engine.layers.weight_utils import ModelLoadError, materialize, new_parameter, set_weight_loader
@@ -149,3 +150,19 @@ def random_fp8(shape: Sequence[int], std: float, generator: torch.Generator, dev
     """Random e4m3 values of standard deviation ``std`` (dummy FP8 weights)."""
     values = torch.randn(tuple(shape), generator=generator, device=device) * std
     return values.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[N, K]`` -> (e4m3 ``[N, K]``, float32 scale ``[N]``): each row scaled so its
+    largest magnitude maps to 448."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` -> (e4m3, float32 scale ``[1]``) with one scale for the whole tensor."""
+    w = weight.float()
+    scale = (w.abs().amax() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny).reshape(1)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

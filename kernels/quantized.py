@@ -130,10 +130,12 @@ def int8_quantize_activations(
 def expand_block_scales(
     weight_scale_inv: torch.Tensor, block_size: tuple[int, int] | list[int], n: int, k: int
 ) -> torch.Tensor:
-    """``fp8_block_linear``'s ``[ceil(N / bn), ceil(K / bk)]`` block scales as one scale per
-    weight element ``[N, K]`` (in ``weight_scale_inv``'s dtype)."""
+    """``fp8_block_linear``'s ``[..., ceil(N / bn), ceil(K / bk)]`` block scales as one scale
+    per weight element ``[..., N, K]`` (in ``weight_scale_inv``'s dtype; leading dims, such as
+    stacked experts, kept)."""
     bn, bk = int(block_size[0]), int(block_size[1])
-    return weight_scale_inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    rows = weight_scale_inv.repeat_interleave(bn, -2)[..., :n, :]
+    return rows.repeat_interleave(bk, -1)[..., :k]
 
 
 def dequantize_fp8_experts(
@@ -150,19 +152,18 @@ def dequantize_fp8_experts(
     w = weight.float()
     if block_size is None:
         return w * scale.float().unsqueeze(-1)
-    bn, bk = int(block_size[0]), int(block_size[1])
     n, k = w.shape[-2:]
     part = n // slices
-    rows = -(-part // bn)
+    rows = -(-part // int(block_size[0]))
     s = scale.float()
     full = torch.cat(
         [
-            s[..., i * rows : (i + 1) * rows, :].repeat_interleave(bn, -2)[..., :part, :]
+            expand_block_scales(s[..., i * rows : (i + 1) * rows, :], block_size, part, k)
             for i in range(slices)
         ],
         dim=-2,
     )
-    return w * full.repeat_interleave(bk, -1)[..., :k]
+    return w * full
 
 
 def wna16_activations(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:

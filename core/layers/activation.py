@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from engine.kernels.quantized import Fp8Activation
 from engine.kernels.registry import Kernels
-from engine.layers.fp8_input import exact_fusion_reasons
-
-if TYPE_CHECKING:
-    from engine.layers.linear import LinearBase
+from engine.layers.fp8_input import FeedsFp8, exact_fusion_reasons
 
 # HF ``hidden_act`` names -> kernel op computing act(gate) * up on a [T, 2I] input.
 _GATED_ACTS = {
@@ -25,7 +20,7 @@ _GATED_ACTS = {
 _FP8_OPS = {"silu_and_mul": "silu_and_mul_quant_fp8"}
 
 
-class GatedActivation(nn.Module):
+class GatedActivation(FeedsFp8, nn.Module):
     """``x [T, 2I]`` (gate then up) -> ``act(gate) * up [T, I]`` with one kernel call.
 
     Linked to the linear it feeds (``feed_fp8``), a SiLU activation returns an
@@ -41,7 +36,6 @@ class GatedActivation(nn.Module):
         self.hidden_act = hidden_act
         self.kernels = kernels
         self.op = getattr(kernels, _GATED_ACTS[hidden_act])
-        self._fp8_consumer: tuple[LinearBase, ...] = ()  # a tuple: not a submodule
 
     def fp8_fusion_reasons(self) -> list[str]:
         """Why this activation cannot write e4m3 for an FP8 linear exactly as the linear would
@@ -51,17 +45,10 @@ class GatedActivation(nn.Module):
             return [f"no kernel writes {self.hidden_act!r}-and-mul as FP8"]
         return exact_fusion_reasons(self.kernels, (plain, _FP8_OPS[plain]))
 
-    def feed_fp8(self, consumer: LinearBase | None) -> None:
-        """Write e4m3 for ``consumer`` (the only user of this activation's output) whenever it
-        takes it (``consumer.fp8_input_min_rows()``); None: always return the activation."""
-        self._fp8_consumer = () if consumer is None else (consumer,)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activation:
-        if self._fp8_consumer:
-            min_rows = self._fp8_consumer[0].fp8_input_min_rows()
-            if min_rows is not None and x.numel() // x.shape[-1] >= min_rows:
-                q, scale = getattr(self.kernels, _FP8_OPS[_GATED_ACTS[self.hidden_act]])(x)
-                return Fp8Activation(q, scale, x.dtype)
+        if self._writes_fp8(x.numel() // x.shape[-1]):
+            q, scale = getattr(self.kernels, _FP8_OPS[_GATED_ACTS[self.hidden_act]])(x)
+            return Fp8Activation(q, scale, x.dtype)
         return self.op(x)
 
     def extra_repr(self) -> str:

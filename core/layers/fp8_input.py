@@ -48,6 +48,27 @@ logger = logging.getLogger(__name__)
 PRODUCERS_ATTR = "fp8_input_producers"
 
 
+class FeedsFp8:
+    """The consumer side of an ``Fp8InputProducer`` (a mixin of ``RMSNorm`` and
+    ``GatedActivation``): the linear it is linked to, held in a tuple so that it is not
+    registered as a submodule, and whether a call of so many rows writes e4m3 for it."""
+
+    _fp8_consumer: tuple[LinearBase, ...] = ()
+
+    def feed_fp8(self, consumer: LinearBase | None) -> None:
+        """Write e4m3 for ``consumer`` (the only user of this module's output) whenever it
+        takes it (``consumer.fp8_input_min_rows()``); None: always return the plain output."""
+        self._fp8_consumer = () if consumer is None else (consumer,)
+
+    def _writes_fp8(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows hands the linked linear an ``Fp8Activation``: it is
+        asked at every call, so a method swapped in later answers for itself."""
+        if not self._fp8_consumer:
+            return False
+        min_rows = self._fp8_consumer[0].fp8_input_min_rows()
+        return min_rows is not None and rows >= min_rows
+
+
 @runtime_checkable
 class Fp8InputProducer(Protocol):
     """A module that can return an ``Fp8Activation`` for the linear its output feeds."""

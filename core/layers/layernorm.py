@@ -3,21 +3,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from engine.kernels.quantized import Fp8Activation
 from engine.kernels.registry import Kernels
-from engine.layers.fp8_input import exact_fusion_reasons
+from engine.layers.fp8_input import FeedsFp8, exact_fusion_reasons
 from engine.layers.weight_utils import new_parameter
 
-if TYPE_CHECKING:
-    from engine.layers.linear import LinearBase
 
-
-class RMSNorm(nn.Module):
+class RMSNorm(FeedsFp8, nn.Module):
     """Root-mean-square norm over the last dim.
 
     ``forward(x)`` returns the normed ``x``; ``forward(x, residual)`` first adds ``x`` to the
@@ -44,8 +39,6 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
         self.weight_offset = weight_offset
         self.weight = new_parameter((hidden_size,), dtype)
-        # The linear fed e4m3 (in a tuple: not a submodule), or empty.
-        self._fp8_consumer: tuple[LinearBase, ...] = ()
 
     def scale(self) -> torch.Tensor:
         """The effective weight the kernels multiply by (``weight``, or ``weight + offset`` in
@@ -63,22 +56,11 @@ class RMSNorm(nn.Module):
             ("fused_add_rms_norm", "fused_add_rms_norm_quant_fp8"),
         )
 
-    def feed_fp8(self, consumer: LinearBase | None) -> None:
-        """Write e4m3 for ``consumer`` (the only user of this norm's output) whenever it takes
-        it (``consumer.fp8_input_min_rows()``); None: always return the normed tensor."""
-        self._fp8_consumer = () if consumer is None else (consumer,)
-
-    def _writes_fp8(self, x: torch.Tensor) -> bool:
-        if not self._fp8_consumer:
-            return False
-        min_rows = self._fp8_consumer[0].fp8_input_min_rows()
-        return min_rows is not None and x.numel() // self.hidden_size >= min_rows
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | Fp8Activation | tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         shape = x.shape
-        if self._writes_fp8(x):
+        if self._writes_fp8(x.numel() // self.hidden_size):
             return self._forward_fp8(x, residual)
         if residual is None:
             # Per-head norms (q/k norm) pass a [T, H, D] view of the fused qkv output: rms_norm

@@ -238,6 +238,19 @@ def _moe_topk_softmax_cases(dtype, gen):
     return cases
 
 
+def _moe_routing(gen: torch.Generator, t: int, e: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Top-``k`` routing of ``t`` tokens over ``e`` experts, renormalised: expert 1 popular,
+    the last never chosen, token 0's last choice held by another expert-parallel rank (-1)."""
+    scores = torch.rand(t, e, generator=gen)
+    scores[:, 1] += 0.5  # a popular expert
+    scores[:, e - 1] = -1.0  # never chosen
+    weights, ids = torch.topk(scores, k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).float()
+    ids = ids.to(torch.int32)
+    ids[0, -1] = -1  # held elsewhere
+    return weights, ids
+
+
 def _fused_moe_cases(dtype, gen):
     # Odd sizes; experts that get no token, one expert that gets most of them, and choices
     # held by another expert-parallel rank (-1); decode-sized and prefill-sized batches.
@@ -246,13 +259,7 @@ def _fused_moe_cases(dtype, gen):
         x = _randn(gen, dtype, t, h)
         w13 = _randn(gen, dtype, e, 2 * i, h, scale=h**-0.5)
         w2 = _randn(gen, dtype, e, h, i, scale=i**-0.5)
-        scores = torch.rand(t, e, generator=gen)
-        scores[:, 1] += 0.5  # a popular expert
-        scores[:, e - 1] = -1.0  # never chosen
-        weights, ids = torch.topk(scores, k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).float()
-        ids = ids.to(torch.int32)
-        ids[0, -1] = -1  # held elsewhere
+        weights, ids = _moe_routing(gen, t, e, k)
         cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}", (x, w13, w2, weights, ids)))
     return cases
 
@@ -286,13 +293,7 @@ def _fused_moe_fp8_cases(dtype, gen):
         w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
         s13 = _fp8_expert_scales(gen, e, 2 * i, h, h**-0.5, block, slices=2)
         s2 = _fp8_expert_scales(gen, e, h, i, i**-0.5, block)
-        scores = torch.rand(t, e, generator=gen)
-        scores[:, 1] += 0.5  # a popular expert
-        scores[:, e - 1] = -1.0  # never chosen
-        weights, ids = torch.topk(scores, k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).float()
-        ids = ids.to(torch.int32)
-        ids[0, -1] = -1  # held elsewhere
+        weights, ids = _moe_routing(gen, t, e, k)
         how = "channel" if block is None else f"block{block[0]}x{block[1]}"
         cases.append(
             (f"T{t}-E{e}-top{k}-H{h}-I{i}-{how}", (x, w13, w2, weights, ids, s13, s2, block))

@@ -719,7 +719,10 @@ def fused_moe(
 ) -> torch.Tensor:
     """See ``engine.kernels.reference.fused_moe``. ``variant`` ("decode" / "grouped") and the
     configurations override the rules (tests and the benchmark use them)."""
-    return _fused_moe(hidden, w13, w2, topk_weights, topk_ids, None, variant, decode_config, config)
+    dims = _check(hidden, w13, w2, topk_weights, topk_ids)
+    return _fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, dims, None, variant, decode_config, config
+    )
 
 
 def fused_moe_fp8(
@@ -746,7 +749,8 @@ def fused_moe_fp8(
     step (block scales: the K step is cut to divide the block's width, so each step lies in
     one block column). Activations are not quantized (no W8A8): the FP8 tensor-core path for
     large prefill batches is not written yet."""
-    _, h, e, i, _ = _check(hidden, w13, w2, topk_weights, topk_ids)
+    dims = _check(hidden, w13, w2, topk_weights, topk_ids)
+    _, h, e, i, _ = dims
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fused_moe_fp8 takes float8_e4m3fn experts, got {w13.dtype}/{w2.dtype}")
     if block_size is None:
@@ -771,14 +775,16 @@ def fused_moe_fp8(
             f"{block_size}"
         )
     return _fused_moe(
-        hidden, w13, w2, topk_weights, topk_ids, scales, variant, decode_config, config
+        hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config
     )
 
 
 def _fused_moe(
-    hidden, w13, w2, topk_weights, topk_ids, scales, variant, decode_config, config
+    hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config
 ) -> torch.Tensor:
-    t, h, e, i, k = _check(hidden, w13, w2, topk_weights, topk_ids)
+    """The shared body of ``fused_moe`` and ``fused_moe_fp8``; ``dims`` is ``_check``'s
+    ``(t, h, e, i, k)``, validated once by the caller."""
+    t, h, e, i, k = dims
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
     if t == 0:
         return out

@@ -121,12 +121,48 @@ def test_fused_model_is_bit_identical_to_the_unfused_one(kind, source, tmp_path)
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "phi3"])
 def test_llama_family_models_are_bit_identical_fused(arch, tmp_path):
     """The models that reuse the Llama decoder (q/k/v bias, q/k norm, Phi-3's fused
-    checkpoint tensors), with online FP8. (FP8 has no MoE expert method yet, so the MoE
-    decoder declares no pairs.)"""
+    checkpoint tensors), with online FP8."""
     from engine.testing.tiny_models import build_tiny_model
 
     path = build_tiny_model(tmp_path, arch, num_layers=LAYERS)
     _bit_identical(path, "fp8")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_moe_models_fuse_their_attention_and_dense_layers(arch, tmp_path):
+    """The MoE decoder links its input norm to ``qkv_proj`` on every layer, and on a dense
+    layer (``mlp_only_layers``) the post-attention norm and the SiLU as in Llama (and Qwen2-MoE's
+    shared expert its SiLU); the sparse
+    blocks' input (router and FP8 experts, weight-only) stays bf16. Logits and greedy tokens
+    equal the unfused model's to the bit."""
+    from engine.testing.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tmp_path, arch, num_layers=LAYERS, mlp_only_layers=[1])
+    kernels = KernelRegistry().resolve("cpu")
+    counts: Counter = Counter()
+    _count_calls(kernels, counts)
+    model, _ = build(path, "fp8", dtype="bfloat16", activation_quant=True, kernels=kernels)
+    links = link_fp8_inputs(model)
+    assert all(not r for r in links.values()), links
+    expected = [
+        "model.layers.0.input_layernorm -> model.layers.0.self_attn.qkv_proj",
+        "model.layers.1.input_layernorm -> model.layers.1.self_attn.qkv_proj",
+        "model.layers.1.mlp.act_fn -> model.layers.1.mlp.down_proj",
+        "model.layers.1.post_attention_layernorm -> model.layers.1.mlp.gate_up_proj",
+    ]
+    if arch == "qwen2_moe":  # the shared expert is a gated MLP of its own
+        expected.append("model.layers.0.mlp.shared_expert.act_fn -> "
+                        "model.layers.0.mlp.shared_expert.down_proj")  # fmt: skip
+    assert sorted(links) == sorted(expected)
+    fused_tokens, fused_logits = _greedy(model)
+    assert counts["fp8_linear given Fp8Activation"] == len(links) * len(fused_logits)
+    unlink_fp8_inputs(model)
+    counts.clear()
+    plain_tokens, plain_logits = _greedy(model)
+    assert counts["fp8_linear given Fp8Activation"] == 0
+    assert fused_tokens == plain_tokens
+    for fused, plain in zip(fused_logits, plain_logits, strict=True):
+        assert torch.equal(fused, plain), float((fused - plain).abs().max())
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,12 @@ class MoEDecoderLayer(nn.Module):
     the checkpoint's name for it) on sparse layers and a dense ``LlamaMLP`` (``mlp``) on the
     others."""
 
+    #: The input norm feeds ``qkv_proj`` alone, so with FP8 W8A8 linears it may write their
+    #: FP8 input (``engine.layers.fp8_input``). The post-attention norm does so only on a
+    #: dense layer (added per instance): on a sparse one it feeds the router and the experts,
+    #: which take bf16 (the FP8 experts are weight-only).
+    fp8_input_producers: tuple[tuple[str, str], ...] = (("input_layernorm", "self_attn.qkv_proj"),)
+
     def __init__(
         self,
         ctx: ModelContext,
@@ -148,6 +154,11 @@ class MoEDecoderLayer(nn.Module):
             block = LlamaMLP(cfg.hidden_size, spec.dense_intermediate_size, cfg.hidden_act, ctx,
                              prefix=f"{prefix}.mlp")  # fmt: skip
         self.add_module(self.ffn_name, block)
+        if not self.sparse:
+            self.fp8_input_producers = (
+                *type(self).fp8_input_producers,
+                ("post_attention_layernorm", "mlp.gate_up_proj"),
+            )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype)
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, ctx.kernels, ctx.dtype

@@ -1,0 +1,252 @@
+"""A W4A16 GEMM over torch's int4 tile layout (``int4pack.py``) for decode batches of 17 to a
+few hundred rows, where ``int4pack`` otherwise dequantizes the whole weight to bf16 and calls
+cuBLAS (writing and reading every weight as bf16 on every call).
+
+It reads the words exactly as ``torch._convert_weight_to_int4pack`` stores them (layers keep
+one copy of their weights; torch's kernel still serves up to 16 rows) and multiplies
+
+    y^T [N, M] = W [N, K] @ x^T [K, M]
+
+so that the dequantized weight tile is the *A* operand of the MMA and the few rows of x are B.
+The previous attempt (63a43bd, removed in 43462b0) put x in A and the transposed weight in B,
+so every weight tile went registers -> shared memory before the MMA; on Hopper wgmma takes A
+from registers and B from shared memory, which suits a weight produced in registers and a small
+x^T staged by the loads. Per program: ``BLOCK_N`` outputs (weight rows) by ``BLOCK_M`` rows.
+
+**No reshapes of the weight tile.** For output row ``n`` the layout keeps, per k super-tile of
+``KT = 16 * INNER`` inputs, ``4 * P`` consecutive int32 words (``P = INNER / 2``): lane
+``t = 4 (n % 8) + c`` of row tile ``n // 8`` owns words ``[t, 0..P)``, so word ``w = c * P + p``
+of the row sits at ``(n // 8) * stride + ko * 32 P + (n % 8) * 4 P + w``. A program loads a
+plain 2-D tile ``[BLOCK_N, BLOCK_KW]`` of words (one row of W per tile row) and splits it into
+its eight 4-bit fields; field ``f`` of every word is a ``[BLOCK_N, BLOCK_KW]`` bf16 tile that
+feeds one ``tl.dot`` with ``BLOCK_KW`` inputs of x. The inputs that field ``f`` of word ``w``
+holds (``KT ko + 32 p + 8 (f % 4) + 2 c + f // 4``) are gathered into that position of x once
+per call (``x_order``, one ``index_select``, composed with an act-order permutation), so the
+fields need no permutation in registers (the earlier kernel's 4-D/6-D reshapes) and each of the
+eight dots reads a contiguous ``[BLOCK_KW, BLOCK_M]`` slice of the gathered x.
+
+**Dequantization in bf16, no float32 per weight.** A field ``q`` OR-ed into ``0x4300`` (the
+bf16 bits of 128) and reinterpreted is ``128 + q`` exactly (an integer AND/OR instead of an
+int-to-float conversion, which Hopper runs at a quarter of the integer rate); subtracting 136
+gives ``q - 8`` exactly (small integers are exact in bf16), and one bf16 multiply-add with the
+group's scale and zero gives ``(q - 8) * scale + zero``, the layout's definition. Folding the
+136 into the zero (``(128 + q) * s + (zero - 136 s)``) would save the subtraction but is not
+exact in bf16: ``136 s`` has an ulp of about ``s``, so the folded zero would be off by up to
+half a quantization step. The scale and the zero arrive as one int32 load (the bf16 pair of
+``scale_zero [K/group, N, 2]``) and are split by two bit operations. With groups at least as
+long as a K block they are loaded once per block as a vector; shorter groups (32, 64) load
+one pair per word column (a word's 32 inputs never straddle a group).
+
+**Accumulation** stays in the MMA across all of K (float32), scales applied to the weight
+tile, never per-tile corrections of the result.
+
+**Split-K** (``SPLIT_K > 1``): when output tiles are fewer than the SMs (M = 64 on an 8B
+``o``/``down`` gives 32 tiles of 128 outputs for 132 SMs), K is cut into ``SPLIT_K`` ranges;
+each program writes a float32 partial to a workspace and bumps a per-tile arrival counter; the
+last to arrive sums the partials in index order (deterministic: the same sum whatever the
+arrival order), writes y and resets the counter (``linear.py``'s scheme and ``_SCRATCH``
+workspace, so one launch, no memset, graph-capturable after one eager call at the size).
+
+**Grid order**: ``program_id(0)`` walks the row blocks of one output block, so when M needs
+several row blocks they run together and the 4-bit tile comes from L2 after the first.
+
+Configurations (``_gemm_config``) are a rule of thumb until a sweep on the target GPU
+(``python -m engine_triton.quant_benchmark --int4-gemm-sweep``) picks them; the kernel is off
+by default (``int4pack.GEMM_MAX_ROWS = 0``) until that sweep shows where it wins.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine_triton.kernels.linear import _SCRATCH, _sm_count
+from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+
+
+@triton.jit
+def _split_scale_zero(v):
+    """The bf16 (scale, zero) pair stored as one int32 (scale in the low half): each half
+    moved to the top of a float32 (an exact bf16 -> float32 widening) and narrowed back."""
+    s = (v << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    z = (v & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return s, z
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    sz_ptr,
+    y_ptr,
+    part_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    GROUP,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    INNER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_KW: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_PER_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """``y [M, N] = x_g [M, K] @ W^T`` with ``x_g`` = x gathered into ``x_order`` (see the
+    module docstring); one ``[BLOCK_N, BLOCK_M]`` tile of ``y^T`` over one K range."""
+    P: tl.constexpr = INNER // 2
+    WT: tl.constexpr = 4 * P  # words of one row per k super-tile
+    KT: tl.constexpr = 16 * INNER  # inputs per k super-tile
+    BLOCK_K: tl.constexpr = 8 * BLOCK_KW  # inputs per iteration
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    n_c = tl.minimum(n, N - 1)  # clamped, not masked: the loads stay unmasked
+    w_rows = w_ptr + ((n_c // 8).to(tl.int64) * stride_wn + (n_c % 8) * WT)[:, None]
+    wc = tl.arange(0, BLOCK_KW)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_c = tl.minimum(m, M - 1)
+    x_cols = x_ptr + m_c.to(tl.int64)[None, :] * stride_xm + wc[:, None]  # x^T [KW, M]
+
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    pdl_wait(USE_PDL)
+    # 136 in bf16 (128 + 8: 0x4300 | 8), built from its bits: a splat the compiler folds (the
+    # interpreter has no bf16 scalar constants).
+    c136 = tl.full((1, 1), 0x4308, tl.int16).to(tl.bfloat16, bitcast=True)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        col = k0 // 8 + wc  # the row's word columns
+        ko = col // WT
+        wi = col % WT
+        words = tl.load(w_rows + (ko * (32 * P) + wi)[None, :])  # [BLOCK_N, BLOCK_KW]
+        if GROUP_PER_BLOCK:
+            s, z = _split_scale_zero(tl.load(sz_ptr + (k0 // GROUP) * N + n_c))
+            s = s[:, None]
+            z = z[:, None]
+        else:
+            g = (ko * KT + 32 * (wi % P)) // GROUP
+            s, z = _split_scale_zero(tl.load(sz_ptr + g[None, :] * N + n_c[:, None]))
+        for f in tl.static_range(8):
+            q = ((words >> (4 * f)) & 0xF) | 0x4300
+            w = q.to(tl.int16).to(tl.bfloat16, bitcast=True) - c136  # q - 8, exact
+            w = w * s + z
+            xt = tl.load(x_cols + (k0 + f * BLOCK_KW))
+            acc = tl.dot(w.to(tl.bfloat16), xt, acc)
+
+    out_ok = n_ok[:, None] & (m < M)[None, :]
+    y_offs = m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    if SPLIT_K > 1:
+        tile = pid_n * tl.num_programs(0) + pid_m
+        part_offs = m.to(tl.int64)[None, :] * N + n[:, None]
+        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_ok)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    part_ptr + i * M * N + part_offs, mask=out_ok, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
+
+
+def supported(k: int) -> bool:
+    """Whether the GEMM takes a layer of ``k`` inputs: K blocks of 128 (the smallest, 16 words
+    a row, as one MMA needs 16 inputs per field), which also means super-tiles of 8 k-tiles."""
+    return k % 128 == 0
+
+
+_ORDERS: dict[tuple, torch.Tensor] = {}
+
+
+def x_order(k: int, inner: int, block_kw: int) -> torch.Tensor:
+    """``[K]`` int64: the input feature at each position of the gathered x. Position ``k0 + f
+    BLOCK_KW + i`` of K block ``k0`` (``8 BLOCK_KW`` inputs) holds the input that field ``f``
+    of the row's word column ``k0 / 8 + i`` carries."""
+    p_words = inner // 2
+    pos = torch.arange(k)
+    k0, rest = pos // (8 * block_kw), pos % (8 * block_kw)
+    f, i = rest // block_kw, rest % block_kw
+    col = k0 * block_kw + i
+    ko, wi = col // (4 * p_words), col % (4 * p_words)
+    c, p = wi // p_words, wi % p_words
+    return 16 * inner * ko + 32 * p + 8 * (f % 4) + 2 * c + f // 4
+
+
+def _order(k: int, inner: int, block_kw: int, device: torch.device) -> torch.Tensor:
+    key = (k, inner, block_kw, device)
+    order = _ORDERS.get(key)
+    if order is None:
+        order = x_order(k, inner, block_kw).to(device)
+        _ORDERS[key] = order
+    return order
+
+
+def _gemm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
+    """(block_n, block_m, block_kw, split_k, num_warps, num_stages): a rule of thumb, to be
+    replaced by the H200 sweep's choices. Row blocks up to 128 (one block at <= 128 rows, so
+    every weight is unpacked once), 128 outputs; K split while the tiles fill less than the
+    SMs and each split keeps at least 8 K blocks."""
+    block_m = 16
+    while block_m < min(m, 128):
+        block_m *= 2
+    block_n, block_kw = 128, 16
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    blocks = k // (8 * block_kw)
+    split = 1
+    while split < 8 and tiles * split * 2 <= sms and blocks // (split * 2) >= 8:
+        split *= 2
+    return block_n, block_m, block_kw, split, 8, 3
+
+
+def gemm(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scale_zero: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (bf16) for a weight in torch's int4 tile layout (``words``,
+    ``scale_zero`` as ``int4pack.pack`` makes them); ``x`` in the checkpoint's input order,
+    ``perm`` an act-order permutation (``x[:, perm]`` meets the packed columns)."""
+    m, k = x.shape
+    n = scale_zero.shape[1]
+    inner = 2 * words.shape[-1]
+    block_n, block_m, block_kw, split, warps, stages = _gemm_config(m, n, k, _sm_count(x.device))
+    block_k = 8 * block_kw
+    if k % block_k:
+        raise ValueError(f"int4 GEMM: K={k} is not a multiple of its K block {block_k}")
+    order = _order(k, inner, block_kw, x.device)
+    if perm is not None:
+        order = perm.to(torch.int64).index_select(0, order)
+    xg = x.index_select(1, order)
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    blocks = k // block_k
+    k_per_split = triton.cdiv(blocks, split) * block_k
+    if split > 1:
+        part, counters = _SCRATCH.get(x.device, split * m * n, grid_m * grid_n)
+    else:
+        part, counters = y, y  # unused
+    group_per_block = group_size % block_k == 0
+    _int4_gemm_kernel[(grid_m, grid_n, split)](
+        xg, words, scale_zero.view(torch.int32), y, part, counters,
+        m, n, k, k_per_split, group_size, xg.stride(0), words.stride(0), y.stride(0),
+        INNER=inner, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_KW=block_kw, SPLIT_K=split,
+        GROUP_PER_BLOCK=group_per_block, num_warps=warps, num_stages=stages,
+        **pdl_launch(x.device),
+    )  # fmt: skip
+    return y

@@ -94,12 +94,15 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_KW: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K,
+    IS_SPLIT: tl.constexpr,
     GROUP_PER_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     """``y [M, N] = x_g [M, K] @ W^T`` with ``x_g`` = x gathered into ``x_order`` (see the
-    module docstring); one ``[BLOCK_N, BLOCK_M]`` tile of ``y^T`` over one K range."""
+    module docstring); one ``[BLOCK_N, BLOCK_M]`` tile of ``y^T`` over one K range. The
+    number of K ranges is a runtime argument (only whether K is split, ``IS_SPLIT``, is
+    compiled in), so one compilation serves every split."""
     P: tl.constexpr = INNER // 2
     WT: tl.constexpr = 4 * P  # words of one row per k super-tile
     KT: tl.constexpr = 16 * INNER  # inputs per k super-tile
@@ -145,7 +148,7 @@ def _int4_gemm_kernel(
 
     out_ok = n_ok[:, None] & (m < M)[None, :]
     y_offs = m.to(tl.int64)[None, :] * stride_ym + n[:, None]
-    if SPLIT_K > 1:
+    if IS_SPLIT:
         tile = pid_n * tl.num_programs(0) + pid_m
         part_offs = m.to(tl.int64)[None, :] * N + n[:, None]
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_ok)
@@ -154,7 +157,7 @@ def _int4_gemm_kernel(
         if arrived == SPLIT_K - 1:
             tl.atomic_xchg(counter_ptr + tile, 0)  # ready for the next launch
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):
+            for i in range(SPLIT_K):  # in index order, whatever the arrival order
                 total += tl.load(
                     part_ptr + i * M * N + part_offs, mask=out_ok, other=0.0, cache_modifier=".cg"
                 )
@@ -195,21 +198,31 @@ def _order(k: int, inner: int, block_kw: int, device: torch.device) -> torch.Ten
     return order
 
 
-def _gemm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
-    """(block_n, block_m, block_kw, split_k, num_warps, num_stages): a rule of thumb, to be
-    replaced by the H200 sweep's choices. Row blocks up to 128 (one block at <= 128 rows, so
-    every weight is unpacked once), 128 outputs; K split while the tiles fill less than the
-    SMs and each split keeps at least 8 K blocks."""
+def block_rows(m: int, cap: int) -> int:
+    """Rows per block: the power of two from 16 that covers ``m``, at most ``cap``."""
     block_m = 16
-    while block_m < min(m, 128):
+    while block_m < min(m, cap):
         block_m *= 2
-    block_n, block_kw = 128, 16
+    return block_m
+
+
+def split_k(m: int, n: int, k: int, block_n: int, block_m: int, block_kw: int, sms: int) -> int:
+    """K ranges per output tile: doubled (up to 8) while the programs still fit in one wave of
+    ``sms`` and each range keeps at least 8 K blocks."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     blocks = k // (8 * block_kw)
     split = 1
     while split < 8 and tiles * split * 2 <= sms and blocks // (split * 2) >= 8:
         split *= 2
-    return block_n, block_m, block_kw, split, 8, 3
+    return split
+
+
+def _gemm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
+    """(block_n, block_m, block_kw, split_k, num_warps, num_stages): a rule of thumb, to be
+    replaced by the H200 sweep's choices. Row blocks up to 128 (one block at <= 128 rows, so
+    every weight is unpacked once), 128 outputs, K blocks of 128, K split by ``split_k``."""
+    block_n, block_m, block_kw = 128, block_rows(m, 128), 16
+    return block_n, block_m, block_kw, split_k(m, n, k, block_n, block_m, block_kw, sms), 8, 3
 
 
 def gemm(
@@ -246,6 +259,7 @@ def gemm(
         xg, words, scale_zero.view(torch.int32), y, part, counters,
         m, n, k, k_per_split, group_size, xg.stride(0), words.stride(0), y.stride(0),
         INNER=inner, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_KW=block_kw, SPLIT_K=split,
+        IS_SPLIT=split > 1,
         GROUP_PER_BLOCK=group_per_block, num_warps=warps, num_stages=stages,
         **pdl_launch(x.device),
     )  # fmt: skip

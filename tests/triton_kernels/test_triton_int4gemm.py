@@ -162,3 +162,29 @@ def test_gemm_at_8b_sizes(n, k, m, seed):
     want = x.float() @ int4pack.dequantize(packed, n, group).float().t()
     err = float((y.float() - want).abs().max() / want.abs().max())
     assert err < 1e-2, f"seed={seed}: {err}"
+
+
+def test_benchmark_sweep_dry_run(tmp_path, monkeypatch):
+    """``quant_benchmark --int4-gemm-sweep --device cpu``: the sweep's code path (layers,
+    the dense reference, the default and a split-K candidate, the table, the JSON) in the
+    interpreter on its tiny shapes, so the GPU run does not meet it for the first time."""
+    import json
+
+    from engine_triton import quant_benchmark
+
+    if torch.cuda.is_available():
+        pytest.skip("the dry run is the interpreter's; a GPU runs the real sweep")
+    monkeypatch.setattr(quant_benchmark, "INT4_GEMM_CANDIDATES", [(32, 32, 16, 2, 4, 2)])
+    out = tmp_path / "sweep.json"
+    argv = ["--int4-gemm-sweep", "--device", "cpu", "--rows", "17", "--json", str(out)]
+    assert quant_benchmark.main(argv) == 0
+    result = json.loads(out.read_text())["int4_gemm"]
+    assert set(result) == set(quant_benchmark.INT4_GEMM_CPU_SHAPES)
+    for by_m in result.values():
+        entry = by_m["17"]
+        assert entry["dense"] > 0 and entry["bf16"] > 0
+        (cand,) = entry["candidates"]
+        assert cand["config"][3] == 2  # K split in two
+        for run in (entry["default"], cand):
+            assert "error" not in run and run["us"] > 0
+            assert run["max_abs_err"] < 0.1  # bf16 outputs of |y| up to ~5: a rounding or two

@@ -17,6 +17,15 @@ intermediate 14336): ``fused_add_rms_norm`` + ``quantize_fp8`` against
 ``silu_and_mul_quant_fp8`` and its (chunk, warps) candidates (``SILU_QUANT_CANDIDATES``;
 the default is ``_QUANT_BLOCK`` / ``_QUANT_WARPS`` in ``activation.py``), per batch rows.
 
+``--int4-gemm-sweep [--rows 32,64,128,256,512] [--budget-s 100]`` times, instead, the GEMM over
+torch's int4 tiles (``int4gemm.py``, groups of 128) against the path it would replace (the
+weight dequantized to bf16 + cuBLAS, ``dense``) and bf16 cuBLAS alone, per projection and rows:
+first ``int4gemm``'s default configuration everywhere, then the ``INT4_GEMM_CANDIDATES`` in
+order until the budget is spent; every output is checked against the dense path (largest
+absolute difference). One table at the end, the JSON with every timing. ``--device cpu``
+(under ``TRITON_INTERPRET=1``) runs the same code on two tiny shapes with wall-clock timing, a
+dry run of the code path, not a measurement.
+
 ``--sweep`` also tries kernel configurations per shape and prints the fastest (candidates for
 the defaults in ``fp8_linear.py`` / ``wna16_linear.py``): the FP8 skinny kernel and the W4A16
 one-row kernel at M = 1, the W4A16 tensor-core decode kernel at 16 rows, and the W4A16 GEMM
@@ -89,6 +98,27 @@ W4_GEMM_CANDIDATES = [
     (128, 128, 64, 4, 4),
 ]
 GEMM_ROWS = (64, 256, 1024)
+# The int4-tile GEMM (``int4gemm.py``) for --int4-gemm-sweep: (block_n, cap on block_m (the
+# power of two covering M, ``int4gemm.block_rows``), block_kw (words of a row per K block: 8
+# inputs each), split_k (0: ``int4gemm.split_k``'s rule), num_warps, num_stages), timed in
+# this order after the default configuration until the budget runs out.
+INT4_GEMM_CANDIDATES = [
+    (128, 128, 16, 1, 8, 3),  # the default without split-K
+    (64, 128, 16, 0, 4, 3),
+    (128, 256, 16, 0, 8, 3),
+    (128, 128, 32, 0, 8, 3),
+    (128, 128, 16, 0, 4, 3),
+    (64, 64, 16, 0, 4, 4),
+    (128, 64, 16, 0, 8, 4),
+    (128, 128, 16, 0, 8, 4),
+    (256, 64, 16, 0, 8, 3),
+    (64, 256, 16, 0, 8, 3),
+    (128, 128, 16, 4, 8, 3),
+    (64, 128, 32, 0, 4, 3),
+]
+INT4_GEMM_ROWS = (32, 64, 128, 256, 512)
+# --device cpu: a dry run of the sweep's code path in the interpreter on tiny shapes.
+INT4_GEMM_CPU_SHAPES = {"tiny_qkv": (96, 256), "tiny_down": (64, 512)}
 # The FP8 SiLU-and-mul kernel's (columns per chunk, num_warps), for --producers.
 SILU_QUANT_CANDIDATES = [(1024, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16)]
 PRODUCER_ROWS = (17, 64, 256, 512, 1024)
@@ -257,6 +287,143 @@ def _sweep_shape(name, k, calls, fp8_mod, w4_mod, graph_us, torch, device="cuda"
     return best
 
 
+def _int4_gemm_resolve(cand, m: int, n: int, k: int, sms: int) -> tuple:
+    """A candidate of ``INT4_GEMM_CANDIDATES`` as ``int4gemm._gemm_config`` returns one."""
+    from engine_triton.kernels import int4gemm
+
+    block_n, cap, block_kw, split, warps, stages = cand
+    block_m = int4gemm.block_rows(m, cap)
+    if split == 0:
+        split = int4gemm.split_k(m, n, k, block_n, block_m, block_kw, sms)
+    return block_n, block_m, block_kw, min(split, max(1, k // (8 * block_kw))), warps, stages
+
+
+def _wall_us(call) -> float:
+    """Microseconds of one ``call(i)`` by the wall clock (the CPU dry run: no graphs)."""
+    call(0)
+    t0 = time.perf_counter()
+    call(1)
+    return (time.perf_counter() - t0) * 1e6
+
+
+def _int4_gemm_layer(torch, n: int, k: int, group: int, copies, device: str) -> tuple:
+    """(K, rotated int4-tile copies of one random 4-bit layer, rotated bf16 weights)."""
+    from engine_triton.kernels import int4pack
+
+    q = torch.randint(0, 16, (n, k), device=device, dtype=torch.uint8)
+    s = torch.rand(n, k // group, device=device) * 0.01 + 0.001
+    z = torch.randint(0, 16, (n, k // group), device=device, dtype=torch.uint8)
+    packs = copies(lambda: int4pack.pack(q, s, z, group), n * k // 2)
+    dense_w = copies(lambda: torch.randn(n, k, device=device, dtype=torch.bfloat16), 2 * n * k)
+    return k, packs, dense_w
+
+
+def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda") -> dict:
+    """``--int4-gemm-sweep`` (see the module docstring): per projection and rows, the dense
+    path, bf16 cuBLAS, the GEMM's default and its candidates; returns everything measured."""
+    from engine_triton.benchmark import _graph_us
+    from engine_triton.kernels import int4gemm, int4pack
+
+    t0 = time.perf_counter()
+    on_gpu = device != "cpu"
+    shapes = SHAPES if on_gpu else INT4_GEMM_CPU_SHAPES
+    timer = _graph_us if on_gpu else _wall_us
+    copies = _copies if on_gpu else (lambda make, nbytes: [make(), make()])
+    sms = int4gemm._sm_count(torch.device(device))
+    group = 128
+    layers, results = {}, {}
+    for name, (n, k) in shapes.items():
+        layers[name] = _int4_gemm_layer(torch, n, k, group, copies, device)
+        results[name] = {}
+
+    def gemm_call(x, packs):
+        return lambda i: int4gemm.gemm(
+            x, packs[i % len(packs)]["int4pack"], packs[i % len(packs)]["scale_zero"], group
+        )
+
+    def run(x, packs, want, config=None) -> dict:
+        """The GEMM at ``config`` (None: the default): us per call, largest difference from
+        the dense path, the configuration it ran."""
+        original = int4gemm._gemm_config
+        if config is not None:
+            int4gemm._gemm_config = lambda m_, n_, k_, sms_: _int4_gemm_resolve(
+                config, m_, n_, k_, sms_
+            )
+        try:
+            m, k = x.shape
+            used = int4gemm._gemm_config(m, want.shape[1], k, sms)
+            got = gemm_call(x, packs)(0)
+            err = float((got.float() - want.float()).abs().max())
+            us = timer(gemm_call(x, packs))
+            return {"us": round(us, 2), "max_abs_err": round(err, 4), "config": list(used)}
+        except Exception as exc:  # a configuration the compiler or the GPU refuses
+            return {"us": float("inf"), "error": f"{type(exc).__name__}: {exc}"[:200]}
+        finally:
+            int4gemm._gemm_config = original
+
+    xs = {}
+    for name, (k, packs, dense_w) in layers.items():  # pass 1: the comparison that matters
+        for m in rows:
+            x = xs[name, m] = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            want = int4pack.linear(x, packs[0], group, None, None)  # GEMM_MAX_ROWS is 0
+            dense = timer(
+                lambda i, x=x, p=packs: int4pack.linear(x, p[i % len(p)], group, None, None)
+            )
+            bf16 = timer(lambda i, x=x, w=dense_w: torch.nn.functional.linear(x, w[i % len(w)]))
+            entry = {"dense": round(dense, 2), "bf16": round(bf16, 2)}
+            entry["default"] = run(x, packs, want)
+            entry["candidates"] = []
+            results[name][m] = entry
+            d = entry["default"]
+            print(
+                f"int4gemm {name:8s} M={m:4d} dense {dense:8.2f} bf16 {bf16:8.2f} "
+                f"default {d['us']:8.2f} {d.get('config', d.get('error'))} "
+                f"err {d.get('max_abs_err')} ({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
+    for cand in INT4_GEMM_CANDIDATES:  # pass 2: the candidates, while the budget lasts
+        if time.perf_counter() - t0 > budget_s:
+            print(f"int4gemm: budget of {budget_s:.0f}s spent before {cand}", flush=True)
+            break
+        for name, (_k, packs, _dense_w) in layers.items():
+            for m in rows:
+                x = xs[name, m]
+                want = int4pack.linear(x, packs[0], group, None, None)
+                r = run(x, packs, want, cand)
+                r["candidate"] = list(cand)
+                results[name][m]["candidates"].append(r)
+        line = " ".join(
+            f"{name}/{m}:{results[name][m]['candidates'][-1]['us']}"
+            for name in layers
+            for m in rows
+        )
+        print(f"int4gemm candidate {cand}: {line} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    _int4_gemm_table(results)
+    return results
+
+
+def _int4_gemm_table(results: dict) -> None:
+    """One table: per projection and rows, dense / bf16 / default / best of all, the best's
+    configuration and the largest difference from the dense path over every configuration."""
+    head = (
+        f"{'shape':8s} {'M':>4s} {'dense':>8s} {'bf16':>8s} {'default':>8s} {'best':>8s} "
+        f"{'best/dense':>10s} {'max_abs_err':>11s}  best config"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, by_m in results.items():
+        for m, e in by_m.items():
+            runs = [e["default"], *e["candidates"]]
+            best = min(runs, key=lambda r: r["us"])
+            errs = [r["max_abs_err"] for r in runs if "max_abs_err" in r]
+            err = max(errs) if errs else float("nan")
+            print(
+                f"{name:8s} {m:4d} {e['dense']:8.2f} {e['bf16']:8.2f} {e['default']['us']:8.2f} "
+                f"{best['us']:8.2f} {best['us'] / e['dense']:10.2f} {err:11.4f}  "
+                f"{best.get('config')}",
+                flush=True,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -271,7 +438,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--producers", action="store_true", help="time the FP8 norm / SiLU kernels instead"
     )
+    parser.add_argument(
+        "--int4-gemm-sweep",
+        action="store_true",
+        help="time the int4-tile GEMM's configurations against dequantize + cuBLAS instead",
+    )
+    parser.add_argument("--budget-s", type=float, default=100.0, help="--int4-gemm-sweep's")
+    parser.add_argument(
+        "--device", default="cuda", help="--int4-gemm-sweep on cpu: an interpreter dry run"
+    )
     args = parser.parse_args(argv)
+    if args.int4_gemm_sweep:
+        on_gpu = args.device != "cpu"
+        default_rows = INT4_GEMM_ROWS if on_gpu else (17, 33)
+        rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]
+        sweep = _int4_gemm_sweep(torch, rows, args.budget_s, args.device)
+        if args.json:
+            gpu = torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter)"
+            with open(args.json, "w") as f:
+                json.dump({"gpu": gpu, "int4_gemm": sweep}, f, indent=2)
+        return 0
     default_rows = PRODUCER_ROWS if args.producers else ROWS
     rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]
     results: dict = {"gpu": torch.cuda.get_device_name(0), "shapes": {}, "sweep": {}}

@@ -33,34 +33,37 @@ def _reference(x: torch.Tensor, packed, n: int, group: int, perm=None) -> torch.
 
 
 def test_x_order_lines_x_up_with_the_fields():
-    """Field ``f`` of word column ``i`` of every row, unpacked in the kernel's loop order,
-    carries exactly the weight of the input ``x_order`` puts at that position: the words of
-    a row, as the kernel addresses them, dotted with the gathered x is the row's product."""
+    """Nibble ``j`` of 16-bit half ``h`` of word column ``i`` of every row, unpacked in the
+    kernel's loop order, is the weight of the input ``x_order`` puts at that position: the
+    words of a row, as the kernel addresses them, dotted with the gathered x is the row's
+    product."""
     from engine_triton.kernels.int4gemm import x_order
     from engine_triton.kernels.int4pack import pack_reference
 
     n, k, inner = 16, 512, 8
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    words = pack_reference(q, inner).to(torch.int64)  # [N/8, K/128, 32, 4]
-    for block_kw in (16, 32):
+    words = pack_reference(q, inner).to(torch.int64) & 0xFFFFFFFF  # [N/8, K/128, 32, 4]
+    for block_kw in (8, 16, 32):
         order = x_order(k, inner, block_kw)
         assert sorted(order.tolist()) == list(range(k))
         for row in range(n):
-            # The kernel's address of word column c of the row: (nt, c // 16, 4 (row % 8) + ..)
+            # Word column c of the row: super-tile c // 16, lane 4 (row % 8) + c % 16 // 4.
             row_words = words[row // 8, :, 4 * (row % 8) : 4 * (row % 8) + 4].reshape(-1)
             seen = torch.empty(k, dtype=torch.int64)
             for k0 in range(0, k, 8 * block_kw):
                 cols = row_words[k0 // 8 : k0 // 8 + block_kw]
-                for f in range(8):
-                    pos = k0 + f * block_kw
-                    seen[pos : pos + block_kw] = (cols >> (4 * f)) & 0xF
+                halves = torch.stack([cols & 0xFFFF, cols >> 16], dim=1).reshape(-1)
+                for j in range(4):
+                    pos = k0 + j * 2 * block_kw
+                    seen[pos : pos + 2 * block_kw] = (halves >> (4 * j)) & 0xF
             assert torch.equal(seen.to(torch.uint8), q[row, order])
 
 
-# (block_n, block_m, block_kw, split_k): small tiles for the interpreter; row tiles cut by
+# (block_n, block_m, block_kw, split_k): small tiles for the interpreter (block_kw 8: half a
+# super-tile per K block, the general addressing); row tiles cut by
 # N and M, K split evenly and unevenly (at K = 384, 3 blocks of 128: four splits leave one
 # with no K block, whose zero partial still counts).
-CONFIGS = [(16, 16, 16, 1), (32, 32, 16, 2), (16, 32, 32, 1), (32, 16, 16, 4)]
+CONFIGS = [(16, 16, 16, 1), (32, 32, 16, 2), (16, 32, 32, 1), (32, 16, 16, 4), (16, 16, 8, 2)]
 
 
 @pytest.mark.parametrize("config", CONFIGS)

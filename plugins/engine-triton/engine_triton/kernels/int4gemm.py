@@ -16,26 +16,39 @@ x^T staged by the loads. Per program: ``BLOCK_N`` outputs (weight rows) by ``BLO
 **No reshapes of the weight tile.** For output row ``n`` the layout keeps, per k super-tile of
 ``KT = 16 * INNER`` inputs, ``4 * P`` consecutive int32 words (``P = INNER / 2``): lane
 ``t = 4 (n % 8) + c`` of row tile ``n // 8`` owns words ``[t, 0..P)``, so word ``w = c * P + p``
-of the row sits at ``(n // 8) * stride + ko * 32 P + (n % 8) * 4 P + w``. A program loads a
-plain 2-D tile ``[BLOCK_N, BLOCK_KW]`` of words (one row of W per tile row) and splits it into
-its eight 4-bit fields; field ``f`` of every word is a ``[BLOCK_N, BLOCK_KW]`` bf16 tile that
-feeds one ``tl.dot`` with ``BLOCK_KW`` inputs of x. The inputs that field ``f`` of word ``w``
-holds (``KT ko + 32 p + 8 (f % 4) + 2 c + f // 4``) are gathered into that position of x once
-per call (``x_order``, one ``index_select``, composed with an act-order permutation), so the
-fields need no permutation in registers (the earlier kernel's 4-D/6-D reshapes) and each of the
-eight dots reads a contiguous ``[BLOCK_KW, BLOCK_M]`` slice of the gathered x.
+of the row sits at ``(n // 8) * stride + ko * 32 P + (n % 8) * 4 P + w``. A program loads, per
+K block of ``8 BLOCK_KW`` inputs, a plain 2-D tile of the rows' words read as 16-bit halves,
+``[BLOCK_N, 2 BLOCK_KW]`` int16 (64-byte runs per row, 16-byte loads), and takes nibble ``j``
+of every half: field ``4 h + j`` of its word. Nibble ``j`` of the tile is a
+``[BLOCK_N, 2 BLOCK_KW]`` bf16 operand for one ``tl.dot``: four dots per K block. The inputs the
+fields hold (``KT ko + 32 p + 8 (f % 4) + 2 c + f // 4``) are gathered into those positions of x
+once per call (``x_order``: one ``index_select``, composed with an act-order permutation), so
+the fields need no permutation in registers (the earlier kernel's 4-D/6-D reshapes), and each
+dot reads a contiguous ``[2 BLOCK_KW, BLOCK_M]`` slice of the gathered x. The two halves of a
+word are neighbours along K, which is how the MMA's register layout pairs bf16 values.
 
 **Dequantization in bf16, no float32 per weight.** A field ``q`` OR-ed into ``0x4300`` (the
 bf16 bits of 128) and reinterpreted is ``128 + q`` exactly (an integer AND/OR instead of an
 int-to-float conversion, which Hopper runs at a quarter of the integer rate); subtracting 136
-gives ``q - 8`` exactly (small integers are exact in bf16), and one bf16 multiply-add with the
-group's scale and zero gives ``(q - 8) * scale + zero``, the layout's definition. Folding the
-136 into the zero (``(128 + q) * s + (zero - 136 s)``) would save the subtraction but is not
-exact in bf16: ``136 s`` has an ulp of about ``s``, so the folded zero would be off by up to
-half a quantization step. The scale and the zero arrive as one int32 load (the bf16 pair of
-``scale_zero [K/group, N, 2]``) and are split by two bit operations. With groups at least as
-long as a K block they are loaded once per block as a vector; shorter groups (32, 64) load
-one pair per word column (a word's 32 inputs never straddle a group).
+gives ``q - 8`` exactly (small integers are exact in bf16), and a bf16 multiply-add with the
+group's scale and zero gives ``(q - 8) * scale + zero``, the layout's definition (compiled for
+sm_90: ``HADD2.BF16_V2`` and ``HFMA2.BF16_V2``, one instruction per pair of weights each).
+Folding the 136 into the zero (``(128 + q) * s + (zero - 136 s)``) would save the subtraction
+but is not exact in bf16: ``136 s`` has an ulp of about ``s``, so the folded zero would be off by
+up to half a quantization step.
+
+**The weight stays in registers.** Offline compilation for sm_90 (Triton 3.6, ``ptxas``) shows
+what keeps the dequantized tile out of shared memory: every operand of the dequantization must
+be loaded inside the loop in the layout the compiler picks for the words, or be a vector
+broadcast along K. The 136 is therefore computed from the loaded halves (``(v | c) & c``, which
+LLVM later folds into an immediate) rather than taken from a constant defined outside the loop,
+and with groups of at least a K block the scale and the zero are ``[BLOCK_N]`` vector loads.
+Then the words go from the pipelined shared buffer straight into the wgmma A-operand layout
+(``LDSM``), the nibbles are unpacked there, and ``HGMMA`` reads A from registers: one barrier
+per K block. With a constant from outside, or a ``[BLOCK_N, 2 BLOCK_KW]`` scale tile, the
+compiler dequantized in its own layout and staged each nibble's tile through shared memory
+(store, barrier, ``LDSM``, a wgmma wait per dot). Groups shorter than a K block (32, 64) still
+take that slower path: one (scale, zero) per word (a word's 32 inputs never straddle a group).
 
 **Accumulation** stays in the MMA across all of K (float32), scales applied to the weight
 tile, never per-tile corrections of the result.
@@ -65,19 +78,10 @@ from engine_triton.kernels.linear import _SCRATCH, _sm_count
 from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 
 
-@triton.jit
-def _split_scale_zero(v):
-    """The bf16 (scale, zero) pair stored as one int32 (scale in the low half): each half
-    moved to the top of a float32 (an exact bf16 -> float32 widening) and narrowed back."""
-    s = (v << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    z = (v & -65536).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    return s, z
-
-
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemm_kernel(
     x_ptr,
-    w_ptr,
+    w16_ptr,
     sz_ptr,
     y_ptr,
     part_ptr,
@@ -107,6 +111,7 @@ def _int4_gemm_kernel(
     WT: tl.constexpr = 4 * P  # words of one row per k super-tile
     KT: tl.constexpr = 16 * INNER  # inputs per k super-tile
     BLOCK_K: tl.constexpr = 8 * BLOCK_KW  # inputs per iteration
+    HW: tl.constexpr = 2 * BLOCK_KW  # 16-bit halves of the row's words per iteration
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -114,37 +119,46 @@ def _int4_gemm_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n_c = tl.minimum(n, N - 1)  # clamped, not masked: the loads stay unmasked
-    w_rows = w_ptr + ((n_c // 8).to(tl.int64) * stride_wn + (n_c % 8) * WT)[:, None]
-    wc = tl.arange(0, BLOCK_KW)
+    # The words as int16 halves (``w16_ptr``): half h of word column c at 2 c + h.
+    w_rows = w16_ptr + (2 * ((n_c // 8).to(tl.int64) * stride_wn + (n_c % 8) * WT))[:, None]
+    hc = tl.arange(0, HW)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_c = tl.minimum(m, M - 1)
-    x_cols = x_ptr + m_c.to(tl.int64)[None, :] * stride_xm + wc[:, None]  # x^T [KW, M]
+    x_cols = x_ptr + m_c.to(tl.int64)[None, :] * stride_xm + hc[:, None]  # x^T [HW, BLOCK_M]
 
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
     pdl_wait(USE_PDL)
-    # 136 in bf16 (128 + 8: 0x4300 | 8), built from its bits: a splat the compiler folds (the
-    # interpreter has no bf16 scalar constants).
-    c136 = tl.full((1, 1), 0x4308, tl.int16).to(tl.bfloat16, bitcast=True)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        col = k0 // 8 + wc  # the row's word columns
-        ko = col // WT
-        wi = col % WT
-        words = tl.load(w_rows + (ko * (32 * P) + wi)[None, :])  # [BLOCK_N, BLOCK_KW]
-        if GROUP_PER_BLOCK:
-            s, z = _split_scale_zero(tl.load(sz_ptr + (k0 // GROUP) * N + n_c))
-            s = s[:, None]
-            z = z[:, None]
+        if BLOCK_KW % WT == 0:  # whole super-tiles: runs of 2 WT contiguous halves
+            h_offs = (k0 // KT + hc // (2 * WT)) * (64 * P) + hc % (2 * WT)
         else:
-            g = (ko * KT + 32 * (wi % P)) // GROUP
-            s, z = _split_scale_zero(tl.load(sz_ptr + g[None, :] * N + n_c[:, None]))
-        for f in tl.static_range(8):
-            q = ((words >> (4 * f)) & 0xF) | 0x4300
-            w = q.to(tl.int16).to(tl.bfloat16, bitcast=True) - c136  # q - 8, exact
-            w = w * s + z
-            xt = tl.load(x_cols + (k0 + f * BLOCK_KW))
-            acc = tl.dot(w.to(tl.bfloat16), xt, acc)
+            col = k0 // 8 + hc // 2  # the word column of each half
+            h_offs = 2 * ((col // WT) * (32 * P) + col % WT) + hc % 2
+        halves = tl.load(w_rows + h_offs[None, :])  # int16 [BLOCK_N, HW]
+        # 136 in bf16 (0x4300 | 8) from the halves' own bits: (v | c) & c is c, but as a value
+        # computed in the loop from the loaded tile, not a constant defined outside it, it
+        # lets the compiler move the whole dequantization into the MMA's register layout
+        # (a constant from outside the loop, or a scale tile loaded in another layout, makes
+        # it dequantize in its own layout and go through shared memory per field instead).
+        c136 = ((halves | 0x4308) & 0x4308).to(tl.bfloat16, bitcast=True)
+        if GROUP_PER_BLOCK:  # one group per K block: a scale and a zero per output row
+            sz = sz_ptr + 2 * ((k0 // GROUP) * N + n_c)
+            s = tl.load(sz)[:, None]
+            z = tl.load(sz + 1)[:, None]
+        else:  # one group per word (32 inputs, never across a group): per half
+            col = k0 // 8 + hc // 2
+            g = ((col // WT) * KT + 32 * (col % WT % P)) // GROUP
+            sz = sz_ptr + 2 * (g[None, :] * N + n_c[:, None])
+            s = tl.load(sz)
+            z = tl.load(sz + 1)
+        for j in tl.static_range(4):
+            # Field j of each half: field 4 h + j of its word, as the bits of 128 + q.
+            q = ((halves >> (4 * j)) & 0xF) | 0x4300
+            w = (q.to(tl.bfloat16, bitcast=True) - c136) * s + z  # (q - 8) * s + z
+            xt = tl.load(x_cols + (k0 + j * HW))
+            acc = tl.dot(w, xt, acc)
 
     out_ok = n_ok[:, None] & (m < M)[None, :]
     y_offs = m.to(tl.int64)[None, :] * stride_ym + n[:, None]
@@ -176,13 +190,16 @@ _ORDERS: dict[tuple, torch.Tensor] = {}
 
 
 def x_order(k: int, inner: int, block_kw: int) -> torch.Tensor:
-    """``[K]`` int64: the input feature at each position of the gathered x. Position ``k0 + f
-    BLOCK_KW + i`` of K block ``k0`` (``8 BLOCK_KW`` inputs) holds the input that field ``f``
-    of the row's word column ``k0 / 8 + i`` carries."""
+    """``[K]`` int64: the input feature at each position of the gathered x. K block ``k0``
+    (``8 BLOCK_KW`` inputs) is four runs of ``2 BLOCK_KW``, one per nibble ``j`` of a 16-bit
+    half; position ``2 i + h`` of run ``j`` holds the input that field ``4 h + j`` of the row's
+    word column ``k0 / 8 + i`` carries."""
     p_words = inner // 2
     pos = torch.arange(k)
     k0, rest = pos // (8 * block_kw), pos % (8 * block_kw)
-    f, i = rest // block_kw, rest % block_kw
+    j, hc = rest // (2 * block_kw), rest % (2 * block_kw)
+    i, h = hc // 2, hc % 2
+    f = 4 * h + j
     col = k0 * block_kw + i
     ko, wi = col // (4 * p_words), col % (4 * p_words)
     c, p = wi // p_words, wi % p_words
@@ -254,9 +271,12 @@ def gemm(
         part, counters = _SCRATCH.get(x.device, split * m * n, grid_m * grid_n)
     else:
         part, counters = y, y  # unused
-    group_per_block = group_size % block_k == 0
+    # A K block spans inputs k0 .. k0 + BLOCK_K only when it holds whole super-tiles (half a
+    # super-tile's words carry inputs from all of it): one group per block iff the group is a
+    # multiple of both.
+    group_per_block = group_size % max(block_k, 16 * inner) == 0
     _int4_gemm_kernel[(grid_m, grid_n, split)](
-        xg, words, scale_zero.view(torch.int32), y, part, counters,
+        xg, words.view(torch.int16), scale_zero, y, part, counters,
         m, n, k, k_per_split, group_size, xg.stride(0), words.stride(0), y.stride(0),
         INNER=inner, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_KW=block_kw, SPLIT_K=split,
         IS_SPLIT=split > 1,

@@ -100,21 +100,23 @@ W4_GEMM_CANDIDATES = [
 GEMM_ROWS = (64, 256, 1024)
 # The int4-tile GEMM (``int4gemm.py``) for --int4-gemm-sweep: (block_n, cap on block_m (the
 # power of two covering M, ``int4gemm.block_rows``), block_kw (words of a row per K block: 8
-# inputs each), split_k (0: ``int4gemm.split_k``'s rule), num_warps, num_stages), timed in
-# this order after the default configuration until the budget runs out.
+# inputs each), split_k (0: ``int4gemm.split_k``'s rule for one wave of programs, -2: for two
+# waves, n > 0: n), num_warps, num_stages), timed in this order after the default
+# configuration until the budget runs out. Shared memory: about 3 * (8 * block_kw * block_m +
+# 4 * block_kw * block_n) bytes per stage set, so block_m 256 or block_kw 32 need 3 stages.
 INT4_GEMM_CANDIDATES = [
     (128, 128, 16, 1, 8, 3),  # the default without split-K
-    (64, 128, 16, 0, 4, 3),
-    (128, 256, 16, 0, 8, 3),
-    (128, 128, 32, 0, 8, 3),
-    (128, 128, 16, 0, 4, 3),
-    (64, 64, 16, 0, 4, 4),
+    (128, 128, 16, -2, 8, 4),  # split for two programs per SM
+    (64, 128, 16, 0, 4, 4),  # one warpgroup, 64 outputs
+    (128, 256, 16, 0, 8, 3),  # up to 256 rows a block: each weight unpacked once to M = 256
+    (64, 128, 16, -2, 4, 4),
+    (256, 64, 16, 0, 8, 3),  # 256 outputs: x read half as often from L2
     (128, 64, 16, 0, 8, 4),
-    (128, 128, 16, 0, 8, 4),
-    (256, 64, 16, 0, 8, 3),
-    (64, 256, 16, 0, 8, 3),
-    (128, 128, 16, 4, 8, 3),
-    (64, 128, 32, 0, 4, 3),
+    (128, 128, 32, 0, 8, 3),  # K blocks of 256
+    (128, 128, 16, 0, 8, 5),
+    (64, 64, 16, -2, 4, 4),
+    (128, 128, 16, 4, 8, 4),
+    (128, 32, 16, -2, 8, 4),
 ]
 INT4_GEMM_ROWS = (32, 64, 128, 256, 512)
 # --device cpu: a dry run of the sweep's code path in the interpreter on tiny shapes.
@@ -293,8 +295,9 @@ def _int4_gemm_resolve(cand, m: int, n: int, k: int, sms: int) -> tuple:
 
     block_n, cap, block_kw, split, warps, stages = cand
     block_m = int4gemm.block_rows(m, cap)
-    if split == 0:
-        split = int4gemm.split_k(m, n, k, block_n, block_m, block_kw, sms)
+    if split <= 0:
+        waves = max(1, -split)
+        split = int4gemm.split_k(m, n, k, block_n, block_m, block_kw, sms, waves)
     return block_n, block_m, block_kw, min(split, max(1, k // (8 * block_kw))), warps, stages
 
 
@@ -318,9 +321,11 @@ def _int4_gemm_layer(torch, n: int, k: int, group: int, copies, device: str) -> 
     return k, packs, dense_w
 
 
-def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda") -> dict:
+def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda", save=None) -> dict:
     """``--int4-gemm-sweep`` (see the module docstring): per projection and rows, the dense
-    path, bf16 cuBLAS, the GEMM's default and its candidates; returns everything measured."""
+    path, bf16 cuBLAS, the GEMM's default and its candidates; returns everything measured and
+    hands it to ``save`` after every pass (a run cut short keeps what it measured). A
+    candidate starts only if the previous pass's duration still fits in ``budget_s``."""
     from engine_triton.benchmark import _graph_us
     from engine_triton.kernels import int4gemm, int4pack
 
@@ -381,8 +386,12 @@ def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda") -> dict
                 f"err {d.get('max_abs_err')} ({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
+    if save is not None:
+        save(results)
+    last = 0.0
     for cand in INT4_GEMM_CANDIDATES:  # pass 2: the candidates, while the budget lasts
-        if time.perf_counter() - t0 > budget_s:
+        started = time.perf_counter()
+        if started - t0 + last > budget_s:
             print(f"int4gemm: budget of {budget_s:.0f}s spent before {cand}", flush=True)
             break
         for name, (_k, packs, _dense_w) in layers.items():
@@ -398,6 +407,9 @@ def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda") -> dict
             for m in rows
         )
         print(f"int4gemm candidate {cand}: {line} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        last = time.perf_counter() - started
+        if save is not None:
+            save(results)
     _int4_gemm_table(results)
     return results
 
@@ -452,11 +464,14 @@ def main(argv: list[str] | None = None) -> int:
         on_gpu = args.device != "cpu"
         default_rows = INT4_GEMM_ROWS if on_gpu else (17, 33)
         rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]
-        sweep = _int4_gemm_sweep(torch, rows, args.budget_s, args.device)
-        if args.json:
-            gpu = torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter)"
-            with open(args.json, "w") as f:
-                json.dump({"gpu": gpu, "int4_gemm": sweep}, f, indent=2)
+        gpu = torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter)"
+
+        def save(sweep: dict) -> None:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"gpu": gpu, "rows": rows, "int4_gemm": sweep}, f, indent=2)
+
+        _int4_gemm_sweep(torch, rows, args.budget_s, args.device, save)
         return 0
     default_rows = PRODUCER_ROWS if args.producers else ROWS
     rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]

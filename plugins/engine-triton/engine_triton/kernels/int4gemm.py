@@ -223,13 +223,16 @@ def block_rows(m: int, cap: int) -> int:
     return block_m
 
 
-def split_k(m: int, n: int, k: int, block_n: int, block_m: int, block_kw: int, sms: int) -> int:
-    """K ranges per output tile: doubled (up to 8) while the programs still fit in one wave of
-    ``sms`` and each range keeps at least 8 K blocks."""
+def split_k(
+    m: int, n: int, k: int, block_n: int, block_m: int, block_kw: int, sms: int, waves: int = 1
+) -> int:
+    """K ranges per output tile: doubled (up to 8) while the programs still fit in ``waves``
+    waves of ``sms`` (more than one where several programs fit on an SM) and each range keeps
+    at least 8 K blocks."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     blocks = k // (8 * block_kw)
     split = 1
-    while split < 8 and tiles * split * 2 <= sms and blocks // (split * 2) >= 8:
+    while split < 8 and tiles * split * 2 <= sms * waves and blocks // (split * 2) >= 8:
         split *= 2
     return split
 
@@ -237,9 +240,11 @@ def split_k(m: int, n: int, k: int, block_n: int, block_m: int, block_kw: int, s
 def _gemm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
     """(block_n, block_m, block_kw, split_k, num_warps, num_stages): a rule of thumb, to be
     replaced by the H200 sweep's choices. Row blocks up to 128 (one block at <= 128 rows, so
-    every weight is unpacked once), 128 outputs, K blocks of 128, K split by ``split_k``."""
+    every weight is unpacked once), 128 outputs, K blocks of 128, K split by ``split_k``, four
+    stages where the row block leaves the shared memory for them."""
     block_n, block_m, block_kw = 128, block_rows(m, 128), 16
-    return block_n, block_m, block_kw, split_k(m, n, k, block_n, block_m, block_kw, sms), 8, 3
+    split = split_k(m, n, k, block_n, block_m, block_kw, sms)
+    return block_n, block_m, block_kw, split, 8, 4 if block_m <= 64 else 3
 
 
 def gemm(

@@ -146,15 +146,18 @@ def test_default_config_is_valid():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("unpack_asm", [True, False])
 @pytest.mark.parametrize("m", [17, 64, 256, 512])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_gemm_at_8b_sizes(n, k, m, seed):
+def test_gemm_at_8b_sizes(n, k, m, unpack_asm, seed, monkeypatch):
     """On the GPU, at the Llama-3.1-8B projections, groups of 128 (AWQ): torch's own packing,
-    the default configuration, against the dequantized weight through cuBLAS."""
+    the default configuration, with the PTX unpacking (the interpreter cannot run it) and
+    without, against the dequantized weight through cuBLAS."""
     from engine_triton.kernels import int4gemm, int4pack
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    monkeypatch.setattr(int4gemm, "UNPACK_ASM", unpack_asm)
     group = 128
     q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
     s = torch.rand(n, k // group, device="cuda") * 0.01 + 0.001
@@ -188,6 +191,6 @@ def test_benchmark_sweep_dry_run(tmp_path, monkeypatch):
         assert entry["dense"] > 0 and entry["bf16"] > 0
         (cand,) = entry["candidates"]
         assert cand["config"][3] == 2  # K split in two
-        for run in (entry["default"], cand):
+        for run in (entry["default"], entry["default_no_asm"], cand):
             assert "error" not in run and run["us"] > 0
             assert run["max_abs_err"] < 0.1  # bf16 outputs of |y| up to ~5: a rounding or two

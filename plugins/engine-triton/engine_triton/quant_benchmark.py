@@ -22,7 +22,8 @@ torch's int4 tiles (``int4gemm.py``, groups of 128) against the path it would re
 weight dequantized to bf16 + cuBLAS, ``dense``) and bf16 cuBLAS alone, per projection and rows:
 first ``int4gemm``'s default configuration everywhere, then the ``INT4_GEMM_CANDIDATES`` in
 order until the budget is spent; every output is checked against the dense path (largest
-absolute difference). One table at the end, the JSON with every timing. ``--device cpu``
+absolute difference); the default also with ``int4gemm.UNPACK_ASM`` off (its unpacking in
+plain Triton, ``no-asm``). One table at the end, the JSON with every timing. ``--device cpu``
 (under ``TRITON_INTERPRET=1``) runs the same code on two tiny shapes with wall-clock timing, a
 dry run of the code path, not a measurement.
 
@@ -377,13 +378,20 @@ def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda", save=No
             bf16 = timer(lambda i, x=x, w=dense_w: torch.nn.functional.linear(x, w[i % len(w)]))
             entry = {"dense": round(dense, 2), "bf16": round(bf16, 2)}
             entry["default"] = run(x, packs, want)
+            int4gemm.UNPACK_ASM = False  # the same without the PTX unpacking: its A/B
+            try:
+                entry["default_no_asm"] = run(x, packs, want)
+            finally:
+                int4gemm.UNPACK_ASM = True
             entry["candidates"] = []
             results[name][m] = entry
             d = entry["default"]
             print(
                 f"int4gemm {name:8s} M={m:4d} dense {dense:8.2f} bf16 {bf16:8.2f} "
                 f"default {d['us']:8.2f} {d.get('config', d.get('error'))} "
-                f"err {d.get('max_abs_err')} ({time.perf_counter() - t0:.0f}s)",
+                f"err {d.get('max_abs_err')} no-asm {entry['default_no_asm']['us']:8.2f} "
+                f"err {entry['default_no_asm'].get('max_abs_err')} "
+                f"({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
     if save is not None:
@@ -418,19 +426,20 @@ def _int4_gemm_table(results: dict) -> None:
     """One table: per projection and rows, dense / bf16 / default / best of all, the best's
     configuration and the largest difference from the dense path over every configuration."""
     head = (
-        f"{'shape':8s} {'M':>4s} {'dense':>8s} {'bf16':>8s} {'default':>8s} {'best':>8s} "
-        f"{'best/dense':>10s} {'max_abs_err':>11s}  best config"
+        f"{'shape':8s} {'M':>4s} {'dense':>8s} {'bf16':>8s} {'default':>8s} {'no-asm':>8s} "
+        f"{'best':>8s} {'best/dense':>10s} {'max_abs_err':>11s}  best config"
     )
     print("\n" + head + "\n" + "-" * len(head))
     for name, by_m in results.items():
         for m, e in by_m.items():
-            runs = [e["default"], *e["candidates"]]
+            runs = [e["default"], e["default_no_asm"], *e["candidates"]]
             best = min(runs, key=lambda r: r["us"])
             errs = [r["max_abs_err"] for r in runs if "max_abs_err" in r]
             err = max(errs) if errs else float("nan")
             print(
                 f"{name:8s} {m:4d} {e['dense']:8.2f} {e['bf16']:8.2f} {e['default']['us']:8.2f} "
-                f"{best['us']:8.2f} {best['us'] / e['dense']:10.2f} {err:11.4f}  "
+                f"{e['default_no_asm']['us']:8.2f} {best['us']:8.2f} "
+                f"{best['us'] / e['dense']:10.2f} {err:11.4f}  "
                 f"{best.get('config')}",
                 flush=True,
             )

@@ -203,7 +203,8 @@ def _int4_gemm_kernel(
     if IS_SPLIT:
         tile = pid_n * tl.num_programs(0) + pid_m
         part_offs = m.to(tl.int64)[None, :] * N + n[:, None]
-        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=out_ok)
+        plane = tl.cast(M, tl.int64) * N  # one split's partials
+        tl.store(part_ptr + pid_k * plane + part_offs, acc, mask=out_ok)
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
@@ -211,7 +212,7 @@ def _int4_gemm_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for i in range(SPLIT_K):  # in index order, whatever the arrival order
                 total += tl.load(
-                    part_ptr + i * M * N + part_offs, mask=out_ok, other=0.0, cache_modifier=".cg"
+                    part_ptr + i * plane + part_offs, mask=out_ok, other=0.0, cache_modifier=".cg"
                 )
             tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=out_ok)
     else:

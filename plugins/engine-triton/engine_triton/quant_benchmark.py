@@ -108,12 +108,12 @@ GEMM_ROWS = (64, 256, 1024)
 INT4_GEMM_CANDIDATES = [
     (128, 128, 16, 1, 8, 3),  # the default without split-K
     (128, 128, 16, -2, 8, 4),  # split for two programs per SM
+    (128, 128, 32, 0, 8, 3),  # K blocks of 256: half the waits and loop overhead per weight
     (64, 128, 16, 0, 4, 4),  # one warpgroup, 64 outputs
     (128, 256, 16, 0, 8, 3),  # up to 256 rows a block: each weight unpacked once to M = 256
     (64, 128, 16, -2, 4, 4),
     (256, 64, 16, 0, 8, 3),  # 256 outputs: x read half as often from L2
     (128, 64, 16, 0, 8, 4),
-    (128, 128, 32, 0, 8, 3),  # K blocks of 256
     (128, 128, 16, 0, 8, 5),
     (64, 64, 16, -2, 4, 4),
     (128, 128, 16, 4, 8, 4),
@@ -409,11 +409,14 @@ def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda", save=No
                 r = run(x, packs, want, cand)
                 r["candidate"] = list(cand)
                 results[name][m]["candidates"].append(r)
+        done = [results[name][m]["candidates"][-1] for name in layers for m in rows]
         line = " ".join(
             f"{name}/{m}:{results[name][m]['candidates'][-1]['us']}"
             for name in layers
             for m in rows
         )
+        errs = [r["max_abs_err"] for r in done if "max_abs_err" in r]
+        line += f" max_abs_err {max(errs) if errs else 'n/a'}"
         print(f"int4gemm candidate {cand}: {line} ({time.perf_counter() - t0:.0f}s)", flush=True)
         last = time.perf_counter() - started
         if save is not None:

@@ -170,10 +170,11 @@ def test_gemm_at_8b_sizes(n, k, m, unpack_asm, seed, monkeypatch):
     assert err < 1e-2, f"seed={seed}: {err}"
 
 
-def test_benchmark_sweep_dry_run(tmp_path, monkeypatch):
-    """``quant_benchmark --int4-gemm-sweep --device cpu``: the sweep's code path (layers,
-    the dense reference, the default and a split-K candidate, the table, the JSON) in the
-    interpreter on its tiny shapes, so the GPU run does not meet it for the first time."""
+def test_benchmark_sweep_dry_run(tmp_path, monkeypatch, capsys):
+    """``quant_benchmark --int4-gemm-sweep --device cpu``: the sweep's code path (compiling
+    in worker processes, layers, the dense reference, the default and a split-K candidate, the
+    table, the JSON) in the interpreter on its tiny shapes, so the GPU run does not meet it for
+    the first time."""
     import json
 
     from engine_triton import quant_benchmark
@@ -183,7 +184,9 @@ def test_benchmark_sweep_dry_run(tmp_path, monkeypatch):
     monkeypatch.setattr(quant_benchmark, "INT4_GEMM_CANDIDATES", [(32, 32, 16, 2, 4, 2)])
     out = tmp_path / "sweep.json"
     argv = ["--int4-gemm-sweep", "--device", "cpu", "--rows", "17", "--json", str(out)]
+    argv += ["--compile-workers", "2"]  # the GPU run compiles in 12 spawned processes first
     assert quant_benchmark.main(argv) == 0
+    assert "kernels compiled in 2 processes" in capsys.readouterr().out
     result = json.loads(out.read_text())["int4_gemm"]
     assert set(result) == set(quant_benchmark.INT4_GEMM_CPU_SHAPES)
     for by_m in result.values():

@@ -23,7 +23,9 @@ weight dequantized to bf16 + cuBLAS, ``dense``) and bf16 cuBLAS alone, per proje
 first ``int4gemm``'s default configuration everywhere, then the ``INT4_GEMM_CANDIDATES`` in
 order until the budget is spent; every output is checked against the dense path (largest
 absolute difference); the default also with ``int4gemm.UNPACK_ASM`` off (its unpacking in
-plain Triton, ``no-asm``). One table at the end, the JSON with every timing. ``--device cpu``
+plain Triton, ``no-asm``). One table at the end, the JSON with every timing. Its roughly 70
+kernels are first compiled by ``--compile-workers`` spawned processes (12 on a GPU) into
+Triton's on-disk cache, so the budget goes to timing rather than to one compilation at a time. ``--device cpu``
 (under ``TRITON_INTERPRET=1``) runs the same code on two tiny shapes with wall-clock timing, a
 dry run of the code path, not a measurement.
 
@@ -322,11 +324,91 @@ def _int4_gemm_layer(torch, n: int, k: int, group: int, copies, device: str) -> 
     return k, packs, dense_w
 
 
-def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda", save=None) -> dict:
+def _int4_gemm_kernels(rows, shapes: dict, sms: int) -> list[tuple]:
+    """Every distinct compilation the sweep will ask for: (block_n, block_m, block_kw, K split
+    or not, num_warps, num_stages, PTX unpacking), defaults first, then the candidates."""
+    from engine_triton.kernels import int4gemm
+
+    seen: dict[tuple, None] = {}
+    for asm in (True, False):
+        for n, k in shapes.values():
+            for m in rows:
+                c = int4gemm._gemm_config(m, n, k, sms)
+                seen[(c[0], c[1], c[2], c[3] > 1, c[4], c[5], asm)] = None
+    for cand in INT4_GEMM_CANDIDATES:
+        for n, k in shapes.values():
+            for m in rows:
+                c = _int4_gemm_resolve(cand, m, n, k, sms)
+                seen[(c[0], c[1], c[2], c[3] > 1, c[4], c[5], True)] = None
+    return list(seen)
+
+
+def _int4_gemm_compile(kernels: list[tuple], device: str) -> list[str]:
+    """Compile ``kernels`` (as ``_int4_gemm_kernels`` lists them) by one small call each, so
+    that Triton's on-disk cache holds them: a tiny layer with the 8B shapes' specialization
+    (every size and stride a multiple of 16, M unspecialized, K split in two or not at all).
+    Runs in the worker processes of ``_int4_gemm_precompile``; returns the failures."""
+    import torch
+
+    from engine_triton.kernels import int4gemm, int4pack
+
+    n, k, group = 256, 512, 128
+    q = torch.randint(0, 16, (n, k), device=device, dtype=torch.uint8)
+    s = torch.rand(n, k // group, device=device) * 0.01 + 0.001
+    z = torch.full((n, k // group), 8, device=device, dtype=torch.uint8)
+    packed = int4pack.pack(q, s, z, group)
+    x = torch.randn(17, k, device=device, dtype=torch.bfloat16)
+    failed = []
+    config, asm = int4gemm._gemm_config, int4gemm.UNPACK_ASM
+    try:
+        for bn, bm, bkw, is_split, warps, stages, unpack_asm in kernels:
+            int4gemm._gemm_config = (
+                lambda *a, c=(bn, bm, bkw, 2 if is_split else 1, warps, stages): c
+            )
+            int4gemm.UNPACK_ASM = unpack_asm
+            try:
+                int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
+            except Exception as exc:  # the sweep meets it again and records it
+                failed.append(f"{(bn, bm, bkw, is_split, warps, stages, unpack_asm)}: {exc}"[:200])
+        if device != "cpu":
+            torch.cuda.synchronize()
+    finally:
+        int4gemm._gemm_config, int4gemm.UNPACK_ASM = config, asm
+    return failed
+
+
+def _int4_gemm_precompile(kernels: list[tuple], device: str, workers: int) -> None:
+    """Compile ``kernels`` in ``workers`` spawned processes (Triton compiles one kernel at a
+    time per process; the sweep asks for about 70), filling the on-disk cache the sweep then
+    loads from. Best effort: on any failure the sweep compiles what is missing itself."""
+    import concurrent.futures
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    chunks = [kernels[i::workers] for i in range(workers) if kernels[i::workers]]
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=ctx) as pool:
+            failed = [f for r in pool.map(_int4_gemm_compile, chunks, [device] * len(chunks))
+                      for f in r]  # fmt: skip
+    except Exception as exc:
+        print(f"int4gemm: precompilation failed ({type(exc).__name__}: {exc})", flush=True)
+        return
+    print(
+        f"int4gemm: {len(kernels)} kernels compiled in {len(chunks)} processes in "
+        f"{time.perf_counter() - t0:.0f}s; {len(failed)} refused {failed[:3]}",
+        flush=True,
+    )
+
+
+def _int4_gemm_sweep(
+    torch, rows, budget_s: float, device: str = "cuda", save=None, workers: int = 0
+) -> dict:
     """``--int4-gemm-sweep`` (see the module docstring): per projection and rows, the dense
     path, bf16 cuBLAS, the GEMM's default and its candidates; returns everything measured and
     hands it to ``save`` after every pass (a run cut short keeps what it measured). A
-    candidate starts only if the previous pass's duration still fits in ``budget_s``."""
+    candidate starts only if the previous pass's duration still fits in ``budget_s``. With
+    ``workers``, every kernel is first compiled in that many processes."""
     from engine_triton.benchmark import _graph_us
     from engine_triton.kernels import int4gemm, int4pack
 
@@ -337,6 +419,8 @@ def _int4_gemm_sweep(torch, rows, budget_s: float, device: str = "cuda", save=No
     copies = _copies if on_gpu else (lambda make, nbytes: [make(), make()])
     sms = int4gemm._sm_count(torch.device(device))
     group = 128
+    if workers:
+        _int4_gemm_precompile(_int4_gemm_kernels(rows, shapes, sms), device, workers)
     layers, results = {}, {}
     for name, (n, k) in shapes.items():
         layers[name] = _int4_gemm_layer(torch, n, k, group, copies, device)
@@ -469,6 +553,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--budget-s", type=float, default=100.0, help="--int4-gemm-sweep's")
     parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        help="--int4-gemm-sweep: processes compiling its kernels first (default: 12 on a GPU, "
+        "0 on the CPU)",
+    )
+    parser.add_argument(
         "--device", default="cuda", help="--int4-gemm-sweep on cpu: an interpreter dry run"
     )
     args = parser.parse_args(argv)
@@ -483,7 +574,10 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.json, "w") as f:
                     json.dump({"gpu": gpu, "rows": rows, "int4_gemm": sweep}, f, indent=2)
 
-        _int4_gemm_sweep(torch, rows, args.budget_s, args.device, save)
+        workers = args.compile_workers
+        if workers is None:
+            workers = 12 if on_gpu else 0
+        _int4_gemm_sweep(torch, rows, args.budget_s, args.device, save, workers)
         return 0
     default_rows = PRODUCER_ROWS if args.producers else ROWS
     rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]

@@ -303,6 +303,8 @@ def gemm(
     n = scale_zero.shape[1]
     inner = 2 * words.shape[-1]
     block_n, block_m, block_kw, split, warps, stages = _gemm_config(m, n, k, _sm_count(x.device))
+    while k % (8 * block_kw) and block_kw > 16:  # a configured K block longer than K allows
+        block_kw //= 2
     block_k = 8 * block_kw
     if k % block_k:
         raise ValueError(f"int4 GEMM: K={k} is not a multiple of its K block {block_k}")

@@ -223,8 +223,8 @@ def _int4_gemm_kernel(
 
 
 def supported(k: int) -> bool:
-    """Whether the GEMM takes a layer of ``k`` inputs: K blocks of 128 (the smallest, 16 words
-    a row, as one MMA needs 16 inputs per field), which also means super-tiles of 8 k-tiles."""
+    """Whether the GEMM takes a layer of ``k`` inputs: a multiple of 128, the default K block
+    (16 words a row: one super-tile of 8 k-tiles, which such a K always gets)."""
     return k % 128 == 0
 
 

@@ -409,6 +409,18 @@ def _int4_gemm_sweep(
     hands it to ``save`` after every pass (a run cut short keeps what it measured). A
     candidate starts only if the previous pass's duration still fits in ``budget_s``. With
     ``workers``, every kernel is first compiled in that many processes."""
+    from engine_triton.kernels import int4pack
+
+    gemm_rows = int4pack.GEMM_MAX_ROWS
+    int4pack.GEMM_MAX_ROWS = 0  # int4pack.linear is the dense path whatever it is set to
+    try:
+        return _int4_gemm_passes(torch, rows, budget_s, device, save, workers)
+    finally:
+        int4pack.GEMM_MAX_ROWS = gemm_rows
+
+
+def _int4_gemm_passes(torch, rows, budget_s: float, device: str, save, workers: int) -> dict:
+    """The body of ``_int4_gemm_sweep``, with ``int4pack.linear`` held to the dense path."""
     from engine_triton.benchmark import _graph_us
     from engine_triton.kernels import int4gemm, int4pack
 
@@ -455,7 +467,7 @@ def _int4_gemm_sweep(
     for name, (k, packs, dense_w) in layers.items():  # pass 1: the comparison that matters
         for m in rows:
             x = xs[name, m] = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            want = int4pack.linear(x, packs[0], group, None, None)  # GEMM_MAX_ROWS is 0
+            want = int4pack.linear(x, packs[0], group, None, None)  # dequantize + cuBLAS
             dense = timer(
                 lambda i, x=x, p=packs: int4pack.linear(x, p[i % len(p)], group, None, None)
             )

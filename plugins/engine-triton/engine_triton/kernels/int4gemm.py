@@ -270,11 +270,12 @@ def split_k(
 ) -> int:
     """K ranges per output tile: doubled (up to 8) while the programs still fit in ``waves``
     waves of ``sms`` (more than one where several programs fit on an SM) and each range keeps
-    at least 8 K blocks."""
+    at least 1,024 inputs and 4 K blocks (8 of the default 128)."""
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     blocks = k // (8 * block_kw)
+    least = max(4, 1024 // (8 * block_kw))
     split = 1
-    while split < 8 and tiles * split * 2 <= sms * waves and blocks // (split * 2) >= 8:
+    while split < 8 and tiles * split * 2 <= sms * waves and blocks // (split * 2) >= least:
         split *= 2
     return split
 

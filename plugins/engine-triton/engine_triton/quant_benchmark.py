@@ -111,6 +111,7 @@ INT4_GEMM_CANDIDATES = [
     (128, 128, 16, 1, 8, 3),  # the default without split-K
     (128, 128, 16, -2, 8, 4),  # split for two programs per SM
     (128, 128, 32, 0, 8, 3),  # K blocks of 256: half the waits and loop overhead per weight
+    (128, 64, 64, 0, 8, 2),  # K blocks of 512 (dots 128 deep): a quarter of the waits
     (64, 128, 16, 0, 4, 4),  # one warpgroup, 64 outputs
     (128, 256, 16, 0, 8, 3),  # up to 256 rows a block: each weight unpacked once to M = 256
     (64, 128, 16, -2, 4, 4),
@@ -119,7 +120,6 @@ INT4_GEMM_CANDIDATES = [
     (128, 128, 16, 0, 8, 5),
     (64, 64, 16, -2, 4, 4),
     (128, 128, 16, 4, 8, 4),
-    (128, 64, 64, 0, 8, 2),  # K blocks of 512 (dots 128 deep): a quarter of the waits
 ]
 INT4_GEMM_ROWS = (32, 64, 128, 256, 512)
 # --device cpu: a dry run of the sweep's code path in the interpreter on tiny shapes.

@@ -10,7 +10,10 @@ units do with a float32 accumulator. And it rounds float32 -> bfloat16 casts tow
 (``x.to(tl.bfloat16)`` passes no rounding mode, and its converter then truncates the mantissa),
 where the GPU rounds to nearest even; we round to nearest even, so a kernel that rounds
 intermediate values (the fused MoE kernels round gate/up and each expert's output) is tested
-with the GPU's arithmetic. Nothing changes when the interpreter is not in use.
+with the GPU's arithmetic. Its elementwise add, subtract and multiply also work on those raw bit
+patterns for bfloat16 operands, so we compute them in float32 and round the result to bfloat16
+(nearest even), as the GPU's bf16 arithmetic does (the int4 GEMM dequantizes in bf16). Nothing
+changes when the interpreter is not in use.
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ def patch_if_interpreting() -> None:
         return original_cast(self, src, dst_type)
 
     builder_cls.cast_impl = cast_impl
+
+    def bf16_arith(name, op):
+        original_op = getattr(builder_cls, name)
+
+        def create(self, lhs, rhs):
+            if lhs.dtype.scalar != tl.bfloat16:
+                return original_op(self, lhs, rhs)
+            out = op(widen(lhs).data, widen(rhs).data).astype(np.float32)
+            return interpreter.TensorHandle(_float32_to_bfloat16_bits(out), tl.bfloat16)
+
+        setattr(builder_cls, name, create)
+
+    bf16_arith("create_fadd", np.add)
+    bf16_arith("create_fsub", np.subtract)
+    bf16_arith("create_fmul", np.multiply)
     _patched = True
 
 

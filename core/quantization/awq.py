@@ -64,10 +64,20 @@ class AWQLinearMethod(WNA16LinearMethod):
             ShardLayout(output_dim=1, input_dim=gdim, input_pack=gpack),
         )
 
+    tensor_names = {"qweight": "qweight", "scales": "scales", "zeros": "qzeros"}
+
+    def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        if role in ("qweight", "zeros"):
+            return unpack_awq(tensor).t()  # [K or G, N / 8] -> [N, K or G]
+        return tensor.t()  # scales [G, N]
+
     def canonical(self, layer: LinearBase):
-        q = unpack_awq(layer.qweight.data)  # [K, N]
-        zeros = unpack_awq(layer.qzeros.data)  # [G, N]
-        return q.t(), layer.scales.data.t(), zeros.t(), None
+        return (
+            self.canonical_tensor("qweight", layer.qweight.data),
+            self.canonical_tensor("scales", layer.scales.data),
+            self.canonical_tensor("zeros", layer.qzeros.data),
+            None,
+        )
 
     def dummy_value(self, layer, name, param, generator):
         if name == "qweight":
@@ -116,3 +126,15 @@ class AWQConfig(QuantizationConfig):
         if self.all_or_none(prefix, skip):
             return None
         return AWQLinearMethod(self.group_size)
+
+    def get_moe_method(self, layer: Any, prefix: str) -> Any:
+        """Integer experts (``engine.quantization.wna16_moe``, weight-only); None (unquantized
+        experts) when ``modules_to_not_convert`` names them (AutoAWQ's substring rule, on the
+        first expert's gate projection)."""
+        from engine.quantization.wna16_moe import wna16_moe_method
+
+        base = self.checkpoint_names(prefix)[0]
+        first = (f"{base}.0.gate_proj", f"{base}.0.w1")
+        if any(m in n for m in self.modules_to_not_convert for n in first):
+            return None
+        return wna16_moe_method(self, layer, prefix, AWQLinearMethod(self.group_size))

@@ -82,6 +82,20 @@ class CTWNA16LinearMethod(WNA16LinearMethod):
             f"compressed-tensors w{bits}a16 g{group_size}{'' if symmetric else ' asym'}"
             f"{' act-order' if act_order else ''}"
         )
+        self.tensor_names = {
+            "qweight": "weight_packed",
+            "scales": "weight_scale",
+            "zeros": None if symmetric else "weight_zero_point",
+        }
+
+    extra_tensor_names = ("weight_shape",)
+
+    def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        if role == "qweight":
+            return unpack_int32(tensor, self.bits, dim=1)  # [N, K / p] -> [N, K]
+        if role == "zeros":
+            return unpack_int32(tensor, self.bits, dim=0)  # [N / p, G] -> [N, G]
+        return tensor  # scales [N, G]
 
     def create_weights(self, layer: LinearBase) -> None:
         self.check_sizes(layer)
@@ -134,14 +148,14 @@ class CTWNA16LinearMethod(WNA16LinearMethod):
             raise ModelLoadError(
                 f"{layer.prefix}: weight_shape {got} does not match the layer's {expected}"
             )
-        q = unpack_int32(layer.weight_packed.data, self.bits, dim=1, size=k)  # [N, K]
-        scales = layer.weight_scale.data
+        q = self.canonical_tensor("qweight", layer.weight_packed.data)[:, :k]
+        scales = self.canonical_tensor("scales", layer.weight_scale.data)
         if self.symmetric:
             zeros = torch.full(
                 scales.shape, 1 << (self.bits - 1), dtype=torch.uint8, device=scales.device
             )
         else:
-            zeros = unpack_int32(layer.weight_zero_point.data, self.bits, dim=0)
+            zeros = self.canonical_tensor("zeros", layer.weight_zero_point.data)
         g_idx = layer.weight_g_idx.data if self.act_order else None
         return q, scales, zeros, g_idx
 
@@ -412,9 +426,11 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def get_moe_method(self, layer: Any, prefix: str) -> Any:
         """FP8 experts (``engine.quantization.fp8_moe``, weight-only) for the FP8 schemes:
-        tensor or channel weights, and 2-D blocks; None (unquantized experts) when no group
-        targets them. The scheme is the one of the first expert's gate projection (Qwen's
-        ``experts.0.gate_proj``, Mixtral's ``experts.0.w1``); other schemes are refused."""
+        tensor or channel weights, and 2-D blocks; integer experts
+        (``engine.quantization.wna16_moe``) for pack-quantized W4A16/W8A16 without act-order;
+        None (unquantized experts) when no group targets them. The scheme is the one of the
+        first expert's gate projection (Qwen's ``experts.0.gate_proj``, Mixtral's
+        ``experts.0.w1``); other schemes are refused."""
         from engine.quantization.fp8_moe import fp8_moe_method
 
         base = self.checkpoint_names(prefix)[0]
@@ -436,8 +452,22 @@ class CompressedTensorsConfig(QuantizationConfig):
                 block_size=tuple(scheme.weights["block_structure"]),
                 scale_name="weight_scale",
             )
+        if scheme.kind == "wna16":
+            from engine.quantization.wna16_moe import wna16_moe_method
+
+            fmt = scheme.method(False)
+            if fmt.act_order:
+                raise QuantizationError(
+                    f"compressed-tensors config group {scheme.group!r}: act-order "
+                    f"({scheme.weights.get('actorder')!r}) experts ({prefix}) are not "
+                    "supported: each expert's weight_g_idx orders its input features "
+                    "differently, and the fused MoE kernels read every expert's inputs in one "
+                    "order. Supported for MoE experts: W4A16/W8A16 pack-quantized without "
+                    "act-order (or actorder 'static'), group 32/64/128 or channel, sym or asym"
+                )
+            return wna16_moe_method(self, layer, prefix, fmt)
         raise NotImplementedError(
             f"compressed-tensors {scheme.kind} experts ({prefix}) are not supported; quantized "
-            "MoE experts are served for FP8 schemes (tensor/channel weights, or blocks), "
-            "weight-only"
+            "MoE experts are served for FP8 schemes (tensor/channel weights, or blocks) and "
+            "W4A16/W8A16 pack-quantized ones, weight-only"
         )

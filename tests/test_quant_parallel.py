@@ -128,15 +128,15 @@ def test_quantized_layouts_that_cannot_work_are_refused_at_start(source, tmp_pat
         LLM(str(act), tensor_parallel_size=2, **KW)
 
 
-def test_a_mixture_of_experts_model_without_quantized_experts_is_refused_at_start(tmp_path):
-    """GPTQ has no expert method (FP8 has: tests/test_fp8_moe.py): refused before any weight
-    is read, saying which methods serve quantized experts."""
+def test_a_mixture_of_experts_model_with_act_order_experts_is_refused_at_start(tmp_path):
+    """GPTQ experts run (tests/test_wna16_moe.py), but not act-order ones: refused before
+    any weight is read, saying why and what is supported."""
     moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=2)
-    gptq, _ = qm.write_gptq(moe, tmp_path / "gptq", None, bits=4, group_size=32)
+    gptq, _ = qm.write_gptq(moe, tmp_path / "gptq", None, bits=4, group_size=32, desc_act=True)
     assert "quantization_config" in json.loads((gptq / "config.json").read_text())
     with pytest.raises(
         QuantizationError,
-        match=r"'gptq' cannot run this model: quantization 'gptq' has no method for MoE experts "
-        r"\(model\.layers\.0\.mlp\.experts\); quantized experts are served for fp8",
+        match=r"'gptq'.*model\.layers\.0\.mlp\.experts: GPTQ act-order experts \(desc_act: "
+        r"true\) are not supported",
     ):
         LLM(str(gptq), **KW)

@@ -62,6 +62,9 @@ class WNA16MoEMethod(FusedMoEMethodBase):
     ``CTWNA16LinearMethod``), whose bits, group size, tensor names and ``canonical_tensor``
     conversion the experts share; it must not be act-order."""
 
+    #: The checkpoint stores the quantized values (the dummy loader asks this method for them).
+    serialized = True
+
     def __init__(self, fmt: WNA16LinearMethod) -> None:
         if fmt.act_order:
             raise QuantizationError(

@@ -22,6 +22,7 @@ greedy tokens equal; at TP=2 and with expert parallelism over gloo: equal to one
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -301,6 +302,67 @@ def test_ignored_experts_stay_unquantized():
     assert awq.get_moe_method(None, "model.layers.0.mlp.experts") is None
     per_module = GPTQConfig(4, 32, False, True, True, dynamic={".*experts.*": {"bits": 8}})
     assert per_module.get_moe_method(None, "model.layers.0.mlp.experts").bits == 8
+
+
+def test_experts_quantized_in_part_are_refused():
+    """One method serves all three projections: settings that differ between them (a GPTQ
+    ``dynamic`` rule for the down projections, AWQ's substring rule catching ``gate_proj``, a
+    compressed-tensors ignore entry) are refused, naming the projections."""
+    from engine.quantization.awq import AWQConfig
+    from engine.quantization.compressed_tensors import CompressedTensorsConfig
+    from engine.quantization.gptq import GPTQConfig
+
+    prefix = "model.layers.0.mlp.experts"
+    down8 = GPTQConfig(4, 32, False, True, True, dynamic={".*down_proj": {"bits": 8}})
+    with pytest.raises(QuantizationError, match=r"'dynamic' settings differ between the experts'"):
+        down8.get_moe_method(None, prefix)
+    awq = AWQConfig(32, modules_to_not_convert=["gate"])  # meant for the router, catches gate_proj
+    with pytest.raises(QuantizationError, match=r"unquantized but not up_proj, down_proj"):
+        awq.get_moe_method(None, prefix)
+    # Mixtral's experts (w1/w3/w2, which the model tells its layers) do not contain "gate".
+    mixtral = SimpleNamespace(proj_names=("w1", "w3", "w2"))
+    assert awq.get_moe_method(mixtral, "model.layers.0.block_sparse_moe.experts") is not None
+    weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}
+    ct = CompressedTensorsConfig.from_config({
+        "format": "pack-quantized",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["re:.*down_proj"],
+    })  # fmt: skip
+    with pytest.raises(QuantizationError, match=r"fall under different schemes"):
+        ct.get_moe_method(None, prefix)
+
+
+def test_the_qwen3_30b_gptq_shape_builds_and_splits_as_the_real_checkpoint(tmp_path):
+    """The built-in Qwen3-30B-A3B-GPTQ-Int4 shape (what ``--model qwen3-30b-a3b-gptq-int4
+    --load-format dummy`` benchmarks): built on the meta device as a rank would, its experts
+    (768 wide, groups of 128) split at TP=2 (384: three groups per rank), are refused at TP=4
+    (192 per rank), and are placed whole at TP=4 with expert parallelism."""
+    from engine.attention_backends.torch_ref import TorchReferenceBackend
+    from engine.benchmarks.workload import write_builtin_model
+    from engine.config import ModelConfig
+    from engine.kernels.registry import KernelRegistry
+    from engine.loader import load_hf_config
+    from engine.loader.model_loader import check_quantized_layout
+    from engine.models.registry import ModelRegistry
+    from engine.quantization.gptq import GPTQConfig
+
+    path = write_builtin_model("qwen3-30b-gptq", str(tmp_path))
+    config = json.loads((tmp_path / "qwen3-30b-a3b-gptq-int4" / "config.json").read_text())
+    quant = GPTQConfig.from_config(config["quantization_config"])
+    assert (quant.bits, quant.group_size, quant.desc_act) == (4, 128, False)
+    model_config = ModelConfig(model=path, load_format="dummy")
+    load_hf_config(model_config)
+    kernels = KernelRegistry().resolve("cpu")
+    args = (model_config, kernels, TorchReferenceBackend, ModelRegistry(), quant)
+    check_quantized_layout(*args, 1)
+    check_quantized_layout(*args, 2)
+    check_quantized_layout(*args, 4, True)
+    with pytest.raises(
+        QuantizationError,
+        match=r"each rank's 192 of the experts' 768 intermediate features \(tensor-parallel "
+        r"size 4\) would split a 128-feature scale group.*\(2, 3\)",
+    ):
+        check_quantized_layout(*args, 4)
 
 
 # ---- split over ranks -----------------------------------------------------------------------

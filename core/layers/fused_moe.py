@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 # Checkpoint projection names -> the shard of the stacked weights they fill.
 QWEN_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w3": "w3", "w2": "w2"}
+# The checkpoint names of an expert's gate, up and down projections, per model family.
+EXPERT_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 SCORING_FUNCS = ("softmax",)
 
 
@@ -231,10 +233,12 @@ class FusedMoE(nn.Module):
         prefix: str = "",
         reduce_results: bool = True,
         scoring_func: str = "softmax",
+        proj_names: tuple[str, str, str] | None = None,
     ) -> None:
         """``quant_config`` (the model's, or None) picks the method by ``prefix`` (the layer's
         checkpoint name) through its ``get_moe_method(layer, prefix)``; ``quant_method``
-        forces one."""
+        forces one. ``proj_names``: the checkpoint's names of an expert's gate, up and down
+        projections (``expert_projections``), when the model knows them."""
         super().__init__()
         parallel = parallel or MoEParallel()
         if not 1 <= top_k <= num_experts:
@@ -283,6 +287,7 @@ class FusedMoE(nn.Module):
         # Tokens routed to each (global) expert since counting was enabled; None: not counted.
         self.expert_load: torch.Tensor | None = None
         self.prefix = prefix
+        self.proj_names = proj_names
         if quant_method is None and quant_config is not None:
             getter = getattr(quant_config, "get_moe_method", None)
             if getter is None:
@@ -543,6 +548,14 @@ class ExpertCheckpointMapping:
                 f"checkpoint is missing {len(missing)} expert tensor(s): {shown}{more}"
             )
         return done
+
+
+def expert_projections(layer: Any) -> tuple[tuple[str, str, str], ...]:
+    """The checkpoint names of an expert's (gate, up, down) projections that a quantization
+    config should look up for ``layer``: the model's (``FusedMoE.proj_names``), or every
+    family's (Qwen's ``gate_proj/up_proj/down_proj``, Mixtral's ``w1/w3/w2``) when unknown."""
+    names = getattr(layer, "proj_names", None)
+    return (tuple(names),) if names else EXPERT_PROJECTIONS
 
 
 def expert_checkpoint_suffixes(layer: FusedMoE) -> set[str]:

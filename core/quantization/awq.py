@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from engine.layers.linear import LinearMethod, ShardLayout
-from engine.quantization.base import QuantizationConfig, config_value, require
+from engine.quantization.base import QuantizationConfig, QuantizationError, config_value, require
 from engine.quantization.utils import add_param, fill_random_bits, pack_awq, unpack_awq
 from engine.quantization.wna16 import WNA16LinearMethod
 
@@ -131,10 +131,21 @@ class AWQConfig(QuantizationConfig):
         """Integer experts (``engine.quantization.wna16_moe``, weight-only); None (unquantized
         experts) when ``modules_to_not_convert`` names them (AutoAWQ's substring rule, on the
         first expert's gate projection)."""
+        from engine.layers.fused_moe import expert_projections
         from engine.quantization.wna16_moe import wna16_moe_method
 
         base = self.checkpoint_names(prefix)[0]
-        first = (f"{base}.0.gate_proj", f"{base}.0.w1")
-        if any(m in n for m in self.modules_to_not_convert for n in first):
-            return None
+        for projections in expert_projections(layer):
+            skipped = [
+                any(m in f"{base}.0.{p}" for m in self.modules_to_not_convert) for p in projections
+            ]
+            if any(skipped) and not all(skipped):
+                kept = [p for p, s in zip(projections, skipped, strict=True) if not s]
+                raise QuantizationError(
+                    f"{prefix}: AWQ's modules_to_not_convert {self.modules_to_not_convert} "
+                    f"leaves some expert projections unquantized but not {', '.join(kept)}; "
+                    "experts must be quantized whole or not at all"
+                )
+            if all(skipped):
+                return None
         return wna16_moe_method(self, layer, prefix, AWQLinearMethod(self.group_size))

@@ -431,10 +431,20 @@ class CompressedTensorsConfig(QuantizationConfig):
         None (unquantized experts) when no group targets them. The scheme is the one of the
         first expert's gate projection (Qwen's ``experts.0.gate_proj``, Mixtral's
         ``experts.0.w1``); other schemes are refused."""
+        from engine.layers.fused_moe import expert_projections
         from engine.quantization.fp8_moe import fp8_moe_method
 
         base = self.checkpoint_names(prefix)[0]
-        schemes = {self.scheme_for(f"{base}.0.{proj}") for proj in ("gate_proj", "w1")}
+        schemes: set[Any] = set()
+        for projections in expert_projections(layer):
+            found = [self.scheme_for(f"{base}.0.{p}") for p in projections]
+            if any(s is not found[0] for s in found):
+                raise QuantizationError(
+                    f"compressed-tensors: the experts' projections of {prefix} "
+                    f"({', '.join(projections)}) fall under different schemes (or some are "
+                    "ignored); quantized experts need one scheme for all three"
+                )
+            schemes.add(found[0])
         schemes.discard(None)
         if not schemes:
             return None

@@ -230,13 +230,24 @@ class GPTQConfig(QuantizationConfig):
         """Integer experts (``engine.quantization.wna16_moe``, weight-only) with the settings
         of the first expert's gate projection (a ``dynamic`` override of it included); None
         (unquantized experts) when a ``-:`` rule excludes it. Act-order is refused."""
+        from engine.layers.fused_moe import expert_projections
         from engine.quantization.wna16_moe import wna16_moe_method
 
         base = self.checkpoint_names(prefix)[0]
-        o = self._module_overrides(f"{base}.0.gate_proj")
-        mixtral = self._module_overrides(f"{base}.0.w1")
-        if o == {} and mixtral != {}:
-            o = mixtral
+        o = None
+        for projections in expert_projections(layer):
+            rules = [self._module_overrides(f"{base}.0.{p}") for p in projections]
+            if any(r != rules[0] for r in rules):
+                raise QuantizationError(
+                    f"{prefix}: the GPTQ 'dynamic' settings differ between the experts' "
+                    f"projections ({', '.join(projections)}); quantized experts need one "
+                    "setting for all three"
+                )
+            if rules[0] != {}:
+                o = rules[0]
+                break
+        else:
+            o = {}
         if o is None:
             return None
         bits = int(o.get("bits", self.bits))

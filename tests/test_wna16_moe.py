@@ -231,6 +231,23 @@ def test_unsupported_gptq_experts_are_refused_at_start(changes, message, sources
         LLM(str(quantized), dtype="float32")
 
 
+def test_unsupported_awq_and_compressed_tensors_experts_are_refused_at_start(sources, tmp_path):
+    """AWQ 8-bit and a compressed-tensors 3-bit group over the experts: refused before any
+    weight is read, listing what the format supports."""
+    awq, _ = qm.write_awq(sources["qwen3_moe"], tmp_path / "awq", None, group_size=32)
+    _set_config(awq, bits=8)
+    with pytest.raises(QuantizationError, match=r"AWQ checkpoint has bits 8.*\(supported: 4\)"):
+        LLM(str(awq), dtype="float32")
+    ct, _ = qm.write_compressed_tensors_moe(sources["qwen3_moe"], tmp_path / "ct", None)
+    groups = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]
+    groups["group_0"]["weights"]["num_bits"] = 3
+    _set_config(ct, config_groups=groups)
+    with pytest.raises(
+        QuantizationError, match=r"3-bit int weights.*Supported schemes: .*W4A16/W8A16"
+    ):
+        LLM(str(ct), dtype="float32")
+
+
 def test_compressed_tensors_act_order_experts_are_refused(sources, tmp_path):
     quantized, _ = qm.write_compressed_tensors_moe(
         sources["qwen3_moe"], tmp_path / "q", None, "w4a16", actorder="group"

@@ -314,6 +314,8 @@ def fused_moe_wna16(
     w13_zeros: torch.Tensor | None = None,
     w2_zeros: torch.Tensor | None = None,
     bits: int = 4,
+    w13_perm: torch.Tensor | None = None,
+    w2_perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with ``bits``-bit (4 or 8) integer experts, **weight-only** (W4A16 /
     W8A16): each expert's weights are ``(q - z) * s`` in float32
@@ -329,17 +331,30 @@ def fused_moe_wna16(
     ``w2_zeros`` uint8 of the same shapes, the integer zero points, or None for symmetric
     weights (zero point ``2**(bits-1)``).
 
+    ``w13_perm`` ``[E, H]`` / ``w2_perm`` ``[E, I]`` (int32, each optional): act-order
+    experts (GPTQ ``desc_act``), whose input features are stored in their own order per
+    expert, sorted by group so that each group is contiguous again: stored input feature ``k``
+    of expert ``e`` is the activations' feature ``perm[e, k]`` (the product reads
+    ``x[..., perm[e]]``, as ``wna16_linear``'s ``perm``).
+
     Rounding points as ``fused_moe_fp8``: each matmul multiplies hidden-dtype activations by
     the float32 weights in float32 and rounds its output to hidden's dtype. Only the experts
     that received a token are dequantized, on every call (the portable, slow path).
     """
 
+    def unpermuted(w: torch.Tensor, perm: torch.Tensor | None, e: int) -> torch.Tensor:
+        if perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, perm[e].long()] = w  # stored feature k is the input's perm[e, k]
+        return out
+
     def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         z13 = None if w13_zeros is None else w13_zeros[e]
         z2 = None if w2_zeros is None else w2_zeros[e]
         return (
-            dequantize_wna16_experts(w13[e], w13_scales[e], z13, bits),
-            dequantize_wna16_experts(w2[e], w2_scales[e], z2, bits),
+            unpermuted(dequantize_wna16_experts(w13[e], w13_scales[e], z13, bits), w13_perm, e),
+            unpermuted(dequantize_wna16_experts(w2[e], w2_scales[e], z2, bits), w2_perm, e),
         )
 
     return routed_experts(hidden, w13.shape[0], weights, topk_weights, topk_ids)

@@ -322,26 +322,29 @@ def _fused_moe_wna16_cases(dtype, gen):
     # 4- and 8-bit experts, groups of 32/64/128 and one per row, symmetric (no zero points)
     # and with zero points; odd token counts and the routing of the unquantized cases (idle
     # experts, a popular one, a choice held elsewhere).
+    # Act-order experts: every expert's input features in an order of its own.
     cases = []
-    for t, e, k, h, i, bits, group, sym in (
-        (3, 8, 2, 64, 32, 4, 32, False),
-        (1, 16, 8, 128, 64, 4, 64, True),
-        (33, 8, 2, 128, 128, 4, 128, False),
-        (2, 8, 2, 64, 40, 4, -1, False),
-        (5, 4, 2, 64, 96, 8, 32, False),
-        (1, 8, 2, 64, 64, 8, 64, True),
+    for t, e, k, h, i, bits, group, sym, act_order in (
+        (3, 8, 2, 64, 32, 4, 32, False, False),
+        (1, 16, 8, 128, 64, 4, 64, True, False),
+        (33, 8, 2, 128, 128, 4, 128, False, False),
+        (2, 8, 2, 64, 40, 4, -1, False, False),
+        (5, 4, 2, 64, 96, 8, 32, False, False),
+        (1, 8, 2, 64, 64, 8, 64, True, False),
+        (7, 8, 2, 64, 64, 4, 32, False, True),
     ):
         x = _randn(gen, dtype, t, h)
         q13, s13, z13 = _wna16_experts(gen, e, 2 * i, h, bits, group, sym)
         q2, s2, z2 = _wna16_experts(gen, e, h, i, bits, group, sym)
         weights, ids = _moe_routing(gen, t, e, k)
-        how = f"w{bits}-g{group}-{'sym' if sym else 'zp'}"
-        cases.append(
-            (
-                f"T{t}-E{e}-top{k}-H{h}-I{i}-{how}",
-                (x, q13, q2, weights, ids, s13, s2, z13, z2, bits),
-            )
-        )
+        how = f"w{bits}-g{group}-{'sym' if sym else 'zp'}" + ("-act-order" if act_order else "")
+        args: tuple = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits)
+        if act_order:
+            perms = [
+                torch.stack([torch.randperm(n, generator=gen) for _ in range(e)]) for n in (h, i)
+            ]
+            args += tuple(p.to(torch.int32) for p in perms)
+        cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}-{how}", args))
     return cases
 
 

@@ -134,34 +134,41 @@ def test_fused_moe_fp8_matches_reference_at_model_sizes(experts, scheme, seed):
 
 
 # ---- integer experts (W4A16 / W8A16) ------------------------------------------------------------
-WNA16_SCHEMES = {  # bits, group size, symmetric
-    "w4-g128-sym": (4, 128, True),  # Qwen3-30B-A3B-GPTQ-Int4
-    "w4-g128-zp": (4, 128, False),  # AWQ, asymmetric GPTQ
-    "w4-g32-zp": (4, 32, False),
-    "w8-row-sym": (8, -1, True),
+WNA16_SCHEMES = {  # bits, group size, symmetric, act-order
+    "w4-g128-sym": (4, 128, True, False),  # Qwen3-30B-A3B-GPTQ-Int4
+    "w4-g128-zp": (4, 128, False, False),  # AWQ, asymmetric GPTQ
+    "w4-g32-zp": (4, 32, False, False),
+    "w8-row-sym": (8, -1, True, False),
+    "w4-g128-act-order": (4, 128, True, True),  # GPTQ desc_act
 }
 
 
 @pytest.mark.parametrize("scheme", list(WNA16_SCHEMES))
 def test_fused_moe_wna16_matches_reference_at_model_sizes(experts, scheme, seed):
     """Qwen3-30B-A3B-GPTQ-Int4's and a 4-bit Mixtral's expert shapes (groups of 128 and 32,
-    with and without zero points; 8-bit with one group per row), both paths and the rule's
+    with and without zero points; 8-bit with one group per row; act-order), both paths and the rule's
     choice, against the dequantizing reference; then each path captured in a CUDA graph and
     replayed on new routing."""
     from engine.quantization.wna16_moe import quantize_wna16_experts
     from engine_triton.kernels import fused_moe as fm
 
     name, k, w13, w2 = experts
-    bits, group, sym = WNA16_SCHEMES[scheme]
+    bits, group, sym, act_order = WNA16_SCHEMES[scheme]
     q13, s13, z13 = quantize_wna16_experts(w13, bits, group, sym)
     q2, s2, z2 = quantize_wna16_experts(w2, bits, group, sym)
     e, _, h = w13.shape
+    perms = (None, None)
+    if act_order:  # random orders: the stored experts stand for permuted ones
+        perms = tuple(
+            torch.stack([torch.randperm(n, device="cuda") for _ in range(e)]).to(torch.int32)
+            for n in (h, w2.shape[2])
+        )
     for t in TOKENS[name]:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = _route(t, e, k)
         if t > 2:
             ids[1, 0] = -1  # an expert held by another rank
-        args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits)
+        args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits, *perms)
         expected = ref.fused_moe_wna16(*args)
         variants = ["grouped"] + (["decode"] if t * k <= fm.DECODE_MAX_PAIRS else [])
         for variant in variants + [None]:
@@ -170,7 +177,7 @@ def test_fused_moe_wna16_matches_reference_at_model_sizes(experts, scheme, seed)
     for t, variant in ((1, "decode"), (96, "grouped")):
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = _route(t, e, k)
-        args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits)
+        args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits, *perms)
         fm.fused_moe_wna16(*args, variant=variant)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

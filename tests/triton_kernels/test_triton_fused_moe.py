@@ -144,12 +144,13 @@ def test_fused_moe_fp8_rejects_what_it_cannot_run(device):
         fused_moe_fp8(x, w13.float(), w2, weights, ids, s13, s2)
 
 
-# Integer experts: (bits, group size, zero points) x the FP8 cases' routing.
+# Integer experts: (bits, group size, zero points, act-order) x the FP8 cases' routing.
 WNA16_SCHEMES = {
-    "w4-g32-zp": (4, 32, True),
-    "w4-g64-sym": (4, 64, False),
-    "w4-row-zp": (4, -1, True),
-    "w8-g32-zp": (8, 32, True),
+    "w4-g32-zp": (4, 32, True, False),
+    "w4-g64-sym": (4, 64, False, False),
+    "w4-row-zp": (4, -1, True, False),
+    "w8-g32-zp": (8, 32, True, False),
+    "w4-g32-zp-act-order": (4, 32, True, True),
 }
 WNA16_CASES = {
     "odd-tokens-idle-experts": (5, 8, 2, 64, 40, None, (0, 6, 7)),
@@ -179,27 +180,32 @@ def test_fused_moe_wna16_matches_reference(case, scheme, dtype, variant, device,
     """4/8-bit integer experts (weight-only) through both paths: groups of 32 and 64 (the K
     step cut to the group where the configuration asks for more), one group per row (scaled
     after the K loop, I = 40 not a multiple of the K step), symmetric (no zero-point tensor)
-    and with zero points; idle experts, one expert taking every token, a choice held by
-    another expert-parallel rank, batch 1 at top-8."""
+    and with zero points, act-order (every expert's inputs in an order of its own); idle
+    experts, one expert taking every token, a choice held by another expert-parallel rank,
+    batch 1 at top-8."""
     from engine_triton.kernels.fused_moe import DecodeConfig, GroupedConfig, fused_moe_wna16
 
     t, e, k, h, i, popular, unused = WNA16_CASES[case]
-    bits, group, zero_points = WNA16_SCHEMES[scheme]
+    bits, group, zero_points, act_order = WNA16_SCHEMES[scheme]
     x = torch.randn(t, h).to(dtype)
     q13, q2, s13, s2, z13, z2 = _wna16_experts(e, h, i, bits, group, zero_points)
     weights, ids = _route(t, e, k, popular, unused)
     if case == "odd-tokens-idle-experts":
         ids[2, 1] = -1  # held by another expert-parallel rank
-    args = (x, q13, q2, weights, ids, s13, s2, z13, z2)
+    perms = (None, None)
+    if act_order:
+        perms = tuple(
+            torch.stack([torch.randperm(n) for _ in range(e)]).to(torch.int32) for n in (h, i)
+        )
+    args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits, *perms)
     out = fused_moe_wna16(
-        *(None if a is None else a.to(device) for a in args),
-        bits,
+        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
         variant=variant,
         decode_config=DecodeConfig(**{**DECODE, "gate_up_k": 64}),
         config=GroupedConfig(**{**GROUPED, "block_k": 64}),
     )
     assert out.shape == (t, h) and out.dtype == dtype
-    close(out, ref.fused_moe_wna16(*args, bits), dtype, seed)
+    close(out, ref.fused_moe_wna16(*args), dtype, seed)
 
 
 def test_fused_moe_wna16_rejects_what_it_cannot_run(device):
@@ -221,6 +227,9 @@ def test_fused_moe_wna16_rejects_what_it_cannot_run(device):
         fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, z2, 3)
     with pytest.raises(ValueError, match="int32-packed experts"):
         fused_moe_wna16(x, q13.float(), q2, weights, ids, s13, s2, z13, z2)
+    perm = torch.arange(i, device=device, dtype=torch.int32).repeat(e, 1)  # w2's, not w13's
+    with pytest.raises(ValueError, match=r"w13 permutation \(4, 32\) does not fit \(4, 64\)"):
+        fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, z2, 4, perm, perm)
     s13_8, s2_8 = s13.repeat_interleave(4, -1), s2.repeat_interleave(4, -1)  # groups of 8
     with pytest.raises(ValueError, match="groups of 8 input features need a multiple of 16"):
         fused_moe_wna16(x, q13, q2, weights, ids, s13_8, s2_8)

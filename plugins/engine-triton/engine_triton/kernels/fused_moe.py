@@ -284,6 +284,16 @@ def _zero_points(z_ptrs, kb, SCALE: tl.constexpr, WBITS: tl.constexpr, HAS_ZP: t
 
 
 @triton.jit
+def _input_index(p_ptr, expert, k, K, mask, HAS_PERM: tl.constexpr):
+    """Which activation feature stored input feature ``k`` of ``expert`` multiplies:
+    ``perm[expert, k]`` for act-order integer experts (``[E, K]`` int32), else ``k``; ``k``
+    outside ``mask`` (past K) reads feature 0's entry, which the masked loads then ignore."""
+    if HAS_PERM:
+        return tl.load(p_ptr + expert.to(tl.int64) * K + tl.where(mask, k, 0))
+    return k
+
+
+@triton.jit
 def _int_weights(words, k, zero, WBITS: tl.constexpr):
     """The ``WBITS``-bit values of input features ``k`` out of their int32 ``words`` (32 /
     WBITS per word, lowest bits first) as the float32 ``q - zero``: small integers, exact in
@@ -318,6 +328,7 @@ def _decode_gate_up_kernel(
     stride_se,
     stride_sn,
     z_ptr,
+    p_ptr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -328,6 +339,7 @@ def _decode_gate_up_kernel(
     SCALE_BK: tl.constexpr = 1,
     WBITS: tl.constexpr = 0,
     HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -355,12 +367,14 @@ def _decode_gate_up_kernel(
         offs = k0 + kk
         w_offs = _word_index(offs, WBITS)[None, :]
         if EVEN_K:
-            x = tl.load(x_row + offs).to(tl.float32)
+            x = tl.load(x_row + _input_index(p_ptr, expert, offs, H, True, HAS_PERM))
+            x = x.to(tl.float32)
             wg = tl.load(gate_rows + w_offs)
             wu = tl.load(up_rows + w_offs)
         else:
             k_ok = offs < H
-            x = tl.load(x_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+            x_at = x_row + _input_index(p_ptr, expert, offs, H, k_ok, HAS_PERM)
+            x = tl.load(x_at, mask=k_ok, other=0.0).to(tl.float32)
             wg = tl.load(gate_rows + w_offs, mask=k_ok[None, :], other=0.0)
             wu = tl.load(up_rows + w_offs, mask=k_ok[None, :], other=0.0)
         if WBITS != 0:  # the step lies in one scale group (BLOCK_K divides SCALE_BK)
@@ -404,6 +418,7 @@ def _decode_down_kernel(
     stride_se,
     stride_sn,
     z_ptr,
+    p_ptr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -414,6 +429,7 @@ def _decode_down_kernel(
     SCALE_BK: tl.constexpr = 1,
     WBITS: tl.constexpr = 0,
     HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -435,11 +451,13 @@ def _decode_down_kernel(
             offs = k0 + kk
             w_offs = _word_index(offs, WBITS)[None, :]
             if EVEN_K:
-                a = tl.load(a_row + offs).to(tl.float32)
+                a = tl.load(a_row + _input_index(p_ptr, expert, offs, INTER, True, HAS_PERM))
+                a = a.to(tl.float32)
                 w = tl.load(w_rows + w_offs)
             else:
                 k_ok = offs < INTER
-                a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+                a_at = a_row + _input_index(p_ptr, expert, offs, INTER, k_ok, HAS_PERM)
+                a = tl.load(a_at, mask=k_ok, other=0.0).to(tl.float32)
                 w = tl.load(w_rows + w_offs, mask=k_ok[None, :], other=0.0)
             if WBITS != 0:
                 z = _zero_points(zeros, k0 // SCALE_BK, SCALE, WBITS, HAS_ZP)
@@ -559,6 +577,7 @@ def _grouped_gate_up_kernel(
     stride_se,
     stride_sn,
     z_ptr,
+    p_ptr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -572,6 +591,7 @@ def _grouped_gate_up_kernel(
     SCALE_BK: tl.constexpr = 1,
     WBITS: tl.constexpr = 0,
     HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(INTER, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -599,13 +619,18 @@ def _grouped_gate_up_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
+        if HAS_PERM:  # act-order: this expert's order of the input features
+            x_rows = x_ptr + tokens[:, None] * stride_xt
+            x_at = x_rows + _input_index(p_ptr, expert, k0 + kk, H, k0 + kk < H, True)[None, :]
+        else:
+            x_at = x_ptrs
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
             wg = tl.load(g_ptrs)
             wu = tl.load(u_ptrs)
         else:
             k_ok = (k0 + kk) < H
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if WBITS != 0:  # the step lies in one scale group (BLOCK_K divides SCALE_BK)
@@ -654,6 +679,7 @@ def _grouped_down_kernel(
     stride_se,
     stride_sn,
     z_ptr,
+    p_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -666,6 +692,7 @@ def _grouped_down_kernel(
     SCALE_BK: tl.constexpr = 1,
     WBITS: tl.constexpr = 0,
     HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -687,12 +714,18 @@ def _grouped_down_kernel(
     zeros = _w2_scale_rows(z_ptr, expert, cols_c, stride_se, stride_sn, SCALE, SCALE_BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
+        if HAS_PERM:  # act-order: this expert's order of the intermediate features
+            a_rows = inter_ptr + pairs64[:, None] * INTER
+            k_at = _input_index(p_ptr, expert, k0 + kk, INTER, k0 + kk < INTER, True)
+            a_at = a_rows + k_at[None, :]
+        else:
+            a_at = a_ptrs
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            a = tl.load(a_at, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_ok = (k0 + kk) < INTER
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         if WBITS != 0:
             z = _zero_points(zeros, k0 // SCALE_BK, SCALE, WBITS, HAS_ZP)
@@ -781,11 +814,14 @@ class ExpertScales:
     z13: torch.Tensor | None = None
     z2: torch.Tensor | None = None
     bk2: int | None = None
+    p13: torch.Tensor | None = None
+    p2: torch.Tensor | None = None
 
-    def args(self, which: str) -> tuple[torch.Tensor, int, int, torch.Tensor]:
+    def args(self, which: str) -> tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]:
         t = self.w13 if which == "w13" else self.w2
         z = self.z13 if which == "w13" else self.z2
-        return t, t.stride(0), t.stride(1), t if z is None else z
+        p = self.p13 if which == "w13" else self.p2
+        return t, t.stride(0), t.stride(1), t if z is None else z, t if p is None else p
 
     def block_k(self, which: str) -> int:
         return self.bk2 if which == "w2" and self.bk2 is not None else self.bk
@@ -793,7 +829,8 @@ class ExpertScales:
     def constexprs(self, which: str) -> dict[str, int]:
         out = {"SCALE": self.mode, "SCALE_BN": self.bn, "SCALE_BK": self.block_k(which)}
         if self.bits:
-            out.update(WBITS=self.bits, HAS_ZP=self.z13 is not None)
+            perm = self.p13 if which == "w13" else self.p2
+            out.update(WBITS=self.bits, HAS_ZP=self.z13 is not None, HAS_PERM=perm is not None)
         return out
 
     def k_tile(self, block_k: int, which: str) -> int:
@@ -802,7 +839,7 @@ class ExpertScales:
 
 
 def _scale_args(scales: ExpertScales | None, which: str, dummy: torch.Tensor) -> tuple:
-    return (dummy, 0, 0, dummy) if scales is None else scales.args(which)
+    return (dummy, 0, 0, dummy, dummy) if scales is None else scales.args(which)
 
 
 def _scale_constexprs(scales: ExpertScales | None, which: str) -> dict[str, int]:
@@ -897,6 +934,8 @@ def fused_moe_wna16(
     w13_zeros: torch.Tensor | None = None,
     w2_zeros: torch.Tensor | None = None,
     bits: int = 4,
+    w13_perm: torch.Tensor | None = None,
+    w2_perm: torch.Tensor | None = None,
     *,
     variant: str | None = None,
     decode_config: DecodeConfig | None = None,
@@ -912,7 +951,9 @@ def fused_moe_wna16(
     exact in every activation dtype, so the grouped GEMMs feed them to the tensor cores as
     they are), and scale like FP8 block scales of ``1 x group``: per K step (cut to divide
     the group size, so each step lies in one group) or, with one group per row, once per
-    row after the K loop."""
+    row after the K loop. Act-order experts (``w13_perm`` / ``w2_perm``) read their
+    activations through the permutation: a gathered load per K step (the weights, what the
+    step streams, stay contiguous)."""
     if bits not in (4, 8):
         raise ValueError(f"fused_moe_wna16 takes 4- or 8-bit experts, got {bits}")
     pack = 32 // bits
@@ -943,10 +984,20 @@ def fused_moe_wna16(
             return None
         return (t[..., 0] if per_row else t).contiguous()
 
+    perms = {}
+    for which, perm, size in (("w13", w13_perm, h), ("w2", w2_perm, i)):
+        if perm is not None:
+            if tuple(perm.shape) != (e, size):
+                raise ValueError(
+                    f"fused_moe_wna16: {which} permutation {tuple(perm.shape)} does not fit "
+                    f"({e}, {size})"
+                )
+            perms["p" + which[1:]] = perm.to(torch.int32).contiguous()
+
     if g13 == 1 and g2 == 1:  # one group per row: per-channel scales, applied after the K loop
         s13, s2 = prep(w13_scales, True), prep(w2_scales, True)
         scales = ExpertScales(
-            s13, s2, 1, bits=bits, z13=prep(w13_zeros, True), z2=prep(w2_zeros, True)
+            s13, s2, 1, bits=bits, z13=prep(w13_zeros, True), z2=prep(w2_zeros, True), **perms
         )
     else:
         bk13, bk2 = h // g13, i // g2
@@ -958,7 +1009,7 @@ def fused_moe_wna16(
                 )
         scales = ExpertScales(
             prep(w13_scales, False), prep(w2_scales, False), 2, 1, bk13, bits=bits,
-            z13=prep(w13_zeros, False), z2=prep(w2_zeros, False), bk2=bk2,
+            z13=prep(w13_zeros, False), z2=prep(w2_zeros, False), bk2=bk2, **perms,
         )  # fmt: skip
     return _fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config

@@ -85,6 +85,10 @@ CASES = [
     ("qwen3_moe", "gptq", dict(bits=4, group_size=-1, sym=True)),
     ("qwen3_moe", "gptq", dict(bits=8, group_size=32, sym=False)),
     ("mixtral", "gptq", dict(bits=8, group_size=-1, sym=True)),
+    # Act-order: every expert's own order of its inputs (gate and up share it).
+    ("qwen3_moe", "gptq", dict(bits=4, group_size=32, sym=False, desc_act=True)),
+    ("mixtral", "gptq", dict(bits=8, group_size=32, sym=True, desc_act=True)),
+    ("qwen2_moe", "gptq", dict(bits=4, group_size=32, sym=True, desc_act=True)),
     ("qwen3_moe", "awq", dict(group_size=32)),
     ("mixtral", "awq", dict(group_size=32)),
     ("qwen2_moe", "awq", dict(group_size=32)),
@@ -123,6 +127,9 @@ def test_integer_experts_match_the_dequantized_reference(case, sources, tmp_path
         assert q2.shape == (e, h, i * bits // 32)
         s2 = method.tensors(layer, "w2")[1]
         assert s2.shape == (e, h, 1 if group == -1 else i // group)
+        if kw.get("desc_act"):  # the input permutation of every expert, g_idx dropped
+            assert layer.w13_perm.shape == (e, h) and layer.w2_perm.shape == (e, i)
+            assert not hasattr(layer, "w13_g_idx")
         # No bf16 copy of the experts is kept.
         assert not any(p.dtype.is_floating_point and p.numel() >= q13.numel() for p in
                        layer.parameters(recurse=False))  # fmt: skip
@@ -201,6 +208,22 @@ def test_a_wrong_expert_shape_is_named(sources, tmp_path):
         build(quantized)
 
 
+def test_act_order_gate_and_up_with_different_orders_are_refused(sources, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.layers.weight_utils import ModelLoadError
+
+    quantized, _ = qm.write_gptq(
+        sources["qwen3_moe"], tmp_path / "q", None, group_size=32, desc_act=True
+    )
+    state = load_file(str(quantized / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.2.up_proj.g_idx"
+    state[name] = state[name].flip(0).contiguous()
+    save_file(state, str(quantized / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"expert 2's gate and up projections have different"):
+        build(quantized)
+
+
 # ---- what is refused ------------------------------------------------------------------------
 def _set_config(path, **changes) -> None:
     config = json.loads((path / "config.json").read_text())
@@ -215,12 +238,6 @@ def _set_config(path, **changes) -> None:
         (
             dict(group_size=16),
             r"group_size 16, which is not supported \(supported: 32, 64, 128, -1\)",
-        ),
-        (
-            dict(desc_act=True),
-            r"GPTQ act-order experts \(desc_act: true\) are not supported: each expert's g_idx "
-            r"orders its input features differently.*Supported for MoE experts: GPTQ with "
-            r"desc_act false",
         ),
     ],
 )
@@ -248,22 +265,37 @@ def test_unsupported_awq_and_compressed_tensors_experts_are_refused_at_start(sou
         LLM(str(ct), dtype="float32")
 
 
-def test_compressed_tensors_act_order_experts_are_refused(sources, tmp_path):
-    quantized, _ = qm.write_compressed_tensors_moe(
-        sources["qwen3_moe"], tmp_path / "q", None, "w4a16", actorder="group"
-    )
-    with pytest.raises(
-        QuantizationError,
-        match=r"act-order \('group'\) experts \(model\.layers\.0\.mlp\.experts\) are not "
-        r"supported.*Supported for MoE experts: W4A16/W8A16 pack-quantized without act-order",
-    ):
-        build(quantized)
+def test_compressed_tensors_act_order_experts_read_their_g_idx():
+    """compressed-tensors act-order groups (``actorder: group``) take the integer method with
+    its ``weight_g_idx`` per expert projection (the GPTQ act-order tests run the loading);
+    ``static`` act-order is the plain order (no g_idx)."""
+    from engine.quantization.compressed_tensors import CompressedTensorsConfig
+
+    def method(actorder):
+        weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32,
+                   "actorder": actorder}  # fmt: skip
+        config = {"format": "pack-quantized",
+                  "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+        layer = _gptq_layer(64, tp_size=1)  # a meta layer to build the parameters on
+        m = CompressedTensorsConfig.from_config(config).get_moe_method(None, layer.prefix)
+        with torch.device("meta"):
+            m.create_weights(layer, 8, 256, 64, torch.bfloat16)
+        return m, layer
+
+    m, layer = method("group")
+    assert m.act_order and layer.w13_weight_g_idx.shape == (8, 256)
+    assert layer.w2_weight_g_idx.shape == (8, 64)
+    assert "weight_g_idx" not in m.ignored_checkpoint_suffixes
+    m, layer = method("static")
+    assert not m.act_order and "weight_g_idx" in m.ignored_checkpoint_suffixes
 
 
-def _gptq_layer(intermediate: int, tp_size: int, group: int = 32, ep: bool = False):
+def _gptq_layer(
+    intermediate: int, tp_size: int, group: int = 32, ep: bool = False, act_order: bool = False
+):
     from engine.quantization.gptq import GPTQConfig
 
-    config = GPTQConfig(4, group, desc_act=False, sym=True, v1_zeros=True)
+    config = GPTQConfig(4, group, desc_act=act_order, sym=True, v1_zeros=True)
     parallel = (
         MoEParallel(ep_rank=0, ep_size=tp_size) if ep else MoEParallel(tp_rank=0, tp_size=tp_size)
     )
@@ -290,6 +322,22 @@ def test_a_scale_group_split_across_ranks_is_refused():
         _gptq_layer(256, tp_size=4, group=128)
     with pytest.raises(QuantizationError, match=r"intermediate size 192 is not a multiple of"):
         _gptq_layer(192, tp_size=1, group=128)
+
+
+def test_act_order_experts_split_over_ranks_are_refused():
+    """A rank's share of an act-order down projection's inputs falls in any group: refused
+    under tensor parallelism (with the reason and expert parallelism as the way), served with
+    expert parallelism and on one rank."""
+    _gptq_layer(256, tp_size=1, act_order=True)
+    _gptq_layer(256, tp_size=2, act_order=True, ep=True)
+    _gptq_layer(256, tp_size=2, group=-1, act_order=True)  # one group per row: any split
+    with pytest.raises(
+        QuantizationError,
+        match=r"act-order experts \(gptq 4-bit g32 act-order\) split over 2 tensor-parallel "
+        r"ranks: a rank's share of the down projection's input features falls in any scale "
+        r"group.*use expert parallelism \(--enable-expert-parallel\)",
+    ):
+        _gptq_layer(256, tp_size=2, act_order=True)
 
 
 def test_a_gpu_platform_with_only_the_reference_is_refused():

@@ -295,7 +295,7 @@ class FusedMoE(nn.Module):
                     f"quantization {getattr(quant_config, 'name', type(quant_config).__name__)!r}"
                     f" has no method for MoE experts ({prefix or 'FusedMoE'}); quantized experts "
                     "are served for fp8 (fp8-format checkpoints, or --quantization fp8 on a "
-                    "bf16/fp16 checkpoint), gptq and awq (4/8-bit groups, no act-order), "
+                    "bf16/fp16 checkpoint), gptq and awq (4/8-bit groups), "
                     "compressed-tensors FP8 and W4A16/W8A16 schemes and gguf (dequantized at "
                     "load)"
                 )

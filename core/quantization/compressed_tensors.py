@@ -88,7 +88,8 @@ class CTWNA16LinearMethod(WNA16LinearMethod):
             "zeros": None if symmetric else "weight_zero_point",
         }
 
-    extra_tensor_names = ("weight_shape",)
+    extra_tensor_names = ("weight_shape", "weight_g_idx")
+    g_idx_name = "weight_g_idx"
 
     def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
         if role == "qweight":
@@ -427,7 +428,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     def get_moe_method(self, layer: Any, prefix: str) -> Any:
         """FP8 experts (``engine.quantization.fp8_moe``, weight-only) for the FP8 schemes:
         tensor or channel weights, and 2-D blocks; integer experts
-        (``engine.quantization.wna16_moe``) for pack-quantized W4A16/W8A16 without act-order;
+        (``engine.quantization.wna16_moe``) for pack-quantized W4A16/W8A16;
         None (unquantized experts) when no group targets them. The scheme is the one of the
         first expert's gate projection (Qwen's ``experts.0.gate_proj``, Mixtral's
         ``experts.0.w1``); other schemes are refused."""
@@ -465,17 +466,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         if scheme.kind == "wna16":
             from engine.quantization.wna16_moe import wna16_moe_method
 
-            fmt = scheme.method(False)
-            if fmt.act_order:
-                raise QuantizationError(
-                    f"compressed-tensors config group {scheme.group!r}: act-order "
-                    f"({scheme.weights.get('actorder')!r}) experts ({prefix}) are not "
-                    "supported: each expert's weight_g_idx orders its input features "
-                    "differently, and the fused MoE kernels read every expert's inputs in one "
-                    "order. Supported for MoE experts: W4A16/W8A16 pack-quantized without "
-                    "act-order (or actorder 'static'), group 32/64/128 or channel, sym or asym"
-                )
-            return wna16_moe_method(self, layer, prefix, fmt)
+            return wna16_moe_method(self, layer, prefix, scheme.method(False))
         raise NotImplementedError(
             f"compressed-tensors {scheme.kind} experts ({prefix}) are not supported; quantized "
             "MoE experts are served for FP8 schemes (tensor/channel weights, or blocks) and "

@@ -83,6 +83,7 @@ class GPTQLinearMethod(WNA16LinearMethod):
 
     tensor_names = {"qweight": "qweight", "scales": "scales", "zeros": "qzeros"}
     extra_tensor_names = ("g_idx",)
+    g_idx_name = "g_idx"
 
     def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
         if role == "qweight":
@@ -227,9 +228,10 @@ class GPTQConfig(QuantizationConfig):
         )
 
     def get_moe_method(self, layer: Any, prefix: str) -> Any:
-        """Integer experts (``engine.quantization.wna16_moe``, weight-only) with the settings
-        of the first expert's gate projection (a ``dynamic`` override of it included); None
-        (unquantized experts) when a ``-:`` rule excludes it. Act-order is refused."""
+        """Integer experts (``engine.quantization.wna16_moe``, weight-only, act-order
+        included) with the settings of the first expert's projections (a ``dynamic`` override
+        of them included: the same for all three); None (unquantized experts) when a ``-:``
+        rule excludes them."""
         from engine.layers.fused_moe import expert_projections
         from engine.quantization.wna16_moe import wna16_moe_method
 
@@ -253,14 +255,11 @@ class GPTQConfig(QuantizationConfig):
         bits = int(o.get("bits", self.bits))
         group = int(o.get("group_size", self.group_size))
         self._check(bits, group)
-        if bool(o.get("desc_act", self.desc_act)):
-            raise QuantizationError(
-                f"{prefix}: GPTQ act-order experts (desc_act: true) are not supported: each "
-                "expert's g_idx orders its input features differently, and the fused MoE "
-                "kernels read every expert's inputs in one order. Supported for MoE experts: "
-                "GPTQ with desc_act false, 4/8-bit, group 32/64/128/-1, sym or asym"
-            )
         fmt = GPTQLinearMethod(
-            bits, group, act_order=False, v1_zeros=self.v1_zeros, sym=bool(o.get("sym", self.sym))
+            bits,
+            group,
+            act_order=bool(o.get("desc_act", self.desc_act)),
+            v1_zeros=self.v1_zeros,
+            sym=bool(o.get("sym", self.sym)),
         )
         return wna16_moe_method(self, layer, prefix, fmt)

@@ -83,6 +83,8 @@ class WNA16LinearMethod(LinearMethod):
     #: Other per-module tensors a checkpoint may carry, which an MoE expert reads and drops
     #: (GPTQ's ``g_idx`` without act-order, compressed-tensors' ``weight_shape``).
     extra_tensor_names: tuple[str, ...] = ()
+    #: The checkpoint's name of the act-order group index (``g_idx`` ``[K]``), if it has one.
+    g_idx_name: str | None = None
 
     def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
         """One checkpoint tensor of ``role`` in canonical form: ``"qweight"`` -> uint8

@@ -26,10 +26,17 @@ features, and a w2 scale group must lie within one rank (each rank's ``I / tp`` 
 the group size; one group per row is fine, every rank keeping its scale), refused at build
 otherwise, with what would work. Expert parallelism places whole experts, with no constraint.
 
-Refused: GPTQ act-order (``desc_act``) and compressed-tensors act-order groups, whose
-``g_idx`` orders every expert's input features differently (the fused kernels read one order
-for every expert); 3-bit and other widths, group sizes other than 32/64/128/-1 (the dense
-formats' own refusals).
+Act-order checkpoints (GPTQ ``desc_act``, compressed-tensors ``actorder`` group/weight) give
+every expert its own order of its input features (``g_idx`` per expert projection; the gate's
+and the up projection's must agree, as GPTQ makes them: they read the same input). After
+loading, each expert's features are sorted by group (the dense methods' ``_act_order``), its
+packed values repacked in that order, and the permutation kept as ``w13_perm`` ``[E, H]`` /
+``w2_perm`` ``[E, I]``, through which the kernel reads the activations. Under tensor
+parallelism with groups a rank's share of the down projection's inputs falls in any group:
+refused at build (expert parallelism keeps whole experts and works).
+
+Refused otherwise: 3-bit and other widths, group sizes other than 32/64/128/-1 (the dense
+formats' own refusals), experts whose three projections have different settings.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from engine.kernels.quantized import dequantize_wna16_experts
 from engine.layers.fused_moe import FusedMoEMethodBase
 from engine.layers.weight_utils import ModelLoadError, materialize, new_parameter, set_weight_loader
 from engine.quantization.base import QuantizationError
-from engine.quantization.utils import fill_random_bits, pack_int32
+from engine.quantization.utils import fill_random_bits, pack_int32, replace_param, unpack_int32
 from engine.quantization.wna16 import WNA16LinearMethod
 
 if TYPE_CHECKING:
@@ -59,25 +66,29 @@ ROLES = ("qweight", "scales", "zeros")
 class WNA16MoEMethod(FusedMoEMethodBase):
     """Integer experts in groups (see the module docstring). ``fmt`` is the dense method of
     the checkpoint's format (``GPTQLinearMethod``, ``AWQLinearMethod``,
-    ``CTWNA16LinearMethod``), whose bits, group size, tensor names and ``canonical_tensor``
-    conversion the experts share; it must not be act-order."""
+    ``CTWNA16LinearMethod``), whose bits, group size, act-order, tensor names,
+    ``canonical_tensor`` conversion and act-order permutation (``_act_order``) the experts
+    share."""
 
     #: The checkpoint stores the quantized values (the dummy loader asks this method for them).
     serialized = True
 
     def __init__(self, fmt: WNA16LinearMethod) -> None:
-        if fmt.act_order:
-            raise QuantizationError(
-                f"{fmt.name}: act-order experts are not supported (see "
-                "engine.quantization.wna16_moe)"
-            )
         self.fmt = fmt
         self.bits = fmt.bits
         self.group_size = fmt.group_size
         self.pack = 32 // fmt.bits
+        self.act_order = fmt.act_order
+        if self.act_order and fmt.g_idx_name is None:
+            raise QuantizationError(f"{fmt.name}: act-order without a g_idx tensor")
         self.names = {role: fmt.tensor_names.get(role) for role in ROLES}
-        self.ignored_checkpoint_suffixes = tuple(fmt.extra_tensor_names)
+        self.g_idx_name = fmt.g_idx_name if self.act_order else None
+        self.ignored_checkpoint_suffixes = tuple(
+            n for n in fmt.extra_tensor_names if n != self.g_idx_name
+        )
         self.name = fmt.name
+        # (kind, local expert) of the g_idx loaded: w13's second (gate or up) must equal it.
+        self._g_idx_seen: set[tuple[str, int]] = set()
 
     @property
     def symmetric(self) -> bool:
@@ -117,6 +128,13 @@ class WNA16MoEMethod(FusedMoEMethodBase):
                 f"{layer.prefix}: each rank's {ip} intermediate features do not pack "
                 f"{self.pack} values to an int32; use expert parallelism"
             )
+        if tp > 1 and self.act_order and group != -1:
+            raise QuantizationError(
+                f"{layer.prefix}: act-order experts ({self.name}) split over {tp} "
+                "tensor-parallel ranks: a rank's share of the down projection's input features "
+                "falls in any scale group, and the fused kernels need each group contiguous; "
+                "use expert parallelism (--enable-expert-parallel), which keeps experts whole"
+            )
 
     def create_weights(
         self,
@@ -146,6 +164,49 @@ class WNA16MoEMethod(FusedMoEMethodBase):
                 param.wna16_role = role  # type: ignore[attr-defined]
                 set_weight_loader(param, functools.partial(self._load, layer, role))
                 layer.register_parameter(f"{kind}_{suffix}", param)
+        if self.g_idx_name is not None:
+            for kind, size in (("w13", h), ("w2", ip)):
+                param = new_parameter((e, size), torch.int32)
+                param.moe_shard_kind = kind  # type: ignore[attr-defined]
+                param.checkpoint_suffix = self.g_idx_name  # type: ignore[attr-defined]
+                param.wna16_role = "g_idx"  # type: ignore[attr-defined]
+                set_weight_loader(param, functools.partial(self._load_g_idx, layer))
+                layer.register_parameter(f"{kind}_{self.g_idx_name}", param)
+
+    def _load_g_idx(
+        self,
+        layer: FusedMoE,
+        param: nn.Parameter,
+        loaded: Any,
+        shard_id: str,
+        expert_id: int | None = None,
+    ) -> None:
+        """An act-order expert projection's group index ``[K]``. The gate's and the up
+        projection's read the same input, so GPTQ gave them the same order: the first is
+        kept, a different second refused (one input order per expert's w13)."""
+        local = layer.local_expert(f"{shard_id} {self.g_idx_name}", expert_id)
+        if local is None:
+            return
+        kind = param.moe_shard_kind  # type: ignore[attr-defined]
+        if (kind == "w2") != (shard_id == "w2") or shard_id not in ("w1", "w3", "w2"):
+            raise ModelLoadError(f"shard {shard_id!r} does not fit {kind} {self.g_idx_name}")
+        size = param.shape[1]
+        if tuple(loaded.shape) != (size,):
+            raise ModelLoadError(
+                f"{shard_id} {self.g_idx_name}: expected shape ({size},), got {tuple(loaded.shape)}"
+            )
+        if param.device.type == "meta":  # a shapes-only pass: nothing to compare
+            return
+        value = materialize(loaded).to(torch.int32)
+        if (kind, local) in self._g_idx_seen:
+            if not torch.equal(param.data[local], value):
+                raise ModelLoadError(
+                    f"{layer.prefix}: expert {expert_id}'s gate and up projections have "
+                    "different act-order g_idx; one expert's gate/up need one input order"
+                )
+            return
+        self._g_idx_seen.add((kind, local))
+        param.data[local].copy_(value)
 
     def _load(
         self,
@@ -207,6 +268,9 @@ class WNA16MoEMethod(FusedMoEMethodBase):
                 param.data.fill_(self.fmt.dummy_scale)
             elif role == "zeros":
                 param.data.fill_(1 << (self.bits - 1))
+            elif role == "g_idx":  # the plain order: no permutation
+                group = param.shape[1] if self.group_size == -1 else self.group_size
+                param.data.copy_(torch.arange(param.shape[1], dtype=torch.int32) // group)
 
     # ---- after loading ------------------------------------------------------------------
     def tensors(self, layer: FusedMoE, kind: str) -> tuple[torch.Tensor, ...]:
@@ -221,12 +285,44 @@ class WNA16MoEMethod(FusedMoEMethodBase):
             scales = self.tensors(layer, kind)[1]
             if not bool(torch.isfinite(scales).all()):
                 raise ModelLoadError(f"{layer.prefix}: non-finite {kind} expert scales")
+        self._g_idx_seen.clear()
+        if self.g_idx_name is not None:
+            self._apply_act_order(layer)
+
+    def _apply_act_order(self, layer: FusedMoE) -> None:
+        """Act-order experts: each expert's input features sorted by group (the dense method's
+        ``_act_order``: each group contiguous again), the packed values repacked in that
+        order and the permutation kept as ``<kind>_perm`` ``[E, K]`` for the kernel; none
+        when every expert's ``g_idx`` is the plain order."""
+        for kind in ("w13", "w2"):
+            g_idx = getattr(layer, f"{kind}_{self.g_idx_name}").data
+            qweight = getattr(layer, f"{kind}_{self.names['qweight']}")
+            k = g_idx.shape[1]
+            group = k if self.group_size == -1 else self.group_size
+            perm = torch.arange(k, dtype=torch.int32, device=g_idx.device).repeat(len(g_idx), 1)
+            permuted = False
+            for e in range(len(g_idx)):
+                order, _, _ = self.fmt._act_order(layer, g_idx[e], qweight, qweight, group)
+                if order is None:
+                    continue
+                values = unpack_int32(qweight.data[e], self.bits, dim=1)
+                qweight.data[e] = pack_int32(values.index_select(1, order), self.bits, dim=1)
+                perm[e] = order.to(torch.int32)
+                permuted = True
+            replace_param(layer, f"{kind}_{self.g_idx_name}", None)
+            replace_param(layer, f"{kind}_perm", perm if permuted else None)
 
     def dequantized(self, layer: FusedMoE, kind: str) -> torch.Tensor:
         """This rank's stacked experts of ``kind`` dequantized (float32 ``[E, N, K]``): for
         tests and debugging."""
         q, s, z = self.tensors(layer, kind)
-        return dequantize_wna16_experts(q, s, z, self.bits)
+        w = dequantize_wna16_experts(q, s, z, self.bits)
+        perm = getattr(layer, f"{kind}_perm", None)
+        if perm is None:
+            return w
+        out = torch.empty_like(w)
+        out.scatter_(2, perm.long()[:, None, :].expand_as(w), w)  # stored k is input perm[k]
+        return out
 
     # ---- compute ------------------------------------------------------------------------
     def apply(
@@ -238,8 +334,13 @@ class WNA16MoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         q13, s13, z13 = self.tensors(layer, "w13")
         q2, s2, z2 = self.tensors(layer, "w2")
+        p13, p2 = getattr(layer, "w13_perm", None), getattr(layer, "w2_perm", None)
+        if p13 is None and p2 is None:
+            return layer.kernels.fused_moe_wna16(
+                hidden, q13, q2, topk_weights, topk_ids, s13, s2, z13, z2, self.bits
+            )
         return layer.kernels.fused_moe_wna16(
-            hidden, q13, q2, topk_weights, topk_ids, s13, s2, z13, z2, self.bits
+            hidden, q13, q2, topk_weights, topk_ids, s13, s2, z13, z2, self.bits, p13, p2
         )
 
 

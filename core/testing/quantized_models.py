@@ -194,9 +194,11 @@ def dequantize_groups(
 
 # ---- GPTQ -----------------------------------------------------------------------------------
 def _input_key(module: str) -> int:
-    """A number shared by the projections that read the same input (for act-order seeds)."""
+    """A number shared by the projections that read the same input (for act-order seeds):
+    q/k/v, gate/up (Mixtral's experts' w1/w3 too)."""
     head, _, last = module.rpartition(".")
-    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu"}
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu",
+              "w1": "gu", "w3": "gu"}  # fmt: skip
     key = f"{head}.{shared.get(last, last)}"
     return sum((i + 1) * ord(c) for i, c in enumerate(key)) % 100_003
 

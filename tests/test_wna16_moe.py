@@ -225,6 +225,22 @@ def test_act_order_gate_and_up_with_different_orders_are_refused(sources, tmp_pa
 
 
 # ---- what is refused ------------------------------------------------------------------------
+def _experts_only(src, quantized) -> None:
+    """Turn a GPTQ checkpoint of ``src`` into one whose attention stays in float (the
+    originals back, a GPTQModel ``dynamic`` rule excluding them)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(quantized / "model.safetensors"))
+    original = qm._load_state(src)
+    for key in list(state):
+        module, _, leaf = key.rpartition(".")
+        if ".self_attn." in key and leaf in ("qweight", "qzeros", "scales", "g_idx"):
+            del state[key]
+            state[f"{module}.weight"] = original[f"{module}.weight"]
+    save_file(state, str(quantized / "model.safetensors"))
+    _set_config(quantized, dynamic={"-:.*self_attn.*": {}})
+
+
 def _set_config(path, **changes) -> None:
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"].update(changes)
@@ -431,18 +447,24 @@ def test_the_qwen3_30b_gptq_shape_builds_and_splits_as_the_real_checkpoint(tmp_p
 
 
 # ---- split over ranks -----------------------------------------------------------------------
-def test_gptq_experts_split_and_placed_over_two_ranks_match_one_process(tmp_path):
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_experts_split_and_placed_over_two_ranks_match_one_process(tmp_path, act_order):
     """A GPTQ checkpoint (4-bit, groups of 32, asym) of a Qwen3-MoE whose experts are 64
     wide, at TP=2 (each rank's 32 intermediate features one whole group of the down
     projection) and with expert parallelism (whole experts per rank) on two gloo worker
     processes: greedy tokens equal one process's, logprobs within 1e-4, no KV block left in
-    use."""
+    use. Act-order: expert parallelism only (TP is refused, tests above), attention and
+    the dense layers unquantized (a row-parallel act-order layer is refused too)."""
     import random
 
     from engine.testing.tiny_models import build_tiny_model
 
     src = build_tiny_model(tmp_path / "src", "qwen3_moe", seed=2, moe_intermediate_size=64)
-    gptq, _ = qm.write_gptq(src, tmp_path / "gptq", None, bits=4, group_size=32, sym=False)
+    gptq, _ = qm.write_gptq(
+        src, tmp_path / "gptq", None, bits=4, group_size=32, sym=False, desc_act=act_order
+    )
+    if act_order:  # experts only: the attention layers read their float weights back
+        _experts_only(src, gptq)
     kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=48, max_num_seqs=8,
               num_gpu_blocks_override=120, max_model_len=256)  # fmt: skip
     rng = random.Random(5)
@@ -453,7 +475,7 @@ def test_gptq_experts_split_and_placed_over_two_ranks_match_one_process(tmp_path
         want = single.generate(prompts, params, use_tqdm=False)
     finally:
         single.llm_engine.shutdown()
-    for expert_parallel in (False, True):
+    for expert_parallel in (True,) if act_order else (False, True):
         llm = LLM(str(gptq), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **kw)
         try:
             shapes = [

@@ -318,26 +318,29 @@ def test_conformance_kit_accepts_the_overrides(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-@pytest.mark.parametrize("quantization", [None, "fp8", "gptq"])
+@pytest.mark.parametrize("quantization", [None, "fp8", "gptq", "gptq-act-order"])
 def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, quantization):
     """A tiny Qwen3-MoE through the engine with every kernel, routing and experts included, in
     the interpreter: greedy tokens equal the torch reference path's (chunked prefill, decodes
     of several requests: the decode and the grouped expert paths both run). With
     ``--quantization fp8`` the experts go through ``fused_moe_fp8`` (online per-channel FP8,
     weight-only), the dense layers through the FP8 linears; a GPTQ checkpoint (4-bit, groups
-    of 32, asym) through ``fused_moe_wna16`` and ``wna16_linear``."""
+    of 32, asym; act-order too) through ``fused_moe_wna16`` and ``wna16_linear``."""
     import engine_triton.kernels as triton_kernels
     from engine import LLM, SamplingParams
     from engine.testing.tiny_models import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "m", "qwen3_moe", num_layers=2, num_experts=16,
                                 num_experts_per_tok=4))  # fmt: skip
-    experts_kernel = {None: "fused_moe", "fp8": "fused_moe_fp8", "gptq": "fused_moe_wna16"}
-    experts_kernel = experts_kernel[quantization]
-    if quantization == "gptq":
+    experts_kernel = {None: "fused_moe", "fp8": "fused_moe_fp8"}.get(
+        quantization, "fused_moe_wna16"
+    )
+    if quantization and quantization.startswith("gptq"):
         from engine.testing.quantized_models import write_gptq
 
-        path = str(write_gptq(path, tmp_path / "gptq", group_size=32, sym=False)[0])
+        act_order = quantization == "gptq-act-order"
+        gptq = write_gptq(path, tmp_path / "gptq", group_size=32, sym=False, desc_act=act_order)
+        path = str(gptq[0])
         quantization = None  # read from the checkpoint
     from engine_triton.kernels import fused_moe as fm
 

@@ -340,6 +340,26 @@ def test_a_scale_group_split_across_ranks_is_refused():
         _gptq_layer(192, tp_size=1, group=128)
 
 
+def test_act_order_experts_with_one_group_per_row_split_over_ranks():
+    """Act-order without groups (``desc_act`` with ``group_size -1``) splits anywhere: each
+    rank reads its share of the down projection's ``g_idx`` (all group 0: no permutation)."""
+    from engine.quantization.gptq import GPTQConfig
+
+    layer = FusedMoE(
+        4, 2, 64, 64, renormalize=True, kernels=None, dtype=torch.float32,
+        parallel=MoEParallel(tp_rank=1, tp_size=2), communicator=object(),
+        quant_config=GPTQConfig(4, -1, desc_act=True, sym=True, v1_zeros=True),
+        prefix="model.layers.0.mlp.experts",
+    )  # fmt: skip
+    for e in range(4):
+        layer.w2_g_idx.weight_loader(layer.w2_g_idx, torch.zeros(64, dtype=torch.int32), "w2", e)
+        for shard in ("w1", "w3"):
+            layer.w13_g_idx.weight_loader(layer.w13_g_idx, torch.zeros(64), shard, e)
+    assert layer.w2_g_idx.shape == (4, 32) and not bool(layer.w2_g_idx.any())
+    with pytest.raises(Exception, match=r"expected shape \(64,\), got \(32,\)"):
+        layer.w2_g_idx.weight_loader(layer.w2_g_idx, torch.zeros(32), "w2", 0)
+
+
 def test_act_order_experts_split_over_ranks_are_refused():
     """A rank's share of an act-order down projection's inputs falls in any group: refused
     under tensor parallelism (with the reason and expert parallelism as the way), served with

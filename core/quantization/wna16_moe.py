@@ -190,7 +190,7 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         kind = param.moe_shard_kind  # type: ignore[attr-defined]
         if (kind == "w2") != (shard_id == "w2") or shard_id not in ("w1", "w3", "w2"):
             raise ModelLoadError(f"shard {shard_id!r} does not fit {kind} {self.g_idx_name}")
-        size = param.shape[1]
+        size = layer.intermediate_size if kind == "w2" else layer.hidden_size
         if tuple(loaded.shape) != (size,):
             raise ModelLoadError(
                 f"{shard_id} {self.g_idx_name}: expected shape ({size},), got {tuple(loaded.shape)}"
@@ -198,6 +198,9 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         if param.device.type == "meta":  # a shapes-only pass: nothing to compare
             return
         value = materialize(loaded).to(torch.int32)
+        if kind == "w2":  # this rank's input features (all of them but with one group per row)
+            ip, rank = layer.intermediate_size_per_partition, layer.parallel.tp_rank
+            value = value[rank * ip : (rank + 1) * ip]
         if (kind, local) in self._g_idx_seen:
             if not torch.equal(param.data[local], value):
                 raise ModelLoadError(

@@ -166,6 +166,52 @@ def dequantize_fp8_experts(
     return w * full
 
 
+def unpack_int32(
+    packed: torch.Tensor, bits: int, dim: int, size: int | None = None
+) -> torch.Tensor:
+    """Unpack ``packed`` int32 values along ``dim`` into ``32 // bits`` unsigned ``bits``-bit
+    values each, the lowest bits first (GPTQ's and compressed-tensors' order); returns uint8
+    with that dimension ``32 // bits`` times longer (cut to ``size`` when given)."""
+    shifts = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
+    p = packed.movedim(dim, -1).to(torch.int32)
+    values = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    values = values.flatten(-2)
+    if size is not None:
+        values = values[..., :size]
+    return values.to(torch.uint8).movedim(-1, dim).contiguous()
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The inverse of ``unpack_int32`` (``values`` unsigned, that dimension a multiple of
+    ``32 // bits``)."""
+    per = 32 // bits
+    v = values.movedim(dim, -1).to(torch.int64)
+    v = v.unflatten(-1, (-1, per))
+    shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int64)
+    word = (v << shifts).sum(-1)
+    word = torch.where(word >= 1 << 31, word - (1 << 32), word)
+    return word.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def dequantize_wna16_experts(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+) -> torch.Tensor:
+    """Integer expert weights as float32 ``(q - z) * s``: the spec of ``fused_moe_wna16``'s
+    weights. ``qweight`` int32 ``[..., N, K * bits / 32]`` (``32 / bits`` values per word
+    along the input features, lowest bits first); ``scales`` ``[..., N, G]`` and ``zeros``
+    uint8 ``[..., N, G]`` per group of ``K / G`` consecutive input features (``zeros`` None:
+    symmetric, every zero point ``2**(bits-1)``). Returns ``[..., N, K]``."""
+    q = unpack_int32(qweight, bits, dim=-1).float()
+    group = q.shape[-1] // scales.shape[-1]
+    s = scales.float().repeat_interleave(group, dim=-1)
+    if zeros is None:
+        return (q - float(1 << (bits - 1))) * s
+    return (q - zeros.float().repeat_interleave(group, dim=-1)) * s
+
+
 def wna16_activations(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """``x`` as ``[M, K]`` rows, its features in the packed weight's order (``packed["perm"]``,
     the act-order of a GPTQ checkpoint)."""

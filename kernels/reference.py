@@ -9,7 +9,9 @@ optional renormalisation) and ``fused_moe`` runs the routed experts (gate/up, Si
 down, weighted sum over the top-k). The reference groups the token/expert pairs by expert with
 one sort and runs one matmul pair per expert that received tokens: no loop over tokens, and
 the weights of experts nobody chose are never read. ``fused_moe_fp8`` is the same with FP8
-experts (per-channel or block scales), weight-only: it dequantizes each routed expert.
+experts (per-channel or block scales), weight-only: it dequantizes each routed expert;
+``fused_moe_wna16`` with 4- or 8-bit integer experts in groups (GPTQ, AWQ, compressed-tensors
+pack-quantized), weight-only too.
 
 FP8 activations straight from their producer (``rms_norm_quant_fp8``,
 ``fused_add_rms_norm_quant_fp8``, ``silu_and_mul_quant_fp8``): the op's result in the input
@@ -41,6 +43,7 @@ from engine.kernels.gguf import gguf_linear
 from engine.kernels.quantized import (
     QUANTIZED_REFERENCE_KERNELS,
     dequantize_fp8_experts,
+    dequantize_wna16_experts,
     fp8_quantize_per_token,
 )
 
@@ -300,6 +303,63 @@ def fused_moe_fp8(
     return routed_experts(hidden, w13.shape[0], weights, topk_weights, topk_ids)
 
 
+def fused_moe_wna16(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    bits: int = 4,
+    w13_perm: torch.Tensor | None = None,
+    w2_perm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` with ``bits``-bit (4 or 8) integer experts, **weight-only** (W4A16 /
+    W8A16): each expert's weights are ``(q - z) * s`` in float32
+    (``engine.kernels.quantized.dequantize_wna16_experts``), the activations stay in hidden's
+    dtype.
+
+    ``w13`` int32 ``[E, 2I, H * bits / 32]`` (each expert's gate rows then its up rows) and
+    ``w2`` int32 ``[E, H, I * bits / 32]``: ``32 / bits`` values per word along the input
+    features, lowest bits first (compressed-tensors' ``weight_packed`` layout, whatever the
+    checkpoint's). ``w13_scales`` ``[E, 2I, H / g13]`` and ``w2_scales`` ``[E, H, I / g2]``
+    (float, any dtype) hold one scale per row and group of ``g`` consecutive input features,
+    the group size implied by the shapes (one group per row: the whole row); ``w13_zeros`` /
+    ``w2_zeros`` uint8 of the same shapes, the integer zero points, or None for symmetric
+    weights (zero point ``2**(bits-1)``).
+
+    ``w13_perm`` ``[E, H]`` / ``w2_perm`` ``[E, I]`` (int32, each optional): act-order
+    experts (GPTQ ``desc_act``), whose input features are stored in their own order per
+    expert, sorted by group so that each group is contiguous again: stored input feature ``k``
+    of expert ``e`` is the activations' feature ``perm[e, k]`` (the product reads
+    ``x[..., perm[e]]``, as ``wna16_linear``'s ``perm``).
+
+    Rounding points as ``fused_moe_fp8``: each matmul multiplies hidden-dtype activations by
+    the float32 weights in float32 and rounds its output to hidden's dtype. Only the experts
+    that received a token are dequantized, on every call (the portable, slow path).
+    """
+
+    def unpermuted(w: torch.Tensor, perm: torch.Tensor | None, e: int) -> torch.Tensor:
+        if perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, perm[e].long()] = w  # stored feature k is the input's perm[e, k]
+        return out
+
+    def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        z13 = None if w13_zeros is None else w13_zeros[e]
+        z2 = None if w2_zeros is None else w2_zeros[e]
+        return (
+            unpermuted(dequantize_wna16_experts(w13[e], w13_scales[e], z13, bits), w13_perm, e),
+            unpermuted(dequantize_wna16_experts(w2[e], w2_scales[e], z2, bits), w2_perm, e),
+        )
+
+    return routed_experts(hidden, w13.shape[0], weights, topk_weights, topk_ids)
+
+
 def routed_experts(
     hidden: torch.Tensor,
     num_experts: int,
@@ -447,6 +507,7 @@ REFERENCE_KERNELS = {
     "moe_topk_softmax": moe_topk_softmax,
     "fused_moe": fused_moe,
     "fused_moe_fp8": fused_moe_fp8,
+    "fused_moe_wna16": fused_moe_wna16,
     "add_lora_linear": add_lora_linear,
     "lora_expand_augmented": lora_expand_augmented,
 }

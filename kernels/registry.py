@@ -34,6 +34,9 @@ KERNEL_NAMES = (
     "fused_moe",
     # FP8 experts, weight-only (engine.kernels.reference.fused_moe_fp8).
     "fused_moe_fp8",
+    # 4/8-bit integer experts in groups (GPTQ, AWQ, compressed-tensors), weight-only
+    # (engine.kernels.reference.fused_moe_wna16).
+    "fused_moe_wna16",
     # Quantized matmuls (engine.kernels.quantized); wna16_linear carries its own prepack.
     "fp8_linear",
     "fp8_block_linear",

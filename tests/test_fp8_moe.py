@@ -19,6 +19,8 @@ are quantized). End to end through ``LLM``: greedy tokens equal, no KV block lef
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from quant_helpers import PROMPT, build, compare, prefill_logits
@@ -402,20 +404,23 @@ def test_compressed_tensors_fp8_experts_match_the_dequantized_reference(
     assert float((got - prefill_logits(unquantized)).abs().max()) > 10 * ATOL
 
 
-def test_compressed_tensors_integer_experts_are_refused(qwen3_moe, tmp_path):
-    """A W4A16 group over the experts: no MoE method for it, said at build."""
+def test_compressed_tensors_integer_experts_take_the_integer_method(qwen3_moe, tmp_path):
+    """A W4A16 group over the experts is not FP8: its experts get the integer method
+    (tests/test_wna16_moe.py runs them)."""
     quantized, _ = write_ct_fp8_experts(qwen3_moe, tmp_path / "q", None, "channel")
-    import json
+    from engine.quantization.compressed_tensors import CompressedTensorsConfig
+    from engine.quantization.wna16_moe import WNA16MoEMethod
 
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["weights"] = {
+    config = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    config["config_groups"]["group_0"]["weights"] = {
         "type": "int", "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True
     }  # fmt: skip
-    del config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
-    config["quantization_config"]["format"] = "pack-quantized"
-    (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotImplementedError, match="compressed-tensors wna16 experts"):
-        build(quantized)
+    del config["config_groups"]["group_0"]["input_activations"]
+    config["format"] = "pack-quantized"
+    method = CompressedTensorsConfig.from_config(config).get_moe_method(
+        None, "model.layers.0.mlp.experts"
+    )
+    assert isinstance(method, WNA16MoEMethod) and method.symmetric
 
 
 def test_the_qwen3_30b_fp8_shape_builds_and_splits_as_the_real_checkpoint(tmp_path):

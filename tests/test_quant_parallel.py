@@ -128,15 +128,16 @@ def test_quantized_layouts_that_cannot_work_are_refused_at_start(source, tmp_pat
         LLM(str(act), tensor_parallel_size=2, **KW)
 
 
-def test_a_mixture_of_experts_model_without_quantized_experts_is_refused_at_start(tmp_path):
-    """GPTQ has no expert method (FP8 has: tests/test_fp8_moe.py): refused before any weight
-    is read, saying which methods serve quantized experts."""
-    moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=2)
-    gptq, _ = qm.write_gptq(moe, tmp_path / "gptq", None, bits=4, group_size=32)
+def test_a_mixture_of_experts_model_with_act_order_experts_is_refused_at_start(tmp_path):
+    """GPTQ experts run (tests/test_wna16_moe.py), act-order ones too on one rank, but not
+    split over tensor-parallel ranks: refused before any weight is read, saying why."""
+    # 64-wide experts: each rank's 32 features are one whole group (only act-order splits).
+    moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=2, moe_intermediate_size=64)
+    gptq, _ = qm.write_gptq(moe, tmp_path / "gptq", None, bits=4, group_size=32, desc_act=True)
     assert "quantization_config" in json.loads((gptq / "config.json").read_text())
     with pytest.raises(
         QuantizationError,
-        match=r"'gptq' cannot run this model: quantization 'gptq' has no method for MoE experts "
-        r"\(model\.layers\.0\.mlp\.experts\); quantized experts are served for fp8",
+        match=r"'gptq' at tensor_parallel_size=2: model\.layers\.0\.mlp\.experts: act-order "
+        r"experts \(gptq 4-bit g32 act-order\) split over 2 tensor-parallel ranks",
     ):
-        LLM(str(gptq), **KW)
+        LLM(str(gptq), tensor_parallel_size=2, **KW)

@@ -143,12 +143,26 @@ BUILTIN_SHAPES["qwen3-30b-a3b-fp8"] = dict(
         "weight_block_size": [128, 128],
     },
 )
+# Qwen3-30B-A3B-GPTQ-Int4's config (4-bit, groups of 128, symmetric, no act-order), for
+# --load-format dummy: random packed experts and linears (W4A16 MoE benchmarks).
+BUILTIN_SHAPES["qwen3-30b-a3b-gptq-int4"] = dict(
+    BUILTIN_SHAPES["qwen3-30b-a3b"],
+    quantization_config={
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": False,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    },
+)
 ALIASES = {
     "llama3-8b": "llama-3.1-8b",
     "llama-3-8b": "llama-3.1-8b",
     "qwen3-0.6B": "qwen3-0.6b",
     "qwen3-30b": "qwen3-30b-a3b",
     "qwen3-30b-fp8": "qwen3-30b-a3b-fp8",
+    "qwen3-30b-gptq": "qwen3-30b-a3b-gptq-int4",
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "mixtral": "mixtral-8x7b",
     "llama3-8b-awq": "llama-3.1-8b-awq",

@@ -17,7 +17,8 @@
   weights ``w13_weight [E_local, 2 * I_local, H]`` (each expert's gate rows, then its up rows)
   and ``w2_weight [E_local, H, I_local]`` and calls the ``fused_moe`` kernel; quantized methods
   plug in at the same three calls (FP8: ``engine.quantization.fp8_moe.Fp8MoEMethod``, through
-  the ``fused_moe_fp8`` kernel).
+  the ``fused_moe_fp8`` kernel; 4/8-bit GPTQ, AWQ and compressed-tensors experts:
+  ``engine.quantization.wna16_moe.WNA16MoEMethod``, through ``fused_moe_wna16``).
 
 Checkpoints store experts one tensor per expert and projection (``experts.7.gate_proj.weight``,
 Mixtral's ``experts.7.w1.weight``), or already stacked (transformers 5's in-memory
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 # Checkpoint projection names -> the shard of the stacked weights they fill.
 QWEN_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 MIXTRAL_EXPERT_NAMES = {"w1": "w1", "w3": "w3", "w2": "w2"}
+# The checkpoint names of an expert's gate, up and down projections, per model family.
+EXPERT_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 SCORING_FUNCS = ("softmax",)
 
 
@@ -230,10 +233,12 @@ class FusedMoE(nn.Module):
         prefix: str = "",
         reduce_results: bool = True,
         scoring_func: str = "softmax",
+        proj_names: tuple[str, str, str] | None = None,
     ) -> None:
         """``quant_config`` (the model's, or None) picks the method by ``prefix`` (the layer's
         checkpoint name) through its ``get_moe_method(layer, prefix)``; ``quant_method``
-        forces one."""
+        forces one. ``proj_names``: the checkpoint's names of an expert's gate, up and down
+        projections (``expert_projections``), when the model knows them."""
         super().__init__()
         parallel = parallel or MoEParallel()
         if not 1 <= top_k <= num_experts:
@@ -282,6 +287,7 @@ class FusedMoE(nn.Module):
         # Tokens routed to each (global) expert since counting was enabled; None: not counted.
         self.expert_load: torch.Tensor | None = None
         self.prefix = prefix
+        self.proj_names = proj_names
         if quant_method is None and quant_config is not None:
             getter = getattr(quant_config, "get_moe_method", None)
             if getter is None:
@@ -289,8 +295,9 @@ class FusedMoE(nn.Module):
                     f"quantization {getattr(quant_config, 'name', type(quant_config).__name__)!r}"
                     f" has no method for MoE experts ({prefix or 'FusedMoE'}); quantized experts "
                     "are served for fp8 (fp8-format checkpoints, or --quantization fp8 on a "
-                    "bf16/fp16 checkpoint), compressed-tensors FP8 schemes and gguf "
-                    "(dequantized at load)"
+                    "bf16/fp16 checkpoint), gptq and awq (4/8-bit groups), "
+                    "compressed-tensors FP8 and W4A16/W8A16 schemes and gguf (dequantized at "
+                    "load)"
                 )
             quant_method = getter(self, prefix)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod()
@@ -399,6 +406,23 @@ class FusedMoE(nn.Module):
             dst.copy_(materialize(narrow(w, 1, rank * ip, ip)))
         else:
             raise ModelLoadError(f"shard {shard_id!r} does not fit a {kind} expert parameter")
+
+    def local_expert(self, what: str, expert_id: int | None) -> int | None:
+        """This rank's index of global expert ``expert_id`` (None: another rank holds it), for
+        a quantized method's loader of per-expert tensors; ``what`` names the tensor in
+        errors."""
+        if expert_id is None:
+            raise ModelLoadError(
+                f"{what}: quantized expert tensors are read one expert at a time "
+                "(experts.<e>.<proj>.<name>), not stacked"
+            )
+        if not 0 <= expert_id < self.num_experts:
+            raise ModelLoadError(
+                f"expert {expert_id} out of range: the layer has {self.num_experts}"
+            )
+        if expert_id not in self.local_experts:
+            return None
+        return expert_id - self.local_experts.start
 
     def process_weights_after_loading(self) -> None:
         """Let the method repack or fold what it loaded (called once by the loader)."""
@@ -524,6 +548,14 @@ class ExpertCheckpointMapping:
                 f"checkpoint is missing {len(missing)} expert tensor(s): {shown}{more}"
             )
         return done
+
+
+def expert_projections(layer: Any) -> tuple[tuple[str, str, str], ...]:
+    """The checkpoint names of an expert's (gate, up, down) projections that a quantization
+    config should look up for ``layer``: the model's (``FusedMoE.proj_names``), or every
+    family's (Qwen's ``gate_proj/up_proj/down_proj``, Mixtral's ``w1/w3/w2``) when unknown."""
+    names = getattr(layer, "proj_names", None)
+    return (tuple(names),) if names else EXPERT_PROJECTIONS
 
 
 def expert_checkpoint_suffixes(layer: FusedMoE) -> set[str]:

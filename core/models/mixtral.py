@@ -31,4 +31,5 @@ class MixtralForCausalLM(MoEForCausalLM):
             intermediate_size=hf_config.intermediate_size,
             renormalize=True,
             block_name="block_sparse_moe",
+            expert_proj_names=("w1", "w3", "w2"),
         )

@@ -49,6 +49,8 @@ class MoESpec:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     block_name: str = "mlp"
+    #: the checkpoint's names of an expert's gate, up and down projections
+    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     def is_sparse(self, layer_idx: int) -> bool:
         return (
@@ -85,6 +87,7 @@ class SparseMoeBlock(nn.Module):
             communicator=communicator,
             quant_config=getattr(ctx, "quant_config", None),
             prefix=f"{prefix}.experts",
+            proj_names=spec.expert_proj_names,
             # With a shared expert the block adds its (tensor-parallel partial) output first
             # and reduces once.
             reduce_results=not has_shared,

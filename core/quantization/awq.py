@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from engine.layers.linear import LinearMethod, ShardLayout
-from engine.quantization.base import QuantizationConfig, config_value, require
+from engine.quantization.base import QuantizationConfig, QuantizationError, config_value, require
 from engine.quantization.utils import add_param, fill_random_bits, pack_awq, unpack_awq
 from engine.quantization.wna16 import WNA16LinearMethod
 
@@ -64,10 +64,20 @@ class AWQLinearMethod(WNA16LinearMethod):
             ShardLayout(output_dim=1, input_dim=gdim, input_pack=gpack),
         )
 
+    tensor_names = {"qweight": "qweight", "scales": "scales", "zeros": "qzeros"}
+
+    def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        if role in ("qweight", "zeros"):
+            return unpack_awq(tensor).t()  # [K or G, N / 8] -> [N, K or G]
+        return tensor.t()  # scales [G, N]
+
     def canonical(self, layer: LinearBase):
-        q = unpack_awq(layer.qweight.data)  # [K, N]
-        zeros = unpack_awq(layer.qzeros.data)  # [G, N]
-        return q.t(), layer.scales.data.t(), zeros.t(), None
+        return (
+            self.canonical_tensor("qweight", layer.qweight.data),
+            self.canonical_tensor("scales", layer.scales.data),
+            self.canonical_tensor("zeros", layer.qzeros.data),
+            None,
+        )
 
     def dummy_value(self, layer, name, param, generator):
         if name == "qweight":
@@ -116,3 +126,26 @@ class AWQConfig(QuantizationConfig):
         if self.all_or_none(prefix, skip):
             return None
         return AWQLinearMethod(self.group_size)
+
+    def get_moe_method(self, layer: Any, prefix: str) -> Any:
+        """Integer experts (``engine.quantization.wna16_moe``, weight-only); None (unquantized
+        experts) when ``modules_to_not_convert`` names them (AutoAWQ's substring rule, on the
+        first expert's gate projection)."""
+        from engine.layers.fused_moe import expert_projections
+        from engine.quantization.wna16_moe import wna16_moe_method
+
+        base = self.checkpoint_names(prefix)[0]
+        for projections in expert_projections(layer):
+            skipped = [
+                any(m in f"{base}.0.{p}" for m in self.modules_to_not_convert) for p in projections
+            ]
+            if any(skipped) and not all(skipped):
+                kept = [p for p, s in zip(projections, skipped, strict=True) if not s]
+                raise QuantizationError(
+                    f"{prefix}: AWQ's modules_to_not_convert {self.modules_to_not_convert} "
+                    f"leaves some expert projections unquantized but not {', '.join(kept)}; "
+                    "experts must be quantized whole or not at all"
+                )
+            if all(skipped):
+                return None
+        return wna16_moe_method(self, layer, prefix, AWQLinearMethod(self.group_size))

@@ -82,6 +82,21 @@ class CTWNA16LinearMethod(WNA16LinearMethod):
             f"compressed-tensors w{bits}a16 g{group_size}{'' if symmetric else ' asym'}"
             f"{' act-order' if act_order else ''}"
         )
+        self.tensor_names = {
+            "qweight": "weight_packed",
+            "scales": "weight_scale",
+            "zeros": None if symmetric else "weight_zero_point",
+        }
+
+    extra_tensor_names = ("weight_shape", "weight_g_idx")
+    g_idx_name = "weight_g_idx"
+
+    def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        if role == "qweight":
+            return unpack_int32(tensor, self.bits, dim=1)  # [N, K / p] -> [N, K]
+        if role == "zeros":
+            return unpack_int32(tensor, self.bits, dim=0)  # [N / p, G] -> [N, G]
+        return tensor  # scales [N, G]
 
     def create_weights(self, layer: LinearBase) -> None:
         self.check_sizes(layer)
@@ -134,14 +149,14 @@ class CTWNA16LinearMethod(WNA16LinearMethod):
             raise ModelLoadError(
                 f"{layer.prefix}: weight_shape {got} does not match the layer's {expected}"
             )
-        q = unpack_int32(layer.weight_packed.data, self.bits, dim=1, size=k)  # [N, K]
-        scales = layer.weight_scale.data
+        q = self.canonical_tensor("qweight", layer.weight_packed.data)[:, :k]
+        scales = self.canonical_tensor("scales", layer.weight_scale.data)
         if self.symmetric:
             zeros = torch.full(
                 scales.shape, 1 << (self.bits - 1), dtype=torch.uint8, device=scales.device
             )
         else:
-            zeros = unpack_int32(layer.weight_zero_point.data, self.bits, dim=0)
+            zeros = self.canonical_tensor("zeros", layer.weight_zero_point.data)
         g_idx = layer.weight_g_idx.data if self.act_order else None
         return q, scales, zeros, g_idx
 
@@ -412,13 +427,25 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def get_moe_method(self, layer: Any, prefix: str) -> Any:
         """FP8 experts (``engine.quantization.fp8_moe``, weight-only) for the FP8 schemes:
-        tensor or channel weights, and 2-D blocks; None (unquantized experts) when no group
-        targets them. The scheme is the one of the first expert's gate projection (Qwen's
-        ``experts.0.gate_proj``, Mixtral's ``experts.0.w1``); other schemes are refused."""
+        tensor or channel weights, and 2-D blocks; integer experts
+        (``engine.quantization.wna16_moe``) for pack-quantized W4A16/W8A16;
+        None (unquantized experts) when no group targets them. The scheme is the one of the
+        first expert's gate projection (Qwen's ``experts.0.gate_proj``, Mixtral's
+        ``experts.0.w1``); other schemes are refused."""
+        from engine.layers.fused_moe import expert_projections
         from engine.quantization.fp8_moe import fp8_moe_method
 
         base = self.checkpoint_names(prefix)[0]
-        schemes = {self.scheme_for(f"{base}.0.{proj}") for proj in ("gate_proj", "w1")}
+        schemes: set[Any] = set()
+        for projections in expert_projections(layer):
+            found = [self.scheme_for(f"{base}.0.{p}") for p in projections]
+            if any(s is not found[0] for s in found):
+                raise QuantizationError(
+                    f"compressed-tensors: the experts' projections of {prefix} "
+                    f"({', '.join(projections)}) fall under different schemes (or some are "
+                    "ignored); quantized experts need one scheme for all three"
+                )
+            schemes.add(found[0])
         schemes.discard(None)
         if not schemes:
             return None
@@ -436,8 +463,12 @@ class CompressedTensorsConfig(QuantizationConfig):
                 block_size=tuple(scheme.weights["block_structure"]),
                 scale_name="weight_scale",
             )
+        if scheme.kind == "wna16":
+            from engine.quantization.wna16_moe import wna16_moe_method
+
+            return wna16_moe_method(self, layer, prefix, scheme.method(False))
         raise NotImplementedError(
             f"compressed-tensors {scheme.kind} experts ({prefix}) are not supported; quantized "
-            "MoE experts are served for FP8 schemes (tensor/channel weights, or blocks), "
-            "weight-only"
+            "MoE experts are served for FP8 schemes (tensor/channel weights, or blocks) and "
+            "W4A16/W8A16 pack-quantized ones, weight-only"
         )

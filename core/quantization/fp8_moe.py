@@ -181,18 +181,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     @staticmethod
     def _local(layer: FusedMoE, what: str, expert_id: int | None) -> int | None:
         """This rank's index of ``expert_id`` (None: another rank holds it)."""
-        if expert_id is None:
-            raise ModelLoadError(
-                f"{what}: FP8 expert scales are read one expert at a time "
-                "(experts.<e>.<proj>.<name>), not stacked"
-            )
-        if not 0 <= expert_id < layer.num_experts:
-            raise ModelLoadError(
-                f"expert {expert_id} out of range: the layer has {layer.num_experts}"
-            )
-        if expert_id not in layer.local_experts:
-            return None
-        return expert_id - layer.local_experts.start
+        return layer.local_expert(what, expert_id)
 
     def _load_tensor_scale(
         self, layer: FusedMoE, param: nn.Parameter, loaded: Any, shard_id: str, expert_id=None

@@ -81,14 +81,28 @@ class GPTQLinearMethod(WNA16LinearMethod):
             ShardLayout(output_dim=1, input_dim=gdim, input_pack=gpack),
         )
 
+    tensor_names = {"qweight": "qweight", "scales": "scales", "zeros": "qzeros"}
+    extra_tensor_names = ("g_idx",)
+    g_idx_name = "g_idx"
+
+    def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        if role == "qweight":
+            return unpack_int32(tensor, self.bits, dim=0).t()  # [K / p, N] -> [N, K]
+        if role == "zeros":
+            zeros = unpack_int32(tensor, self.bits, dim=1)  # [G, N / p] -> [G, N]
+            if self.v1_zeros:
+                zeros = zeros + 1  # stored minus one; 2**bits itself is a legal v1 zero point
+            return zeros.t()
+        return tensor.t()  # scales [G, N]
+
     def canonical(self, layer: LinearBase):
-        k = layer.input_size_per_partition
-        q = unpack_int32(layer.qweight.data, self.bits, dim=0, size=k)  # [K, N]
-        zeros = unpack_int32(layer.qzeros.data, self.bits, dim=1)  # [G, N]
-        if self.v1_zeros:
-            zeros = zeros + 1  # stored minus one; 2**bits itself is a legal v1 zero point
         g_idx = layer.g_idx.data if self.act_order else None
-        return q.t(), layer.scales.data.t(), zeros.t(), g_idx
+        return (
+            self.canonical_tensor("qweight", layer.qweight.data),
+            self.canonical_tensor("scales", layer.scales.data),
+            self.canonical_tensor("zeros", layer.qzeros.data),
+            g_idx,
+        )
 
     def dummy_value(self, layer, name, param, generator):
         if name == "qweight":
@@ -212,3 +226,40 @@ class GPTQConfig(QuantizationConfig):
             v1_zeros=self.v1_zeros,
             sym=bool(o.get("sym", self.sym)),
         )
+
+    def get_moe_method(self, layer: Any, prefix: str) -> Any:
+        """Integer experts (``engine.quantization.wna16_moe``, weight-only, act-order
+        included) with the settings of the first expert's projections (a ``dynamic`` override
+        of them included: the same for all three); None (unquantized experts) when a ``-:``
+        rule excludes them."""
+        from engine.layers.fused_moe import expert_projections
+        from engine.quantization.wna16_moe import wna16_moe_method
+
+        base = self.checkpoint_names(prefix)[0]
+        o = None
+        for projections in expert_projections(layer):
+            rules = [self._module_overrides(f"{base}.0.{p}") for p in projections]
+            if any(r != rules[0] for r in rules):
+                raise QuantizationError(
+                    f"{prefix}: the GPTQ 'dynamic' settings differ between the experts' "
+                    f"projections ({', '.join(projections)}); quantized experts need one "
+                    "setting for all three"
+                )
+            if rules[0] != {}:
+                o = rules[0]
+                break
+        else:
+            o = {}
+        if o is None:
+            return None
+        bits = int(o.get("bits", self.bits))
+        group = int(o.get("group_size", self.group_size))
+        self._check(bits, group)
+        fmt = GPTQLinearMethod(
+            bits,
+            group,
+            act_order=bool(o.get("desc_act", self.desc_act)),
+            v1_zeros=self.v1_zeros,
+            sym=bool(o.get("sym", self.sym)),
+        )
+        return wna16_moe_method(self, layer, prefix, fmt)

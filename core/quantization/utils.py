@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.kernels.quantized import FP8_DTYPE, FP8_MAX
+# pack_int32 / unpack_int32 live with the kernels' spec (fused_moe_wna16 unpacks with it);
+# the quantization methods import them from here.
+from engine.kernels.quantized import FP8_DTYPE, FP8_MAX, pack_int32, unpack_int32
 from engine.kernels.reference import REFERENCE_KERNELS
 from engine.layers.linear import ShardLayout, set_shard_layout
 from engine.layers.weight_utils import ModelLoadError, materialize, new_parameter, set_weight_loader
@@ -79,33 +81,6 @@ def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> No
         del layer._parameters[name]
     if value is not None:
         layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
-
-
-def unpack_int32(
-    packed: torch.Tensor, bits: int, dim: int, size: int | None = None
-) -> torch.Tensor:
-    """Unpack ``packed`` int32 values along ``dim`` into ``32 // bits`` unsigned ``bits``-bit
-    values each, the lowest bits first (GPTQ's and compressed-tensors' order); returns uint8
-    with that dimension ``32 // bits`` times longer (cut to ``size`` when given)."""
-    shifts = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
-    p = packed.movedim(dim, -1).to(torch.int32)
-    values = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    values = values.flatten(-2)
-    if size is not None:
-        values = values[..., :size]
-    return values.to(torch.uint8).movedim(-1, dim).contiguous()
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The inverse of ``unpack_int32`` (``values`` unsigned, that dimension a multiple of
-    ``32 // bits``): for tests and dummy weights."""
-    per = 32 // bits
-    v = values.movedim(dim, -1).to(torch.int64)
-    v = v.unflatten(-1, (-1, per))
-    shifts = torch.arange(0, 32, bits, device=values.device, dtype=torch.int64)
-    word = (v << shifts).sum(-1)
-    word = torch.where(word >= 1 << 31, word - (1 << 32), word)
-    return word.to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,21 @@ class WNA16LinearMethod(LinearMethod):
             )
 
     # -- the format's part ---------------------------------------------------------------------
+    #: The checkpoint's names of the packed values, the scales and the zero points (None: the
+    #: format stores none, symmetric), by role: ``canonical_tensor`` converts each, and the
+    #: MoE method (``engine.quantization.wna16_moe``) loads experts' tensors of these names.
+    tensor_names: dict[str, str | None] = {}
+    #: Other per-module tensors a checkpoint may carry, which an MoE expert reads and drops
+    #: (GPTQ's ``g_idx`` without act-order, compressed-tensors' ``weight_shape``).
+    extra_tensor_names: tuple[str, ...] = ()
+    #: The checkpoint's name of the act-order group index (``g_idx`` ``[K]``), if it has one.
+    g_idx_name: str | None = None
+
+    def canonical_tensor(self, role: str, tensor: torch.Tensor) -> torch.Tensor:
+        """One checkpoint tensor of ``role`` in canonical form: ``"qweight"`` -> uint8
+        ``[N, K]``, ``"scales"`` -> ``[N, G]`` (its dtype), ``"zeros"`` -> uint8 ``[N, G]``."""
+        raise NotImplementedError
+
     def canonical(
         self, layer: LinearBase
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

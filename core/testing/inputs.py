@@ -301,6 +301,53 @@ def _fused_moe_fp8_cases(dtype, gen):
     return cases
 
 
+def _wna16_experts(gen, e, n, k, bits, group, symmetric):
+    """Random ``fused_moe_wna16`` experts ``[E, N, K]``: packed int32 values, float16 scales
+    per ``group`` input features (-1: the row) giving dequantized weights of std ~K^-0.5, and
+    uint8 zero points (None when ``symmetric``)."""
+    from engine.kernels.quantized import pack_int32
+
+    maxq = (1 << bits) - 1
+    groups = 1 if group == -1 else k // group
+    q = torch.randint(0, maxq + 1, (e, n, k), generator=gen, dtype=torch.uint8)
+    std = {4: 4.6, 8: 74.0}[bits]
+    scales = (k**-0.5 / std) * (0.5 + torch.rand(e, n, groups, generator=gen))
+    zeros = None
+    if not symmetric:
+        zeros = torch.randint(0, maxq + 1, (e, n, groups), generator=gen, dtype=torch.uint8)
+    return pack_int32(q, bits, dim=2), scales.to(torch.float16), zeros
+
+
+def _fused_moe_wna16_cases(dtype, gen):
+    # 4- and 8-bit experts, groups of 32/64/128 and one per row, symmetric (no zero points)
+    # and with zero points; odd token counts and the routing of the unquantized cases (idle
+    # experts, a popular one, a choice held elsewhere).
+    # Act-order experts: every expert's input features in an order of its own.
+    cases = []
+    for t, e, k, h, i, bits, group, sym, act_order in (
+        (3, 8, 2, 64, 32, 4, 32, False, False),
+        (1, 16, 8, 128, 64, 4, 64, True, False),
+        (33, 8, 2, 128, 128, 4, 128, False, False),
+        (2, 8, 2, 64, 40, 4, -1, False, False),
+        (5, 4, 2, 64, 96, 8, 32, False, False),
+        (1, 8, 2, 64, 64, 8, 64, True, False),
+        (7, 8, 2, 64, 64, 4, 32, False, True),
+    ):
+        x = _randn(gen, dtype, t, h)
+        q13, s13, z13 = _wna16_experts(gen, e, 2 * i, h, bits, group, sym)
+        q2, s2, z2 = _wna16_experts(gen, e, h, i, bits, group, sym)
+        weights, ids = _moe_routing(gen, t, e, k)
+        how = f"w{bits}-g{group}-{'sym' if sym else 'zp'}" + ("-act-order" if act_order else "")
+        args: tuple = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits)
+        if act_order:
+            perms = [
+                torch.stack([torch.randperm(n, generator=gen) for _ in range(e)]) for n in (h, i)
+            ]
+            args += tuple(p.to(torch.int32) for p in perms)
+        cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}-{how}", args))
+    return cases
+
+
 # ---- the quantized matmuls --------------------------------------------------------------------
 # Inputs are built so that quantizing the activations is exact (every row's largest magnitude
 # is the type's maximum and scales are powers of two): an implementation that computes the
@@ -521,6 +568,7 @@ register_kernel_inputs("argmax", _argmax_cases)
 register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
 register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
 register_kernel_inputs("fused_moe_fp8", _fused_moe_fp8_cases, kind="moe")
+register_kernel_inputs("fused_moe_wna16", _fused_moe_wna16_cases, kind="moe")
 register_kernel_inputs("fp8_linear", _fp8_linear_cases)
 register_kernel_inputs("fp8_block_linear", _fp8_block_cases)
 register_kernel_inputs("int8_linear", _int8_linear_cases)

@@ -194,9 +194,11 @@ def dequantize_groups(
 
 # ---- GPTQ -----------------------------------------------------------------------------------
 def _input_key(module: str) -> int:
-    """A number shared by the projections that read the same input (for act-order seeds)."""
+    """A number shared by the projections that read the same input (for act-order seeds):
+    q/k/v, gate/up (Mixtral's experts' w1/w3 too)."""
     head, _, last = module.rpartition(".")
-    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu"}
+    shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu",
+              "w1": "gu", "w3": "gu"}  # fmt: skip
     key = f"{head}.{shared.get(last, last)}"
     return sum((i + 1) * ord(c) for i, c in enumerate(key)) % 100_003
 
@@ -571,3 +573,67 @@ def write_dequantized_compressed_tensors(ct_dir: str | Path, out: str | Path) ->
         weight = compressor.decompress(tensors, scheme)["weight"]
         dense[f"{module}.weight"] = weight.float()
     return _write(Path(out), dense, ct_dir, None, "float32")
+
+
+def write_compressed_tensors_moe(
+    src: str | Path,
+    out: str | Path,
+    reference: str | Path | None = None,
+    kind: str = "w4a16",
+    *,
+    group_size: int = 32,
+    actorder: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[Path, Path | None]:
+    """A compressed-tensors ``pack-quantized`` checkpoint of a mixture-of-experts model in
+    ``src`` (``kind``: ``w4a16``, ``w4a16_asym``, ``w8a16``; see ``ct_scheme``) with every
+    decoder projection quantized, the routed experts' included, and its dequantized
+    reference. transformers 5 keeps a MoE model's experts stacked (not ``nn.Linear``), so
+    the library's model pass would skip them: each projection is quantized here module by
+    module, its min/max scale and zero point from ``calculate_qparams`` and its tensors
+    compressed (``compress``) and, for the reference, decompressed (``decompress``, in
+    float32) by the library's own pack-quantized compressor. The routers (``mlp.gate``,
+    Qwen2-MoE's ``shared_expert_gate``) stay unquantized and are listed in ``ignore``.
+    ``actorder`` is only written into the config (for the refusal tests)."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    scheme = ct_scheme(kind, group_size)
+    if actorder is not None:
+        scheme.weights.actorder = actorder
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    w_args = scheme.weights
+
+    def quantize(w: torch.Tensor, module: str):
+        w = w.to(dtype)
+        g = w.float().unflatten(-1, (-1, w_args.group_size))
+        scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), w_args)
+        state = {"weight": w, "weight_scale": scale.to(dtype)}
+        if not w_args.symmetric:
+            state["weight_zero_point"] = zero.to(torch.int8)
+        tensors = compressor.compress(state, scheme)
+        unpacked = {
+            k: v.float() if v.dtype in (torch.bfloat16, torch.float16) else v
+            for k, v in tensors.items()
+        }
+        deq = compressor.decompress(unpacked, scheme)["weight"]
+        return tensors, deq.float()
+
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": json.loads(w_args.model_dump_json()),
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*mlp\\.gate$",
+            "re:.*block_sparse_moe\\.gate$",
+            "re:.*shared_expert_gate$",
+        ],  # fmt: skip
+    }
+    return _quantize_checkpoint(src, out, reference, quantize, config, dtype=str(dtype)[6:])

@@ -205,10 +205,12 @@ def test_cpu_bf16_keeps_the_tied_vocabulary_quantized_with_the_same_logits(
     before, _ = build(k_gguf, dtype="bfloat16")
     assert before.model.embed_tokens.vocab_method is None
     assert torch.equal(got, prefill_logits(before))
-    # float32 (and other platforms) keep the dequantized vocabulary as before.
+    # float32 keeps it quantized only where the CPU's kernels say so (the AVX2 kernels do, in
+    # every dtype); elsewhere the vocabulary is dequantized at load as before.
     monkeypatch.undo()
     f32, _ = build(k_gguf, dtype="float32")
-    assert f32.model.embed_tokens.vocab_method is None
+    keeps_f32 = CpuGGUFLinear().keeps_vocabulary(gk.gguf_type("Q8_0").ggml_type, torch.float32)
+    assert (f32.model.embed_tokens.vocab_method is not None) == keeps_f32
 
 
 def test_engine_greedy_tokens_equal_the_dequantized_path(k_gguf):

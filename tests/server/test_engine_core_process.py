@@ -329,7 +329,17 @@ def test_sigterm_drains_both_front_ends(many):
     while httpx.get(many.base_url + "/health").status_code != 503:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    refused = httpx.post(many.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    refused = None
+    while refused is None:
+        try:
+            refused = httpx.post(
+                many.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}
+            )
+        except httpx.ConnectError:
+            # The two front ends share the port; one whose streams are done closes its
+            # socket, and a connection the kernel had queued on it is refused (seen once in
+            # CI on a loaded machine). The next one reaches the other front end, still draining.
+            assert time.monotonic() < deadline
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     for t in threads:
         t.join(120)

@@ -383,8 +383,9 @@ def wna16_moe_method(
     if kernels is not None and platform != "cpu" and kernels.is_reference("fused_moe_wna16"):
         raise QuantizationError(
             f"{prefix}: no plugin provides fused_moe_wna16 on {platform}: only the torch "
-            "reference does, which dequantizes every routed expert on every call (install "
-            "engine-triton, or a vendor plugin that registers it)"
+            "reference does, which dequantizes every routed expert on every call (engine-triton "
+            "does not provide it yet: serve this checkpoint on the CPU, or install a plugin "
+            "that registers it)"
         )
     method = WNA16MoEMethod(fmt)
     if not getattr(config, "_moe_logged", False):

@@ -144,97 +144,6 @@ def test_fused_moe_fp8_rejects_what_it_cannot_run(device):
         fused_moe_fp8(x, w13.float(), w2, weights, ids, s13, s2)
 
 
-# Integer experts: (bits, group size, zero points, act-order) x the FP8 cases' routing.
-WNA16_SCHEMES = {
-    "w4-g32-zp": (4, 32, True, False),
-    "w4-g64-sym": (4, 64, False, False),
-    "w4-row-zp": (4, -1, True, False),
-    "w8-g32-zp": (8, 32, True, False),
-    "w4-g32-zp-act-order": (4, 32, True, True),
-}
-WNA16_CASES = {
-    "odd-tokens-idle-experts": (5, 8, 2, 64, 40, None, (0, 6, 7)),
-    "one-expert-takes-all": (9, 8, 1, 64, 64, 3, ()),
-    "batch1-top8": (1, 16, 8, 128, 32, None, ()),
-}
-
-
-def _wna16_experts(e, h, i, bits, group, zero_points):
-    """Random packed experts, scales and zero points in ``fused_moe_wna16``'s layout (the
-    conformance inputs' generator)."""
-    from engine.testing.inputs import _wna16_experts as experts
-
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    if group != -1 and i % group:
-        group = i  # the down projection's K must hold whole groups
-    q13, s13, z13 = experts(gen, e, 2 * i, h, bits, group, not zero_points)
-    q2, s2, z2 = experts(gen, e, h, i, bits, group, not zero_points)
-    return q13, q2, s13, s2, z13, z2
-
-
-@pytest.mark.parametrize("variant", ["decode", "grouped"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scheme", list(WNA16_SCHEMES))
-@pytest.mark.parametrize("case", list(WNA16_CASES))
-def test_fused_moe_wna16_matches_reference(case, scheme, dtype, variant, device, seed):
-    """4/8-bit integer experts (weight-only) through both paths: groups of 32 and 64 (the K
-    step cut to the group where the configuration asks for more), one group per row (scaled
-    after the K loop, I = 40 not a multiple of the K step), symmetric (no zero-point tensor)
-    and with zero points, act-order (every expert's inputs in an order of its own); idle
-    experts, one expert taking every token, a choice held by another expert-parallel rank,
-    batch 1 at top-8."""
-    from engine_triton.kernels.fused_moe import DecodeConfig, GroupedConfig, fused_moe_wna16
-
-    t, e, k, h, i, popular, unused = WNA16_CASES[case]
-    bits, group, zero_points, act_order = WNA16_SCHEMES[scheme]
-    x = torch.randn(t, h).to(dtype)
-    q13, q2, s13, s2, z13, z2 = _wna16_experts(e, h, i, bits, group, zero_points)
-    weights, ids = _route(t, e, k, popular, unused)
-    if case == "odd-tokens-idle-experts":
-        ids[2, 1] = -1  # held by another expert-parallel rank
-    perms = (None, None)
-    if act_order:
-        perms = tuple(
-            torch.stack([torch.randperm(n) for _ in range(e)]).to(torch.int32) for n in (h, i)
-        )
-    args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits, *perms)
-    out = fused_moe_wna16(
-        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
-        variant=variant,
-        decode_config=DecodeConfig(**{**DECODE, "gate_up_k": 64}),
-        config=GroupedConfig(**{**GROUPED, "block_k": 64}),
-    )
-    assert out.shape == (t, h) and out.dtype == dtype
-    close(out, ref.fused_moe_wna16(*args), dtype, seed)
-
-
-def test_fused_moe_wna16_rejects_what_it_cannot_run(device):
-    from engine_triton.kernels.fused_moe import fused_moe_wna16
-
-    t, e, k, h, i = 2, 4, 2, 64, 32
-    x = torch.randn(t, h, device=device)
-    q13, q2, s13, s2, z13, z2 = (
-        a.to(device) for a in _wna16_experts(e, h, i, 4, 32, zero_points=True)
-    )
-    weights, ids = (a.to(device) for a in _route(t, e, k))
-    with pytest.raises(ValueError, match="scales do not fit"):
-        fused_moe_wna16(x, q13, q2, weights, ids, s13[:, :i], s2, z13, z2)
-    with pytest.raises(ValueError, match="scales do not fit"):  # zero points: both or neither
-        fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, None)
-    with pytest.raises(ValueError, match="shapes do not fit"):  # packed for 8 bits, not 4
-        fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, z2, 8)
-    with pytest.raises(ValueError, match="4- or 8-bit"):
-        fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, z2, 3)
-    with pytest.raises(ValueError, match="int32-packed experts"):
-        fused_moe_wna16(x, q13.float(), q2, weights, ids, s13, s2, z13, z2)
-    perm = torch.arange(i, device=device, dtype=torch.int32).repeat(e, 1)  # w2's, not w13's
-    with pytest.raises(ValueError, match=r"w13 permutation \(4, 32\) does not fit \(4, 64\)"):
-        fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, z2, 4, perm, perm)
-    s13_8, s2_8 = s13.repeat_interleave(4, -1), s2.repeat_interleave(4, -1)  # groups of 8
-    with pytest.raises(ValueError, match="groups of 8 input features need a multiple of 16"):
-        fused_moe_wna16(x, q13, q2, weights, ids, s13_8, s2_8)
-
-
 @pytest.mark.parametrize("variant", ["decode", "grouped"])
 def test_choices_held_by_other_ranks_add_nothing(variant, device, seed):
     """Expert parallelism: -1 ids (experts on another rank) contribute zero; a token whose
@@ -304,9 +213,7 @@ def test_topk_softmax_matches_reference(e, k, renorm, dtype, device, seed):
     torch.testing.assert_close(weights.cpu(), exp_w, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "name", ["fused_moe", "fused_moe_fp8", "fused_moe_wna16", "moe_topk_softmax"]
-)
+@pytest.mark.parametrize("name", ["fused_moe", "fused_moe_fp8", "moe_topk_softmax"])
 def test_conformance_kit_accepts_the_overrides(name):
     """The kit's own kernel check (what ``--engine-conformance=cuda`` runs on a GPU)."""
     from engine.testing.checks import check_kernel
@@ -318,30 +225,19 @@ def test_conformance_kit_accepts_the_overrides(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-@pytest.mark.parametrize("quantization", [None, "fp8", "gptq", "gptq-act-order"])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, quantization):
     """A tiny Qwen3-MoE through the engine with every kernel, routing and experts included, in
     the interpreter: greedy tokens equal the torch reference path's (chunked prefill, decodes
     of several requests: the decode and the grouped expert paths both run). With
     ``--quantization fp8`` the experts go through ``fused_moe_fp8`` (online per-channel FP8,
-    weight-only), the dense layers through the FP8 linears; a GPTQ checkpoint (4-bit, groups
-    of 32, asym; act-order too) through ``fused_moe_wna16`` and ``wna16_linear``."""
+    weight-only), the dense layers through the FP8 linears."""
     import engine_triton.kernels as triton_kernels
     from engine import LLM, SamplingParams
     from engine.testing.tiny_models import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "m", "qwen3_moe", num_layers=2, num_experts=16,
                                 num_experts_per_tok=4))  # fmt: skip
-    experts_kernel = {None: "fused_moe", "fp8": "fused_moe_fp8"}.get(
-        quantization, "fused_moe_wna16"
-    )
-    if quantization and quantization.startswith("gptq"):
-        from engine.testing.quantized_models import write_gptq
-
-        act_order = quantization == "gptq-act-order"
-        gptq = write_gptq(path, tmp_path / "gptq", group_size=32, sym=False, desc_act=act_order)
-        path = str(gptq[0])
-        quantization = None  # read from the checkpoint
     from engine_triton.kernels import fused_moe as fm
 
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13, 14]]
@@ -362,7 +258,7 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, qu
                   max_num_batched_tokens=8, platform="cpu", quantization=quantization)  # fmt: skip
         kernels = llm.llm_engine.runner.kernels
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], (
-            kernels.provider(experts_kernel)
+            kernels.provider("fused_moe_fp8" if quantization else "fused_moe")
         )
 
     expected, provider = generate()
@@ -377,19 +273,17 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, qu
     assert calls["decode"] > 0 and calls["grouped"] > 0, calls
 
 
-@pytest.mark.parametrize("fp8,wna16", [(None, None), ("block", None), (None, "w4-g128-zp")])
-def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8, wna16):
-    """``python -m engine_triton.benchmark --moe-only [--moe-fp8 block | --moe-wna16 ...]``
-    end to end on one tiny shape with the GPU timers stubbed (the numbers mean nothing here;
-    the code path and the error check do)."""
+@pytest.mark.parametrize("fp8", [None, "block"])
+def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8):
+    """``python -m engine_triton.benchmark --moe-only [--moe-fp8 block]`` end to end on one
+    tiny shape with the GPU timers stubbed (the numbers mean nothing here; the code path and
+    the error check do)."""
     from engine_triton import benchmark
 
     if torch.cuda.is_available():
         pytest.skip("runs for real on a GPU: python -m engine_triton.benchmark --moe-only")
     tiny = dict(experts=8, top_k=2, hidden=32, inter=16, layers=2, other_params=1000)
     monkeypatch.setattr(benchmark, "MOE_SHAPES", {"tiny": tiny})
-    # Groups of 16 (the tiny experts are 16 wide), zero points kept.
-    monkeypatch.setitem(benchmark.MOE_WNA16_SCHEMES, "w4-g128-zp", (4, 16, False))
     monkeypatch.setattr(benchmark, "_graph_us", lambda call, calls=1: (call(0), call(1), 2.0)[-1])
     monkeypatch.setattr(benchmark, "_copy_gbps", lambda device: 4000.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "interpreter")
@@ -401,13 +295,11 @@ def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8, wna16):
     # The rule's choice and one alternative per batch: the interpreter compiles each one.
     monkeypatch.setattr(benchmark, "_moe_candidates", lambda t, k, e: every(t, k, e)[:2])
     results: dict = {}
-    benchmark.sweep_moe(results, tokens=(1, 5), device="cpu", fp8=fp8, wna16=wna16)
+    benchmark.sweep_moe(results, tokens=(1, 5), device="cpu", fp8=fp8)
     out = capsys.readouterr().out
     assert "tiny: 8 experts, top-2" in out and "T=1 " in out and "T=5 " in out
     assert ("fp8 experts (block scales" in out) == bool(fp8)
-    assert ("integer experts (w4-g128-zp" in out) == bool(wna16)
-    tag = " fp8-block" if fp8 else f" {wna16}" if wna16 else ""
-    rows = results[f"moe{tag} tiny T=5"]["rows"]
+    rows = results[f"moe{' fp8-block' if fp8 else ''} tiny T=5"]["rows"]
     assert rows[0]["rule"] and rows[0]["config"].startswith("grouped")
     assert any(r["config"].startswith("decode") for r in rows)
     assert all("error" not in r and r["max_err"] < 0.06 for r in rows), rows

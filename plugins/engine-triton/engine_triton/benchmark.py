@@ -15,8 +15,7 @@ calls over rotating weight copies (how the engine runs them). It prints achieved
 the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the kernel module.
 
 ``python -m engine_triton.benchmark --moe-only [--moe-shapes S] [--moe-tokens 1,8,...]
-[--moe-fp8 block|channel] [--moe-wna16 w4-g128|w4-g128-zp|w8-g128]`` (FP8 experts through
-``fused_moe_fp8``, or 4/8-bit integer experts through ``fused_moe_wna16``, weight-only) times
+[--moe-fp8 block|channel]`` (FP8 experts through ``fused_moe_fp8``, weight-only) times
 the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
 (128 experts, top-8, hidden 2048, 768 wide) and Mixtral-8x7B (8 experts, top-2, 4096, 14336)
 shapes, bf16, uniformly random routing, for each token count: both ways through the experts
@@ -490,9 +489,6 @@ def _moe_run(x, copy, topk_weights, topk_ids, kw):
 
     if len(copy) == 2:
         return fm.fused_moe(x, *copy, topk_weights, topk_ids, **kw)
-    if len(copy) == 7:
-        w13, w2, s13, s2, z13, z2, bits = copy
-        return fm.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, z13, z2, bits, **kw)
     w13, w2, s13, s2, block = copy
     return fm.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block, **kw)
 
@@ -502,9 +498,6 @@ def _moe_reference(x, copy, topk_weights, topk_ids):
 
     if len(copy) == 2:
         return ref.fused_moe(x, *copy, topk_weights, topk_ids)
-    if len(copy) == 7:
-        w13, w2, s13, s2, z13, z2, bits = copy
-        return ref.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, z13, z2, bits)
     w13, w2, s13, s2, block = copy
     return ref.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block)
 
@@ -513,25 +506,13 @@ def _moe_reference(x, copy, topk_weights, topk_ids):
 MOE_FP8_SCHEMES = {"channel": None, "block": (128, 128)}
 
 
-# ``--moe-wna16``: integer experts (weight-only): bits, group size, symmetric.
-MOE_WNA16_SCHEMES = {"w4-g128": (4, 128, True), "w4-g128-zp": (4, 128, False),
-                     "w8-g128": (8, 128, True)}  # fmt: skip
-
-
-def _moe_experts(e, h, i, dtype, device, fp8: str | None, wna16: str | None = None) -> tuple:
-    """One random copy of a layer's experts, quantized to FP8 when ``fp8``, to integers in
-    groups when ``wna16`` (one bf16 copy alive at a time)."""
+def _moe_experts(e, h, i, dtype, device, fp8: str | None) -> tuple:
+    """One random copy of a layer's experts, quantized to FP8 when ``fp8`` (one bf16 copy
+    alive at a time)."""
     import torch
 
     w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5
     w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5
-    if wna16:
-        from engine.quantization.wna16_moe import quantize_wna16_experts
-
-        bits, group, sym = MOE_WNA16_SCHEMES[wna16]
-        q13, s13, z13 = quantize_wna16_experts(w13, bits, group, sym)
-        q2, s2, z2 = quantize_wna16_experts(w2, bits, group, sym)
-        return q13, q2, s13, s2, z13, z2, bits
     return _fp8_copy(w13, w2, fp8) if fp8 else (w13, w2)
 
 
@@ -589,14 +570,11 @@ def sweep_moe(
     budget_s: float = 200.0,
     device: str = "cuda",
     fp8: str | None = None,
-    wna16: str | None = None,
 ) -> None:
     """Time the fused MoE kernel per layer on ``MOE_SHAPES`` (see the module docstring).
     After ``budget_s`` seconds only the rule's choice is timed. ``fp8`` (a key of
     ``MOE_FP8_SCHEMES``) times ``fused_moe_fp8`` on the same experts quantized to e4m3
-    (weight-only, bf16 activations): a byte per weight, so the copy-speed floor halves;
-    ``wna16`` (a key of ``MOE_WNA16_SCHEMES``) ``fused_moe_wna16`` on them quantized to 4 or
-    8 bits in groups (the floor counts the packed values, not the scales)."""
+    (weight-only, bf16 activations): a byte per weight, so the copy-speed floor halves."""
     import time
 
     import torch
@@ -604,11 +582,8 @@ def sweep_moe(
     t0 = time.perf_counter()
     dtype = torch.bfloat16
     weight_bytes = 1 if fp8 else dtype.itemsize
-    what = f"fp8 experts ({fp8} scales, weight-only), bf16 activations" if fp8 else "bf16"
-    if wna16:
-        weight_bytes = MOE_WNA16_SCHEMES[wna16][0] / 8
-        what = f"integer experts ({wna16}, weight-only), bf16 activations"
     copy = _copy_gbps(device)
+    what = f"fp8 experts ({fp8} scales, weight-only), bf16 activations" if fp8 else "bf16"
     print(f"moe: {torch.cuda.get_device_name(device)}, {what}, copy bandwidth {copy:.0f} GB/s; "
           f"us = per call in a graph over rotating weights and routings", flush=True)  # fmt: skip
     results["moe copy GBps"] = round(copy)
@@ -620,7 +595,7 @@ def sweep_moe(
         expert_bytes = 3 * h * i * weight_bytes
         copies = max(1, min(8, -(-MOE_ROTATE_BYTES // (e * expert_bytes))))
         torch.manual_seed(0)
-        weights = [_moe_experts(e, h, i, dtype, device, fp8, wna16) for _ in range(copies)]
+        weights = [_moe_experts(e, h, i, dtype, device, fp8) for _ in range(copies)]
         gen = torch.Generator(device="cpu").manual_seed(0)
         floor_bytes = (
             sh["other_params"] * dtype.itemsize + sh["layers"] * k * 3 * h * i * weight_bytes
@@ -667,8 +642,7 @@ def sweep_moe(
             best = min(ok, key=lambda r: r["us"]) if ok else None
             logits = torch.randn(t, e, device=device, dtype=dtype)
             topk_us = _graph_us(_topk_call(logits, k), calls=50)
-            tag = f" fp8-{fp8}" if fp8 else f" {wna16}" if wna16 else ""
-            results[f"moe{tag} {name} T={t}"] = {
+            results[f"moe{' fp8-' + fp8 if fp8 else ''} {name} T={t}"] = {
                 "bytes": round(nbytes), "distinct_experts": round(distinct, 1),
                 "topk_softmax_us": round(topk_us, 2), "rows": rows,
             }  # fmt: skip
@@ -845,12 +819,6 @@ def main(argv: list[str] | None = None) -> int:
         help="time fused_moe_fp8 (e4m3 experts, weight-only) with these scales",
     )
     parser.add_argument(
-        "--moe-wna16",
-        choices=sorted(MOE_WNA16_SCHEMES),
-        default=None,
-        help="time fused_moe_wna16 (4/8-bit integer experts in groups, weight-only)",
-    )
-    parser.add_argument(
         "--moe-no-candidates", action="store_true", help="time only the rule's configuration"
     )
     parser.add_argument(
@@ -883,7 +851,6 @@ def main(argv: list[str] | None = None) -> int:
             tokens=tuple(int(v) for v in args.moe_tokens.split(",")),
             candidates=not args.moe_no_candidates,
             fp8=args.moe_fp8,
-            wna16=args.moe_wna16,
         )
         if args.json:
             with open(args.json, "w") as f:

@@ -39,19 +39,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _gated_product(gate, up, ACT: tl.constexpr):
-    """``act(gate) * up`` in float32 (``ACT`` 0: SiLU; 1: GELU, tanh approximation): the one
-    definition the plain and the FP8-quantizing kernels share, so their values are identical."""
-    if ACT == 0:  # SiLU
-        act = gate / (1.0 + tl.exp(-gate))
-    else:  # GELU, tanh approximation
-        act = (
-            0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
-        )
-    return act * up
-
-
-@triton.jit
 def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -68,8 +55,13 @@ def _act_and_mul_kernel(
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _gated_product(gate, up, ACT)
-    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if ACT == 0:  # SiLU
+        act = gate / (1.0 + tl.exp(-gate))
+    else:  # GELU, tanh approximation
+        act = (
+            0.5 * gate * (1.0 + _tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        )
+    tl.store(out_ptr + row * out_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -79,7 +71,8 @@ def _silu_mul_chunk(x_row, cols, inter, OUT_DTYPE: tl.constexpr):
     mask = cols < inter
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    return _gated_product(gate, up, 0).to(OUT_DTYPE).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate))
+    return (act * up).to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit

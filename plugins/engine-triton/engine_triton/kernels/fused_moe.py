@@ -40,13 +40,6 @@ per output channel (1: the decode GEMV's row sums, the grouped GEMM's columns af
 or per ``(bn, bk)`` block (2: each K step, cut to divide bk so it lies in one block column; the
 grouped GEMMs convert the e4m3 tile to the activation dtype, exactly, for the tensor cores).
 
-``fused_moe_wna16`` runs 4/8-bit integer experts in groups (GPTQ, AWQ, compressed-tensors
-checkpoints; weight-only) through them too: ``WBITS`` (0 otherwise) makes them load int32
-words of ``32 / WBITS`` values along K, take each value out with a shift and a mask and
-subtract its zero point (``HAS_ZP``; else ``2**(WBITS-1)``) in registers, giving the exact
-integers ``q - z``; the scales are then FP8's modes: 2 with ``1 x group`` blocks (the K step
-cut to divide the group), 1 for one group per row.
-
 Ids of -1 (choices held by another expert-parallel rank) are skipped everywhere. Arithmetic is
 float32; the gate/up results are rounded to the activation dtype before SiLU-and-mul and each
 expert's down result before it is weighted, as the torch reference does; the grouped path also
@@ -254,55 +247,6 @@ def _w2_scale_rows(
     return base + rows * stride_sn
 
 
-# ---- integer expert weights -------------------------------------------------------------------
-@triton.jit
-def _word_index(k, WBITS: tl.constexpr):
-    """The packed word holding input feature ``k`` (``k`` itself for unpacked weights)."""
-    if WBITS != 0:
-        return k // (32 // WBITS)
-    return k
-
-
-@triton.jit
-def _word_step(BLOCK_K: tl.constexpr, WBITS: tl.constexpr):
-    """How far a K step of ``BLOCK_K`` features moves the weight pointers."""
-    if WBITS != 0:
-        return BLOCK_K // (32 // WBITS)
-    return BLOCK_K
-
-
-@triton.jit
-def _zero_points(z_ptrs, kb, SCALE: tl.constexpr, WBITS: tl.constexpr, HAS_ZP: tl.constexpr):
-    """Integer experts' zero points (float32) of the rows whose scales ``z_ptrs`` would
-    address in the zero-point tensor (the scales' layout), for scale group ``kb`` (SCALE 2;
-    one per row with SCALE 1); ``2**(WBITS-1)`` for symmetric weights (no tensor)."""
-    if HAS_ZP:
-        if SCALE == 2:
-            return tl.load(z_ptrs + kb).to(tl.float32)
-        return tl.load(z_ptrs).to(tl.float32)
-    return tl.zeros(z_ptrs.shape, tl.float32) + (1 << (WBITS - 1))
-
-
-@triton.jit
-def _input_index(p_ptr, expert, k, K, mask, HAS_PERM: tl.constexpr):
-    """Which activation feature stored input feature ``k`` of ``expert`` multiplies:
-    ``perm[expert, k]`` for act-order integer experts (``[E, K]`` int32), else ``k``; ``k``
-    outside ``mask`` (past K) reads feature 0's entry, which the masked loads then ignore."""
-    if HAS_PERM:
-        return tl.load(p_ptr + expert.to(tl.int64) * K + tl.where(mask, k, 0))
-    return k
-
-
-@triton.jit
-def _int_weights(words, k, zero, WBITS: tl.constexpr):
-    """The ``WBITS``-bit values of input features ``k`` out of their int32 ``words`` (32 /
-    WBITS per word, lowest bits first) as the float32 ``q - zero``: small integers, exact in
-    every activation dtype, which the scales then multiply as they do e4m3 values."""
-    field = (k % (32 // WBITS)) * WBITS
-    q = (words >> field) & ((1 << WBITS) - 1)
-    return q.to(tl.float32) - zero
-
-
 # ---- decode kernels ---------------------------------------------------------------------------
 @triton.jit
 def _silu_mul(gate, up, out_dtype: tl.constexpr):
@@ -327,8 +271,6 @@ def _decode_gate_up_kernel(
     s_ptr,
     stride_se,
     stride_sn,
-    z_ptr,
-    p_ptr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -337,9 +279,6 @@ def _decode_gate_up_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
-    WBITS: tl.constexpr = 0,
-    HAS_ZP: tl.constexpr = False,
-    HAS_PERM: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -356,33 +295,21 @@ def _decode_gate_up_kernel(
     g_scales, u_scales = _w13_scale_rows(
         s_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
     )
-    g_zeros, u_zeros = _w13_scale_rows(
-        z_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
-    )
     x_row = x_ptr + token.to(tl.int64) * stride_xt
     kk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs = k0 + kk
-        w_offs = _word_index(offs, WBITS)[None, :]
         if EVEN_K:
-            x = tl.load(x_row + _input_index(p_ptr, expert, offs, H, True, HAS_PERM))
-            x = x.to(tl.float32)
-            wg = tl.load(gate_rows + w_offs)
-            wu = tl.load(up_rows + w_offs)
+            x = tl.load(x_row + offs).to(tl.float32)
+            wg = tl.load(gate_rows + offs[None, :])
+            wu = tl.load(up_rows + offs[None, :])
         else:
             k_ok = offs < H
-            x_at = x_row + _input_index(p_ptr, expert, offs, H, k_ok, HAS_PERM)
-            x = tl.load(x_at, mask=k_ok, other=0.0).to(tl.float32)
-            wg = tl.load(gate_rows + w_offs, mask=k_ok[None, :], other=0.0)
-            wu = tl.load(up_rows + w_offs, mask=k_ok[None, :], other=0.0)
-        if WBITS != 0:  # the step lies in one scale group (BLOCK_K divides SCALE_BK)
-            kb = k0 // SCALE_BK
-            zg = _zero_points(g_zeros, kb, SCALE, WBITS, HAS_ZP)
-            zu = _zero_points(u_zeros, kb, SCALE, WBITS, HAS_ZP)
-            wg = _int_weights(wg, offs[None, :], zg[:, None], WBITS)
-            wu = _int_weights(wu, offs[None, :], zu[:, None], WBITS)
+            x = tl.load(x_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+            wg = tl.load(gate_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+            wu = tl.load(up_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
         if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
             kb = k0 // SCALE_BK
             acc_g += wg.to(tl.float32) * tl.load(g_scales + kb)[:, None] * x[None, :]
@@ -417,8 +344,6 @@ def _decode_down_kernel(
     s_ptr,
     stride_se,
     stride_sn,
-    z_ptr,
-    p_ptr,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -427,9 +352,6 @@ def _decode_down_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
-    WBITS: tl.constexpr = 0,
-    HAS_ZP: tl.constexpr = False,
-    HAS_PERM: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -443,25 +365,18 @@ def _decode_down_kernel(
     if expert >= 0:
         w_rows = w2_ptr + expert.to(tl.int64) * stride_we + rows_c.to(tl.int64)[:, None] * stride_wn
         scales = _w2_scale_rows(s_ptr, expert, rows_c, stride_se, stride_sn, SCALE, SCALE_BN)
-        zeros = _w2_scale_rows(z_ptr, expert, rows_c, stride_se, stride_sn, SCALE, SCALE_BN)
         a_row = inter_ptr + pair.to(tl.int64) * INTER
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             offs = k0 + kk
-            w_offs = _word_index(offs, WBITS)[None, :]
             if EVEN_K:
-                a = tl.load(a_row + _input_index(p_ptr, expert, offs, INTER, True, HAS_PERM))
-                a = a.to(tl.float32)
-                w = tl.load(w_rows + w_offs)
+                a = tl.load(a_row + offs).to(tl.float32)
+                w = tl.load(w_rows + offs[None, :])
             else:
                 k_ok = offs < INTER
-                a_at = a_row + _input_index(p_ptr, expert, offs, INTER, k_ok, HAS_PERM)
-                a = tl.load(a_at, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + w_offs, mask=k_ok[None, :], other=0.0)
-            if WBITS != 0:
-                z = _zero_points(zeros, k0 // SCALE_BK, SCALE, WBITS, HAS_ZP)
-                w = _int_weights(w, offs[None, :], z[:, None], WBITS)
+                a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
             if SCALE == 2:
                 acc += w.to(tl.float32) * tl.load(scales + k0 // SCALE_BK)[:, None] * a[None, :]
             else:
@@ -576,8 +491,6 @@ def _grouped_gate_up_kernel(
     s_ptr,
     stride_se,
     stride_sn,
-    z_ptr,
-    p_ptr,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -589,9 +502,6 @@ def _grouped_gate_up_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
-    WBITS: tl.constexpr = 0,
-    HAS_ZP: tl.constexpr = False,
-    HAS_PERM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(INTER, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -607,39 +517,24 @@ def _grouped_gate_up_kernel(
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + kk[None, :]
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     # [BLOCK_K, BLOCK_N] views of the gate and up rows (K contiguous in memory).
-    kw = _word_index(kk, WBITS)[:, None]
-    g_ptrs = w_base + cols_c.to(tl.int64)[None, :] * stride_wn + kw
-    u_ptrs = w_base + (cols_c + INTER).to(tl.int64)[None, :] * stride_wn + kw
+    g_ptrs = w_base + cols_c.to(tl.int64)[None, :] * stride_wn + kk[:, None]
+    u_ptrs = w_base + (cols_c + INTER).to(tl.int64)[None, :] * stride_wn + kk[:, None]
     g_scales, u_scales = _w13_scale_rows(
         s_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
-    )
-    g_zeros, u_zeros = _w13_scale_rows(
-        z_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
     )
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if HAS_PERM:  # act-order: this expert's order of the input features
-            x_rows = x_ptr + tokens[:, None] * stride_xt
-            x_at = x_rows + _input_index(p_ptr, expert, k0 + kk, H, k0 + kk < H, True)[None, :]
-        else:
-            x_at = x_ptrs
         if EVEN_K:
-            x = tl.load(x_at, mask=row_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             wg = tl.load(g_ptrs)
             wu = tl.load(u_ptrs)
         else:
             k_ok = (k0 + kk) < H
-            x = tl.load(x_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if WBITS != 0:  # the step lies in one scale group (BLOCK_K divides SCALE_BK)
-            kb = k0 // SCALE_BK
-            zg = _zero_points(g_zeros, kb, SCALE, WBITS, HAS_ZP)
-            zu = _zero_points(u_zeros, kb, SCALE, WBITS, HAS_ZP)
-            wg = _int_weights(wg, kk[:, None], zg[None, :], WBITS)
-            wu = _int_weights(wu, kk[:, None], zu[None, :], WBITS)
-        if SCALE != 0:  # e4m3 values and q - z are exact in every activation dtype
+        if SCALE != 0:  # e4m3 values are exact in every activation dtype
             wg = wg.to(x.dtype)
             wu = wu.to(x.dtype)
         if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
@@ -650,8 +545,8 @@ def _grouped_gate_up_kernel(
             acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
         x_ptrs += BLOCK_K
-        g_ptrs += _word_step(BLOCK_K, WBITS)
-        u_ptrs += _word_step(BLOCK_K, WBITS)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     if SCALE == 1:
         acc_g = acc_g * tl.load(g_scales)[None, :]
         acc_u = acc_u * tl.load(u_scales)[None, :]
@@ -678,8 +573,6 @@ def _grouped_down_kernel(
     s_ptr,
     stride_se,
     stride_sn,
-    z_ptr,
-    p_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -690,9 +583,6 @@ def _grouped_down_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
-    WBITS: tl.constexpr = 0,
-    HAS_ZP: tl.constexpr = False,
-    HAS_PERM: tl.constexpr = False,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -708,28 +598,18 @@ def _grouped_down_kernel(
     a_ptrs = inter_ptr + pairs64[:, None] * INTER + kk[None, :]
     w_ptrs = (
         w2_ptr + expert.to(tl.int64) * stride_we + cols_c.to(tl.int64)[None, :] * stride_wn
-        + _word_index(kk, WBITS)[:, None]
+        + kk[:, None]
     )  # fmt: skip
     scales = _w2_scale_rows(s_ptr, expert, cols_c, stride_se, stride_sn, SCALE, SCALE_BN)
-    zeros = _w2_scale_rows(z_ptr, expert, cols_c, stride_se, stride_sn, SCALE, SCALE_BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        if HAS_PERM:  # act-order: this expert's order of the intermediate features
-            a_rows = inter_ptr + pairs64[:, None] * INTER
-            k_at = _input_index(p_ptr, expert, k0 + kk, INTER, k0 + kk < INTER, True)
-            a_at = a_rows + k_at[None, :]
-        else:
-            a_at = a_ptrs
         if EVEN_K:
-            a = tl.load(a_at, mask=row_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_ok = (k0 + kk) < INTER
-            a = tl.load(a_at, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        if WBITS != 0:
-            z = _zero_points(zeros, k0 // SCALE_BK, SCALE, WBITS, HAS_ZP)
-            w = _int_weights(w, kk[:, None], z[None, :], WBITS)
         if SCALE != 0:
             w = w.to(a.dtype)
         if SCALE == 2:
@@ -738,7 +618,7 @@ def _grouped_down_kernel(
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += _word_step(BLOCK_K, WBITS)
+        w_ptrs += BLOCK_K
     if SCALE == 1:
         acc = acc * tl.load(scales)[None, :]
     dtype = pair_out_ptr.dtype.element_ty
@@ -770,20 +650,15 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check(
-    hidden, w13, w2, topk_weights, topk_ids, pack: int = 1
-) -> tuple[int, int, int, int, int]:
-    """``(t, h, e, i, k)`` of a call; ``pack`` values per element of the weights' last dim
-    (integer experts: 32 / bits per int32)."""
+def _check(hidden, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
     t, h = hidden.shape
     e, two_i, h2 = w13.shape
     i = two_i // 2
     k = topk_ids.shape[1]
     if (
-        h2 * pack != h
+        h2 != h
         or two_i % 2
-        or i % pack
-        or tuple(w2.shape) != (e, h, i // pack)
+        or tuple(w2.shape) != (e, h, i)
         or topk_weights.shape != topk_ids.shape
         or topk_ids.shape[0] != t
     ):
@@ -797,57 +672,38 @@ def _check(
 
 @dataclass(frozen=True)
 class ExpertScales:
-    """Quantized experts' scales as the kernels read them (see
-    ``engine.kernels.reference.fused_moe_fp8`` and ``fused_moe_wna16``): ``mode`` 1 per
-    output channel, 2 per ``(bn, bk)`` block (w2's block columns ``bk2`` wide when they
-    differ); ``None`` in place of this object: unquantized experts. ``bits`` 0: FP8 weights;
-    4 or 8: integer weights packed in int32, their scales per row and group of ``bk`` input
-    features (blocks of ``1 x bk``) and their uint8 zero points ``z13`` / ``z2`` in the
-    scales' layout (None: symmetric)."""
+    """FP8 experts' float32 scales as the kernels read them (see
+    ``engine.kernels.reference.fused_moe_fp8``): ``mode`` 1 per output channel, 2 per
+    ``(bn, bk)`` block; ``None`` in place of this object: unquantized experts."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     mode: int
     bn: int = 1
     bk: int = 1
-    bits: int = 0
-    z13: torch.Tensor | None = None
-    z2: torch.Tensor | None = None
-    bk2: int | None = None
-    p13: torch.Tensor | None = None
-    p2: torch.Tensor | None = None
 
-    def args(self, which: str) -> tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor]:
+    def args(self, which: str) -> tuple[torch.Tensor, int, int]:
         t = self.w13 if which == "w13" else self.w2
-        z = self.z13 if which == "w13" else self.z2
-        p = self.p13 if which == "w13" else self.p2
-        return t, t.stride(0), t.stride(1), t if z is None else z, t if p is None else p
+        return t, t.stride(0), t.stride(1)
 
-    def block_k(self, which: str) -> int:
-        return self.bk2 if which == "w2" and self.bk2 is not None else self.bk
+    def constexprs(self) -> dict[str, int]:
+        return {"SCALE": self.mode, "SCALE_BN": self.bn, "SCALE_BK": self.bk}
 
-    def constexprs(self, which: str) -> dict[str, int]:
-        out = {"SCALE": self.mode, "SCALE_BN": self.bn, "SCALE_BK": self.block_k(which)}
-        if self.bits:
-            perm = self.p13 if which == "w13" else self.p2
-            out.update(WBITS=self.bits, HAS_ZP=self.z13 is not None, HAS_PERM=perm is not None)
-        return out
-
-    def k_tile(self, block_k: int, which: str) -> int:
+    def k_tile(self, block_k: int) -> int:
         """The K step for ``block_k``: block scales need every step inside one block column."""
-        return block_k if self.mode != 2 else math.gcd(block_k, self.block_k(which))
+        return block_k if self.mode != 2 else math.gcd(block_k, self.bk)
 
 
 def _scale_args(scales: ExpertScales | None, which: str, dummy: torch.Tensor) -> tuple:
-    return (dummy, 0, 0, dummy, dummy) if scales is None else scales.args(which)
+    return (dummy, 0, 0) if scales is None else scales.args(which)
 
 
-def _scale_constexprs(scales: ExpertScales | None, which: str) -> dict[str, int]:
-    return {} if scales is None else scales.constexprs(which)
+def _scale_constexprs(scales: ExpertScales | None) -> dict[str, int]:
+    return {} if scales is None else scales.constexprs()
 
 
-def _k_tile(scales: ExpertScales | None, block_k: int, which: str) -> int:
-    return block_k if scales is None else scales.k_tile(block_k, which)
+def _k_tile(scales: ExpertScales | None, block_k: int) -> int:
+    return block_k if scales is None else scales.k_tile(block_k)
 
 
 def fused_moe(
@@ -923,104 +779,11 @@ def fused_moe_fp8(
     )
 
 
-def fused_moe_wna16(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w13_zeros: torch.Tensor | None = None,
-    w2_zeros: torch.Tensor | None = None,
-    bits: int = 4,
-    w13_perm: torch.Tensor | None = None,
-    w2_perm: torch.Tensor | None = None,
-    *,
-    variant: str | None = None,
-    decode_config: DecodeConfig | None = None,
-    config: GroupedConfig | None = None,
-) -> torch.Tensor:
-    """See ``engine.kernels.reference.fused_moe_wna16``: 4/8-bit integer experts in groups,
-    **weight-only** (W4A16 / W8A16).
-
-    The same kernels as ``fused_moe`` and ``fused_moe_fp8`` (same dispatch, configurations
-    and rounding points), with ``WBITS`` set: they load the packed int32 words (an eighth of
-    bf16's bytes at 4 bits, what decode is bound by), take each value out of its word with a
-    shift and a mask and subtract the zero point in registers (the integers ``q - z`` are
-    exact in every activation dtype, so the grouped GEMMs feed them to the tensor cores as
-    they are), and scale like FP8 block scales of ``1 x group``: per K step (cut to divide
-    the group size, so each step lies in one group) or, with one group per row, once per
-    row after the K loop. Act-order experts (``w13_perm`` / ``w2_perm``) read their
-    activations through the permutation: a gathered load per K step (the weights, what the
-    step streams, stay contiguous)."""
-    if bits not in (4, 8):
-        raise ValueError(f"fused_moe_wna16 takes 4- or 8-bit experts, got {bits}")
-    pack = 32 // bits
-    if w13.dtype != torch.int32 or w2.dtype != torch.int32:
-        raise ValueError(f"fused_moe_wna16 takes int32-packed experts, got {w13.dtype}/{w2.dtype}")
-    dims = _check(hidden, w13, w2, topk_weights, topk_ids, pack)
-    _, h, e, i, _ = dims
-    g13, g2 = w13_scales.shape[-1], w2_scales.shape[-1]
-    pairs = ((w13_zeros, w13_scales), (w2_zeros, w2_scales))
-    if (
-        w13_scales.shape[:2] != (e, 2 * i)
-        or w2_scales.shape[:2] != (e, h)
-        or w13_scales.dim() != 3
-        or w2_scales.dim() != 3
-        or h % g13
-        or i % g2
-        or (w13_zeros is None) != (w2_zeros is None)
-        or any(z is not None and z.shape != sc.shape for z, sc in pairs)
-    ):
-        raise ValueError(
-            f"fused_moe_wna16 scales do not fit: w13_scales {tuple(w13_scales.shape)}, "
-            f"w2_scales {tuple(w2_scales.shape)} for {e} experts of hidden {h}, intermediate "
-            f"{i}; zero points: both or neither, in the scales' shapes"
-        )
-
-    def prep(t: torch.Tensor | None, per_row: bool) -> torch.Tensor | None:
-        if t is None:
-            return None
-        return (t[..., 0] if per_row else t).contiguous()
-
-    perms = {}
-    for which, perm, size in (("w13", w13_perm, h), ("w2", w2_perm, i)):
-        if perm is not None:
-            if tuple(perm.shape) != (e, size):
-                raise ValueError(
-                    f"fused_moe_wna16: {which} permutation {tuple(perm.shape)} does not fit "
-                    f"({e}, {size})"
-                )
-            perms["p" + which[1:]] = perm.to(torch.int32).contiguous()
-
-    if g13 == 1 and g2 == 1:  # one group per row: per-channel scales, applied after the K loop
-        s13, s2 = prep(w13_scales, True), prep(w2_scales, True)
-        scales = ExpertScales(
-            s13, s2, 1, bits=bits, z13=prep(w13_zeros, True), z2=prep(w2_zeros, True), **perms
-        )
-    else:
-        bk13, bk2 = h // g13, i // g2
-        for group, size in ((bk13, h), (bk2, i)):
-            if group % 16 and group != size:
-                raise ValueError(
-                    f"fused_moe_wna16: groups of {group} input features need a multiple of 16 "
-                    "(the tensor-core K step)"
-                )
-        scales = ExpertScales(
-            prep(w13_scales, False), prep(w2_scales, False), 2, 1, bk13, bits=bits,
-            z13=prep(w13_zeros, False), z2=prep(w2_zeros, False), bk2=bk2, **perms,
-        )  # fmt: skip
-    return _fused_moe(
-        hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config
-    )
-
-
 def _fused_moe(
     hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config
 ) -> torch.Tensor:
-    """The shared body of ``fused_moe``, ``fused_moe_fp8`` and ``fused_moe_wna16``; ``dims``
-    is ``_check``'s ``(t, h, e, i, k)``, validated once by the caller."""
+    """The shared body of ``fused_moe`` and ``fused_moe_fp8``; ``dims`` is ``_check``'s
+    ``(t, h, e, i, k)``, validated once by the caller."""
     t, h, e, i, k = dims
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
     if t == 0:
@@ -1051,20 +814,20 @@ def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig, scales=None) -
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     grid_n = triton.cdiv(h, cfg.down_n)
     ws, counters = _SCRATCH.get(x.device, pairs * h, t * grid_n)
-    gu_k, down_k = _k_tile(scales, cfg.gate_up_k, "w13"), _k_tile(scales, cfg.down_k, "w2")
+    gu_k, down_k = _k_tile(scales, cfg.gate_up_k), _k_tile(scales, cfg.down_k)
     _decode_gate_up_kernel[(pairs, triton.cdiv(i, cfg.gate_up_n))](
         x, w13, ids, inter, pairs, h, i, x.stride(0), w13.stride(0), w13.stride(1),
         *_scale_args(scales, "w13", w13),
         TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=gu_k, EVEN_K=h % gu_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
-        **_scale_constexprs(scales, "w13"),
+        **_scale_constexprs(scales),
     )  # fmt: skip
     _decode_down_kernel[(pairs, grid_n)](
         inter, w2, ids, weights, out, ws, counters, t, h, i, w2.stride(0), w2.stride(1),
         out.stride(0), *_scale_args(scales, "w2", w2),
         TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=down_k, EVEN_K=i % down_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
-        **_scale_constexprs(scales, "w2"),
+        **_scale_constexprs(scales),
     )  # fmt: skip
 
 
@@ -1107,21 +870,21 @@ def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig, scales=None)
     precision = _precision(x.dtype)
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     gu_n = cfg.gate_up_block_n
-    block_k, down_k = _k_tile(scales, cfg.block_k, "w13"), _k_tile(scales, cfg.block_k, "w2")
+    block_k = _k_tile(scales, cfg.block_k)
     _grouped_gate_up_kernel[(max_m * triton.cdiv(i, gu_n),)](
         x, w13, counts, sorted_pairs, inter, pairs, max_m, h, i, e,
         x.stride(0), w13.stride(0), w13.stride(1), *_scale_args(scales, "w13", w13),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=gu_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, E_POW2=e_pow2, EVEN_K=h % block_k == 0, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales, "w13"),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales),
     )  # fmt: skip
     pair_out = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
     _grouped_down_kernel[(max_m * triton.cdiv(h, cfg.block_n),)](
         inter, w2, counts, sorted_pairs, weights, pair_out, pairs, max_m, h, i, e,
         w2.stride(0), w2.stride(1), *_scale_args(scales, "w2", w2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=down_k, GROUP_M=cfg.group_m,
-        E_POW2=e_pow2, EVEN_K=i % down_k == 0, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales, "w2"),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        E_POW2=e_pow2, EVEN_K=i % block_k == 0, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales),
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(h))
     _topk_sum_kernel[(t, triton.cdiv(h, block))](

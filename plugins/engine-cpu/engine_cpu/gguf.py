@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from engine.kernels import gguf as ref
 from engine.layers.cpu_packed_linear import packing_supported, return_freed_memory
-from engine_cpu import native
+from engine_cpu import hugepages, native
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +239,10 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     signed = t.name == "Q8_0"
     zero = _AVX2_ZERO.get(t.name, 0)
     pack = _PACK_S8 if signed else _PACK_U4 if t.bits == 4 else _PACK_U8
-    values = torch.empty(n, k // 2 if pack == _PACK_U4 else k, dtype=torch.uint8)
-    scales = torch.empty(n, k // t.group)
-    offsets = None if signed or zero else torch.empty(n, k // t.group)
+    # in huge pages: a decode step streams them, and 4 KiB pages cost a TLB miss each
+    values = hugepages.empty((n, k // 2 if pack == _PACK_U4 else k), torch.uint8)
+    scales = hugepages.empty((n, k // t.group))
+    offsets = None if signed or zero else hugepages.empty((n, k // t.group))
     for start in range(0, n, _VOCAB_CHUNK):
         part = slice(start, min(start + _VOCAB_CHUNK, n))
         u, scale, offset = ref.unpack(blocks[part], t.ggml_type)

@@ -64,6 +64,30 @@ def test_products_are_int8_activations_times_the_exact_weights(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_every_row_length_of_the_interleaved_order(name):
+    """Rows of 8-block groups, a 4-block group and blocks left in their own order (k / 32 =
+    1, 3, 7, 13, 24 for the 32-value types; 8, 24, 40 for the K-quants' super-blocks): the
+    products, the prefill's dequantized tiles and the lookups all read the same weights."""
+    qtype = gk.gguf_type(name).ggml_type
+    lengths = (256, 768, 1280) if name.endswith("_K") else (32, 96, 224, 416, 768)
+    gen = torch.Generator().manual_seed(31)
+    for k in lengths:
+        blocks = gguf_blocks(9, k, name, seed=k)
+        packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
+        w = gk.dequantize(blocks, name)
+        for m in (1, 3, 17):
+            x = torch.randn(m, k, generator=gen)
+            want = quantized_activations(x) @ w.double().T
+            got = cpu_gguf._avx2_linear(x, packed).double()
+            assert float((got - want).abs().max()) <= 2e-6 * float(want.abs().max()), (k, m)
+        x = torch.randn(cpu_gguf.AVX2_DENSE_ROWS + 1, k, generator=gen)
+        dense = cpu_gguf._avx2_linear(x, packed)
+        assert torch.allclose(dense, x @ w.T, rtol=1e-5, atol=1e-4), k
+        ids = torch.tensor([0, 8, 3])
+        assert torch.equal(cpu_gguf._avx2_rows(packed, ids), w[ids]), k
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_many_rows_are_the_float32_product_of_the_exact_weights(name, monkeypatch):
     """Above AVX2_DENSE_ROWS the product runs over tiles of the weight dequantized per call:
     F.linear on the dequantized float32 weight, to summation order; with tiles of 16 rows

@@ -226,11 +226,48 @@ def _avx2() -> bool:
 _AVX2_ZERO = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 
 
+def _avx2_order(k: int) -> torch.Tensor:
+    """The interleaved order of a row of ``k`` values (``csrc/gguf_avx2.c``): entry p is the
+    index of the value at unpacked position p. Each full group of 8 blocks of 32 is 8 vectors
+    of 32 bytes whose lane l (4 bytes) holds values 4v .. 4v + 3 of block l in vector v; a
+    group of 4 blocks after them, 4 vectors whose lanes l and l + 4 hold values 8v .. 8v + 3
+    and 8v + 4 .. 8v + 7 of block l; the last ``k / 32 % 4`` blocks in their own order."""
+    nb = k // 32
+    n8 = nb - nb % 8
+    n4 = n8 + 4 if nb % 8 >= 4 else n8
+    order = torch.arange(k)
+    v, lane, i = torch.meshgrid(torch.arange(8), torch.arange(8), torch.arange(4), indexing="ij")
+    for g0 in range(0, n8, 8):  # position 32 v + 4 l + i <- block g0 + l, value 4 v + i
+        order[32 * g0 : 32 * g0 + 256] = (32 * (g0 + lane) + 4 * v + i).flatten()
+    if n4 > n8:  # position 32 v + 4 l + i <- block n8 + l % 4, value 8 v + 4 (l // 4) + i
+        v, lane, i = v[:4], lane[:4], i[:4]
+        order[32 * n8 : 32 * n4] = (32 * (n8 + lane % 4) + 8 * v + 4 * (lane // 4) + i).flatten()
+    return order
+
+
+def _avx2_nibbles(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the 4-bit packing of a row of ``k`` values: the values (by index) in the low and
+    the high nibble of each byte. A group of G blocks (8, 4, or 1 for the last blocks) takes
+    16 G bytes, byte j holding positions j and 16 G + j of the group's interleaved order, so
+    a 32-byte load unpacks (mask, shift) into two of its vectors."""
+    order = _avx2_order(k)
+    nb = k // 32
+    n8 = nb - nb % 8
+    n4 = n8 + 4 if nb % 8 >= 4 else n8
+    sizes = [8] * (n8 // 8) + [4] * ((n4 - n8) // 4) + [1] * (nb - n4)
+    low, high, at = [], [], 0
+    for g in sizes:
+        low.append(order[at : at + 16 * g])
+        high.append(order[at + 16 * g : at + 32 * g])
+        at += 32 * g
+    return torch.cat(low), torch.cat(high)
+
+
 def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
-    by row: Q8_0 as its signed bytes (scales only); 4-bit types as two values a byte (value j
-    of a 32-value block in the low nibble of byte j, value 16 + j in its high nibble); the 5-
-    and 6-bit types a byte each; float32 scales per group and, except for Q8_0 and the types
+    by row, the values in the interleaved order of ``_avx2_order``: Q8_0 as its signed bytes
+    (scales only); 4-bit types as two values a byte (``_avx2_nibbles``); the 5- and 6-bit
+    types a byte each; float32 scales per group and, except for Q8_0 and the types
     whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word carries),
     float32 offsets. Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's peak for a
     vocabulary matrix."""
@@ -243,17 +280,17 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     values = hugepages.empty((n, k // 2 if pack == _PACK_U4 else k), torch.uint8)
     scales = hugepages.empty((n, k // t.group))
     offsets = None if signed or zero else hugepages.empty((n, k // t.group))
+    order = _avx2_order(k)
+    low, high = _avx2_nibbles(k)
     for start in range(0, n, _VOCAB_CHUNK):
         part = slice(start, min(start + _VOCAB_CHUNK, n))
         u, scale, offset = ref.unpack(blocks[part], t.ggml_type)
-        r = u.shape[0]
         if signed:  # canonical u = q + 128, offset -128 d: keep q with no offset
-            values[part] = (u.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-        elif pack == _PACK_U4:
-            halves = u.view(r, k // 32, 2, 16)
-            values[part] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(r, k // 2)
+            u = (u.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+        if pack == _PACK_U4:
+            values[part] = u[:, low] | (u[:, high] << 4)
         else:
-            values[part] = u
+            values[part] = u[:, order]
         scales[part] = scale
         if offsets is not None:
             offsets[part] = offset

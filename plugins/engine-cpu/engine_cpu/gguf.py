@@ -25,11 +25,12 @@ load the blocks are repacked:
   bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 345 MiB of weights against
   1,087 MiB dense in float32, its default dtype on such a CPU). The
   activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
-  dot products (``VPMADDUBSW``), scaled per block in float32, up to ``AVX2_DENSE_ROWS`` rows
-  (decode: 1.3-2.7x faster than the dense float32 product at one row on this project's 2-core
-  EPYC, where the weights' bytes decide); more rows (prefill) take a float32 GEMM over tiles
-  of the weight dequantized per call, the exact weights. Measured in docs/benchmarks.md
-  ("CPU: GGUF layers and the decode step compiled for AVX2").
+  dot products (``VPMADDUBSW``), scaled per group of 8 blocks in float32, up to
+  ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
+  on this project's 2-core EPYC, where the weights' bytes decide; prefill too); more rows take
+  a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Measured in
+  docs/benchmarks.md ("CPU: GGUF layers and the decode step compiled for AVX2" and the seventh
+  session's section).
 * Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per
@@ -306,11 +307,13 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
 
 
 # Above this many activation rows the product is float32 over tiles of the weight dequantized
-# per call (the int8 dot products' per-block float work grows with the rows; a float32 GEMM
-# reads a tile many times from cache). On the 2-core EPYC of docs/benchmarks.md, 4096 x 640
-# Q5_0 / 640 x 2048 Q6_K: equal at 128 rows (5.8 / 3.0-3.4 ms), at 512 rows 24.0 against 33.9
-# ms and 8.8 against 14.6, at 1024 rows 40.2 against 88.5 and 17.2 against 24.2.
-AVX2_DENSE_ROWS = 128
+# per call. Up to the 128 of the fifth session the int8 products lost from 512 rows (their per-
+# block float work grew with the rows); since they scale a group of eight blocks at once and
+# tile the rows (csrc/gguf_avx2.c), they are the faster product at every prefill size measured
+# on the 2-core EPYC of docs/benchmarks.md (seventh session: at 2048 rows, one thread, 4096 x
+# 640 Q5_0 96 against 156 ms, 640 x 1024 Q4_K 28 against 35), so only a step above the
+# scheduler's default 8192 tokens takes the float32 path.
+AVX2_DENSE_ROWS = 8192
 # Weight rows dequantized at a time for that product (a scratch buffer reused across calls:
 # a fresh one would page-fault on every call).
 _TILE_VALUES = 1 << 20

@@ -260,23 +260,31 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
 
 /* y [M, N] (float32, row stride ldy) = x W^T for W packed as `pack` with `group`-value scales
  * (and offsets, NULL for PACK_S8) and x quantized by gguf_avx2_quantize_rows with the same
- * group. 16-value groups only with PACK_U8 (Q6_K). Each thread takes whole weight rows and
- * runs every activation row against one before the next (the row stays in L1: its bytes come
- * from memory once). */
+ * group. 16-value groups only with PACK_U8 (Q6_K). Each weight row is run against every
+ * activation row while it sits in L1; above MB rows, tiles of 16 weight rows against MB
+ * activation rows at a time, so that a prefill's activations (2048 rows of 640 bytes for 16
+ * prompts of 128 tokens) stay in L2 instead of streaming from L3 once per weight row. */
+enum { MB = 128 };
+
 void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, const float *offsets,
                     int64_t N, int64_t K, int group, const int8_t *xq, const float *xd,
                     const float *xs, int64_t M, float *y, int64_t ldy) {
     const int pack = pack_of(layout), zero = zero_of(layout);
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
     const int64_t nb = K / 32, ng = K / group;
+    /* up to MB rows: one tile of every row (decode) */
+    const int64_t NT = M <= MB ? 1 : 16, nm = M <= MB ? M : MB;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t t = 0; t < (N + NT - 1) / NT; t++)
+    for (int64_t m0 = 0; m0 < M; m0 += nm)
+    for (int64_t n = NT * t; n < NT * t + NT && n < N; n++) {
+        const int64_t m1 = m0 + nm < M ? m0 + nm : M;
         const uint8_t *w = values + n * row_bytes;
         const float *s = scales + n * ng;
         const float *o = offsets ? offsets + n * ng : 0;
 /* pack, group and a zero zero point as constants, so that each combination compiles alone */
 #define ROWS(PACK, GROUP, O, Z)                                                                \
-    for (int64_t r = 0; r < M; r++)                                                            \
+    for (int64_t r = m0; r < m1; r++)                                                          \
         y[r * ldy + n] = dot_row(w, s, O, K, PACK, GROUP, xq + r * K, xd + r * nb, xs + r * ng, \
                                  Z);
         if (pack == PACK_S8)

@@ -66,6 +66,28 @@ def test_products_are_int8_activations_times_the_exact_weights(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_bfloat16_results_are_the_float32_ones_rounded(name):
+    """The products write bfloat16 themselves (a decode step then needs no cast between
+    kernels): into a fresh tensor and into columns of a wider output, bit for bit the float32
+    product's ``Tensor.to``; with a bias, float32 until the bias is added."""
+    qtype = gk.gguf_type(name).ggml_type
+    blocks = gguf_blocks(37, 512, name, seed=41)
+    packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(42)
+    for m in (1, 4, 16):
+        x = torch.randn(m, 512, generator=gen).bfloat16()
+        f32 = cpu_gguf._avx2_linear(x, packed)
+        want = f32.to(torch.bfloat16)
+        assert torch.equal(cpu_gguf.gguf_linear(x, packed, qtype=qtype), want)
+        wide = torch.zeros(m, 50, dtype=torch.bfloat16)
+        cpu_gguf.gguf_linear(x, packed, qtype=qtype, out=wide[:, 5:42])
+        assert torch.equal(wide[:, 5:42], want) and not wide[:, :5].any() and not wide[:, 42:].any()
+        bias = torch.randn(37, generator=gen).bfloat16()
+        got = cpu_gguf.gguf_linear(x, packed, qtype=qtype, bias=bias)
+        assert torch.equal(got, (f32 + bias.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_every_row_length_of_the_interleaved_order(name, monkeypatch):
     """Rows of 8-block groups, a 4-block group and blocks left in their own order (k / 32 =
     1, 3, 7, 13, 24 for the 32-value types; 8, 24, 40 for the K-quants' super-blocks): the

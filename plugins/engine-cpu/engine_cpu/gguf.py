@@ -306,6 +306,10 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     return packed
 
 
+# The result dtypes the AVX2 products write themselves, and the layout word's bit for bfloat16
+_AVX2_OUT = (torch.float32, torch.bfloat16)
+_Y_BF16 = 1 << 8
+
 # Above this many activation rows the product is float32 over tiles of the weight dequantized
 # per call. Up to the 128 of the fifth session the int8 products lost from 512 rows (their per-
 # block float work grew with the rows); since they scale a group of eight blocks at once and
@@ -357,16 +361,21 @@ def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> to
 
 
 def _avx2_linear(
-    x2: torch.Tensor, packed: dict[str, torch.Tensor], out: torch.Tensor | None = None
+    x2: torch.Tensor,
+    packed: dict[str, torch.Tensor],
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``: int8 dot products up to
-    ``AVX2_DENSE_ROWS`` rows, the float32 product over dequantized tiles above. ``out``, a
-    float32 ``[M, N]`` view with unit column stride (columns of a wider output), receives the
-    int8 products directly."""
+    """``x2 [M, K]`` times the packed weight, ``[M, N]`` in ``dtype`` (float32 or bfloat16):
+    int8 dot products up to ``AVX2_DENSE_ROWS`` rows, the float32 product over dequantized
+    tiles above. ``out``, a float32 or bfloat16 ``[M, N]`` view with unit column stride
+    (columns of a wider output), receives the int8 products directly. A bfloat16 result is the
+    float32 one rounded by the kernel as ``Tensor.to`` rounds it, so that a decode step in
+    bfloat16 needs no torch op after the product (``engine_cpu.plan`` records only kernels)."""
     m = x2.shape[0]
     if m > AVX2_DENSE_ROWS:
         y = _avx2_dense_product(x2, packed)
-        return y if out is None else out.copy_(y)
+        return y.to(dtype) if out is None else out.copy_(y)
     lib = native.load("avx2")
     pack, group = packed["avx2_layout"].tolist()  # (iterating the tensor costs ~8 us)
     scales = packed["avx2_scales"]
@@ -381,12 +390,12 @@ def _avx2_linear(
         _xscratch.insert(0, torch.empty(max(need, 1 << 16), dtype=torch.uint8))
     base = _xscratch[0].data_ptr()
     offsets = packed.get("avx2_offsets")
-    y = torch.empty(m, n) if out is None else out
+    y = torch.empty(m, n, dtype=dtype) if out is None else out
     lib.gguf_avx2_linear(
         xc.data_ptr(),
         int(bf16),
         packed["avx2_values"].data_ptr(),
-        pack,
+        pack | (_Y_BF16 if y.dtype == torch.bfloat16 else 0),
         scales.data_ptr(),
         None if offsets is None else offsets.data_ptr(),
         n,
@@ -588,13 +597,15 @@ class CpuGGUFLinear:
         if out is not None and bias is None and "avx2_values" in packed:
             x2 = x.reshape(-1, shape[-1])
             y2 = out.view(x2.shape[0], out.shape[-1]) if out.dim() > 1 else None
-            if y2 is not None and out.dtype == torch.float32 and out.stride(-1) == 1:
+            if y2 is not None and out.dtype in _AVX2_OUT and out.stride(-1) == 1:
                 _avx2_linear(x2, packed, y2)
                 return out
         if "amx_values" in packed:
             y = _amx_linear(x.reshape(-1, shape[-1]), packed)
         elif "avx2_values" in packed:
-            y = _avx2_linear(x.reshape(-1, shape[-1]), packed)
+            # (with a bias, float32 until the bias is added, as before)
+            dtype = x.dtype if x.dtype in _AVX2_OUT and bias is None else torch.float32
+            y = _avx2_linear(x.reshape(-1, shape[-1]), packed, dtype=dtype)
         elif "onednn" in packed:
             x2 = x.reshape(-1, shape[-1]).to(packed["onednn"].dtype).contiguous()
             y = torch.ops.mkldnn._linear_pointwise(x2, packed["onednn"], None, "none", [], "")

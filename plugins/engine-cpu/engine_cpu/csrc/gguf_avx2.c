@@ -40,8 +40,10 @@ enum { PACK_U8 = 0, PACK_U4 = 1, PACK_S8 = 2 };
 
 static inline int64_t block_bytes_of(int pack) { return pack == PACK_U4 ? 16 : 32; }
 
-/* The packing and the zero point of a layout word (see the header). */
+/* The packing and the zero point of a layout word (see the header); for the products, bit 8
+ * asks for y in bfloat16 (rounded to nearest even, as torch's conversion of the float32 y). */
 static inline int pack_of(int word) { return word & 0xff; }
+static inline int y_bf16_of(int word) { return (word >> 8) & 1; }
 static inline int zero_of(int word) { return (word >> 16) & 0xff; }
 
 int gguf_avx2_available(void) { return 1; }
@@ -258,7 +260,7 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
     return v;
 }
 
-/* y [M, N] (float32, row stride ldy) = x W^T for W packed as `pack` with `group`-value scales
+/* y [M, N] (float32, or bfloat16 by the layout word; row stride ldy) = x W^T for W packed as `pack` with `group`-value scales
  * (and offsets, NULL for PACK_S8) and x quantized by gguf_avx2_quantize_rows with the same
  * group. 16-value groups only with PACK_U8 (Q6_K). Each weight row is run against every
  * activation row while it sits in L1; above MB rows, tiles of 16 weight rows against MB
@@ -268,8 +270,8 @@ enum { MB = 128 };
 
 void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, const float *offsets,
                     int64_t N, int64_t K, int group, const int8_t *xq, const float *xd,
-                    const float *xs, int64_t M, float *y, int64_t ldy) {
-    const int pack = pack_of(layout), zero = zero_of(layout);
+                    const float *xs, int64_t M, void *y, int64_t ldy) {
+    const int pack = pack_of(layout), zero = zero_of(layout), ybf = y_bf16_of(layout);
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
     const int64_t nb = K / 32, ng = K / group;
     /* up to MB rows: one tile of every row (decode) */
@@ -285,8 +287,8 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
 /* pack, group and a zero zero point as constants, so that each combination compiles alone */
 #define ROWS(PACK, GROUP, O, Z)                                                                \
     for (int64_t r = m0; r < m1; r++)                                                          \
-        y[r * ldy + n] = dot_row(w, s, O, K, PACK, GROUP, xq + r * K, xd + r * nb, xs + r * ng, \
-                                 Z);
+        store1(y, ybf, r * ldy + n,                                                            \
+               dot_row(w, s, O, K, PACK, GROUP, xq + r * K, xd + r * nb, xs + r * ng, Z));
         if (pack == PACK_S8)
             ROWS(PACK_S8, 32, 0, 0)
         else if (pack == PACK_U4 && zero)
@@ -340,12 +342,13 @@ void gguf_avx2_dequantize(const uint8_t *values, int layout, const float *scales
 
 /* gguf_avx2_quantize_rows then gguf_avx2_gemm in one call (a decode step makes about a hundred
  * of these, where each foreign call from Python costs microseconds): x [M, K] (bfloat16 when
- * x_bf16, else float32, contiguous) times W into y [M, N] (row stride ldy, so that the products
- * of a layer stored in runs of several types fill their columns of one output). `scratch` holds
+ * x_bf16, else float32, contiguous) times W into y [M, N] (float32, or bfloat16 by bit 8 of the
+ * layout word `pack`; row stride ldy, so that the products of a layer stored in runs of several
+ * types fill their columns of one output). `scratch` holds
  * at least M * K + 4 * M * (K / 32 + K / 16) + 64 bytes, 64-byte aligned. */
 void gguf_avx2_linear(const void *x, int x_bf16, const uint8_t *values, int pack,
                       const float *scales, const float *offsets, int64_t N, int64_t K, int group,
-                      int64_t M, uint8_t *scratch, float *y, int64_t ldy) {
+                      int64_t M, uint8_t *scratch, void *y, int64_t ldy) {
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(scratch + ((M * K + 63) & ~(int64_t)63));
     float *xs = xd + M * (K / 32);

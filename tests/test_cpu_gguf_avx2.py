@@ -7,7 +7,8 @@ use by ``engine_cpu.native``), against torch computations of what they must retu
   the kernel's tiling (one tile up to 128 rows, tiles of 128 above) and an odd output count,
   every row length of the interleaved order (groups of 8 blocks, of 4, blocks alone); above
   it (patched down to 128), the float32 product of the exact weights, tile by tile;
-* the packing: 4-bit types as two values a byte, Q8_0 signed without offsets;
+* the packing: 4-bit types as two values a byte, Q8_0 signed without offsets, its scales
+  float16;
 * embedding rows: the reference's dequantization, bit for bit;
 * a tiny Gemma 3 GGUF model in float32 (this CPU kind's default dtype): logits near the
   dequantized model's, in fewer bytes;
@@ -150,6 +151,8 @@ def test_the_packing_holds_the_values_in_their_bits(name):
     # no offsets for Q8_0 (signed values) and where they are -z times the scale
     assert ("avx2_offsets" in packed) == (name not in ("Q4_0", "Q5_0", "Q6_K", "Q8_0"))
     assert packed["avx2_scales"].shape == (n, k // t.group)
+    # Q8_0's scales as the file holds them (float16, exact), the others' float32
+    assert packed["avx2_scales"].dtype == (torch.float16 if name == "Q8_0" else torch.float32)
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -267,8 +267,8 @@ def _avx2_nibbles(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
     by row, the values in the interleaved order of ``_avx2_order``: Q8_0 as its signed bytes
-    (scales only); 4-bit types as two values a byte (``_avx2_nibbles``); the 5- and 6-bit
-    types a byte each; float32 scales per group and, except for Q8_0 and the types
+    (with its float16 scales only); 4-bit types as two values a byte (``_avx2_nibbles``); the
+    5- and 6-bit types a byte each, with float32 scales per group and, except for the types
     whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word carries),
     float32 offsets. Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's peak for a
     vocabulary matrix."""
@@ -279,7 +279,8 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     pack = _PACK_S8 if signed else _PACK_U4 if t.bits == 4 else _PACK_U8
     # in huge pages: a decode step streams them, and 4 KiB pages cost a TLB miss each
     values = hugepages.empty((n, k // 2 if pack == _PACK_U4 else k), torch.uint8)
-    scales = hugepages.empty((n, k // t.group))
+    # Q8_0's scales as the file holds them, float16 (exact; 2 bytes a block fewer to read)
+    scales = hugepages.empty((n, k // t.group), torch.float16 if signed else torch.float32)
     offsets = None if signed or zero else hugepages.empty((n, k // t.group))
     order = _avx2_order(k)
     low, high = _avx2_nibbles(k)
@@ -299,7 +300,7 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
         "avx2_values": values,
         "avx2_scales": scales,
         # the kernels' layout word: the packing, and the zero point in bits 16-23
-        "avx2_layout": torch.tensor([pack | zero << 16, t.group]),
+        "avx2_layout": torch.tensor([pack | zero << 16 | (_SCALES16 if signed else 0), t.group]),
     }
     if offsets is not None:
         packed["avx2_offsets"] = offsets
@@ -309,6 +310,8 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
 # The result dtypes the AVX2 products write themselves, and the layout word's bit for bfloat16
 _AVX2_OUT = (torch.float32, torch.bfloat16)
 _Y_BF16 = 1 << 8
+# ... and the bit for float16 scales (Q8_0's)
+_SCALES16 = 1 << 9
 
 # Above this many activation rows the product is float32 over tiles of the weight dequantized
 # per call. Up to the 128 of the fifth session the int8 products lost from 512 rows (their per-

@@ -4,9 +4,11 @@ use by ``engine_cpu.native``), against torch computations of what they must retu
 * products up to ``AVX2_DENSE_ROWS`` rows: the activations quantized per 32 values (amax /
   127, rounded to nearest even, as the kernel does) times the dequantized weight, to float32
   summation order, for every kept type, float32 and bfloat16 activations, row counts around
-  the kernel's blocking (1-4 rows a pass, two weight rows a pass from 16 rows) and an odd
-  output count; above it, the float32 product of the exact weights, tile by tile;
-* the packing: 4-bit types as two values a byte, Q8_0 signed without offsets;
+  the kernel's tiling (one tile up to 128 rows, tiles of 128 above) and an odd output count,
+  every row length of the interleaved order (groups of 8 blocks, of 4, blocks alone); above
+  it (patched down to 128), the float32 product of the exact weights, tile by tile;
+* the packing: 4-bit types as two values a byte, Q8_0 signed without offsets, its scales
+  float16;
 * embedding rows: the reference's dequantization, bit for bit;
 * a tiny Gemma 3 GGUF model in float32 (this CPU kind's default dtype): logits near the
   dequantized model's, in fewer bytes;
@@ -50,8 +52,9 @@ def test_products_are_int8_activations_times_the_exact_weights(name):
     assert "avx2_values" in packed
     w = gk.dequantize(blocks, name).double()
     gen = torch.Generator().manual_seed(12)
-    for m in (1, 2, 3, 4, 5, 15, 16, 19, 40, cpu_gguf.AVX2_DENSE_ROWS):  # (the last: 128 rows
-        # of 16-value groups outgrow the scratch buffer's first 64 KB)
+    # (128 rows of 16-value groups outgrow the scratch buffer's first 64 KB; from 129 rows the
+    # kernel tiles the activation rows, 300 ending on a partial tile)
+    for m in (1, 2, 3, 4, 5, 15, 16, 19, 40, 128, 129, 300):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(m, k, generator=gen).to(dtype)
             want = quantized_activations(x) @ w.T
@@ -64,12 +67,60 @@ def test_products_are_int8_activations_times_the_exact_weights(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_bfloat16_results_are_the_float32_ones_rounded(name):
+    """The products write bfloat16 themselves (a decode step then needs no cast between
+    kernels): into a fresh tensor and into columns of a wider output, bit for bit the float32
+    product's ``Tensor.to``; with a bias, float32 until the bias is added."""
+    qtype = gk.gguf_type(name).ggml_type
+    blocks = gguf_blocks(37, 512, name, seed=41)
+    packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(42)
+    for m in (1, 4, 16):
+        x = torch.randn(m, 512, generator=gen).bfloat16()
+        f32 = cpu_gguf._avx2_linear(x, packed)
+        want = f32.to(torch.bfloat16)
+        assert torch.equal(cpu_gguf.gguf_linear(x, packed, qtype=qtype), want)
+        wide = torch.zeros(m, 50, dtype=torch.bfloat16)
+        cpu_gguf.gguf_linear(x, packed, qtype=qtype, out=wide[:, 5:42])
+        assert torch.equal(wide[:, 5:42], want) and not wide[:, :5].any() and not wide[:, 42:].any()
+        bias = torch.randn(37, generator=gen).bfloat16()
+        got = cpu_gguf.gguf_linear(x, packed, qtype=qtype, bias=bias)
+        assert torch.equal(got, (f32 + bias.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_every_row_length_of_the_interleaved_order(name, monkeypatch):
+    """Rows of 8-block groups, a 4-block group and blocks left in their own order (k / 32 =
+    1, 3, 7, 13, 24 for the 32-value types; 8, 24, 40 for the K-quants' super-blocks): the
+    products, the prefill's dequantized tiles and the lookups all read the same weights."""
+    qtype = gk.gguf_type(name).ggml_type
+    lengths = (256, 768, 1280) if name.endswith("_K") else (32, 96, 224, 416, 768)
+    gen = torch.Generator().manual_seed(31)
+    monkeypatch.setattr(cpu_gguf, "AVX2_DENSE_ROWS", 128)
+    for k in lengths:
+        blocks = gguf_blocks(9, k, name, seed=k)
+        packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
+        w = gk.dequantize(blocks, name)
+        for m in (1, 3, 17):
+            x = torch.randn(m, k, generator=gen)
+            want = quantized_activations(x) @ w.double().T
+            got = cpu_gguf._avx2_linear(x, packed).double()
+            assert float((got - want).abs().max()) <= 2e-6 * float(want.abs().max()), (k, m)
+        x = torch.randn(cpu_gguf.AVX2_DENSE_ROWS + 1, k, generator=gen)
+        dense = cpu_gguf._avx2_linear(x, packed)
+        assert torch.allclose(dense, x @ w.T, rtol=1e-5, atol=1e-4), k
+        ids = torch.tensor([0, 8, 3])
+        assert torch.equal(cpu_gguf._avx2_rows(packed, ids), w[ids]), k
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_many_rows_are_the_float32_product_of_the_exact_weights(name, monkeypatch):
     """Above AVX2_DENSE_ROWS the product runs over tiles of the weight dequantized per call:
     F.linear on the dequantized float32 weight, to summation order; with tiles of 16 rows
     (patched) an output count of 67 needs five, the last one partial."""
     monkeypatch.setattr(cpu_gguf, "_TILE_VALUES", 16 * 512)
     monkeypatch.setattr(cpu_gguf, "_scratch", [])
+    monkeypatch.setattr(cpu_gguf, "AVX2_DENSE_ROWS", 128)
     n, k = 67, 512
     qtype = gk.gguf_type(name).ggml_type
     blocks = gguf_blocks(n, k, name, seed=23)
@@ -100,6 +151,8 @@ def test_the_packing_holds_the_values_in_their_bits(name):
     # no offsets for Q8_0 (signed values) and where they are -z times the scale
     assert ("avx2_offsets" in packed) == (name not in ("Q4_0", "Q5_0", "Q6_K", "Q8_0"))
     assert packed["avx2_scales"].shape == (n, k // t.group)
+    # Q8_0's scales as the file holds them (float16, exact), the others' float32
+    assert packed["avx2_scales"].dtype == (torch.float16 if name == "Q8_0" else torch.float32)
 
 
 @pytest.mark.parametrize("name", TYPES)

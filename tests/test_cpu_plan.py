@@ -30,8 +30,8 @@ def gguf_path(tmp_path_factory):
     )
 
 
-def generate(path, **kw) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, max_num_seqs=4, **kw)
+def generate(path, dtype="float32", **kw) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, max_num_seqs=4, **kw)
     # Six requests of different lengths through four slots: decode batches of 4 down to 1,
     # with prefill steps (eager) between them as requests finish and others start.
     prompts = [[2, *range(10 + 7 * i, 13 + 12 * i)] for i in range(6)]
@@ -61,6 +61,16 @@ def test_plans_give_exactly_the_eager_tokens(gguf_path, async_scheduling):
     )
     assert again[0].outputs[0].token_ids == again[1].outputs[0].token_ids
     assert engine.num_used_blocks == 0
+
+
+def test_bfloat16_steps_run_as_plans_with_the_eager_tokens(gguf_path):
+    """In bfloat16 (``engine serve``'s default dtype on the CPU) the GGUF products write their
+    bfloat16 results themselves, so the step records: no torch cast or copy between kernels."""
+    _, want = generate(gguf_path, dtype="bfloat16", enforce_eager=True)
+    llm, got = generate(gguf_path, dtype="bfloat16")
+    assert got == want
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs._refused is None and {1, 2, 3} <= set(graphs._plans)
 
 
 def test_a_step_with_torch_ops_stays_eager_and_says_why(tmp_path, caplog):

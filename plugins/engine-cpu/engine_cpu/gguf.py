@@ -25,11 +25,12 @@ load the blocks are repacked:
   bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 345 MiB of weights against
   1,087 MiB dense in float32, its default dtype on such a CPU). The
   activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
-  dot products (``VPMADDUBSW``), scaled per block in float32, up to ``AVX2_DENSE_ROWS`` rows
-  (decode: 1.3-2.7x faster than the dense float32 product at one row on this project's 2-core
-  EPYC, where the weights' bytes decide); more rows (prefill) take a float32 GEMM over tiles
-  of the weight dequantized per call, the exact weights. Measured in docs/benchmarks.md
-  ("CPU: GGUF layers and the decode step compiled for AVX2").
+  dot products (``VPMADDUBSW``), scaled per group of 8 blocks in float32, up to
+  ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
+  on this project's 2-core EPYC, where the weights' bytes decide; prefill too); more rows take
+  a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Measured in
+  docs/benchmarks.md ("CPU: GGUF layers and the decode step compiled for AVX2" and the seventh
+  session's section).
 * Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per
@@ -68,7 +69,7 @@ import torch.nn.functional as F
 
 from engine.kernels import gguf as ref
 from engine.layers.cpu_packed_linear import packing_supported, return_freed_memory
-from engine_cpu import native
+from engine_cpu import hugepages, native
 
 logger = logging.getLogger(__name__)
 
@@ -226,11 +227,48 @@ def _avx2() -> bool:
 _AVX2_ZERO = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 
 
+def _avx2_order(k: int) -> torch.Tensor:
+    """The interleaved order of a row of ``k`` values (``csrc/gguf_avx2.c``): entry p is the
+    index of the value at unpacked position p. Each full group of 8 blocks of 32 is 8 vectors
+    of 32 bytes whose lane l (4 bytes) holds values 4v .. 4v + 3 of block l in vector v; a
+    group of 4 blocks after them, 4 vectors whose lanes l and l + 4 hold values 8v .. 8v + 3
+    and 8v + 4 .. 8v + 7 of block l; the last ``k / 32 % 4`` blocks in their own order."""
+    nb = k // 32
+    n8 = nb - nb % 8
+    n4 = n8 + 4 if nb % 8 >= 4 else n8
+    order = torch.arange(k)
+    v, lane, i = torch.meshgrid(torch.arange(8), torch.arange(8), torch.arange(4), indexing="ij")
+    for g0 in range(0, n8, 8):  # position 32 v + 4 l + i <- block g0 + l, value 4 v + i
+        order[32 * g0 : 32 * g0 + 256] = (32 * (g0 + lane) + 4 * v + i).flatten()
+    if n4 > n8:  # position 32 v + 4 l + i <- block n8 + l % 4, value 8 v + 4 (l // 4) + i
+        v, lane, i = v[:4], lane[:4], i[:4]
+        order[32 * n8 : 32 * n4] = (32 * (n8 + lane % 4) + 8 * v + 4 * (lane // 4) + i).flatten()
+    return order
+
+
+def _avx2_nibbles(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the 4-bit packing of a row of ``k`` values: the values (by index) in the low and
+    the high nibble of each byte. A group of G blocks (8, 4, or 1 for the last blocks) takes
+    16 G bytes, byte j holding positions j and 16 G + j of the group's interleaved order, so
+    a 32-byte load unpacks (mask, shift) into two of its vectors."""
+    order = _avx2_order(k)
+    nb = k // 32
+    n8 = nb - nb % 8
+    n4 = n8 + 4 if nb % 8 >= 4 else n8
+    sizes = [8] * (n8 // 8) + [4] * ((n4 - n8) // 4) + [1] * (nb - n4)
+    low, high, at = [], [], 0
+    for g in sizes:
+        low.append(order[at : at + 16 * g])
+        high.append(order[at + 16 * g : at + 32 * g])
+        at += 32 * g
+    return torch.cat(low), torch.cat(high)
+
+
 def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
-    by row: Q8_0 as its signed bytes (scales only); 4-bit types as two values a byte (value j
-    of a 32-value block in the low nibble of byte j, value 16 + j in its high nibble); the 5-
-    and 6-bit types a byte each; float32 scales per group and, except for Q8_0 and the types
+    by row, the values in the interleaved order of ``_avx2_order``: Q8_0 as its signed bytes
+    (with its float16 scales only); 4-bit types as two values a byte (``_avx2_nibbles``); the
+    5- and 6-bit types a byte each, with float32 scales per group and, except for the types
     whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word carries),
     float32 offsets. Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's peak for a
     vocabulary matrix."""
@@ -239,20 +277,22 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     signed = t.name == "Q8_0"
     zero = _AVX2_ZERO.get(t.name, 0)
     pack = _PACK_S8 if signed else _PACK_U4 if t.bits == 4 else _PACK_U8
-    values = torch.empty(n, k // 2 if pack == _PACK_U4 else k, dtype=torch.uint8)
-    scales = torch.empty(n, k // t.group)
-    offsets = None if signed or zero else torch.empty(n, k // t.group)
+    # in huge pages: a decode step streams them, and 4 KiB pages cost a TLB miss each
+    values = hugepages.empty((n, k // 2 if pack == _PACK_U4 else k), torch.uint8)
+    # Q8_0's scales as the file holds them, float16 (exact; 2 bytes a block fewer to read)
+    scales = hugepages.empty((n, k // t.group), torch.float16 if signed else torch.float32)
+    offsets = None if signed or zero else hugepages.empty((n, k // t.group))
+    order = _avx2_order(k)
+    low, high = _avx2_nibbles(k)
     for start in range(0, n, _VOCAB_CHUNK):
         part = slice(start, min(start + _VOCAB_CHUNK, n))
         u, scale, offset = ref.unpack(blocks[part], t.ggml_type)
-        r = u.shape[0]
         if signed:  # canonical u = q + 128, offset -128 d: keep q with no offset
-            values[part] = (u.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-        elif pack == _PACK_U4:
-            halves = u.view(r, k // 32, 2, 16)
-            values[part] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(r, k // 2)
+            u = (u.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+        if pack == _PACK_U4:
+            values[part] = u[:, low] | (u[:, high] << 4)
         else:
-            values[part] = u
+            values[part] = u[:, order]
         scales[part] = scale
         if offsets is not None:
             offsets[part] = offset
@@ -260,19 +300,27 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
         "avx2_values": values,
         "avx2_scales": scales,
         # the kernels' layout word: the packing, and the zero point in bits 16-23
-        "avx2_layout": torch.tensor([pack | zero << 16, t.group]),
+        "avx2_layout": torch.tensor([pack | zero << 16 | (_SCALES16 if signed else 0), t.group]),
     }
     if offsets is not None:
         packed["avx2_offsets"] = offsets
     return packed
 
 
+# The result dtypes the AVX2 products write themselves, and the layout word's bit for bfloat16
+_AVX2_OUT = (torch.float32, torch.bfloat16)
+_Y_BF16 = 1 << 8
+# ... and the bit for float16 scales (Q8_0's)
+_SCALES16 = 1 << 9
+
 # Above this many activation rows the product is float32 over tiles of the weight dequantized
-# per call (the int8 dot products' per-block float work grows with the rows; a float32 GEMM
-# reads a tile many times from cache). On the 2-core EPYC of docs/benchmarks.md, 4096 x 640
-# Q5_0 / 640 x 2048 Q6_K: equal at 128 rows (5.8 / 3.0-3.4 ms), at 512 rows 24.0 against 33.9
-# ms and 8.8 against 14.6, at 1024 rows 40.2 against 88.5 and 17.2 against 24.2.
-AVX2_DENSE_ROWS = 128
+# per call. Up to the 128 of the fifth session the int8 products lost from 512 rows (their per-
+# block float work grew with the rows); since they scale a group of eight blocks at once and
+# tile the rows (csrc/gguf_avx2.c), they are the faster product at every prefill size measured
+# on the 2-core EPYC of docs/benchmarks.md (seventh session: at 2048 rows, one thread, 4096 x
+# 640 Q5_0 96 against 156 ms, 640 x 1024 Q4_K 28 against 35), so only a step above the
+# scheduler's default 8192 tokens takes the float32 path.
+AVX2_DENSE_ROWS = 8192
 # Weight rows dequantized at a time for that product (a scratch buffer reused across calls:
 # a fresh one would page-fault on every call).
 _TILE_VALUES = 1 << 20
@@ -316,16 +364,21 @@ def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> to
 
 
 def _avx2_linear(
-    x2: torch.Tensor, packed: dict[str, torch.Tensor], out: torch.Tensor | None = None
+    x2: torch.Tensor,
+    packed: dict[str, torch.Tensor],
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``x2 [M, K]`` times the packed weight, float32 ``[M, N]``: int8 dot products up to
-    ``AVX2_DENSE_ROWS`` rows, the float32 product over dequantized tiles above. ``out``, a
-    float32 ``[M, N]`` view with unit column stride (columns of a wider output), receives the
-    int8 products directly."""
+    """``x2 [M, K]`` times the packed weight, ``[M, N]`` in ``dtype`` (float32 or bfloat16):
+    int8 dot products up to ``AVX2_DENSE_ROWS`` rows, the float32 product over dequantized
+    tiles above. ``out``, a float32 or bfloat16 ``[M, N]`` view with unit column stride
+    (columns of a wider output), receives the int8 products directly. A bfloat16 result is the
+    float32 one rounded by the kernel as ``Tensor.to`` rounds it, so that a decode step in
+    bfloat16 needs no torch op after the product (``engine_cpu.plan`` records only kernels)."""
     m = x2.shape[0]
     if m > AVX2_DENSE_ROWS:
         y = _avx2_dense_product(x2, packed)
-        return y if out is None else out.copy_(y)
+        return y.to(dtype) if out is None else out.copy_(y)
     lib = native.load("avx2")
     pack, group = packed["avx2_layout"].tolist()  # (iterating the tensor costs ~8 us)
     scales = packed["avx2_scales"]
@@ -340,12 +393,12 @@ def _avx2_linear(
         _xscratch.insert(0, torch.empty(max(need, 1 << 16), dtype=torch.uint8))
     base = _xscratch[0].data_ptr()
     offsets = packed.get("avx2_offsets")
-    y = torch.empty(m, n) if out is None else out
+    y = torch.empty(m, n, dtype=dtype) if out is None else out
     lib.gguf_avx2_linear(
         xc.data_ptr(),
         int(bf16),
         packed["avx2_values"].data_ptr(),
-        pack,
+        pack | (_Y_BF16 if y.dtype == torch.bfloat16 else 0),
         scales.data_ptr(),
         None if offsets is None else offsets.data_ptr(),
         n,
@@ -547,13 +600,15 @@ class CpuGGUFLinear:
         if out is not None and bias is None and "avx2_values" in packed:
             x2 = x.reshape(-1, shape[-1])
             y2 = out.view(x2.shape[0], out.shape[-1]) if out.dim() > 1 else None
-            if y2 is not None and out.dtype == torch.float32 and out.stride(-1) == 1:
+            if y2 is not None and out.dtype in _AVX2_OUT and out.stride(-1) == 1:
                 _avx2_linear(x2, packed, y2)
                 return out
         if "amx_values" in packed:
             y = _amx_linear(x.reshape(-1, shape[-1]), packed)
         elif "avx2_values" in packed:
-            y = _avx2_linear(x.reshape(-1, shape[-1]), packed)
+            # (with a bias, float32 until the bias is added, as before)
+            dtype = x.dtype if x.dtype in _AVX2_OUT and bias is None else torch.float32
+            y = _avx2_linear(x.reshape(-1, shape[-1]), packed, dtype=dtype)
         elif "onednn" in packed:
             x2 = x.reshape(-1, shape[-1]).to(packed["onednn"].dtype).contiguous()
             y = torch.ops.mkldnn._linear_pointwise(x2, packed["onednn"], None, "none", [], "")

@@ -12,7 +12,7 @@
 
 void gguf_avx2_linear(const void *x, int x_bf16, const uint8_t *values, int pack,
                       const float *scales, const float *offsets, int64_t N, int64_t K, int group,
-                      int64_t M, uint8_t *scratch, float *y, int64_t ldy);
+                      int64_t M, uint8_t *scratch, void *y, int64_t ldy);
 void gguf_avx2_rows(const uint8_t *values, int pack, const float *scales, const float *offsets,
                     const int64_t *ids, int64_t R, int64_t K, int group, void *out, int out_bf16,
                     int scaled, float scale);

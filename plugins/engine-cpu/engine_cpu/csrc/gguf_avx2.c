@@ -1,10 +1,9 @@
 /* Quantized GGUF matmuls with AVX2 (x86-64 CPUs without AMX): int8 dot products, float32 scales.
  *
  * y[m, n] = sum_k x[m, k] * W[n, k], where W was repacked at load (engine_cpu/gguf.py), row by
- * row, as 32-value blocks along k in one of three packings:
+ * row, as 32-value blocks along k (in the interleaved order below) in one of three packings:
  *   - PACK_U8: unsigned values u < 64 (the 5- and 6-bit types), one byte each;
- *   - PACK_U4: unsigned values u < 16 (the 4-bit types), two per byte: byte j of a block holds
- *     value j in its low nibble and value 16 + j in its high nibble;
+ *   - PACK_U4: unsigned values u < 16 (the 4-bit types), two per byte;
  *   - PACK_S8: signed values v (Q8_0), one byte each;
  * with, per group of G values (32, or 16 for Q6_K), a float32 scale s and, for the unsigned
  * packings, an offset o: W[n, k] = s[n, g] * u[n, k] + o[n, g] (W = s * v for PACK_S8).
@@ -18,12 +17,19 @@
  *     y[m, n] = sum_b xd[m, b] * sum_{k in b} s * u * xq  +  sum_g o[n, g] * xs[m, g].
  *
  * A block's products are VPMADDUBSW (unsigned weights times signed activations into 16-bit pair
- * sums: at most 2 * 63 * 127, no saturation) and VPMADDWD into eight int32 lanes, lanes 0-3
- * holding values 0-15 and lanes 4-7 values 16-31, so a 16-value group's two scales apply to the
- * two halves. Signed weights take the sign trick (|v| times xq with v's sign). The int32 sums
- * are exact; each block's is converted and scaled into float32 accumulators, one per activation
- * row, up to four rows per pass over a weight row, so a weight block is loaded and unpacked once
- * per four rows.
+ * sums: at most 2 * 63 * 127, no saturation) and VPMADDWD into eight int32 lanes. Signed weights
+ * take the sign trick (|v| times xq with v's sign). So that a lane's int32 sum belongs to one
+ * block, rows (weights and activations alike) are stored in an interleaved order: each full
+ * group of 8 blocks is 8 vectors of 32 bytes, lane l (4 bytes) of vector v holding values
+ * 4v .. 4v + 3 of block l; a group of 4 blocks after those is 4 vectors, lanes l and l + 4 of
+ * vector v holding values 8v .. 8v + 3 and 8v + 4 .. 8v + 7 of block l; the last K / 32 % 4
+ * blocks stay in their own order (lanes 0-3 values 0-15, 4-7 values 16-31). PACK_U4 stores a
+ * group of G blocks in 16 G bytes, byte j holding positions j and 16 G + j of the group's
+ * unpacked order in its low and high nibble (for a block alone: values j and 16 + j). A
+ * group's vectors then add up in int32 (exact) and are converted and scaled once, against the
+ * G blocks' scales, instead of once a block (measured: 0.67-0.95x the time of one scaling a
+ * block; docs/benchmarks.md, seventh session). Each weight row is run against every
+ * activation row while it is in L1.
  *
  * Threads: an OpenMP loop over output rows, in the OpenMP runtime torch already loaded (see
  * engine_cpu/native.py).
@@ -34,11 +40,45 @@ enum { PACK_U8 = 0, PACK_U4 = 1, PACK_S8 = 2 };
 
 static inline int64_t block_bytes_of(int pack) { return pack == PACK_U4 ? 16 : 32; }
 
-/* The packing and the zero point of a layout word (see the header). */
+/* The packing and the zero point of a layout word (see the header); for the products, bit 8
+ * asks for y in bfloat16 (rounded to nearest even, as torch's conversion of the float32 y). */
 static inline int pack_of(int word) { return word & 0xff; }
+static inline int y_bf16_of(int word) { return (word >> 8) & 1; }
+/* Bit 9: the scales are float16 (PACK_S8 only: Q8_0's own scales, exact in float16, 2 bytes a
+ * block fewer to read; converted 8 at a time, a group of 8 blocks costs one conversion). */
+static inline int scales16_of(int word) { return (word >> 9) & 1; }
+
+/* Scale i (of 1, 4 or 8 from i) of a row of float32 scales, or of float16 ones when sc16 */
+static inline float scale1(const float *s, int sc16, int64_t i) {
+    return sc16 ? _cvtsh_ss(((const uint16_t *)s)[i]) : s[i];
+}
+static inline __m128 scales4(const float *s, int sc16, int64_t i) {
+    return sc16 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)s + i)))
+                : _mm_loadu_ps(s + i);
+}
+static inline __m256 scales8(const float *s, int sc16, int64_t i) {
+    return sc16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + i)))
+                : _mm256_loadu_ps(s + i);
+}
+
+/* Row n's scales in an [N, ng] array of float32, or of float16 when sc16 */
+static inline const float *scale_row(const float *scales, int sc16, int64_t n, int64_t ng) {
+    return (const float *)((const char *)scales + n * ng * (sc16 ? 2 : 4));
+}
 static inline int zero_of(int word) { return (word >> 16) & 0xff; }
 
 int gguf_avx2_available(void) { return 1; }
+
+/* Where values 4c .. 4c + 3 of block b sit in an unpacked row of nb blocks (the interleaved
+ * order of the header): the byte offset in a PACK_U8 / PACK_S8 row or an activation row. */
+static inline int64_t chunk_pos(int64_t nb, int64_t b, int c) {
+    const int64_t n8 = nb - nb % 8;
+    if (b < n8) /* lane b % 8 of vector c of the group */
+        return 32 * (b - b % 8) + 32 * c + 4 * (b % 8);
+    if (nb % 8 >= 4 && b < n8 + 4) /* lane b - n8 (c even) or b - n8 + 4 (c odd) of vector c / 2 */
+        return 32 * n8 + 32 * (c >> 1) + 4 * (b - n8 + 4 * (c & 1));
+    return 32 * b + 4 * c;
+}
 
 static inline int hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -54,6 +94,7 @@ void gguf_avx2_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, in
                              int8_t *xq, float *xd, float *xs) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int64_t n8 = K / 32 - K / 32 % 8, n4 = K / 32 % 8 >= 4 ? n8 + 4 : n8;
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < K / 32; b++) {
@@ -75,8 +116,15 @@ void gguf_avx2_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, in
             /* packs interleave the 128-bit lanes: the permute puts the 32 bytes back in order */
             __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
                                            _mm256_packs_epi32(i[2], i[3]));
-            _mm256_storeu_si256((__m256i *)(xq + m * K + 32 * b),
-                                _mm256_permutevar8x32_epi32(p, order));
+            p = _mm256_permutevar8x32_epi32(p, order);
+            if (b < n4) { /* the interleaved order of the products (see the header) */
+                uint32_t chunk[8];
+                _mm256_storeu_si256((__m256i *)chunk, p);
+                for (int c = 0; c < 8; c++)
+                    memcpy(xq + m * K + chunk_pos(K / 32, b, c), &chunk[c], 4);
+            } else {
+                _mm256_storeu_si256((__m256i *)(xq + m * K + 32 * b), p);
+            }
             int lo = hsum_epi32(_mm256_add_epi32(i[0], i[1]));
             int hi = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
             if (group == 32) {
@@ -100,194 +148,186 @@ static inline __m256i load_block(const uint8_t *w, int pack) {
     return _mm256_loadu_si256((const __m256i *)w);
 }
 
-/* Output rows n .. n + NW - 1 (NW = 1 or 2; their packed rows `row_bytes` apart) against
- * activation rows 0 .. ROWS - 1 of xq (NW, ROWS, pack and group constants after inlining, so
- * that the NW x ROWS accumulators live in registers): each activation block is loaded once for
- * both weight rows, each weight block once for every activation row. */
-static inline __attribute__((always_inline)) void tile_dot(
-    const uint8_t *w, int64_t row_bytes, const float *s, const float *o, int64_t K, int pack,
-    int group, const int8_t *xq, const float *xd, const float *xs, int NW, int ROWS, float *y,
-    int64_t ldy, int zero) {
-    const int64_t nb = K / 32, ng = K / group;
-    const int64_t block_bytes = pack == PACK_U4 ? 16 : 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[2][4];
-    for (int j = 0; j < NW; j++)
-        for (int r = 0; r < ROWS; r++)
-            acc[j][r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i wv[2], aw[2];
-        __m256 sv[2];
-        for (int j = 0; j < NW; j++) {
-            wv[j] = load_block(w + j * row_bytes + b * block_bytes, pack);
-            aw[j] = pack == PACK_S8 ? _mm256_sign_epi8(wv[j], wv[j]) : wv[j]; /* |v|: sign trick */
-            const float *sj = s + j * ng;
-            sv[j] = group == 32 ? _mm256_set1_ps(sj[b])
-                                : _mm256_set_m128(_mm_set1_ps(sj[2 * b + 1]), _mm_set1_ps(sj[2 * b]));
-        }
-        for (int r = 0; r < ROWS; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * b));
-            __m256 d = _mm256_broadcast_ss(xd + r * nb + b);
-            for (int j = 0; j < NW; j++) {
-                __m256i xj = pack == PACK_S8 ? _mm256_sign_epi8(xv, wv[j]) : xv;
-                __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], xj), ones);
-                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sv[j], d),
-                                            acc[j][r]);
-            }
+/* Block b of a packed row of nb blocks as its 32 values in their own order (the lookups and
+ * the dequantization; the products read the interleaved order directly). */
+static inline __m256i load_natural(const uint8_t *w, int64_t nb, int64_t b, int pack) {
+    const int64_t n8 = nb - nb % 8, n4 = nb % 8 >= 4 ? n8 + 4 : n8;
+    if (b >= n4)
+        return load_block(w + b * block_bytes_of(pack), pack);
+    const int64_t g0 = b < n8 ? b - b % 8 : n8, half = b < n8 ? 128 : 64; /* 16 * G */
+    uint32_t out[8];
+    for (int c = 0; c < 8; c++) {
+        const int64_t p = chunk_pos(nb, b, c);
+        if (pack == PACK_U4) { /* position p of the group: low nibbles, then high ones */
+            const int64_t local = p - 32 * g0;
+            uint32_t raw;
+            memcpy(&raw, w + 16 * g0 + local % half, 4);
+            out[c] = local < half ? raw & 0x0f0f0f0fu : (raw >> 4) & 0x0f0f0f0fu;
+        } else {
+            memcpy(&out[c], w + p, 4);
         }
     }
-    for (int j = 0; j < NW; j++) {
-        /* sum_g o[g] * xs[r, g]; with a zero point, -z * sum_g s[g] * xs[r, g] (exact) */
-        const float *oj = o ? o + j * ng : zero ? s + j * ng : 0;
-        for (int r = 0; r < ROWS; r++) {
-            float v = hsum_ps(acc[j][r]);
-            if (oj) {
-                const float *xr = xs + r * ng;
-                __m256 t = _mm256_setzero_ps();
-                int64_t g = 0;
-                for (; g + 8 <= ng; g += 8)
-                    t = _mm256_fmadd_ps(_mm256_loadu_ps(oj + g), _mm256_loadu_ps(xr + g), t);
-                float u = hsum_ps(t);
-                for (; g < ng; g++)
-                    u += oj[g] * xr[g];
-                v += o ? u : -(float)zero * u;
-            }
-            y[r * ldy + j] = v;
-        }
-    }
+    return _mm256_loadu_si256((const __m256i *)out);
 }
 
-/* One output row against one activation row (batch-1 decode), 32-value groups, K >= 256: the
- * same sums as tile_dot in fewer instructions a block, where one activation row leaves the
- * product bound by them (measured: 10-13% less time than tile_dot for the vocabulary and the
- * Q5_0 layers of the embedded Gemma 3, one thread; docs/benchmarks.md, sixth session). Eight blocks' scales are loaded and
- * multiplied by the activation's as one vector, from which each block takes its lane (no
- * scalar loads); the last eight end at the row's last block, the lanes already done skipped.
- * Even and odd blocks go to two accumulators. The offsets' term sum_g o[g] * xs[g] (or -z
- * times sum_g s[g] * xs[g]) rides along, eight groups at a time. */
-static inline __attribute__((always_inline)) float dot_m1(const uint8_t *w, const float *s,
-                                                          const float *o, int64_t K, int pack,
-                                                          const int8_t *xq, const float *xd,
-                                                          const float *xs, int zero) {
-    const int64_t nb = K / 32, bb = block_bytes_of(pack);
+/* One weight row against one activation row: sum_b xd[b] * s * (sum_{k in b} u * xq), plus the
+ * offsets' term sum_g o[g] * xs[g] (or -z times sum_g s[g] * xs[g]). In a group of G = 8 or 4
+ * blocks (the interleaved order above) lane l of every vector holds values of block l mod G, so
+ * VPMADDUBSW and VPMADDWD leave each lane a partial sum of one block, the vectors' sums add up
+ * in int32 (exact), and a group costs one conversion and one FMA against the G blocks' scales
+ * instead of one per block. Blocks after the groups are scaled one at a time. */
+static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, const float *s,
+                                                           const float *o, int64_t K, int pack,
+                                                           int group, const int8_t *xq,
+                                                           const float *xd, const float *xs,
+                                                           int zero, int sc16) {
+    const int64_t nb = K / 32, ng = K / group, n8 = nb - nb % 8;
+    const int64_t n4 = nb % 8 >= 4 ? n8 + 4 : n8;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), osum = _mm256_setzero_ps();
-    for (int64_t c0 = 0; c0 < nb; c0 += 8) {
-        const int64_t base = c0 + 8 <= nb ? c0 : nb - 8; /* the last eight blocks */
-        const int skip = (int)(c0 - base);                /* lanes an earlier pass did */
-        const __m256 sc = _mm256_loadu_ps(s + base);
-        const __m256 c = _mm256_mul_ps(sc, _mm256_loadu_ps(xd + base));
-        if (zero || o) {
-            __m256 ov = zero ? sc : _mm256_loadu_ps(o + base);
-            if (skip) /* zero the lanes already counted */
-                ov = _mm256_and_ps(ov, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32(skip - 1))));
-            osum = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + base), osum);
-        }
-#define DOT_BLOCK(I, ACC)                                                                      \
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+/* Vector V of the group at block G0 of w (unpacked for PACK_U4, of size GS) into isum[I] */
+#define DOT_VEC(G0, GS, V, I)                                                                  \
     do {                                                                                       \
-        const int64_t b_ = base + (I);                                                         \
-        __m256i wv = load_block(w + b_ * bb, pack);                                            \
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b_));                      \
+        __m256i wv;                                                                            \
+        if (pack == PACK_U4) {                                                                 \
+            const int half_ = (GS) / 2;                                                        \
+            __m256i raw_ = _mm256_loadu_si256(                                                 \
+                (const __m256i *)(w + 16 * (G0) + 32 * ((V) % half_)));                        \
+            wv = (V) < half_ ? _mm256_and_si256(raw_, nib)                                     \
+                             : _mm256_and_si256(_mm256_srli_epi16(raw_, 4), nib);              \
+        } else {                                                                               \
+            wv = _mm256_loadu_si256((const __m256i *)(w + 32 * ((G0) + (V))));                 \
+        }                                                                                      \
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * ((G0) + (V))));            \
         __m256i aw = wv;                                                                       \
         if (pack == PACK_S8) { /* sign trick */                                                \
             aw = _mm256_sign_epi8(wv, wv);                                                     \
             xv = _mm256_sign_epi8(xv, wv);                                                     \
         }                                                                                      \
-        __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones)); \
-        ACC = _mm256_fmadd_ps(f, _mm256_permutevar8x32_ps(c, _mm256_set1_epi32(I)), ACC);     \
+        isum[I] = _mm256_add_epi32(isum[I],                                                    \
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));     \
     } while (0)
-        if (!skip) { /* constant lanes */
-            DOT_BLOCK(0, acc0); DOT_BLOCK(1, acc1); DOT_BLOCK(2, acc0); DOT_BLOCK(3, acc1);
-            DOT_BLOCK(4, acc0); DOT_BLOCK(5, acc1); DOT_BLOCK(6, acc0); DOT_BLOCK(7, acc1);
-        } else {
-            for (int i = skip; i < 8; i++)
-                DOT_BLOCK(i, acc0);
+    for (int64_t g0 = 0; g0 < n8; g0 += 8) {
+        __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        const __m256 d = _mm256_loadu_ps(xd + g0);
+        if (group == 32) {
+            for (int v = 0; v < 8; v++)
+                DOT_VEC(g0, 8, v, 0);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]),
+                                  _mm256_mul_ps(scales8(s, sc16, g0), d), acc);
+        } else { /* 16-value groups: vectors 0-3 hold values 0-15 of each block, 4-7 16-31 */
+            for (int v = 0; v < 8; v++)
+                DOT_VEC(g0, 8, v, v >> 2);
+            const __m256 a = _mm256_loadu_ps(s + 2 * g0), b = _mm256_loadu_ps(s + 2 * g0 + 8);
+            const __m256i ev = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+            const __m256i od = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+            const __m256 se = _mm256_blend_ps(_mm256_permutevar8x32_ps(a, ev),
+                                              _mm256_permutevar8x32_ps(b, ev), 0xf0);
+            const __m256 so = _mm256_blend_ps(_mm256_permutevar8x32_ps(a, od),
+                                              _mm256_permutevar8x32_ps(b, od), 0xf0);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(se, d), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[1]), _mm256_mul_ps(so, d), acc);
         }
-#undef DOT_BLOCK
     }
-    float v = hsum_ps(_mm256_add_ps(acc0, acc1));
-    if (zero) /* offsets -z times the scales */
-        v += -(float)zero * hsum_ps(osum);
-    else if (o)
-        v += hsum_ps(osum);
+    if (n4 > n8) { /* a group of four: lanes l and l + 4 hold block l */
+        const int64_t g0 = n8;
+        __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        const __m128 d4 = _mm_loadu_ps(xd + g0);
+        const __m256 d = _mm256_set_m128(d4, d4);
+        if (group == 32) {
+            for (int v = 0; v < 4; v++)
+                DOT_VEC(g0, 4, v, 0);
+            const __m128 s4 = scales4(s, sc16, g0);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]),
+                                  _mm256_mul_ps(_mm256_set_m128(s4, s4), d), acc);
+        } else { /* vectors 0-1 hold values 0-15, 2-3 16-31 */
+            for (int v = 0; v < 4; v++)
+                DOT_VEC(g0, 4, v, v >> 1);
+            const __m256 a = _mm256_loadu_ps(s + 2 * g0);
+            const __m256 se = _mm256_permutevar8x32_ps(a, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+            const __m256 so = _mm256_permutevar8x32_ps(a, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(se, d), acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[1]), _mm256_mul_ps(so, d), acc);
+        }
+    }
+#undef DOT_VEC
+    for (int64_t b = n4; b < nb; b++) { /* blocks in their own order: lanes 0-3 values 0-15 */
+        __m256i wv = load_block(w + b * block_bytes_of(pack), pack);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 32 * b));
+        __m256i aw = wv;
+        if (pack == PACK_S8) {
+            aw = _mm256_sign_epi8(wv, wv);
+            xv = _mm256_sign_epi8(xv, wv);
+        }
+        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+        __m256 sv = group == 32 ? _mm256_set1_ps(scale1(s, sc16, b))
+                                : _mm256_set_m128(_mm_set1_ps(s[2 * b + 1]), _mm_set1_ps(s[2 * b]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sv, _mm256_set1_ps(xd[b])),
+                              acc);
+    }
+    float v = hsum_ps(acc);
+    if (o || zero) { /* sum_g o[g] * xs[g]; with a zero point, -z * sum_g s[g] * xs[g] (exact) */
+        const float *oj = o ? o : s;
+        __m256 t = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 8 <= ng; g += 8)
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(oj + g), _mm256_loadu_ps(xs + g), t);
+        float u = hsum_ps(t);
+        for (; g < ng; g++)
+            u += oj[g] * xs[g];
+        v += o ? u : -(float)zero * u;
+    }
     return v;
 }
 
-/* Output rows n .. n + NW - 1 against every activation row, four at a time. */
-static inline __attribute__((always_inline)) void rows_all(
-    const uint8_t *w, int64_t row_bytes, const float *s, const float *o, int64_t K, int pack,
-    int group, const int8_t *xq, const float *xd, const float *xs, int64_t M, int NW, float *y,
-    int64_t ldy, int zero) {
-    const int64_t nb = K / 32, ng = K / group;
-    int64_t m0 = 0;
-#define TILE(R)                                                                                \
-    tile_dot(w, row_bytes, s, o, K, pack, group, xq + m0 * K, xd + m0 * nb, xs + m0 * ng, NW, \
-             R, y + m0 * ldy, ldy, zero)
-    for (; m0 + 4 <= M; m0 += 4)
-        TILE(4);
-    switch (M - m0) {
-    case 3: TILE(3); break;
-    case 2: TILE(2); break;
-    case 1: TILE(1); break;
-    default: break;
-    }
-#undef TILE
-}
-
-/* y [M, N] (float32, row stride ldy) = x W^T for W packed as `pack` with `group`-value scales
+/* y [M, N] (float32, or bfloat16 by the layout word; row stride ldy) = x W^T for W packed as `pack` with `group`-value scales
  * (and offsets, NULL for PACK_S8) and x quantized by gguf_avx2_quantize_rows with the same
- * group. 16-value groups only with PACK_U8 (Q6_K). */
+ * group. 16-value groups only with PACK_U8 (Q6_K). Each weight row is run against every
+ * activation row while it sits in L1; above MB rows, tiles of 16 weight rows against MB
+ * activation rows at a time, so that a prefill's activations (2048 rows of 640 bytes for 16
+ * prompts of 128 tokens) stay in L2 instead of streaming from L3 once per weight row. */
+enum { MB = 128 };
+
 void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, const float *offsets,
                     int64_t N, int64_t K, int group, const int8_t *xq, const float *xd,
-                    const float *xs, int64_t M, float *y, int64_t ldy) {
-    const int pack = pack_of(layout), zero = zero_of(layout);
+                    const float *xs, int64_t M, void *y, int64_t ldy) {
+    const int pack = pack_of(layout), zero = zero_of(layout), ybf = y_bf16_of(layout);
+    const int sc16 = scales16_of(layout);
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
-    const int64_t ng = K / group;
-    /* Two weight rows per pass only for many activation rows: with few, the product is bound
-     * by the weight reads, and two streams per thread read slower than one (measured: 1.5x
-     * the time of one stream at 1-4 rows, 8-16% faster from 16 rows). */
-    const int step = M >= 16 ? 2 : 1;
+    const int64_t nb = K / 32, ng = K / group;
+    /* up to MB rows: one tile of every row (decode) */
+    const int64_t NT = M <= MB ? 1 : 16, nm = M <= MB ? M : MB;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < (N + step - 1) / step; p++) {
-        int64_t n = step * p;
+    for (int64_t t = 0; t < (N + NT - 1) / NT; t++)
+    for (int64_t m0 = 0; m0 < M; m0 += nm)
+    for (int64_t n = NT * t; n < NT * t + NT && n < N; n++) {
+        const int64_t m1 = m0 + nm < M ? m0 + nm : M;
         const uint8_t *w = values + n * row_bytes;
-        const float *s = scales + n * ng;
+        const float *s = scale_row(scales, sc16, n, ng);
         const float *o = offsets ? offsets + n * ng : 0;
-        float *out = y + n;
-/* A zero point of 0 (offsets stored, or none) as a constant, so that that code is as before */
-#define ROWS_Z(NW, Z)                                                                          \
-    do {                                                                                       \
-        if (pack == PACK_U4)                                                                   \
-            rows_all(w, row_bytes, s, o, K, PACK_U4, 32, xq, xd, xs, M, NW, out, ldy, Z);      \
-        else if (pack == PACK_S8)                                                              \
-            rows_all(w, row_bytes, s, 0, K, PACK_S8, 32, xq, xd, xs, M, NW, out, ldy, 0);      \
-        else if (group == 16)                                                                  \
-            rows_all(w, row_bytes, s, o, K, PACK_U8, 16, xq, xd, xs, M, NW, out, ldy, Z);      \
-        else                                                                                   \
-            rows_all(w, row_bytes, s, o, K, PACK_U8, 32, xq, xd, xs, M, NW, out, ldy, Z);      \
-    } while (0)
-#define ROWS(NW)                                                                               \
-    do {                                                                                       \
-        if (zero)                                                                              \
-            ROWS_Z(NW, zero);                                                                  \
-        else                                                                                   \
-            ROWS_Z(NW, 0);                                                                     \
-    } while (0)
-        if (M == 1 && group == 32 && K >= 256) {
-            if (pack == PACK_U4)
-                out[0] = dot_m1(w, s, o, K, PACK_U4, xq, xd, xs, zero);
-            else if (pack == PACK_S8)
-                out[0] = dot_m1(w, s, 0, K, PACK_S8, xq, xd, xs, 0);
-            else
-                out[0] = dot_m1(w, s, o, K, PACK_U8, xq, xd, xs, zero);
-        } else if (n + 1 < N && step == 2)
-            ROWS(2);
+/* pack, group and a zero zero point as constants, so that each combination compiles alone */
+#define ROWS(PACK, GROUP, O, Z, SC16)                                                          \
+    for (int64_t r = m0; r < m1; r++)                                                          \
+        store1(y, ybf, r * ldy + n,                                                            \
+               dot_row(w, s, O, K, PACK, GROUP, xq + r * K, xd + r * nb, xs + r * ng, Z, SC16));
+        if (pack == PACK_S8 && sc16)
+            ROWS(PACK_S8, 32, 0, 0, 1)
+        else if (pack == PACK_S8)
+            ROWS(PACK_S8, 32, 0, 0, 0)
+        else if (pack == PACK_U4 && zero)
+            ROWS(PACK_U4, 32, 0, zero, 0)
+        else if (pack == PACK_U4)
+            ROWS(PACK_U4, 32, o, 0, 0)
+        else if (group == 16 && zero)
+            ROWS(PACK_U8, 16, 0, zero, 0)
+        else if (group == 16)
+            ROWS(PACK_U8, 16, o, 0, 0)
+        else if (zero)
+            ROWS(PACK_U8, 32, 0, zero, 0)
         else
-            ROWS(1);
+            ROWS(PACK_U8, 32, o, 0, 0)
 #undef ROWS
-#undef ROWS_Z
     }
 }
 
@@ -298,27 +338,27 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
 void gguf_avx2_dequantize(const uint8_t *values, int layout, const float *scales,
                           const float *offsets, int64_t n0, int64_t n1, int64_t K, int group,
                           float *out) {
-    const int pack = pack_of(layout), zero = zero_of(layout);
+    const int pack = pack_of(layout), zero = zero_of(layout), sc16 = scales16_of(layout);
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
-    const int64_t block_bytes = pack == PACK_U4 ? 16 : 32;
     const int64_t ng = K / group;
 #pragma omp parallel for schedule(static)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = values + n * row_bytes;
-        const float *s = scales + n * ng;
+        const float *s = scale_row(scales, sc16, n, ng);
         const float *o = offsets ? offsets + n * ng : 0;
         float *dst = out + (n - n0) * K;
         for (int64_t b = 0; b < K / 32; b++) {
-            __m256i wv = load_block(w + b * block_bytes, pack);
+            __m256i wv = load_natural(w, K / 32, b, pack);
             __m128i lo = _mm256_castsi256_si128(wv), hi = _mm256_extracti128_si256(wv, 1);
             __m128i quarter[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
             for (int q = 0; q < 4; q++) { /* values 8q .. 8q + 7 of the block */
                 __m256i i32 = pack == PACK_S8 ? _mm256_cvtepi8_epi32(quarter[q])
                                               : _mm256_cvtepu8_epi32(quarter[q]);
                 int64_t g = (32 * b + 8 * q) / group;
-                __m256 v = _mm256_mul_ps(_mm256_set1_ps(s[g]), _mm256_cvtepi32_ps(i32));
+                const float sg = scale1(s, sc16, g);
+                __m256 v = _mm256_mul_ps(_mm256_set1_ps(sg), _mm256_cvtepi32_ps(i32));
                 if (o || zero)
-                    v = _mm256_add_ps(v, _mm256_set1_ps(o ? o[g] : -(float)zero * s[g]));
+                    v = _mm256_add_ps(v, _mm256_set1_ps(o ? o[g] : -(float)zero * sg));
                 _mm256_storeu_ps(dst + 32 * b + 8 * q, v);
             }
         }
@@ -327,12 +367,13 @@ void gguf_avx2_dequantize(const uint8_t *values, int layout, const float *scales
 
 /* gguf_avx2_quantize_rows then gguf_avx2_gemm in one call (a decode step makes about a hundred
  * of these, where each foreign call from Python costs microseconds): x [M, K] (bfloat16 when
- * x_bf16, else float32, contiguous) times W into y [M, N] (row stride ldy, so that the products
- * of a layer stored in runs of several types fill their columns of one output). `scratch` holds
+ * x_bf16, else float32, contiguous) times W into y [M, N] (float32, or bfloat16 by bit 8 of the
+ * layout word `pack`; row stride ldy, so that the products of a layer stored in runs of several
+ * types fill their columns of one output). `scratch` holds
  * at least M * K + 4 * M * (K / 32 + K / 16) + 64 bytes, 64-byte aligned. */
 void gguf_avx2_linear(const void *x, int x_bf16, const uint8_t *values, int pack,
                       const float *scales, const float *offsets, int64_t N, int64_t K, int group,
-                      int64_t M, uint8_t *scratch, float *y, int64_t ldy) {
+                      int64_t M, uint8_t *scratch, void *y, int64_t ldy) {
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(scratch + ((M * K + 63) & ~(int64_t)63));
     float *xs = xd + M * (K / 32);
@@ -347,25 +388,25 @@ void gguf_avx2_linear(const void *x, int x_bf16, const uint8_t *values, int pack
 void gguf_avx2_rows(const uint8_t *values, int layout, const float *scales, const float *offsets,
                     const int64_t *ids, int64_t R, int64_t K, int group, void *out, int out_bf16,
                     int scaled, float scale) {
-    const int pack = pack_of(layout), zero = zero_of(layout);
+    const int pack = pack_of(layout), zero = zero_of(layout), sc16 = scales16_of(layout);
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
-    const int64_t block_bytes = pack == PACK_U4 ? 16 : 32;
     const int64_t ng = K / group;
     for (int64_t r = 0; r < R; r++) {
         const int64_t n = ids[r];
         const uint8_t *w = values + n * row_bytes;
-        const float *s = scales + n * ng;
+        const float *s = scale_row(scales, sc16, n, ng);
         const float *o = offsets ? offsets + n * ng : 0;
         for (int64_t b = 0; b < K / 32; b++) {
-            __m256i wv = load_block(w + b * block_bytes, pack);
+            __m256i wv = load_natural(w, K / 32, b, pack);
             uint8_t raw[32];
             _mm256_storeu_si256((__m256i *)raw, wv);
             for (int j = 0; j < 32; j++) {
                 const int64_t k = 32 * b + j, g = k / group;
                 float u = pack == PACK_S8 ? (float)(int8_t)raw[j] : (float)raw[j];
-                float v = s[g] * u;
+                const float sg = scale1(s, sc16, g);
+                float v = sg * u;
                 if (o || zero)
-                    v = v + (o ? o[g] : -(float)zero * s[g]);
+                    v = v + (o ? o[g] : -(float)zero * sg);
                 if (out_bf16) {
                     if (scaled)
                         v = bf16_to_float(float_to_bf16(v)) * scale;

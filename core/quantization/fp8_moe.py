@@ -178,15 +178,10 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         layer.register_parameter(f"{kind}_{suffix}", param)
         return param
 
-    @staticmethod
-    def _local(layer: FusedMoE, what: str, expert_id: int | None) -> int | None:
-        """This rank's index of ``expert_id`` (None: another rank holds it)."""
-        return layer.local_expert(what, expert_id)
-
     def _load_tensor_scale(
         self, layer: FusedMoE, param: nn.Parameter, loaded: Any, shard_id: str, expert_id=None
     ) -> None:
-        local = self._local(layer, f"{shard_id} weight_scale", expert_id)
+        local = layer.local_expert(f"{shard_id} weight_scale", expert_id)
         if local is None:
             return
         if math.prod(tuple(loaded.shape)) != 1:
@@ -202,7 +197,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     def _load_channel_scale(
         self, layer: FusedMoE, param: nn.Parameter, loaded: Any, shard_id: str, expert_id=None
     ) -> None:
-        local = self._local(layer, f"{shard_id} weight_scale", expert_id)
+        local = layer.local_expert(f"{shard_id} weight_scale", expert_id)
         if local is None:
             return
         h, i = layer.hidden_size, layer.intermediate_size
@@ -226,7 +221,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
     def _load_block_scale(
         self, layer: FusedMoE, param: nn.Parameter, loaded: Any, shard_id: str, expert_id=None
     ) -> None:
-        local = self._local(layer, f"{shard_id} {self.scale_name}", expert_id)
+        local = layer.local_expert(f"{shard_id} {self.scale_name}", expert_id)
         if local is None:
             return
         assert self.block_size is not None

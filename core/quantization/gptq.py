@@ -218,7 +218,10 @@ class GPTQConfig(QuantizationConfig):
                 f"{prefix}: the GPTQ 'dynamic' settings differ between the fused modules "
                 f"{', '.join(names)}; a fused layer needs one setting"
             )
-        o = overrides[0] or {}
+        return self._method(overrides[0] or {})
+
+    def _method(self, o: Mapping[str, Any]) -> GPTQLinearMethod:
+        """The format of a module with ``dynamic`` overrides ``o`` (empty: the config's)."""
         return GPTQLinearMethod(
             int(o.get("bits", self.bits)),
             int(o.get("group_size", self.group_size)),
@@ -252,14 +255,5 @@ class GPTQConfig(QuantizationConfig):
             o = {}
         if o is None:
             return None
-        bits = int(o.get("bits", self.bits))
-        group = int(o.get("group_size", self.group_size))
-        self._check(bits, group)
-        fmt = GPTQLinearMethod(
-            bits,
-            group,
-            act_order=bool(o.get("desc_act", self.desc_act)),
-            v1_zeros=self.v1_zeros,
-            sym=bool(o.get("sym", self.sym)),
-        )
-        return wna16_moe_method(self, layer, prefix, fmt)
+        self._check(int(o.get("bits", self.bits)), int(o.get("group_size", self.group_size)))
+        return wna16_moe_method(self, layer, prefix, self._method(o))

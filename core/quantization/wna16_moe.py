@@ -173,6 +173,21 @@ class WNA16MoEMethod(FusedMoEMethodBase):
                 set_weight_loader(param, functools.partial(self._load_g_idx, layer))
                 layer.register_parameter(f"{kind}_{self.g_idx_name}", param)
 
+    @staticmethod
+    def _target(
+        layer: FusedMoE, param: nn.Parameter, name: str, shard_id: str, expert_id: int | None
+    ) -> tuple[int, str] | None:
+        """(this rank's expert index, ``w13`` or ``w2``) that an expert projection's tensor
+        ``name`` of ``shard_id`` fills, after checking the shard fits the parameter; None:
+        another rank holds the expert."""
+        local = layer.local_expert(f"{shard_id} {name}", expert_id)
+        if local is None:
+            return None
+        kind = param.moe_shard_kind  # type: ignore[attr-defined]
+        if (kind == "w2") != (shard_id == "w2") or shard_id not in ("w1", "w3", "w2"):
+            raise ModelLoadError(f"shard {shard_id!r} does not fit {kind} {name}")
+        return local, kind
+
     def _load_g_idx(
         self,
         layer: FusedMoE,
@@ -184,12 +199,10 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         """An act-order expert projection's group index ``[K]``. The gate's and the up
         projection's read the same input, so GPTQ gave them the same order: the first is
         kept, a different second refused (one input order per expert's w13)."""
-        local = layer.local_expert(f"{shard_id} {self.g_idx_name}", expert_id)
-        if local is None:
+        target = self._target(layer, param, self.g_idx_name, shard_id, expert_id)
+        if target is None:
             return
-        kind = param.moe_shard_kind  # type: ignore[attr-defined]
-        if (kind == "w2") != (shard_id == "w2") or shard_id not in ("w1", "w3", "w2"):
-            raise ModelLoadError(f"shard {shard_id!r} does not fit {kind} {self.g_idx_name}")
+        local, kind = target
         size = layer.intermediate_size if kind == "w2" else layer.hidden_size
         if tuple(loaded.shape) != (size,):
             raise ModelLoadError(
@@ -223,12 +236,10 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         """One expert projection's checkpoint tensor of ``role``: converted to canonical form
         by the format, cut to this rank's part, packed into the stacked parameter."""
         suffix = self.names[role]
-        local = layer.local_expert(f"{shard_id} {suffix}", expert_id)
-        if local is None:
+        target = self._target(layer, param, suffix, shard_id, expert_id)
+        if target is None:
             return
-        kind = param.moe_shard_kind  # type: ignore[attr-defined]
-        if (kind == "w2") != (shard_id == "w2") or shard_id not in ("w1", "w3", "w2"):
-            raise ModelLoadError(f"shard {shard_id!r} does not fit {kind} {suffix}")
+        local, kind = target
         h, i = layer.hidden_size, layer.intermediate_size
         ip, rank = layer.intermediate_size_per_partition, layer.parallel.tp_rank
         rows, cols = (h, i) if kind == "w2" else (i, h)
@@ -338,10 +349,6 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         q13, s13, z13 = self.tensors(layer, "w13")
         q2, s2, z2 = self.tensors(layer, "w2")
         p13, p2 = getattr(layer, "w13_perm", None), getattr(layer, "w2_perm", None)
-        if p13 is None and p2 is None:
-            return layer.kernels.fused_moe_wna16(
-                hidden, q13, q2, topk_weights, topk_ids, s13, s2, z13, z2, self.bits
-            )
         return layer.kernels.fused_moe_wna16(
             hidden, q13, q2, topk_weights, topk_ids, s13, s2, z13, z2, self.bits, p13, p2
         )

@@ -76,6 +76,36 @@ def test_run_quant_benches_through_common_sh(tmp_path: Path) -> None:
     assert "--quantization fp8" in log.read_text()
 
 
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="the scripts use coreutils' timeout")
+def test_run_quant_int4gemm_step(tmp_path: Path) -> None:
+    """``run_quant.sh int4gemm``: the int4-tile GEMM's tests, then its sweep with a budget
+    inside DEADLINE and its JSON in $OUT (kept apart from the benchmarks' results.json)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "calls.log"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), FAKE_LOG=str(log))
+    env["DEADLINE"] = "300"
+    run = subprocess.run(
+        ["bash", str(GPU / "run_quant.sh"), "int4gemm"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    calls = log.read_text()
+    assert "-m pytest -q -p no:cacheprovider tests/triton_kernels/test_triton_int4gemm.py" in calls
+    sweep = next(line for line in calls.splitlines() if "--int4-gemm-sweep" in line)
+    budget = int(sweep.split("--budget-s ")[1].split()[0])
+    assert 150 < budget <= 220  # DEADLINE 300 less the margin, nothing else having run
+    assert f"--json {out}/int4gemm.json" in sweep
+    assert json.loads((out / "results.json").read_text()) == {}
+
+
 def test_ab_base_extracts_the_plugin_at_a_commit(tmp_path: Path) -> None:
     """``ab_base.sh REV`` leaves REV's ``engine_triton`` package (not the working tree's) in
     ``ab_base/``, replacing an earlier copy."""

@@ -7,6 +7,8 @@
 # Steps (default: tests qkernels fp8-b1 awq-b1 fp8-nano awq-nano fp8-mixed awq-mixed; in this
 # order); optional: bf16-mixed, kv-fp8 (the bf16 nano run with --kv-cache-dtype fp8: about
 # twice the KV blocks), sweep (the kernel configurations of quant_benchmark --sweep),
+# int4gemm (the int4-tile GEMM's tests, then quant_benchmark --int4-gemm-sweep: its
+# configurations against dequantize + cuBLAS, table in the log, $OUT/int4gemm.json),
 # vllm-mixed (the vLLM kit on the same mixed workload, FP8 then AWQ; needs .peers/ as its
 # README describes, about 100 s of engine start each). Logs go to $OUT/*.log, every benchmark's JSON into $OUT/results.json.
 # A step is skipped when less than a minute of DEADLINE (seconds, default 560) is left.
@@ -48,6 +50,18 @@ for step in "${steps[@]}"; do
       echo "rc=$? at $(elapsed)s"
       grep -E "M=    1|M=   16|M=  256|sweep|per decode|ms$" "$OUT/$step.log" | head -40
       JSONS+=("$step")
+      ;;
+    int4gemm)
+      echo "=== int4-tile GEMM tests at $(elapsed)s"
+      timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider \
+        tests/triton_kernels/test_triton_int4gemm.py -m "gpu or triton" >"$OUT/int4gemm-tests.log" 2>&1
+      echo "rc=$? at $(elapsed)s"; tail -5 "$OUT/int4gemm-tests.log"
+      [ "$(left)" -lt 90 ] && { echo "SKIP int4gemm sweep"; continue; }
+      echo "=== int4-tile GEMM sweep at $(elapsed)s"
+      timeout -k 10 $(($(left) - 20)) python3 -m engine_triton.quant_benchmark --int4-gemm-sweep \
+        --budget-s $(($(left) - 80)) --json "$OUT/int4gemm.json" >"$OUT/int4gemm.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      sed -n '/^shape /,$p' "$OUT/int4gemm.log"; grep -E "Traceback|Error" "$OUT/int4gemm.log" | head -5
       ;;
     fp8-b1) bench fp8-b1 200 latency "${FP8[@]}" "${B1[@]}" ;;
     awq-b1) bench awq-b1 200 latency "${AWQ[@]}" "${B1[@]}" ;;

@@ -8,7 +8,10 @@ Llama-3.1-8B projections it beat our Triton W4A16 kernels at every batch of 1 to
 
 * up to ``MAX_ROWS`` rows: ``_weight_int4pack_mm``;
 * more rows: the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` (this module, in
-  Triton) and multiplied by cuBLAS, which beat torch's kernel from 32 rows on.
+  Triton) and multiplied by cuBLAS, which beat torch's kernel from 32 rows on;
+* between ``MAX_ROWS`` and ``GEMM_MAX_ROWS`` (inclusive) rows, ``int4gemm.gemm``: a Triton GEMM
+  that reads these tiles directly (no bf16 copy of the weight). Off (``GEMM_MAX_ROWS = 0``)
+  until an H200 sweep (``quant_benchmark --int4-gemm-sweep``) shows the rows where it wins.
 
 **The layout** (CUDA; ``inner`` = k-tiles of 16 per super-tile, 8 here where K allows):
 ``int32 [N / 8, K / (16 * inner), 32, inner / 2]``. Word ``[nt, ko, t, p]`` holds eight 4-bit
@@ -30,8 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_triton.kernels import int4gemm
+
 # Rows up to which torch's kernel multiplies; above, dequantize + cuBLAS.
 MAX_ROWS = 16
+# Rows up to which (from MAX_ROWS + 1) int4gemm's GEMM multiplies instead of dequantize +
+# cuBLAS; 0 keeps it off until the H200 sweep sets it.
+GEMM_MAX_ROWS = 0
 GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -187,6 +195,12 @@ def linear(
     if x.dtype != torch.bfloat16:
         raise ValueError(f"int4pack layers take bfloat16 activations, got {x.dtype}")
     n = packed["scale_zero"].shape[1]
+    m, k = x.shape
+    if MAX_ROWS < m <= GEMM_MAX_ROWS and int4gemm.supported(k):
+        y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group_size, perm)
+        if bias is not None:
+            y += bias
+        return y
     xp = x.index_select(1, perm) if perm is not None else x
     if not xp.is_contiguous():
         xp = xp.contiguous()

@@ -1,8 +1,17 @@
-"""The W4A16 GEMM over torch's int4 tiles (``engine_triton/kernels/int4gemm.py``) against the
-dequantized reference: the words from ``int4pack.pack`` (``pack_reference`` on the CPU, torch's
-converter on a GPU), the weight from ``int4pack.dequantize``, a float32 matmul. Interpreter on
-the CPU (small shapes), the GPU where there is one; the last test is GPU-only, at the
-Llama-3.1-8B projections."""
+"""The W4A16 GEMM over torch's int4 tiles (``engine_triton/kernels/int4gemm.py``) against a
+float32 product with the dequantized weight, built here in torch from the layout's description
+(``int4pack.unpack_reference`` of the packed words and the bf16 ``scale_zero``), not by the
+Triton dequantization kernel. Interpreter on the CPU (small shapes, configurations pinned so
+that split-K, partial blocks and every scale path run), the GPU where there is one; the tests
+marked ``gpu`` run only there, at the Llama-3.1-8B projections.
+
+Tolerance (``_check``): the kernel accumulates in float32 and rounds once to bf16, as the
+reference does (``kernel_tolerance.close``: one bf16 rounding); its weights are the layout's
+bf16 values ``(q - 8) * scale + zero``, which the GPU's fused bf16 multiply-add rounds once
+and the interpreter's separate multiply and add twice, so each weight may be up to half a bf16
+ulp of the product plus half an ulp of the sum away: that, times ``|x|``, summed over K, is
+added to each output's allowance (worst case, all of one sign).
+"""
 
 from __future__ import annotations
 
@@ -22,14 +31,41 @@ def _layer(n: int, k: int, group: int, device):
     return {key: t.to(device) for key, t in int4pack.pack(q, scales, zeros, group).items()}
 
 
-def _reference(x: torch.Tensor, packed, n: int, group: int, perm=None) -> torch.Tensor:
-    from engine_triton.kernels import int4pack
+def _dense(packed, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 ``[N, K]`` weight the layer stands for: the fields unpacked by the layout's
+    description, ``(q - 8) * scale + zero`` with the bf16 scale and zero, rounded to bf16;
+    and how far a kernel's bf16 arithmetic may honestly put each weight from it: half a bf16
+    ulp (2^-8 relative) of the product ``(q - 8) * scale`` and of the sum, which the GPU's
+    fused multiply-add rounds once and the interpreter twice."""
+    from engine_triton.kernels.int4pack import unpack_reference
 
-    w = int4pack.dequantize(packed, n, group).float().cpu()
+    q = unpack_reference(packed["int4pack"].cpu(), n, k).float()
+    sz = packed["scale_zero"].float().cpu()  # [K / group, N, 2]
+    s = sz[..., 0].t().repeat_interleave(group, 1)
+    z = sz[..., 1].t().repeat_interleave(group, 1)
+    w = ((q - 8) * s + z).to(torch.bfloat16).float()
+    return w, 2.0**-8 * (((q - 8) * s).abs() + w.abs())
+
+
+def _check(y, x, packed, n, k, group, seed, perm=None, bias=None) -> None:
+    """``y`` within one bf16 rounding of ``x @ W^T (+ bias)`` plus, per output, the sum over
+    its inputs of ``|x|`` times the weights' rounding allowance (``_dense``): errors of the
+    GEMM's own (a wrong field, input or group) are of the size of the output itself."""
     xf = x.float().cpu()
     if perm is not None:
         xf = xf[:, perm.long().cpu()]
-    return xf @ w.t()
+    w, w_err = _dense(packed, n, k, group)
+    expected = xf @ w.t()
+    if bias is not None:
+        expected += bias.float().cpu()
+    close(y, expected, torch.bfloat16, seed, slack=xf.abs() @ w_err.t())
+
+
+def _pin(monkeypatch, config):
+    from engine_triton.kernels import int4gemm
+
+    cfg = int4gemm.GemmConfig(*config)
+    monkeypatch.setattr(int4gemm, "_gemm_config", lambda *a: cfg)
 
 
 def test_x_order_lines_x_up_with_the_fields():
@@ -59,103 +95,147 @@ def test_x_order_lines_x_up_with_the_fields():
             assert torch.equal(seen.to(torch.uint8), q[row, order])
 
 
-# (block_n, block_m, block_kw, split_k): small tiles for the interpreter (block_kw 8: half a
-# super-tile per K block, the general addressing); row tiles cut by
-# N and M, K split evenly and unevenly (at K = 384, 3 blocks of 128: four splits leave one
-# with no K block, whose zero partial still counts).
-CONFIGS = [(16, 16, 16, 1), (32, 32, 16, 2), (16, 32, 32, 1), (32, 16, 16, 4), (16, 16, 8, 2)]
+# (m, n, k, group, (block_n, block_m, block_kw, split_k, num_warps, num_stages)): the rows the
+# GEMM serves (17 to 256), N cut by the output block, every group size (per K block: 128, 256;
+# per word column: 32, 64), K split evenly, unevenly and with an empty range (K = 640, five
+# blocks of 128 over four ranges of two), several row blocks with a partial last one, K blocks
+# of half a super-tile (block_kw 8: the general addressing), and one longer than K allows
+# (block_kw 32 at K = 384: halved to 16).
+CASES = [
+    (17, 40, 256, 128, (16, 32, 16, 1, 4, 2)),
+    (31, 24, 384, 64, (32, 32, 16, 2, 4, 2)),
+    (64, 64, 512, 32, (32, 64, 16, 4, 4, 2)),
+    (100, 48, 256, 256, (16, 128, 8, 2, 4, 2)),
+    (100, 40, 640, 128, (16, 32, 16, 4, 4, 2)),
+    (256, 32, 256, 128, (32, 256, 16, 2, 4, 2)),
+    (33, 56, 384, 128, (16, 64, 32, 1, 4, 2)),
+    (20, 16, 256, 32, (16, 16, 8, 2, 4, 2)),
+]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize(
-    ("m", "n", "k", "group"),
-    [(17, 40, 256, 128), (33, 64, 256, 32), (20, 24, 384, 64), (17, 32, 512, 256)],
-)
+@pytest.mark.parametrize(("m", "n", "k", "group", "config"), CASES)
 def test_gemm_matches_the_dequantized_product(m, n, k, group, config, device, seed, monkeypatch):
-    """Odd row counts, N not a multiple of the tile, every group size (per K block or per word
-    column), split-K on and off, a K block longer than K allows: within one bf16 rounding of
-    the product with the dequantized weight."""
+    """Within one bf16 rounding of x @ W^T with the layout's weight, for every case above;
+    a second call gives the same bits (the split-K counters were put back, the partials are
+    summed in a fixed order)."""
     from engine_triton.kernels import int4gemm
 
-    block_n, block_m, block_kw, split = config  # K = 384 with block_kw 32: halved to 16
-    monkeypatch.setattr(
-        int4gemm, "_gemm_config", lambda *a: (block_n, block_m, block_kw, split, 4, 2)
-    )
+    _pin(monkeypatch, config)
     packed = _layer(n, k, group, device)
     x = torch.randn(m, k).to(torch.bfloat16).to(device)
     y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    close(y, _reference(x, packed, n, group), torch.bfloat16, seed)
-    if split > 1:  # the counters were put back: a second call sums the same partials
-        again = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
-        assert torch.equal(again, y), f"seed={seed}"
+    _check(y, x, packed, n, k, group, seed)
+    again = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
+    assert torch.equal(again, y), f"seed={seed}"
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_act_order(split, device, seed, monkeypatch):
-    """An act-order permutation composes with the gathering into the fields' order."""
+@pytest.mark.parametrize("split", [1, 3])
+def test_bias_and_act_order(split, device, seed, monkeypatch):
+    """An act-order permutation composes with the gathering into the fields' order; the bias
+    is added in float32 before the one rounding, by the program that stores y (split or not)."""
     from engine_triton.kernels import int4gemm
 
-    monkeypatch.setattr(int4gemm, "_gemm_config", lambda *a: (32, 32, 16, split, 4, 2))
-    m, n, k, group = 33, 48, 256, 64
+    _pin(monkeypatch, (32, 64, 16, split, 4, 2))
+    m, n, k, group = 33, 48, 384, 64
     packed = _layer(n, k, group, device)
     perm = torch.randperm(k).to(torch.int32).to(device)
     x = torch.randn(m, k).to(torch.bfloat16).to(device)
-    y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group, perm)
-    close(y, _reference(x, packed, n, group, perm), torch.bfloat16, seed)
+    bias = torch.randn(n).to(torch.bfloat16).to(device)
+    y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group, perm, bias)
+    _check(y, x, packed, n, k, group, seed, perm, bias)
 
 
-def test_linear_takes_the_gemm_only_when_switched_on(device, seed, monkeypatch):
+def test_a_row_does_not_depend_on_the_other_rows(device, seed, monkeypatch):
+    """At a given row count and configuration, row r's output is a function of row r alone
+    (bit for bit, K split included): changing every other row changes nothing in it. Across
+    row counts it is not guaranteed: the configuration (K order, split) depends on M."""
+    from engine_triton.kernels import int4gemm
+
+    _pin(monkeypatch, (32, 32, 16, 2, 4, 2))
+    m, n, k, group = 40, 32, 256, 128
+    packed = _layer(n, k, group, device)
+    x = torch.randn(m, k).to(torch.bfloat16).to(device)
+    other = torch.randn(m, k).to(torch.bfloat16).to(device)
+    keep = torch.zeros(m, dtype=torch.bool, device=device)
+    keep[[0, 17, 39]] = True
+    y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
+    y2 = int4gemm.gemm(torch.where(keep[:, None], x, other), packed["int4pack"],
+                       packed["scale_zero"], group)  # fmt: skip
+    assert torch.equal(y[keep], y2[keep]), f"seed={seed}"
+    assert not torch.equal(y[~keep], y2[~keep])
+
+
+def test_linear_takes_the_gemm_only_between_its_rows(device, seed, monkeypatch):
     """``int4pack.linear``: with ``GEMM_MAX_ROWS`` 0 (the default) nothing reaches the GEMM;
-    switched on it serves rows above ``MAX_ROWS`` up to it, with bias and act order, and the
-    result is the dense path's up to rounding."""
+    switched on it serves MAX_ROWS < M <= GEMM_MAX_ROWS, with bias and act order (through
+    ``linear``'s own arguments), and the result is the dense path's up to rounding; one row
+    more goes back to the dense path."""
     from engine_triton.kernels import int4gemm, int4pack
 
     assert int4pack.GEMM_MAX_ROWS == 0
     n, k, group, m = 32, 256, 128, int4pack.MAX_ROWS + 1
     packed = _layer(n, k, group, device)
     perm = torch.randperm(k).to(torch.int32).to(device)
-    x = torch.randn(m, k).to(torch.bfloat16).to(device)
+    x = torch.randn(m + 1, k).to(torch.bfloat16).to(device)
     bias = torch.randn(n).to(torch.bfloat16).to(device)
     calls = []
     real = int4gemm.gemm
     monkeypatch.setattr(int4gemm, "gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    dense = int4pack.linear(x, packed, group, bias, perm)
+    dense = int4pack.linear(x[:m], packed, group, bias, perm)
     assert calls == []
     monkeypatch.setattr(int4pack, "GEMM_MAX_ROWS", m)
-    monkeypatch.setattr(int4gemm, "_gemm_config", lambda *a: (32, 32, 16, 2, 4, 2))
-    y = int4pack.linear(x, packed, group, bias, perm)
+    _pin(monkeypatch, (32, 32, 16, 2, 4, 2))
+    y = int4pack.linear(x[:m], packed, group, bias, perm)
     assert calls == [1]
-    expected = _reference(x, packed, n, group, perm) + bias.float().cpu()
-    close(y, expected, torch.bfloat16, seed)
+    _check(y, x[:m], packed, n, k, group, seed, perm, bias)
     close(y, dense, torch.bfloat16, seed)
+    int4pack.linear(x, packed, group, bias, perm)  # M = GEMM_MAX_ROWS + 1
+    assert calls == [1]
 
 
-def test_default_config_is_valid():
-    """The rule-of-thumb configuration: power-of-two row blocks of 16-128, a K split that
-    leaves every split at least one K block, at the 8B shapes and the rows it may serve."""
-    from engine_triton.kernels.int4gemm import _gemm_config
+def test_configurations_are_valid_and_the_table_wins():
+    """The rule of thumb at the 8B shapes and every row count the GEMM may serve: power-of-two
+    row blocks of at most 128 covering M where they can, K blocks dividing K, a split that
+    leaves each range a K block; a ``TUNED`` entry replaces it for its whole row bucket."""
+    from engine_triton.kernels import int4gemm
 
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         for m in (17, 33, 64, 100, 256, 512):
-            block_n, block_m, block_kw, split, warps, stages = _gemm_config(m, n, k, 132)
-            assert block_m in (16, 32, 64, 128) and block_m >= min(m, 128)
-            assert k % (8 * block_kw) == 0 and 1 <= split <= k // (8 * block_kw)
+            c = int4gemm._gemm_config(m, n, k, 132)
+            assert c.block_m in (16, 32, 64, 128) and c.block_m >= min(m, 128)
+            assert k % (8 * c.block_kw) == 0 and 1 <= c.split_k <= k // (8 * c.block_kw)
+    assert [int4gemm.rows_bucket(m) for m in (17, 32, 33, 100, 256, 257)] == [
+        32, 32, 64, 128, 256, 512,
+    ]  # fmt: skip
+    tuned = int4gemm.GemmConfig(64, 128, 16, 2, 4, 3)
+    table = {(128, 4096, 4096): tuned}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(int4gemm, "TUNED", table)
+        assert int4gemm._gemm_config(100, 4096, 4096, 132) == tuned
+        assert int4gemm._gemm_config(64, 4096, 4096, 132) != tuned
+
+
+def test_supported_shapes():
+    from engine_triton.kernels.int4gemm import supported
+
+    assert supported(4096, 128) and supported(14336, 32) and supported(128, 256)
+    assert not supported(4160, 64)  # K not a multiple of 128
+    assert not supported(4096, 16)  # groups shorter than a word's 32 inputs
+    assert not supported(4096, 96)  # not a power of two
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("unpack_asm", [True, False])
 @pytest.mark.parametrize("m", [17, 64, 256, 512])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_gemm_at_8b_sizes(n, k, m, unpack_asm, seed, monkeypatch):
-    """On the GPU, at the Llama-3.1-8B projections, groups of 128 (AWQ): torch's own packing,
-    the default configuration, with the PTX unpacking (the interpreter cannot run it) and
-    without, against the dequantized weight through cuBLAS."""
+def test_gemm_at_8b_sizes(n, k, m, seed, monkeypatch):
+    """On the GPU, at the Llama-3.1-8B projections, groups of 128 (AWQ), torch's own packing,
+    the default configuration: the PTX unpacking (which the interpreter cannot run) gives the
+    same bits as the plain Triton one, and both are within a bf16 rounding of the product."""
     from engine_triton.kernels import int4gemm, int4pack
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    monkeypatch.setattr(int4gemm, "UNPACK_ASM", unpack_asm)
     group = 128
     q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
     s = torch.rand(n, k // group, device="cuda") * 0.01 + 0.001
@@ -163,33 +243,65 @@ def test_gemm_at_8b_sizes(n, k, m, unpack_asm, seed, monkeypatch):
     packed = int4pack.pack(q, s, z, group)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
+    monkeypatch.setattr(int4gemm, "UNPACK_ASM", False)
+    plain = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
+    assert torch.equal(y, plain), f"seed={seed}: PTX and Triton unpacking differ"
     want = x.float() @ int4pack.dequantize(packed, n, group).float().t()
-    err = float((y.float() - want).abs().max() / want.abs().max())
-    assert err < 1e-2, f"seed={seed}: {err}"
+    close(y, want, torch.bfloat16, seed)
+
+
+@pytest.mark.gpu
+def test_every_sweep_candidate_runs(seed):
+    """On the GPU, each configuration the sweep may time (``int4gemm_sweep.CANDIDATES`` resolved
+    at 64 and 256 rows) compiles, fits the SM and is right, on one small 8B-like layer, so the
+    sweep's budget is not spent discovering a broken candidate."""
+    from engine_triton import int4gemm_sweep
+    from engine_triton.kernels import int4gemm, int4pack
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    n, k, group = 1024, 4096, 128
+    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+    s = torch.rand(n, k // group, device="cuda") * 0.01 + 0.001
+    z = torch.randint(0, 16, (n, k // group), device="cuda", dtype=torch.uint8)
+    packed = int4pack.pack(q, s, z, group)
+    w = int4pack.dequantize(packed, n, group).float()
+    sms = int4gemm._sm_count(torch.device("cuda"))
+    for m in (64, 256):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ w.t()
+        for cand in int4gemm_sweep.CANDIDATES:
+            cfg = int4gemm_sweep.resolve(cand, m, n, k, sms)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(int4gemm, "_gemm_config", lambda *a, c=cfg: c)
+                y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
+            close(y, want, torch.bfloat16, f"{seed} {cand} M={m}")
 
 
 def test_benchmark_sweep_dry_run(tmp_path, monkeypatch, capsys):
     """``quant_benchmark --int4-gemm-sweep --device cpu``: the sweep's code path (compiling
-    in worker processes, layers, the dense reference, the default and a split-K candidate, the
-    table, the JSON) in the interpreter on its tiny shapes, so the GPU run does not meet it for
-    the first time."""
+    in worker processes, layers, the dense and tinygemm references, the default and a split-K
+    candidate, the table, the suggested table entries, the JSON) in the interpreter on its tiny
+    shapes, so the GPU run does not meet it for the first time."""
     import json
 
-    from engine_triton import quant_benchmark
+    from engine_triton import int4gemm_sweep, quant_benchmark
 
     if torch.cuda.is_available():
         pytest.skip("the dry run is the interpreter's; a GPU runs the real sweep")
-    monkeypatch.setattr(quant_benchmark, "INT4_GEMM_CANDIDATES", [(32, 32, 16, 2, 4, 2)])
+    monkeypatch.setattr(int4gemm_sweep, "CANDIDATES", [(32, 32, 16, 2, 4, 2)])
     out = tmp_path / "sweep.json"
     argv = ["--int4-gemm-sweep", "--device", "cpu", "--rows", "17", "--json", str(out)]
     argv += ["--compile-workers", "2"]  # the GPU run compiles in 12 spawned processes first
     assert quant_benchmark.main(argv) == 0
-    assert "kernels compiled in 2 processes" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "kernels compiled in 2 processes" in printed
+    assert "TUNED[(32, " in printed and "GEMM_MAX_ROWS" in printed
     result = json.loads(out.read_text())["int4_gemm"]
-    assert set(result) == set(quant_benchmark.INT4_GEMM_CPU_SHAPES)
+    assert set(result) == set(int4gemm_sweep.CPU_SHAPES)
     for by_m in result.values():
         entry = by_m["17"]
-        assert entry["dense"] > 0 and entry["bf16"] > 0
+        assert entry["dense"] > 0 and entry["bf16"] > 0 and "tinygemm" in entry
         (cand,) = entry["candidates"]
         assert cand["config"][3] == 2  # K split in two
         for run in (entry["default"], entry["default_no_asm"], cand):

@@ -6,12 +6,15 @@ Llama-3.1-8B projections it beat our Triton W4A16 kernels at every batch of 1 to
 2026-12-06, ``docs/benchmarks.md``: 67.7 against 86.6 us per layer at one row, 258.4 against
 394.9 at sixteen), so 4-bit layers of bf16 models keep their weights in its layout:
 
-* up to ``MAX_ROWS`` rows: ``_weight_int4pack_mm``;
+* up to ``MAX_ROWS`` (16) rows: ``_weight_int4pack_mm``;
+* from ``MAX_ROWS + 1`` to ``GEMM_MAX_ROWS`` rows: ``int4gemm.gemm``, a Triton GEMM that reads
+  these tiles directly (each 4-bit weight read and unpacked once per call, in bf16 registers
+  feeding the tensor cores as the MMA's A operand; bias fused). Off (``GEMM_MAX_ROWS = 0``)
+  until a GPU sweep (``python -m engine_triton.quant_benchmark --int4-gemm-sweep``) shows the
+  rows where it beats the next path;
 * more rows: the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` (this module, in
-  Triton) and multiplied by cuBLAS, which beat torch's kernel from 32 rows on;
-* between ``MAX_ROWS`` and ``GEMM_MAX_ROWS`` (inclusive) rows, ``int4gemm.gemm``: a Triton GEMM
-  that reads these tiles directly (no bf16 copy of the weight). Off (``GEMM_MAX_ROWS = 0``)
-  until an H200 sweep (``quant_benchmark --int4-gemm-sweep``) shows the rows where it wins.
+  Triton) and multiplied by cuBLAS, which beat torch's kernel from 32 rows on (it writes and
+  reads the whole weight in bf16 on every call, which the GEMM above avoids).
 
 **The layout** (CUDA; ``inner`` = k-tiles of 16 per super-tile, 8 here where K allows):
 ``int32 [N / 8, K / (16 * inner), 32, inner / 2]``. Word ``[nt, ko, t, p]`` holds eight 4-bit
@@ -35,10 +38,11 @@ import triton.language as tl
 
 from engine_triton.kernels import int4gemm
 
-# Rows up to which torch's kernel multiplies; above, dequantize + cuBLAS.
+# Rows up to which torch's kernel multiplies.
 MAX_ROWS = 16
-# Rows up to which (from MAX_ROWS + 1) int4gemm's GEMM multiplies instead of dequantize +
-# cuBLAS; 0 keeps it off until the H200 sweep sets it.
+# Rows up to which (from MAX_ROWS + 1) int4gemm's GEMM multiplies, reading the 4-bit tiles
+# once; above, dequantize + cuBLAS. 0 keeps the GEMM off until a GPU sweep
+# (``quant_benchmark --int4-gemm-sweep``, which prints the value it measured) sets it.
 GEMM_MAX_ROWS = 0
 GROUP_SIZES = (32, 64, 128, 256)
 
@@ -196,11 +200,8 @@ def linear(
         raise ValueError(f"int4pack layers take bfloat16 activations, got {x.dtype}")
     n = packed["scale_zero"].shape[1]
     m, k = x.shape
-    if MAX_ROWS < m <= GEMM_MAX_ROWS and int4gemm.supported(k):
-        y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group_size, perm)
-        if bias is not None:
-            y += bias
-        return y
+    if MAX_ROWS < m <= GEMM_MAX_ROWS and int4gemm.supported(k, group_size):
+        return int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group_size, perm, bias)
     xp = x.index_select(1, perm) if perm is not None else x
     if not xp.is_contiguous():
         xp = xp.contiguous()

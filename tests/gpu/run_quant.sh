@@ -54,7 +54,8 @@ for step in "${steps[@]}"; do
     int4gemm)
       echo "=== int4-tile GEMM tests at $(elapsed)s"
       timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider \
-        tests/triton_kernels/test_triton_int4gemm.py -m "gpu or triton" >"$OUT/int4gemm-tests.log" 2>&1
+        tests/triton_kernels/test_triton_int4gemm.py tests/triton_kernels/test_triton_int4pack.py \
+        -m "gpu or triton" >"$OUT/int4gemm-tests.log" 2>&1
       echo "rc=$? at $(elapsed)s"; tail -5 "$OUT/int4gemm-tests.log"
       [ "$(left)" -lt 90 ] && { echo "SKIP int4gemm sweep"; continue; }
       echo "=== int4-tile GEMM sweep at $(elapsed)s"

@@ -250,11 +250,18 @@ def test_gemm_at_8b_sizes(n, k, m, seed, monkeypatch):
     close(y, want, torch.bfloat16, seed)
 
 
+def _candidates() -> list:
+    from engine_triton.int4gemm_sweep import CANDIDATES
+
+    return CANDIDATES
+
+
 @pytest.mark.gpu
-def test_every_sweep_candidate_runs(seed):
-    """On the GPU, each configuration the sweep may time (``int4gemm_sweep.CANDIDATES`` resolved
-    at 64 and 256 rows) compiles, fits the SM and is right, on one small 8B-like layer, so the
-    sweep's budget is not spent discovering a broken candidate."""
+@pytest.mark.parametrize("cand", _candidates())
+def test_every_sweep_candidate_runs(cand, seed):
+    """On the GPU, each configuration the sweep may time (``int4gemm_sweep.CANDIDATES``
+    resolved at 64 and 256 rows) compiles, fits the SM and is right, on one small 8B-like
+    layer, so the sweep's budget is not spent discovering a broken candidate."""
     from engine_triton import int4gemm_sweep
     from engine_triton.kernels import int4gemm, int4pack
 
@@ -269,13 +276,11 @@ def test_every_sweep_candidate_runs(seed):
     sms = int4gemm._sm_count(torch.device("cuda"))
     for m in (64, 256):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        want = x.float() @ w.t()
-        for cand in int4gemm_sweep.CANDIDATES:
-            cfg = int4gemm_sweep.resolve(cand, m, n, k, sms)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(int4gemm, "_gemm_config", lambda *a, c=cfg: c)
-                y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
-            close(y, want, torch.bfloat16, f"{seed} {cand} M={m}")
+        cfg = int4gemm_sweep.resolve(cand, m, n, k, sms)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(int4gemm, "_gemm_config", lambda *a, c=cfg: c)
+            y = int4gemm.gemm(x, packed["int4pack"], packed["scale_zero"], group)
+        close(y, x.float() @ w.t(), torch.bfloat16, f"{seed} {cfg} M={m}")
 
 
 def test_benchmark_sweep_dry_run(tmp_path, monkeypatch, capsys):

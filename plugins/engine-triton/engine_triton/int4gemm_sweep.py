@@ -26,7 +26,10 @@ all four), the suggested ``int4pack.GEMM_MAX_ROWS``, and the ``int4gemm.TUNED`` 
 The kernels are first compiled by ``--compile-workers`` spawned processes (12 on a GPU) into
 Triton's on-disk cache, so the budget goes to timing. ``--device cpu`` (under
 ``TRITON_INTERPRET=1``) runs the same code on two tiny shapes with wall-clock timings: a dry
-run of the code path for the tests, not a measurement.
+run of the code path for the tests, not a measurement. ``--sm90-report`` instead compiles
+every configuration the sweep would run for sm_90 on any machine (no GPU: Triton ships
+``ptxas``) and prints registers, shared memory, spills and the instructions that say whether
+the loads are pipelined and which MMA runs; it exits 1 if one does not fit.
 """
 
 from __future__ import annotations
@@ -39,21 +42,22 @@ import time
 # (words of a row per K block: 8 inputs each), split_k (0: ``int4gemm.split_k``'s rule for one
 # wave of programs, -2: for two waves, n > 0: n), num_warps, num_stages), timed in this order
 # after the default configuration until the budget runs out. Each compiles for sm_90 without
-# spills within shared memory (checked offline with Triton 3.6: registers and shared bytes in
-# the comments, at the largest row block the cap allows). K blocks stay at 128 inputs: with
-# groups of 128 a longer block would take the per-word-column scale path (2-D scale tiles).
+# spills within shared memory (``--sm90-report``, no GPU needed; registers and shared bytes at
+# the largest row block the cap allows in the comments). K blocks stay at 128 inputs: with
+# groups of 128 a longer block takes the per-word-column scale path (2-D scale tiles). Not
+# here: 32 outputs a program (Triton then uses mma.sync, whose operand layout costs about 7.6
+# unpacking instructions per weight against 1.9).
 CANDIDATES = [
     (128, 128, 16, 1, 8, 3),  # the rule of thumb without split-K (166 regs, 113 KiB)
     (128, 64, 16, 0, 8, 4),  # row blocks of 64 (90 regs, 90 KiB: two programs per SM)
     (128, 256, 16, 0, 8, 2),  # one block up to 256 rows: each weight unpacked once (254 regs)
     (256, 64, 16, 0, 8, 3),  # 256 outputs: x read from L2 half as often (167 regs, 82 KiB)
     (256, 128, 16, 0, 8, 2),  # (254 regs, 81 KiB)
-    (64, 128, 16, 0, 4, 4),  # one warpgroup of 64 outputs (166 regs, 141 KiB)
+    (128, 64, 16, 0, 4, 4),  # one warpgroup for 128 outputs: loop overhead over more weights
     (128, 128, 16, -2, 8, 3),  # split for two waves
     (64, 64, 16, -2, 4, 4),  # small tiles, many programs (80 regs, 77 KiB)
     (128, 32, 16, 0, 8, 4),  # row blocks of 32 (56 regs, 58 KiB: three programs per SM)
-    (32, 64, 16, 0, 4, 4),  # 32 outputs: mma.sync (MMAv2), unpacking overlaps the MMA in a warp
-    (32, 128, 16, 0, 4, 3),  # the same with 128 rows (128 regs)
+    (64, 128, 16, 0, 4, 4),  # (166 regs, 141 KiB)
     (128, 128, 16, 0, 8, 4),  # (166 regs, 154 KiB)
 ]
 ROWS = (32, 64, 128, 256, 512)
@@ -343,6 +347,83 @@ def report(results: dict, shapes: dict) -> dict:
     return {"gemm_max_rows": gemm_max_rows, "tuned": tuned}
 
 
+def sm90_report(config, unpack_asm: bool = True, split: bool = True) -> dict:
+    """Compile the kernel at ``config`` (an ``int4gemm.GemmConfig``) for sm_90 without a GPU
+    (Triton's own ``ptxas``), with the divisibility the 8B shapes give every size and stride,
+    and read the result: registers and shared bytes per program, spills, how many wgmma
+    (``HGMMA``) or mma.sync (``HMMA``) instructions, how many ``cp.async`` copies (the
+    pipelined loads) and plain global loads. Needs no ``TRITON_INTERPRET``."""
+    import glob
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine_triton.kernels import int4gemm
+
+    fn = int4gemm._int4_gemm_kernel
+    types = {"x_ptr": "*bf16", "w16_ptr": "*i16", "sz32_ptr": "*i32", "bias_ptr": "*bf16",
+             "y_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
+    constexprs = {"INNER": 8, "BLOCK_N": config.block_n, "BLOCK_M": config.block_m,
+                  "BLOCK_KW": config.block_kw, "IS_SPLIT": split, "GROUP_PER_BLOCK": True,
+                  "HAS_BIAS": False, "UNPACK_ASM": unpack_asm, "USE_PDL": False}  # fmt: skip
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
+    runtime = ("M", "SPLIT_K", "LOG2_GROUP")  # not multiples of 16 (M is not specialized)
+    divisible = [a for a in fn.arg_names if a not in constexprs and a not in runtime]
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 128),
+        options={"num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cuobjdump = (glob.glob(os.path.join(tools, "cuobjdump")) or ["cuobjdump"])[0]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    ptx = kernel.asm["ptx"]
+    regs = re.search(r"REG:(\d+)", usage)
+    return {
+        "regs": int(regs.group(1)) if regs else None,
+        "shared": kernel.metadata.shared,
+        "spills": len(re.findall(r"\b(STL|LDL)\b", sass)),
+        "hgmma": sass.count("HGMMA"),
+        "hmma": len(re.findall(r"\bHMMA\b", sass)),
+        "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+        "ld_global": ptx.count("ld.global"),
+    }
+
+
+def _sm90_table(rows, shapes: dict) -> int:
+    """``--sm90-report``: ``sm90_report`` for the default configuration and every candidate
+    at ``shapes`` and ``rows``, each distinct compilation once (132 SMs assumed)."""
+    from engine_triton.kernels import int4gemm
+
+    seen = {}
+    for n, k in shapes.values():
+        for m in rows:
+            for c in [int4gemm._gemm_config(m, n, k, 132)] + [
+                resolve(cand, m, n, k, 132) for cand in CANDIDATES
+            ]:
+                key = (c.block_n, c.block_m, c.block_kw, c.num_warps, c.num_stages, c.split_k > 1)
+                seen.setdefault(key, c)
+    bad = 0
+    for key, c in seen.items():
+        r = sm90_report(c, split=c.split_k > 1)
+        fits = r["spills"] == 0 and r["shared"] <= 227 * 1024
+        bad += not fits
+        print(f"{key} {r} {'ok' if fits else 'DOES NOT FIT'}", flush=True)
+    return int(bad > 0)
+
+
 def main(argv: list[str], shapes: dict, copies) -> int:
     """Parse the flags (see the module docstring) and run the sweep on ``shapes`` (the CPU
     dry run: on ``CPU_SHAPES``, two copies of each weight)."""
@@ -359,10 +440,19 @@ def main(argv: list[str], shapes: dict, copies) -> int:
         help="processes compiling the kernels first (default: 12 on a GPU, 0 on the CPU)",
     )
     parser.add_argument("--device", default="cuda", help="cpu: an interpreter dry run")
+    parser.add_argument(
+        "--sm90-report",
+        action="store_true",
+        help="compile every configuration for sm_90 without a GPU and print its resources",
+    )
     args = parser.parse_args(argv)
     on_gpu = args.device != "cpu"
     default_rows = ROWS if on_gpu else (17, 33)
     rows = [int(r) for r in (args.rows or ",".join(map(str, default_rows))).split(",")]
+    if args.sm90_report:
+        return _sm90_table(
+            [int(r) for r in (args.rows or ",".join(map(str, ROWS))).split(",")], shapes
+        )
     gpu = torch.cuda.get_device_name(0) if on_gpu else "cpu (interpreter)"
 
     def save(results: dict) -> None:

@@ -8,8 +8,9 @@ Llama-3.1-8B projections it beat our Triton W4A16 kernels at every batch of 1 to
 
 * up to ``MAX_ROWS`` (16) rows: ``_weight_int4pack_mm``;
 * from ``MAX_ROWS + 1`` to ``GEMM_MAX_ROWS`` rows: ``int4gemm.gemm``, a Triton GEMM that reads
-  these tiles directly (each 4-bit weight read and unpacked once per call, in bf16 registers
-  feeding the tensor cores as the MMA's A operand; bias fused). Off (``GEMM_MAX_ROWS = 0``)
+  these tiles directly (each 4-bit weight read and unpacked once per row block of up to
+  128-256 rows, in bf16 registers feeding the tensor cores as the MMA's A operand; no bf16
+  copy of the weight; bias fused). Off (``GEMM_MAX_ROWS = 0``)
   until a GPU sweep (``python -m engine_triton.quant_benchmark --int4-gemm-sweep``) shows the
   rows where it beats the next path;
 * more rows: the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` (this module, in

@@ -33,6 +33,8 @@ the Triton kernels' fp16/float32 scales gave 0.25-0.41%; ``docs/benchmarks.md``)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +46,9 @@ MAX_ROWS = 16
 # Rows up to which (from MAX_ROWS + 1) int4gemm's GEMM multiplies, reading the 4-bit tiles
 # once; above, dequantize + cuBLAS. 0 keeps the GEMM off until a GPU sweep
 # (``quant_benchmark --int4-gemm-sweep``, which prints the value it measured) sets it.
-GEMM_MAX_ROWS = 0
+# ``ENGINE_TRITON_INT4_GEMM_MAX_ROWS`` overrides it for a process (benchmarks try a value
+# without editing the module).
+GEMM_MAX_ROWS = int(os.environ.get("ENGINE_TRITON_INT4_GEMM_MAX_ROWS", "0"))
 GROUP_SIZES = (32, 64, 128, 256)
 
 

@@ -167,13 +167,12 @@ def test_a_row_does_not_depend_on_the_other_rows(device, seed, monkeypatch):
 
 
 def test_linear_takes_the_gemm_only_between_its_rows(device, seed, monkeypatch):
-    """``int4pack.linear``: with ``GEMM_MAX_ROWS`` 0 (the default) nothing reaches the GEMM;
-    switched on it serves MAX_ROWS < M <= GEMM_MAX_ROWS, with bias and act order (through
+    """``int4pack.linear``: with ``GEMM_MAX_ROWS`` 0 nothing reaches the GEMM; set, it serves MAX_ROWS < M <= GEMM_MAX_ROWS, with bias and act order (through
     ``linear``'s own arguments), and the result is the dense path's up to rounding; one row
     more goes back to the dense path."""
     from engine_triton.kernels import int4gemm, int4pack
 
-    assert int4pack.GEMM_MAX_ROWS == 0
+    monkeypatch.setattr(int4pack, "GEMM_MAX_ROWS", 0)
     n, k, group, m = 32, 256, 128, int4pack.MAX_ROWS + 1
     packed = _layer(n, k, group, device)
     perm = torch.randperm(k).to(torch.int32).to(device)
@@ -200,11 +199,17 @@ def test_configurations_are_valid_and_the_table_wins():
     leaves each range a K block; a ``TUNED`` entry replaces it for its whole row bucket."""
     from engine_triton.kernels import int4gemm
 
-    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
-        for m in (17, 33, 64, 100, 256, 512):
-            c = int4gemm._gemm_config(m, n, k, 132)
-            assert c.block_m in (16, 32, 64, 128) and c.block_m >= min(m, 128)
-            assert k % (8 * c.block_kw) == 0 and 1 <= c.split_k <= k // (8 * c.block_kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(int4gemm, "TUNED", {})
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+            for m in (17, 33, 64, 100, 256, 512):
+                c = int4gemm._gemm_config(m, n, k, 132)
+                assert c.block_m in (16, 32, 64, 128) and c.block_m >= min(m, 128)
+                assert k % (8 * c.block_kw) == 0 and 1 <= c.split_k <= k // (8 * c.block_kw)
+    for (bucket, n, k), c in int4gemm.TUNED.items():  # the sweep's entries are launchable
+        assert bucket in (32, 64, 128, 256, 512) and c.block_m in (16, 32, 64, 128, 256)
+        assert k % (8 * c.block_kw) == 0 and 1 <= c.split_k <= k // (8 * c.block_kw)
+        assert int4gemm._gemm_config(bucket, n, k, 132) == c
     assert [int4gemm.rows_bucket(m) for m in (17, 32, 33, 100, 256, 257)] == [
         32, 32, 64, 128, 256, 512,
     ]  # fmt: skip

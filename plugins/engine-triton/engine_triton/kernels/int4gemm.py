@@ -74,7 +74,7 @@ configuration, and with it the K order and the split, depends on the number of r
 
 **Configurations** (``_gemm_config``): ``TUNED`` maps (row bucket, N, K) to the sweep's choice
 on the target GPU (``python -m engine_triton.quant_benchmark --int4-gemm-sweep``, which prints
-the entries); other shapes take a rule of thumb. ``int4pack.GEMM_MAX_ROWS`` (0: off) says up
+the entries); other shapes take a rule of thumb. ``int4pack.GEMM_MAX_ROWS`` (512; 0: off) says up
 to how many rows ``int4pack.linear`` sends layers here.
 """
 
@@ -109,9 +109,31 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-# The sweep's choices on the target GPU: (rows_bucket(M), N, K) -> GemmConfig. Empty until a
-# GPU sweep fills it (``quant_benchmark --int4-gemm-sweep`` prints the lines to paste here).
-TUNED: dict[tuple[int, int, int], GemmConfig] = {}
+# The sweep's choices: (rows_bucket(M), N, K) -> GemmConfig (block_n, block_m, block_kw,
+# split_k, num_warps, num_stages), from ``quant_benchmark --int4-gemm-sweep --rows
+# 32,64,128,256,512`` on an H100 80GB HBM3 (2026-12-07, docs/benchmarks.md), the Llama-3.1-8B
+# projections qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336),
+# at the row buckets where the GEMM beat dequantize + cuBLAS (other shapes: the rule of thumb).
+TUNED: dict[tuple[int, int, int], GemmConfig] = {
+    (32, 6144, 4096): GemmConfig(128, 32, 16, 4, 8, 3),
+    (64, 6144, 4096): GemmConfig(128, 64, 16, 4, 8, 3),
+    (128, 6144, 4096): GemmConfig(128, 128, 16, 2, 8, 4),
+    (256, 6144, 4096): GemmConfig(128, 128, 16, 1, 8, 4),
+    (32, 4096, 4096): GemmConfig(64, 32, 16, 4, 4, 4),
+    (64, 4096, 4096): GemmConfig(64, 64, 16, 4, 4, 4),
+    (128, 4096, 4096): GemmConfig(128, 64, 16, 2, 8, 4),
+    (256, 4096, 4096): GemmConfig(128, 128, 16, 2, 8, 3),
+    (32, 28672, 4096): GemmConfig(256, 32, 16, 1, 8, 3),
+    (64, 28672, 4096): GemmConfig(256, 64, 16, 1, 8, 3),
+    (128, 28672, 4096): GemmConfig(128, 128, 16, 1, 8, 3),
+    (256, 28672, 4096): GemmConfig(128, 128, 16, 1, 8, 3),
+    (512, 28672, 4096): GemmConfig(128, 128, 16, 1, 8, 3),
+    (32, 4096, 14336): GemmConfig(128, 32, 16, 4, 8, 4),
+    (64, 4096, 14336): GemmConfig(128, 64, 16, 8, 8, 3),
+    (128, 4096, 14336): GemmConfig(128, 128, 16, 4, 8, 4),
+    (256, 4096, 14336): GemmConfig(128, 128, 16, 2, 8, 3),
+    (512, 4096, 14336): GemmConfig(128, 128, 16, 1, 8, 3),
+}
 
 
 @triton.jit

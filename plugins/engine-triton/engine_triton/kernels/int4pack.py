@@ -10,9 +10,10 @@ Llama-3.1-8B projections it beat our Triton W4A16 kernels at every batch of 1 to
 * from ``MAX_ROWS + 1`` to ``GEMM_MAX_ROWS`` rows: ``int4gemm.gemm``, a Triton GEMM that reads
   these tiles directly (each 4-bit weight read and unpacked once per row block of up to
   128-256 rows, in bf16 registers feeding the tensor cores as the MMA's A operand; no bf16
-  copy of the weight; bias fused). Off (``GEMM_MAX_ROWS = 0``)
-  until a GPU sweep (``python -m engine_triton.quant_benchmark --int4-gemm-sweep``) shows the
-  rows where it beats the next path;
+  copy of the weight; bias fused). ``GEMM_MAX_ROWS`` is 512, from the GPU sweep
+  (``python -m engine_triton.quant_benchmark --int4-gemm-sweep``; H100, 2026-12-07: the four
+  Llama-3.1-8B projections in 0.26x the dequantize + cuBLAS time at 32 rows, 0.63x at 256,
+  0.89x at 512);
 * more rows: the weight dequantized to bf16 by ``_int4pack_dequant_kernel`` (this module, in
   Triton) and multiplied by cuBLAS, which beat torch's kernel from 32 rows on (it writes and
   reads the whole weight in bf16 on every call, which the GEMM above avoids).
@@ -44,11 +45,11 @@ from engine_triton.kernels import int4gemm
 # Rows up to which torch's kernel multiplies.
 MAX_ROWS = 16
 # Rows up to which (from MAX_ROWS + 1) int4gemm's GEMM multiplies, reading the 4-bit tiles
-# once; above, dequantize + cuBLAS. 0 keeps the GEMM off until a GPU sweep
-# (``quant_benchmark --int4-gemm-sweep``, which prints the value it measured) sets it.
-# ``ENGINE_TRITON_INT4_GEMM_MAX_ROWS`` overrides it for a process (benchmarks try a value
+# once; above, dequantize + cuBLAS. 512 is what the GPU sweep (``quant_benchmark
+# --int4-gemm-sweep``, which prints the value it measured) chose on an H100; 0 turns the GEMM
+# off. ``ENGINE_TRITON_INT4_GEMM_MAX_ROWS`` overrides it for a process (benchmarks try a value
 # without editing the module).
-GEMM_MAX_ROWS = int(os.environ.get("ENGINE_TRITON_INT4_GEMM_MAX_ROWS", "0"))
+GEMM_MAX_ROWS = int(os.environ.get("ENGINE_TRITON_INT4_GEMM_MAX_ROWS", "512"))
 GROUP_SIZES = (32, 64, 128, 256)
 
 

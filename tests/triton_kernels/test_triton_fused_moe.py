@@ -225,19 +225,26 @@ def test_conformance_kit_accepts_the_overrides(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("quantization", [None, "fp8", "gptq-act-order"])
 def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, quantization):
     """A tiny Qwen3-MoE through the engine with every kernel, routing and experts included, in
     the interpreter: greedy tokens equal the torch reference path's (chunked prefill, decodes
     of several requests: the decode and the grouped expert paths both run). With
     ``--quantization fp8`` the experts go through ``fused_moe_fp8`` (online per-channel FP8,
-    weight-only), the dense layers through the FP8 linears."""
+    weight-only), the dense layers through the FP8 linears; a GPTQ checkpoint (4-bit, groups
+    of 32, zero points, act-order) through ``fused_moe_wna16`` and ``wna16_linear``."""
     import engine_triton.kernels as triton_kernels
     from engine import LLM, SamplingParams
     from engine.testing.tiny_models import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "m", "qwen3_moe", num_layers=2, num_experts=16,
                                 num_experts_per_tok=4))  # fmt: skip
+    experts_kernel = {None: "fused_moe", "fp8": "fused_moe_fp8"}.get(quantization)
+    if quantization == "gptq-act-order":
+        from engine.testing.quantized_models import write_gptq
+
+        gptq, _ = write_gptq(path, tmp_path / "gptq", group_size=32, sym=False, desc_act=True)
+        path, quantization, experts_kernel = str(gptq), None, "fused_moe_wna16"
     from engine_triton.kernels import fused_moe as fm
 
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13, 14]]
@@ -258,7 +265,7 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, qu
                   max_num_batched_tokens=8, platform="cpu", quantization=quantization)  # fmt: skip
         kernels = llm.llm_engine.runner.kernels
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], (
-            kernels.provider("fused_moe_fp8" if quantization else "fused_moe")
+            kernels.provider(experts_kernel)
         )
 
     expected, provider = generate()

@@ -42,13 +42,9 @@ exec PYTHON "$@"
 """
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_the_gpu_scripts_parse(script: Path) -> None:
-    subprocess.run(["bash", "-n", str(script)], check=True)
-
-
-@pytest.mark.skipif(shutil.which("timeout") is None, reason="the scripts use coreutils' timeout")
-def test_run_quant_benches_through_common_sh(tmp_path: Path) -> None:
+def fake_gpu(tmp_path: Path, **env_extra: str) -> tuple[dict[str, str], Path, Path]:
+    """A ``python3`` that logs its calls and fakes the benchmarks, an ``nvidia-smi``, first on
+    PATH: (the scripts' environment, their $OUT, the call log)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
@@ -57,6 +53,18 @@ def test_run_quant_benches_through_common_sh(tmp_path: Path) -> None:
         tool.chmod(0o755)
     out, log = tmp_path / "out", tmp_path / "calls.log"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), FAKE_LOG=str(log))
+    env.update(env_extra)
+    return env, out, log
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_the_gpu_scripts_parse(script: Path) -> None:
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="the scripts use coreutils' timeout")
+def test_run_quant_benches_through_common_sh(tmp_path: Path) -> None:
+    env, out, log = fake_gpu(tmp_path)
     run = subprocess.run(
         ["bash", str(GPU / "run_quant.sh"), "fp8-b1", "awq-b1"],
         env=env,
@@ -80,15 +88,7 @@ def test_run_quant_benches_through_common_sh(tmp_path: Path) -> None:
 def test_run_quant_int4gemm_step(tmp_path: Path) -> None:
     """``run_quant.sh int4gemm``: the int4-tile GEMM's tests, then its sweep with a budget
     inside DEADLINE and its JSON in $OUT (kept apart from the benchmarks' results.json)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
-    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    out, log = tmp_path / "out", tmp_path / "calls.log"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), FAKE_LOG=str(log))
-    env["DEADLINE"] = "300"
+    env, out, log = fake_gpu(tmp_path, DEADLINE="300")
     run = subprocess.run(
         ["bash", str(GPU / "run_quant.sh"), "int4gemm"],
         env=env,
@@ -146,18 +146,11 @@ def test_ab_base_extracts_the_plugin_at_a_commit(tmp_path: Path) -> None:
 def test_run_all_runs_the_vllm_kit_beside_ours(tmp_path: Path) -> None:
     """The ``vllm-llama`` step unpacks the kit, runs its three workloads in one engine start
     and merges their JSONs into ``results.json`` next to ours; without a kit it is skipped."""
-    bin_dir, kit = tmp_path / "bin", tmp_path / "kit"
-    bin_dir.mkdir()
+    kit = tmp_path / "kit"
     kit.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
-    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
     (kit / "vllm_peer.py").write_text("")
     (kit / "run_on_gpu.sh").write_text('echo "check $*" >> "$FAKE_LOG"\n')
-    out, log = tmp_path / "out", tmp_path / "calls.log"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
-               FAKE_LOG=str(log), PEER_KIT=str(kit), DEADLINE="400")  # fmt: skip
+    env, out, log = fake_gpu(tmp_path, PEER_KIT=str(kit), DEADLINE="400")
     run = subprocess.run(["bash", str(GPU / "run_all.sh"), "llama-b1", "vllm-llama"], env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode == 0, run.stderr

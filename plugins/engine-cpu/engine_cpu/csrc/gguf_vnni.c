@@ -26,6 +26,7 @@
 /* Weight rows and activation rows of a register tile; above MB activation rows, tiles of NT
  * weight rows against MB activation rows (gguf_avx2.c's cache tiling for prefills). */
 enum { WB = 2, RB = 4, MB = 128, NT = 16 };
+_Static_assert(WB * RB == 8, "store_tile sums eight accumulators");
 
 /* v in both 256-bit halves */
 static inline __m512 dup8(__m256 v) {
@@ -94,6 +95,7 @@ static inline __m256i wblock(const uint8_t *w, int64_t b, int pack) {
     return pack == PACK_S8 ? _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)) : v;
 }
 
+
 /* One product's operands (gguf_avx2_gemm's arguments) */
 struct gemm {
     const uint8_t *values;
@@ -105,6 +107,50 @@ struct gemm {
     int64_t ldy;
     int ybf, zero;
 };
+
+/* float32 -> bfloat16 bits (in the low half of each lane) as float_to_bf16 rounds them */
+static inline __m128i bf16_bits(__m128 v) {
+    const __m128i u = _mm_castps_si128(v);
+    const __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    const __m128i even = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff), odd)), 16);
+    const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)),
+                                        _mm_set1_epi32(0x7f800000));
+    return _mm_blendv_epi8(even, _mm_or_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(0x40)), nan);
+}
+
+/* The tile's results: acc[i * RB + q] (16 lanes each; zeros outside the tile) summed, all in
+ * one tree, and stored at y[r + q, n + i]. The tree adds each accumulator's lanes in the same
+ * order whatever the others hold, so a result does not depend on the tile's shape; it costs
+ * about a third of one horizontal sum per result. */
+static inline __attribute__((always_inline)) void store_tile(const struct gemm *a, int64_t n,
+                                                              int wb, int64_t r, int rb,
+                                                              const __m512 acc[WB * RB]) {
+    __m256 h[WB * RB];
+    for (int k = 0; k < WB * RB; k++)
+        h[k] = _mm256_add_ps(_mm512_castps512_ps256(acc[k]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[k]), 1)));
+    const __m256 h01 = _mm256_hadd_ps(h[0], h[1]), h23 = _mm256_hadd_ps(h[2], h[3]);
+    const __m256 h45 = _mm256_hadd_ps(h[4], h[5]), h67 = _mm256_hadd_ps(h[6], h[7]);
+    const __m256 q0 = _mm256_hadd_ps(h01, h23), q1 = _mm256_hadd_ps(h45, h67);
+    /* row n's results for activation rows r .. r + 3, and row n + 1's */
+    const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(q0), _mm256_extractf128_ps(q0, 1));
+    const __m128 hi = _mm_add_ps(_mm256_castps256_ps128(q1), _mm256_extractf128_ps(q1, 1));
+    /* (row n, row n + 1) for activation rows r, r + 1 and r + 2, r + 3 */
+    const __m128 p01 = _mm_unpacklo_ps(lo, hi), p23 = _mm_unpackhi_ps(lo, hi);
+    if (a->ybf) {
+        const __m128i b = _mm_packus_epi32(bf16_bits(p01), bf16_bits(p23));
+        uint16_t v[8];
+        _mm_storeu_si128((__m128i *)v, b);
+        for (int q = 0; q < rb; q++)
+            memcpy((uint16_t *)a->y + (r + q) * a->ldy + n, v + 2 * q, 2 * wb);
+    } else {
+        float v[8];
+        _mm_storeu_ps(v, p01);
+        _mm_storeu_ps(v + 4, p23);
+        for (int q = 0; q < rb; q++)
+            memcpy((float *)a->y + (r + q) * a->ldy + n, v + 2 * q, 4 * wb);
+    }
+}
 
 /* y for weight rows n .. n + wb - 1 against activation rows r .. r + rb - 1 (wb <= WB,
  * rb <= RB; constants where inlined, as are pack, group, has_offsets, and sc16). */
@@ -237,9 +283,10 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
             }
         }
     }
-    for (int i = 0; i < wb; i++)
-        for (int q = 0; q < rb; q++)
-            store1(a->y, a->ybf, (r + q) * a->ldy + n + i, _mm512_reduce_add_ps(acc[i][q]));
+    __m512 all[WB * RB];
+    for (int k = 0; k < WB * RB; k++)
+        all[k] = k / RB < wb && k % RB < rb ? acc[k / RB][k % RB] : _mm512_setzero_ps();
+    store_tile(a, n, wb, r, rb, all);
 }
 
 /* Weight rows n0 .. n1 - 1 against activation rows m0 .. m1 - 1 in register tiles, one

@@ -28,9 +28,11 @@ load the blocks are repacked:
   dot products (``VPMADDUBSW``), scaled per group of 8 blocks in float32, up to
   ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
   on this project's 2-core EPYC, where the weights' bytes decide; prefill too); more rows take
-  a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Measured in
-  docs/benchmarks.md ("CPU: GGUF layers and the decode step compiled for AVX2" and the seventh
-  session's section).
+  a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Where the
+  CPU also has AVX-512 VNNI (Zen 4 and later, Intel since Ice Lake), the same products run as
+  ``VPDPBUSD`` on 64 bytes (``csrc/gguf_vnni.c``, same layout; ``AVX2_ONLY`` keeps the AVX2
+  instructions). Measured in docs/benchmarks.md ("CPU: GGUF layers and the decode step
+  compiled for AVX2", the seventh session's section and the eighth's).
 * Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per

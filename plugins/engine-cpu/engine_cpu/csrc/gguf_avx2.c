@@ -31,6 +31,10 @@
  * block; docs/benchmarks.md, seventh session). Each weight row is run against every
  * activation row while it is in L1.
  *
+ * On a CPU with AVX-512 F, BW, VL and VNNI (this library is compiled with -march=native),
+ * gguf_avx2_gemm hands the products to gguf_vnni.c, which reads the same layout with VPDPBUSD
+ * on 64 bytes, unless bit 10 of the layout word asks for the instructions here.
+ *
  * Threads: an OpenMP loop over output rows, in the OpenMP runtime torch already loaded (see
  * engine_cpu/native.py).
  */

@@ -7,6 +7,9 @@ use by ``engine_cpu.native``), against torch computations of what they must retu
   the kernel's tiling (one tile up to 128 rows, tiles of 128 above) and an odd output count,
   every row length of the interleaved order (groups of 8 blocks, of 4, blocks alone); above
   it (patched down to 128), the float32 product of the exact weights, tile by tile;
+* the products in both instruction sets where the CPU has AVX-512 VNNI (``gguf_vnni.c``, and
+  the AVX2 instructions by ``AVX2_ONLY``), each against that reference, and each row's result
+  the same bits whatever rows share its batch;
 * the packing: 4-bit types as two values a byte, Q8_0 signed without offsets, its scales
   float16;
 * embedding rows: the reference's dequantization, bit for bit;
@@ -29,6 +32,7 @@ from engine.layers.embedding import round_to_dtype
 from engine.testing.tiny_gguf import MIXED_SHAPE, MIXED_TYPES, write_tiny_gemma3_gguf
 from engine_cpu import gguf as cpu_gguf
 from engine_cpu import native
+from engine_cpu.cpuinfo import cpuinfo_field
 
 pytestmark = pytest.mark.skipif(
     native.load("avx2") is None, reason=f"no AVX2 kernels here: {native.unavailable_reason('avx2')}"
@@ -40,8 +44,24 @@ def avx2_only(monkeypatch):
     monkeypatch.setenv("ENGINE_CPU_NATIVE", "avx2")
 
 
+@pytest.fixture(params=["avx2", "vnni"])
+def instructions(request, monkeypatch):
+    """The products' instructions: the AVX2 ones (``gguf_avx2.c``) on every CPU, the AVX-512
+    VNNI ones (``gguf_vnni.c``) where the library was built with them."""
+    if request.param == "vnni" and not native.load("avx2").gguf_avx2_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI (F, BW, VL and VNNI)")
+    monkeypatch.setattr(cpu_gguf, "AVX2_ONLY", request.param == "avx2")
+    return request.param
+
+
+def test_the_vnni_products_are_built_where_the_cpu_has_them():
+    flags = (cpuinfo_field("flags") or "").split()
+    has = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+    assert native.load("avx2").gguf_avx2_vnni() == int(has)
+
+
 @pytest.mark.parametrize("name", TYPES)
-def test_products_are_int8_activations_times_the_exact_weights(name):
+def test_products_are_int8_activations_times_the_exact_weights(name, instructions):
     # n odd: the last weight row goes alone when two are paired (16+ rows); k = 640 for the
     # 32-value block types (20 blocks: one row's eight-block scale loads end on a partial
     # eight at one activation row), 512 for the K-quants' 256-value super-blocks
@@ -67,7 +87,7 @@ def test_products_are_int8_activations_times_the_exact_weights(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_bfloat16_results_are_the_float32_ones_rounded(name):
+def test_bfloat16_results_are_the_float32_ones_rounded(name, instructions):
     """The products write bfloat16 themselves (a decode step then needs no cast between
     kernels): into a fresh tensor and into columns of a wider output, bit for bit the float32
     product's ``Tensor.to``; with a bias, float32 until the bias is added."""
@@ -89,7 +109,7 @@ def test_bfloat16_results_are_the_float32_ones_rounded(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_every_row_length_of_the_interleaved_order(name, monkeypatch):
+def test_every_row_length_of_the_interleaved_order(name, monkeypatch, instructions):
     """Rows of 8-block groups, a 4-block group and blocks left in their own order (k / 32 =
     1, 3, 7, 13, 24 for the 32-value types; 8, 24, 40 for the K-quants' super-blocks): the
     products, the prefill's dequantized tiles and the lookups all read the same weights."""
@@ -111,6 +131,22 @@ def test_every_row_length_of_the_interleaved_order(name, monkeypatch):
         assert torch.allclose(dense, x @ w.T, rtol=1e-5, atol=1e-4), k
         ids = torch.tensor([0, 8, 3])
         assert torch.equal(cpu_gguf._avx2_rows(packed, ids), w[ids]), k
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_rows_result_does_not_depend_on_its_batch(name, instructions):
+    """Each activation row's products, bit for bit, alone and at every place of batches whose
+    sizes cross the register tiles (4 rows, then 2, then 1), the 128-row cache tiles and an odd
+    output count (a weight row alone after the pairs)."""
+    qtype = gk.gguf_type(name).ggml_type
+    n, k = 37, 768 if name.endswith("_K") else 416  # K / 32 = 24 or 13: every kind of block
+    blocks = gguf_blocks(n, k, name, seed=51)
+    packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(52)).bfloat16()
+    alone = torch.cat([cpu_gguf._avx2_linear(x[i : i + 1], packed) for i in range(300)])
+    for m in (2, 3, 5, 7, 16, 129, 300):
+        assert torch.equal(cpu_gguf._avx2_linear(x[:m], packed), alone[:m]), m
+    assert torch.equal(cpu_gguf._avx2_linear(x[-7:], packed), alone[-7:])
 
 
 @pytest.mark.parametrize("name", TYPES)

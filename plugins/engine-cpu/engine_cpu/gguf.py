@@ -28,9 +28,11 @@ load the blocks are repacked:
   dot products (``VPMADDUBSW``), scaled per group of 8 blocks in float32, up to
   ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
   on this project's 2-core EPYC, where the weights' bytes decide; prefill too); more rows take
-  a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Measured in
-  docs/benchmarks.md ("CPU: GGUF layers and the decode step compiled for AVX2" and the seventh
-  session's section).
+  a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Where the
+  CPU also has AVX-512 VNNI (Zen 4 and later, Intel since Ice Lake), the same products run as
+  ``VPDPBUSD`` on 64 bytes (``csrc/gguf_vnni.c``, same layout; ``AVX2_ONLY`` keeps the AVX2
+  instructions). Measured in docs/benchmarks.md ("CPU: GGUF layers and the decode step
+  compiled for AVX2", the seventh session's section and the eighth's).
 * Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per
@@ -209,8 +211,9 @@ def _avx2() -> bool:
         _logged_avx2.add(lib is not None)
         if lib is not None:
             logger.info(
-                "gguf_linear on the CPU: AVX2 int8 kernels on the GGUF values (activations "
-                "quantized per 32 values, as llama.cpp's)"
+                "gguf_linear on the CPU: %s int8 kernels on the GGUF values (activations "
+                "quantized per 32 values, as llama.cpp's)",
+                "AVX-512 VNNI" if lib.gguf_avx2_vnni() else "AVX2",
             )
         else:
             logger.info(
@@ -312,6 +315,13 @@ _AVX2_OUT = (torch.float32, torch.bfloat16)
 _Y_BF16 = 1 << 8
 # ... and the bit for float16 scales (Q8_0's)
 _SCALES16 = 1 << 9
+# ... and the bit that keeps the products to the AVX2 instructions on a CPU with AVX-512 VNNI
+_AVX2_ONLY_BIT = 1 << 10
+# Where the library has them (``gguf_avx2_vnni()``: compiled for a CPU with AVX-512 VNNI,
+# csrc/gguf_vnni.c), the int8 products run in AVX-512 VNNI unless this is True: tests set it to
+# check the AVX2 instructions on such a CPU too. The two paths add the same products in another
+# order, so their results differ in the last bits.
+AVX2_ONLY = False
 
 # Above this many activation rows the product is float32 over tiles of the weight dequantized
 # per call. Up to the 128 of the fifth session the int8 products lost from 512 rows (their per-
@@ -398,7 +408,7 @@ def _avx2_linear(
         xc.data_ptr(),
         int(bf16),
         packed["avx2_values"].data_ptr(),
-        pack | (_Y_BF16 if y.dtype == torch.bfloat16 else 0),
+        pack | (_Y_BF16 if y.dtype == torch.bfloat16 else 0) | (_AVX2_ONLY_BIT if AVX2_ONLY else 0),
         scales.data_ptr(),
         None if offsets is None else offsets.data_ptr(),
         n,

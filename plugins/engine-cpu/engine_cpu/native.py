@@ -5,7 +5,10 @@ Two families, each its own shared library:
 * ``amx`` (``csrc/gguf_amx.c``): GGUF matmuls in AMX int8 / bf16 tiles, for Intel Xeons since
   Sapphire Rapids (AVX-512 BF16, AMX-INT8/BF16, and Linux granting the process the tile state);
 * ``avx2`` (``csrc/gguf_avx2.c``): GGUF matmuls as AVX2 int8 dot products, for any x86-64 CPU
-  with AVX2, FMA and F16C (Intel since Haswell, AMD since Zen).
+  with AVX2, FMA and F16C (Intel since Haswell, AMD since Zen); where the CPU also has AVX-512
+  F, BW, VL and VNNI (Intel since Ice Lake, AMD since Zen 4), the same products in AVX-512
+  VNNI (``csrc/gguf_vnni.c``), compiled in by ``-march=native`` and taken at run time
+  (``gguf_avx2_vnni()`` says whether).
 
 The sources are plain C with x86 intrinsics, compiled by the system's C compiler with
 ``-march=native`` into a shared library under ``~/.cache/engine/cpu-kernels`` (or
@@ -78,6 +81,7 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
 def _declare_avx2(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.gguf_avx2_available.restype = i32
+    lib.gguf_avx2_vnni.restype = i32
     lib.gguf_avx2_quantize_rows.argtypes = [ptr, i32, i64, i64, i32, ptr, ptr, ptr]
     lib.gguf_avx2_quantize_rows.restype = None
     lib.gguf_avx2_gemm.argtypes = [ptr, i32, ptr, ptr, i64, i64, i32, ptr, ptr, ptr, i64, ptr, i64]
@@ -185,10 +189,10 @@ FAMILIES: dict[str, _Family] = {
         _declare_amx,
     ),
     "avx2": _Family(
-        ("gguf_avx2.c", "cpu_ops.c", "cpu_plan.c"),
+        ("gguf_avx2.c", "gguf_vnni.c", "cpu_ops.c", "cpu_plan.c"),
         ("avx2", "fma", "f16c"),
         _declare_avx2,
-        ("avx2_common.h",),
+        ("avx2_common.h", "gguf_layout.h"),
     ),
 }
 _lock = threading.Lock()

@@ -43,6 +43,30 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Eight float32 -> bfloat16 as float_to_bf16 rounds them: the bits in the low half of each lane */
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd);
+    const __m256i even = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(even, quiet, nan);
+}
+
+/* v rounded to bfloat16 (as float_to_bf16), as float32 */
+static inline __m256 round8_bf16(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+/* v rounded to bfloat16 (as float_to_bf16) into p[0 .. 7] */
+static inline void store8_bf16(uint16_t *p, __m256 v) {
+    const __m256i b = bf16_bits8(v); /* lanes below 2^16: the unsigned saturation keeps them */
+    _mm_storeu_si128((__m128i *)p,
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
 static inline float load1(const void *x, int bf16, int64_t at) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
 }

@@ -341,15 +341,10 @@ void cpu_gated_act(const void *x, int64_t x_row, void *out, int64_t o_row, int b
             __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f),
                                        exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)));
             __m256 a = _mm256_div_ps(g, den);
-            if (bf16) { /* act(gate) rounded to bfloat16 first, as torch's two ops round it */
-                float ta[8], tu[8];
-                _mm256_storeu_ps(ta, a);
-                _mm256_storeu_ps(tu, u);
-                for (int j = 0; j < 8; j++)
-                    store1(o, 1, i + j, bf16_to_float(float_to_bf16(ta[j])) * tu[j]);
-            } else {
+            if (bf16) /* act(gate) rounded to bfloat16 first, as torch's two ops round it */
+                store8_bf16((uint16_t *)o + i, _mm256_mul_ps(round8_bf16(a), u));
+            else
                 _mm256_storeu_ps((float *)o + i, _mm256_mul_ps(a, u));
-            }
         }
         for (; i < I; i++) {
             float g = load1(gate, bf16, i), u = load1(up, bf16, i), z = g;

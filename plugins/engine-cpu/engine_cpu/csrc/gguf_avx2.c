@@ -31,22 +31,14 @@
  * block; docs/benchmarks.md, seventh session). Each weight row is run against every
  * activation row while it is in L1.
  *
+ * On a CPU with AVX-512 F, BW, VL and VNNI (this library is compiled with -march=native),
+ * gguf_avx2_gemm hands the products to gguf_vnni.c, which reads the same layout with VPDPBUSD
+ * on 64 bytes, unless bit 10 of the layout word asks for the instructions here.
+ *
  * Threads: an OpenMP loop over output rows, in the OpenMP runtime torch already loaded (see
  * engine_cpu/native.py).
  */
-#include "avx2_common.h"
-
-enum { PACK_U8 = 0, PACK_U4 = 1, PACK_S8 = 2 };
-
-static inline int64_t block_bytes_of(int pack) { return pack == PACK_U4 ? 16 : 32; }
-
-/* The packing and the zero point of a layout word (see the header); for the products, bit 8
- * asks for y in bfloat16 (rounded to nearest even, as torch's conversion of the float32 y). */
-static inline int pack_of(int word) { return word & 0xff; }
-static inline int y_bf16_of(int word) { return (word >> 8) & 1; }
-/* Bit 9: the scales are float16 (PACK_S8 only: Q8_0's own scales, exact in float16, 2 bytes a
- * block fewer to read; converted 8 at a time, a group of 8 blocks costs one conversion). */
-static inline int scales16_of(int word) { return (word >> 9) & 1; }
+#include "gguf_layout.h"
 
 /* Scale i (of 1, 4 or 8 from i) of a row of float32 scales, or of float16 ones when sc16 */
 static inline float scale1(const float *s, int sc16, int64_t i) {
@@ -61,13 +53,11 @@ static inline __m256 scales8(const float *s, int sc16, int64_t i) {
                 : _mm256_loadu_ps(s + i);
 }
 
-/* Row n's scales in an [N, ng] array of float32, or of float16 when sc16 */
-static inline const float *scale_row(const float *scales, int sc16, int64_t n, int64_t ng) {
-    return (const float *)((const char *)scales + n * ng * (sc16 ? 2 : 4));
-}
-static inline int zero_of(int word) { return (word >> 16) & 0xff; }
-
 int gguf_avx2_available(void) { return 1; }
+
+/* Whether the products take the AVX-512 VNNI path of gguf_vnni.c (unless a layout word asks
+ * for the AVX2 instructions): this library was compiled for a CPU that has it. */
+int gguf_avx2_vnni(void) { return GGUF_HAVE_VNNI; }
 
 /* Where values 4c .. 4c + 3 of block b sit in an unpacked row of nb blocks (the interleaved
  * order of the header): the byte offset in a PACK_U8 / PACK_S8 row or an activation row. */
@@ -292,6 +282,12 @@ enum { MB = 128 };
 void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, const float *offsets,
                     int64_t N, int64_t K, int group, const int8_t *xq, const float *xd,
                     const float *xs, int64_t M, void *y, int64_t ldy) {
+#if GGUF_HAVE_VNNI
+    if (!avx2_only_of(layout)) {
+        gguf_vnni_gemm(values, layout, scales, offsets, N, K, group, xq, xd, xs, M, y, ldy);
+        return;
+    }
+#endif
     const int pack = pack_of(layout), zero = zero_of(layout), ybf = y_bf16_of(layout);
     const int sc16 = scales16_of(layout);
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;

@@ -23,6 +23,10 @@ FAKE_PYTHON = """#!/bin/bash
 echo "python3 $*" >> "$FAKE_LOG"
 case "$1 $2" in
   "-m pip"|"-m pytest"|"-m engine_triton.quant_benchmark") exit 0 ;;
+  "-m engine_triton.benchmark")
+    prev=""; for a in "$@"; do [ "$prev" = --json ] && json=$a; prev=$a; done
+    echo '{"moe copy GBps": 4000}' > "$json"
+    exit 0 ;;
   "-m engine.cli.main")
     prev=""; for a in "$@"; do [ "$prev" = --json ] && json=$a; prev=$a; done
     echo '{"benchmark": "latency", "start_to_ready_s": 4, "results": [{"batch_size": 1,
@@ -104,6 +108,35 @@ def test_run_quant_int4gemm_step(tmp_path: Path) -> None:
     assert 150 < budget <= 220  # DEADLINE 300 less the margin, nothing else having run
     assert f"--json {out}/int4gemm.json" in sweep
     assert json.loads((out / "results.json").read_text()) == {}
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="the scripts use coreutils' timeout")
+def test_run_all_times_the_integer_experts(tmp_path: Path) -> None:
+    """``moe-kernels-wna16`` runs the MoE sweep on 4-bit experts with zero points, and
+    ``moe-wna16-b1`` / ``moe-wna16-nano`` the latency and throughput benchmarks on the
+    Qwen3-30B-A3B-GPTQ-Int4 shape; all three land in results.json."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "calls.log"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
+               FAKE_LOG=str(log), DEADLINE="400")  # fmt: skip
+    steps = ["moe-kernels-wna16", "moe-wna16-b1", "moe-wna16-nano"]
+    run = subprocess.run(["bash", str(GPU / "run_all.sh"), *steps], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    calls = log.read_text().splitlines()
+    sweep = next(c for c in calls if "-m engine_triton.benchmark" in c)
+    assert "--moe-only --moe-wna16 w4-g128-zp" in sweep
+    benches = [c for c in calls if "-m engine.cli.main bench" in c]
+    assert len(benches) == 2
+    assert all("--model qwen3-30b-a3b-gptq-int4" in c for c in benches)
+    assert "latency" in benches[0] and "--batch-sizes 1" in benches[0]
+    assert "throughput" in benches[1] and "--num-prompts 256" in benches[1]
+    assert set(json.loads((out / "results.json").read_text())) == set(steps)
 
 
 def test_ab_base_extracts_the_plugin_at_a_commit(tmp_path: Path) -> None:

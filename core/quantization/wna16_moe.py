@@ -382,17 +382,21 @@ def wna16_moe_method(
     config: Any, layer: Any, prefix: str, fmt: WNA16LinearMethod
 ) -> WNA16MoEMethod:
     """A ``WNA16MoEMethod`` over the dense format ``fmt`` for the quantization ``config``
-    (gptq, awq, compressed-tensors) of the MoE layer ``prefix``: refused on a GPU platform
-    whose only ``fused_moe_wna16`` is the torch reference; the first one of a config logs how
-    its experts run."""
+    (gptq, awq, compressed-tensors) of the MoE layer ``prefix``; the first one of a config logs
+    how its experts run.
+
+    Refused on a non-CPU platform whose ``fused_moe_wna16`` is the torch reference (no plugin
+    overrides it there: ``kernels.is_reference``), which would dequantize every routed expert
+    on every call. engine-triton registers it for CUDA and ROCm, so this refusal only meets a
+    GPU platform without that plugin (or a vendor plugin that lacks the op)."""
     kernels = getattr(layer, "kernels", None)
     platform = getattr(kernels, "platform", None)
     if kernels is not None and platform != "cpu" and kernels.is_reference("fused_moe_wna16"):
         raise QuantizationError(
             f"{prefix}: no plugin provides fused_moe_wna16 on {platform}: only the torch "
-            "reference does, which dequantizes every routed expert on every call (engine-triton "
-            "does not provide it yet: serve this checkpoint on the CPU, or install a plugin "
-            "that registers it)"
+            "reference does, which dequantizes every routed expert on every call (install "
+            "engine-triton, which provides it for CUDA and ROCm, or a vendor plugin that "
+            "registers it)"
         )
     method = WNA16MoEMethod(fmt)
     if not getattr(config, "_moe_logged", False):

@@ -9,7 +9,9 @@
 # llama-nano, profile; optional: conformance, spread, linear, cascade-kernels (cascade
 # attention's shared pass, each launch configuration against the plain decode kernel), kprofile, serve (HTTP against
 # offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
-# mixture-of-experts steps moe-kernels, moe-kernels-fp8 (FP8 experts), moe-b1, moe-fp8-b1 and
+# mixture-of-experts steps moe-kernels, moe-kernels-fp8 (FP8 experts), moe-kernels-wna16 (4-bit
+# experts in groups of 128 with zero points: fused_moe_wna16), moe-wna16-b1 and moe-wna16-nano
+# (the Qwen3-30B-A3B-GPTQ-Int4 shape, dummy packed weights), moe-b1, moe-fp8-b1 and
 # moe-fp8-nano (the Qwen3-30B-A3B-FP8 shape: 128x128 block FP8, experts weight-only), moe-nano, mixtral-b1, spec-base, spec-ngram,
 # spec-draft, spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts
 # holding the model's own greedy continuation; docs/speculative-decoding.md), the multi-LoRA
@@ -107,6 +109,14 @@ for step in "${steps[@]}"; do
       grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels-fp8.log"
       JSONS+=("moe-kernels-fp8")
       ;;
+    moe-kernels-wna16)  # the same sweep with 4-bit experts (fused_moe_wna16, groups of 128)
+      echo "=== moe wna16 kernel sweep at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --moe-only \
+        --moe-wna16 w4-g128-zp --json "$OUT/moe-kernels-wna16.json" >"$OUT/moe-kernels-wna16.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels-wna16.log"
+      JSONS+=("moe-kernels-wna16")
+      ;;
     cascade-kernels)  # cascade attention's shared pass at the 8B shape vs the plain decode kernel
       echo "=== cascade kernel sweep at $(elapsed)s"
       timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --cascade-only \
@@ -142,6 +152,8 @@ for step in "${steps[@]}"; do
     moe-b1) bench moe-b1 240 latency --model qwen3-30b-a3b "${B1[@]}" ;;
     moe-fp8-b1) bench moe-fp8-b1 240 latency --model qwen3-30b-a3b-fp8 "${B1[@]}" ;;
     moe-fp8-nano) bench moe-fp8-nano 300 throughput --model qwen3-30b-a3b-fp8 "${NANO[@]}" ;;
+    moe-wna16-b1) bench moe-wna16-b1 240 latency --model qwen3-30b-a3b-gptq-int4 "${B1[@]}" ;;
+    moe-wna16-nano) bench moe-wna16-nano 300 throughput --model qwen3-30b-a3b-gptq-int4 "${NANO[@]}" ;;
     moe-nano) bench moe-nano 300 throughput --model qwen3-30b-a3b "${NANO[@]}" ;;
     mixtral-b1) bench mixtral-b1 240 latency --model mixtral-8x7b "${B1[@]}" ;;
     qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
@@ -223,7 +235,8 @@ import json, os, sys
 with open(os.path.join(sys.argv[1], "results.json")) as f:
     results = json.load(f)
 for name, r in results.items():
-    if name in ("kernels", "spread", "linear", "moe-kernels", "moe-kernels-fp8", "lora-kernels"):
+    if name in ("kernels", "spread", "linear", "moe-kernels", "moe-kernels-fp8", "moe-kernels-wna16",
+                "lora-kernels"):
         continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "

@@ -1,6 +1,7 @@
 """engine-triton's MoE kernels on a CUDA GPU at the real model shapes, against the torch
-references (bf16), inside CUDA graphs, and tiny MoE models through the engine (decode graphs)
-token-exact against the CPU path; the expert-load counters inside captured graphs."""
+references (bf16; unquantized, FP8 and 4/8-bit integer experts), inside CUDA graphs, and tiny
+MoE models through the engine (decode graphs) token-exact against the CPU path (a GPTQ one
+against its dequantized twin); the expert-load counters inside captured graphs."""
 
 from __future__ import annotations
 
@@ -132,6 +133,64 @@ def test_fused_moe_fp8_matches_reference_at_model_sizes(experts, scheme, seed):
     torch.cuda.empty_cache()
 
 
+# ---- integer experts (W4A16 / W8A16) -------------------------------------------------------------
+WNA16_SCHEMES = {  # bits, group size (-1: one per row), symmetric, act-order
+    "w4-g128-sym": (4, 128, True, False),  # Qwen3-30B-A3B-GPTQ-Int4
+    "w4-g128-zp": (4, 128, False, False),  # AWQ, asymmetric GPTQ
+    "w4-g32-zp-act-order": (4, 32, False, True),  # GPTQ desc_act
+    "w8-row-sym": (8, -1, True, False),
+}
+
+
+@pytest.mark.parametrize("scheme", list(WNA16_SCHEMES))
+def test_fused_moe_wna16_matches_reference_at_model_sizes(experts, scheme, seed):
+    """Qwen3-30B-A3B-GPTQ-Int4's and a 4/8-bit Mixtral's expert shapes (groups of 128 and 32,
+    with and without zero points, act-order, 8-bit with one group per row), both paths and the
+    rule's choice, against the dequantizing reference; then each path captured in a CUDA
+    graph and replayed on new routing."""
+    from engine.quantization.wna16_moe import quantize_wna16_experts
+    from engine_triton.kernels import fused_moe as fm
+
+    name, k, w13, w2 = experts
+    bits, group, sym, act_order = WNA16_SCHEMES[scheme]
+    q13, s13, z13 = quantize_wna16_experts(w13, bits, group, sym)
+    q2, s2, z2 = quantize_wna16_experts(w2, bits, group, sym)
+    e, _, h = w13.shape
+    perms = (None, None)
+    if act_order:  # random orders: the stored experts stand for permuted ones
+        perms = tuple(
+            torch.stack([torch.randperm(n, device="cuda") for _ in range(e)]).to(torch.int32)
+            for n in (h, w2.shape[2])
+        )
+    for t in TOKENS[name]:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _route(t, e, k)
+        if t > 2:
+            ids[1, 0] = -1  # an expert held by another rank
+        args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits, *perms)
+        expected = ref.fused_moe_wna16(*args)
+        variants = ["grouped"] + (["decode"] if t * k <= fm.DECODE_MAX_PAIRS else [])
+        for variant in variants + [None]:
+            out = fm.fused_moe_wna16(*args, variant=variant)
+            close(out, expected, torch.bfloat16, f"{seed} {name} {scheme} T={t} {variant}")
+    for t, variant in ((1, "decode"), (96, "grouped")):
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _route(t, e, k)
+        args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits, *perms)
+        fm.fused_moe_wna16(*args, variant=variant)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fm.fused_moe_wna16(*args, variant=variant)
+        new_w, new_ids = _route(t, e, k)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fm.fused_moe_wna16(*args, variant=variant)), (name, t, variant)
+    del q13, q2, s13, s2, z13, z2
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("e,k", [(128, 8), (8, 2), (60, 4)])
 def test_topk_softmax_matches_reference(e, k):
     from engine_triton.kernels.fused_moe import moe_topk_softmax
@@ -230,3 +289,23 @@ def test_fp8_moe_models_on_triton_with_cuda_graphs_match_cpu(tiny_moe, tmp_path)
                        num_gpu_blocks_override=512)  # fmt: skip
     assert graphs, "decode graphs were not captured"
     assert gpu == cpu
+
+
+def test_gptq_moe_models_on_triton_with_cuda_graphs_match_dequantized(tiny_moe, tmp_path):
+    """A GPTQ checkpoint of the tiny MoE model (4-bit with zero points, groups of 32, or one
+    per row where the tiny Qwen2-MoE's 48-wide experts hold no whole group): the experts
+    through engine-triton's ``fused_moe_wna16`` and the dense layers through ``wna16_linear``,
+    inside decode graphs, give the greedy tokens of its dequantized twin (every quantized
+    weight replaced by its exact dequantized value, run unquantized) on the same GPU."""
+    from engine.testing import quantized_models as qm
+
+    group = -1 if "qwen2_moe" in tiny_moe else 32
+    gptq, dequantized = qm.write_gptq(
+        tiny_moe, tmp_path / "gptq", tmp_path / "dequantized", group_size=group, sym=False
+    )
+    want, _ = _run(str(dequantized), platform="cuda", attention_backend="triton",
+                   num_gpu_blocks_override=512)  # fmt: skip
+    got, graphs = _run(str(gptq), platform="cuda", attention_backend="triton",
+                       num_gpu_blocks_override=512)  # fmt: skip
+    assert graphs, "decode graphs were not captured"
+    assert got == want

@@ -225,19 +225,26 @@ def test_conformance_kit_accepts_the_overrides(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
-@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("quantization", [None, "fp8", "gptq-act-order"])
 def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, quantization):
     """A tiny Qwen3-MoE through the engine with every kernel, routing and experts included, in
     the interpreter: greedy tokens equal the torch reference path's (chunked prefill, decodes
     of several requests: the decode and the grouped expert paths both run). With
     ``--quantization fp8`` the experts go through ``fused_moe_fp8`` (online per-channel FP8,
-    weight-only), the dense layers through the FP8 linears."""
+    weight-only), the dense layers through the FP8 linears; a GPTQ checkpoint (4-bit, groups
+    of 32, zero points, act-order) through ``fused_moe_wna16`` and ``wna16_linear``."""
     import engine_triton.kernels as triton_kernels
     from engine import LLM, SamplingParams
     from engine.testing.tiny_models import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "m", "qwen3_moe", num_layers=2, num_experts=16,
                                 num_experts_per_tok=4))  # fmt: skip
+    experts_kernel = {None: "fused_moe", "fp8": "fused_moe_fp8"}.get(quantization)
+    if quantization == "gptq-act-order":
+        from engine.testing.quantized_models import write_gptq
+
+        gptq, _ = write_gptq(path, tmp_path / "gptq", group_size=32, sym=False, desc_act=True)
+        path, quantization, experts_kernel = str(gptq), None, "fused_moe_wna16"
     from engine_triton.kernels import fused_moe as fm
 
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13, 14]]
@@ -258,7 +265,7 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, qu
                   max_num_batched_tokens=8, platform="cpu", quantization=quantization)  # fmt: skip
         kernels = llm.llm_engine.runner.kernels
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], (
-            kernels.provider("fused_moe_fp8" if quantization else "fused_moe")
+            kernels.provider(experts_kernel)
         )
 
     expected, provider = generate()
@@ -273,17 +280,20 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, qu
     assert calls["decode"] > 0 and calls["grouped"] > 0, calls
 
 
-@pytest.mark.parametrize("fp8", [None, "block"])
-def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8):
-    """``python -m engine_triton.benchmark --moe-only [--moe-fp8 block]`` end to end on one
-    tiny shape with the GPU timers stubbed (the numbers mean nothing here; the code path and
-    the error check do)."""
+@pytest.mark.parametrize("fp8,wna16", [(None, None), ("block", None), (None, "w4-g128-zp")])
+def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8, wna16):
+    """``python -m engine_triton.benchmark --moe-only [--moe-fp8 block | --moe-wna16 ...]``
+    end to end on one tiny shape with the GPU timers stubbed (the numbers mean nothing here;
+    the code path and the error check do)."""
     from engine_triton import benchmark
+    from engine_triton.kernels import fused_moe as fm
 
     if torch.cuda.is_available():
         pytest.skip("runs for real on a GPU: python -m engine_triton.benchmark --moe-only")
     tiny = dict(experts=8, top_k=2, hidden=32, inter=16, layers=2, other_params=1000)
     monkeypatch.setattr(benchmark, "MOE_SHAPES", {"tiny": tiny})
+    # Groups of 16 (the tiny experts are 16 wide), zero points kept.
+    monkeypatch.setitem(benchmark.MOE_WNA16_SCHEMES, "w4-g128-zp", (4, 16, False))
     monkeypatch.setattr(benchmark, "_graph_us", lambda call, calls=1: (call(0), call(1), 2.0)[-1])
     monkeypatch.setattr(benchmark, "_copy_gbps", lambda device: 4000.0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "interpreter")
@@ -293,13 +303,18 @@ def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8):
     assert not any(v == "decode" for v, _ in every(64, 8, 128))  # 512 pairs: grouped only
     assert len(set(every(5, 2, 8))) == len(every(5, 2, 8))
     # The rule's choice and one alternative per batch: the interpreter compiles each one.
-    monkeypatch.setattr(benchmark, "_moe_candidates", lambda t, k, e: every(t, k, e)[:2])
+    assert every(1, 8, 128, 4)[0][1] == fm.WNA16_DECODE[4]
+    monkeypatch.setattr(
+        benchmark, "_moe_candidates", lambda t, k, e, bits: every(t, k, e, bits)[:2]
+    )
     results: dict = {}
-    benchmark.sweep_moe(results, tokens=(1, 5), device="cpu", fp8=fp8)
+    benchmark.sweep_moe(results, tokens=(1, 5), device="cpu", fp8=fp8, wna16=wna16)
     out = capsys.readouterr().out
     assert "tiny: 8 experts, top-2" in out and "T=1 " in out and "T=5 " in out
     assert ("fp8 experts (block scales" in out) == bool(fp8)
-    rows = results[f"moe{' fp8-block' if fp8 else ''} tiny T=5"]["rows"]
+    assert ("integer experts (w4-g128-zp" in out) == bool(wna16)
+    tag = " fp8-block" if fp8 else f" {wna16}" if wna16 else ""
+    rows = results[f"moe{tag} tiny T=5"]["rows"]
     assert rows[0]["rule"] and rows[0]["config"].startswith("grouped")
     assert any(r["config"].startswith("decode") for r in rows)
     assert all("error" not in r and r["max_err"] < 0.06 for r in rows), rows

@@ -169,11 +169,6 @@ def test_write_kv_cache_skips_negative_slots(dtype, device, seed):
     assert torch.equal(dev_cache.cpu(), expected), f"seed={seed}"
 
 
-# Registry ops engine-triton does not implement yet: integer MoE experts (their Triton kernels
-# were written on 2026-12-07 but had no GPU run, so they wait on a branch).
-NOT_YET_ON_GPU = {"fused_moe_wna16"}
-
-
 def test_register_overrides_gpu_platforms_only():
     from engine.kernels.registry import KERNEL_NAMES, KernelRegistry
     from engine_triton.kernels import register
@@ -182,12 +177,7 @@ def test_register_overrides_gpu_platforms_only():
     register(registry)
     for platform in ("cuda", "rocm"):
         kernels = registry.resolve(platform)
-        assert {kernels.provider(n) for n in set(KERNEL_NAMES) - NOT_YET_ON_GPU} == {
-            "engine-llm-triton"
-        }
-        # Ops waiting for their Triton version keep the reference, which the methods that
-        # need them refuse on a GPU platform (never a silent slow path).
-        assert {kernels.provider(n) for n in NOT_YET_ON_GPU} <= {"engine-llm (torch reference)"}
+        assert {kernels.provider(n) for n in KERNEL_NAMES} == {"engine-llm-triton"}
     cpu = registry.resolve("cpu")
     assert {cpu.provider(n) for n in KERNEL_NAMES} == {"engine-llm (torch reference)"}
 

@@ -15,8 +15,9 @@ calls over rotating weight copies (how the engine runs them). It prints achieved
 the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the kernel module.
 
 ``python -m engine_triton.benchmark --moe-only [--moe-shapes S] [--moe-tokens 1,8,...]
-[--moe-fp8 block|channel]`` (FP8 experts through ``fused_moe_fp8``, weight-only) times
-the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
+[--moe-fp8 block|channel] [--moe-wna16 w4-g128|w4-g128-zp|w8-g128]`` (FP8 experts through
+``fused_moe_fp8``, or 4/8-bit integer experts in groups through ``fused_moe_wna16``; both
+weight-only) times the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
 (128 experts, top-8, hidden 2048, 768 wide) and Mixtral-8x7B (8 experts, top-2, 4096, 14336)
 shapes, bf16, uniformly random routing, for each token count: both ways through the experts
 (decode GEMVs, grouped GEMMs) and a few launch configurations, each per call inside a CUDA
@@ -46,6 +47,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import random
 import sys
 
@@ -489,6 +491,9 @@ def _moe_run(x, copy, topk_weights, topk_ids, kw):
 
     if len(copy) == 2:
         return fm.fused_moe(x, *copy, topk_weights, topk_ids, **kw)
+    if len(copy) == 7:
+        w13, w2, s13, s2, z13, z2, bits = copy
+        return fm.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, z13, z2, bits, **kw)
     w13, w2, s13, s2, block = copy
     return fm.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block, **kw)
 
@@ -498,6 +503,9 @@ def _moe_reference(x, copy, topk_weights, topk_ids):
 
     if len(copy) == 2:
         return ref.fused_moe(x, *copy, topk_weights, topk_ids)
+    if len(copy) == 7:
+        w13, w2, s13, s2, z13, z2, bits = copy
+        return ref.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, z13, z2, bits)
     w13, w2, s13, s2, block = copy
     return ref.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block)
 
@@ -506,13 +514,33 @@ def _moe_reference(x, copy, topk_weights, topk_ids):
 MOE_FP8_SCHEMES = {"channel": None, "block": (128, 128)}
 
 
-def _moe_experts(e, h, i, dtype, device, fp8: str | None) -> tuple:
-    """One random copy of a layer's experts, quantized to FP8 when ``fp8`` (one bf16 copy
-    alive at a time)."""
+# ``--moe-wna16``: integer experts (weight-only): bits, group size, symmetric (the engine's
+# layout: float32 scales, uint8 zero points).
+MOE_WNA16_SCHEMES = {"w4-g128": (4, 128, True), "w4-g128-zp": (4, 128, False),
+                     "w8-g128": (8, 128, True)}  # fmt: skip
+
+
+def _wna16_bytes_per_weight(scheme: str) -> float:
+    """Bytes a call reads per integer expert weight: the packed value, plus its share of the
+    float32 scale and (asymmetric) uint8 zero point of its group."""
+    bits, group, sym = MOE_WNA16_SCHEMES[scheme]
+    return bits / 8 + (4 + (0 if sym else 1)) / group
+
+
+def _moe_experts(e, h, i, dtype, device, fp8: str | None, wna16: str | None = None) -> tuple:
+    """One random copy of a layer's experts, quantized to FP8 when ``fp8``, to integers in
+    groups when ``wna16`` (one bf16 copy alive at a time)."""
     import torch
 
     w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5
     w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5
+    if wna16:
+        from engine.quantization.wna16_moe import quantize_wna16_experts
+
+        bits, group, sym = MOE_WNA16_SCHEMES[wna16]
+        q13, s13, z13 = quantize_wna16_experts(w13, bits, group, sym)
+        q2, s2, z2 = quantize_wna16_experts(w2, bits, group, sym)
+        return q13, q2, s13, s2, z13, z2, bits
     return _fp8_copy(w13, w2, fp8) if fp8 else (w13, w2)
 
 
@@ -535,19 +563,27 @@ def _topk_call(logits, top_k):
     return lambda j: fm.moe_topk_softmax(logits, top_k, True)
 
 
-def _moe_candidates(tokens: int, top_k: int, experts: int) -> list[tuple[str, object]]:
+def _moe_candidates(
+    tokens: int, top_k: int, experts: int, bits: int = 0
+) -> list[tuple[str, object]]:
     """(variant, config) pairs the sweep times for one batch, the rule's choice first: decode
     tilings while the decode kernels may serve it, grouped tilings sized to the pairs per
-    expert."""
+    expert. ``bits`` (integer experts): their decode default (``WNA16_DECODE[bits]``) and
+    longer K steps (a step of packed words holds a quarter of FP8's bytes at 4 bits)."""
     from engine_triton.kernels import fused_moe as fm
 
     D, G = fm.DecodeConfig, fm.GroupedConfig
     pairs = tokens * top_k
     rule = "decode" if fm.use_decode(tokens, top_k, experts) else "grouped"
+    decode_rule = fm.WNA16_DECODE[bits] if bits else D()
     out: list[tuple[str, object]] = [
-        (rule, D() if rule == "decode" else fm.grouped_config(pairs, experts))
+        (rule, decode_rule if rule == "decode" else fm.grouped_config(pairs, experts))
     ]
-    if pairs <= fm.DECODE_MAX_PAIRS:
+    if pairs <= fm.DECODE_MAX_PAIRS and bits:
+        out += [("decode", c) for c in (D(16, 256, 8, 256), D(16, 1024, 8, 512),
+                                        D(32, 512, 16, 256), D(8, 1024, 8, 256, 4, 4),
+                                        D(16, 512, 8, 256, 8, 3))]  # fmt: skip
+    elif pairs <= fm.DECODE_MAX_PAIRS:
         out += [("decode", c) for c in (D(8, 256, 8, 256), D(32, 128, 16, 128),
                                         D(16, 512, 8, 512, 8, 2), D(16, 256, 4, 256, 4, 4))]  # fmt: skip
     avg = pairs / experts
@@ -570,11 +606,15 @@ def sweep_moe(
     budget_s: float = 200.0,
     device: str = "cuda",
     fp8: str | None = None,
+    wna16: str | None = None,
 ) -> None:
     """Time the fused MoE kernel per layer on ``MOE_SHAPES`` (see the module docstring).
     After ``budget_s`` seconds only the rule's choice is timed. ``fp8`` (a key of
     ``MOE_FP8_SCHEMES``) times ``fused_moe_fp8`` on the same experts quantized to e4m3
-    (weight-only, bf16 activations): a byte per weight, so the copy-speed floor halves."""
+    (weight-only, bf16 activations): a byte per weight, so the copy-speed floor halves;
+    ``wna16`` (a key of ``MOE_WNA16_SCHEMES``) ``fused_moe_wna16`` on them quantized to 4 or
+    8 bits in groups, the bytes read counting the packed values with their group's scale and
+    zero point (``_wna16_bytes_per_weight``)."""
     import time
 
     import torch
@@ -582,8 +622,11 @@ def sweep_moe(
     t0 = time.perf_counter()
     dtype = torch.bfloat16
     weight_bytes = 1 if fp8 else dtype.itemsize
-    copy = _copy_gbps(device)
     what = f"fp8 experts ({fp8} scales, weight-only), bf16 activations" if fp8 else "bf16"
+    if wna16:
+        weight_bytes = _wna16_bytes_per_weight(wna16)
+        what = f"integer experts ({wna16}, weight-only), bf16 activations"
+    copy = _copy_gbps(device)
     print(f"moe: {torch.cuda.get_device_name(device)}, {what}, copy bandwidth {copy:.0f} GB/s; "
           f"us = per call in a graph over rotating weights and routings", flush=True)  # fmt: skip
     results["moe copy GBps"] = round(copy)
@@ -593,9 +636,9 @@ def sweep_moe(
         sh = MOE_SHAPES[name]
         e, k, h, i = sh["experts"], sh["top_k"], sh["hidden"], sh["inter"]
         expert_bytes = 3 * h * i * weight_bytes
-        copies = max(1, min(8, -(-MOE_ROTATE_BYTES // (e * expert_bytes))))
+        copies = max(1, min(8, math.ceil(MOE_ROTATE_BYTES / (e * expert_bytes))))
         torch.manual_seed(0)
-        weights = [_moe_experts(e, h, i, dtype, device, fp8) for _ in range(copies)]
+        weights = [_moe_experts(e, h, i, dtype, device, fp8, wna16) for _ in range(copies)]
         gen = torch.Generator(device="cpu").manual_seed(0)
         floor_bytes = (
             sh["other_params"] * dtype.itemsize + sh["layers"] * k * 3 * h * i * weight_bytes
@@ -616,11 +659,8 @@ def sweep_moe(
             nbytes = distinct * expert_bytes + 2 * t * h * dtype.itemsize
             expected = _moe_reference(x, weights[0], routes[0][1], routes[0][0]).float()
             over = time.perf_counter() - t0 > budget_s
-            cands = (
-                _moe_candidates(t, k, e)
-                if candidates and not over
-                else _moe_candidates(t, k, e)[:1]
-            )
+            cands = _moe_candidates(t, k, e, MOE_WNA16_SCHEMES[wna16][0] if wna16 else 0)
+            cands = cands if candidates and not over else cands[:1]
             rows = []
             for index, (variant, cfg) in enumerate(cands):
                 kw = {"variant": variant}
@@ -642,7 +682,8 @@ def sweep_moe(
             best = min(ok, key=lambda r: r["us"]) if ok else None
             logits = torch.randn(t, e, device=device, dtype=dtype)
             topk_us = _graph_us(_topk_call(logits, k), calls=50)
-            results[f"moe{' fp8-' + fp8 if fp8 else ''} {name} T={t}"] = {
+            tag = f" fp8-{fp8}" if fp8 else f" {wna16}" if wna16 else ""
+            results[f"moe{tag} {name} T={t}"] = {
                 "bytes": round(nbytes), "distinct_experts": round(distinct, 1),
                 "topk_softmax_us": round(topk_us, 2), "rows": rows,
             }  # fmt: skip
@@ -819,6 +860,12 @@ def main(argv: list[str] | None = None) -> int:
         help="time fused_moe_fp8 (e4m3 experts, weight-only) with these scales",
     )
     parser.add_argument(
+        "--moe-wna16",
+        choices=sorted(MOE_WNA16_SCHEMES),
+        default=None,
+        help="time fused_moe_wna16 (4/8-bit integer experts in groups, weight-only)",
+    )
+    parser.add_argument(
         "--moe-no-candidates", action="store_true", help="time only the rule's configuration"
     )
     parser.add_argument(
@@ -845,12 +892,15 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(results, f, indent=1)
         return 0
     if args.moe_only:
+        if args.moe_fp8 and args.moe_wna16:
+            parser.error("--moe-fp8 and --moe-wna16 time different experts: pick one")
         sweep_moe(
             results,
             shapes=args.moe_shapes.split(",") if args.moe_shapes else None,
             tokens=tuple(int(v) for v in args.moe_tokens.split(",")),
             candidates=not args.moe_no_candidates,
             fp8=args.moe_fp8,
+            wna16=args.moe_wna16,
         )
         if args.json:
             with open(args.json, "w") as f:

@@ -33,7 +33,12 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     )
     from engine_triton.kernels.argmax import argmax
     from engine_triton.kernels.fp8_linear import fp8_block_linear, fp8_linear
-    from engine_triton.kernels.fused_moe import fused_moe, fused_moe_fp8, moe_topk_softmax
+    from engine_triton.kernels.fused_moe import (
+        fused_moe,
+        fused_moe_fp8,
+        fused_moe_wna16,
+        moe_topk_softmax,
+    )
     from engine_triton.kernels.gguf_linear import gguf_linear
     from engine_triton.kernels.int8_linear import int8_linear
     from engine_triton.kernels.kv_cache import write_kv_cache
@@ -64,6 +69,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "moe_topk_softmax": moe_topk_softmax,
         "fused_moe": fused_moe,
         "fused_moe_fp8": fused_moe_fp8,
+        "fused_moe_wna16": fused_moe_wna16,
         "fp8_linear": fp8_linear,
         "fp8_block_linear": fp8_block_linear,
         "int8_linear": int8_linear,

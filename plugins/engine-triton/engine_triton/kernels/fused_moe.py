@@ -40,6 +40,31 @@ per output channel (1: the decode GEMV's row sums, the grouped GEMM's columns af
 or per ``(bn, bk)`` block (2: each K step, cut to divide bk so it lies in one block column; the
 grouped GEMMs convert the e4m3 tile to the activation dtype, exactly, for the tensor cores).
 
+``fused_moe_wna16`` runs 4/8-bit integer experts in groups (GPTQ, AWQ, compressed-tensors
+W4A16/W8A16; weight-only) through the same four kernels: ``WBITS`` (0 otherwise, and then
+every integer branch is pruned at compile time: the bf16 and FP8 kernels compile exactly as
+before, their extra pointer arguments being ``None`` constexprs) makes them load the packed
+int32 words (``32 / WBITS`` values along K, lowest bits first) and unpack them in registers
+with ``engine_triton.kernels.wna16_linear``'s bit tricks rather than an integer-to-float
+conversion per weight (a quarter of the integer rate on Hopper). Zero points (``HAS_ZP``; else
+``2**(WBITS-1)``) and scales are folded in per group and output feature through the
+activations' sum: ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)``.
+
+* decode GEMVs: a K step loads ``[BLOCK_N, BLOCK_K / PACK]`` words (vector loads), and per
+  field ``j`` of the word the float ``1 + q / 2**WBITS`` (a shift and an AND-OR) multiplies the
+  activations ``k = word * PACK + j``, gathered with that stride; the step's partial sums are
+  scaled per word column, whose group is looked up (a step may span groups).
+* grouped GEMMs: the words tile ``[BLOCK_K / PACK, BLOCK_N]`` is unpacked to the
+  ``[BLOCK_K, BLOCK_N]`` operand as ``MAGIC + q`` in the activation dtype (the integer OR-ed
+  into the mantissa of 128 for bf16, 1024 for fp16; converted for 8-bit bf16), and each K step
+  lies inside one group (the step cut to divide the group, as FP8 block scales cut it) so its
+  product is corrected and scaled once per column. Float32 activations (no tensor cores)
+  multiply the dequantized float32 tile instead.
+* act-order experts (``HAS_PERM``): the activations are read through the expert's
+  permutation (a gathered load per step; the weights stream as before).
+
+One group per row is the group ``next_power_of_2(K)``: every step's group is 0.
+
 Ids of -1 (choices held by another expert-parallel rank) are skipped everywhere. Arithmetic is
 float32; the gate/up results are rounded to the activation dtype before SiLU-and-mul and each
 expert's down result before it is weighted, as the torch reference does; the grouped path also
@@ -59,6 +84,7 @@ import triton.language as tl
 from engine.kernels import reference as ref
 from engine_triton.kernels.linear import _Scratch
 from engine_triton.kernels.pdl import pdl_launch, pdl_wait
+from engine_triton.kernels.wna16_linear import ONE_BITS, _dot_operand, _magic, _unit_field
 
 MAX_ROUTER_EXPERTS = 1024  # register-resident softmax; more experts take the torch reference
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -247,6 +273,112 @@ def _w2_scale_rows(
     return base + rows * stride_sn
 
 
+# ---- integer expert weights -------------------------------------------------------------------
+@triton.jit
+def _int_gemv_step(
+    x_row, p_row, w_rows, s_rows, z_rows, k0, K, one_bits,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WBITS: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_PERM: tl.constexpr,
+):  # fmt: skip
+    """One K step ``[k0, k0 + BLOCK_K)`` of an integer decode GEMV: ``sum (q - z) s x`` of the
+    ``BLOCK_N`` packed rows at ``w_rows`` (their scale / zero-point rows at ``s_rows`` /
+    ``z_rows``, ``GROUP`` input features a group) against the activations ``x_row`` (read
+    through the permutation row ``p_row`` with ``HAS_PERM``), per word column
+    ``[BLOCK_N, BLOCK_K / PACK]`` in float32 (the caller sums them after its loop).
+
+    The words load once, vectorized; field ``j`` of every word becomes ``1 + q / 2**WBITS``
+    (``_unit_field``: a shift and an AND-OR) and one FMA accumulates it against the
+    activations ``k = word * PACK + j`` (a strided gather of a vector L1 holds). Per word
+    column, whose ``PACK`` features share one group: ``sum x (q - z) = 2**WBITS sum(x v) -
+    (2**WBITS + z) sum(x)``, then the scale."""
+    PACK: tl.constexpr = 32 // WBITS
+    R: tl.constexpr = BLOCK_K // PACK
+    ONE: tl.constexpr = 1 << WBITS
+    r = tl.arange(0, R)
+    words_at = k0 // PACK + r
+    if EVEN_K:
+        words = tl.load(w_rows + words_at[None, :])
+    else:
+        w_ok = words_at < K // PACK
+        words = tl.load(w_rows + words_at[None, :], mask=w_ok[None, :], other=0)
+    part = tl.zeros((BLOCK_N, R), dtype=tl.float32)
+    xs = tl.zeros((R,), dtype=tl.float32)
+    for j in tl.static_range(PACK):
+        k = k0 + r * PACK + j
+        if EVEN_K:
+            if HAS_PERM:
+                k = tl.load(p_row + k)
+            xj = tl.load(x_row + k).to(tl.float32)
+        else:
+            k_ok = k < K
+            if HAS_PERM:
+                k = tl.load(p_row + k, mask=k_ok, other=0)
+            xj = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        part += _unit_field(words, j, WBITS, one_bits) * xj[None, :]
+        xs += xj
+    group = ((k0 + r * PACK) // GROUP)[None, :]
+    if EVEN_K:
+        s = tl.load(s_rows[:, None] + group).to(tl.float32)
+    else:
+        s = tl.load(s_rows[:, None] + group, mask=w_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_ZP:
+        if EVEN_K:
+            z = tl.load(z_rows[:, None] + group).to(tl.float32)
+        else:
+            z = tl.load(z_rows[:, None] + group, mask=w_ok[None, :], other=0).to(tl.float32)
+        return s * (part * ONE - (z + ONE) * xs[None, :])
+    return s * (part * ONE - (ONE + (1 << (WBITS - 1))) * xs[None, :])
+
+
+@triton.jit
+def _int_dot_step(
+    acc, x, w_cols, s_cols, z_cols, k0, K,
+    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, WBITS: tl.constexpr,
+    HAS_ZP: tl.constexpr, MAGIC: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus one grouped K step: the activations ``x`` ``[BLOCK_M, BLOCK_K]`` (input
+    features ``[k0, k0 + BLOCK_K)``, inside one group) times the packed rows ``w_cols``
+    (``[BLOCK_N]`` pointers, K contiguous), whose scale / zero-point rows are ``s_cols`` /
+    ``z_cols``.
+
+    16-bit activations: the words ``[BLOCK_K / PACK, BLOCK_N]`` load once and unpack to
+    ``[BLOCK_K / PACK, PACK, BLOCK_N]`` (the feature order ``word * PACK + field``), the
+    tensor-core operand being ``MAGIC + q`` in x's dtype (``wna16_linear._dot_operand``);
+    the float32 product is then corrected and scaled per column, ``s (x . (MAGIC + q) -
+    (MAGIC + z) sum x)``. Float32 activations (an FMA product, no tensor cores) multiply the
+    dequantized float32 tile ``(q - z) s`` into ``acc`` instead, each feature loading its
+    word (L1 serves the repeats): the unpack's reshape into the FMA operand's layout, and the
+    correction, spilled to local memory (sm_90 compile)."""
+    PACK: tl.constexpr = 32 // WBITS
+    R: tl.constexpr = BLOCK_K // PACK
+    kb = k0 // GROUP
+    s = tl.load(s_cols + kb).to(tl.float32)
+    if HAS_ZP:
+        z = tl.load(z_cols + kb).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + (1 << (WBITS - 1))
+    if x.dtype == tl.float32:
+        k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            words = tl.load(w_cols[None, :] + (k // PACK)[:, None])
+        else:
+            words = tl.load(w_cols[None, :] + (k // PACK)[:, None], mask=(k < K)[:, None], other=0)
+        q = ((words >> ((k % PACK) * WBITS)[:, None]) & ((1 << WBITS) - 1)).to(tl.float32)
+        return tl.dot(x, (q - z[None, :]) * s[None, :], acc, input_precision=PRECISION)
+    words_at = k0 // PACK + tl.arange(0, R)
+    if EVEN_K:
+        words = tl.load(w_cols[None, :] + words_at[:, None])
+    else:
+        w_ok = words_at < K // PACK
+        words = tl.load(w_cols[None, :] + words_at[:, None], mask=w_ok[:, None], other=0)
+    shifts = tl.arange(0, PACK) * WBITS
+    q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << WBITS) - 1)
+    w = _dot_operand(tl.reshape(q, (BLOCK_K, q.shape[2])), x, MAGIC)
+    dq = tl.dot(x, w, input_precision=PRECISION)
+    xsum = tl.sum(x.to(tl.float32), axis=1)
+    return acc + s[None, :] * (dq - (z + MAGIC)[None, :] * xsum[:, None])
+
+
 # ---- decode kernels ---------------------------------------------------------------------------
 @triton.jit
 def _silu_mul(gate, up, out_dtype: tl.constexpr):
@@ -279,6 +411,12 @@ def _decode_gate_up_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
+    WBITS: tl.constexpr = 0,
+    HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
+    z_ptr=None,
+    p_ptr=None,
+    one_bits=None,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -296,32 +434,56 @@ def _decode_gate_up_kernel(
         s_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
     )
     x_row = x_ptr + token.to(tl.int64) * stride_xt
-    kk = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs = k0 + kk
-        if EVEN_K:
-            x = tl.load(x_row + offs).to(tl.float32)
-            wg = tl.load(gate_rows + offs[None, :])
-            wu = tl.load(up_rows + offs[None, :])
-        else:
-            k_ok = offs < H
-            x = tl.load(x_row + offs, mask=k_ok, other=0.0).to(tl.float32)
-            wg = tl.load(gate_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
-            wu = tl.load(up_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
-        if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
-            kb = k0 // SCALE_BK
-            acc_g += wg.to(tl.float32) * tl.load(g_scales + kb)[:, None] * x[None, :]
-            acc_u += wu.to(tl.float32) * tl.load(u_scales + kb)[:, None] * x[None, :]
-        else:
-            acc_g += wg.to(tl.float32) * x[None, :]
-            acc_u += wu.to(tl.float32) * x[None, :]
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
-    if SCALE == 1:
-        gate = gate * tl.load(g_scales)
-        up = up * tl.load(u_scales)
+    if WBITS != 0:  # integer experts: packed rows, scales [E, 2I, groups] (SCALE 2, SCALE_BN 1)
+        g_zeros = None
+        u_zeros = None
+        p_row = None
+        if HAS_ZP:
+            g_zeros, u_zeros = _w13_scale_rows(
+                z_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
+            )
+        if HAS_PERM:
+            p_row = p_ptr + expert.to(tl.int64) * H
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // (32 // WBITS)), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K // (32 // WBITS)), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            acc_g += _int_gemv_step(
+                x_row, p_row, gate_rows, g_scales, g_zeros, k0, H, one_bits,
+                BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM,
+            )  # fmt: skip
+            acc_u += _int_gemv_step(
+                x_row, p_row, up_rows, u_scales, u_zeros, k0, H, one_bits,
+                BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM,
+            )  # fmt: skip
+        gate = tl.sum(acc_g, axis=1)
+        up = tl.sum(acc_u, axis=1)
+    else:
+        kk = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs = k0 + kk
+            if EVEN_K:
+                x = tl.load(x_row + offs).to(tl.float32)
+                wg = tl.load(gate_rows + offs[None, :])
+                wu = tl.load(up_rows + offs[None, :])
+            else:
+                k_ok = offs < H
+                x = tl.load(x_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+                wg = tl.load(gate_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+                wu = tl.load(up_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+            if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
+                kb = k0 // SCALE_BK
+                acc_g += wg.to(tl.float32) * tl.load(g_scales + kb)[:, None] * x[None, :]
+                acc_u += wu.to(tl.float32) * tl.load(u_scales + kb)[:, None] * x[None, :]
+            else:
+                acc_g += wg.to(tl.float32) * x[None, :]
+                acc_u += wu.to(tl.float32) * x[None, :]
+        gate = tl.sum(acc_g, axis=1)
+        up = tl.sum(acc_u, axis=1)
+        if SCALE == 1:
+            gate = gate * tl.load(g_scales)
+            up = up * tl.load(u_scales)
     h = _silu_mul(gate, up, inter_ptr.dtype.element_ty)
     tl.store(inter_ptr + pair.to(tl.int64) * INTER + cols, h, mask=cols < INTER)
 
@@ -352,6 +514,12 @@ def _decode_down_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
+    WBITS: tl.constexpr = 0,
+    HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
+    z_ptr=None,
+    p_ptr=None,
+    one_bits=None,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -366,24 +534,39 @@ def _decode_down_kernel(
         w_rows = w2_ptr + expert.to(tl.int64) * stride_we + rows_c.to(tl.int64)[:, None] * stride_wn
         scales = _w2_scale_rows(s_ptr, expert, rows_c, stride_se, stride_sn, SCALE, SCALE_BN)
         a_row = inter_ptr + pair.to(tl.int64) * INTER
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            offs = k0 + kk
-            if EVEN_K:
-                a = tl.load(a_row + offs).to(tl.float32)
-                w = tl.load(w_rows + offs[None, :])
-            else:
-                k_ok = offs < INTER
-                a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
-            if SCALE == 2:
-                acc += w.to(tl.float32) * tl.load(scales + k0 // SCALE_BK)[:, None] * a[None, :]
-            else:
-                acc += w.to(tl.float32) * a[None, :]
-        y = tl.sum(acc, axis=1)
-        if SCALE == 1:
-            y = y * tl.load(scales)
+        if WBITS != 0:  # integer experts (see the gate/up kernel)
+            zeros = None
+            p_row = None
+            if HAS_ZP:
+                zeros = _w2_scale_rows(z_ptr, expert, rows_c, stride_se, stride_sn, SCALE, SCALE_BN)
+            if HAS_PERM:
+                p_row = p_ptr + expert.to(tl.int64) * INTER
+            acc = tl.zeros((BLOCK_N, BLOCK_K // (32 // WBITS)), dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                acc += _int_gemv_step(
+                    a_row, p_row, w_rows, scales, zeros, k0, INTER, one_bits,
+                    BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM,
+                )  # fmt: skip
+            y = tl.sum(acc, axis=1)
+        else:
+            kk = tl.arange(0, BLOCK_K)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                offs = k0 + kk
+                if EVEN_K:
+                    a = tl.load(a_row + offs).to(tl.float32)
+                    w = tl.load(w_rows + offs[None, :])
+                else:
+                    k_ok = offs < INTER
+                    a = tl.load(a_row + offs, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(w_rows + offs[None, :], mask=k_ok[None, :], other=0.0)
+                if SCALE == 2:
+                    acc += w.to(tl.float32) * tl.load(scales + k0 // SCALE_BK)[:, None] * a[None, :]
+                else:
+                    acc += w.to(tl.float32) * a[None, :]
+            y = tl.sum(acc, axis=1)
+            if SCALE == 1:
+                y = y * tl.load(scales)
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.load(topk_w_ptr + pair)
     # The top-k sum: every choice of the token leaves its weighted rows in the float32
@@ -502,6 +685,12 @@ def _grouped_gate_up_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
+    WBITS: tl.constexpr = 0,
+    HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
+    MAGIC: tl.constexpr = 0,
+    z_ptr=None,
+    p_ptr=None,
 ):
     num_n = tl.cdiv(INTER, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -524,29 +713,57 @@ def _grouped_gate_up_kernel(
     )
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
-        else:
-            k_ok = (k0 + kk) < H
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if SCALE != 0:  # e4m3 values are exact in every activation dtype
-            wg = wg.to(x.dtype)
-            wu = wu.to(x.dtype)
-        if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
-            kb = k0 // SCALE_BK
-            acc_g += tl.dot(x, wg, input_precision=PRECISION) * tl.load(g_scales + kb)[None, :]
-            acc_u += tl.dot(x, wu, input_precision=PRECISION) * tl.load(u_scales + kb)[None, :]
-        else:
-            acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if WBITS != 0:  # integer experts: each K step inside one group (BLOCK_K divides SCALE_BK)
+        g_cols = w_base + cols_c.to(tl.int64) * stride_wn
+        u_cols = w_base + (cols_c + INTER).to(tl.int64) * stride_wn
+        g_zeros = None
+        u_zeros = None
+        if HAS_ZP:
+            g_zeros, u_zeros = _w13_scale_rows(
+                z_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
+            )
+        x_rows = x_ptr + tokens[:, None] * stride_xt
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < H
+            if HAS_PERM:  # act-order: this expert's order of the input features
+                k = tl.load(p_ptr + expert.to(tl.int64) * H + k, mask=k_ok, other=0)
+            if EVEN_K:
+                x = tl.load(x_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_g = _int_dot_step(
+                acc_g, x, g_cols, g_scales, g_zeros, k0, H,
+                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION,
+            )  # fmt: skip
+            acc_u = _int_dot_step(
+                acc_u, x, u_cols, u_scales, u_zeros, k0, H,
+                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION,
+            )  # fmt: skip
+    else:
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+                wg = tl.load(g_ptrs)
+                wu = tl.load(u_ptrs)
+            else:
+                k_ok = (k0 + kk) < H
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+                wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            if SCALE != 0:  # e4m3 values are exact in every activation dtype
+                wg = wg.to(x.dtype)
+                wu = wu.to(x.dtype)
+            if SCALE == 2:  # the K step lies in one block column (BLOCK_K divides SCALE_BK)
+                kb = k0 // SCALE_BK
+                acc_g += tl.dot(x, wg, input_precision=PRECISION) * tl.load(g_scales + kb)[None, :]
+                acc_u += tl.dot(x, wu, input_precision=PRECISION) * tl.load(u_scales + kb)[None, :]
+            else:
+                acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     if SCALE == 1:
         acc_g = acc_g * tl.load(g_scales)[None, :]
         acc_u = acc_u * tl.load(u_scales)[None, :]
@@ -583,6 +800,12 @@ def _grouped_down_kernel(
     SCALE: tl.constexpr = 0,
     SCALE_BN: tl.constexpr = 1,
     SCALE_BK: tl.constexpr = 1,
+    WBITS: tl.constexpr = 0,
+    HAS_ZP: tl.constexpr = False,
+    HAS_PERM: tl.constexpr = False,
+    MAGIC: tl.constexpr = 0,
+    z_ptr=None,
+    p_ptr=None,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -602,23 +825,43 @@ def _grouped_down_kernel(
     )  # fmt: skip
     scales = _w2_scale_rows(s_ptr, expert, cols_c, stride_se, stride_sn, SCALE, SCALE_BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = (k0 + kk) < INTER
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        if SCALE != 0:
-            w = w.to(a.dtype)
-        if SCALE == 2:
-            kb = k0 // SCALE_BK
-            acc += tl.dot(a, w, input_precision=PRECISION) * tl.load(scales + kb)[None, :]
-        else:
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if WBITS != 0:  # integer experts (see the gate/up kernel)
+        w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols_c.to(tl.int64) * stride_wn
+        zeros = None
+        if HAS_ZP:
+            zeros = _w2_scale_rows(z_ptr, expert, cols_c, stride_se, stride_sn, SCALE, SCALE_BN)
+        a_rows = inter_ptr + pairs64[:, None] * INTER
+        for k0 in range(0, INTER, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < INTER
+            if HAS_PERM:
+                k = tl.load(p_ptr + expert.to(tl.int64) * INTER + k, mask=k_ok, other=0)
+            if EVEN_K:
+                a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _int_dot_step(
+                acc, a, w_cols, scales, zeros, k0, INTER,
+                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION,
+            )  # fmt: skip
+    else:
+        for k0 in range(0, INTER, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = (k0 + kk) < INTER
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            if SCALE != 0:
+                w = w.to(a.dtype)
+            if SCALE == 2:
+                kb = k0 // SCALE_BK
+                acc += tl.dot(a, w, input_precision=PRECISION) * tl.load(scales + kb)[None, :]
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if SCALE == 1:
         acc = acc * tl.load(scales)[None, :]
     dtype = pair_out_ptr.dtype.element_ty
@@ -650,15 +893,18 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check(hidden, w13, w2, topk_weights, topk_ids) -> tuple[int, int, int, int, int]:
+def _check(hidden, w13, w2, topk_weights, topk_ids, pack: int = 1) -> tuple[int, ...]:
+    """``(t, h, e, i, k)`` of a call, its shapes checked; ``pack`` values per element along
+    the weights' last dimension (integer experts: ``32 / bits`` per int32 word)."""
     t, h = hidden.shape
     e, two_i, h2 = w13.shape
     i = two_i // 2
     k = topk_ids.shape[1]
     if (
-        h2 != h
+        h2 * pack != h
         or two_i % 2
-        or tuple(w2.shape) != (e, h, i)
+        or i % pack
+        or tuple(w2.shape) != (e, h, i // pack)
         or topk_weights.shape != topk_ids.shape
         or topk_ids.shape[0] != t
     ):
@@ -686,24 +932,76 @@ class ExpertScales:
         t = self.w13 if which == "w13" else self.w2
         return t, t.stride(0), t.stride(1)
 
-    def constexprs(self) -> dict[str, int]:
+    def constexprs(self, which: str, grouped: bool) -> dict[str, int]:
         return {"SCALE": self.mode, "SCALE_BN": self.bn, "SCALE_BK": self.bk}
 
-    def k_tile(self, block_k: int) -> int:
+    def k_tile(self, block_k: int, which: str, grouped: bool) -> int:
         """The K step for ``block_k``: block scales need every step inside one block column."""
         return block_k if self.mode != 2 else math.gcd(block_k, self.bk)
 
 
-def _scale_args(scales: ExpertScales | None, which: str, dummy: torch.Tensor) -> tuple:
+@dataclass(frozen=True)
+class IntegerExperts:
+    """4/8-bit integer experts' scales, zero points and act-order permutations as the kernels
+    read them (see ``engine.kernels.reference.fused_moe_wna16``): ``s13`` / ``s2`` the scales
+    ``[E, N, groups]`` (the checkpoint's float dtype), ``z13`` / ``z2`` uint8 zero points of
+    the same shapes (None: symmetric), all contiguous; ``group13`` / ``group2`` the input
+    features per group (one group per row: a power of two at least K, so every K step is in
+    group 0); ``p13`` / ``p2`` int32 ``[E, K]`` act-order permutations or None; ``magic`` the
+    grouped GEMMs' ``_dot_operand`` offset for the activation dtype."""
+
+    bits: int
+    s13: torch.Tensor
+    s2: torch.Tensor
+    z13: torch.Tensor | None
+    z2: torch.Tensor | None
+    group13: int
+    group2: int
+    p13: torch.Tensor | None = None
+    p2: torch.Tensor | None = None
+    magic: int = 0
+
+    def args(self, which: str) -> tuple[torch.Tensor, int, int]:
+        t = self.s13 if which == "w13" else self.s2
+        return t, t.stride(0), t.stride(1)
+
+    def constexprs(self, which: str, grouped: bool) -> dict:
+        """The kernels' integer switches and extra arguments (zero points, permutation)."""
+        w13 = which == "w13"
+        zeros, perm = (self.z13, self.p13) if w13 else (self.z2, self.p2)
+        out = {
+            "SCALE": 2, "SCALE_BN": 1, "SCALE_BK": self.group13 if w13 else self.group2,
+            "WBITS": self.bits, "HAS_ZP": zeros is not None, "HAS_PERM": perm is not None,
+            "z_ptr": zeros, "p_ptr": perm,
+        }  # fmt: skip
+        if grouped:
+            out["MAGIC"] = self.magic
+        else:
+            out["one_bits"] = ONE_BITS
+        return out
+
+    def k_tile(self, block_k: int, which: str, grouped: bool) -> int:
+        """The K step for ``block_k``: the grouped GEMMs correct and scale each step's product
+        once per column, so a step lies inside one group; the decode GEMVs look each word
+        column's group up and take any step."""
+        if not grouped:
+            return block_k
+        return math.gcd(block_k, self.group13 if which == "w13" else self.group2)
+
+
+Scales = ExpertScales | IntegerExperts | None
+
+
+def _scale_args(scales: Scales, which: str, dummy: torch.Tensor) -> tuple:
     return (dummy, 0, 0) if scales is None else scales.args(which)
 
 
-def _scale_constexprs(scales: ExpertScales | None) -> dict[str, int]:
-    return {} if scales is None else scales.constexprs()
+def _scale_constexprs(scales: Scales, which: str, grouped: bool) -> dict:
+    return {} if scales is None else scales.constexprs(which, grouped)
 
 
-def _k_tile(scales: ExpertScales | None, block_k: int) -> int:
-    return block_k if scales is None else scales.k_tile(block_k)
+def _k_tile(scales: Scales, block_k: int, which: str, grouped: bool) -> int:
+    return block_k if scales is None else scales.k_tile(block_k, which, grouped)
 
 
 def fused_moe(
@@ -779,11 +1077,107 @@ def fused_moe_fp8(
     )
 
 
+# The integer decode GEMVs' default tiling per bit width: a K step of 4-bit words holds a
+# quarter of FP8's bytes, so its steps are longer; the gate/up words tile is 16 x 256 bytes
+# either way (128 registers at 4 bits symmetric in an sm_90 compile, bf16's default takes
+# 125). Not measured on a GPU yet: the MoE sweep's --moe-wna16 times other tilings too.
+WNA16_DECODE = {
+    4: DecodeConfig(gate_up_n=16, gate_up_k=512, down_n=8, down_k=256),
+    8: DecodeConfig(gate_up_n=16, gate_up_k=256, down_n=8, down_k=256),
+}
+# Input features per group that the grouped GEMMs' K steps can hold (the tensor-core K step).
+WNA16_GROUP_MULTIPLE = 16
+
+
+def fused_moe_wna16(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    bits: int = 4,
+    w13_perm: torch.Tensor | None = None,
+    w2_perm: torch.Tensor | None = None,
+    *,
+    variant: str | None = None,
+    decode_config: DecodeConfig | None = None,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """See ``engine.kernels.reference.fused_moe_wna16``: 4/8-bit integer experts in groups,
+    **weight-only** (W4A16 / W8A16), act-order included.
+
+    The same kernels, dispatch, grouped configurations and rounding points as ``fused_moe``
+    and ``fused_moe_fp8``, with ``WBITS`` set (see the module docstring): the packed words
+    are loaded (an eighth of bf16's bytes at 4 bits, what decode is bound by) and unpacked in
+    registers; the decode GEMVs default to ``WNA16_DECODE[bits]``. Groups must hold a multiple of
+    16 input features (the grouped GEMMs' K step; checkpoints use 32, 64, 128) unless there is
+    one per row. Scales are read in their own dtype (float32 or float16), never copied."""
+    if bits not in (4, 8):
+        raise ValueError(f"fused_moe_wna16 takes 4- or 8-bit experts, got {bits}")
+    if w13.dtype != torch.int32 or w2.dtype != torch.int32:
+        raise ValueError(f"fused_moe_wna16 takes int32-packed experts, got {w13.dtype}/{w2.dtype}")
+    dims = _check(hidden, w13, w2, topk_weights, topk_ids, 32 // bits)
+    _, h, e, i, _ = dims
+    pairs = ((w13_zeros, w13_scales), (w2_zeros, w2_scales))
+    if (
+        w13_scales.dim() != 3
+        or w2_scales.dim() != 3
+        or tuple(w13_scales.shape[:2]) != (e, 2 * i)
+        or tuple(w2_scales.shape[:2]) != (e, h)
+        or h % w13_scales.shape[2]
+        or i % w2_scales.shape[2]
+        or (w13_zeros is None) != (w2_zeros is None)
+        or any(z is not None and z.shape != s.shape for z, s in pairs)
+    ):
+        raise ValueError(
+            f"fused_moe_wna16 scales do not fit: w13_scales {tuple(w13_scales.shape)}, "
+            f"w2_scales {tuple(w2_scales.shape)} for {e} experts of hidden {h}, intermediate "
+            f"{i} (groups dividing each row); zero points: both or neither, in the scales' "
+            "shapes"
+        )
+    groups = []
+    for scales, size in ((w13_scales, h), (w2_scales, i)):
+        count = scales.shape[2]
+        group = size // count
+        if count == 1:  # one group per row: every K step in group 0
+            group = triton.next_power_of_2(size)
+        elif group % WNA16_GROUP_MULTIPLE:
+            raise ValueError(
+                f"fused_moe_wna16: groups of {group} input features need a multiple of "
+                f"{WNA16_GROUP_MULTIPLE} (the tensor-core K step) or one group per row"
+            )
+        groups.append(group)
+    perms = []
+    for which, perm, size in (("w13", w13_perm, h), ("w2", w2_perm, i)):
+        if perm is not None and tuple(perm.shape) != (e, size):
+            raise ValueError(
+                f"fused_moe_wna16: {which} permutation {tuple(perm.shape)} does not fit "
+                f"({e}, {size})"
+            )
+        perms.append(None if perm is None else perm.to(torch.int32).contiguous())
+
+    def contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.contiguous()
+
+    scales = IntegerExperts(
+        bits, w13_scales.contiguous(), w2_scales.contiguous(), contiguous(w13_zeros),
+        contiguous(w2_zeros), groups[0], groups[1], perms[0], perms[1],
+        _magic(hidden.dtype, bits),
+    )  # fmt: skip
+    return _fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config
+    )
+
+
 def _fused_moe(
     hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config
 ) -> torch.Tensor:
-    """The shared body of ``fused_moe`` and ``fused_moe_fp8``; ``dims`` is ``_check``'s
-    ``(t, h, e, i, k)``, validated once by the caller."""
+    """The shared body of ``fused_moe``, ``fused_moe_fp8`` and ``fused_moe_wna16``; ``dims``
+    is ``_check``'s ``(t, h, e, i, k)``, validated once by the caller."""
     t, h, e, i, k = dims
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
     if t == 0:
@@ -796,7 +1190,10 @@ def _fused_moe(
     if variant is None:
         variant = "decode" if use_decode(t, k, e) else "grouped"
     if variant == "decode":
-        _run_decode(x, w13, w2, weights, ids, out, decode_config or DecodeConfig(), scales)
+        if decode_config is None:
+            integer = isinstance(scales, IntegerExperts)
+            decode_config = WNA16_DECODE[scales.bits] if integer else DecodeConfig()
+        _run_decode(x, w13, w2, weights, ids, out, decode_config, scales)
     elif variant == "grouped":
         cfg = config or grouped_config(t * k, e)
         _run_grouped(x, w13, w2, weights, ids, out, cfg, scales)
@@ -814,20 +1211,21 @@ def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig, scales=None) -
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     grid_n = triton.cdiv(h, cfg.down_n)
     ws, counters = _SCRATCH.get(x.device, pairs * h, t * grid_n)
-    gu_k, down_k = _k_tile(scales, cfg.gate_up_k), _k_tile(scales, cfg.down_k)
+    gu_k = _k_tile(scales, cfg.gate_up_k, "w13", False)
+    down_k = _k_tile(scales, cfg.down_k, "w2", False)
     _decode_gate_up_kernel[(pairs, triton.cdiv(i, cfg.gate_up_n))](
         x, w13, ids, inter, pairs, h, i, x.stride(0), w13.stride(0), w13.stride(1),
         *_scale_args(scales, "w13", w13),
         TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=gu_k, EVEN_K=h % gu_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
-        **_scale_constexprs(scales),
+        **_scale_constexprs(scales, "w13", False),
     )  # fmt: skip
     _decode_down_kernel[(pairs, grid_n)](
         inter, w2, ids, weights, out, ws, counters, t, h, i, w2.stride(0), w2.stride(1),
         out.stride(0), *_scale_args(scales, "w2", w2),
         TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=down_k, EVEN_K=i % down_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
-        **_scale_constexprs(scales),
+        **_scale_constexprs(scales, "w2", False),
     )  # fmt: skip
 
 
@@ -870,21 +1268,24 @@ def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig, scales=None)
     precision = _precision(x.dtype)
     inter = torch.empty((pairs, i), dtype=x.dtype, device=x.device)
     gu_n = cfg.gate_up_block_n
-    block_k = _k_tile(scales, cfg.block_k)
+    block_k = _k_tile(scales, cfg.block_k, "w13", True)
+    down_k = _k_tile(scales, cfg.block_k, "w2", True)
     _grouped_gate_up_kernel[(max_m * triton.cdiv(i, gu_n),)](
         x, w13, counts, sorted_pairs, inter, pairs, max_m, h, i, e,
         x.stride(0), w13.stride(0), w13.stride(1), *_scale_args(scales, "w13", w13),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=gu_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, E_POW2=e_pow2, EVEN_K=h % block_k == 0, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_scale_constexprs(scales, "w13", True),
     )  # fmt: skip
     pair_out = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
     _grouped_down_kernel[(max_m * triton.cdiv(h, cfg.block_n),)](
         inter, w2, counts, sorted_pairs, weights, pair_out, pairs, max_m, h, i, e,
         w2.stride(0), w2.stride(1), *_scale_args(scales, "w2", w2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        E_POW2=e_pow2, EVEN_K=i % block_k == 0, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_scale_constexprs(scales),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=down_k, GROUP_M=cfg.group_m,
+        E_POW2=e_pow2, EVEN_K=i % down_k == 0, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_scale_constexprs(scales, "w2", True),
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(h))
     _topk_sum_kernel[(t, triton.cdiv(h, block))](

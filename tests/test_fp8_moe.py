@@ -291,44 +291,19 @@ def test_block_fp8_experts_split_and_placed_over_two_ranks_match_one_process(tmp
     with its rows / columns) and with expert parallelism (whole experts and their scales per
     rank) on two gloo worker processes: greedy tokens equal one process's, logprobs within
     1e-4, no KV block left in use."""
-    import random
-
+    from engine.testing.moe_parallel import assert_moe_layouts_match_one_process
     from engine.testing.tiny_models import build_tiny_model
 
     src = build_tiny_model(tmp_path / "src", "qwen3_moe", seed=2)
     dense = [m for m in qm.quantized_linears(qm._load_state(src)) if ".experts." not in m]
     fp8, _ = qm.write_fp8(src, tmp_path / "fp8", None, block=(16, 16), ignored_layers=dense)
-    kw = dict(dtype="float32", block_size=4, max_num_batched_tokens=48, max_num_seqs=8,
-              num_gpu_blocks_override=120, max_model_len=256)  # fmt: skip
-    rng = random.Random(5)
-    prompts = [{"prompt_token_ids": [rng.randrange(10, 300) for _ in range(n)]} for n in (2, 19)]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
-    single = LLM(str(fp8), **kw)
-    try:
-        want = single.generate(prompts, params, use_tqdm=False)
-    finally:
-        single.llm_engine.shutdown()
-    for expert_parallel in (False, True):
-        llm = LLM(str(fp8), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **kw)
-        try:
-            shapes = [
-                r["parameters"]["model.layers.0.mlp.experts.w13_weight_scale_inv"]
-                for r in llm.llm_engine.runner.collective_rpc("describe")
-            ]
-            # 64 experts, intermediate 32, hidden 64, 16x16 blocks: split (1 gate + 1 up
-            # block row per rank) or placed (32 whole experts, 2 + 2 block rows).
-            assert shapes == ([(32, 4, 4)] * 2 if expert_parallel else [(64, 2, 4)] * 2)
-            got = llm.generate(prompts, params, use_tqdm=False)
-            for out, ref in zip(got, want, strict=True):
-                assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-                for lp, ref_lp in zip(
-                    out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True
-                ):
-                    for token, entry in lp.items():
-                        assert abs(entry.logprob - ref_lp[token].logprob) < 1e-4
-            assert llm.llm_engine.num_used_blocks == 0
-        finally:
-            llm.llm_engine.shutdown()
+    # 64 experts, intermediate 32, hidden 64, 16x16 blocks: split (1 gate + 1 up block row per
+    # rank) or placed (32 whole experts, 2 + 2 block rows).
+    assert_moe_layouts_match_one_process(
+        str(fp8),
+        "model.layers.0.mlp.experts.w13_weight_scale_inv",
+        {False: [(64, 2, 4)] * 2, True: [(32, 4, 4)] * 2},
+    )
 
 
 # ---- compressed-tensors ---------------------------------------------------------------------

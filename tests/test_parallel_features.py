@@ -28,6 +28,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
+from engine.testing.moe_parallel import assert_moe_layouts_match_one_process
 from engine.testing.tiny_models import build_tiny_model, build_tokenizer, save_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -88,35 +89,15 @@ def qwen3_moe(tmp_path_factory):
 
 
 def test_moe_experts_split_and_placed_over_two_ranks_match_one_process(qwen3_moe):
-    rng = random.Random(5)
-    prompts = [[rng.randrange(10, 300) for _ in range(n)] for n in (2, 7, 19, 40)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    single = LLM(qwen3_moe, **KW)
-    try:
-        want = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        single.llm_engine.shutdown()
-    for expert_parallel in (False, True):
-        llm = LLM(qwen3_moe, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **KW)
-        try:
-            shapes = [
-                r["parameters"]["model.layers.0.mlp.experts.w13_weight"]
-                for r in llm.llm_engine.runner.collective_rpc("describe")
-            ]
-            # 64 experts of intermediate size 32: split (each rank 16 rows of each expert's
-            # gate and up) or placed (32 whole experts per rank).
-            assert shapes == ([(32, 64, 64)] * 2 if expert_parallel else [(64, 32, 64)] * 2)
-            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            for out, ref in zip(got, want, strict=True):
-                assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-                for lp, ref_lp in zip(
-                    out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True
-                ):
-                    for token, entry in lp.items():
-                        assert abs(entry.logprob - ref_lp[token].logprob) < 1e-4
-            assert llm.llm_engine.num_used_blocks == 0
-        finally:
-            llm.llm_engine.shutdown()
+    # 64 experts of intermediate size 32: split (each rank 16 rows of each expert's gate and
+    # up) or placed (32 whole experts per rank).
+    assert_moe_layouts_match_one_process(
+        qwen3_moe,
+        "model.layers.0.mlp.experts.w13_weight",
+        {False: [(64, 32, 64)] * 2, True: [(32, 64, 64)] * 2},
+        prompt_lens=(2, 7, 19, 40),
+        max_tokens=10,
+    )
 
 
 def assert_same_greedy(path: str, layouts: list[dict], num_new: int = 10, **kw) -> None:

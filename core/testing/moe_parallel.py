@@ -8,6 +8,10 @@ tokens: all-gather in, reduce-scatter out), loads it from per-expert checkpoint 
 ``weight_loader``, runs it with ``TorchDistributedCommunicator`` and checks the output against
 a single-rank layer holding everything. Raises on the first mismatch (re-raised by torch
 multiprocessing).
+
+``assert_moe_layouts_match_one_process(path, parameter, shapes)`` is the same check end to end:
+a checkpoint served by ``LLM`` on two gloo worker processes, its experts split (TP=2) and
+placed (expert parallelism), against one process.
 """
 
 from __future__ import annotations
@@ -88,3 +92,55 @@ def run_moe_parallel_check(world_size: int = 2) -> None:
     if NUM_TOKENS % world_size:
         raise ValueError(f"world_size {world_size} must divide {NUM_TOKENS} tokens")
     mp.spawn(_worker, args=(world_size, _free_port()), nprocs=world_size, join=True)
+
+
+#: Engine arguments small enough for a tiny MoE model on two CPU ranks.
+TINY_MOE_LLM_KWARGS = dict(dtype="float32", block_size=4, max_num_batched_tokens=48,
+                           max_num_seqs=8, num_gpu_blocks_override=120, max_model_len=256)  # fmt: skip
+
+
+def assert_moe_layouts_match_one_process(
+    path: str,
+    parameter: str,
+    shapes: dict[bool, list[tuple[int, ...]]],
+    *,
+    prompt_lens: tuple[int, ...] = (2, 19),
+    max_tokens: int = 6,
+    **llm_kwargs,
+) -> None:
+    """Serve ``path`` on one process, then at TP=2 over gloo for each ``enable_expert_parallel``
+    in ``shapes`` (False: every expert split; True: whole experts placed per rank). Each rank's
+    ``parameter`` must have the shape ``shapes[expert_parallel][rank]``; greedy tokens must equal
+    one process's, top-2 logprobs within 1e-4; no KV block may stay in use."""
+    import random
+
+    from engine import LLM, SamplingParams
+
+    kw = {**TINY_MOE_LLM_KWARGS, **llm_kwargs}
+    rng = random.Random(5)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(10, 300) for _ in range(n)]} for n in prompt_lens
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    single = LLM(path, **kw)
+    try:
+        want = single.generate(prompts, params, use_tqdm=False)
+    finally:
+        single.llm_engine.shutdown()
+    for expert_parallel, expected_shapes in shapes.items():
+        llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **kw)
+        try:
+            described = llm.llm_engine.runner.collective_rpc("describe")
+            got_shapes = [r["parameters"][parameter] for r in described]
+            assert got_shapes == expected_shapes, (expert_parallel, got_shapes)
+            got = llm.generate(prompts, params, use_tqdm=False)
+            for out, ref in zip(got, want, strict=True):
+                assert out.outputs[0].token_ids == ref.outputs[0].token_ids, expert_parallel
+                for lp, ref_lp in zip(
+                    out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True
+                ):
+                    for token, entry in lp.items():
+                        assert abs(entry.logprob - ref_lp[token].logprob) < 1e-4, expert_parallel
+            assert llm.llm_engine.num_used_blocks == 0
+        finally:
+            llm.llm_engine.shutdown()

@@ -65,6 +65,7 @@ tile).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -213,7 +214,11 @@ def _avx2() -> bool:
             logger.info(
                 "gguf_linear on the CPU: %s int8 kernels on the GGUF values (activations "
                 "quantized per 32 values, as llama.cpp's)",
-                "AVX-512 VNNI" if lib.gguf_avx2_vnni() else "AVX2",
+                "AVX-512 VNNI"
+                if lib.gguf_avx2_vnni() and not AVX2_ONLY
+                else "AVX2 (AVX-512 VNNI left unused: AVX2_ONLY, ENGINE_CPU_GGUF_AVX2_ONLY=1)"
+                if lib.gguf_avx2_vnni()
+                else "AVX2",
             )
         else:
             logger.info(
@@ -319,9 +324,12 @@ _SCALES16 = 1 << 9
 _AVX2_ONLY_BIT = 1 << 10
 # Where the library has them (``gguf_avx2_vnni()``: compiled for a CPU with AVX-512 VNNI,
 # csrc/gguf_vnni.c), the int8 products run in AVX-512 VNNI unless this is True: tests set it to
-# check the AVX2 instructions on such a CPU too. The two paths add the same products in another
-# order, so their results differ in the last bits.
-AVX2_ONLY = False
+# check the AVX2 instructions on such a CPU too, and ``ENGINE_CPU_GGUF_AVX2_ONLY=1`` sets it
+# for a process (an A/B of the two paths end to end, e.g. ``engine.benchmarks.gguf_decode``,
+# whose model runs in spawned processes that read it on import; the log line of ``_avx2``
+# says which path runs). The two paths add the same products in another order, so their
+# results differ in the last bits.
+AVX2_ONLY = os.environ.get("ENGINE_CPU_GGUF_AVX2_ONLY", "0") == "1"
 
 # Above this many activation rows the product is float32 over tiles of the weight dequantized
 # per call. Up to the 128 of the fifth session the int8 products lost from 512 rows (their per-

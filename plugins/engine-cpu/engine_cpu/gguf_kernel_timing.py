@@ -49,9 +49,10 @@ MODEL_PRODUCTS: tuple[tuple[str, str, int, int, int], ...] = (
 )
 
 
-def _timing_library(workdir: Path) -> ctypes.CDLL:
-    """``csrc/gguf_timing.c`` with the AVX2 family's sources, built with the kernels' flags."""
-    src = Path(native.__file__).parent / "csrc"
+def _timing_library(workdir: Path, src: Path | None = None) -> ctypes.CDLL:
+    """``csrc/gguf_timing.c`` with the AVX2 family's sources (from ``src``, default this
+    package's ``csrc``: another version's, to compare two), built with the kernels' flags."""
+    src = src or Path(native.__file__).parent / "csrc"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
@@ -135,10 +136,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--min-mib", type=int, default=96, help="bytes of copies of a weight")
     parser.add_argument("--only", default="", help="products by name, comma-separated")
+    parser.add_argument(
+        "--csrc", default=None, help="time the kernels of this csrc directory (another version)"
+    )
     args = parser.parse_args()
     only = {s for s in args.only.split(",") if s}
     with tempfile.TemporaryDirectory() as tmp:
-        lib = _timing_library(Path(tmp))
+        lib = _timing_library(Path(tmp), args.csrc and Path(args.csrc))
         if not lib.gguf_avx2_vnni():
             raise SystemExit("this CPU has no AVX-512 VNNI: nothing to compare")
         for threads in (int(s) for s in args.threads.split(",")):

@@ -1,7 +1,9 @@
 /* Quantized GGUF matmuls with AVX-512 VNNI (VPDPBUSD), for x86-64 CPUs that have it and no AMX
  * (Intel since Ice Lake and Cascade Lake, AMD since Zen 4): the products of gguf_avx2.c, on the
  * same packed weights and quantized activations (its header describes both), which
- * gguf_avx2_gemm hands here where this library was compiled with AVX-512 F, BW, VL and VNNI.
+ * gguf_avx2_gemm hands here for 2 or more activation rows where this library was compiled
+ * with AVX-512 F, BW, VL and VNNI (one row stays with the AVX2 instructions, which read the
+ * weights faster there).
  *
  * What differs from the AVX2 instructions:
  *  - one VPDPBUSD (unsigned bytes times signed bytes, four products added into each int32 lane,
@@ -17,7 +19,8 @@
  *  - the offset terms sum_g o[g] * xs[g] 16 groups an FMA into the same accumulator.
  * A block's int32 lane sum is exact (at most 32 * 255 * 127 < 2^24, so its float32 conversion
  * too). Every (weight row, activation row) pair runs the same instructions in the same order
- * whichever tile it falls in, so a row's result does not depend on the rows batched with it.
+ * whichever tile it falls in, so a row's result does not depend on the rows batched with it
+ * (from 2 rows on; alone, it is gguf_avx2.c's, which adds in another order).
  */
 #include "gguf_layout.h"
 

@@ -29,10 +29,12 @@ load the blocks are repacked:
   ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
   on this project's 2-core EPYC, where the weights' bytes decide; prefill too); more rows take
   a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Where the
-  CPU also has AVX-512 VNNI (Zen 4 and later, Intel since Ice Lake), the same products run as
-  ``VPDPBUSD`` on 64 bytes (``csrc/gguf_vnni.c``, same layout; ``AVX2_ONLY`` keeps the AVX2
-  instructions). Measured in docs/benchmarks.md ("CPU: GGUF layers and the decode step
-  compiled for AVX2", the seventh session's section and the eighth's).
+  CPU also has AVX-512 VNNI (Zen 4 and later, Intel since Ice Lake), the products of 2 or more
+  rows run as ``VPDPBUSD`` on 64 bytes (``csrc/gguf_vnni.c``, same layout; ``AVX2_ONLY`` keeps
+  the AVX2 instructions for all); one row keeps the AVX2 ones, which read the weights faster
+  there, so a row's result alone may differ in the last bits from its result in a batch.
+  Measured in docs/benchmarks.md ("CPU: GGUF layers and the decode step compiled for AVX2",
+  the seventh session's section, the eighth's and the ninth's).
 * Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per

@@ -13,7 +13,10 @@ here with the kernels' own sources and flags), alternating the VNNI path and the
 (layout bit 10, ``engine_cpu.gguf.AVX2_ONLY``) round by round so that other load hits both.
 Prints one line per (product, rows, threads): the minimum and the median microseconds of
 each path and the ratio of the medians, then each path's sum over one decode step (each
-product times the number of layers that run it). Needs a CPU with AVX-512 VNNI.
+product times the number of layers that run it). Needs a CPU with AVX-512 VNNI. One row runs
+the AVX2 products either way (``gguf_avx2_gemm``), so at ``--rows 1`` the two columns time the
+same code (the harness's own spread); ``--csrc`` with the sources of ``c5dc689`` or earlier
+times the VNNI tiles at one row.
 """
 
 from __future__ import annotations

@@ -286,11 +286,12 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
 #if GGUF_HAVE_VNNI
     /* One activation row (a decode step at batch 1) stays with the AVX2 instructions: there the
      * product is bound by reading the weights, and the row-by-row loop below read them faster
-     * than gguf_vnni.c's tiles on the 2-core Zen 4 VM (per layer of the embedded Gemma 3 at 2
-     * threads, 1.09-1.37x faster except the 640 x 1024 Q4_K, 0.90x; a decode step faster
-     * end to end: docs/benchmarks.md, ninth CPU session). The two paths add the same
-     * products in another order, so on such a CPU a row's result is the same bits in every
-     * batch of 2 rows or more, and may differ from its result alone in the last bits. */
+     * than gguf_vnni.c's tiles on the 2-core Zen 4 VM (the embedded Gemma 3's products at 2
+     * threads: all but the 640 x 1024 Q4_K faster, the step's products 1.16x; its decode
+     * 1.12-1.20x faster end to end, medians of interleaved rounds; at one thread the two were
+     * even: docs/benchmarks.md, ninth CPU session). The two paths add the same products in
+     * another order, so on such a CPU a row's result is the same bits in every batch of 2 rows
+     * or more, and may differ from its result alone in the last bits. */
     if (!avx2_only_of(layout) && M > 1) {
         gguf_vnni_gemm(values, layout, scales, offsets, N, K, group, xq, xd, xs, M, y, ldy);
         return;

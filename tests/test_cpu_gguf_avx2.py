@@ -23,6 +23,10 @@ too. Skipped only where this machine cannot run AVX2 (the reason is the skip mes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from cpu_gguf_helpers import TYPES, gguf_blocks, quantized_activations
@@ -286,6 +290,20 @@ def test_the_setting_picks_the_families(monkeypatch):
     assert native.load("amx") is None and native.load("avx2") is not None
     with pytest.raises(ValueError, match="unknown CPU kernel family 'sse'"):
         native.load("sse")
+
+
+def test_the_environment_keeps_the_products_on_avx2():
+    """``ENGINE_CPU_GGUF_AVX2_ONLY=1`` sets ``AVX2_ONLY`` in a fresh process (a benchmark's model
+    runs in spawned ones); unset or ``0`` leaves it off."""
+    code = "from engine_cpu import gguf; print(gguf.AVX2_ONLY)"
+    for value, want in (("1", "True"), ("0", "False"), (None, "False")):
+        env = {k: v for k, v in os.environ.items() if k != "ENGINE_CPU_GGUF_AVX2_ONLY"}
+        if value is not None:
+            env["ENGINE_CPU_GGUF_AVX2_ONLY"] = value
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == want, value
 
 
 def test_each_family_builds_into_its_own_library(tmp_path, monkeypatch):

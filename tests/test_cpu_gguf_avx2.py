@@ -23,6 +23,10 @@ too. Skipped only where this machine cannot run AVX2 (the reason is the skip mes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from cpu_gguf_helpers import TYPES, gguf_blocks, quantized_activations
@@ -135,18 +139,61 @@ def test_every_row_length_of_the_interleaved_order(name, monkeypatch, instructio
 
 @pytest.mark.parametrize("name", TYPES)
 def test_a_rows_result_does_not_depend_on_its_batch(name, instructions):
-    """Each activation row's products, bit for bit, alone and at every place of batches whose
-    sizes cross the register tiles (4 rows, then 2, then 1), the 128-row cache tiles and an odd
-    output count (a weight row alone after the pairs)."""
+    """Each activation row's products, bit for bit, at every place of batches whose sizes cross
+    the register tiles (4 rows, then 2, then 1), the 128-row cache tiles and an odd output
+    count (a weight row alone after the pairs): the same as alone in the AVX2 instructions; in
+    VNNI, the same in every batch of 2 rows or more (one row alone runs the AVX2 instructions,
+    next test)."""
     qtype = gk.gguf_type(name).ggml_type
     n, k = 37, 768 if name.endswith("_K") else 416  # K / 32 = 24 or 13: every kind of block
     blocks = gguf_blocks(n, k, name, seed=51)
     packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=qtype, dtype=torch.float32)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(52)).bfloat16()
-    alone = torch.cat([cpu_gguf._avx2_linear(x[i : i + 1], packed) for i in range(300)])
+    if instructions == "avx2":
+        single = [cpu_gguf._avx2_linear(x[i : i + 1], packed) for i in range(300)]
+    else:  # each row in a batch of two, beside another row
+        single = [cpu_gguf._avx2_linear(x[[i, (i + 1) % 300]], packed)[:1] for i in range(300)]
+    alone = torch.cat(single)
     for m in (2, 3, 5, 7, 16, 129, 300):
         assert torch.equal(cpu_gguf._avx2_linear(x[:m], packed), alone[:m]), m
     assert torch.equal(cpu_gguf._avx2_linear(x[-7:], packed), alone[-7:])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_one_row_takes_the_avx2_instructions(name):
+    """On a CPU with AVX-512 VNNI one activation row (a decode step at batch 1) runs the AVX2
+    instructions, which read the weights faster there (docs/benchmarks.md, ninth CPU
+    session): bit for bit ``AVX2_ONLY``'s result, in float32 and bfloat16 outputs; from two
+    rows on, the VNNI products, whose sums run in another order."""
+    if not native.load("avx2").gguf_avx2_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI (F, BW, VL and VNNI)")
+    qtype = gk.gguf_type(name).ggml_type
+    n, k = 37, 768 if name.endswith("_K") else 416
+    packed = cpu_gguf.gguf_linear.prepack(gguf_blocks(n, k, name, seed=61), qtype=qtype)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(62))
+    for dtype in (torch.float32, torch.bfloat16):
+        for i in range(40):
+            row = x[i : i + 1]
+            cpu_gguf.AVX2_ONLY = True
+            try:
+                want = cpu_gguf._avx2_linear(row, packed, dtype=dtype)
+                pair_avx2 = cpu_gguf._avx2_linear(x[i : i + 2], packed, dtype=dtype)
+            finally:
+                cpu_gguf.AVX2_ONLY = False
+            assert torch.equal(cpu_gguf._avx2_linear(row, packed, dtype=dtype), want), (i, dtype)
+            # two rows take the VNNI products: another order of the same sums, so not the
+            # AVX2 bits everywhere, but as close as float32 rounding allows
+            pair = cpu_gguf._avx2_linear(x[i : i + 2], packed, dtype=dtype)
+            assert torch.allclose(pair.float(), pair_avx2.float(), rtol=1e-2, atol=1e-5)
+    pairs = torch.cat([cpu_gguf._avx2_linear(x[i : i + 2], packed) for i in range(0, 40, 2)])
+    cpu_gguf.AVX2_ONLY = True
+    try:
+        pairs_avx2 = torch.cat(
+            [cpu_gguf._avx2_linear(x[i : i + 2], packed) for i in range(0, 40, 2)]
+        )
+    finally:
+        cpu_gguf.AVX2_ONLY = False
+    assert not torch.equal(pairs, pairs_avx2), "two rows should have taken the VNNI products"
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -243,6 +290,20 @@ def test_the_setting_picks_the_families(monkeypatch):
     assert native.load("amx") is None and native.load("avx2") is not None
     with pytest.raises(ValueError, match="unknown CPU kernel family 'sse'"):
         native.load("sse")
+
+
+def test_the_environment_keeps_the_products_on_avx2():
+    """``ENGINE_CPU_GGUF_AVX2_ONLY=1`` sets ``AVX2_ONLY`` in a fresh process (a benchmark's model
+    runs in spawned ones); unset or ``0`` leaves it off."""
+    code = "from engine_cpu import gguf; print(gguf.AVX2_ONLY)"
+    for value, want in (("1", "True"), ("0", "False"), (None, "False")):
+        env = {k: v for k, v in os.environ.items() if k != "ENGINE_CPU_GGUF_AVX2_ONLY"}
+        if value is not None:
+            env["ENGINE_CPU_GGUF_AVX2_ONLY"] = value
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == want, value
 
 
 def test_each_family_builds_into_its_own_library(tmp_path, monkeypatch):

@@ -29,10 +29,12 @@ load the blocks are repacked:
   ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
   on this project's 2-core EPYC, where the weights' bytes decide; prefill too); more rows take
   a float32 GEMM over tiles of the weight dequantized per call, the exact weights. Where the
-  CPU also has AVX-512 VNNI (Zen 4 and later, Intel since Ice Lake), the same products run as
-  ``VPDPBUSD`` on 64 bytes (``csrc/gguf_vnni.c``, same layout; ``AVX2_ONLY`` keeps the AVX2
-  instructions). Measured in docs/benchmarks.md ("CPU: GGUF layers and the decode step
-  compiled for AVX2", the seventh session's section and the eighth's).
+  CPU also has AVX-512 VNNI (Zen 4 and later, Intel since Ice Lake), the products of 2 or more
+  rows run as ``VPDPBUSD`` on 64 bytes (``csrc/gguf_vnni.c``, same layout; ``AVX2_ONLY`` keeps
+  the AVX2 instructions for all); one row keeps the AVX2 ones, which read the weights faster
+  there, so a row's result alone may differ in the last bits from its result in a batch.
+  Measured in docs/benchmarks.md ("CPU: GGUF layers and the decode step compiled for AVX2",
+  the seventh session's section, the eighth's and the ninth's).
 * Without either (or with ``ENGINE_CPU_NATIVE=0``), as follows.
 * 4-bit types (Q4_0, Q4_1, Q4_K) with 16-bit activations: for torch's CPU int4 kernel
   (``_weight_int4pack_mm_for_cpu``, which dequantizes in registers, ``(q - 8) * s + z`` per
@@ -65,6 +67,7 @@ tile).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -213,7 +216,11 @@ def _avx2() -> bool:
             logger.info(
                 "gguf_linear on the CPU: %s int8 kernels on the GGUF values (activations "
                 "quantized per 32 values, as llama.cpp's)",
-                "AVX-512 VNNI" if lib.gguf_avx2_vnni() else "AVX2",
+                "AVX-512 VNNI"
+                if lib.gguf_avx2_vnni() and not AVX2_ONLY
+                else "AVX2 (AVX-512 VNNI left unused: AVX2_ONLY, ENGINE_CPU_GGUF_AVX2_ONLY=1)"
+                if lib.gguf_avx2_vnni()
+                else "AVX2",
             )
         else:
             logger.info(
@@ -319,9 +326,12 @@ _SCALES16 = 1 << 9
 _AVX2_ONLY_BIT = 1 << 10
 # Where the library has them (``gguf_avx2_vnni()``: compiled for a CPU with AVX-512 VNNI,
 # csrc/gguf_vnni.c), the int8 products run in AVX-512 VNNI unless this is True: tests set it to
-# check the AVX2 instructions on such a CPU too. The two paths add the same products in another
-# order, so their results differ in the last bits.
-AVX2_ONLY = False
+# check the AVX2 instructions on such a CPU too, and ``ENGINE_CPU_GGUF_AVX2_ONLY=1`` sets it
+# for a process (an A/B of the two paths end to end, e.g. ``engine.benchmarks.gguf_decode``,
+# whose model runs in spawned processes that read it on import; the log line of ``_avx2``
+# says which path runs). The two paths add the same products in another order, so their
+# results differ in the last bits.
+AVX2_ONLY = os.environ.get("ENGINE_CPU_GGUF_AVX2_ONLY", "0") == "1"
 
 # Above this many activation rows the product is float32 over tiles of the weight dequantized
 # per call. Up to the 128 of the fifth session the int8 products lost from 512 rows (their per-

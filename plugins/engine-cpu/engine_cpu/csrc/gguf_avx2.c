@@ -32,8 +32,9 @@
  * activation row while it is in L1.
  *
  * On a CPU with AVX-512 F, BW, VL and VNNI (this library is compiled with -march=native),
- * gguf_avx2_gemm hands the products to gguf_vnni.c, which reads the same layout with VPDPBUSD
- * on 64 bytes, unless bit 10 of the layout word asks for the instructions here.
+ * gguf_avx2_gemm hands the products of 2 or more activation rows to gguf_vnni.c, which reads
+ * the same layout with VPDPBUSD on 64 bytes, unless bit 10 of the layout word asks for the
+ * instructions here; one row runs here (faster: see gguf_avx2_gemm).
  *
  * Threads: an OpenMP loop over output rows, in the OpenMP runtime torch already loaded (see
  * engine_cpu/native.py).
@@ -283,7 +284,15 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
                     int64_t N, int64_t K, int group, const int8_t *xq, const float *xd,
                     const float *xs, int64_t M, void *y, int64_t ldy) {
 #if GGUF_HAVE_VNNI
-    if (!avx2_only_of(layout)) {
+    /* One activation row (a decode step at batch 1) stays with the AVX2 instructions: there the
+     * product is bound by reading the weights, and the row-by-row loop below read them faster
+     * than gguf_vnni.c's tiles on the 2-core Zen 4 VM (the embedded Gemma 3's products at 2
+     * threads: all but the 640 x 1024 Q4_K faster, the step's products 1.16x; its decode
+     * 1.12-1.20x faster end to end, medians of interleaved rounds; at one thread the two were
+     * even: docs/benchmarks.md, ninth CPU session). The two paths add the same products in
+     * another order, so on such a CPU a row's result is the same bits in every batch of 2 rows
+     * or more, and may differ from its result alone in the last bits. */
+    if (!avx2_only_of(layout) && M > 1) {
         gguf_vnni_gemm(values, layout, scales, offsets, N, K, group, xq, xd, xs, M, y, ldy);
         return;
     }

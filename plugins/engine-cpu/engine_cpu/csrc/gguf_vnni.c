@@ -1,7 +1,9 @@
 /* Quantized GGUF matmuls with AVX-512 VNNI (VPDPBUSD), for x86-64 CPUs that have it and no AMX
  * (Intel since Ice Lake and Cascade Lake, AMD since Zen 4): the products of gguf_avx2.c, on the
  * same packed weights and quantized activations (its header describes both), which
- * gguf_avx2_gemm hands here where this library was compiled with AVX-512 F, BW, VL and VNNI.
+ * gguf_avx2_gemm hands here for 2 or more activation rows where this library was compiled
+ * with AVX-512 F, BW, VL and VNNI (one row stays with the AVX2 instructions, which read the
+ * weights faster there).
  *
  * What differs from the AVX2 instructions:
  *  - one VPDPBUSD (unsigned bytes times signed bytes, four products added into each int32 lane,
@@ -17,7 +19,8 @@
  *  - the offset terms sum_g o[g] * xs[g] 16 groups an FMA into the same accumulator.
  * A block's int32 lane sum is exact (at most 32 * 255 * 127 < 2^24, so its float32 conversion
  * too). Every (weight row, activation row) pair runs the same instructions in the same order
- * whichever tile it falls in, so a row's result does not depend on the rows batched with it.
+ * whichever tile it falls in, so a row's result does not depend on the rows batched with it
+ * (from 2 rows on; alone, it is gguf_avx2.c's, which adds in another order).
  */
 #include "gguf_layout.h"
 
@@ -152,6 +155,58 @@ static inline __attribute__((always_inline)) void store_tile(const struct gemm *
     }
 }
 
+/* One group of G = 8 or 4 blocks at block g0 (the interleaved order of gguf_avx2.c's header)
+ * for a tile's weight rows w[i] against its activation rows x[q], into acc[i][q]. In a group
+ * of 8, 64-byte vector j (0-3) holds gguf_avx2.c's vectors 2j and 2j + 1, so lanes l and l + 8
+ * hold block l; in the group of 4, vector j (0-1) likewise and lanes l, l + 4, l + 8, l + 12
+ * hold block l: the group's scales and the activations' are loaded repeated to match. One
+ * body for both (G, wb, rb, pack, group and sc16 are constants where inlined: the two
+ * instances compile as the two loops written out did). */
+static inline __attribute__((always_inline)) void group_tile(
+    int G, int64_t g0, int wb, int rb, int pack, int group, int sc16, const uint8_t *const w[WB],
+    const float *const s[WB], const int8_t *const x[RB], const float *const d[RB],
+    __m512 acc[WB][RB]) {
+    const int nv = G / 2;                   /* 64-byte vectors of the group */
+    const int halves = group == 16 ? 2 : 1; /* 16-value groups: values 0-15, then 16-31 */
+    /* for 16-value groups, lane l's scale sits at 2 (l mod G) (+ 1 for values 16-31) */
+    const __m512i even = G == 8 ? _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14)
+                                : _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    for (int h = 0; h < halves; h++) {
+        __m512i isum[WB][RB];
+        for (int i = 0; i < wb; i++)
+            for (int q = 0; q < rb; q++)
+                isum[i][q] = _mm512_setzero_si512();
+        for (int j = h * nv / halves; j < (h + 1) * nv / halves; j++) {
+            __m512i wv[WB];
+            for (int i = 0; i < wb; i++)
+                wv[i] = G == 8 ? wvec8(w[i], g0, j, pack) : wvec4(w[i], g0, j, pack);
+            for (int q = 0; q < rb; q++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(x[q] + 32 * g0 + 64 * j));
+                for (int i = 0; i < wb; i++)
+                    isum[i][q] = _mm512_dpbusd_epi32(isum[i][q], wv[i], xv);
+            }
+        }
+        __m512 sv[WB];
+        for (int i = 0; i < wb; i++) {
+            if (group == 32) {
+                sv[i] = G == 8 ? scales8x2(s[i], sc16, g0) : scales4x4(s[i], sc16, g0);
+            } else { /* lane l: block l's scale of values 0-15 (h 0) or 16-31 */
+                const __m512 both = G == 8 ? _mm512_loadu_ps(s[i] + 2 * g0)
+                                           : _mm512_maskz_loadu_ps(0xff, s[i] + 2 * g0);
+                sv[i] = _mm512_permutexvar_ps(
+                    h ? _mm512_add_epi32(even, _mm512_set1_epi32(1)) : even, both);
+            }
+        }
+        for (int q = 0; q < rb; q++) {
+            const __m512 dv = G == 8 ? dup8(_mm256_loadu_ps(d[q] + g0))
+                                     : _mm512_broadcast_f32x4(_mm_loadu_ps(d[q] + g0));
+            for (int i = 0; i < wb; i++)
+                acc[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][q]),
+                                            _mm512_mul_ps(sv[i], dv), acc[i][q]);
+        }
+    }
+}
+
 /* y for weight rows n .. n + wb - 1 against activation rows r .. r + rb - 1 (wb <= WB,
  * rb <= RB; constants where inlined, as are pack, group, has_offsets, and sc16). */
 static inline __attribute__((always_inline)) void tile(const struct gemm *a, int64_t n, int wb,
@@ -166,7 +221,6 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
     const int64_t nb = K / 32, ng = K / group, n8 = nb - nb % 8;
     const int64_t n4 = nb % 8 >= 4 ? n8 + 4 : n8;
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
-    const int halves = group == 16 ? 2 : 1; /* 16-value groups: values 0-15, then 16-31 */
     const int z = pack == PACK_S8 ? 128 : zero; /* Q8_0 read as q + 128 */
     const uint8_t *w[WB];
     const float *s[WB], *o[WB];
@@ -185,76 +239,10 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
         d[q] = xd + (r + q) * nb;
         xsr[q] = xs + (r + q) * ng;
     }
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
-    const __m512i even4 = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
-    const __m512i one = _mm512_set1_epi32(1);
-    for (int64_t g0 = 0; g0 < n8; g0 += 8) {
-        for (int h = 0; h < halves; h++) {
-            __m512i isum[WB][RB];
-            for (int i = 0; i < wb; i++)
-                for (int q = 0; q < rb; q++)
-                    isum[i][q] = _mm512_setzero_si512();
-            for (int j = halves == 2 ? 2 * h : 0; j < (halves == 2 ? 2 * h + 2 : 4); j++) {
-                __m512i wv[WB];
-                for (int i = 0; i < wb; i++)
-                    wv[i] = wvec8(w[i], g0, j, pack);
-                for (int q = 0; q < rb; q++) {
-                    const __m512i xv = _mm512_loadu_si512((const void *)(x[q] + 32 * g0 + 64 * j));
-                    for (int i = 0; i < wb; i++)
-                        isum[i][q] = _mm512_dpbusd_epi32(isum[i][q], wv[i], xv);
-                }
-            }
-            __m512 sv[WB];
-            for (int i = 0; i < wb; i++) {
-                if (group == 32) {
-                    sv[i] = scales8x2(s[i], sc16, g0);
-                } else { /* lane l: block l mod 8's scale of values 0-15 (h 0) or 16-31 */
-                    const __m512 both = _mm512_loadu_ps(s[i] + 2 * g0);
-                    sv[i] = _mm512_permutexvar_ps(h ? _mm512_add_epi32(even, one) : even, both);
-                }
-            }
-            for (int q = 0; q < rb; q++) {
-                const __m512 dv = dup8(_mm256_loadu_ps(d[q] + g0));
-                for (int i = 0; i < wb; i++)
-                    acc[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][q]),
-                                                _mm512_mul_ps(sv[i], dv), acc[i][q]);
-            }
-        }
-    }
-    if (n4 > n8) { /* the group of 4: lanes l, l + 4, l + 8, l + 12 hold block l */
-        const int64_t g0 = n8;
-        for (int h = 0; h < halves; h++) {
-            __m512i isum[WB][RB];
-            for (int i = 0; i < wb; i++)
-                for (int q = 0; q < rb; q++)
-                    isum[i][q] = _mm512_setzero_si512();
-            for (int j = halves == 2 ? h : 0; j < (halves == 2 ? h + 1 : 2); j++) {
-                __m512i wv[WB];
-                for (int i = 0; i < wb; i++)
-                    wv[i] = wvec4(w[i], g0, j, pack);
-                for (int q = 0; q < rb; q++) {
-                    const __m512i xv = _mm512_loadu_si512((const void *)(x[q] + 32 * g0 + 64 * j));
-                    for (int i = 0; i < wb; i++)
-                        isum[i][q] = _mm512_dpbusd_epi32(isum[i][q], wv[i], xv);
-                }
-            }
-            __m512 sv[WB];
-            for (int i = 0; i < wb; i++) {
-                if (group == 32) {
-                    sv[i] = scales4x4(s[i], sc16, g0);
-                } else {
-                    const __m512 both = _mm512_maskz_loadu_ps(0xff, s[i] + 2 * g0);
-                    sv[i] = _mm512_permutexvar_ps(h ? _mm512_add_epi32(even4, one) : even4, both);
-                }
-            }
-            for (int q = 0; q < rb; q++) {
-                const __m512 dv = _mm512_broadcast_f32x4(_mm_loadu_ps(d[q] + g0));
-                for (int i = 0; i < wb; i++)
-                    acc[i][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i][q]),
-                                                _mm512_mul_ps(sv[i], dv), acc[i][q]);
-            }
-        }
-    }
+    for (int64_t g0 = 0; g0 < n8; g0 += 8)
+        group_tile(8, g0, wb, rb, pack, group, sc16, w, s, x, d, acc);
+    if (n4 > n8) /* the group of 4 */
+        group_tile(4, n8, wb, rb, pack, group, sc16, w, s, x, d, acc);
     for (int64_t b = n4; b < nb; b++) { /* blocks alone, 256 bits */
         for (int i = 0; i < wb; i++) {
             const __m256i wv = wblock(w[i], b, pack);

@@ -115,15 +115,7 @@ def test_run_all_times_the_integer_experts(tmp_path: Path) -> None:
     """``moe-kernels-wna16`` runs the MoE sweep on 4-bit experts with zero points, and
     ``moe-wna16-b1`` / ``moe-wna16-nano`` the latency and throughput benchmarks on the
     Qwen3-30B-A3B-GPTQ-Int4 shape; all three land in results.json."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(FAKE_PYTHON.replace("PYTHON", sys.executable))
-    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\necho fake GPU\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    out, log = tmp_path / "out", tmp_path / "calls.log"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out),
-               FAKE_LOG=str(log), DEADLINE="400")  # fmt: skip
+    env, out, log = fake_gpu(tmp_path, DEADLINE="400")
     steps = ["moe-kernels-wna16", "moe-wna16-b1", "moe-wna16-nano"]
     run = subprocess.run(["bash", str(GPU / "run_all.sh"), *steps], env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_tolerance import close
+from moe_routing import route
 
 from engine.kernels import reference as ref
 
@@ -32,16 +33,6 @@ def _experts(e, h, i, dtype):
     w13 = (torch.randn(e, 2 * i, h) * h**-0.5).to(dtype)
     w2 = (torch.randn(e, h, i) * i**-0.5).to(dtype)
     return w13, w2
-
-
-def _route(t, e, k, popular=None, unused=()):
-    scores = torch.rand(t, e)
-    if popular is not None:
-        scores[:, popular] += 2.0
-    for u in unused:
-        scores[:, u] = -1.0
-    weights, ids = torch.topk(scores, k, dim=-1)
-    return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
 
 
 def _run(variant, x, w13, w2, weights, ids, device):
@@ -72,7 +63,7 @@ def test_fused_moe_matches_reference(case, dtype, variant, device, seed):
     t, e, k, h, i, popular, unused = CASES[case]
     x = torch.randn(t, h).to(dtype)
     w13, w2 = _experts(e, h, i, dtype)
-    weights, ids = _route(t, e, k, popular, unused)
+    weights, ids = route(t, e, k, popular, unused)
     out = _run(variant, x, w13, w2, weights, ids, device)
     assert out.shape == (t, h) and out.dtype == dtype
     close(out, ref.fused_moe(x, w13, w2, weights, ids), dtype, seed)
@@ -113,7 +104,7 @@ def test_fused_moe_fp8_matches_reference(case, scales, dtype, variant, device, s
     block = FP8_SCALES[scales]
     x = torch.randn(t, h).to(dtype)
     w13, w2, s13, s2 = _fp8_experts(e, h, i, block)
-    weights, ids = _route(t, e, k, popular, unused)
+    weights, ids = route(t, e, k, popular, unused)
     if case == "odd-tokens-idle-experts":
         ids[2, 1] = -1  # held by another expert-parallel rank
     args = (x, w13, w2, weights, ids, s13, s2)
@@ -135,7 +126,7 @@ def test_fused_moe_fp8_rejects_what_it_cannot_run(device):
     t, e, k, h, i = 2, 4, 2, 32, 16
     x = torch.randn(t, h, device=device)
     w13, w2, s13, s2 = (a.to(device) for a in _fp8_experts(e, h, i, None))
-    weights, ids = (a.to(device) for a in _route(t, e, k))
+    weights, ids = (a.to(device) for a in route(t, e, k))
     with pytest.raises(ValueError, match="scales do not fit"):
         fused_moe_fp8(x, w13, w2, weights, ids, s13[:, :i], s2)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -151,7 +142,7 @@ def test_choices_held_by_other_ranks_add_nothing(variant, device, seed):
     t, e, k, h, i, dtype = 6, 8, 2, 24, 16, torch.bfloat16
     x = torch.randn(t, h).to(dtype)
     w13, w2 = _experts(e, h, i, dtype)
-    weights, ids = _route(t, e, k)
+    weights, ids = route(t, e, k)
     ids[1, 0] = -1
     ids[4] = -1
     out = _run(variant, x, w13, w2, weights, ids, device)
@@ -169,7 +160,7 @@ def test_default_dispatch_and_configs(device, seed):
     w13, w2 = _experts(e, h, i, dtype)
     for t in (1, 12):
         x = torch.randn(t, h).to(dtype)
-        weights, ids = _route(t, e, k)
+        weights, ids = route(t, e, k)
         out = fm.fused_moe(*(a.to(device) for a in (x, w13, w2, weights, ids)))
         close(out, ref.fused_moe(x, w13, w2, weights, ids), dtype, seed)
 
@@ -329,7 +320,7 @@ def test_decode_top_k_sum_leaves_its_counters_zeroed(device, seed):
     w13, w2 = _experts(e, h, i, dtype)
     for t in (2, 1):
         x = torch.randn(t, h).to(dtype)
-        weights, ids = _route(t, e, k)
+        weights, ids = route(t, e, k)
         out = _run("decode", x, w13, w2, weights, ids, device)
         close(out, ref.fused_moe(x, w13, w2, weights, ids), dtype, seed)
         counters = fm._SCRATCH.counters[out.device]  # cuda:0, not cuda

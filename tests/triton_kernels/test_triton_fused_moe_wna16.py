@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_tolerance import close
+from moe_routing import route
 
 from engine.kernels import reference as ref
 
@@ -41,16 +42,6 @@ CASES = {
 }  # fmt: skip
 
 
-def _route(t, e, k, popular=None, unused=()):
-    scores = torch.rand(t, e)
-    if popular is not None:
-        scores[:, popular] += 2.0
-    for u in unused:
-        scores[:, u] = -1.0
-    weights, ids = torch.topk(scores, k, dim=-1)
-    return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
-
-
 def _experts(e, h, i, bits, group, zero_points):
     """Random packed experts, scales and zero points in ``fused_moe_wna16``'s layout (the
     conformance inputs' generator: dequantized weights of std ~K^-0.5, float16 scales)."""
@@ -66,7 +57,7 @@ def _case_args(case):
     t, e, k, h, i, bits, group, zp, act_order, dtype, popular, unused, _ = CASES[case]
     x = torch.randn(t, h).to(dtype)
     q13, q2, s13, s2, z13, z2 = _experts(e, h, i, bits, group, zp)
-    weights, ids = _route(t, e, k, popular, unused)
+    weights, ids = route(t, e, k, popular, unused)
     if unused:
         ids[2, 1] = -1  # held by another expert-parallel rank
     perms = (None, None)
@@ -106,7 +97,7 @@ def test_fused_moe_wna16_default_dispatch(device, seed):
     q13, q2, s13, s2, z13, z2 = _experts(e, h, i, bits, 32, True)
     for t in (1, 12):
         x = torch.randn(t, h).to(torch.bfloat16)
-        weights, ids = _route(t, e, k)
+        weights, ids = route(t, e, k)
         args = (x, q13, q2, weights, ids, s13, s2, z13, z2, bits)
         out = fm.fused_moe_wna16(
             *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -120,7 +111,7 @@ def test_fused_moe_wna16_rejects_what_it_cannot_run(device):
     t, e, k, h, i = 2, 4, 2, 64, 32
     x = torch.randn(t, h, device=device)
     q13, q2, s13, s2, z13, z2 = (a.to(device) for a in _experts(e, h, i, 4, 32, True))
-    weights, ids = (a.to(device) for a in _route(t, e, k))
+    weights, ids = (a.to(device) for a in route(t, e, k))
     with pytest.raises(ValueError, match="scales do not fit"):
         fused_moe_wna16(x, q13, q2, weights, ids, s13[:, :i], s2, z13, z2)
     with pytest.raises(ValueError, match="scales do not fit"):  # zero points: both or neither

@@ -196,7 +196,7 @@ def test_linear_takes_the_gemm_only_between_its_rows(device, seed, monkeypatch):
 def test_configurations_are_valid_and_the_table_wins():
     """The rule of thumb at the 8B shapes and every row count the GEMM may serve: power-of-two
     row blocks of at most 128 covering M where they can, K blocks dividing K, a split that
-    leaves each range a K block; a ``TUNED`` entry replaces it for its whole row bucket."""
+    leaves each range a K block; a ``TUNED`` entry replaces it up to its swept row count."""
     from engine_triton.kernels import int4gemm
 
     with pytest.MonkeyPatch.context() as mp:
@@ -207,18 +207,42 @@ def test_configurations_are_valid_and_the_table_wins():
                 assert c.block_m in (16, 32, 64, 128) and c.block_m >= min(m, 128)
                 assert k % (8 * c.block_kw) == 0 and 1 <= c.split_k <= k // (8 * c.block_kw)
     for (bucket, n, k), c in int4gemm.TUNED.items():  # the sweep's entries are launchable
-        assert bucket in (32, 64, 128, 256, 512) and c.block_m in (16, 32, 64, 128, 256)
+        assert bucket > 16 and c.block_m in (16, 32, 64, 128, 256)  # above tinygemm's rows
         assert k % (8 * c.block_kw) == 0 and 1 <= c.split_k <= k // (8 * c.block_kw)
         assert int4gemm._gemm_config(bucket, n, k, 132) == c
-    assert [int4gemm.rows_bucket(m) for m in (17, 32, 33, 100, 256, 257)] == [
-        32, 32, 64, 128, 256, 512,
-    ]  # fmt: skip
     tuned = int4gemm.GemmConfig(64, 128, 16, 2, 4, 3)
     table = {(128, 4096, 4096): tuned}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(int4gemm, "TUNED", table)
         assert int4gemm._gemm_config(100, 4096, 4096, 132) == tuned
-        assert int4gemm._gemm_config(64, 4096, 4096, 132) != tuned
+        assert int4gemm._gemm_config(64, 4096, 4096, 132) == tuned  # the smallest that covers
+        assert int4gemm._gemm_config(129, 4096, 4096, 132) != tuned  # past it: rule of thumb
+        # A row count between the powers of two serves the rows up to it; the next one above.
+        between = int4gemm.GemmConfig(128, 128, 16, 1, 8, 3)
+        mp.setitem(table, (192, 4096, 4096), between)
+        assert int4gemm._gemm_config(150, 4096, 4096, 132) == between
+        assert int4gemm._gemm_config(128, 4096, 4096, 132) == tuned
+
+
+def _power_of_two_bucket(m: int) -> int:
+    """The power of two from 32 that covers ``m`` (the lookup's buckets until 2026-12-07)."""
+    bucket = 32
+    while bucket < m:
+        bucket *= 2
+    return bucket
+
+
+def test_tuned_lookup_serves_every_row_count_as_the_power_of_two_buckets_did():
+    """With the table as swept (row counts 32-512, powers of two), every row count the GEMM
+    serves gets the configuration of its power-of-two bucket, the lookup before row counts
+    between them were allowed; the kernels' launches are unchanged."""
+    from engine_triton.kernels import int4gemm
+
+    shapes = {(n, k) for (_, n, k) in int4gemm.TUNED}
+    for n, k in shapes:
+        for m in range(17, 513):
+            want = int4gemm.TUNED.get((_power_of_two_bucket(m), n, k))
+            assert int4gemm.tuned_config(m, n, k) == want, (m, n, k)
 
 
 def test_supported_shapes():
@@ -306,7 +330,7 @@ def test_benchmark_sweep_dry_run(tmp_path, monkeypatch, capsys):
     assert quant_benchmark.main(argv) == 0
     printed = capsys.readouterr().out
     assert "kernels compiled in 2 processes" in printed
-    assert "TUNED[(32, " in printed and "GEMM_MAX_ROWS" in printed
+    assert "TUNED[(17, " in printed and "GEMM_MAX_ROWS" in printed  # keyed by the rows swept
     result = json.loads(out.read_text())["int4_gemm"]
     assert set(result) == set(int4gemm_sweep.CPU_SHAPES)
     for by_m in result.values():

@@ -331,7 +331,7 @@ def report(results: dict, shapes: dict) -> dict:
             t[1] += best["us"]
             if best["us"] < e["dense"] and "config" in best:
                 cfg = int4gemm.GemmConfig(*best["config"])
-                tuned.append(f"TUNED[({int4gemm.rows_bucket(int(m))}, {n}, {k})] = {cfg!r}")
+                tuned.append(f"TUNED[({int(m)}, {n}, {k})] = {cfg!r}")
     print("\nrows: the projections' summed us, dense -> best GEMM")
     gemm_max_rows, losing = 0, False
     for m in sorted(totals):

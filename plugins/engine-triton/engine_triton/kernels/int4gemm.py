@@ -72,9 +72,10 @@ after one eager call at the size). Results are bit-identical from call to call; 
 batch-invariant (a row's result may change with the batch it is in), because the
 configuration, and with it the K order and the split, depends on the number of rows.
 
-**Configurations** (``_gemm_config``): ``TUNED`` maps (row bucket, N, K) to the sweep's choice
+**Configurations** (``_gemm_config``): ``TUNED`` maps (rows swept, N, K) to the sweep's choice
 on the target GPU (``python -m engine_triton.quant_benchmark --int4-gemm-sweep``, which prints
-the entries); other shapes take a rule of thumb. ``int4pack.GEMM_MAX_ROWS`` (512; 0: off) says up
+the entries); a call takes its shape's entry for the smallest swept row count that covers it,
+other shapes and larger row counts a rule of thumb. ``int4pack.GEMM_MAX_ROWS`` (512; 0: off) says up
 to how many rows ``int4pack.linear`` sends layers here.
 """
 
@@ -109,8 +110,10 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-# The sweep's choices: (rows_bucket(M), N, K) -> GemmConfig (block_n, block_m, block_kw,
-# split_k, num_warps, num_stages), from ``quant_benchmark --int4-gemm-sweep --rows
+# The sweep's choices: (rows, N, K) -> GemmConfig (block_n, block_m, block_kw, split_k,
+# num_warps, num_stages) for the rows swept; a call of M rows takes the entry of the smallest
+# swept row count >= M for its shape (``tuned_config``), so a sweep may add row counts between
+# the powers of two. From ``quant_benchmark --int4-gemm-sweep --rows
 # 32,64,128,256,512`` on an H100 80GB HBM3 (2026-12-07, docs/benchmarks.md), the Llama-3.1-8B
 # projections qkv (6144 x 4096), o (4096 x 4096), gate_up (28672 x 4096) and down (4096 x 14336),
 # at the row buckets where the GEMM beat dequantize + cuBLAS (other shapes: the rule of thumb).
@@ -324,12 +327,11 @@ def block_rows(m: int, cap: int) -> int:
     return block_m
 
 
-def rows_bucket(m: int) -> int:
-    """The ``TUNED`` bucket of ``m`` rows: the power of two from 32 that covers it."""
-    bucket = 32
-    while bucket < m:
-        bucket *= 2
-    return bucket
+def tuned_config(m: int, n: int, k: int) -> GemmConfig | None:
+    """The ``TUNED`` entry of this shape for the smallest swept row count that covers ``m``
+    rows, or None where the shape has none that large (the rule of thumb then)."""
+    rows = [r for (r, tn, tk) in TUNED if tn == n and tk == k and r >= m]
+    return TUNED[(min(rows), n, k)] if rows else None
 
 
 def split_k(
@@ -353,7 +355,7 @@ def _gemm_config(m: int, n: int, k: int, sms: int) -> GemmConfig:
     once), K blocks of 128 (one group of 128 per block: the fast scale path for AWQ/GPTQ), K
     split to fill one wave of the SMs, four stages where the row block leaves shared memory
     for them (x^T is most of a stage: 16 KiB at 64 rows against 8 KiB of words)."""
-    tuned = TUNED.get((rows_bucket(m), n, k))
+    tuned = tuned_config(m, n, k)
     if tuned is not None:
         return tuned
     block_n, block_m, block_kw = 128, block_rows(m, 128), 16

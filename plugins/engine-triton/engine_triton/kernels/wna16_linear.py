@@ -499,8 +499,8 @@ def _gemm_config(
 
 #: Shared memory the GEMM's software pipeline may take, leaving room for the epilogue's
 #: scratch under the 227 KiB an sm_90 block can have, so that a configuration tuned for 16-bit
-#: activations still launches with float32 ones (on an H200, 128x128x128 tiles in 3 stages
-#: asked for 236 KiB with float32 activations and failed). 16-bit configurations fit as tuned.
+#: activations still launches with float32 ones (on an H200 one asked for 236 KiB with
+#: float32 activations and failed to launch). 16-bit configurations fit as tuned.
 _PIPELINE_SMEM = 160 * 1024
 
 

@@ -291,28 +291,13 @@ def test_fp8_moe_models_on_triton_with_cuda_graphs_match_cpu(tiny_moe, tmp_path)
     assert gpu == cpu
 
 
-def test_gptq_moe_models_on_triton_with_cuda_graphs_match_dequantized(tiny_moe, tmp_path, request):
+def test_gptq_moe_models_on_triton_with_cuda_graphs_match_dequantized(tiny_moe, tmp_path):
     """A GPTQ checkpoint of the tiny MoE model (4-bit with zero points, groups of 32, or one
     per row where the tiny Qwen2-MoE's 48-wide experts hold no whole group): the experts
     through engine-triton's ``fused_moe_wna16`` and the dense layers through ``wna16_linear``,
     inside decode graphs, give the greedy tokens of its dequantized twin (every quantized
     weight replaced by its exact dequantized value, run unquantized) on the same GPU."""
-    from triton.runtime.errors import OutOfResources
-
     from engine.testing import quantized_models as qm
-
-    if "qwen2_moe" in tiny_moe:
-        # A known bug, found by this test on an H200 (2026-12-07): the shared expert's dense
-        # GPTQ layers (float32 activations, one 128-wide group per row) at batches over 256
-        # rows take wna16_linear's 128x128x128 tiles in 3 stages, which ask for 236 KiB of
-        # shared memory (227 KiB allowed) and fail to launch. The fix (fewer stages for
-        # float32 activations) is on branch held-wna16-f32-stages until a GPU has run it;
-        # strict, so that the test says when the fix lands and this mark must go.
-        request.applymarker(
-            pytest.mark.xfail(
-                raises=OutOfResources, strict=True, reason="wna16_linear float32 smem"
-            )
-        )
 
     group = -1 if "qwen2_moe" in tiny_moe else 32
     gptq, dequantized = qm.write_gptq(

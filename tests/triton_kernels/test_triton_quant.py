@@ -227,6 +227,33 @@ def test_wna16_gemm_for_more_than_16_rows(bits, act_order, dense, device, seed, 
         _close(wna16_linear(x.to(device), packed, bits=bits, group_size=group), want, dtype, seed)
 
 
+@pytest.mark.parametrize("m", [100, 300])
+def test_wna16_gemm_float32_activations_at_the_largest_tiles(m, device, seed, monkeypatch):
+    """float32 activations at the 128-row tiles with 128-wide K steps (one scale group per
+    row; 100 rows: 128x64 tiles, 300: 128x128): the configurations tuned for 16-bit
+    activations take fewer pipeline stages, so that they fit in shared memory (on an H200 one
+    asked for 236 KiB and failed to launch); the 16-bit configurations keep their stages."""
+    from engine_triton.kernels import wna16_linear as wna16_mod
+
+    monkeypatch.setattr(wna16_mod, "DENSE_MIN_ROWS", 1 << 30)
+    assert wna16_mod._gemm_config(300, 6144, 4096, 128, 8) == (128, 128, 128, 8, 3)
+    assert wna16_mod._gemm_config(100, 4096, 4096, 128, 8) == (128, 64, 128, 4, 4)
+    assert wna16_mod._gemm_config(300, 6144, 4096, 128, 8, 4)[4] == 2
+    assert wna16_mod._gemm_config(100, 4096, 4096, 128, 8, 4)[4] == 2
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 136, 128
+    q, s, z, _ = _wna16(n, k, 4, k, False, gen)
+    x = torch.randn(m, k, generator=gen)
+    want = ref.wna16_linear(
+        x, ref.wna16_linear.prepack(q, s, z, bits=4, group_size=k), bits=4, group_size=k
+    )
+    packed = wna16_mod.wna16_linear.prepack(
+        q.to(device), s.to(device), z.to(device), bits=4, group_size=k
+    )
+    got = wna16_mod.wna16_linear(x.to(device), packed, bits=4, group_size=k)
+    _close(got, want, torch.float32, seed)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
 def test_a_tiny_awq_model_runs_on_the_triton_kernels(tmp_path, seed):
     """The engine's AWQ path end to end with engine-triton's wna16_linear (registered for the

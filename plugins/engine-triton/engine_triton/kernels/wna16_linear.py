@@ -477,19 +477,42 @@ def _skinny_config(n: int, k: int, group: int, pack: int, sms: int):
     return block_n, block_k, 4, split
 
 
-def _gemm_config(m: int, n: int, k: int, group: int, pack: int) -> tuple[int, int, int, int, int]:
+def _gemm_config(
+    m: int, n: int, k: int, group: int, pack: int, x_bytes: int = 2
+) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_warps, num_stages) of the tiled GEMM: the fastest of
     ``quant_benchmark --sweep`` on the Llama-3.1-8B projections (H100, 2026-12-05): 128-wide K
     tiles everywhere; 128x64 tiles where N is small (o, down), 128x128 with 8 warps for wide N
-    or many rows."""
+    or many rows. ``x_bytes``: the activations' element size; float32 ones take fewer stages
+    so that the pipeline fits in shared memory."""
     block_k = _block_k(group, k, pack, 128)
     if m <= 32:
-        return 32, 128, block_k, 4, 3
-    if m <= 64 and n >= 6144:
-        return 64, 128, block_k, 4, 3
-    if m <= 256 and n < 6144:
-        return 128, 64, block_k, 4, 4
-    return 128, 128, block_k, 8, 3
+        config = 32, 128, block_k, 4, 3
+    elif m <= 64 and n >= 6144:
+        config = 64, 128, block_k, 4, 3
+    elif m <= 256 and n < 6144:
+        config = 128, 64, block_k, 4, 4
+    else:
+        config = 128, 128, block_k, 8, 3
+    return *config[:4], _fit_stages(*config[:3], config[4], pack, x_bytes)
+
+
+#: Shared memory the GEMM's software pipeline may take, leaving room for the epilogue's
+#: scratch under the 227 KiB an sm_90 block can have, so that a configuration tuned for 16-bit
+#: activations still launches with float32 ones (on an H200 one asked for 236 KiB with
+#: float32 activations and failed to launch). 16-bit configurations fit as tuned.
+_PIPELINE_SMEM = 160 * 1024
+
+
+def _fit_stages(
+    block_m: int, block_n: int, block_k: int, stages: int, pack: int, x_bytes: int
+) -> int:
+    """``stages`` lowered (to 2 at least) until each stage's activation tile and packed weight
+    words fit ``_PIPELINE_SMEM`` together."""
+    per_stage = block_m * block_k * x_bytes + (block_k // pack) * block_n * 4
+    while stages > 2 and stages * per_stage > _PIPELINE_SMEM:
+        stages -= 1
+    return stages
 
 
 def _magic(dtype: torch.dtype, bits: int) -> int:
@@ -623,7 +646,9 @@ class TritonWNA16Linear:
             if bias is not None:
                 y += bias
         else:
-            block_m, block_n, block_k, warps, stages = _gemm_config(m, n, k, group_size, pack)
+            block_m, block_n, block_k, warps, stages = _gemm_config(
+                m, n, k, group_size, pack, x.element_size()
+            )
             grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
             _wna16_gemm_kernel[grid](
                 x2, q, s, z, perm_arg, bias_arg, y,

@@ -105,6 +105,21 @@ def test_fused_moe_wna16_default_dispatch(device, seed):
         close(out, ref.fused_moe_wna16(*args), torch.bfloat16, f"{seed} T={t}")
 
 
+def test_four_bit_experts_take_their_own_dispatch_rule():
+    """4-bit experts stay on the decode kernels to 60% expected re-reads (the general rule: 15%)
+    and take 4-stage grouped tilings; 8-bit experts keep the general rule."""
+    from engine_triton.kernels import fused_moe as fm
+
+    # Qwen3-30B-A3B, 8 tokens: 64 pairs over about 51.8 distinct experts (1.24x re-read).
+    assert fm.use_decode(8, 8, 128, bits=4) and not fm.use_decode(8, 8, 128)
+    assert not fm.use_decode(8, 8, 128, bits=8)
+    # Mixtral: 4 tokens (1.52x) decode, 8 tokens (2.34x) grouped.
+    assert fm.use_decode(4, 2, 8, bits=4) and not fm.use_decode(8, 2, 8, bits=4)
+    for pairs in (64, 4096, 16384):
+        assert fm.grouped_config(pairs, 8, bits=4).num_stages == 4
+        assert fm.grouped_config(pairs, 8, bits=8) == fm.grouped_config(pairs, 8)
+
+
 def test_fused_moe_wna16_rejects_what_it_cannot_run(device):
     from engine_triton.kernels.fused_moe import fused_moe_wna16
 

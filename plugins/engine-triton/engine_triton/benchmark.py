@@ -574,23 +574,25 @@ def _moe_candidates(
 
     D, G = fm.DecodeConfig, fm.GroupedConfig
     pairs = tokens * top_k
-    rule = "decode" if fm.use_decode(tokens, top_k, experts) else "grouped"
+    rule = "decode" if fm.use_decode(tokens, top_k, experts, bits) else "grouped"
     decode_rule = fm.WNA16_DECODE[bits] if bits else D()
     out: list[tuple[str, object]] = [
-        (rule, decode_rule if rule == "decode" else fm.grouped_config(pairs, experts))
+        (rule, decode_rule if rule == "decode" else fm.grouped_config(pairs, experts, bits))
     ]
     if pairs <= fm.DECODE_MAX_PAIRS and bits:
-        out += [("decode", c) for c in (D(16, 256, 8, 256), D(16, 1024, 8, 512),
-                                        D(32, 512, 16, 256), D(8, 1024, 8, 256, 4, 4),
-                                        D(16, 512, 8, 256, 8, 3))]  # fmt: skip
+        out += [("decode", c) for c in (D(16, 512, 8, 256), D(16, 1024, 8, 512),
+                                        D(8, 1024, 8, 256, 8, 4), D(8, 2048, 8, 512, 4, 4),
+                                        D(8, 1024, 4, 512, 4, 4))]  # fmt: skip
     elif pairs <= fm.DECODE_MAX_PAIRS:
         out += [("decode", c) for c in (D(8, 256, 8, 256), D(32, 128, 16, 128),
                                         D(16, 512, 8, 512, 8, 2), D(16, 256, 4, 256, 4, 4))]  # fmt: skip
     avg = pairs / experts
     if avg <= 16:
         grouped = (G(16, 64, 128, 1), G(16, 128, 128, 1, 4, 4), G(32, 64, 128, 4))
+        grouped += (G(16, 128, 256, 1, 4, 4), G(16, 256, 128, 1, 8, 4)) if bits else ()
     elif avg <= 128:
         grouped = (G(32, 64, 128, 4), G(64, 64, 64, 8), G(64, 128, 64, 8, 4, 4))
+        grouped += (G(64, 128, 128, 8, 4, 4), G(32, 128, 64, 8, 4, 4)) if bits else ()
     else:
         grouped = (G(64, 128, 64, 8, 4, 4, 64), G(128, 128, 64, 8, 8, 3), G(128, 64, 64, 8, 4, 4),
                    G(128, 256, 64, 8, 8, 3, 64))  # fmt: skip

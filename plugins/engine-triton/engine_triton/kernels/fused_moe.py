@@ -22,7 +22,7 @@ pairs P = T * top_k (``use_decode``):
   at batch 1 384 and 2048 programs, enough bytes in flight to keep every SM of an H200
   streaming. Each pair reads its expert's weights once, so a batch whose tokens
   share experts reads those twice: ``use_decode`` sends a batch here only while the expected
-  re-reads stay under 15%.
+  re-reads stay under 15% (60% for 4-bit experts, whose grouped GEMMs unpack in their K loop).
 * **grouped** (everything else): the pairs are grouped by expert (``moe_align``: a count with
   atomics that also gives each pair its rank within its expert, then a scatter of the pair ids
   into per-expert runs padded to BLOCK_M), and two grouped GEMMs run over blocks of BLOCK_M
@@ -213,27 +213,45 @@ def expected_distinct_experts(num_pairs: int, num_experts: int) -> float:
 
 DECODE_MAX_PAIRS = 64
 DECODE_MAX_REREAD = 1.15
+# 4-bit experts unpack their words inside the grouped GEMMs' K loop, which costs more than the
+# decode GEMVs' re-reads: on an H100 (`tests/gpu/run_all.sh moe-kernels-wna16`, 2026-12-07)
+# decode still won at 1.52x expected re-reads (Mixtral, 4 tokens: 777 vs 839 us a layer) and
+# lost at 2.34x (8 tokens: 1,502 vs 904 us).
+WNA16_DECODE_MAX_REREAD = 1.6
 
 
-def use_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
+def use_decode(num_tokens: int, top_k: int, num_experts: int, bits: int = 0) -> bool:
     """Whether the decode kernels serve this batch: at batch 1 always; otherwise while the
     pairs would re-read at most 15% more expert weights than the grouped path (uniform
-    routing), up to 64 pairs. Qwen3-30B-A3B (128 experts, top-8): up to 4 tokens; Mixtral
-    (8 experts, top-2): 1 token."""
+    routing; 60% for 4-bit experts, ``bits``), up to 64 pairs. Qwen3-30B-A3B (128 experts,
+    top-8): up to 4 tokens (8 with 4-bit experts); Mixtral (8 experts, top-2): 1 token (4)."""
     pairs = num_tokens * top_k
     if num_tokens <= 1:
         return True
     if pairs > DECODE_MAX_PAIRS:
         return False
-    return pairs <= DECODE_MAX_REREAD * expected_distinct_experts(pairs, num_experts)
+    reread = WNA16_DECODE_MAX_REREAD if bits == 4 else DECODE_MAX_REREAD
+    return pairs <= reread * expected_distinct_experts(pairs, num_experts)
 
 
-def grouped_config(num_pairs: int, num_experts: int) -> GroupedConfig:
+def grouped_config(num_pairs: int, num_experts: int, bits: int = 0) -> GroupedConfig:
     """Rule of thumb for the grouped GEMMs from the average pairs per expert: 16-row blocks
     while most of a block would be padding (decode batches), 64 rows for mixed steps, 128 for
     prefill. Three configurations only, so that the decode graphs, the warm-up and the
-    profiling run compile all of them before any timed step."""
+    profiling run compile all of them before any timed step.
+
+    4-bit experts (``bits=4``) take their own three: 128 output columns and four pipeline
+    stages throughout, 64 rows past 16 pairs per expert. Against the general rule they were
+    1.2-1.4x faster at every batch of the H100 sweep (Qwen3-30B-A3B, 32 tokens: 383 vs 523 us
+    a layer; 2,048 tokens: 1,497 vs 1,738 us); 8-bit experts were not swept and keep the
+    general rule."""
     avg = num_pairs / num_experts
+    if bits == 4:
+        if avg <= 16:
+            return GroupedConfig(16, 128, 128, 1, 4, 4)
+        if avg <= 128:
+            return GroupedConfig(64, 128, 64, 8, 4, 4)
+        return GroupedConfig(64, 128, 64, 8, 4, 4, gate_up_n=64)  # 2 x 64x64 accumulators
     if avg <= 16:
         return GroupedConfig(16, 64, 128, 1, 4, 3)
     if avg <= 128:
@@ -1081,8 +1099,11 @@ def fused_moe_fp8(
 # quarter of FP8's bytes, so its steps are longer; the gate/up words tile is 16 x 256 bytes
 # either way (128 registers at 4 bits symmetric in an sm_90 compile, bf16's default takes
 # 125). Not measured on a GPU yet: the MoE sweep's --moe-wna16 times other tilings too.
+# The decode GEMVs' tilings by bit width. 4 bits: the H100 sweep's best at every decode batch
+# (Qwen3-30B-A3B batch 1: 27.4 us a layer against 33.3 for n16 k512 three stages; Mixtral:
+# 306 vs 375 us).
 WNA16_DECODE = {
-    4: DecodeConfig(gate_up_n=16, gate_up_k=512, down_n=8, down_k=256),
+    4: DecodeConfig(gate_up_n=8, gate_up_k=1024, down_n=8, down_k=256, num_stages=4),
     8: DecodeConfig(gate_up_n=16, gate_up_k=256, down_n=8, down_k=256),
 }
 # Input features per group that the grouped GEMMs' K steps can hold (the tensor-core K step).
@@ -1187,15 +1208,15 @@ def _fused_moe(
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
+    bits = scales.bits if isinstance(scales, IntegerExperts) else 0
     if variant is None:
-        variant = "decode" if use_decode(t, k, e) else "grouped"
+        variant = "decode" if use_decode(t, k, e, bits) else "grouped"
     if variant == "decode":
         if decode_config is None:
-            integer = isinstance(scales, IntegerExperts)
-            decode_config = WNA16_DECODE[scales.bits] if integer else DecodeConfig()
+            decode_config = WNA16_DECODE[bits] if bits else DecodeConfig()
         _run_decode(x, w13, w2, weights, ids, out, decode_config, scales)
     elif variant == "grouped":
-        cfg = config or grouped_config(t * k, e)
+        cfg = config or grouped_config(t * k, e, bits)
         _run_grouped(x, w13, w2, weights, ids, out, cfg, scales)
     else:
         raise ValueError(f"unknown fused_moe variant {variant!r} (decode, grouped)")

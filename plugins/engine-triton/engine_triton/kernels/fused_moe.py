@@ -1216,7 +1216,10 @@ def _fused_moe(
             decode_config = WNA16_DECODE[bits] if bits else DecodeConfig()
         _run_decode(x, w13, w2, weights, ids, out, decode_config, scales)
     elif variant == "grouped":
-        cfg = config or grouped_config(t * k, e, bits)
+        # The 4-bit tilings were swept with 16-bit activations; float32 ones need twice the
+        # shared memory per stage (m16 n128 four stages asked for 275 KiB on an H100 and failed
+        # to launch), so they keep the general rule.
+        cfg = config or grouped_config(t * k, e, bits if x.element_size() == 2 else 0)
         _run_grouped(x, w13, w2, weights, ids, out, cfg, scales)
     else:
         raise ValueError(f"unknown fused_moe variant {variant!r} (decode, grouped)")

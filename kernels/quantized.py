@@ -87,7 +87,11 @@ def fp8_dynamic_scale(x2d: torch.Tensor, group_size: int | None = None) -> torch
         amax = xf.amax(dim=-1, keepdim=True)
     else:
         amax = xf.unflatten(-1, (-1, group_size)).amax(dim=-1)
-    return (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    # A tensor divisor, not the Python float: torch's CUDA division by a CPU scalar multiplies
+    # by its float32 reciprocal, one ulp off the quotient in about half the rows, and with
+    # bf16 inputs (whose ratios often land on e4m3 midpoints) that turns ties the other way
+    # than the kernels' IEEE division (a GPU test failed on one such row at 8B sizes).
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
 
 
 def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

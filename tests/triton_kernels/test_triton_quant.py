@@ -52,6 +52,22 @@ def _close(got, want, dtype, seed=None):
 
 
 # ---- FP8 ----------------------------------------------------------------------------------------------
+def test_reference_dynamic_scale_is_the_ieee_quotient_on_every_device(device):
+    """The reference's ``amax / 448`` is the correctly rounded quotient on the GPU too (as the
+    kernels' ``div_rn``), not torch's CUDA multiply by the reciprocal of a Python float: the
+    row maxima below are ones where that product is one ulp off, and e4m3 ties then round the
+    other way (bf16 activations hit ties often)."""
+    inv = torch.tensor(1.0 / ref.FP8_MAX, dtype=torch.float32)
+    candidates = torch.linspace(0.5, 8.0, 4001, dtype=torch.float32)
+    exact = (candidates.double() / ref.FP8_MAX).float()
+    off = candidates[(candidates * inv) != exact][:8]
+    assert len(off) == 8  # such maxima exist (about half of all floats)
+    x = torch.zeros(8, 32)
+    x[:, 0] = off
+    got = ref.fp8_dynamic_scale(x.to(device)).cpu()
+    assert torch.equal(got[:, 0], (off.double() / ref.FP8_MAX).float())
+
+
 def test_quantize_fp8_matches_the_reference(device, seed):
     """On a GPU with random values; in the interpreter with values that are exact in e4m3
     (Triton 3.6's interpreter rounds a value that should carry into the next binade, such as

@@ -371,6 +371,30 @@ def routed_experts(
     ``expert_weights(e)``, called once per expert that received a token. Weights in another
     dtype than ``hidden`` (dequantized float32) multiply the activations in that dtype; every
     matmul's output is rounded to hidden's dtype."""
+
+    def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+        w13, w2 = expert_weights(expert)
+        inter = w13.shape[0] // 2
+        gate_up = F.linear(x.to(w13.dtype), w13).to(hidden.dtype)
+        act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(hidden.dtype)
+        return F.linear(act.to(w2.dtype), w2).to(hidden.dtype)
+
+    return routed_expert_calls(hidden, num_experts, expert_mlp, topk_weights, topk_ids)
+
+
+def routed_expert_calls(
+    hidden: torch.Tensor,
+    num_experts: int,
+    expert_mlp: Any,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routing half of ``fused_moe`` around any expert computation: the (token, choice)
+    pairs are sorted by expert, ``expert_mlp(e, x [n, H]) -> [n, H]`` (in hidden's dtype) runs
+    once per expert that received ``n > 0`` of them, and the outputs are weighted and summed
+    over the top-k in float32, rounded once at the end. Ids outside ``[0, num_experts)`` (-1:
+    an expert another rank holds) contribute nothing. The loop runs on the host (one
+    synchronisation for the counts), so this serves eager steps only."""
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
@@ -389,11 +413,7 @@ def routed_experts(
         if n == 0:
             continue
         stop = start + n
-        w13, w2 = expert_weights(expert)
-        inter = w13.shape[0] // 2
-        gate_up = F.linear(x[start:stop].to(w13.dtype), w13).to(hidden.dtype)
-        act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(hidden.dtype)
-        y = F.linear(act.to(w2.dtype), w2).to(hidden.dtype).float() * weights[start:stop, None]
+        y = expert_mlp(expert, x[start:stop]).float() * weights[start:stop, None]
         out.index_add_(0, tokens[start:stop], y)
         start = stop
     return out.to(hidden.dtype)

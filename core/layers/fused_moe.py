@@ -18,7 +18,8 @@
   and ``w2_weight [E_local, H, I_local]`` and calls the ``fused_moe`` kernel; quantized methods
   plug in at the same three calls (FP8: ``engine.quantization.fp8_moe.Fp8MoEMethod``, through
   the ``fused_moe_fp8`` kernel; 4/8-bit GPTQ, AWQ and compressed-tensors experts:
-  ``engine.quantization.wna16_moe.WNA16MoEMethod``, through ``fused_moe_wna16``).
+  ``engine.quantization.wna16_moe.WNA16MoEMethod``, through ``fused_moe_wna16``; GGUF expert
+  stacks on the CPU: ``engine.quantization.gguf_moe.GGUFMoEMethod``, through ``gguf_linear``).
 
 Checkpoints store experts one tensor per expert and projection (``experts.7.gate_proj.weight``,
 Mixtral's ``experts.7.w1.weight``), or already stacked (transformers 5's in-memory
@@ -296,8 +297,8 @@ class FusedMoE(nn.Module):
                     f" has no method for MoE experts ({prefix or 'FusedMoE'}); quantized experts "
                     "are served for fp8 (fp8-format checkpoints, or --quantization fp8 on a "
                     "bf16/fp16 checkpoint), gptq and awq (4/8-bit groups), "
-                    "compressed-tensors FP8 and W4A16/W8A16 schemes and gguf (dequantized at "
-                    "load)"
+                    "compressed-tensors FP8 and W4A16/W8A16 schemes and gguf (kept quantized "
+                    "on the CPU, dequantized at load elsewhere)"
                 )
             quant_method = getter(self, prefix)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod()
@@ -440,7 +441,9 @@ class FusedMoE(nn.Module):
 
 # ---- checkpoint names -------------------------------------------------------------------------
 _PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<suffix>\w+)$")
-_STACKED = re.compile(r"^(?P<layer>.+)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)$")
+_STACKED = re.compile(
+    r"^(?P<layer>.+)\.(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(?:\.(?P<suffix>qweight))?$"
+)
 _STACKED_SHARDS = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
@@ -456,7 +459,9 @@ class ExpertCheckpointMapping:
       into the layer's ``w13_<suffix>`` / ``w2_<suffix>`` by that parameter's loader, or read
       and dropped when the method ignores the suffix;
     * ``P.gate_up_proj`` ``[E, 2I, H]``, ``P.gate_proj`` / ``P.up_proj`` ``[E, I, H]``,
-      ``P.down_proj`` ``[E, H, I]`` (``.weight`` suffix optional): every expert at once.
+      ``P.down_proj`` ``[E, H, I]`` (``.weight`` suffix optional): every expert at once;
+      ``P.gate_proj.qweight`` and the like: every expert's quantized blocks at once (a GGUF
+      file's stacks kept quantized), into the layer's ``w13_qweight`` / ``w2_qweight``.
 
     ``filter(weights)`` loads those and yields every other tensor; ``loaded()`` then returns
     the complete stacked parameters, or raises ``ModelLoadError`` naming the missing tensors.
@@ -474,7 +479,7 @@ class ExpertCheckpointMapping:
         base = name[: -len(".weight")] if name.endswith(".weight") else name
         m = _STACKED.match(base)
         if m and m["layer"] in self.layers:
-            return m["layer"], _STACKED_SHARDS[m["proj"]], None, "weight"
+            return m["layer"], _STACKED_SHARDS[m["proj"]], None, m["suffix"] or "weight"
         m = _PER_EXPERT.match(name)
         if m and m["layer"] in self.layers:
             layer = self.layers[m["layer"]]

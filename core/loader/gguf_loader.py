@@ -464,12 +464,13 @@ class GGUFLazyTensor(LazyTensor):
 def quantization_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``quantization_config`` the model loader gives a GGUF model's config (read by
     ``engine.quantization.gguf``): ``{"quant_method": "gguf", "tensor_types": {module: GGML
-    type name}}`` for every matrix of the file (header only)."""
+    type name}}`` for every matrix of the file and every stack of experts
+    (``<block>.experts.gate_proj`` ...), header only."""
     with GGUFFile(path) as f:
         spec = _spec(f)
         types = {}
         for name, info in f.tensors.items():
-            if name.endswith(".weight") and len(info.shape) == 2:
+            if name.endswith(".weight") and len(info.shape) in (2, 3):
                 module = _hf_name(f, spec, name).removesuffix(".weight")
                 types[module] = info.ggml_type.name
     return {"quant_method": "gguf", "tensor_types": types}
@@ -489,7 +490,8 @@ def iter_weights(
 
     A matrix of a module for which ``keep_quantized(module)`` is true comes raw instead, as
     ``(f"{module}.qweight", uint8 [rows, K / block_size, type_size])`` (its GGUF blocks; Llama's
-    q/k rows unpermuted), for ``engine.quantization.gguf``, which shards it by whole blocks.
+    q/k rows unpermuted), for ``engine.quantization.gguf``, which shards it by whole blocks; a
+    stack of experts as ``uint8 [E, rows, K / block_size, type_size]``.
 
     Every tensor's type and name are checked before the first one is yielded, so a bad file
     fails fast and names the offending tensor. ``stats`` counts the file bytes offered and
@@ -510,7 +512,7 @@ def iter_weights(
                 info = f.tensors[name]
                 block, type_size = GGML_QUANT_SIZES[info.ggml_type]
                 blocks = torch.from_numpy(f.raw(name).copy())
-                blocks = blocks.view(blocks.shape[0], info.shape[-1] // block, type_size)
+                blocks = blocks.view(*info.shape[:-1], info.shape[-1] // block, type_size)
                 f.release(name)
                 if spec.unpermute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                     blocks = _unpermute(blocks, n_heads if "q_proj" in hf_name else n_kv)

@@ -29,6 +29,10 @@ for Q8_0 in bf16), a tied embedding and LM head on one process keep the file's b
 (``GGUFVocabMethod``: ``prepack(..., vocabulary=True)``, lookups through the kernel's
 ``embedding``, the head through its product). No other platform changes.
 
+A MoE layer's expert stacks stay quantized on the CPU (``engine.quantization.gguf_moe``,
+chosen by ``get_moe_method`` once ``bind`` has said the device is a CPU) and are dequantized at
+load elsewhere.
+
 Tensor parallelism shards a layer by whole GGUF blocks: a column-parallel layer by rows (each
 row is its own run of blocks, any split works), a row-parallel layer by columns, which needs
 every rank's input features to start and end on a block boundary (32 values, 256 for the
@@ -47,7 +51,8 @@ from engine.kernels.gguf import GGUF_TYPE_NAMES, GGUFType
 from engine.layers.embedding import round_to_dtype
 from engine.layers.linear import LinearMethod, ShardLayout
 from engine.layers.weight_utils import ModelLoadError, materialize
-from engine.quantization.base import QuantizationConfig, QuantizationError
+from engine.quantization.base import QuantizationConfig, QuantizationError, QuantizationSpec
+from engine.quantization.gguf_moe import GGUFMoEMethod
 from engine.quantization.utils import add_param, kernel, replace_param
 
 if TYPE_CHECKING:
@@ -260,6 +265,8 @@ class GGUFConfig(QuantizationConfig):
         #: checkpoint module names whose blocks the loader must yield raw (``<name>.qweight``)
         self.kept_modules: set[str] = set()
         self._dequantized: list[str] = []
+        # Whether MoE experts stay quantized (``GGUFMoEMethod``): on the CPU, set by ``bind``.
+        self.experts_on_host = False
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> GGUFConfig:
@@ -286,12 +293,36 @@ class GGUFConfig(QuantizationConfig):
         shown = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
         return f"gguf kept quantized ({shown})"
 
-    def get_moe_method(self, layer: Any, prefix: str) -> None:
-        """A MoE layer's stacked experts are dequantized at load (``None``: the unquantized
-        expert method), as every GGUF tensor was before this method existed: there is no
-        GGUF expert kernel yet, and a GGUF MoE file must keep loading."""
+    def bind(self, spec: QuantizationSpec) -> None:
+        """MoE experts stay quantized where a step may loop over them on the host: the CPU.
+        A GPU's decode steps are CUDA graphs, which that loop would break, so there they are
+        dequantized at load (``get_moe_method`` says so in the log)."""
+        self.experts_on_host = spec.is_cpu
+
+    def get_moe_method(self, layer: Any, prefix: str) -> Any:
+        """``GGUFMoEMethod`` on the CPU for stacks of kept types (``engine.quantization.
+        gguf_moe``); otherwise ``None``: the unquantized expert method, the stacks dequantized
+        at load, as every GGUF tensor was before this method existed, with a log line."""
+        names = {proj: f"{prefix}.{proj}_proj" for proj in ("gate", "up", "down")}
+        types = {proj: self.tensor_types.get(name) for proj, name in names.items()}
+        missing = [names[p] for p, t in types.items() if t is None]
+        if missing:
+            raise QuantizationError(
+                f"{prefix}: the GGUF file has no expert stack for {', '.join(missing)}"
+            )
+        others = sorted({t for t in types.values() if t not in GGUF_TYPE_NAMES})
+        if self.experts_on_host and not others:
+            self.kept_modules.update(names.values())
+            return GGUFMoEMethod({p: GGUF_TYPE_NAMES[t] for p, t in types.items()})
         if prefix not in self._dequantized:
-            logger.info("%s: GGUF experts are dequantized at load (no GGUF MoE kernel)", prefix)
+            why = (
+                f"GGML type {'/'.join(map(str, others))} is not kept quantized (kept: "
+                f"{', '.join(KEPT_TYPES)})"
+                if others
+                else "GGUF experts stay quantized on the CPU only (their per-expert loop runs "
+                "on the host, which CUDA graphs cannot hold)"
+            )
+            logger.info("%s: GGUF experts are dequantized at load: %s", prefix, why)
             self._dequantized.append(prefix)
         return None
 

@@ -1,0 +1,237 @@
+"""GGUF mixture-of-experts layers kept quantized on the CPU: ``GGUFMoEMethod``.
+
+A GGUF MoE file (``qwen3moe``, ``qwen2moe``, Mixtral as a ``llama`` with experts) stores each
+layer's experts as three stacks of GGUF blocks, ``ffn_gate_exps`` / ``ffn_up_exps`` ``[E, I,
+H]`` and ``ffn_down_exps`` ``[E, H, I]``, each stack in one GGML type (a Q4_K_M file typically
+has Q4_K gate and up stacks and a Q6_K or Q4_K down stack). Dequantized at load, the experts
+of Qwen3-30B-A3B take 61 GB in bf16 against 17 GB in the file; this method keeps the blocks.
+
+* **Loading.** The loader yields each stack raw (``<block>.experts.gate_proj.qweight`` ``uint8
+  [E, rows, K / block_size, type_size]``), which ``ExpertCheckpointMapping`` routes to this
+  layer's ``w13_qweight`` (gate and up) or ``w2_qweight`` (down) loader: it keeps this rank's
+  experts (expert parallelism) and, under tensor parallelism, this rank's intermediate
+  features: the gate and up stacks by rows, the down stack by whole blocks of its input
+  features (refused at build when a rank's share does not start and end on a block).
+* **After loading**, each expert's matrices go through the platform's ``gguf_linear.prepack``
+  (the gate and up matrices joined into one ``[2I, H]`` product when they share a type, as
+  ``GGUFLinearMethod`` joins a fused layer's parts), and the packed tensors of all experts are
+  stacked into one parameter per tensor (``w13_<key>`` ``[E, ...]``), each expert's a view;
+  packings that cannot be stacked (an opaque oneDNN tensor) stay one parameter per expert.
+* **Compute**: ``engine.kernels.reference.routed_expert_calls`` sorts the (token, choice) pairs
+  by expert on the host and runs each expert that received tokens as ``gguf_linear`` (gate and
+  up), the platform's ``silu_and_mul`` and ``gguf_linear`` (down), with ``fused_moe``'s
+  rounding points. The host loop syncs once per layer and step, which a CPU runs anyway; a GPU
+  would lose its CUDA graphs to it, so ``GGUFConfig`` picks this method on the CPU only and
+  dequantizes the experts at load elsewhere (said in the log).
+
+Stacks in a type ``gguf_linear`` does not multiply (F16, BF16, Q2_K, IQ*, ...) keep the layer
+dequantized at load, as before, with a log line naming the layer and type.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from engine.kernels.gguf import GGUFType
+from engine.kernels.reference import routed_expert_calls
+from engine.layers.fused_moe import FusedMoEMethodBase
+from engine.layers.weight_utils import ModelLoadError, materialize, set_weight_loader
+from engine.quantization.base import QuantizationError
+from engine.quantization.utils import replace_param
+
+if TYPE_CHECKING:
+    from engine.layers.fused_moe import FusedMoE
+
+logger = logging.getLogger(__name__)
+
+# The checkpoint shards of the stacked layout and the projection each one is.
+PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+class GGUFMoEMethod(FusedMoEMethodBase):
+    """A ``FusedMoE`` whose gate, up and down stacks stay GGUF blocks of ``types["gate"]``,
+    ``types["up"]`` and ``types["down"]`` (see the module docstring)."""
+
+    def __init__(self, types: dict[str, GGUFType]) -> None:
+        self.types = types
+        #: after loading, the gate/up products in output order: (type, rows, parameter prefix)
+        self.gate_up: list[tuple[GGUFType, int, str]] = []
+        self.down: tuple[GGUFType, str] | None = None
+        self._blocks: dict[str, torch.Tensor] = {}
+        self._per_expert: dict[str, list[list[str]]] = {}  # prefix -> keys per expert
+        self._stacked_keys: dict[str, list[str]] = {}
+
+    # -- building ------------------------------------------------------------------------------
+    def create_weights(
+        self,
+        layer: FusedMoE,
+        num_local_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        dtype: torch.dtype | None,
+    ) -> None:
+        ip, rank = intermediate_size_per_partition, layer.parallel.tp_rank
+        down = self.types["down"]
+        for t, k in ((self.types["gate"], hidden_size), (self.types["up"], hidden_size)):
+            if k % t.block_size:
+                raise QuantizationError(
+                    f"{layer.prefix}: {t.name} blocks hold {t.block_size} features, which do "
+                    f"not divide the hidden size {hidden_size}"
+                )
+        if ip % down.block_size or (rank * ip) % down.block_size:
+            raise QuantizationError(
+                f"{layer.prefix}: the down projection's {down.name} blocks hold "
+                f"{down.block_size} input features, but this rank's {ip} of "
+                f"{layer.intermediate_size} intermediate features (tensor-parallel rank {rank} "
+                f"of {layer.parallel.tp_size}) do not start and end on a block boundary; GGUF "
+                "experts shard by whole blocks (choose a tensor_parallel_size that divides "
+                "the blocks of a row, or --enable-expert-parallel)"
+            )
+        self.dtype = dtype or torch.get_default_dtype()
+        e = num_local_experts
+        shapes = {
+            "gate": (e, ip, hidden_size // self.types["gate"].block_size),
+            "up": (e, ip, hidden_size // self.types["up"].block_size),
+            "down": (e, hidden_size, ip // down.block_size),
+        }
+        for proj, shape in shapes.items():
+            t = self.types[proj]
+            self._blocks[proj] = torch.empty(*shape, t.type_size, dtype=torch.uint8)
+        # The loader's names: markers holding no data (the blocks live in ``_blocks`` until
+        # they are packed), one per stacked layout the checkpoint fills.
+        for kind in ("w13", "w2"):
+            param = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+            param.moe_shard_kind = kind  # type: ignore[attr-defined]
+            param.checkpoint_suffix = "qweight"  # type: ignore[attr-defined]
+            set_weight_loader(param, self._loader(layer))
+            layer.register_parameter(f"{kind}_qweight", param)
+
+    def _loader(self, layer: FusedMoE) -> Any:
+        def load(param: nn.Parameter, loaded: Any, shard_id: str, expert_id: int | None) -> None:
+            proj = PROJECTIONS.get(shard_id)
+            if proj is None or expert_id is not None:
+                raise ModelLoadError(
+                    f"{layer.prefix}: GGUF experts load as whole stacks of gate, up or down "
+                    f"blocks, got shard {shard_id!r}"
+                    + ("" if expert_id is None else f" of expert {expert_id}")
+                )
+            t = self.types[proj]
+            full_rows = layer.hidden_size if proj == "down" else layer.intermediate_size
+            full_k = layer.intermediate_size if proj == "down" else layer.hidden_size
+            expected = (layer.num_experts, full_rows, full_k // t.block_size, t.type_size)
+            if tuple(loaded.shape) != expected:
+                raise ModelLoadError(
+                    f"{layer.prefix}: {proj} stack of {t.name} blocks of shape "
+                    f"{tuple(loaded.shape)}, expected {expected}"
+                )
+            experts = layer.local_experts
+            value = materialize(loaded)[experts.start : experts.stop]
+            ip, rank = layer.intermediate_size_per_partition, layer.parallel.tp_rank
+            if ip != layer.intermediate_size:  # tensor parallel: this rank's features
+                if proj == "down":
+                    per = ip // t.block_size
+                    value = value[:, :, rank * per : (rank + 1) * per]
+                else:
+                    value = value[:, rank * ip : (rank + 1) * ip]
+            self._blocks[proj].copy_(value)
+
+        return load
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        op = layer.kernels.gguf_linear
+        blocks = self._blocks
+        gate, up = self.types["gate"], self.types["up"]
+        ip = layer.intermediate_size_per_partition
+        if gate is up:  # one product: each expert's gate rows, then its up rows
+            parts = [("w13", gate, 2 * ip, torch.cat([blocks["gate"], blocks["up"]], dim=1))]
+        else:
+            parts = [("w1", gate, ip, blocks["gate"]), ("w3", up, ip, blocks["up"])]
+        self._blocks = {}
+        dtype = self.dtype
+        self.gate_up = []
+        for prefix, t, rows, stack in parts:
+            self._pack(layer, op, prefix, t, stack, dtype)
+            self.gate_up.append((t, rows, prefix))
+        self._pack(layer, op, "w2", self.types["down"], blocks["down"], dtype)
+        self.down = (self.types["down"], "w2")
+        for kind in ("w13", "w2"):
+            replace_param(layer, f"{kind}_qweight", None)
+
+    def _pack(
+        self,
+        layer: FusedMoE,
+        op: Any,
+        prefix: str,
+        t: GGUFType,
+        stack: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> None:
+        packed = [
+            op.prepack(stack[e].contiguous(), qtype=t.ggml_type, dtype=dtype)
+            for e in range(stack.shape[0])
+        ]
+        keys = list(packed[0])
+        stackable = all(
+            list(p) == keys
+            and all(
+                p[k].layout == torch.strided
+                and not p[k].is_mkldnn
+                and p[k].shape == packed[0][k].shape
+                and p[k].dtype == packed[0][k].dtype
+                for k in keys
+            )
+            for p in packed
+        )
+        if stackable:
+            for key in keys:
+                replace_param(layer, f"{prefix}_{key}", torch.stack([p[key] for p in packed]))
+            self._stacked_keys[prefix] = keys
+        else:
+            for e, p in enumerate(packed):
+                for key, tensor in p.items():
+                    replace_param(layer, f"{prefix}_{e}_{key}", tensor)
+            self._per_expert[prefix] = [list(p) for p in packed]
+
+    def _packed(self, layer: FusedMoE, prefix: str, expert: int) -> dict[str, torch.Tensor]:
+        keys = self._stacked_keys.get(prefix)
+        if keys is not None:
+            return {key: getattr(layer, f"{prefix}_{key}")[expert] for key in keys}
+        names = self._per_expert[prefix][expert]
+        return {key: getattr(layer, f"{prefix}_{expert}_{key}") for key in names}
+
+    # -- compute -------------------------------------------------------------------------------
+    def apply(
+        self,
+        layer: FusedMoE,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        op = layer.kernels.gguf_linear
+        silu_and_mul = layer.kernels.silu_and_mul
+        assert self.down is not None, "GGUF experts used before process_weights_after_loading"
+        down_type, down_prefix = self.down
+
+        def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+            if len(self.gate_up) == 1:
+                t, _rows, prefix = self.gate_up[0]
+                gate_up = op(x, self._packed(layer, prefix, expert), qtype=t.ggml_type)
+            else:
+                gate_up = torch.cat(
+                    [
+                        op(x, self._packed(layer, prefix, expert), qtype=t.ggml_type)
+                        for t, _rows, prefix in self.gate_up
+                    ],
+                    dim=-1,
+                )
+            act = silu_and_mul(gate_up)
+            packed = self._packed(layer, down_prefix, expert)
+            return op(act, packed, qtype=down_type.ggml_type)
+
+        return routed_expert_calls(
+            hidden, layer.num_local_experts, expert_mlp, topk_weights, topk_ids
+        )

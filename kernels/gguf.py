@@ -37,7 +37,10 @@ dequantized at load unless an override also has ``keeps_vocabulary(qtype, dtype)
 and says yes: a tied embedding / LM head matrix is then handed to ``prepack(...,
 vocabulary=True)`` and served by that packing's ``embedding`` (exact: the dequantized rows in
 ``dtype``) and ``__call__`` (the logits, within the override's stated error). Overrides without
-``keeps_vocabulary`` need neither (see ``engine.quantization.gguf``).
+``keeps_vocabulary`` need neither (see ``engine.quantization.gguf``). An override may also
+offer ``routed_experts(hidden, topk_weights, topk_ids, gate_up, down)``: a GGUF MoE layer's
+experts in one call, its packings stacked over the experts (``engine.quantization.gguf_moe``
+documents it); returning None sends the layer to the loop over experts.
 """
 
 from __future__ import annotations

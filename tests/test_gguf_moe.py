@@ -210,6 +210,34 @@ def test_each_expert_is_its_gguf_products_with_int8_activations(types):
     assert float((got - exact).abs().max()) <= 3e-2 * scale
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_compiled_call_per_layer_is_the_loop_over_experts(dtype, monkeypatch):
+    """The CPU plugin's ``routed_experts`` (``gguf_avx2_moe``: sorting, gathering, the three
+    products, SiLU-and-mul and the weighted sum in one call) gives the bits of the torch loop
+    over the same kernels, at decode and prefill sizes, with experts that get no token and a
+    choice held by another rank (-1)."""
+    if native.load("avx2") is None:
+        pytest.skip(f"no compiled GGUF kernels here: {native.unavailable_reason('avx2')}")
+    layer, _ = _experts_and_reference(("Q4_K", "Q4_K", "Q6_K"), hidden=256, inter=256)
+    op = layer.kernels.gguf_linear
+    calls = []
+    fused = op.routed_experts
+    monkeypatch.setattr(op, "routed_experts", lambda *a: calls.append(1) or fused(*a))
+    gen = torch.Generator().manual_seed(4)
+    for t in (1, 3, 40):
+        x = torch.randn(t, 256, generator=gen).to(dtype)
+        weights = torch.rand(t, 2, generator=gen)
+        ids = torch.randint(0, 6, (t, 2), generator=gen, dtype=torch.int32)
+        ids[0, 1] = -1
+        with torch.inference_mode():
+            got = layer.quant_method.apply(layer, x, weights, ids)
+            monkeypatch.setattr(op, "routed_experts", lambda *a: None)
+            want = layer.quant_method.apply(layer, x, weights, ids)
+            monkeypatch.setattr(op, "routed_experts", lambda *a: calls.append(1) or fused(*a))
+        assert got.dtype == dtype and torch.equal(got, want), t
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
 def test_the_model_runs_its_experts_quantized_near_the_dequantized_model(kind, tmp_path):
     """Through the compiled kernels: logits near the model dequantized at load

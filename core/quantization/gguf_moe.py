@@ -17,10 +17,12 @@ of Qwen3-30B-A3B take 61 GB in bf16 against 17 GB in the file; this method keeps
   ``GGUFLinearMethod`` joins a fused layer's parts), and the packed tensors of all experts are
   stacked into one parameter per tensor (``w13_<key>`` ``[E, ...]``), each expert's a view;
   packings that cannot be stacked (an opaque oneDNN tensor) stay one parameter per expert.
-* **Compute**: ``engine.kernels.reference.routed_expert_calls`` sorts the (token, choice) pairs
-  by expert on the host and runs each expert that received tokens as ``gguf_linear`` (gate and
-  up), the platform's ``silu_and_mul`` and ``gguf_linear`` (down), with ``fused_moe``'s
-  rounding points. The host loop syncs once per layer and step, which a CPU runs anyway; a GPU
+* **Compute**: where the platform's ``gguf_linear`` has ``routed_experts`` (an optional
+  capability: the whole layer in one call over the stacked packings; the CPU plugin's AVX2
+  kernels, ``gguf_avx2_moe``), that; otherwise ``engine.kernels.reference.routed_expert_calls``
+  sorts the (token, choice) pairs by expert on the host and runs each expert that received
+  tokens as ``gguf_linear`` (gate and up), the platform's ``silu_and_mul`` and ``gguf_linear``
+  (down). Both keep ``fused_moe``'s rounding points. The host loop syncs once per layer and step, which a CPU runs anyway; a GPU
   would lose its CUDA graphs to it, so ``GGUFConfig`` picks this method on the CPU only and
   dequantizes the experts at load elsewhere (said in the log).
 
@@ -215,6 +217,16 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         silu_and_mul = layer.kernels.silu_and_mul
         assert self.down is not None, "GGUF experts used before process_weights_after_loading"
         down_type, down_prefix = self.down
+        whole_layer = getattr(op, "routed_experts", None)
+        prefixes = [prefix for _t, _rows, prefix in self.gate_up] + [down_prefix]
+        if whole_layer is not None and all(p in self._stacked_keys for p in prefixes):
+            stacked = [
+                {key: getattr(layer, f"{p}_{key}") for key in self._stacked_keys[p]}
+                for p in prefixes
+            ]
+            out = whole_layer(hidden, topk_weights, topk_ids, stacked[:-1], stacked[-1])
+            if out is not None:
+                return out
 
         def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
             if len(self.gate_up) == 1:

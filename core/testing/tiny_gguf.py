@@ -172,8 +172,9 @@ def _write_tensor(writer: Any, name: str, value: np.ndarray, qtype_name: str) ->
     value = np.ascontiguousarray(value, dtype=np.float32)
     if qtype_name.endswith("_K"):
         seed = sum(map(ord, name))
-        blocks = random_blocks(value.shape[0], value.shape[1], qtype_name, seed)
-        writer.add_tensor(name, blocks, raw_dtype=qtype)
+        rows = int(np.prod(value.shape[:-1]))  # a stack of experts [E, rows, cols] too
+        blocks = random_blocks(rows, value.shape[-1], qtype_name, seed)
+        writer.add_tensor(name, blocks.reshape(*value.shape[:-1], -1), raw_dtype=qtype)
     elif qtype == GGMLQuantizationType.F32:
         writer.add_tensor(name, value)
     elif qtype == GGMLQuantizationType.F16:

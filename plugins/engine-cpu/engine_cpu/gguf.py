@@ -347,6 +347,8 @@ _TILE_VALUES = 1 << 20
 _scratch: list[torch.Tensor] = []
 # The int8 products' quantized activations (grown as needed; not thread-safe either).
 _xscratch: list[torch.Tensor] = []
+# routed_experts' product descriptors, by output flags and the stacks' addresses.
+_moe_descriptors: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
 
 
 def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -536,7 +538,8 @@ class CpuGGUFLinear:
     Two optional capabilities of the op, for a decode step without torch ops between the
     compiled kernels (``engine_cpu.plan``): ``writes_out``, the product takes ``out=`` (a
     layer stored in runs of several types fills its columns of one output, no concatenation),
-    and ``scales_embedding``, the lookup takes the embedding's ``scale=``."""
+    and ``scales_embedding``, the lookup takes the embedding's ``scale=``. And one for GGUF
+    mixture-of-experts layers: ``routed_experts``, a whole layer's experts in one call."""
 
     writes_out = True
     scales_embedding = True
@@ -646,6 +649,67 @@ class CpuGGUFLinear:
             y = y + bias.to(y.dtype)
         y = y.to(x.dtype).view(*shape[:-1], y.shape[-1])
         return y if out is None else out.copy_(y)
+
+    def routed_experts(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        gate_up: list[dict[str, torch.Tensor]],
+        down: dict[str, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """A MoE layer's routed experts in one compiled call (``gguf_avx2_moe``), for
+        ``engine.quantization.gguf_moe``: ``gate_up`` the packed gate/up products and ``down``
+        the down product, each tensor stacked over the experts (``[E, ...]``). The same kernels
+        in the same order as the torch loop over experts, so the same result, without its torch
+        ops. None where the AVX2 kernels do not hold the experts (AMX or torch packings) or the
+        activations are neither float32 nor bfloat16: the caller loops over experts."""
+        products = [*gate_up, down]
+        if hidden.dtype not in _AVX2_OUT or not all("avx2_values" in p for p in products):
+            return None
+        t, h = hidden.shape
+        if t > AVX2_DENSE_ROWS:  # the float32 product of _avx2_linear above these rows
+            return None
+        lib = native.load("avx2")
+        bf16 = hidden.dtype == torch.bfloat16
+        flags = (_Y_BF16 if bf16 else 0) | (_AVX2_ONLY_BIT if AVX2_ONLY else 0)
+        # The products' descriptors, built once per layer and dtype (their tensors stay put).
+        key = (flags, *(p["avx2_values"].data_ptr() for p in products))
+        cached = _moe_descriptors.get(key)
+        if cached is None:
+            words = []
+            for p in products:
+                pack, group = p["avx2_layout"][0].tolist()
+                values, scales = p["avx2_values"], p["avx2_scales"]
+                offsets = p.get("avx2_offsets")
+                words += [
+                    values.data_ptr(), pack | flags, scales.data_ptr(),
+                    0 if offsets is None else offsets.data_ptr(), scales.shape[1],
+                    scales.shape[2] * group, group, values.stride(0) * values.element_size(),
+                    scales.stride(0) * scales.element_size(),
+                    0 if offsets is None else offsets.stride(0) * offsets.element_size(),
+                ]  # fmt: skip
+            inter = down["avx2_scales"].shape[2] * group  # the down product's K
+            cached = _moe_descriptors[key] = (torch.tensor(words, dtype=torch.int64), inter)
+        desc, inter = cached
+        k = max(h, inter)
+        need = t * k + 4 * t * (k // 32 + k // 16) + 128
+        if not _xscratch or _xscratch[0].numel() < need:
+            _xscratch.insert(0, torch.empty(max(need, 1 << 16), dtype=torch.uint8))
+        base = _xscratch[0].data_ptr()
+        pairs = topk_ids.numel()
+        work = torch.empty(((4 * pairs + 63) & ~63) + t * (2 * h + 3 * inter) * (2 if bf16 else 4),
+                           dtype=torch.uint8)  # fmt: skip
+        x = hidden.contiguous() if bf16 else hidden.float().contiguous()
+        ids = topk_ids.to(torch.int32).contiguous()
+        weights = topk_weights.float().contiguous()
+        out = torch.empty(t, h, dtype=torch.float32)
+        lib.gguf_avx2_moe(
+            x.data_ptr(), int(bf16), t, h, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            down["avx2_values"].shape[0], desc.data_ptr(), len(gate_up), inter,
+            base + (-base % 64), work.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out.to(hidden.dtype)
 
     def embedding(
         self,

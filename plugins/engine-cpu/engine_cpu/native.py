@@ -107,6 +107,9 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     lib.gguf_avx2_linear.restype = None
     lib.gguf_avx2_rows.argtypes = [ptr, i32, ptr, ptr, ptr, i64, i64, i32, ptr, i32, i32, f32]
     lib.gguf_avx2_rows.restype = None
+    lib.gguf_avx2_moe.argtypes = [ptr, i32, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, ptr,
+                                  ptr]  # fmt: skip
+    lib.gguf_avx2_moe.restype = None
     lib.cpu_rms_norm.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, f32]
     lib.cpu_fused_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, ptr, f32]
     lib.cpu_qk_norm_rotary.argtypes = [
@@ -140,6 +143,7 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
         "gguf_avx2_quantize_rows",
         "gguf_avx2_gemm",
         "gguf_avx2_dequantize",
+        "gguf_avx2_moe",  # a MoE step's routing is torch ops, so its steps stay eager anyway
         "cpu_argmax_f32",  # sampling's, outside the recorded forward
     ):
         setattr(lib, name, Kernel(name, getattr(lib, name), None))

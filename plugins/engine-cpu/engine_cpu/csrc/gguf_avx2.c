@@ -41,6 +41,8 @@
  */
 #include "gguf_layout.h"
 
+#include <stdlib.h>
+
 /* Scale i (of 1, 4 or 8 from i) of a row of float32 scales, or of float16 ones when sc16 */
 static inline float scale1(const float *s, int sc16, int64_t i) {
     return sc16 ? _cvtsh_ss(((const uint16_t *)s)[i]) : s[i];
@@ -422,4 +424,96 @@ void gguf_avx2_rows(const uint8_t *values, int layout, const float *scales, cons
             }
         }
     }
+}
+
+/* act(gate) * up over T rows (cpu_ops.c) */
+void cpu_gated_act(const void *x, int64_t x_row, void *out, int64_t o_row, int bf16, int64_t T,
+                   int64_t I, int act);
+
+/* One packed product of a stack of experts, as int64 words (engine_cpu/gguf.py fills them from
+ * the stacked tensors): pointers to expert 0's values, scales and offsets (0: none), the layout
+ * word of gguf_avx2_linear (bfloat16 output bit included), N, K, the group, and the byte
+ * strides from one expert's values, scales and offsets to the next's. */
+enum { MOE_VALUES, MOE_LAYOUT, MOE_SCALES, MOE_OFFSETS, MOE_N, MOE_K, MOE_GROUP, MOE_VSTRIDE,
+       MOE_SSTRIDE, MOE_OSTRIDE, MOE_WORDS };
+
+static void moe_product(const int64_t *d, int64_t e, const void *x, int x_bf16, int64_t M,
+                        uint8_t *scratch, void *y, int64_t ldy) {
+    const uint8_t *values = (const uint8_t *)d[MOE_VALUES] + e * d[MOE_VSTRIDE];
+    const float *scales = (const float *)((const char *)d[MOE_SCALES] + e * d[MOE_SSTRIDE]);
+    const float *offsets =
+        d[MOE_OFFSETS] ? (const float *)((const char *)d[MOE_OFFSETS] + e * d[MOE_OSTRIDE]) : 0;
+    gguf_avx2_linear(x, x_bf16, values, (int)d[MOE_LAYOUT], scales, offsets, d[MOE_N], d[MOE_K],
+                     (int)d[MOE_GROUP], M, scratch, y, ldy);
+}
+
+/* o += float32(y * w), the product rounded before the sum (no fused multiply-add), as the torch
+ * loop's multiply then index_add_ round it */
+__attribute__((optimize("fp-contract=off"))) static void
+moe_add_weighted(float *o, const uint8_t *y, int bf16, float w, int64_t H) {
+    if (bf16) {
+        for (int64_t h = 0; h < H; h++) {
+            const float v = bf16_to_float(((const uint16_t *)y)[h]) * w;
+            o[h] += v;
+        }
+    } else {
+        for (int64_t h = 0; h < H; h++) {
+            const float v = ((const float *)y)[h] * w;
+            o[h] += v;
+        }
+    }
+}
+
+/* The routed experts of one MoE layer whose experts are packed GGUF stacks
+ * (engine.quantization.gguf_moe), in one call: what engine.kernels.reference.routed_expert_calls
+ * computes with gguf_linear, the SiLU-and-mul and gguf_linear per expert, without the host
+ * loop's torch ops (about 60 a layer at batch 1).
+ *
+ * x [T, H] (bfloat16 when bf16, else float32); ids int32 [T, top_k] (ids outside [0, E): an
+ * expert another rank holds, skipped) and weights float32 [T, top_k]; desc: n_gu descriptors of
+ * the gate/up products (one [2I, H] product, or gate and up [I, H] each), then the down
+ * product's [H, I]. The pairs are taken expert by expert, in pair order within an expert (a
+ * counting sort), each expert's rows gathered, multiplied through gate/up (in the activations'
+ * dtype), SiLU-and-mul, down, and out[t] += weight * y in float32, in that order: the same
+ * operations, in the same order, as the torch loop over the same kernels, so the same bits.
+ * work: 4 T top_k bytes rounded up to 64, then T (2 H + 3 I) values of the activations' dtype;
+ * scratch: gguf_avx2_linear's for T rows of max(H, I) values; out float32 [T, H], overwritten. */
+void gguf_avx2_moe(const void *x, int bf16, int64_t T, int64_t H, const int32_t *ids,
+                   const float *weights, int64_t top_k, int64_t E, const int64_t *desc, int n_gu,
+                   int64_t I, uint8_t *scratch, uint8_t *work, float *out) {
+    const int64_t P = T * top_k, es = bf16 ? 2 : 4;
+    int32_t *order = (int32_t *)work; /* pairs sorted by expert */
+    uint8_t *xs = work + ((4 * P + 63) & ~(int64_t)63);
+    uint8_t *gu = xs + T * H * es, *act = gu + 2 * T * I * es, *y = act + T * I * es;
+    const int64_t *down = desc + n_gu * MOE_WORDS;
+    memset(out, 0, (size_t)(T * H) * sizeof(float));
+    int64_t *start = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0 && ids[p] < E)
+            start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++)
+        start[e + 1] += start[e];
+    int64_t *fill = (int64_t *)malloc((size_t)E * sizeof(int64_t));
+    memcpy(fill, start, (size_t)E * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0 && ids[p] < E)
+            order[fill[ids[p]]++] = (int32_t)p;
+    free(fill);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = start[e + 1] - start[e];
+        if (n == 0)
+            continue;
+        const int32_t *pairs = order + start[e];
+        for (int64_t r = 0; r < n; r++)
+            memcpy(xs + r * H * es, (const uint8_t *)x + (pairs[r] / top_k) * H * es,
+                   (size_t)(H * es));
+        for (int g = 0, col = 0; g < n_gu; col += (int)desc[g * MOE_WORDS + MOE_N], g++)
+            moe_product(desc + g * MOE_WORDS, e, xs, bf16, n, scratch, gu + col * es, 2 * I);
+        cpu_gated_act(gu, 2 * I, act, I, bf16, n, I, 0);
+        moe_product(down, e, act, bf16, n, scratch, y, H);
+        for (int64_t r = 0; r < n; r++)
+            moe_add_weighted(out + (pairs[r] / top_k) * H, y + r * H * es, bf16,
+                             weights[pairs[r]], H);
+    }
+    free(start);
 }

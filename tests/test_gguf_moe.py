@@ -144,32 +144,15 @@ def _experts_and_reference(types, seed=0, experts=6, hidden=64, inter=64):
     """A ``FusedMoE`` with ``GGUFMoEMethod`` on the CPU plugin's kernels, loaded from random
     GGUF stacks of ``types`` (gate, up, down) through the loader's stacked names, and the
     stacks dequantized (float64)."""
-    from engine.layers.fused_moe import ExpertCheckpointMapping, FusedMoE
-    from engine.plugins import PluginManager
-    from engine.testing.tiny_gguf import random_blocks
+    from engine.benchmarks.gguf_moe_cpu import build_gguf_moe_layer
 
-    projections = zip(("gate", "up", "down"), types, strict=True)
-    method = GGUFMoEMethod({p: gk.gguf_type(t) for p, t in projections})
-    kernels = PluginManager.from_env().kernel_registry().resolve("cpu")
-    layer = FusedMoE(experts, 2, hidden, inter, renormalize=True, kernels=kernels,
-                     dtype=torch.float32, quant_method=method, prefix="m.experts")  # fmt: skip
-    stacks, dense = {}, {}
-    for i, (proj, (rows, cols)) in enumerate(
-        {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}.items()
-    ):
-        t = gk.gguf_type(types[i])
-        raw = torch.from_numpy(random_blocks(experts * rows, cols, t.name, seed + i))
-        stacks[proj] = raw.view(experts, rows, cols // t.block_size, t.type_size)
-        dense[proj] = gk.dequantize(stacks[proj].reshape(experts * rows, -1, t.type_size), t.name)
-        dense[proj] = dense[proj].view(experts, rows, cols).double()
-    container = torch.nn.Module()
-    container.experts = layer
-    mapping = ExpertCheckpointMapping(container)
-    leftover = list(
-        mapping.filter((f"experts.{p}_proj.qweight", stacks[p]) for p in ("gate", "up", "down"))
-    )
-    assert leftover == [] and mapping.loaded() == {"experts.w13_qweight", "experts.w2_qweight"}
-    layer.process_weights_after_loading()
+    layer, stacks = build_gguf_moe_layer(types, experts, hidden, inter, top_k=2, seed=seed)
+    dense = {}
+    for proj, raw in stacks.items():
+        e, rows, _, size = raw.shape
+        name = types[("gate", "up", "down").index(proj)]
+        dense[proj] = gk.dequantize(raw.reshape(e * rows, -1, size), name).view(e, rows, -1)
+        dense[proj] = dense[proj].double()
     return layer, dense
 
 
@@ -335,3 +318,20 @@ def test_a_tensor_parallel_split_off_the_blocks_is_refused():
         FusedMoE(8, 2, 256, 256, renormalize=True, kernels=KernelRegistry().resolve("cpu"),
                  parallel=MoEParallel(tp_rank=1, tp_size=2), communicator=object(),
                  quant_method=method, prefix="m.experts")  # fmt: skip
+
+
+def test_the_benchmark_file_loads_with_its_experts_kept(tmp_path):
+    """``engine.benchmarks.gguf_moe_cpu``'s synthetic Q4_K_M-typed file (here at a small
+    shape) loads with every expert stack kept and decodes."""
+    from engine.benchmarks.gguf_moe_cpu import write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "moe.gguf", layers=1, experts=8, top_k=2, hidden=256,
+                          moe_inter=256, heads=2, kv_heads=1, head_dim=128)  # fmt: skip
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks_override=32)
+    layers = moe_layers(llm.llm_engine.runner.model)
+    assert len(layers) == 1 and isinstance(layers[0].quant_method, GGUFMoEMethod)
+    assert {t.name for t in layers[0].quant_method.types.values()} == {"Q4_K", "Q6_K"}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5, 9, 30]}], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.llm_engine.num_used_blocks == 0

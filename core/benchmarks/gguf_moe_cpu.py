@@ -7,13 +7,16 @@ Q4_K, value and expert down Q6_K, router and norms F32), in fewer layers and wit
 vocabulary, so that it fits a small machine: random valid blocks (the K-quants have no
 quantizer in the ``gguf`` library), enough for speed and memory, not for text. Both this engine
 (``engine bench latency --model OUT.gguf``) and llama.cpp (``llama-bench -m OUT.gguf``) load it;
-docs/benchmarks.md has the commands and the figures.
+docs/benchmarks.md has the commands and the figures. ``--time-layer TOKENS`` times one such
+layer's experts alone instead: the CPU plugin's one compiled call against the torch loop over
+experts.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,12 +98,103 @@ def write_moe_gguf(path: str | Path, layers: int = 4, seed: int = 0, **shape: in
     return path
 
 
+def build_gguf_moe_layer(
+    types: tuple[str, str, str],
+    experts: int = 128,
+    hidden: int = 2048,
+    inter: int = 768,
+    top_k: int = 8,
+    seed: int = 0,
+    kernels: Any = None,
+) -> tuple[Any, dict[str, Any]]:
+    """A ``FusedMoE`` with ``GGUFMoEMethod`` (the CPU platform's kernels unless ``kernels``),
+    loaded from random GGUF stacks of ``types`` (gate, up, down) through the loader's stacked
+    names; returns it and the raw stacks (``uint8 [E, rows, K / block, type_size]``)."""
+    import torch
+
+    from engine.kernels import gguf as gk
+    from engine.layers.fused_moe import ExpertCheckpointMapping, FusedMoE
+    from engine.plugins import PluginManager
+    from engine.quantization.gguf_moe import GGUFMoEMethod
+
+    projections = ("gate", "up", "down")
+    method = GGUFMoEMethod({p: gk.gguf_type(t) for p, t in zip(projections, types, strict=True)})
+    kernels = kernels or PluginManager.from_env().kernel_registry().resolve("cpu")
+    layer = FusedMoE(experts, top_k, hidden, inter, renormalize=True, kernels=kernels,
+                     dtype=torch.float32, quant_method=method, prefix="experts")  # fmt: skip
+    stacks = {}
+    for i, (proj, (rows, cols)) in enumerate(
+        {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}.items()
+    ):
+        t = gk.gguf_type(types[i])
+        raw = torch.from_numpy(random_blocks(experts * rows, cols, t.name, seed + i))
+        stacks[proj] = raw.view(experts, rows, cols // t.block_size, t.type_size)
+    container = torch.nn.Module()
+    container.experts = layer
+    mapping = ExpertCheckpointMapping(container)
+    left = list(mapping.filter((f"experts.{p}_proj.qweight", stacks[p]) for p in projections))
+    if left or mapping.loaded() != {"experts.w13_qweight", "experts.w2_qweight"}:
+        raise RuntimeError(f"the stacks did not load: {left}")
+    layer.process_weights_after_loading()
+    return layer, stacks
+
+
+def time_layer(tokens: int = 1, rounds: int = 200, seed: int = 0) -> dict[str, float]:
+    """ms per call of one Qwen3-30B-A3B-shaped layer of Q4_K/Q4_K/Q6_K experts at ``tokens``,
+    over ``rounds`` random routings: the one compiled call (``routed_experts``) and the torch
+    loop over experts, with the bytes of the experts a call reads."""
+    import time
+
+    import torch
+
+    layer, _ = build_gguf_moe_layer(("Q4_K", "Q4_K", "Q6_K"), seed=seed)
+    op, method = layer.kernels.gguf_linear, layer.quant_method
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, layer.hidden_size, generator=gen)
+
+    def choices() -> torch.Tensor:  # top_k distinct experts for each token
+        rows = [torch.randperm(layer.num_experts, generator=gen)[: layer.top_k] for _ in x]
+        return torch.stack(rows).to(torch.int32)
+
+    routes = [(torch.rand(tokens, layer.top_k, generator=gen), choices()) for _ in range(rounds)]
+    distinct = sum(len(set(ids.flatten().tolist())) for _, ids in routes) / rounds
+    bytes_per_expert = layer.intermediate_size * layer.hidden_size * (2 * 144 + 210) / 256
+    result = {"experts_read": distinct, "mb_read": distinct * bytes_per_expert / 1e6}
+    fused = getattr(op, "routed_experts", None)
+    for name in ("compiled", "loop"):
+        if name == "loop":
+            op.routed_experts = lambda *a: None
+        with torch.inference_mode():
+            for w, ids in routes[:10]:
+                method.apply(layer, x, w, ids)
+            t0 = time.perf_counter()
+            for w, ids in routes:
+                method.apply(layer, x, w, ids)
+            result[f"{name}_ms"] = (time.perf_counter() - t0) / rounds * 1e3
+    if fused is not None:
+        del op.routed_experts
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", help="the .gguf file to write")
+    parser.add_argument("out", nargs="?", help="the .gguf file to write")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (the model: 48)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--time-layer", type=int, metavar="TOKENS", default=None,
+        help="instead: time one layer's experts at TOKENS tokens, compiled call and torch loop",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.time_layer is not None:
+        r = time_layer(args.time_layer, seed=args.seed)
+        gbps = r["mb_read"] / r["compiled_ms"]
+        print(f"{args.time_layer} tokens: {r['experts_read']:.1f} experts, {r['mb_read']:.1f} MB; "
+              f"compiled call {r['compiled_ms']:.3f} ms ({gbps:.1f} GB/s), torch loop "
+              f"{r['loop_ms']:.3f} ms")  # fmt: skip
+        return
+    if args.out is None:
+        parser.error("give the .gguf file to write, or --time-layer")
     path = write_moe_gguf(args.out, args.layers, args.seed)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.layers} layers)")
 

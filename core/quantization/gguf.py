@@ -255,7 +255,8 @@ class GGUFConfig(QuantizationConfig):
     checkpoint_formats: ClassVar[tuple[str, ...]] = ("gguf",)
     description: ClassVar[str] = (
         "GGUF files: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights kept quantized "
-        "(gguf_linear); other types, embeddings and the LM head dequantized at load"
+        "(gguf_linear), MoE expert stacks too on the CPU; other types, embeddings and the LM "
+        "head dequantized at load"
     )
     kernel_names: ClassVar[tuple[str, ...]] = ("gguf_linear",)
 

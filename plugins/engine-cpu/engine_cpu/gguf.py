@@ -347,7 +347,9 @@ _TILE_VALUES = 1 << 20
 _scratch: list[torch.Tensor] = []
 # The int8 products' quantized activations (grown as needed; not thread-safe either).
 _xscratch: list[torch.Tensor] = []
-# routed_experts' product descriptors, by output flags and the stacks' addresses.
+# routed_experts' work buffer (sorted pairs, gathered rows, intermediate products), grown as
+# needed, and its product descriptors, by output flags and the stacks' addresses.
+_moe_work: list[torch.Tensor] = []
 _moe_descriptors: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
 
 
@@ -698,8 +700,10 @@ class CpuGGUFLinear:
             _xscratch.insert(0, torch.empty(max(need, 1 << 16), dtype=torch.uint8))
         base = _xscratch[0].data_ptr()
         pairs = topk_ids.numel()
-        work = torch.empty(((4 * pairs + 63) & ~63) + t * (2 * h + 3 * inter) * (2 if bf16 else 4),
-                           dtype=torch.uint8)  # fmt: skip
+        need = ((4 * pairs + 63) & ~63) + t * (2 * h + 3 * inter) * (2 if bf16 else 4)
+        if not _moe_work or _moe_work[0].numel() < need:  # reused: a prefill step's is ~100 MB
+            _moe_work[:] = [torch.empty(need, dtype=torch.uint8)]
+        work = _moe_work[0]
         x = hidden.contiguous() if bf16 else hidden.float().contiguous()
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.float().contiguous()

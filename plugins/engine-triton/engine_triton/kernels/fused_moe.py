@@ -242,9 +242,9 @@ def grouped_config(num_pairs: int, num_experts: int, bits: int = 0) -> GroupedCo
 
     4-bit experts (``bits=4``) take their own three: 128 output columns and four pipeline
     stages throughout, 64 rows past 16 pairs per expert. Against the general rule they were
-    1.2-1.4x faster at every batch of the H100 sweep (Qwen3-30B-A3B, 32 tokens: 383 vs 523 us
-    a layer; 2,048 tokens: 1,497 vs 1,738 us); 8-bit experts were not swept and keep the
-    general rule."""
+    1.13-1.43x faster at every grouped batch of the H100 sweep (Qwen3-30B-A3B, 32 tokens: 383
+    vs 523 us a layer; 2,048 tokens: 1,497 vs 1,738 us); 8-bit experts were not swept and keep
+    the general rule."""
     avg = num_pairs / num_experts
     if bits == 4:
         if avg <= 16:

@@ -348,9 +348,9 @@ _scratch: list[torch.Tensor] = []
 # The int8 products' quantized activations (grown as needed; not thread-safe either).
 _xscratch: list[torch.Tensor] = []
 # routed_experts' work buffer (sorted pairs, gathered rows, intermediate products), grown as
-# needed, and its product descriptors, by output flags and the stacks' addresses.
+# needed, and its product descriptors (int64 tensors, by their words).
 _moe_work: list[torch.Tensor] = []
-_moe_descriptors: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
+_moe_descriptors: dict[tuple[int, ...], torch.Tensor] = {}
 
 
 def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -675,25 +675,26 @@ class CpuGGUFLinear:
         lib = native.load("avx2")
         bf16 = hidden.dtype == torch.bfloat16
         flags = (_Y_BF16 if bf16 else 0) | (_AVX2_ONLY_BIT if AVX2_ONLY else 0)
-        # The products' descriptors, built once per layer and dtype (their tensors stay put).
-        key = (flags, *(p["avx2_values"].data_ptr() for p in products))
-        cached = _moe_descriptors.get(key)
-        if cached is None:
-            words = []
-            for p in products:
-                pack, group = p["avx2_layout"][0].tolist()
-                values, scales = p["avx2_values"], p["avx2_scales"]
-                offsets = p.get("avx2_offsets")
-                words += [
-                    values.data_ptr(), pack | flags, scales.data_ptr(),
-                    0 if offsets is None else offsets.data_ptr(), scales.shape[1],
-                    scales.shape[2] * group, group, values.stride(0) * values.element_size(),
-                    scales.stride(0) * scales.element_size(),
-                    0 if offsets is None else offsets.stride(0) * offsets.element_size(),
-                ]  # fmt: skip
-            inter = down["avx2_scales"].shape[2] * group  # the down product's K
-            cached = _moe_descriptors[key] = (torch.tensor(words, dtype=torch.int64), inter)
-        desc, inter = cached
+        words = []
+        for p in products:
+            pack, group = p["avx2_layout"][0].tolist()
+            values, scales, offsets = p["avx2_values"], p["avx2_scales"], p.get("avx2_offsets")
+            words += [
+                values.data_ptr(), pack | flags, scales.data_ptr(),
+                0 if offsets is None else offsets.data_ptr(), scales.shape[1],
+                scales.shape[2] * group, group, values.stride(0) * values.element_size(),
+                scales.stride(0) * scales.element_size(),
+                0 if offsets is None else offsets.stride(0) * offsets.element_size(),
+            ]  # fmt: skip
+        inter = down["avx2_scales"].shape[2] * group  # the down product's K
+        # The descriptor tensor, kept per content (every word is its key: a freed layer's
+        # addresses may come back with other shapes, so no partial key will do).
+        key = tuple(words)
+        desc = _moe_descriptors.get(key)
+        if desc is None:
+            if len(_moe_descriptors) > 4096:
+                _moe_descriptors.clear()
+            desc = _moe_descriptors[key] = torch.tensor(words, dtype=torch.int64)
         k = max(h, inter)
         need = t * k + 4 * t * (k // 32 + k // 16) + 128
         if not _xscratch or _xscratch[0].numel() < need:

@@ -500,20 +500,22 @@ void gguf_avx2_moe(const void *x, int bf16, int64_t T, int64_t H, const int32_t 
             order[fill[ids[p]]++] = (int32_t)p;
     free(fill);
     for (int64_t e = 0; e < E; e++) {
-        const int64_t n = start[e + 1] - start[e];
-        if (n == 0)
-            continue;
-        const int32_t *pairs = order + start[e];
-        for (int64_t r = 0; r < n; r++)
-            memcpy(xs + r * H * es, (const uint8_t *)x + (pairs[r] / top_k) * H * es,
-                   (size_t)(H * es));
-        for (int g = 0, col = 0; g < n_gu; col += (int)desc[g * MOE_WORDS + MOE_N], g++)
-            moe_product(desc + g * MOE_WORDS, e, xs, bf16, n, scratch, gu + col * es, 2 * I);
-        cpu_gated_act(gu, 2 * I, act, I, bf16, n, I, 0);
-        moe_product(down, e, act, bf16, n, scratch, y, H);
-        for (int64_t r = 0; r < n; r++)
-            moe_add_weighted(out + (pairs[r] / top_k) * H, y + r * H * es, bf16,
-                             weights[pairs[r]], H);
+        /* At most T rows at a time: the buffers hold T rows, and a routing that gives one
+         * token the same expert twice (top-k never does) would give an expert more pairs. */
+        for (int64_t c = start[e]; c < start[e + 1]; c += T) {
+            const int64_t n = start[e + 1] - c < T ? start[e + 1] - c : T;
+            const int32_t *pairs = order + c;
+            for (int64_t r = 0; r < n; r++)
+                memcpy(xs + r * H * es, (const uint8_t *)x + (pairs[r] / top_k) * H * es,
+                       (size_t)(H * es));
+            for (int g = 0, col = 0; g < n_gu; col += (int)desc[g * MOE_WORDS + MOE_N], g++)
+                moe_product(desc + g * MOE_WORDS, e, xs, bf16, n, scratch, gu + col * es, 2 * I);
+            cpu_gated_act(gu, 2 * I, act, I, bf16, n, I, 0);
+            moe_product(down, e, act, bf16, n, scratch, y, H);
+            for (int64_t r = 0; r < n; r++)
+                moe_add_weighted(out + (pairs[r] / top_k) * H, y + r * H * es, bf16,
+                                 weights[pairs[r]], H);
+        }
     }
     free(start);
 }

@@ -60,9 +60,9 @@ class GGUFMoEMethod(FusedMoEMethodBase):
 
     def __init__(self, types: dict[str, GGUFType]) -> None:
         self.types = types
-        #: after loading, the gate/up products in output order: (type, rows, parameter prefix)
-        self.gate_up: list[tuple[GGUFType, int, str]] = []
-        self.down: tuple[GGUFType, str] | None = None
+        #: after loading, the gate/up products in output order: (type, parameter prefix); the
+        #: down product is ``types["down"]`` under prefix ``w2``
+        self.gate_up: list[tuple[GGUFType, str]] = []
         self._blocks: dict[str, torch.Tensor] = {}
         self._per_expert: dict[str, list[list[str]]] = {}  # prefix -> keys per expert
         self._stacked_keys: dict[str, list[str]] = {}
@@ -147,19 +147,17 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         op = layer.kernels.gguf_linear
         blocks = self._blocks
         gate, up = self.types["gate"], self.types["up"]
-        ip = layer.intermediate_size_per_partition
         if gate is up:  # one product: each expert's gate rows, then its up rows
-            parts = [("w13", gate, 2 * ip, torch.cat([blocks["gate"], blocks["up"]], dim=1))]
+            parts = [("w13", gate, torch.cat([blocks["gate"], blocks["up"]], dim=1))]
         else:
-            parts = [("w1", gate, ip, blocks["gate"]), ("w3", up, ip, blocks["up"])]
+            parts = [("w1", gate, blocks["gate"]), ("w3", up, blocks["up"])]
         self._blocks = {}
         dtype = self.dtype
         self.gate_up = []
-        for prefix, t, rows, stack in parts:
+        for prefix, t, stack in parts:
             self._pack(layer, op, prefix, t, stack, dtype)
-            self.gate_up.append((t, rows, prefix))
+            self.gate_up.append((t, prefix))
         self._pack(layer, op, "w2", self.types["down"], blocks["down"], dtype)
-        self.down = (self.types["down"], "w2")
         for kind in ("w13", "w2"):
             replace_param(layer, f"{kind}_qweight", None)
 
@@ -215,10 +213,10 @@ class GGUFMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         op = layer.kernels.gguf_linear
         silu_and_mul = layer.kernels.silu_and_mul
-        assert self.down is not None, "GGUF experts used before process_weights_after_loading"
-        down_type, down_prefix = self.down
+        assert self.gate_up, "GGUF experts used before process_weights_after_loading"
+        down_type, down_prefix = self.types["down"], "w2"
         whole_layer = getattr(op, "routed_experts", None)
-        prefixes = [prefix for _t, _rows, prefix in self.gate_up] + [down_prefix]
+        prefixes = [prefix for _t, prefix in self.gate_up] + [down_prefix]
         if whole_layer is not None and all(p in self._stacked_keys for p in prefixes):
             stacked = [
                 {key: getattr(layer, f"{p}_{key}") for key in self._stacked_keys[p]}
@@ -230,13 +228,13 @@ class GGUFMoEMethod(FusedMoEMethodBase):
 
         def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
             if len(self.gate_up) == 1:
-                t, _rows, prefix = self.gate_up[0]
+                t, prefix = self.gate_up[0]
                 gate_up = op(x, self._packed(layer, prefix, expert), qtype=t.ggml_type)
             else:
                 gate_up = torch.cat(
                     [
                         op(x, self._packed(layer, prefix, expert), qtype=t.ggml_type)
-                        for t, _rows, prefix in self.gate_up
+                        for t, prefix in self.gate_up
                     ],
                     dim=-1,
                 )

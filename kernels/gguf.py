@@ -186,6 +186,42 @@ def dequantize_planes(
     return torch.addcmul(offset.unsqueeze(-1), scale.unsqueeze(-1), v).view(n, k)
 
 
+def integer_planes(
+    blocks: torch.Tensor, qtype: int | str, bits: int | None = None, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw blocks ``[..., N, K / block_size, type_size]`` (a stack of experts too) ->
+    ``fused_moe_wna16``'s operands with offsets: ``(qweight int32 [..., N, K * bits / 32],
+    scale float32 [..., N, K / group], offset float32 [..., N, K / group])``, the values packed
+    ``32 / bits`` to a word along K, lowest bits first, so that ``W = scale * q + offset``
+    exactly as ``unpack`` gives it.
+
+    ``bits`` defaults to 4 for the 4-bit types and 8 for the rest (5-, 6- and 8-bit values in
+    bytes); ``group`` to the type's. A wider ``bits`` or a smaller ``group`` (one dividing the
+    type's; the scales and offsets repeated) gives two types one form, as a gate and an up
+    stack of different types need to share one product."""
+    from engine.kernels.quantized import pack_int32
+
+    t = gguf_type(qtype)
+    bits = bits or (4 if t.bits == 4 else 8)
+    group = group or t.group
+    if bits not in (4, 8) or bits < t.bits or t.group % group:
+        raise ValueError(
+            f"{t.name} ({t.bits}-bit values in groups of {t.group}) cannot be held as {bits}-bit "
+            f"words in groups of {group}"
+        )
+    lead, (n, nb, size) = blocks.shape[:-3], blocks.shape[-3:]
+    values, scale, offset = unpack(blocks.reshape(-1, nb, size), qtype)
+    if group != t.group:
+        scale = scale.repeat_interleave(t.group // group, dim=-1)
+        offset = offset.repeat_interleave(t.group // group, dim=-1)
+    k = values.shape[-1]
+    return (
+        pack_int32(values, bits, dim=1).reshape(*lead, n, k * bits // 32),
+        scale.reshape(*lead, n, -1),
+        offset.reshape(*lead, n, -1),
+    )
+
+
 def dequantize(blocks: torch.Tensor, qtype: int | str) -> torch.Tensor:
     """Raw blocks ``[N, K / block_size, type_size]`` -> float32 ``[N, K]``, bit for bit what
     ``gguf.quants.dequantize`` returns."""

@@ -202,15 +202,23 @@ def dequantize_wna16_experts(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     bits: int,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Integer expert weights as float32 ``(q - z) * s``: the spec of ``fused_moe_wna16``'s
     weights. ``qweight`` int32 ``[..., N, K * bits / 32]`` (``32 / bits`` values per word
     along the input features, lowest bits first); ``scales`` ``[..., N, G]`` and ``zeros``
     uint8 ``[..., N, G]`` per group of ``K / G`` consecutive input features (``zeros`` None:
-    symmetric, every zero point ``2**(bits-1)``). Returns ``[..., N, K]``."""
+    symmetric, every zero point ``2**(bits-1)``). With float32 ``offsets`` ``[..., N, G]``
+    instead of zero points (GGUF's blocks: ``W = d * q + m``, the minimum ``m`` not a whole
+    number of steps), the weights are ``q * s + o`` (one rounding: ``torch.addcmul``).
+    Returns ``[..., N, K]``."""
     q = unpack_int32(qweight, bits, dim=-1).float()
     group = q.shape[-1] // scales.shape[-1]
     s = scales.float().repeat_interleave(group, dim=-1)
+    if offsets is not None:
+        if zeros is not None:
+            raise ValueError("integer experts take zero points or offsets, not both")
+        return torch.addcmul(offsets.float().repeat_interleave(group, dim=-1), q, s)
     if zeros is None:
         return (q - float(1 << (bits - 1))) * s
     return (q - zeros.float().repeat_interleave(group, dim=-1)) * s

@@ -316,6 +316,9 @@ def fused_moe_wna16(
     bits: int = 4,
     w13_perm: torch.Tensor | None = None,
     w2_perm: torch.Tensor | None = None,
+    w13_offsets: torch.Tensor | None = None,
+    w2_offsets: torch.Tensor | None = None,
+    w2_bits: int | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with ``bits``-bit (4 or 8) integer experts, **weight-only** (W4A16 /
     W8A16): each expert's weights are ``(q - z) * s`` in float32
@@ -337,6 +340,12 @@ def fused_moe_wna16(
     of expert ``e`` is the activations' feature ``perm[e, k]`` (the product reads
     ``x[..., perm[e]]``, as ``wna16_linear``'s ``perm``).
 
+    ``w13_offsets`` / ``w2_offsets`` (float32, the scales' shapes; both or neither, never with
+    zero points): the weights are ``q * s + o`` instead, the form of GGUF's blocks
+    (``engine.quantization.gguf_moe`` converts Q4_0 ... Q6_K stacks to it). ``w2_bits``: the
+    down projection's bit width where it differs from ``bits`` (a Q4_K_M file's Q4_K gate/up
+    and Q6_K down stacks: 4 and 8).
+
     Rounding points as ``fused_moe_fp8``: each matmul multiplies hidden-dtype activations by
     the float32 weights in float32 and rounds its output to hidden's dtype. Only the experts
     that received a token are dequantized, on every call (the portable, slow path).
@@ -349,13 +358,19 @@ def fused_moe_wna16(
         out[:, perm[e].long()] = w  # stored feature k is the input's perm[e, k]
         return out
 
+    bits2 = bits if w2_bits is None else w2_bits
+
+    def at(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+        return None if t is None else t[e]
+
     def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        z13 = None if w13_zeros is None else w13_zeros[e]
-        z2 = None if w2_zeros is None else w2_zeros[e]
-        return (
-            unpermuted(dequantize_wna16_experts(w13[e], w13_scales[e], z13, bits), w13_perm, e),
-            unpermuted(dequantize_wna16_experts(w2[e], w2_scales[e], z2, bits), w2_perm, e),
+        w13_e = dequantize_wna16_experts(
+            w13[e], w13_scales[e], at(w13_zeros, e), bits, at(w13_offsets, e)
         )
+        w2_e = dequantize_wna16_experts(
+            w2[e], w2_scales[e], at(w2_zeros, e), bits2, at(w2_offsets, e)
+        )
+        return unpermuted(w13_e, w13_perm, e), unpermuted(w2_e, w2_perm, e)
 
     return routed_experts(hidden, w13.shape[0], weights, topk_weights, topk_ids)
 

@@ -8,8 +8,12 @@ On the CPU the experts stay GGUF blocks (``engine.quantization.gguf_moe``): thro
 torch kernels the tokens are transformers'; through the compiled ones (int8 activations, as
 llama.cpp) each layer is within their error of the reference computation and the model within
 it of the dequantized model, in fewer bytes; split (TP=2) and placed (expert parallelism) over
-two gloo processes it is one process's model. On a GPU the experts are dequantized at load
-(said in the log), and a tensor-parallel split off the blocks is refused at build."""
+two gloo processes it is one process's model. On a GPU the experts are converted for the fused
+expert kernel (``fused_moe_wna16`` with float offsets), which reproduces the blocks' exact
+weights (checked here through the torch reference; the Triton kernel in
+tests/triton_kernels/test_triton_fused_moe_wna16.py and on the GPU); without a plugin's kernel
+they are dequantized at load (said in the log). A tensor-parallel split off the blocks is
+refused at build."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.benchmarks.gguf_moe_cpu import build_gguf_moe_layer
 from engine.kernels import gguf as gk
 from engine.layers.fused_moe import moe_layers
 from engine.loader.gguf_loader import iter_weights, load_config
@@ -144,8 +149,6 @@ def _experts_and_reference(types, seed=0, experts=6, hidden=64, inter=64):
     """A ``FusedMoE`` with ``GGUFMoEMethod`` on the CPU plugin's kernels, loaded from random
     GGUF stacks of ``types`` (gate, up, down) through the loader's stacked names, and the
     stacks dequantized (float64)."""
-    from engine.benchmarks.gguf_moe_cpu import build_gguf_moe_layer
-
     layer, stacks = build_gguf_moe_layer(types, experts, hidden, inter, top_k=2, seed=seed)
     dense = {}
     for proj, raw in stacks.items():
@@ -295,23 +298,54 @@ def test_experts_split_and_placed_over_two_ranks_match_one_process(tmp_path):
     )
 
 
-def test_a_gpu_dequantizes_gguf_experts_at_load(caplog):
-    """CUDA graphs cannot hold the per-expert loop: off the CPU, ``get_moe_method`` gives the
-    unquantized method (the stacks dequantized at load) and says why; on the CPU, stacks of a
-    type ``gguf_linear`` does not multiply are dequantized too, named in the log."""
+class _Kernels:
+    """The two questions ``GGUFConfig.get_moe_method`` asks a platform's kernels."""
+
+    def __init__(self, platform: str, fused: bool) -> None:
+        self.platform, self.fused = platform, fused
+
+    def is_reference(self, name: str) -> bool:
+        return not self.fused
+
+    def provider(self, name: str) -> str:
+        return "a-plugin" if self.fused else "engine-llm (torch reference)"
+
+
+def test_gguf_experts_off_the_cpu_take_the_fused_kernel_or_are_dequantized(caplog):
+    """Off the CPU, ``get_moe_method`` converts the stacks for a plugin's ``fused_moe_wna16``
+    and logs it once; where that op is only the torch reference, it gives the unquantized
+    method (the stacks dequantized at load) and says why. On the CPU, stacks of a type
+    ``gguf_linear`` does not multiply are dequantized too, named in the log."""
+    from types import SimpleNamespace
+
     from engine.quantization.base import QuantizationSpec
     from engine.quantization.gguf import GGUFConfig
 
     types = {f"m.experts.{p}_proj": t for p, t in (("gate", "Q4_K"), ("up", "Q4_K"),
                                                    ("down", "Q6_K"))}  # fmt: skip
+    spec = QuantizationSpec(platform="cuda", device_type="cuda")
     gpu = GGUFConfig(types)
-    gpu.bind(QuantizationSpec(platform="cuda", device_type="cuda"))
+    gpu.bind(spec)
+    layer = SimpleNamespace(kernels=_Kernels("cuda", fused=True))
     with caplog.at_level("INFO", logger="engine.quantization.gguf"):
-        assert gpu.get_moe_method(None, "m.experts") is None
-    assert "GGUF experts stay quantized on the CPU only" in caplog.text
+        method = gpu.get_moe_method(layer, "m.experts")
+        assert isinstance(method, GGUFMoEMethod) and method.integer
+        assert gpu.get_moe_method(layer, "m.experts").integer
+    assert caplog.text.count("multiplied by a-plugin's fused_moe_wna16") == 1
+    assert gpu.kept_modules == set(types)
+    bare = GGUFConfig(types)
+    bare.bind(spec)
+    with caplog.at_level("INFO", logger="engine.quantization.gguf"):
+        assert (
+            bare.get_moe_method(SimpleNamespace(kernels=_Kernels("cuda", False)), "m.experts")
+            is None
+        )
+    assert "no plugin provides fused_moe_wna16 on cuda" in caplog.text
+    assert not bare.kept_modules
     cpu = GGUFConfig(types)
     cpu.bind(QuantizationSpec(platform="cpu", device_type="cpu"))
-    assert isinstance(cpu.get_moe_method(None, "m.experts"), GGUFMoEMethod)
+    method = cpu.get_moe_method(None, "m.experts")
+    assert isinstance(method, GGUFMoEMethod) and not method.integer
     assert cpu.kept_modules == set(types)
     other = GGUFConfig({**types, "m.experts.down_proj": "IQ4_XS"})
     other.bind(QuantizationSpec(platform="cpu", device_type="cpu"))
@@ -320,6 +354,51 @@ def test_a_gpu_dequantizes_gguf_experts_at_load(caplog):
     assert "GGML type IQ4_XS is not kept quantized" in caplog.text
     with pytest.raises(QuantizationError, match="no expert stack for m.experts.up_proj"):
         GGUFConfig({"m.experts.gate_proj": "Q4_K"}).get_moe_method(None, "m.experts")
+
+
+@pytest.mark.parametrize(
+    "types,bits,groups",
+    [
+        (("Q4_K", "Q4_K", "Q6_K"), (4, 8), (32, 16)),  # Q4_K_M's experts
+        (("Q8_0", "Q4_0", "Q5_0"), (8, 8), (32, 32)),  # gate and up widened to one form
+        (("Q6_K", "Q4_K", "Q4_0"), (8, 4), (16, 32)),  # up's groups split to gate's 16
+    ],
+)
+def test_the_gpu_form_is_the_blocks_exact_weights(types, bits, groups):
+    """``integer=True`` (the GPU's form: ``fused_moe_wna16`` operands with float offsets) run
+    through the torch reference gives bit for bit ``fused_moe`` on the stacks' exact float32
+    weights (``gguf.quants``' dequantization), in the bytes the module docstring states."""
+    from engine.kernels import reference as ref
+
+    hidden = 256  # K-quants: 256-value super-blocks
+    layer, stacks = build_gguf_moe_layer(types, experts=6, hidden=hidden, inter=256, top_k=2,
+                                         integer=True)  # fmt: skip
+    method = layer.quant_method
+    assert method.bits == bits
+    assert layer.w13_scales.shape == (6, 512, hidden // groups[0])
+    assert layer.w2_scales.shape == (6, hidden, 256 // groups[1])
+    assert layer.w13_offsets.dtype == layer.w2_scales.dtype == torch.float32
+    dense = {}
+    for proj, raw in stacks.items():
+        e, rows, _, size = raw.shape
+        name = types[("gate", "up", "down").index(proj)]
+        dense[proj] = gk.dequantize(raw.reshape(e * rows, -1, size), name).view(e, rows, -1)
+    w13 = torch.cat([dense["gate"], dense["up"]], dim=1)
+    gen = torch.Generator().manual_seed(5)
+    for t in (1, 9):
+        x = torch.randn(t, hidden, generator=gen)
+        logits = torch.randn(t, 6, generator=gen)
+        with torch.inference_mode():
+            weights, ids = layer.select_experts(logits)
+            got = layer.quant_method.apply(layer, x, weights, ids)
+        assert torch.equal(got, ref.fused_moe(x, w13, dense["down"], weights, ids)), t
+    words = {4: 0.5, 8: 1.0}
+    held = sum(p.numel() * p.element_size() for p in layer.parameters())
+    weights_13, weights_2 = 6 * 512 * hidden, 6 * hidden * 256
+    want = weights_13 * (words[bits[0]] + 8 / groups[0]) + weights_2 * (
+        words[bits[1]] + 8 / groups[1]
+    )
+    assert held == want
 
 
 def test_a_tensor_parallel_split_off_the_blocks_is_refused():

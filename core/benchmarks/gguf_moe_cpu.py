@@ -106,10 +106,13 @@ def build_gguf_moe_layer(
     top_k: int = 8,
     seed: int = 0,
     kernels: Any = None,
+    integer: bool = False,
+    dtype: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """A ``FusedMoE`` with ``GGUFMoEMethod`` (the CPU platform's kernels unless ``kernels``),
-    loaded from random GGUF stacks of ``types`` (gate, up, down) through the loader's stacked
-    names; returns it and the raw stacks (``uint8 [E, rows, K / block, type_size]``)."""
+    """A ``FusedMoE`` with ``GGUFMoEMethod`` (the CPU platform's kernels unless ``kernels``;
+    ``integer``: converted for ``fused_moe_wna16``, as on a GPU), loaded from random GGUF
+    stacks of ``types`` (gate, up, down) through the loader's stacked names; returns it and
+    the raw stacks (``uint8 [E, rows, K / block, type_size]``, on the CPU)."""
     import torch
 
     from engine.kernels import gguf as gk
@@ -118,10 +121,11 @@ def build_gguf_moe_layer(
     from engine.quantization.gguf_moe import GGUFMoEMethod
 
     projections = ("gate", "up", "down")
-    method = GGUFMoEMethod({p: gk.gguf_type(t) for p, t in zip(projections, types, strict=True)})
+    kept = {p: gk.gguf_type(t) for p, t in zip(projections, types, strict=True)}
+    method = GGUFMoEMethod(kept, integer=integer)
     kernels = kernels or PluginManager.from_env().kernel_registry().resolve("cpu")
     layer = FusedMoE(experts, top_k, hidden, inter, renormalize=True, kernels=kernels,
-                     dtype=torch.float32, quant_method=method, prefix="experts")  # fmt: skip
+                     dtype=dtype or torch.float32, quant_method=method, prefix="experts")  # fmt: skip
     stacks = {}
     for i, (proj, (rows, cols)) in enumerate(
         {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}.items()

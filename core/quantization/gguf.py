@@ -29,9 +29,11 @@ for Q8_0 in bf16), a tied embedding and LM head on one process keep the file's b
 (``GGUFVocabMethod``: ``prepack(..., vocabulary=True)``, lookups through the kernel's
 ``embedding``, the head through its product). No other platform changes.
 
-A MoE layer's expert stacks stay quantized on the CPU (``engine.quantization.gguf_moe``,
-chosen by ``get_moe_method`` once ``bind`` has said the device is a CPU) and are dequantized at
-load elsewhere.
+A MoE layer's expert stacks stay quantized too (``engine.quantization.gguf_moe``, chosen by
+``get_moe_method``): on the CPU as ``gguf_linear`` packings, on a GPU converted for the
+platform's fused expert kernel ``fused_moe_wna16`` (with float offsets); they are dequantized
+at load only where that kernel is the torch reference (no plugin provides it), said in the
+log.
 
 Tensor parallelism shards a layer by whole GGUF blocks: a column-parallel layer by rows (each
 row is its own run of blocks, any split works), a row-parallel layer by columns, which needs
@@ -255,8 +257,8 @@ class GGUFConfig(QuantizationConfig):
     checkpoint_formats: ClassVar[tuple[str, ...]] = ("gguf",)
     description: ClassVar[str] = (
         "GGUF files: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K linear weights kept quantized "
-        "(gguf_linear), MoE expert stacks too on the CPU; other types, embeddings and the LM "
-        "head dequantized at load"
+        "(gguf_linear), MoE expert stacks too (gguf_linear on the CPU, fused_moe_wna16 on a "
+        "GPU); other types, embeddings and the LM head dequantized at load"
     )
     kernel_names: ClassVar[tuple[str, ...]] = ("gguf_linear",)
 
@@ -266,7 +268,9 @@ class GGUFConfig(QuantizationConfig):
         #: checkpoint module names whose blocks the loader must yield raw (``<name>.qweight``)
         self.kept_modules: set[str] = set()
         self._dequantized: list[str] = []
-        # Whether MoE experts stay quantized (``GGUFMoEMethod``): on the CPU, set by ``bind``.
+        self._moe_logged = False
+        # Whether MoE experts run on the host as ``gguf_linear`` packings (the CPU, set by
+        # ``bind``) rather than through the fused expert kernel.
         self.experts_on_host = False
 
     @classmethod
@@ -295,15 +299,17 @@ class GGUFConfig(QuantizationConfig):
         return f"gguf kept quantized ({shown})"
 
     def bind(self, spec: QuantizationSpec) -> None:
-        """MoE experts stay quantized where a step may loop over them on the host: the CPU.
-        A GPU's decode steps are CUDA graphs, which that loop would break, so there they are
-        dequantized at load (``get_moe_method`` says so in the log)."""
+        """MoE experts run as ``gguf_linear`` packings where a step may loop over them on the
+        host: the CPU. A GPU's decode steps are CUDA graphs, which that loop would break, so
+        there they go through the fused expert kernel (``get_moe_method``)."""
         self.experts_on_host = spec.is_cpu
 
     def get_moe_method(self, layer: Any, prefix: str) -> Any:
-        """``GGUFMoEMethod`` on the CPU for stacks of kept types (``engine.quantization.
-        gguf_moe``); otherwise ``None``: the unquantized expert method, the stacks dequantized
-        at load, as every GGUF tensor was before this method existed, with a log line."""
+        """``GGUFMoEMethod`` for stacks of kept types (``engine.quantization.gguf_moe``): on
+        the CPU as ``gguf_linear`` packings, elsewhere converted for the platform's
+        ``fused_moe_wna16`` where a plugin provides it. Otherwise ``None``: the unquantized
+        expert method, the stacks dequantized at load, as every GGUF tensor was before this
+        method existed, with a log line."""
         names = {proj: f"{prefix}.{proj}_proj" for proj in ("gate", "up", "down")}
         types = {proj: self.tensor_types.get(name) for proj, name in names.items()}
         missing = [names[p] for p, t in types.items() if t is None]
@@ -312,16 +318,27 @@ class GGUFConfig(QuantizationConfig):
                 f"{prefix}: the GGUF file has no expert stack for {', '.join(missing)}"
             )
         others = sorted({t for t in types.values() if t not in GGUF_TYPE_NAMES})
-        if self.experts_on_host and not others:
+        kernels = getattr(layer, "kernels", None)
+        fused = kernels is not None and not kernels.is_reference("fused_moe_wna16")
+        if not others and (self.experts_on_host or fused):
             self.kept_modules.update(names.values())
-            return GGUFMoEMethod({p: GGUF_TYPE_NAMES[t] for p, t in types.items()})
+            kept = {p: GGUF_TYPE_NAMES[t] for p, t in types.items()}
+            if not self.experts_on_host and not self._moe_logged:
+                self._moe_logged = True
+                logger.info(
+                    "gguf: MoE experts kept quantized, multiplied by %s's fused_moe_wna16 "
+                    "(values in int32 words, float32 scales and offsets per group)",
+                    kernels.provider("fused_moe_wna16"),
+                )
+            return GGUFMoEMethod(kept, integer=not self.experts_on_host)
         if prefix not in self._dequantized:
+            platform = getattr(kernels, "platform", "this platform")
             why = (
                 f"GGML type {'/'.join(map(str, others))} is not kept quantized (kept: "
                 f"{', '.join(KEPT_TYPES)})"
                 if others
-                else "GGUF experts stay quantized on the CPU only (their per-expert loop runs "
-                "on the host, which CUDA graphs cannot hold)"
+                else f"no plugin provides fused_moe_wna16 on {platform}, only the torch "
+                "reference, and a per-expert loop on the host would break the CUDA graphs"
             )
             logger.info("%s: GGUF experts are dequantized at load: %s", prefix, why)
             self._dequantized.append(prefix)

@@ -1,4 +1,4 @@
-"""GGUF mixture-of-experts layers kept quantized on the CPU: ``GGUFMoEMethod``.
+"""GGUF mixture-of-experts layers kept quantized: ``GGUFMoEMethod``.
 
 A GGUF MoE file (``qwen3moe``, ``qwen2moe``, Mixtral as a ``llama`` with experts) stores each
 layer's experts as three stacks of GGUF blocks, ``ffn_gate_exps`` / ``ffn_up_exps`` ``[E, I,
@@ -17,14 +17,23 @@ of Qwen3-30B-A3B take 61 GB in bf16 against 17 GB in the file; this method keeps
   ``GGUFLinearMethod`` joins a fused layer's parts), and the packed tensors of all experts are
   stacked into one parameter per tensor (``w13_<key>`` ``[E, ...]``), each expert's a view;
   packings that cannot be stacked (an opaque oneDNN tensor) stay one parameter per expert.
-* **Compute**: where the platform's ``gguf_linear`` has ``routed_experts`` (an optional
-  capability: the whole layer in one call over the stacked packings; the CPU plugin's AVX2
-  kernels, ``gguf_avx2_moe``), that; otherwise ``engine.kernels.reference.routed_expert_calls``
-  sorts the (token, choice) pairs by expert on the host and runs each expert that received
-  tokens as ``gguf_linear`` (gate and up), the platform's ``silu_and_mul`` and ``gguf_linear``
-  (down). Both keep ``fused_moe``'s rounding points. The host loop syncs once per layer and step, which a CPU runs anyway; a GPU
-  would lose its CUDA graphs to it, so ``GGUFConfig`` picks this method on the CPU only and
-  dequantizes the experts at load elsewhere (said in the log).
+* **Compute on the CPU** (``integer=False``): where the platform's ``gguf_linear`` has
+  ``routed_experts`` (an optional capability: the whole layer in one call over the stacked
+  packings; the CPU plugin's AVX2 kernels, ``gguf_avx2_moe``), that; otherwise
+  ``engine.kernels.reference.routed_expert_calls`` sorts the (token, choice) pairs by expert
+  on the host and runs each expert that received tokens as ``gguf_linear`` (gate and up), the
+  platform's ``silu_and_mul`` and ``gguf_linear`` (down). Both keep ``fused_moe``'s rounding
+  points. The host loop syncs once per layer and step, which a CPU runs anyway.
+* **Compute on a GPU** (``integer=True``): a host loop would break the decode steps' CUDA
+  graphs, so the stacks are converted after loading to the operands of ``fused_moe_wna16``
+  with float offsets (``engine.kernels.gguf.integer_planes``: values packed 8 or 4 to an int32
+  word, a float32 scale and offset per group, ``W = scale * q + offset`` exactly as the
+  blocks say) and run through the platform's fused expert kernels (engine-triton's: no host
+  sync, graph-captured). 4-bit types stay 4-bit; 5-, 6- and 8-bit types take a byte per value;
+  a gate and an up stack of different types share the wider form. That is 6 bits a weight for
+  Q4_0/Q4_K (4.5 in the file), 10 for Q5_K/Q8_0 and 12 for Q6_K (groups of 16), against 16 in
+  bf16. ``GGUFConfig`` picks this where the platform's ``fused_moe_wna16`` is a plugin's
+  kernel, and dequantizes the stacks at load (said in the log) where it is the torch reference.
 
 Stacks in a type ``gguf_linear`` does not multiply (F16, BF16, Q2_K, IQ*, ...) keep the layer
 dequantized at load, as before, with a log line naming the layer and type.
@@ -54,12 +63,21 @@ logger = logging.getLogger(__name__)
 PROJECTIONS = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
+# Values converted per slice of experts: bounds the conversion's transient memory (the int64
+# words of ``pack_int32``: 8 bytes a value) to about 1 GiB on the device.
+CONVERT_VALUES = 1 << 27
+
+
 class GGUFMoEMethod(FusedMoEMethodBase):
     """A ``FusedMoE`` whose gate, up and down stacks stay GGUF blocks of ``types["gate"]``,
-    ``types["up"]`` and ``types["down"]`` (see the module docstring)."""
+    ``types["up"]`` and ``types["down"]`` (see the module docstring), packed per expert for
+    ``gguf_linear`` or, with ``integer``, converted for ``fused_moe_wna16``."""
 
-    def __init__(self, types: dict[str, GGUFType]) -> None:
+    def __init__(self, types: dict[str, GGUFType], integer: bool = False) -> None:
         self.types = types
+        self.integer = integer
+        #: with ``integer``, the bit width of the gate/up words and of the down words
+        self.bits: tuple[int, int] = (0, 0)
         #: after loading, the gate/up products in output order: (type, parameter prefix); the
         #: down product is ``types["down"]`` under prefix ``w2``
         self.gate_up: list[tuple[GGUFType, str]] = []
@@ -144,6 +162,9 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         return load
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        if self.integer:
+            self._convert(layer)
+            return
         op = layer.kernels.gguf_linear
         blocks = self._blocks
         gate, up = self.types["gate"], self.types["up"]
@@ -196,6 +217,39 @@ class GGUFMoEMethod(FusedMoEMethodBase):
                     replace_param(layer, f"{prefix}_{e}_{key}", tensor)
             self._per_expert[prefix] = [list(p) for p in packed]
 
+    def _convert(self, layer: FusedMoE) -> None:
+        """The stacks as ``fused_moe_wna16``'s words, scales and offsets (``w13_*``: each
+        expert's gate rows then its up rows; ``w2_*``), a slice of experts at a time."""
+        from engine.kernels.gguf import integer_planes
+
+        blocks, self._blocks = self._blocks, {}
+        gate, up, down = self.types["gate"], self.types["up"], self.types["down"]
+        bits13 = 4 if gate.bits == up.bits == 4 else 8
+        group13 = min(gate.group, up.group)
+        bits2 = 4 if down.bits == 4 else 8
+        parts = {
+            "w13": [("gate", gate, bits13, group13), ("up", up, bits13, group13)],
+            "w2": [("down", down, bits2, down.group)],
+        }
+        for prefix, stacks in parts.items():
+            held = [blocks.pop(proj) for proj, *_ in stacks]  # freed once converted
+            e, rows = held[0].shape[0], sum(b.shape[1] for b in held)
+            k = held[0].shape[2] * stacks[0][1].block_size
+            step = max(1, CONVERT_VALUES // (rows * k))
+            slices = []
+            for lo in range(0, e, step):
+                planes = [
+                    integer_planes(b[lo : lo + step], t.ggml_type, n, g)
+                    for b, (_, t, n, g) in zip(held, stacks, strict=True)
+                ]
+                slices.append([torch.cat(p, dim=1) for p in zip(*planes, strict=True)])
+            del held
+            for key, tensors in zip(
+                ("qweight", "scales", "offsets"), zip(*slices, strict=True), strict=True
+            ):
+                replace_param(layer, f"{prefix}_{key}", torch.cat(tensors))
+        self.bits = (bits13, bits2)
+
     def _packed(self, layer: FusedMoE, prefix: str, expert: int) -> dict[str, torch.Tensor]:
         keys = self._stacked_keys.get(prefix)
         if keys is not None:
@@ -211,6 +265,13 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
+        if self.integer:
+            assert self.bits[0], "GGUF experts used before process_weights_after_loading"
+            return layer.kernels.fused_moe_wna16(
+                hidden, layer.w13_qweight, layer.w2_qweight, topk_weights, topk_ids,
+                layer.w13_scales, layer.w2_scales, None, None, self.bits[0], None, None,
+                layer.w13_offsets, layer.w2_offsets, self.bits[1],
+            )  # fmt: skip
         op = layer.kernels.gguf_linear
         silu_and_mul = layer.kernels.silu_and_mul
         assert self.gate_up, "GGUF experts used before process_weights_after_loading"

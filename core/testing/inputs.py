@@ -350,6 +350,24 @@ def _fused_moe_wna16_cases(dtype, gen):
             ]
             args += tuple(p.to(torch.int32) for p in perms)
         cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}-{how}", args))
+    # GGUF experts as a GPU runs them (``engine.kernels.gguf.integer_planes``): float offsets
+    # instead of zero points, the down projection in its own width (Q4_K_M: Q4_K gate/up in 4
+    # bits, groups of 32; Q6_K down in bytes, groups of 16).
+    from engine.kernels import gguf
+    from engine.testing.tiny_gguf import random_blocks
+
+    t, e, k, h, i = 3, 4, 2, 256, 256
+    planes = []
+    for name, rows, cols in (("Q4_K", 2 * i, h), ("Q6_K", h, i)):
+        qt = gguf.gguf_type(name)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+        raw = torch.from_numpy(random_blocks(e * rows, cols, name, seed=seed).copy())
+        planes.append(gguf.integer_planes(raw.view(e, rows, -1, qt.type_size), name))
+    (q13, s13, o13), (q2, s2, o2) = planes
+    weights, ids = _moe_routing(gen, t, e, k)
+    args = (_randn(gen, dtype, t, h), q13, q2, weights, ids, s13, s2, None, None, 4, None, None,
+            o13, o2, 8)  # fmt: skip
+    cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}-gguf-q4k-q6k", args))
     return cases
 
 

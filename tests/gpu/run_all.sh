@@ -10,7 +10,8 @@
 # attention's shared pass, each launch configuration against the plain decode kernel), kprofile, serve (HTTP against
 # offline: issue 12's workload, engine.benchmarks.http_vs_offline; SERVE_ARGS adds flags), the
 # mixture-of-experts steps moe-kernels, moe-kernels-fp8 (FP8 experts), moe-kernels-wna16 (4-bit
-# experts in groups of 128 with zero points: fused_moe_wna16), moe-wna16-b1 and moe-wna16-nano
+# experts in groups of 128 with zero points: fused_moe_wna16), moe-kernels-gguf (GGUF stacks as a
+# GPU runs them: Q4_K gate/up, Q6_K down, MOE_GGUF_SCHEME=gguf-q4k for all Q4_K), moe-wna16-b1 and moe-wna16-nano
 # (the Qwen3-30B-A3B-GPTQ-Int4 shape, dummy packed weights), moe-b1, moe-fp8-b1 and
 # moe-fp8-nano (the Qwen3-30B-A3B-FP8 shape: 128x128 block FP8, experts weight-only), moe-nano, mixtral-b1, spec-base, spec-ngram,
 # spec-draft, spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts
@@ -116,6 +117,15 @@ for step in "${steps[@]}"; do
       echo "rc=$? at $(elapsed)s"
       grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels-wna16.log"
       JSONS+=("moe-kernels-wna16")
+      ;;
+    moe-kernels-gguf)  # GGUF experts as a GPU runs them (Q4_K gate/up, Q6_K down; float offsets)
+      echo "=== moe gguf kernel sweep at $(elapsed)s"
+      timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --moe-only \
+        --moe-wna16 ${MOE_GGUF_SCHEME:-gguf-q4k-q6k} --json "$OUT/moe-kernels-gguf.json" \
+        >"$OUT/moe-kernels-gguf.log" 2>&1
+      echo "rc=$? at $(elapsed)s"
+      grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels-gguf.log"
+      JSONS+=("moe-kernels-gguf")
       ;;
     cascade-kernels)  # cascade attention's shared pass at the 8B shape vs the plain decode kernel
       echo "=== cascade kernel sweep at $(elapsed)s"
@@ -236,7 +246,7 @@ with open(os.path.join(sys.argv[1], "results.json")) as f:
     results = json.load(f)
 for name, r in results.items():
     if name in ("kernels", "spread", "linear", "moe-kernels", "moe-kernels-fp8", "moe-kernels-wna16",
-                "lora-kernels"):
+                "moe-kernels-gguf", "lora-kernels"):
         continue
     if r.get("benchmark") == "throughput":
         print(f"{name}: {r['output_tokens_per_s']} out tok/s, {r['total_tokens_per_s']} total tok/s, "

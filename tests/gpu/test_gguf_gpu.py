@@ -1,7 +1,10 @@
 """GGUF kept quantized on a CUDA GPU: engine-triton's ``gguf_linear`` at Gemma 3 270M and
 Llama-3.1-8B projection sizes against the dequantized product (``gguf.quants.dequantize``), and a
 tiny GGUF model through the whole engine (CUDA graphs, Triton attention and kernels) against
-the same file dequantized at load (``--quantization none``)."""
+the same file dequantized at load (``--quantization none``). GGUF MoE experts on the GPU
+(``fused_moe_wna16`` with float offsets): a Qwen3-30B-A3B-sized Q4_K_M layer against the
+blocks' exact weights, and a tiny Qwen3-MoE GGUF through the engine against its dequantized
+twin."""
 
 from __future__ import annotations
 
@@ -64,6 +67,81 @@ def test_tiny_gguf_through_the_engine_matches_the_dequantized_file(tmp_path):
         )
         kept = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj.quant_method
         assert kept.name == ("gguf Q4_K/Q6_K" if quantization is None else "unquantized")
+        tokens.append(
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        )
+        assert llm.llm_engine.num_used_blocks == 0
+        del llm
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q5_K")])
+def test_gguf_moe_layer_at_qwen3_30b_a3b_size(types, seed):
+    """128 experts, top-8, hidden 2048, 768 wide, bf16 activations; the decode and the grouped
+    kernels (1 to 300 tokens) against ``fused_moe`` on the stacks' exact float32 weights."""
+    from engine.benchmarks.gguf_moe_cpu import build_gguf_moe_layer
+    from engine.kernels import reference as kref
+    from engine.plugins import PluginManager
+
+    kernels = PluginManager.from_env().kernel_registry().resolve("cuda")
+    with torch.device("cuda"):
+        layer, stacks = build_gguf_moe_layer(
+            types, seed=seed % 1000, kernels=kernels, integer=True, dtype=torch.bfloat16
+        )
+    dense = {}
+    for proj, raw in stacks.items():
+        e, rows, _, size = raw.shape
+        name = types[("gate", "up", "down").index(proj)]
+        dense[proj] = ref.dequantize(raw.cuda().reshape(e * rows, -1, size), name).view(e, rows, -1)
+    w13 = torch.cat([dense.pop("gate"), dense.pop("up")], dim=1)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for t in (1, 4, 64, 300):
+        x = torch.randn(t, 2048, device="cuda", generator=gen).bfloat16()
+        logits = torch.randn(t, 128, device="cuda", generator=gen)
+        with torch.inference_mode():
+            weights, ids = layer.select_experts(logits)
+            got = layer.quant_method.apply(layer, x, weights, ids).float()
+        want = kref.fused_moe(x, w13, dense["down"], weights, ids).float()
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < 2e-2, f"{seed} {types} T={t}: relative error {err:.3g}"
+
+
+def test_tiny_gguf_moe_through_the_engine_matches_the_dequantized_file(tmp_path):
+    """A Qwen3-MoE GGUF (Q4_K gate/up, Q6_K down experts) run with its experts kept (the
+    fused kernel, CUDA graphs) and dequantized at load: the same greedy tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from engine.layers.fused_moe import moe_layers
+    from engine.quantization.gguf_moe import GGUFMoEMethod
+    from engine.testing.tiny_gguf import MOE_TYPES, tiny_vocab, write_tiny_moe_gguf
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
+        moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=2, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # well separated logits (transformers' init makes them nearly flat)
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
+    types = {**MOE_TYPES, "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"}
+    path = write_tiny_moe_gguf(tmp_path / "moe.gguf", hf, types)
+    prompts = [{"prompt_token_ids": p} for p in ([2, 9, 11, 40, 3], [2, 100], list(range(10, 60)))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = []
+    for quantization in (None, "none"):
+        llm = LLM(
+            model=str(path), dtype="float32", quantization=quantization, num_gpu_blocks_override=256
+        )
+        methods = [m.quant_method for m in moe_layers(llm.llm_engine.runner.model)]
+        kept = [isinstance(m, GGUFMoEMethod) and m.integer for m in methods]
+        assert kept == [quantization is None] * 2
         tokens.append(
             [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         )

@@ -178,3 +178,97 @@ def test_integer_experts_are_served_by_triton_on_gpu_platforms():
                 prefix="model.layers.0.mlp.experts",
             )  # fmt: skip
         assert isinstance(layer.quant_method, WNA16MoEMethod)
+
+
+# GGUF experts (``engine.kernels.gguf.integer_planes``: float offsets instead of zero points,
+# the down projection in its own width): tokens, experts, top-k, hidden, intermediate, gate/up
+# type, down type, activation dtype, variants. K-quants need rows of 256 values.
+GGUF_CASES = {
+    "b1-q4k-q6k-bf16": (1, 8, 2, 256, 256, "Q4_K", "Q6_K", torch.bfloat16, ("decode", "grouped")),
+    "t5-q8_0-q4_0-fp16": (5, 4, 2, 64, 96, "Q8_0", "Q4_0", torch.float16, ("decode", "grouped")),
+    "t3-q5k-q4k-f32": (3, 4, 2, 256, 256, "Q5_K", "Q4_K", torch.float32, ("decode", "grouped")),
+    "t6-q4_1-q5_1-bf16": (6, 4, 1, 64, 64, "Q4_1", "Q5_1", torch.bfloat16, ("grouped",)),
+}  # fmt: skip
+
+
+def gguf_experts(e, n, k, name, seed):
+    """A stack of ``e`` random ``[n, k]`` GGUF matrices of type ``name`` as
+    ``fused_moe_wna16``'s (words, scales, offsets, bits), and their exact float32 weights."""
+    from engine.kernels import gguf
+    from engine.testing.tiny_gguf import random_blocks
+
+    t = gguf.gguf_type(name)
+    raw = torch.from_numpy(random_blocks(e * n, k, name, seed=seed).copy())
+    blocks = raw.view(e, n, k // t.block_size, t.type_size)
+    q, s, o = gguf.integer_planes(blocks, name)
+    exact = gguf.dequantize(blocks.reshape(e * n, -1, t.type_size), name).view(e, n, k)
+    return q, s, o, 4 if t.bits == 4 else 8, exact
+
+
+@pytest.mark.parametrize(
+    "case,variant", [(c, v) for c, spec in GGUF_CASES.items() for v in spec[-1]]
+)  # fmt: skip
+def test_gguf_experts_match_the_exact_weights(case, variant, device, seed):
+    """Offsets and a down projection of its own width: the kernels against the reference on
+    the same operands, and the reference against ``fused_moe`` on the GGUF blocks' exact
+    float32 weights (``gguf.quants``' dequantization, bit for bit)."""
+    from engine_triton.kernels.fused_moe import DecodeConfig, GroupedConfig, fused_moe_wna16
+
+    t, e, k, h, i, gate_up, down, dtype, _ = GGUF_CASES[case]
+    q13, s13, o13, bits, w13 = gguf_experts(e, 2 * i, h, gate_up, seed)
+    q2, s2, o2, bits2, w2 = gguf_experts(e, h, i, down, seed + 1)
+    x = torch.randn(t, h).to(dtype)
+    weights, ids = route(t, e, k)
+    args = (x, q13, q2, weights, ids, s13, s2, None, None, bits, None, None, o13, o2, bits2)
+    expected = ref.fused_moe_wna16(*args)
+    close(expected, ref.fused_moe(x, w13, w2, weights, ids), dtype, f"{seed} {case} exact")
+    out = fused_moe_wna16(
+        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args),
+        variant=variant,
+        decode_config=DecodeConfig(**DECODE),
+        config=GroupedConfig(**{**GROUPED, "block_k": 32}),
+    )
+    close(out, expected, dtype, f"{seed} {case} {variant}")
+
+
+def test_gguf_moe_layers_run_the_triton_kernel_on_gpu_platforms(device, seed):
+    """With engine-triton registered, a GGUF MoE layer on CUDA/ROCm takes the fused kernel
+    (``GGUFConfig.get_moe_method``: integer form), and the layer built on its kernels (a Q4_K_M
+    stack set: 4-bit gate/up, Q6_K down) equals the same layer on the torch reference."""
+    from types import SimpleNamespace
+
+    from engine.benchmarks.gguf_moe_cpu import build_gguf_moe_layer
+    from engine.kernels.registry import KernelRegistry
+    from engine.quantization.base import QuantizationSpec
+    from engine.quantization.gguf import GGUFConfig
+    from engine.quantization.gguf_moe import GGUFMoEMethod
+    from engine_triton.kernels import register
+
+    registry = KernelRegistry()
+    register(registry)
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    names = {f"m.experts.{p}_proj": t for p, t in zip(("gate", "up", "down"), types, strict=True)}
+    for platform in ("cuda", "rocm"):
+        config = GGUFConfig(names)
+        config.bind(QuantizationSpec(platform=platform, device_type="cuda"))
+        kernels = registry.resolve(platform)
+        method = config.get_moe_method(SimpleNamespace(kernels=kernels), "m.experts")
+        assert isinstance(method, GGUFMoEMethod) and method.integer
+    built = {}
+    for name, kernels in (
+        ("triton", registry.resolve("cuda")),
+        ("ref", KernelRegistry().resolve("cpu")),
+    ):
+        with torch.device(device if name == "triton" else "cpu"):
+            built[name], _ = build_gguf_moe_layer(
+                types, experts=4, hidden=256, inter=256, top_k=2, seed=seed % 1000,
+                kernels=kernels, integer=True, dtype=torch.bfloat16,
+            )  # fmt: skip
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    weights, ids = route(3, 4, 2)
+    with torch.inference_mode():
+        want = built["ref"].quant_method.apply(built["ref"], x, weights, ids)
+        got = built["triton"].quant_method.apply(
+            built["triton"], x.to(device), weights.to(device), ids.to(device)
+        )
+    close(got, want, torch.bfloat16, f"{seed}")

@@ -15,9 +15,9 @@ calls over rotating weight copies (how the engine runs them). It prints achieved
 the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the kernel module.
 
 ``python -m engine_triton.benchmark --moe-only [--moe-shapes S] [--moe-tokens 1,8,...]
-[--moe-fp8 block|channel] [--moe-wna16 w4-g128|w4-g128-zp|w8-g128]`` (FP8 experts through
-``fused_moe_fp8``, or 4/8-bit integer experts in groups through ``fused_moe_wna16``; both
-weight-only) times the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
+[--moe-fp8 block|channel] [--moe-wna16 w4-g128|w4-g128-zp|w8-g128|gguf-q4k-q6k|gguf-q4k]``
+(FP8 experts through ``fused_moe_fp8``, or 4/8-bit integer experts in groups through
+``fused_moe_wna16``, GGUF stacks included; all weight-only) times the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
 (128 experts, top-8, hidden 2048, 768 wide) and Mixtral-8x7B (8 experts, top-2, 4096, 14336)
 shapes, bf16, uniformly random routing, for each token count: both ways through the experts
 (decode GEMVs, grouped GEMMs) and a few launch configurations, each per call inside a CUDA
@@ -491,9 +491,9 @@ def _moe_run(x, copy, topk_weights, topk_ids, kw):
 
     if len(copy) == 2:
         return fm.fused_moe(x, *copy, topk_weights, topk_ids, **kw)
-    if len(copy) == 7:
-        w13, w2, s13, s2, z13, z2, bits = copy
-        return fm.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, z13, z2, bits, **kw)
+    if len(copy) >= 7:  # integer experts (GGUF ones: with permutations, offsets, down width)
+        w13, w2, s13, s2, *rest = copy
+        return fm.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, *rest, **kw)
     w13, w2, s13, s2, block = copy
     return fm.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block, **kw)
 
@@ -503,9 +503,9 @@ def _moe_reference(x, copy, topk_weights, topk_ids):
 
     if len(copy) == 2:
         return ref.fused_moe(x, *copy, topk_weights, topk_ids)
-    if len(copy) == 7:
-        w13, w2, s13, s2, z13, z2, bits = copy
-        return ref.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, z13, z2, bits)
+    if len(copy) >= 7:
+        w13, w2, s13, s2, *rest = copy
+        return ref.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, *rest)
     w13, w2, s13, s2, block = copy
     return ref.fused_moe_fp8(x, w13, w2, topk_weights, topk_ids, s13, s2, block)
 
@@ -518,13 +518,56 @@ MOE_FP8_SCHEMES = {"channel": None, "block": (128, 128)}
 # layout: float32 scales, uint8 zero points).
 MOE_WNA16_SCHEMES = {"w4-g128": (4, 128, True), "w4-g128-zp": (4, 128, False),
                      "w8-g128": (8, 128, True)}  # fmt: skip
+# GGUF experts as ``engine.quantization.gguf_moe`` runs them on a GPU (random blocks of the gate/up
+# and the down stacks' types, ``engine.kernels.gguf.integer_planes``: float offsets).
+MOE_GGUF_SCHEMES = {"gguf-q4k-q6k": ("Q4_K", "Q6_K"), "gguf-q4k": ("Q4_K", "Q4_K")}
+
+
+def _gguf_bytes(name: str) -> float:
+    """Bytes a call reads per weight of a GGUF type in ``integer_planes``' form: the value in
+    4 or 8 bits plus its group's float32 scale and offset."""
+    from engine.kernels import gguf
+
+    t = gguf.gguf_type(name)
+    return (4 if t.bits == 4 else 8) / 8 + 8 / t.group
 
 
 def _wna16_bytes_per_weight(scheme: str) -> float:
     """Bytes a call reads per integer expert weight: the packed value, plus its share of the
-    float32 scale and (asymmetric) uint8 zero point of its group."""
+    float32 scale and (asymmetric) uint8 zero point of its group (GGUF schemes: the float32
+    offset; the gate/up stacks hold two thirds of the weights)."""
+    if scheme in MOE_GGUF_SCHEMES:
+        gate_up, down = MOE_GGUF_SCHEMES[scheme]
+        return (2 * _gguf_bytes(gate_up) + _gguf_bytes(down)) / 3
     bits, group, sym = MOE_WNA16_SCHEMES[scheme]
     return bits / 8 + (4 + (0 if sym else 1)) / group
+
+
+def _wna16_bits(scheme: str) -> int:
+    """The gate/up width of an integer scheme (the dispatch rules read it)."""
+    if scheme in MOE_GGUF_SCHEMES:
+        from engine.kernels import gguf
+
+        return 4 if gguf.gguf_type(MOE_GGUF_SCHEMES[scheme][0]).bits == 4 else 8
+    return MOE_WNA16_SCHEMES[scheme][0]
+
+
+def _gguf_experts(e: int, h: int, i: int, scheme: str, device: str) -> tuple:
+    """Random GGUF stacks of ``scheme``'s types as ``fused_moe_wna16``'s operands."""
+    import torch
+
+    from engine.kernels import gguf
+    from engine.testing.tiny_gguf import random_blocks
+
+    planes = []
+    for name, rows, cols in zip(MOE_GGUF_SCHEMES[scheme], (2 * i, h), (h, i), strict=True):
+        t = gguf.gguf_type(name)
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        raw = torch.from_numpy(random_blocks(e * rows, cols, name, seed=seed))
+        blocks = raw.view(e, rows, cols // t.block_size, t.type_size).to(device)
+        planes.append((*gguf.integer_planes(blocks, name), 4 if t.bits == 4 else 8))
+    (q13, s13, o13, bits), (q2, s2, o2, bits2) = planes
+    return q13, q2, s13, s2, None, None, bits, None, None, o13, o2, bits2
 
 
 def _moe_experts(e, h, i, dtype, device, fp8: str | None, wna16: str | None = None) -> tuple:
@@ -534,6 +577,8 @@ def _moe_experts(e, h, i, dtype, device, fp8: str | None, wna16: str | None = No
 
     w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5
     w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5
+    if wna16 in MOE_GGUF_SCHEMES:
+        return _gguf_experts(e, h, i, wna16, device)
     if wna16:
         from engine.quantization.wna16_moe import quantize_wna16_experts
 
@@ -661,7 +706,7 @@ def sweep_moe(
             nbytes = distinct * expert_bytes + 2 * t * h * dtype.itemsize
             expected = _moe_reference(x, weights[0], routes[0][1], routes[0][0]).float()
             over = time.perf_counter() - t0 > budget_s
-            cands = _moe_candidates(t, k, e, MOE_WNA16_SCHEMES[wna16][0] if wna16 else 0)
+            cands = _moe_candidates(t, k, e, _wna16_bits(wna16) if wna16 else 0)
             cands = cands if candidates and not over else cands[:1]
             rows = []
             for index, (variant, cfg) in enumerate(cands):
@@ -863,9 +908,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--moe-wna16",
-        choices=sorted(MOE_WNA16_SCHEMES),
+        choices=sorted(MOE_WNA16_SCHEMES) + sorted(MOE_GGUF_SCHEMES),
         default=None,
-        help="time fused_moe_wna16 (4/8-bit integer experts in groups, weight-only)",
+        help="time fused_moe_wna16 (4/8-bit integer experts in groups, weight-only; gguf-*: "
+        "random GGUF stacks of those types, as a GPU runs a GGUF MoE file)",
     )
     parser.add_argument(
         "--moe-no-candidates", action="store_true", help="time only the rule's configuration"

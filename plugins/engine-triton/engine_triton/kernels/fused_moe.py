@@ -65,6 +65,11 @@ activations' sum: ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)``.
 
 One group per row is the group ``next_power_of_2(K)``: every step's group is 0.
 
+GGUF experts (``engine.quantization.gguf_moe`` on a GPU) come as the same words with float32
+offsets in the zero points' place (``OFFSETS``: ``W = q s + o``, folded in as ``s x.q + o
+sum(x)``), and their down projection may have its own width (a Q4_K_M file: 4-bit gate/up,
+Q6_K down held in bytes): ``WBITS`` and ``MAGIC`` are per launch.
+
 Ids of -1 (choices held by another expert-parallel rank) are skipped everywhere. Arithmetic is
 float32; the gate/up results are rounded to the activation dtype before SiLU-and-mul and each
 expert's down result before it is weighted, as the torch reference does; the grouped path also
@@ -297,6 +302,7 @@ def _int_gemv_step(
     x_row, p_row, w_rows, s_rows, z_rows, k0, K, one_bits,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WBITS: tl.constexpr,
     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_PERM: tl.constexpr,
+    OFFSETS: tl.constexpr = False,
 ):  # fmt: skip
     """One K step ``[k0, k0 + BLOCK_K)`` of an integer decode GEMV: ``sum (q - z) s x`` of the
     ``BLOCK_N`` packed rows at ``w_rows`` (their scale / zero-point rows at ``s_rows`` /
@@ -308,7 +314,8 @@ def _int_gemv_step(
     (``_unit_field``: a shift and an AND-OR) and one FMA accumulates it against the
     activations ``k = word * PACK + j`` (a strided gather of a vector L1 holds). Per word
     column, whose ``PACK`` features share one group: ``sum x (q - z) = 2**WBITS sum(x v) -
-    (2**WBITS + z) sum(x)``, then the scale."""
+    (2**WBITS + z) sum(x)``, then the scale. With ``OFFSETS`` the ``z_rows`` hold float
+    offsets ``o`` (``W = q s + o``): ``s (2**WBITS sum(x v) - 2**WBITS sum(x)) + o sum(x)``."""
     PACK: tl.constexpr = 32 // WBITS
     R: tl.constexpr = BLOCK_K // PACK
     ONE: tl.constexpr = 1 << WBITS
@@ -344,6 +351,8 @@ def _int_gemv_step(
             z = tl.load(z_rows[:, None] + group).to(tl.float32)
         else:
             z = tl.load(z_rows[:, None] + group, mask=w_ok[None, :], other=0).to(tl.float32)
+        if OFFSETS:
+            return s * (part * ONE - ONE * xs[None, :]) + z * xs[None, :]
         return s * (part * ONE - (z + ONE) * xs[None, :])
     return s * (part * ONE - (ONE + (1 << (WBITS - 1))) * xs[None, :])
 
@@ -353,6 +362,7 @@ def _int_dot_step(
     acc, x, w_cols, s_cols, z_cols, k0, K,
     EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, WBITS: tl.constexpr,
     HAS_ZP: tl.constexpr, MAGIC: tl.constexpr, PRECISION: tl.constexpr,
+    OFFSETS: tl.constexpr = False,
 ):  # fmt: skip
     """``acc`` plus one grouped K step: the activations ``x`` ``[BLOCK_M, BLOCK_K]`` (input
     features ``[k0, k0 + BLOCK_K)``, inside one group) times the packed rows ``w_cols``
@@ -366,7 +376,10 @@ def _int_dot_step(
     (MAGIC + z) sum x)``. Float32 activations (an FMA product, no tensor cores) multiply the
     dequantized float32 tile ``(q - z) s`` into ``acc`` instead, each feature loading its
     word (L1 serves the repeats): the unpack's reshape into the FMA operand's layout, and the
-    correction, spilled to local memory (sm_90 compile)."""
+    correction, spilled to local memory (sm_90 compile).
+
+    ``OFFSETS``: ``z_cols`` hold float offsets ``o`` (``W = q s + o``, GGUF's form), so the
+    step adds ``s (x . (MAGIC + q) - MAGIC sum x) + o sum x`` (float32: ``x . (q s + o)``)."""
     PACK: tl.constexpr = 32 // WBITS
     R: tl.constexpr = BLOCK_K // PACK
     kb = k0 // GROUP
@@ -382,6 +395,8 @@ def _int_dot_step(
         else:
             words = tl.load(w_cols[None, :] + (k // PACK)[:, None], mask=(k < K)[:, None], other=0)
         q = ((words >> ((k % PACK) * WBITS)[:, None]) & ((1 << WBITS) - 1)).to(tl.float32)
+        if OFFSETS:
+            return tl.dot(x, q * s[None, :] + z[None, :], acc, input_precision=PRECISION)
         return tl.dot(x, (q - z[None, :]) * s[None, :], acc, input_precision=PRECISION)
     words_at = k0 // PACK + tl.arange(0, R)
     if EVEN_K:
@@ -394,6 +409,8 @@ def _int_dot_step(
     w = _dot_operand(tl.reshape(q, (BLOCK_K, q.shape[2])), x, MAGIC)
     dq = tl.dot(x, w, input_precision=PRECISION)
     xsum = tl.sum(x.to(tl.float32), axis=1)
+    if OFFSETS:
+        return acc + s[None, :] * (dq - MAGIC * xsum[:, None]) + z[None, :] * xsum[:, None]
     return acc + s[None, :] * (dq - (z + MAGIC)[None, :] * xsum[:, None])
 
 
@@ -432,6 +449,7 @@ def _decode_gate_up_kernel(
     WBITS: tl.constexpr = 0,
     HAS_ZP: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
+    OFFSETS: tl.constexpr = False,
     z_ptr=None,
     p_ptr=None,
     one_bits=None,
@@ -467,11 +485,11 @@ def _decode_gate_up_kernel(
         for k0 in range(0, H, BLOCK_K):
             acc_g += _int_gemv_step(
                 x_row, p_row, gate_rows, g_scales, g_zeros, k0, H, one_bits,
-                BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM,
+                BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM, OFFSETS,
             )  # fmt: skip
             acc_u += _int_gemv_step(
                 x_row, p_row, up_rows, u_scales, u_zeros, k0, H, one_bits,
-                BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM,
+                BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM, OFFSETS,
             )  # fmt: skip
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
@@ -535,6 +553,7 @@ def _decode_down_kernel(
     WBITS: tl.constexpr = 0,
     HAS_ZP: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
+    OFFSETS: tl.constexpr = False,
     z_ptr=None,
     p_ptr=None,
     one_bits=None,
@@ -563,7 +582,7 @@ def _decode_down_kernel(
             for k0 in range(0, INTER, BLOCK_K):
                 acc += _int_gemv_step(
                     a_row, p_row, w_rows, scales, zeros, k0, INTER, one_bits,
-                    BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM,
+                    BLOCK_N, BLOCK_K, EVEN_K, WBITS, SCALE_BK, HAS_ZP, HAS_PERM, OFFSETS,
                 )  # fmt: skip
             y = tl.sum(acc, axis=1)
         else:
@@ -707,6 +726,7 @@ def _grouped_gate_up_kernel(
     HAS_ZP: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
     MAGIC: tl.constexpr = 0,
+    OFFSETS: tl.constexpr = False,
     z_ptr=None,
     p_ptr=None,
 ):
@@ -752,11 +772,11 @@ def _grouped_gate_up_kernel(
                 x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc_g = _int_dot_step(
                 acc_g, x, g_cols, g_scales, g_zeros, k0, H,
-                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION,
+                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION, OFFSETS,
             )  # fmt: skip
             acc_u = _int_dot_step(
                 acc_u, x, u_cols, u_scales, u_zeros, k0, H,
-                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION,
+                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION, OFFSETS,
             )  # fmt: skip
     else:
         for k0 in range(0, H, BLOCK_K):
@@ -822,6 +842,7 @@ def _grouped_down_kernel(
     HAS_ZP: tl.constexpr = False,
     HAS_PERM: tl.constexpr = False,
     MAGIC: tl.constexpr = 0,
+    OFFSETS: tl.constexpr = False,
     z_ptr=None,
     p_ptr=None,
 ):
@@ -860,7 +881,7 @@ def _grouped_down_kernel(
                 a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _int_dot_step(
                 acc, a, w_cols, scales, zeros, k0, INTER,
-                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION,
+                EVEN_K, BLOCK_K, SCALE_BK, WBITS, HAS_ZP, MAGIC, PRECISION, OFFSETS,
             )  # fmt: skip
     else:
         for k0 in range(0, INTER, BLOCK_K):
@@ -911,18 +932,22 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check(hidden, w13, w2, topk_weights, topk_ids, pack: int = 1) -> tuple[int, ...]:
+def _check(
+    hidden, w13, w2, topk_weights, topk_ids, pack: int = 1, pack2: int | None = None
+) -> tuple[int, ...]:
     """``(t, h, e, i, k)`` of a call, its shapes checked; ``pack`` values per element along
-    the weights' last dimension (integer experts: ``32 / bits`` per int32 word)."""
+    the weights' last dimension (integer experts: ``32 / bits`` per int32 word), ``pack2``
+    the down projection's where it differs."""
     t, h = hidden.shape
     e, two_i, h2 = w13.shape
     i = two_i // 2
     k = topk_ids.shape[1]
+    pack2 = pack if pack2 is None else pack2
     if (
         h2 * pack != h
         or two_i % 2
-        or i % pack
-        or tuple(w2.shape) != (e, h, i // pack)
+        or i % pack2
+        or tuple(w2.shape) != (e, h, i // pack2)
         or topk_weights.shape != topk_ids.shape
         or topk_ids.shape[0] != t
     ):
@@ -963,10 +988,12 @@ class IntegerExperts:
     """4/8-bit integer experts' scales, zero points and act-order permutations as the kernels
     read them (see ``engine.kernels.reference.fused_moe_wna16``): ``s13`` / ``s2`` the scales
     ``[E, N, groups]`` (the checkpoint's float dtype), ``z13`` / ``z2`` uint8 zero points of
-    the same shapes (None: symmetric), all contiguous; ``group13`` / ``group2`` the input
-    features per group (one group per row: a power of two at least K, so every K step is in
-    group 0); ``p13`` / ``p2`` int32 ``[E, K]`` act-order permutations or None; ``magic`` the
-    grouped GEMMs' ``_dot_operand`` offset for the activation dtype."""
+    the same shapes (None: symmetric), or float32 offsets with ``offsets``, all contiguous;
+    ``group13`` / ``group2`` the input features per group (one group per row: a power of two
+    at least K, so every K step is in group 0); ``p13`` / ``p2`` int32 ``[E, K]`` act-order
+    permutations or None; ``magic`` / ``magic2`` the grouped GEMMs' ``_dot_operand`` offset
+    for the activation dtype; ``bits`` the gate/up width (the dispatch rules read it),
+    ``bits2`` the down projection's."""
 
     bits: int
     s13: torch.Tensor
@@ -978,6 +1005,9 @@ class IntegerExperts:
     p13: torch.Tensor | None = None
     p2: torch.Tensor | None = None
     magic: int = 0
+    bits2: int = 0
+    magic2: int = 0
+    offsets: bool = False
 
     def args(self, which: str) -> tuple[torch.Tensor, int, int]:
         t = self.s13 if which == "w13" else self.s2
@@ -989,11 +1019,11 @@ class IntegerExperts:
         zeros, perm = (self.z13, self.p13) if w13 else (self.z2, self.p2)
         out = {
             "SCALE": 2, "SCALE_BN": 1, "SCALE_BK": self.group13 if w13 else self.group2,
-            "WBITS": self.bits, "HAS_ZP": zeros is not None, "HAS_PERM": perm is not None,
-            "z_ptr": zeros, "p_ptr": perm,
+            "WBITS": self.bits if w13 else self.bits2, "HAS_ZP": zeros is not None,
+            "HAS_PERM": perm is not None, "OFFSETS": self.offsets, "z_ptr": zeros, "p_ptr": perm,
         }  # fmt: skip
         if grouped:
-            out["MAGIC"] = self.magic
+            out["MAGIC"] = self.magic if w13 else self.magic2
         else:
             out["one_bits"] = ONE_BITS
         return out
@@ -1123,6 +1153,9 @@ def fused_moe_wna16(
     bits: int = 4,
     w13_perm: torch.Tensor | None = None,
     w2_perm: torch.Tensor | None = None,
+    w13_offsets: torch.Tensor | None = None,
+    w2_offsets: torch.Tensor | None = None,
+    w2_bits: int | None = None,
     *,
     variant: str | None = None,
     decode_config: DecodeConfig | None = None,
@@ -1136,13 +1169,27 @@ def fused_moe_wna16(
     are loaded (an eighth of bf16's bytes at 4 bits, what decode is bound by) and unpacked in
     registers; the decode GEMVs default to ``WNA16_DECODE[bits]``. Groups must hold a multiple of
     16 input features (the grouped GEMMs' K step; checkpoints use 32, 64, 128) unless there is
-    one per row. Scales are read in their own dtype (float32 or float16), never copied."""
-    if bits not in (4, 8):
-        raise ValueError(f"fused_moe_wna16 takes 4- or 8-bit experts, got {bits}")
+    one per row. Scales are read in their own dtype (float32 or float16), never copied.
+
+    Float offsets (``w13_offsets`` / ``w2_offsets``, GGUF's ``W = q s + o``) take the zero
+    points' place in the kernels (an ``OFFSETS`` switch: ``s x.q + o sum(x)``), and the down
+    projection may have its own width (``w2_bits``): a constexpr per launch, so each
+    projection's kernel compiles for its own."""
+    bits2 = bits if w2_bits is None else w2_bits
+    if bits not in (4, 8) or bits2 not in (4, 8):
+        raise ValueError(f"fused_moe_wna16 takes 4- or 8-bit experts, got {bits}/{bits2}")
     if w13.dtype != torch.int32 or w2.dtype != torch.int32:
         raise ValueError(f"fused_moe_wna16 takes int32-packed experts, got {w13.dtype}/{w2.dtype}")
-    dims = _check(hidden, w13, w2, topk_weights, topk_ids, 32 // bits)
+    dims = _check(hidden, w13, w2, topk_weights, topk_ids, 32 // bits, 32 // bits2)
     _, h, e, i, _ = dims
+    offsets = w13_offsets is not None
+    if offsets != (w2_offsets is not None) or (offsets and w13_zeros is not None):
+        raise ValueError(
+            "fused_moe_wna16: offsets for both projections or neither, and never with zero "
+            "points"
+        )
+    if offsets:
+        w13_zeros, w2_zeros = w13_offsets, w2_offsets
     pairs = ((w13_zeros, w13_scales), (w2_zeros, w2_scales))
     if (
         w13_scales.dim() != 3
@@ -1187,7 +1234,7 @@ def fused_moe_wna16(
     scales = IntegerExperts(
         bits, w13_scales.contiguous(), w2_scales.contiguous(), contiguous(w13_zeros),
         contiguous(w2_zeros), groups[0], groups[1], perms[0], perms[1],
-        _magic(hidden.dtype, bits),
+        _magic(hidden.dtype, bits), bits2, _magic(hidden.dtype, bits2), offsets,
     )  # fmt: skip
     return _fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config

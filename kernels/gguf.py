@@ -64,6 +64,12 @@ class GGUFType:
     bits: int  # bits per value
     group: int  # values per (scale, offset) group
 
+    @property
+    def symmetric(self) -> bool:
+        """Whether every offset is ``-2**(bits-1)`` times its scale (the table above: Q4_0,
+        Q5_0, Q8_0, Q6_K), so the weights are ``(values - 2**(bits-1)) * scale``."""
+        return self.name in ("Q4_0", "Q5_0", "Q8_0", "Q6_K")
+
 
 # The GGML type numbers are part of the file format (ggml.h); gguf.GGMLQuantizationType agrees.
 GGUF_TYPES: dict[int, GGUFType] = {
@@ -187,13 +193,23 @@ def dequantize_planes(
 
 
 def integer_planes(
-    blocks: torch.Tensor, qtype: int | str, bits: int | None = None, group: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    blocks: torch.Tensor,
+    qtype: int | str,
+    bits: int | None = None,
+    group: int | None = None,
+    offsets: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Raw blocks ``[..., N, K / block_size, type_size]`` (a stack of experts too) ->
-    ``fused_moe_wna16``'s operands with offsets: ``(qweight int32 [..., N, K * bits / 32],
-    scale float32 [..., N, K / group], offset float32 [..., N, K / group])``, the values packed
-    ``32 / bits`` to a word along K, lowest bits first, so that ``W = scale * q + offset``
-    exactly as ``unpack`` gives it.
+    ``fused_moe_wna16``'s operands: ``(qweight int32 [..., N, K * bits / 32], scale float32
+    [..., N, K / group], offset float32 [..., N, K / group] or None)``, the values packed
+    ``32 / bits`` to a word along K, lowest bits first.
+
+    With offsets the weights are ``scale * q + offset``, exactly as ``unpack`` gives them. The
+    symmetric types (``GGUFType.symmetric``) need none by default: their values are moved up
+    by ``2**(bits-1) - 2**(type bits-1)`` so that the weights are ``(q - 2**(bits-1)) *
+    scale``, the kernels' symmetric form (also exact: at most 24 significant bits), which
+    saves the offsets' 4 bytes a group. ``offsets=True`` keeps them anyway (a gate and an up
+    stack of one product must share one form).
 
     ``bits`` defaults to 4 for the 4-bit types and 8 for the rest (5-, 6- and 8-bit values in
     bytes); ``group`` to the type's. A wider ``bits`` or a smaller ``group`` (one dividing the
@@ -204,13 +220,16 @@ def integer_planes(
     t = gguf_type(qtype)
     bits = bits or (4 if t.bits == 4 else 8)
     group = group or t.group
-    if bits not in (4, 8) or bits < t.bits or t.group % group:
+    offsets = not t.symmetric if offsets is None else offsets
+    if bits not in (4, 8) or bits < t.bits or t.group % group or not (offsets or t.symmetric):
         raise ValueError(
             f"{t.name} ({t.bits}-bit values in groups of {t.group}) cannot be held as {bits}-bit "
-            f"words in groups of {group}"
+            f"words in groups of {group}" + ("" if offsets else " without offsets")
         )
     lead, (n, nb, size) = blocks.shape[:-3], blocks.shape[-3:]
     values, scale, offset = unpack(blocks.reshape(-1, nb, size), qtype)
+    if not offsets:
+        values = values + ((1 << (bits - 1)) - (1 << (t.bits - 1)))
     if group != t.group:
         scale = scale.repeat_interleave(t.group // group, dim=-1)
         offset = offset.repeat_interleave(t.group // group, dim=-1)
@@ -218,7 +237,7 @@ def integer_planes(
     return (
         pack_int32(values, bits, dim=1).reshape(*lead, n, k * bits // 32),
         scale.reshape(*lead, n, -1),
-        offset.reshape(*lead, n, -1),
+        offset.reshape(*lead, n, -1) if offsets else None,
     )
 
 

@@ -340,8 +340,8 @@ def fused_moe_wna16(
     of expert ``e`` is the activations' feature ``perm[e, k]`` (the product reads
     ``x[..., perm[e]]``, as ``wna16_linear``'s ``perm``).
 
-    ``w13_offsets`` / ``w2_offsets`` (float32, the scales' shapes; both or neither, never with
-    zero points): the weights are ``q * s + o`` instead, the form of GGUF's blocks
+    ``w13_offsets`` / ``w2_offsets`` (float32, the scales' shapes; each optional, never with
+    zero points): that projection's weights are ``q * s + o`` instead, the form of GGUF's blocks
     (``engine.quantization.gguf_moe`` converts Q4_0 ... Q6_K stacks to it). ``w2_bits``: the
     down projection's bit width where it differs from ``bits`` (a Q4_K_M file's Q4_K gate/up
     and Q6_K down stacks: 4 and 8).

@@ -357,17 +357,18 @@ def test_gguf_experts_off_the_cpu_take_the_fused_kernel_or_are_dequantized(caplo
 
 
 @pytest.mark.parametrize(
-    "types,bits,groups",
+    "types,bits,groups,offsets",
     [
-        (("Q4_K", "Q4_K", "Q6_K"), (4, 8), (32, 16)),  # Q4_K_M's experts
-        (("Q8_0", "Q4_0", "Q5_0"), (8, 8), (32, 32)),  # gate and up widened to one form
-        (("Q6_K", "Q4_K", "Q4_0"), (8, 4), (16, 32)),  # up's groups split to gate's 16
+        (("Q4_K", "Q4_K", "Q6_K"), (4, 8), (32, 16), (True, False)),  # Q4_K_M's experts
+        (("Q8_0", "Q4_0", "Q5_0"), (8, 8), (32, 32), (False, False)),  # gate, up: one form
+        (("Q6_K", "Q4_K", "Q4_1"), (8, 4), (16, 32), (True, True)),  # up's groups split to 16
     ],
 )
-def test_the_gpu_form_is_the_blocks_exact_weights(types, bits, groups):
-    """``integer=True`` (the GPU's form: ``fused_moe_wna16`` operands with float offsets) run
-    through the torch reference gives bit for bit ``fused_moe`` on the stacks' exact float32
-    weights (``gguf.quants``' dequantization), in the bytes the module docstring states."""
+def test_the_gpu_form_is_the_blocks_exact_weights(types, bits, groups, offsets):
+    """``integer=True`` (the GPU's form: ``fused_moe_wna16`` operands, float offsets for the
+    types with a minimum, the symmetric ones shifted) run through the torch reference gives
+    bit for bit ``fused_moe`` on the stacks' exact float32 weights (``gguf.quants``'
+    dequantization), in the bytes the module docstring states."""
     from engine.kernels import reference as ref
 
     hidden = 256  # K-quants: 256-value super-blocks
@@ -377,7 +378,8 @@ def test_the_gpu_form_is_the_blocks_exact_weights(types, bits, groups):
     assert method.bits == bits
     assert layer.w13_scales.shape == (6, 512, hidden // groups[0])
     assert layer.w2_scales.shape == (6, hidden, 256 // groups[1])
-    assert layer.w13_offsets.dtype == layer.w2_scales.dtype == torch.float32
+    assert layer.w13_scales.dtype == layer.w2_scales.dtype == torch.float32
+    assert (hasattr(layer, "w13_offsets"), hasattr(layer, "w2_offsets")) == offsets
     dense = {}
     for proj, raw in stacks.items():
         e, rows, _, size = raw.shape
@@ -395,8 +397,9 @@ def test_the_gpu_form_is_the_blocks_exact_weights(types, bits, groups):
     words = {4: 0.5, 8: 1.0}
     held = sum(p.numel() * p.element_size() for p in layer.parameters())
     weights_13, weights_2 = 6 * 512 * hidden, 6 * hidden * 256
-    want = weights_13 * (words[bits[0]] + 8 / groups[0]) + weights_2 * (
-        words[bits[1]] + 8 / groups[1]
+    group_bytes = [4 + 4 * o for o in offsets]  # the scale, and the offset where kept
+    want = weights_13 * (words[bits[0]] + group_bytes[0] / groups[0]) + weights_2 * (
+        words[bits[1]] + group_bytes[1] / groups[1]
     )
     assert held == want
 

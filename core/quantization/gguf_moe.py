@@ -26,13 +26,15 @@ of Qwen3-30B-A3B take 61 GB in bf16 against 17 GB in the file; this method keeps
   points. The host loop syncs once per layer and step, which a CPU runs anyway.
 * **Compute on a GPU** (``integer=True``): a host loop would break the decode steps' CUDA
   graphs, so the stacks are converted after loading to the operands of ``fused_moe_wna16``
-  with float offsets (``engine.kernels.gguf.integer_planes``: values packed 8 or 4 to an int32
-  word, a float32 scale and offset per group, ``W = scale * q + offset`` exactly as the
-  blocks say) and run through the platform's fused expert kernels (engine-triton's: no host
-  sync, graph-captured). 4-bit types stay 4-bit; 5-, 6- and 8-bit types take a byte per value;
-  a gate and an up stack of different types share the wider form. That is 6 bits a weight for
-  Q4_0/Q4_K (4.5 in the file), 10 for Q5_K/Q8_0 and 12 for Q6_K (groups of 16), against 16 in
-  bf16. ``GGUFConfig`` picks this where the platform's ``fused_moe_wna16`` is a plugin's
+  (``engine.kernels.gguf.integer_planes``: values packed 8 or 4 to an int32 word, a float32
+  scale per group and, for the types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K), a float32
+  offset: ``W = scale * q + offset``; the symmetric types' values are shifted to the kernels'
+  symmetric form instead; both exactly the blocks' weights) and run through the platform's
+  fused expert kernels (engine-triton's: no host sync, graph-captured). 4-bit types stay
+  4-bit; 5-, 6- and 8-bit types take a byte per value; a gate and an up stack of different
+  types share the wider form (with offsets if either needs them). That is 5 bits a weight for
+  Q4_0, 6 for Q4_K (4.5 in the file), 9 for Q8_0 and Q5_0, 10 for Q5_K and Q6_K (groups of
+  16), against 16 in bf16. ``GGUFConfig`` picks this where the platform's ``fused_moe_wna16`` is a plugin's
   kernel, and dequantizes the stacks at load (said in the log) where it is the torch reference.
 
 Stacks in a type ``gguf_linear`` does not multiply (F16, BF16, Q2_K, IQ*, ...) keep the layer
@@ -227,9 +229,13 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         bits13 = 4 if gate.bits == up.bits == 4 else 8
         group13 = min(gate.group, up.group)
         bits2 = 4 if down.bits == 4 else 8
+        offsets13 = not (gate.symmetric and up.symmetric)  # one form for the joined product
         parts = {
-            "w13": [("gate", gate, bits13, group13), ("up", up, bits13, group13)],
-            "w2": [("down", down, bits2, down.group)],
+            "w13": [
+                ("gate", gate, bits13, group13, offsets13),
+                ("up", up, bits13, group13, offsets13),
+            ],
+            "w2": [("down", down, bits2, down.group, None)],
         }
         for prefix, stacks in parts.items():
             held = [blocks.pop(proj) for proj, *_ in stacks]  # freed once converted
@@ -239,15 +245,21 @@ class GGUFMoEMethod(FusedMoEMethodBase):
             slices = []
             for lo in range(0, e, step):
                 planes = [
-                    integer_planes(b[lo : lo + step], t.ggml_type, n, g)
-                    for b, (_, t, n, g) in zip(held, stacks, strict=True)
+                    integer_planes(b[lo : lo + step], t.ggml_type, n, g, o)
+                    for b, (_, t, n, g, o) in zip(held, stacks, strict=True)
                 ]
-                slices.append([torch.cat(p, dim=1) for p in zip(*planes, strict=True)])
+                slices.append(
+                    [
+                        None if p[0] is None else torch.cat(p, dim=1)
+                        for p in zip(*planes, strict=True)
+                    ]
+                )
             del held
             for key, tensors in zip(
                 ("qweight", "scales", "offsets"), zip(*slices, strict=True), strict=True
             ):
-                replace_param(layer, f"{prefix}_{key}", torch.cat(tensors))
+                if tensors[0] is not None:  # no offsets: symmetric types
+                    replace_param(layer, f"{prefix}_{key}", torch.cat(tensors))
         self.bits = (bits13, bits2)
 
     def _packed(self, layer: FusedMoE, prefix: str, expert: int) -> dict[str, torch.Tensor]:
@@ -270,7 +282,8 @@ class GGUFMoEMethod(FusedMoEMethodBase):
             return layer.kernels.fused_moe_wna16(
                 hidden, layer.w13_qweight, layer.w2_qweight, topk_weights, topk_ids,
                 layer.w13_scales, layer.w2_scales, None, None, self.bits[0], None, None,
-                layer.w13_offsets, layer.w2_offsets, self.bits[1],
+                getattr(layer, "w13_offsets", None), getattr(layer, "w2_offsets", None),
+                self.bits[1],
             )  # fmt: skip
         op = layer.kernels.gguf_linear
         silu_and_mul = layer.kernels.silu_and_mul

@@ -180,14 +180,15 @@ def test_integer_experts_are_served_by_triton_on_gpu_platforms():
         assert isinstance(layer.quant_method, WNA16MoEMethod)
 
 
-# GGUF experts (``engine.kernels.gguf.integer_planes``: float offsets instead of zero points,
-# the down projection in its own width): tokens, experts, top-k, hidden, intermediate, gate/up
+# GGUF experts (``engine.kernels.gguf.integer_planes``: float offsets instead of zero points
+# for the types with a minimum, the symmetric ones shifted to the symmetric form; the down
+# projection in its own width): tokens, experts, top-k, hidden, intermediate, gate/up
 # type, down type, activation dtype, variants. K-quants need rows of 256 values.
 GGUF_CASES = {
     "b1-q4k-q6k-bf16": (1, 8, 2, 256, 256, "Q4_K", "Q6_K", torch.bfloat16, ("decode", "grouped")),
     "t5-q8_0-q4_0-fp16": (5, 4, 2, 64, 96, "Q8_0", "Q4_0", torch.float16, ("decode", "grouped")),
     "t3-q5k-q4k-f32": (3, 4, 2, 256, 256, "Q5_K", "Q4_K", torch.float32, ("decode", "grouped")),
-    "t6-q4_1-q5_1-bf16": (6, 4, 1, 64, 64, "Q4_1", "Q5_1", torch.bfloat16, ("grouped",)),
+    "t6-q5_0-q4_1-bf16": (6, 4, 1, 64, 64, "Q5_0", "Q4_1", torch.bfloat16, ("grouped",)),
 }  # fmt: skip
 
 

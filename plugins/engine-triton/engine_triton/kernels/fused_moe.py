@@ -988,7 +988,8 @@ class IntegerExperts:
     """4/8-bit integer experts' scales, zero points and act-order permutations as the kernels
     read them (see ``engine.kernels.reference.fused_moe_wna16``): ``s13`` / ``s2`` the scales
     ``[E, N, groups]`` (the checkpoint's float dtype), ``z13`` / ``z2`` uint8 zero points of
-    the same shapes (None: symmetric), or float32 offsets with ``offsets``, all contiguous;
+    the same shapes (None: symmetric), or float32 offsets where ``offsets13`` / ``offsets2``,
+    all contiguous;
     ``group13`` / ``group2`` the input features per group (one group per row: a power of two
     at least K, so every K step is in group 0); ``p13`` / ``p2`` int32 ``[E, K]`` act-order
     permutations or None; ``magic`` / ``magic2`` the grouped GEMMs' ``_dot_operand`` offset
@@ -1007,7 +1008,8 @@ class IntegerExperts:
     magic: int = 0
     bits2: int = 0
     magic2: int = 0
-    offsets: bool = False
+    offsets13: bool = False
+    offsets2: bool = False
 
     def args(self, which: str) -> tuple[torch.Tensor, int, int]:
         t = self.s13 if which == "w13" else self.s2
@@ -1020,7 +1022,8 @@ class IntegerExperts:
         out = {
             "SCALE": 2, "SCALE_BN": 1, "SCALE_BK": self.group13 if w13 else self.group2,
             "WBITS": self.bits if w13 else self.bits2, "HAS_ZP": zeros is not None,
-            "HAS_PERM": perm is not None, "OFFSETS": self.offsets, "z_ptr": zeros, "p_ptr": perm,
+            "HAS_PERM": perm is not None, "OFFSETS": self.offsets13 if w13 else self.offsets2,
+            "z_ptr": zeros, "p_ptr": perm,
         }  # fmt: skip
         if grouped:
             out["MAGIC"] = self.magic if w13 else self.magic2
@@ -1171,8 +1174,9 @@ def fused_moe_wna16(
     16 input features (the grouped GEMMs' K step; checkpoints use 32, 64, 128) unless there is
     one per row. Scales are read in their own dtype (float32 or float16), never copied.
 
-    Float offsets (``w13_offsets`` / ``w2_offsets``, GGUF's ``W = q s + o``) take the zero
-    points' place in the kernels (an ``OFFSETS`` switch: ``s x.q + o sum(x)``), and the down
+    Float offsets (``w13_offsets`` / ``w2_offsets``, each optional: GGUF's ``W = q s + o``)
+    take the zero points' place in the kernels (an ``OFFSETS`` switch: ``s x.q + o sum(x)``;
+    a projection without them is symmetric), and the down
     projection may have its own width (``w2_bits``): a constexpr per launch, so each
     projection's kernel compiles for its own."""
     bits2 = bits if w2_bits is None else w2_bits
@@ -1182,15 +1186,13 @@ def fused_moe_wna16(
         raise ValueError(f"fused_moe_wna16 takes int32-packed experts, got {w13.dtype}/{w2.dtype}")
     dims = _check(hidden, w13, w2, topk_weights, topk_ids, 32 // bits, 32 // bits2)
     _, h, e, i, _ = dims
-    offsets = w13_offsets is not None
-    if offsets != (w2_offsets is not None) or (offsets and w13_zeros is not None):
-        raise ValueError(
-            "fused_moe_wna16: offsets for both projections or neither, and never with zero "
-            "points"
-        )
-    if offsets:
-        w13_zeros, w2_zeros = w13_offsets, w2_offsets
-    pairs = ((w13_zeros, w13_scales), (w2_zeros, w2_scales))
+    offsets = (w13_offsets is not None, w2_offsets is not None)
+    if any(offsets) and (w13_zeros is not None or w2_zeros is not None):
+        raise ValueError("fused_moe_wna16: offsets take the zero points' place, never both")
+    zeros = (w13_zeros, w2_zeros)  # the zero points' or the offsets' pointers
+    if any(offsets):
+        zeros = (w13_offsets, w2_offsets)
+    pairs = ((zeros[0], w13_scales), (zeros[1], w2_scales))
     if (
         w13_scales.dim() != 3
         or w2_scales.dim() != 3
@@ -1198,7 +1200,7 @@ def fused_moe_wna16(
         or tuple(w2_scales.shape[:2]) != (e, h)
         or h % w13_scales.shape[2]
         or i % w2_scales.shape[2]
-        or (w13_zeros is None) != (w2_zeros is None)
+        or (not any(offsets) and (w13_zeros is None) != (w2_zeros is None))
         or any(z is not None and z.shape != s.shape for z, s in pairs)
     ):
         raise ValueError(
@@ -1232,9 +1234,9 @@ def fused_moe_wna16(
         return None if t is None else t.contiguous()
 
     scales = IntegerExperts(
-        bits, w13_scales.contiguous(), w2_scales.contiguous(), contiguous(w13_zeros),
-        contiguous(w2_zeros), groups[0], groups[1], perms[0], perms[1],
-        _magic(hidden.dtype, bits), bits2, _magic(hidden.dtype, bits2), offsets,
+        bits, w13_scales.contiguous(), w2_scales.contiguous(), contiguous(zeros[0]),
+        contiguous(zeros[1]), groups[0], groups[1], perms[0], perms[1],
+        _magic(hidden.dtype, bits), bits2, _magic(hidden.dtype, bits2), *offsets,
     )  # fmt: skip
     return _fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config

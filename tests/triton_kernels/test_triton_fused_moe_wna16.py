@@ -140,6 +140,11 @@ def test_fused_moe_wna16_rejects_what_it_cannot_run(device):
     perm = torch.arange(i, device=device, dtype=torch.int32).repeat(e, 1)  # w2's, not w13's
     with pytest.raises(ValueError, match=r"w13 permutation \(4, 32\) does not fit \(4, 64\)"):
         fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, z2, 4, perm, perm)
+    o13, o2 = s13.float(), s2.float()
+    with pytest.raises(ValueError, match="offsets take the zero points' place"):
+        fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, z13, z2, 4, None, None, o13, o2)
+    with pytest.raises(ValueError, match="scales do not fit"):  # offsets in the scales' shape
+        fused_moe_wna16(x, q13, q2, weights, ids, s13, s2, None, None, 4, None, None, o13[:, :i])
     s13_8, s2_8 = s13.repeat_interleave(4, -1), s2.repeat_interleave(4, -1)  # groups of 8
     with pytest.raises(ValueError, match="groups of 8 input features need a multiple of 16"):
         fused_moe_wna16(x, q13, q2, weights, ids, s13_8, s2_8)

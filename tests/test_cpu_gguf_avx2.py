@@ -328,3 +328,45 @@ def test_a_failed_build_is_a_warning_with_the_compiler_output(tmp_path, monkeypa
     assert not list(tmp_path.iterdir())  # no half-written library left behind
     packed = cpu_gguf.gguf_linear.prepack(gguf_blocks(16, 256, "Q5_0", seed=17), qtype=6)
     assert "avx2_values" not in packed
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_untied_embedding_and_head_each_stay_quantized_in_their_own_type(tmp_path, dtype):
+    """A Llama-style file with an untied Q4_K embedding and Q6_K head (as Q4_K_M files ship):
+    each keeps its blocks in the AVX2 layout (its own ``GGUFVocabMethod``, no dense matrix),
+    the lookups are the dequantized rows exactly, the logits within the int8 activations'
+    error of the model dequantized at load, in fewer bytes."""
+    from quant_helpers import build, compare, prefill_logits
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.testing.tiny_gguf import tiny_vocab, write_tiny_llama_gguf
+
+    cfg = LlamaConfig(
+        vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    types = {**MIXED_TYPES, "token_embd": "Q4_K", "output": "Q6_K"}
+    path = write_tiny_llama_gguf(tmp_path / "llama.gguf", LlamaForCausalLM(cfg).eval(), types)
+    model, _ = build(path, dtype=dtype)
+    emb, head = model.model.embed_tokens, model.lm_head
+    assert emb.vocab_method is not None and head.vocab_method is not None
+    assert emb.vocab_method is not head.vocab_method
+    assert (emb.vocab_method.type.name, head.vocab_method.type.name) == ("Q4_K", "Q6_K")
+    assert emb.weight.numel() == head.weight.numel() == 0
+    ref, _ = build(path, quantization="none", dtype=dtype)
+    ids = torch.tensor([2, 9, 40, 300])
+    with torch.inference_mode():
+        assert torch.equal(emb(ids), ref.model.embed_tokens(ids))
+    want = prefill_logits(ref)
+    compare(prefill_logits(model), want, 0.05 * float(want.abs().max()))
+
+    def vocab_bytes(m: torch.nn.Module) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for mod in (m.model.embed_tokens, m.lm_head)
+            for t in mod.parameters()
+        )
+
+    assert vocab_bytes(model) < 0.75 * vocab_bytes(ref)

@@ -25,9 +25,11 @@ at the dense kernels' speed, at the cost of their memory (for Gemma 3 270M, the 
 embedding is 178 MB in the file and 335 MB in bf16). docs/quantization.md has the figures.
 The exception: where the platform's ``gguf_linear`` says it keeps a vocabulary matrix of that
 type and dtype quantized (an optional ``keeps_vocabulary(qtype, dtype)``; the CPU plugin's does
-for Q8_0 in bf16), a tied embedding and LM head on one process keep the file's blocks instead
-(``GGUFVocabMethod``: ``prepack(..., vocabulary=True)``, lookups through the kernel's
-``embedding``, the head through its product). No other platform changes.
+for every kept type where its AVX2 or AMX kernels run, else for Q8_0 in bf16), a vocabulary
+matrix on one process keeps the file's blocks instead (``GGUFVocabMethod``: ``prepack(...,
+vocabulary=True)``, lookups through the kernel's ``embedding``, the head through its
+product): a tied embedding and LM head as one matrix, an untied embedding and head each in its
+own type. No other platform changes.
 
 A MoE layer's expert stacks stay quantized too (``engine.quantization.gguf_moe``, chosen by
 ``get_moe_method``): on the CPU as ``gguf_linear`` packings, on a GPU converted for the
@@ -182,9 +184,10 @@ class GGUFLinearMethod(LinearMethod):
 
 
 class GGUFVocabMethod:
-    """A tied embedding and LM head whose GGUF blocks stay quantized (see the module docstring).
+    """A vocabulary matrix whose GGUF blocks stay quantized (see the module docstring): a tied
+    embedding and LM head, or an untied embedding or head alone.
 
-    Owned by the embedding (``module``); the tied head holds the same object. The loader yields
+    Owned by the embedding or the untied head (``module``); a tied head holds its embedding's. The loader yields
     the raw blocks as ``<embedding>.qweight``; ``weight`` keeps no data (its dtype and device
     still say the model's)."""
 
@@ -345,9 +348,11 @@ class GGUFConfig(QuantizationConfig):
         return None
 
     def keep_vocabulary(self, model: torch.nn.Module, kernels: Any, dtype: torch.dtype) -> int:
-        """Before loading: give each tied embedding / LM head pair a ``GGUFVocabMethod`` where
-        the bound ``gguf_linear`` keeps its type quantized in ``dtype`` (one process only: no
-        tensor or pipeline split), so that the loader yields its raw blocks. Returns how many."""
+        """Before loading: give each vocabulary matrix a ``GGUFVocabMethod`` where the bound
+        ``gguf_linear`` keeps its type quantized in ``dtype`` (one process only: no tensor or
+        pipeline split), so that the loader yields its raw blocks: a tied embedding and LM
+        head share one; an untied embedding and an untied head each get their own (their
+        types differ: a Q4_K_M file has a Q4_K embedding and a Q6_K head). Returns how many."""
         from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
         op = getattr(kernels, "gguf_linear", None)
@@ -356,24 +361,29 @@ class GGUFConfig(QuantizationConfig):
             return 0
         modules = dict(model.named_modules())
         heads = [m for m in modules.values() if isinstance(m, ParallelLMHead)]
+        embeddings = [m for m in modules.values() if isinstance(m, VocabParallelEmbedding)]
         count = 0
         for name, module in modules.items():
-            if not isinstance(module, VocabParallelEmbedding) or module.parallel.world_size > 1:
+            if isinstance(module, VocabParallelEmbedding):
+                tied = [h for h in heads if h.weight is module.weight]
+                what = "embedding and tied LM head" if tied else "embedding"
+            elif isinstance(module, ParallelLMHead):
+                if any(module.weight is e.weight for e in embeddings):
+                    continue  # tied: its embedding decides
+                tied, what = [], "LM head"
+            else:
+                continue
+            if module.parallel.world_size > 1:
                 continue
             t = GGUF_TYPE_NAMES.get(self.tensor_types.get(name, ""))
-            tied = [h for h in heads if h.weight is module.weight]
-            if t is None or not tied or not keeps(t.ggml_type, dtype):
+            if t is None or not keeps(t.ggml_type, dtype):
                 continue
             method = GGUFVocabMethod(module, t, op, dtype)
             module.vocab_method = method
             for head in tied:
                 head.vocab_method = method
             self.kept_modules.add(name)
-            logger.info(
-                "%s: the %s vocabulary matrix (embedding and tied LM head) stays quantized",
-                name,
-                t.name,
-            )
+            logger.info("%s: the %s vocabulary matrix (%s) stays quantized", name, t.name, what)
             count += 1
         return count
 

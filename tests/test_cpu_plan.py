@@ -177,3 +177,67 @@ def test_a_kernel_without_a_twin_refuses_the_recording():
     finally:
         native.Kernel.recorder = None
     assert recorder.refused == ["gguf_avx2_quantize_rows"] and not recorder.calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_moe_decode_steps_run_as_plans_with_the_eager_tokens(tmp_path, dtype):
+    """A Qwen3-MoE GGUF (experts kept quantized, untied Q8_0 embedding and head kept too):
+    the router's product, the top-k softmax and the routed experts are compiled kernels
+    (``engine_cpu.routing``, ``gguf_avx2_moe``), so its decode steps record and replay with
+    the eager tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.testing.tiny_gguf import MOE_TYPES, tiny_vocab, write_tiny_moe_gguf
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=2, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # decisive routing: plans and eager steps sum in other orders
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(
+                    0.0, (6.0 if name.endswith("mlp.gate.weight") else 1.5) / p.shape[-1] ** 0.5
+                )
+    types = {**MOE_TYPES, "attn_v": "Q8_0", "output": "Q8_0"}  # every dense layer kept
+    path = write_tiny_moe_gguf(tmp_path / "moe.gguf", hf, types)
+    _, want = generate(path, dtype=dtype, enforce_eager=True)
+    llm, got = generate(path, dtype=dtype)
+    assert got == want
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs._refused is None and {1, 2, 3} <= set(graphs._plans), graphs._refused
+    assert llm.llm_engine.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_routing_is_the_reference(dtype):
+    """``engine_cpu.routing``: the router's product within float32 summation order of
+    ``F.linear``; the top-k softmax with the reference's experts, in its order, and its
+    weights to float32 rounding, with and without renormalisation; ties go to the lower expert
+    index (as the reference says; ``torch.topk`` itself does not promise an order for them)."""
+    from engine_cpu import routing
+
+    gen = torch.Generator().manual_seed(0)
+    for t, k, n in ((1, 2048, 128), (7, 64, 8), (64, 256, 60)):
+        x = torch.randn(t, k, generator=gen).to(dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+        got = routing.linear(x, w)
+        want = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        for top_k, renorm in ((2, True), (8 if n >= 8 else n, False)):
+            # Distinct logits (exact in bf16): where two tie, torch.topk's order is its own.
+            logits = torch.stack([torch.randperm(n, generator=gen) for _ in range(t)])
+            logits = (logits.float() * 0.25 - n / 8).to(dtype)
+            weights, ids = routing.moe_topk_softmax(logits, top_k, renorm)
+            ref_w, ref_ids = reference.moe_topk_softmax(logits, top_k, renorm)
+            assert ids.dtype == torch.int32 and torch.equal(ids, ref_ids)
+            torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    tied = torch.zeros(2, 8, dtype=dtype)
+    tied[0, 5] = tied[0, 2] = 1.0
+    _, ids = routing.moe_topk_softmax(tied, 3, True)
+    assert ids.tolist() == [[2, 5, 0], [0, 1, 2]]

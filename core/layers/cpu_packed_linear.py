@@ -97,6 +97,8 @@ def pack_linears(model: nn.Module, shared_weights: tuple[torch.Tensor, ...] = ()
             continue
         if getattr(module, "vocab_method", None) is not None:
             continue  # a head tied to a quantized embedding: its method multiplies
+        if getattr(module, "keep_plain_weight", False):
+            continue  # a MoE router (engine.models.moe): the platform's linear serves it
         linear = isinstance(module, LinearBase) and module.quant_method is UNQUANTIZED
         if linear or isinstance(module, ParallelLMHead):
             weight = module.weight

@@ -74,6 +74,9 @@ class SparseMoeBlock(nn.Module):
             hidden, spec.num_experts, ctx=ctx, prefix=f"{prefix}.gate",
             quant_method=UNQUANTIZED,
         )  # fmt: skip
+        # A router's product is small: it keeps its plain weight for the platform's ``linear``
+        # (on the CPU a compiled kernel that native plans record; oneDNN's packed op is not one).
+        self.gate.keep_plain_weight = True
         has_shared = spec.shared_expert_intermediate_size > 0
         self.experts = FusedMoE(
             spec.num_experts,

@@ -350,7 +350,40 @@ _xscratch: list[torch.Tensor] = []
 # routed_experts' work buffer (sorted pairs, gathered rows, intermediate products), grown as
 # needed, and its product descriptors (int64 tensors, by their words).
 _moe_work: list[torch.Tensor] = []
-_moe_descriptors: dict[tuple[int, ...], torch.Tensor] = {}
+# Each layer's product descriptors are kept on its down product's values tensor (so they go
+# with the layer), as ``_MOE_DESCRIPTOR``: the stacked tensors' addresses and the activations'
+# dtype they were built for, the descriptor tensor (int64 words; its address is what a native
+# plan records), the down product's K and group. Built once, so that a step reads no tensor's
+# value on the host.
+_MOE_DESCRIPTOR = "_engine_cpu_moe_descriptor"
+
+
+def _moe_descriptor(
+    products: list[dict[str, torch.Tensor]], n_gate_up: int, bf16: bool
+) -> tuple[torch.Tensor, int, int]:
+    """``gguf_avx2_moe``'s descriptors of ``products`` (the gate/up packings, then the down
+    one), its intermediate size and the down product's group."""
+    down = products[-1]
+    ptrs = tuple(p["avx2_values"].data_ptr() for p in products)
+    found = getattr(down["avx2_values"], _MOE_DESCRIPTOR, None)
+    if found is not None and found[0] == (ptrs, bf16):
+        return found[1:]
+    flags = (_Y_BF16 if bf16 else 0) | (_AVX2_ONLY_BIT if AVX2_ONLY else 0)
+    words = []
+    for p in products:
+        pack, group = p["avx2_layout"][0].tolist()
+        values, scales, offsets = p["avx2_values"], p["avx2_scales"], p.get("avx2_offsets")
+        words += [
+            values.data_ptr(), pack | flags, scales.data_ptr(),
+            0 if offsets is None else offsets.data_ptr(), scales.shape[1],
+            scales.shape[2] * group, group, values.stride(0) * values.element_size(),
+            scales.stride(0) * scales.element_size(),
+            0 if offsets is None else offsets.stride(0) * offsets.element_size(),
+        ]  # fmt: skip
+    inter = down["avx2_scales"].shape[2] * group  # the down product's K
+    desc = torch.tensor(words, dtype=torch.int64)
+    setattr(down["avx2_values"], _MOE_DESCRIPTOR, ((ptrs, bf16), desc, inter, group))
+    return desc, inter, group
 
 
 def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -674,47 +707,32 @@ class CpuGGUFLinear:
             return None
         lib = native.load("avx2")
         bf16 = hidden.dtype == torch.bfloat16
-        flags = (_Y_BF16 if bf16 else 0) | (_AVX2_ONLY_BIT if AVX2_ONLY else 0)
-        words = []
-        for p in products:
-            pack, group = p["avx2_layout"][0].tolist()
-            values, scales, offsets = p["avx2_values"], p["avx2_scales"], p.get("avx2_offsets")
-            words += [
-                values.data_ptr(), pack | flags, scales.data_ptr(),
-                0 if offsets is None else offsets.data_ptr(), scales.shape[1],
-                scales.shape[2] * group, group, values.stride(0) * values.element_size(),
-                scales.stride(0) * scales.element_size(),
-                0 if offsets is None else offsets.stride(0) * offsets.element_size(),
-            ]  # fmt: skip
-        inter = down["avx2_scales"].shape[2] * group  # the down product's K
-        # The descriptor tensor, kept per content (every word is its key: a freed layer's
-        # addresses may come back with other shapes, so no partial key will do).
-        key = tuple(words)
-        desc = _moe_descriptors.get(key)
-        if desc is None:
-            if len(_moe_descriptors) > 4096:
-                _moe_descriptors.clear()
-            desc = _moe_descriptors[key] = torch.tensor(words, dtype=torch.int64)
+        desc, inter, group = _moe_descriptor(products, len(gate_up), bf16)
         k = max(h, inter)
         need = t * k + 4 * t * (k // 32 + k // 16) + 128
         if not _xscratch or _xscratch[0].numel() < need:
             _xscratch.insert(0, torch.empty(max(need, 1 << 16), dtype=torch.uint8))
         base = _xscratch[0].data_ptr()
         pairs = topk_ids.numel()
+        # Sorted pairs, gathered rows, intermediate products, then the float32 sums.
         need = ((4 * pairs + 63) & ~63) + t * (2 * h + 3 * inter) * (2 if bf16 else 4)
-        if not _moe_work or _moe_work[0].numel() < need:  # reused: a prefill step's is ~100 MB
-            _moe_work[:] = [torch.empty(need, dtype=torch.uint8)]
-        work = _moe_work[0]
+        need = ((need + 63) & ~63) + 4 * t * h
+        if not _moe_work or _moe_work[0].numel() < need:
+            # Grown, never freed: a native plan may hold the old buffer's address.
+            _moe_work.insert(0, torch.empty(max(need, 2 * _moe_work[0].numel() if _moe_work else 0),
+                                            dtype=torch.uint8))  # fmt: skip
+        work = _moe_work[0].data_ptr()
         x = hidden.contiguous() if bf16 else hidden.float().contiguous()
         ids = topk_ids.to(torch.int32).contiguous()
         weights = topk_weights.float().contiguous()
-        out = torch.empty(t, h, dtype=torch.float32)
+        out = torch.empty(t, h, dtype=hidden.dtype)
+        acc = out.data_ptr() if not bf16 else work + need - 4 * t * h
         lib.gguf_avx2_moe(
             x.data_ptr(), int(bf16), t, h, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             down["avx2_values"].shape[0], desc.data_ptr(), len(gate_up), inter,
-            base + (-base % 64), work.data_ptr(), out.data_ptr(),
+            base + (-base % 64), work, acc, out.data_ptr(),
         )  # fmt: skip
-        return out.to(hidden.dtype)
+        return out
 
     def embedding(
         self,

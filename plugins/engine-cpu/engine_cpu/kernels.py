@@ -46,11 +46,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 def register(registry) -> None:
     """Register the CPU overrides for the ``cpu`` platform (the norms and rotary are in
     ``engine_cpu.norms``, the gated activations in ``engine_cpu.activations``, the quantized
-    matmuls in ``engine_cpu.quantized``)."""
+    matmuls in ``engine_cpu.quantized``, a MoE layer's routing in ``engine_cpu.routing``)."""
     from engine_cpu.activations import ACTIVATION_KERNELS
     from engine_cpu.norms import NORM_KERNELS
     from engine_cpu.quantized import QUANTIZED_KERNELS
+    from engine_cpu.routing import ROUTING_KERNELS
 
     registry.register("argmax", argmax, platforms=("cpu",), provider="engine-llm-cpu")
-    for name, fn in {**NORM_KERNELS, **ACTIVATION_KERNELS, **QUANTIZED_KERNELS}.items():
+    kernels = {**NORM_KERNELS, **ACTIVATION_KERNELS, **QUANTIZED_KERNELS, **ROUTING_KERNELS}
+    for name, fn in kernels.items():
         registry.register(name, fn, platforms=("cpu",), provider="engine-llm-cpu")

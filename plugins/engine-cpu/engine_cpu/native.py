@@ -108,7 +108,7 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     lib.gguf_avx2_rows.argtypes = [ptr, i32, ptr, ptr, ptr, i64, i64, i32, ptr, i32, i32, f32]
     lib.gguf_avx2_rows.restype = None
     lib.gguf_avx2_moe.argtypes = [ptr, i32, i64, i64, ptr, ptr, i64, i64, ptr, i32, i64, ptr, ptr,
-                                  ptr]  # fmt: skip
+                                  ptr, ptr]  # fmt: skip
     lib.gguf_avx2_moe.restype = None
     lib.cpu_rms_norm.argtypes = [ptr, i64, i64, ptr, i64, i64, i32, i64, i64, i64, ptr, f32]
     lib.cpu_fused_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, ptr, f32]
@@ -123,6 +123,8 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     ]
     lib.cpu_gated_act.argtypes = [ptr, i64, ptr, i64, i32, i64, i64, i32]
     lib.cpu_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.cpu_topk_softmax.argtypes = [ptr, i64, i32, i64, i64, i64, i32, ptr, ptr]
+    lib.cpu_dense_linear.argtypes = [ptr, i64, i32, i64, i64, ptr, i32, i64, ptr, i64, i32]
     for fn in (
         lib.cpu_rms_norm,
         lib.cpu_fused_add_rms_norm,
@@ -131,6 +133,8 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
         lib.cpu_paged_decode,
         lib.cpu_gated_act,
         lib.cpu_argmax_f32,
+        lib.cpu_topk_softmax,
+        lib.cpu_dense_linear,
     ):
         fn.restype = None
     lib.cpu_plan_run.argtypes = [ptr, i64]
@@ -143,7 +147,6 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
         "gguf_avx2_quantize_rows",
         "gguf_avx2_gemm",
         "gguf_avx2_dequantize",
-        "gguf_avx2_moe",  # a MoE step's routing is torch ops, so its steps stay eager anyway
         "cpu_argmax_f32",  # sampling's, outside the recorded forward
     ):
         setattr(lib, name, Kernel(name, getattr(lib, name), None))
@@ -158,6 +161,9 @@ _PLANNED_AVX2 = (
     "cpu_write_kv",
     "cpu_paged_decode",
     "cpu_gated_act",
+    "gguf_avx2_moe",
+    "cpu_topk_softmax",
+    "cpu_dense_linear",
 )
 
 

@@ -63,6 +63,23 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
     return None
 
 
+_F32 = "_engine_cpu_float32"
+
+
+def _float32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a contiguous float32 tensor, the copy of a 16-bit one made once and kept
+    on it (until it is written to: its version counter): a cast per call is a torch op that
+    a native plan's recording refuses, and a bf16 model's norm weights are bf16."""
+    if weight.dtype == torch.float32 and weight.is_contiguous():
+        return weight
+    cached = getattr(weight, _F32, None)
+    if cached is not None and cached[0] == weight._version:
+        return cached[1]
+    w = weight.float().contiguous()
+    setattr(weight, _F32, (weight._version, w))
+    return w
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """See ``engine.kernels.reference.rms_norm``."""
     h = x.shape[-1]
@@ -74,7 +91,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # (empty_like of a contiguous tensor costs a third of torch.empty(shape, dtype=...))
     out = torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
     orow, ohead = (out.stride(0), out.stride(1) if out.dim() == 3 else 0)
-    w = weight.float().contiguous()
+    w = _float32(weight)
     bf16 = int(x.dtype == torch.bfloat16)
     lib.cpu_rms_norm(
         x.data_ptr(), row, head, out.data_ptr(), orow, ohead, bf16, t, heads, h, w.data_ptr(), eps
@@ -93,7 +110,7 @@ def fused_add_rms_norm(
     t, d = x.shape
     normed = torch.empty_like(residual, memory_format=torch.contiguous_format)
     summed = torch.empty_like(normed)
-    w = weight.float().contiguous()
+    w = _float32(weight)
     lib.cpu_fused_add_rms_norm(
         x.data_ptr(),
         x.stride(0),
@@ -142,9 +159,9 @@ def qk_norm_rotary(
     if lib is not None and query.dim() == 2 and key.dim() == 2:
         t = query.shape[0]
         pos = positions.to(torch.int64).contiguous()
-        cs = cos_sin_cache.float().contiguous()
-        qw = None if q_weight is None else q_weight.float().contiguous()
-        kw = None if k_weight is None else k_weight.float().contiguous()
+        cs = _float32(cos_sin_cache)
+        qw = None if q_weight is None else _float32(q_weight)
+        kw = None if k_weight is None else _float32(k_weight)
         lib.cpu_qk_norm_rotary(
             query.data_ptr(),
             query.stride(0),

@@ -416,3 +416,66 @@ void cpu_argmax_f32(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t
         out[r] = mi;
     }
 }
+
+/* Softmax routing of T tokens over E experts (engine.kernels.reference.moe_topk_softmax):
+ * logits row t at logits + t * row (bfloat16 when bf16, else float32); the softmax in float32
+ * (exp(x - max) / sum), the top_k largest probabilities in descending order, ties to the lower
+ * expert index, divided by their sum when renorm; weights float32 [T, top_k], ids int32. */
+void cpu_topk_softmax(const void *logits, int64_t row, int bf16, int64_t T, int64_t E,
+                      int64_t top_k, int renorm, float *weights, int32_t *ids) {
+    float *p = (float *)malloc((size_t)E * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        const void *x = at(logits, bf16, t * row);
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++)
+            m = fmaxf(m, load1(x, bf16, e));
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = expf(load1(x, bf16, e) - m);
+            sum += p[e];
+        }
+        for (int64_t e = 0; e < E; e++)
+            p[e] = p[e] / sum;
+        float *w = weights + t * top_k, chosen = 0.0f;
+        int32_t *id = ids + t * top_k;
+        for (int64_t k = 0; k < top_k; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best]))
+                    best = e;
+            w[k] = p[best];
+            id[k] = (int32_t)best;
+            p[best] = -1.0f; /* taken */
+            chosen += w[k];
+        }
+        if (renorm)
+            for (int64_t k = 0; k < top_k; k++)
+                w[k] = w[k] / chosen;
+    }
+    free(p);
+}
+
+/* y[t, n] = sum_k x[t, k] w[n, k] for T rows of K values and N outputs (a router's product):
+ * x, w and y each bfloat16 or float32 (their flags), sums in float32 (eight lanes, then the
+ * tail), rounded once to y's dtype. Rows at x + t * x_row and y + t * y_row; w contiguous. */
+void cpu_dense_linear(const void *x, int64_t x_row, int x_bf16, int64_t T, int64_t K,
+                      const void *w, int w_bf16, int64_t N, void *y, int64_t y_row, int y_bf16) {
+#pragma omp parallel for schedule(static) if (T * N * K >= 32 * PARALLEL_WORK)
+    for (int64_t n = 0; n < N; n++) {
+        const void *wn = at(w, w_bf16, n * K);
+        for (int64_t t = 0; t < T; t++) {
+            const void *xt = at(x, x_bf16, t * x_row);
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16) {
+                a0 = _mm256_fmadd_ps(load8(xt, x_bf16, k), load8(wn, w_bf16, k), a0);
+                a1 = _mm256_fmadd_ps(load8(xt, x_bf16, k + 8), load8(wn, w_bf16, k + 8), a1);
+            }
+            for (; k + 8 <= K; k += 8)
+                a0 = _mm256_fmadd_ps(load8(xt, x_bf16, k), load8(wn, w_bf16, k), a0);
+            float s = hsum_ps(_mm256_add_ps(a0, a1));
+            for (; k < K; k++)
+                s += load1(xt, x_bf16, k) * load1(wn, w_bf16, k);
+            store1(y, y_bf16, t * y_row + n, s);
+        }
+    }
+}

@@ -35,6 +35,13 @@ void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *
                       float scale, float softcap, int64_t window);
 void cpu_gated_act(const void *x, int64_t x_row, void *out, int64_t o_row, int bf16, int64_t T,
                    int64_t I, int act);
+void cpu_topk_softmax(const void *logits, int64_t row, int bf16, int64_t T, int64_t E,
+                      int64_t top_k, int renorm, float *weights, int32_t *ids);
+void cpu_dense_linear(const void *x, int64_t x_row, int x_bf16, int64_t T, int64_t K,
+                      const void *w, int w_bf16, int64_t N, void *y, int64_t y_row, int y_bf16);
+void gguf_avx2_moe(const void *x, int bf16, int64_t T, int64_t H, const int32_t *ids,
+                   const float *weights, int64_t top_k, int64_t E, const int64_t *desc, int n_gu,
+                   int64_t I, uint8_t *scratch, uint8_t *work, float *acc, void *result);
 
 #define P(i) ((void *)(intptr_t)a[i])
 #define I(i) (a[i])
@@ -81,6 +88,20 @@ void cpu_paged_decode_p(const int64_t *a) {
 
 void cpu_gated_act_p(const int64_t *a) {
     cpu_gated_act(P(0), I(1), P(2), I(3), (int)I(4), I(5), I(6), (int)I(7));
+}
+
+void cpu_topk_softmax_p(const int64_t *a) {
+    cpu_topk_softmax(P(0), I(1), (int)I(2), I(3), I(4), I(5), (int)I(6), P(7), P(8));
+}
+
+void cpu_dense_linear_p(const int64_t *a) {
+    cpu_dense_linear(P(0), I(1), (int)I(2), I(3), I(4), P(5), (int)I(6), I(7), P(8), I(9),
+                     (int)I(10));
+}
+
+void gguf_avx2_moe_p(const int64_t *a) {
+    gguf_avx2_moe(P(0), (int)I(1), I(2), I(3), P(4), P(5), I(6), I(7), P(8), (int)I(9), I(10),
+                  P(11), P(12), P(13), P(14));
 }
 
 typedef void (*plan_fn)(const int64_t *);

@@ -477,10 +477,13 @@ moe_add_weighted(float *o, const uint8_t *y, int bf16, float w, int64_t H) {
  * dtype), SiLU-and-mul, down, and out[t] += weight * y in float32, in that order: the same
  * operations, in the same order, as the torch loop over the same kernels, so the same bits.
  * work: 4 T top_k bytes rounded up to 64, then T (2 H + 3 I) values of the activations' dtype;
- * scratch: gguf_avx2_linear's for T rows of max(H, I) values; out float32 [T, H], overwritten. */
+ * scratch: gguf_avx2_linear's for T rows of max(H, I) values; acc float32 [T, H], overwritten;
+ * out [T, H] in the activations' dtype: the sums rounded once (bfloat16), or acc itself
+ * (float32). Every buffer is the caller's, so that a native plan can replay the call. */
 void gguf_avx2_moe(const void *x, int bf16, int64_t T, int64_t H, const int32_t *ids,
                    const float *weights, int64_t top_k, int64_t E, const int64_t *desc, int n_gu,
-                   int64_t I, uint8_t *scratch, uint8_t *work, float *out) {
+                   int64_t I, uint8_t *scratch, uint8_t *work, float *acc, void *result) {
+    float *out = acc;
     const int64_t P = T * top_k, es = bf16 ? 2 : 4;
     int32_t *order = (int32_t *)work; /* pairs sorted by expert */
     uint8_t *xs = work + ((4 * P + 63) & ~(int64_t)63);
@@ -518,4 +521,9 @@ void gguf_avx2_moe(const void *x, int bf16, int64_t T, int64_t H, const int32_t 
         }
     }
     free(start);
+    if (bf16)
+        for (int64_t i = 0; i < T * H; i++)
+            ((uint16_t *)result)[i] = float_to_bf16(acc[i]);
+    else if ((void *)acc != result)
+        memcpy(result, acc, (size_t)(T * H) * sizeof(float));
 }

@@ -420,7 +420,8 @@ void cpu_argmax_f32(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t
 /* Softmax routing of T tokens over E experts (engine.kernels.reference.moe_topk_softmax):
  * logits row t at logits + t * row (bfloat16 when bf16, else float32); the softmax in float32
  * (exp(x - max) / sum), the top_k largest probabilities in descending order, ties to the lower
- * expert index, divided by their sum when renorm; weights float32 [T, top_k], ids int32. */
+ * expert index, divided by their sum when renorm; weights float32 [T, top_k], ids int32
+ * (top_k <= E; a row of NaN logits picks its first experts, with NaN weights). */
 void cpu_topk_softmax(const void *logits, int64_t row, int bf16, int64_t T, int64_t E,
                       int64_t top_k, int renorm, float *weights, int32_t *ids) {
     float *p = (float *)malloc((size_t)E * sizeof(float));
@@ -441,6 +442,9 @@ void cpu_topk_softmax(const void *logits, int64_t row, int bf16, int64_t T, int6
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++)
                 if (p[e] >= 0.0f && (best < 0 || p[e] > p[best]))
+                    best = e;
+            for (int64_t e = 0; best < 0 && e < E; e++) /* NaN logits: the first not taken */
+                if (p[e] != -1.0f)
                     best = e;
             w[k] = p[best];
             id[k] = (int32_t)best;

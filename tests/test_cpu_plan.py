@@ -185,24 +185,10 @@ def test_gguf_moe_decode_steps_run_as_plans_with_the_eager_tokens(tmp_path, dtyp
     the router's product, the top-k softmax and the routed experts are compiled kernels
     (``engine_cpu.routing``, ``gguf_avx2_moe``), so its decode steps record and replay with
     the eager tokens."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from engine.testing.tiny_gguf import MOE_TYPES, tiny_moe_hf, write_tiny_moe_gguf
 
-    from engine.testing.tiny_gguf import MOE_TYPES, tiny_vocab, write_tiny_moe_gguf
-
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=2, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # decisive routing: plans and eager steps sum in other orders
-        for name, p in hf.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(
-                    0.0, (6.0 if name.endswith("mlp.gate.weight") else 1.5) / p.shape[-1] ** 0.5
-                )
+    # Decisive routing: plans and eager steps sum in other orders.
+    hf = tiny_moe_hf("qwen3_moe", router_scale=4.0)
     types = {**MOE_TYPES, "attn_v": "Q8_0", "output": "Q8_0"}  # every dense layer kept
     path = write_tiny_moe_gguf(tmp_path / "moe.gguf", hf, types)
     _, want = generate(path, dtype=dtype, enforce_eager=True)

@@ -29,46 +29,21 @@ from engine.layers.fused_moe import moe_layers
 from engine.loader.gguf_loader import iter_weights, load_config
 from engine.quantization.base import QuantizationError
 from engine.quantization.gguf_moe import GGUFMoEMethod
-from engine.testing.tiny_gguf import gguf_round_trip_state_dict, tiny_vocab, write_tiny_moe_gguf
+from engine.testing.tiny_gguf import (
+    TINY_MOE,
+    gguf_round_trip_state_dict,
+    tiny_moe_hf,
+    write_tiny_moe_gguf,
+)
 from engine_cpu import native
 
-MOE = {
-    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
-                      norm_topk_prob=True, head_dim=32),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64, norm_topk_prob=False),
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
-}  # fmt: skip
 
-
-def _tiny_hf(kind: str, seed: int = 0, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        kind, vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=2, eos_token_id=1, pad_token_id=0, **{**MOE[kind], **overrides},
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # decisive routing and greedy choices
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
-            else:
-                p.normal_(0.0, 0.1)
-    return model
-
-
-@pytest.fixture(scope="module", params=list(MOE))
+@pytest.fixture(scope="module", params=list(TINY_MOE))
 def moe_gguf(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     kind = request.param
-    hf = _tiny_hf(kind)
+    hf = tiny_moe_hf(kind)
     path = write_tiny_moe_gguf(tmp_path_factory.mktemp(kind) / f"{kind}.gguf", hf)
     reference = AutoModelForCausalLM.from_config(hf.config).eval()
     reference.load_state_dict(gguf_round_trip_state_dict(hf))
@@ -255,11 +230,7 @@ def test_the_model_runs_its_experts_quantized_near_the_dequantized_model(kind, t
 
     if native.load("avx2") is None:
         pytest.skip(f"no compiled GGUF kernels here: {native.unavailable_reason('avx2')}")
-    hf = _tiny_hf(kind)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
-                p.mul_(4.0)
+    hf = tiny_moe_hf(kind, router_scale=4.0)
     path = write_tiny_moe_gguf(tmp_path / f"{kind}.gguf", hf)
     model, _ = build(path, dtype="float32")
     layers = moe_layers(model)
@@ -288,7 +259,7 @@ def test_experts_split_and_placed_over_two_ranks_match_one_process(tmp_path):
 
     if native.load("avx2") is None:
         pytest.skip(f"no compiled GGUF kernels here: {native.unavailable_reason('avx2')}")
-    hf = _tiny_hf("qwen3_moe", moe_intermediate_size=64)
+    hf = tiny_moe_hf("qwen3_moe", moe_intermediate_size=64)
     # The head in F16: one process would keep a Q8_0 head quantized (int8 activations in its
     # product), two ranks cannot (GGUFVocabMethod is single-process), and that difference is
     # not the experts'. (The Q8_0 embedding kept by one process looks rows up exactly.)

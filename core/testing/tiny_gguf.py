@@ -357,6 +357,47 @@ MOE_TYPES = {
     "ffn_up_shexp": "BF16",
     "ffn_down_shexp": "Q4_0",
 }
+# Tiny MoE configurations for ``tiny_moe_hf``: many experts, top-2 to top-4, Qwen2-MoE's
+# shared expert.
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                      norm_topk_prob=True, head_dim=32),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+}  # fmt: skip
+
+
+def tiny_moe_hf(kind: str, seed: int = 0, router_scale: float = 1.0, **overrides: Any) -> Any:
+    """A tiny random transformers Qwen3-MoE, Qwen2-MoE or Mixtral (``TINY_MOE[kind]``, hidden
+    64 and two layers unless ``overrides`` say otherwise, untied, ``tiny_vocab``'s tokens),
+    with weights of std ``1.5 / sqrt(fan_in)`` (the routers' ``router_scale`` times that) and
+    norms near 1: decisive routing and greedy choices, where transformers' own initialisation
+    gives nearly flat logits."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = dict(
+        vocab_size=len(tiny_vocab()[0]), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    config = AutoConfig.for_model(kind, **{**settings, **TINY_MOE[kind], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif p.dim() >= 2:
+                router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+                p.normal_(0.0, (router_scale if router else 1.0) * 1.5 / p.shape[-1] ** 0.5)
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
 MOE_GGUF_ARCHS = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
                   "MixtralForCausalLM": "llama"}  # fmt: skip
 

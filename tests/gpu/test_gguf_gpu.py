@@ -51,13 +51,12 @@ def test_gguf_linear_at_model_sizes(name, n, k, m):
     torch.testing.assert_close(got32, want, rtol=1e-3, atol=1e-3)
 
 
-def test_tiny_gguf_through_the_engine_matches_the_dequantized_file(tmp_path):
+def _kept_and_dequantized_tokens(path, check) -> list[list[list[int]]]:
+    """Greedy tokens of three prompts from ``path`` kept quantized (the default) and
+    dequantized at load (``--quantization none``), float32; ``check(model, kept)`` looks at
+    each loaded model; no KV block may stay in use."""
     from engine import LLM, SamplingParams
-    from engine.testing.tiny_gguf import MIXED_TYPES, write_tiny_gemma3_gguf
 
-    path = write_tiny_gemma3_gguf(
-        tmp_path / "k.gguf", seed=3, types=MIXED_TYPES, hidden_size=256, intermediate_size=512
-    )
     prompts = [{"prompt_token_ids": p} for p in ([2, 9, 11, 40, 3], [2, 100], list(range(10, 60)))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = []
@@ -65,14 +64,28 @@ def test_tiny_gguf_through_the_engine_matches_the_dequantized_file(tmp_path):
         llm = LLM(
             model=str(path), dtype="float32", quantization=quantization, num_gpu_blocks_override=256
         )
-        kept = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj.quant_method
-        assert kept.name == ("gguf Q4_K/Q6_K" if quantization is None else "unquantized")
+        check(llm.llm_engine.runner.model, quantization is None)
         tokens.append(
             [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         )
         assert llm.llm_engine.num_used_blocks == 0
         del llm
-    assert tokens[0] == tokens[1]
+    return tokens
+
+
+def test_tiny_gguf_through_the_engine_matches_the_dequantized_file(tmp_path):
+    from engine.testing.tiny_gguf import MIXED_TYPES, write_tiny_gemma3_gguf
+
+    path = write_tiny_gemma3_gguf(
+        tmp_path / "k.gguf", seed=3, types=MIXED_TYPES, hidden_size=256, intermediate_size=512
+    )
+
+    def check(model, kept):
+        method = model.model.layers[0].self_attn.qkv_proj.quant_method
+        assert method.name == ("gguf Q4_K/Q6_K" if kept else "unquantized")
+
+    kept, dequantized = _kept_and_dequantized_tokens(path, check)
+    assert kept == dequantized
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q5_K")])
@@ -109,42 +122,18 @@ def test_gguf_moe_layer_at_qwen3_30b_a3b_size(types, seed):
 def test_tiny_gguf_moe_through_the_engine_matches_the_dequantized_file(tmp_path):
     """A Qwen3-MoE GGUF (Q4_K gate/up, Q6_K down experts) run with its experts kept (the
     fused kernel, CUDA graphs) and dequantized at load: the same greedy tokens."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engine import LLM, SamplingParams
     from engine.layers.fused_moe import moe_layers
     from engine.quantization.gguf_moe import GGUFMoEMethod
-    from engine.testing.tiny_gguf import MOE_TYPES, tiny_vocab, write_tiny_moe_gguf
+    from engine.testing.tiny_gguf import MOE_TYPES, tiny_moe_hf, write_tiny_moe_gguf
 
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512,
-        moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=2, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # well separated logits (transformers' init makes them nearly flat)
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 1.5 / p.shape[-1] ** 0.5)
+    # K-quant rows: hidden and expert width multiples of 256.
+    hf = tiny_moe_hf("qwen3_moe", hidden_size=256, moe_intermediate_size=256, head_dim=64)
     types = {**MOE_TYPES, "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"}
     path = write_tiny_moe_gguf(tmp_path / "moe.gguf", hf, types)
-    prompts = [{"prompt_token_ids": p} for p in ([2, 9, 11, 40, 3], [2, 100], list(range(10, 60)))]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    tokens = []
-    for quantization in (None, "none"):
-        llm = LLM(
-            model=str(path), dtype="float32", quantization=quantization, num_gpu_blocks_override=256
-        )
-        methods = [m.quant_method for m in moe_layers(llm.llm_engine.runner.model)]
-        kept = [isinstance(m, GGUFMoEMethod) and m.integer for m in methods]
-        assert kept == [quantization is None] * 2
-        tokens.append(
-            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        )
-        assert llm.llm_engine.num_used_blocks == 0
-        del llm
-    assert tokens[0] == tokens[1]
+
+    def check(model, kept):
+        methods = [m.quant_method for m in moe_layers(model)]
+        assert [isinstance(m, GGUFMoEMethod) and m.integer for m in methods] == [kept] * 2
+
+    kept, dequantized = _kept_and_dequantized_tokens(path, check)
+    assert kept == dequantized

@@ -68,7 +68,8 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     assert report["auto_order"] == ["cpu", "torch"]
     assert backends["cpu"]["distribution"] == "engine-llm-cpu"
     # Overrides: engine-llm-triton's (when triton is installed) target GPUs; the CPU's are
-    # engine-llm-cpu's norms, argmax and quantized matmuls.
+    # engine-llm-cpu's norms, activations, a MoE router's product and top-k softmax, argmax and
+    # quantized matmuls.
     on_cpu = [
         (o["kernel"], o["provider"])
         for o in report["kernel_overrides"]
@@ -77,7 +78,7 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     quantized = ["fp8_linear", "fp8_block_linear", "int8_linear", "wna16_linear", "gguf_linear"]
     norms = ["rms_norm", "fused_add_rms_norm", "qk_norm_rotary"]
     activations = ["silu_and_mul", "gelu_tanh_and_mul"]
-    want = [*norms, *activations, "argmax", *quantized]
+    want = [*norms, *activations, "linear", "argmax", "moe_topk_softmax", *quantized]
     assert on_cpu == [(k, "engine-llm-cpu") for k in want], on_cpu
     methods = {m["name"]: m for m in report["quantization_methods"]}
     assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]

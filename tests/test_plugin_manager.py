@@ -169,6 +169,8 @@ def test_kernel_overrides_are_registered_and_credited_to_their_distribution(plug
         "qk_norm_rotary",
         "silu_and_mul",
         "gelu_tanh_and_mul",
+        "linear",
+        "moe_topk_softmax",
         "argmax",
         "fp8_linear",
         "fp8_block_linear",

@@ -238,7 +238,10 @@ def moe_topk_softmax(
     Qwen per ``norm_topk_prob``). Ties go to the lower expert index.
     """
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    # A stable descending sort, not torch.topk, whose order among equal values is its own
+    # (seen on the CPU: a tie in bf16 logits came back higher index first).
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[..., :top_k], ids[..., :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)

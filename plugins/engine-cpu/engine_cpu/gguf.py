@@ -347,22 +347,22 @@ _TILE_VALUES = 1 << 20
 _scratch: list[torch.Tensor] = []
 # The int8 products' quantized activations (grown as needed; not thread-safe either).
 _xscratch: list[torch.Tensor] = []
-# routed_experts' work buffer (sorted pairs, gathered rows, intermediate products), grown as
-# needed, and its product descriptors (int64 tensors, by their words).
+# routed_experts' work buffers (sorted pairs, gathered rows, intermediate products, float32
+# sums), the newest first; grown by doubling, the old ones kept (a native plan may hold them).
 _moe_work: list[torch.Tensor] = []
 # Each layer's product descriptors are kept on its down product's values tensor (so they go
 # with the layer), as ``_MOE_DESCRIPTOR``: the stacked tensors' addresses and the activations'
 # dtype they were built for, the descriptor tensor (int64 words; its address is what a native
-# plan records), the down product's K and group. Built once, so that a step reads no tensor's
-# value on the host.
+# plan records) and the down product's K. Built once, so that a step reads no tensor's value
+# on the host.
 _MOE_DESCRIPTOR = "_engine_cpu_moe_descriptor"
 
 
 def _moe_descriptor(
-    products: list[dict[str, torch.Tensor]], n_gate_up: int, bf16: bool
-) -> tuple[torch.Tensor, int, int]:
+    products: list[dict[str, torch.Tensor]], bf16: bool
+) -> tuple[torch.Tensor, int]:
     """``gguf_avx2_moe``'s descriptors of ``products`` (the gate/up packings, then the down
-    one), its intermediate size and the down product's group."""
+    one) and its intermediate size."""
     down = products[-1]
     ptrs = tuple(p["avx2_values"].data_ptr() for p in products)
     found = getattr(down["avx2_values"], _MOE_DESCRIPTOR, None)
@@ -382,8 +382,8 @@ def _moe_descriptor(
         ]  # fmt: skip
     inter = down["avx2_scales"].shape[2] * group  # the down product's K
     desc = torch.tensor(words, dtype=torch.int64)
-    setattr(down["avx2_values"], _MOE_DESCRIPTOR, ((ptrs, bf16), desc, inter, group))
-    return desc, inter, group
+    setattr(down["avx2_values"], _MOE_DESCRIPTOR, ((ptrs, bf16), desc, inter))
+    return desc, inter
 
 
 def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -707,7 +707,7 @@ class CpuGGUFLinear:
             return None
         lib = native.load("avx2")
         bf16 = hidden.dtype == torch.bfloat16
-        desc, inter, group = _moe_descriptor(products, len(gate_up), bf16)
+        desc, inter = _moe_descriptor(products, bf16)
         k = max(h, inter)
         need = t * k + 4 * t * (k // 32 + k // 16) + 128
         if not _xscratch or _xscratch[0].numel() < need:
@@ -718,7 +718,6 @@ class CpuGGUFLinear:
         need = ((4 * pairs + 63) & ~63) + t * (2 * h + 3 * inter) * (2 if bf16 else 4)
         need = ((need + 63) & ~63) + 4 * t * h
         if not _moe_work or _moe_work[0].numel() < need:
-            # Grown, never freed: a native plan may hold the old buffer's address.
             _moe_work.insert(0, torch.empty(max(need, 2 * _moe_work[0].numel() if _moe_work else 0),
                                             dtype=torch.uint8))  # fmt: skip
         work = _moe_work[0].data_ptr()

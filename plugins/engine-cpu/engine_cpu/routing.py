@@ -47,10 +47,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype)
-    bf16 = torch.bfloat16
+    bf16 = int(x.dtype == torch.bfloat16)  # x, weight and y share the dtype
     lib.cpu_dense_linear(
-        x2.data_ptr(), x2.stride(0), int(x.dtype == bf16), rows, k, weight.data_ptr(),
-        int(weight.dtype == bf16), n, y.data_ptr(), n, int(x.dtype == bf16),
+        x2.data_ptr(), x2.stride(0), bf16, rows, k, weight.data_ptr(), bf16, n, y.data_ptr(), n,
+        bf16,
     )  # fmt: skip
     return y.view(*x.shape[:-1], n)
 

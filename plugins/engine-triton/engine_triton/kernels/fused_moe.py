@@ -1267,8 +1267,13 @@ def _fused_moe(
     elif variant == "grouped":
         # The 4-bit tilings were swept with 16-bit activations; float32 ones need twice the
         # shared memory per stage (m16 n128 four stages asked for 275 KiB on an H100 and failed
-        # to launch), so they keep the general rule.
-        cfg = config or grouped_config(t * k, e, bits if x.element_size() == 2 else 0)
+        # to launch), so they keep the general rule. So do experts whose down projection has
+        # another width (GGUF Q4_K gate/up with Q6_K down in bytes, groups of 16): on an H100,
+        # Qwen3-30B-A3B's shape at 32 tokens took 1,065 us a layer with the 4-bit tiling and
+        # 606 us with the general rule's (`moe-kernels-gguf`, 2026-12-07).
+        same_width = not isinstance(scales, IntegerExperts) or scales.bits2 == bits
+        rule_bits = bits if x.element_size() == 2 and same_width else 0
+        cfg = config or grouped_config(t * k, e, rule_bits)
         _run_grouped(x, w13, w2, weights, ids, out, cfg, scales)
     else:
         raise ValueError(f"unknown fused_moe variant {variant!r} (decode, grouped)")

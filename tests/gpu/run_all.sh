@@ -24,8 +24,10 @@
 # shared-prefix); BENCH_ARGS adds flags to those two (e.g. the old --max-num-seqs 256); and
 # vLLM 0.24.0 on the same machine (the kit of shared/peers/vllm copied to .peers/, carried:
 # its README says how): vllm-qwen (nano-vllm's workload and batch 1 on the Qwen3-0.6B shape,
-# beside qwen-nano / qwen-b1) and vllm-llama (batch 1, the mixed and the shared-prefix
-# workloads on the Llama-3.1-8B shape, beside llama-b1 / llama-mixed / llama-shared). Logs go to $OUT/tests.log,
+# beside qwen-nano / qwen-b1), vllm-llama (batch 1, the mixed and the shared-prefix
+# workloads on the Llama-3.1-8B shape, beside llama-b1 / llama-mixed / llama-shared) and
+# vllm-moe (batch 1 and nano-vllm's workload on the Qwen3-30B-A3B shape, beside moe-b1 /
+# moe-nano; needs a kit built with vLLM's MoE library, docs/benchmarks.md says how). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -221,11 +223,15 @@ for step in "${steps[@]}"; do
         >"$OUT/profile.txt" 2>&1
       grep -E "Throughput|Steps" /tmp/profile-run.log
       ;;
-    vllm-qwen | vllm-llama)  # vLLM beside us: one engine start, then each workload
+    vllm-qwen | vllm-llama | vllm-moe)  # vLLM beside us: one engine start, then each workload
       kit=${PEER_KIT:-.peers}
       [ -f "$kit/vllm_peer.py" ] || { echo "SKIP $step: no $kit/ (see shared/peers/vllm/README.md)"; continue; }
       [ "$(left)" -lt 150 ] && { echo "SKIP $step: $(left)s left"; continue; }
-      if [ $step = vllm-qwen ]; then shape=qwen3-0.6b wls=nano,b1; else shape=llama3-8b wls=b1,mixed,shared-prefix; fi
+      case $step in
+        vllm-qwen) shape=qwen3-0.6b wls=nano,b1 ;;
+        vllm-llama) shape=llama3-8b wls=b1,mixed,shared-prefix ;;
+        vllm-moe) shape=qwen3-30b-a3b wls=${VLLM_MOE_WORKLOADS:-b1,nano} ;;  # a kit with vLLM's MoE library
+      esac
       echo "=== $step ($shape: $wls) at $(elapsed)s"
       timeout -k 10 $(($(left) - 10)) bash "$kit/run_on_gpu.sh" check >/dev/null 2>&1
       PYTHONPATH=${PEER_HOME:-$HOME/vllm-peer}/site:${PYTHONPATH:-} PEER_KIT="$kit" OUT="$OUT" \

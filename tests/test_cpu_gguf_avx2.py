@@ -370,3 +370,19 @@ def test_an_untied_embedding_and_head_each_stay_quantized_in_their_own_type(tmp_
         )
 
     assert vocab_bytes(model) < 0.75 * vocab_bytes(ref)
+
+
+def test_the_kernel_timing_harness_builds_and_times_both_paths(tmp_path):
+    """``python -m engine_cpu.gguf_kernel_timing`` compiles its own library from the AVX2
+    family's sources; it must link (it broke once when gguf_avx2.c began calling cpu_ops.c) and
+    time each path once a round."""
+    from engine_cpu import gguf_kernel_timing as timing
+
+    lib = timing._timing_library(tmp_path)
+    if not lib.gguf_avx2_vnni():
+        pytest.skip("the harness compares the VNNI products with the AVX2 ones")
+    times = timing.time_product(lib, "Q4_K", 64, 256, rows=2, rounds=2, min_bytes=1 << 16)
+    assert sorted(times) == ["avx2", "vnni"]
+    # one time per copy of the weight and round, for each path
+    assert len(times["vnni"]) == len(times["avx2"]) >= 2, times
+    assert min(times["vnni"] + times["avx2"]) > 0, times

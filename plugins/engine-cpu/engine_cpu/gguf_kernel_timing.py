@@ -60,7 +60,10 @@ def _timing_library(workdir: Path, src: Path | None = None) -> ctypes.CDLL:
     if not cc:
         raise RuntimeError("no C compiler (cc or gcc, or $CC) on PATH")
     out = workdir / "gguf_timing.so"
-    sources = [src / "gguf_timing.c", src / "gguf_avx2.c", src / "gguf_vnni.c"]
+    # The AVX2 family's sources as the engine builds them (gguf_avx2.c calls into cpu_ops.c
+    # since the MoE call); an older version's csrc may lack some, and then does not need them.
+    family = [src / name for name in native.FAMILIES["avx2"].sources]
+    sources = [src / "gguf_timing.c", *(path for path in family if path.exists())]
     cmd = [cc, *native._CFLAGS, *map(str, sources), "-o", str(out), *native._LIBS]
     subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(str(out))

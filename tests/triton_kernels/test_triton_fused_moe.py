@@ -295,8 +295,16 @@ def test_moe_benchmark_sweep_runs(monkeypatch, capsys, fp8, wna16):
     assert len(set(every(5, 2, 8))) == len(every(5, 2, 8))
     # The rule's choice and one alternative per batch: the interpreter compiles each one.
     assert every(1, 8, 128, 4)[0][1] == fm.WNA16_DECODE[4]
+    # The grouped rule's row is what the dispatch runs: GGUF Q4_K gate/up with a Q6_K down
+    # projection (bytes) takes the general rule, all-Q4_K the 4-bit one.
+    assert benchmark._wna16_rule_bits("gguf-q4k-q6k") == 0
+    assert benchmark._wna16_rule_bits("gguf-q4k") == 4
+    assert every(32, 8, 128, 4, 0)[0][1] == fm.grouped_config(256, 128, 0)
+    assert every(32, 8, 128, 4)[0][1] == fm.grouped_config(256, 128, 4)
     monkeypatch.setattr(
-        benchmark, "_moe_candidates", lambda t, k, e, bits: every(t, k, e, bits)[:2]
+        benchmark,
+        "_moe_candidates",
+        lambda t, k, e, bits, rule_bits=None: every(t, k, e, bits, rule_bits)[:2],
     )
     results: dict = {}
     benchmark.sweep_moe(results, tokens=(1, 5), device="cpu", fp8=fp8, wna16=wna16)

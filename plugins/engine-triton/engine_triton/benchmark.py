@@ -552,6 +552,18 @@ def _wna16_bits(scheme: str) -> int:
     return MOE_WNA16_SCHEMES[scheme][0]
 
 
+def _wna16_rule_bits(scheme: str) -> int:
+    """The width the grouped dispatch rule is given for ``scheme`` with 16-bit activations, as
+    ``fused_moe._fused_moe`` decides it: experts whose down projection has another width than
+    gate/up (GGUF Q4_K with Q6_K) take the general rule (0), the others their own width."""
+    if scheme in MOE_GGUF_SCHEMES:
+        from engine.kernels import gguf
+
+        widths = {4 if gguf.gguf_type(name).bits == 4 else 8 for name in MOE_GGUF_SCHEMES[scheme]}
+        return widths.pop() if len(widths) == 1 else 0
+    return _wna16_bits(scheme)
+
+
 def _gguf_experts(e: int, h: int, i: int, scheme: str, device: str) -> tuple:
     """Random GGUF stacks of ``scheme``'s types as ``fused_moe_wna16``'s operands."""
     import torch
@@ -609,12 +621,14 @@ def _topk_call(logits, top_k):
 
 
 def _moe_candidates(
-    tokens: int, top_k: int, experts: int, bits: int = 0
+    tokens: int, top_k: int, experts: int, bits: int = 0, rule_bits: int | None = None
 ) -> list[tuple[str, object]]:
     """(variant, config) pairs the sweep times for one batch, the rule's choice first: decode
     tilings while the decode kernels may serve it, grouped tilings sized to the pairs per
     expert. ``bits`` (integer experts): their decode default (``WNA16_DECODE[bits]``) and
-    longer K steps (a step of packed words holds a quarter of FP8's bytes at 4 bits)."""
+    longer K steps (a step of packed words holds a quarter of FP8's bytes at 4 bits).
+    ``rule_bits`` (default ``bits``): the width the grouped rule is given, 0 where the
+    dispatch takes the general rule (``_wna16_rule_bits``)."""
     from engine_triton.kernels import fused_moe as fm
 
     D, G = fm.DecodeConfig, fm.GroupedConfig
@@ -622,7 +636,12 @@ def _moe_candidates(
     rule = "decode" if fm.use_decode(tokens, top_k, experts, bits) else "grouped"
     decode_rule = fm.WNA16_DECODE[bits] if bits else D()
     out: list[tuple[str, object]] = [
-        (rule, decode_rule if rule == "decode" else fm.grouped_config(pairs, experts, bits))
+        (
+            rule,
+            decode_rule
+            if rule == "decode"
+            else fm.grouped_config(pairs, experts, bits if rule_bits is None else rule_bits),
+        )
     ]
     if pairs <= fm.DECODE_MAX_PAIRS and bits:
         out += [("decode", c) for c in (D(16, 512, 8, 256), D(16, 1024, 8, 512),
@@ -706,7 +725,9 @@ def sweep_moe(
             nbytes = distinct * expert_bytes + 2 * t * h * dtype.itemsize
             expected = _moe_reference(x, weights[0], routes[0][1], routes[0][0]).float()
             over = time.perf_counter() - t0 > budget_s
-            cands = _moe_candidates(t, k, e, _wna16_bits(wna16) if wna16 else 0)
+            cands = _moe_candidates(
+                t, k, e, *((_wna16_bits(wna16), _wna16_rule_bits(wna16)) if wna16 else (0, 0))
+            )
             cands = cands if candidates and not over else cands[:1]
             rows = []
             for index, (variant, cfg) in enumerate(cands):

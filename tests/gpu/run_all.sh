@@ -27,7 +27,8 @@
 # beside qwen-nano / qwen-b1), vllm-llama (batch 1, the mixed and the shared-prefix
 # workloads on the Llama-3.1-8B shape, beside llama-b1 / llama-mixed / llama-shared) and
 # vllm-moe (batch 1 and nano-vllm's workload on the Qwen3-30B-A3B shape, beside moe-b1 /
-# moe-nano; needs a kit built with vLLM's MoE library, docs/benchmarks.md says how). Logs go to $OUT/tests.log,
+# moe-nano; needs a kit built with vLLM's MoE library, docs/benchmarks.md says how;
+# VLLM_MOE_CONFIG_AS=NVIDIA_H200 lends vLLM that GPU's tuned MoE configurations). Logs go to $OUT/tests.log,
 # kernels.log, bench.log and profile.txt; every benchmark's JSON into $OUT/results.json (one
 # object keyed by step). A step is skipped when less than a minute of DEADLINE (seconds,
 # default 560) is left. Run from a copy of the repository on a machine with python3, torch
@@ -234,7 +235,21 @@ for step in "${steps[@]}"; do
       esac
       echo "=== $step ($shape: $wls) at $(elapsed)s"
       timeout -k 10 $(($(left) - 10)) bash "$kit/run_on_gpu.sh" check >/dev/null 2>&1
-      PYTHONPATH=${PEER_HOME:-$HOME/vllm-peer}/site:${PYTHONPATH:-} PEER_KIT="$kit" OUT="$OUT" \
+      # VLLM_MOE_CONFIG_AS=NVIDIA_H200: vLLM's tuned fused-MoE configurations for that GPU, under
+      # this GPU's name (vLLM 0.24.0 ships none for Qwen3-30B-A3B's experts on an H100 and warns
+      # "Using default MoE config"), through its VLLM_TUNED_CONFIG_FOLDER.
+      tuned=()
+      if [ -n "${VLLM_MOE_CONFIG_AS:-}" ]; then
+        configs=${PEER_HOME:-$HOME/vllm-peer}/site/vllm/model_executor/layers/fused_moe/configs
+        here=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
+        folder=$(mktemp -d)
+        for f in "$configs"/*"device_name=$VLLM_MOE_CONFIG_AS".json "$configs"/*"device_name=$VLLM_MOE_CONFIG_AS",*.json; do
+          [ -f "$f" ] && cp "$f" "$folder/$(basename "${f/device_name=$VLLM_MOE_CONFIG_AS/device_name=$here}")"
+        done
+        echo "vLLM's $VLLM_MOE_CONFIG_AS MoE configurations as $here's: $(ls "$folder" | wc -l) files"
+        tuned=(VLLM_TUNED_CONFIG_FOLDER="$folder")
+      fi
+      env "${tuned[@]}" PYTHONPATH=${PEER_HOME:-$HOME/vllm-peer}/site:${PYTHONPATH:-} PEER_KIT="$kit" OUT="$OUT" \
         timeout -k 10 $(($(left) - 10)) python3 tests/gpu/vllm_peer_mixed.py $shape $wls \
         >"$OUT/vllm_$shape.log" 2>&1
       echo "rc=$? at $(elapsed)s"

@@ -262,7 +262,11 @@ def test_experts_split_and_placed_over_two_ranks_match_one_process(tmp_path):
     hf = tiny_moe_hf("qwen3_moe", moe_intermediate_size=64)
     # The head in F16: one process would keep a Q8_0 head quantized (int8 activations in its
     # product), two ranks cannot (GGUFVocabMethod is single-process), and that difference is
-    # not the experts'. (The Q8_0 embedding kept by one process looks rows up exactly.)
+    # not the experts'. (The Q8_0 embedding kept by one process looks rows up exactly.) With an
+    # F16 embedding instead, one prompt's logprobs differed by up to 1.6e-2 at TP=2: the ranks'
+    # partial sums round differently in the last bits, and an int8 activation of a later
+    # quantized product (Q5_0/Q8_0 attention, Q8_0 down) then lands on the other side of a
+    # rounding boundary; with those products in F32 the two agreed within 2e-6 (2026-12-07).
     types = {**MOE_TYPES, "ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_0", "ffn_down_exps": "Q8_0",
              "output": "F16"}  # fmt: skip
     path = write_tiny_moe_gguf(tmp_path / "qwen3_moe.gguf", hf, types)

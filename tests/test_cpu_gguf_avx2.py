@@ -231,11 +231,101 @@ def test_the_packing_holds_the_values_in_their_bits(name):
         assert values.shape == (n, k // 2)
     else:
         assert values.shape == (n, k)
-    # no offsets for Q8_0 (signed values) and where they are -z times the scale
-    assert ("avx2_offsets" in packed) == (name not in ("Q4_0", "Q5_0", "Q6_K", "Q8_0"))
-    assert packed["avx2_scales"].shape == (n, k // t.group)
-    # Q8_0's scales as the file holds them (float16, exact), the others' float32
-    assert packed["avx2_scales"].dtype == (torch.float16 if name == "Q8_0" else torch.float32)
+    # no offsets for Q8_0 (signed values), where they are -z times the scale, and for the
+    # K-quants (their mins are in the compact scales)
+    kquant = name in ("Q4_K", "Q5_K", "Q6_K")
+    assert ("avx2_offsets" in packed) == (
+        name not in ("Q4_0", "Q5_0", "Q6_K", "Q8_0", "Q4_K", "Q5_K")
+    )
+    if kquant:  # a record per 256 values: float16 d (and dmin), integer sub-scales (and mins)
+        assert packed["avx2_scales"].shape == (n, k // 256, 18 if name == "Q6_K" else 20)
+        assert packed["avx2_scales"].dtype == torch.uint8
+        assert int(packed["avx2_layout"][0]) & cpu_gguf._KSCALES
+    else:
+        assert packed["avx2_scales"].shape == (n, k // t.group)
+        # Q8_0's scales as the file holds them (float16, exact), the others' float32
+        assert packed["avx2_scales"].dtype == (torch.float16 if name == "Q8_0" else torch.float32)
+        assert not int(packed["avx2_layout"][0]) & cpu_gguf._KSCALES
+
+
+def _float32_scales_form(blocks: torch.Tensor, packed: dict) -> dict:
+    """The same K-quant weight in the form every type had before the compact scales: float32
+    scales per group (and float32 offsets for Q4_K / Q5_K), ``ref.unpack``'s, and the layout
+    word without its bit; the values copied (the MoE descriptors are cached per values tensor)."""
+    word, group = packed["avx2_layout"].reshape(-1, 2)[0].tolist()
+    name = "Q6_K" if group == 16 else "Q4_K" if word & 0xFF == cpu_gguf._PACK_U4 else "Q5_K"
+    stacked = blocks.dim() == 4
+    flat = blocks.flatten(0, 1) if stacked else blocks
+    _, scale, offset = gk.unpack(flat, name)
+    shape = (*blocks.shape[: 2 if stacked else 1], -1)
+    old = {
+        "avx2_values": packed["avx2_values"].clone(),
+        "avx2_scales": scale.reshape(shape).contiguous(),
+        "avx2_layout": packed["avx2_layout"] & ~cpu_gguf._KSCALES,
+    }
+    if name != "Q6_K":
+        old["avx2_offsets"] = offset.reshape(shape).contiguous()
+    return old
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_compact_k_scales_give_the_float32_scales_bits(name, monkeypatch, instructions):
+    """The K-quants' compact scales (float16 d and dmin, integer sub-scales and mins per 256
+    values) against the float32 scales and offsets they replace: every product (one row, odd
+    and even batches, past a 128-row cache tile; float32 and bfloat16 in and out), the
+    prefill's dequantized tiles and the lookups, bit for bit."""
+    t = gk.gguf_type(name)
+    gen = torch.Generator().manual_seed(61)
+    for n, k in ((7, 256), (37, 768), (16, 2048)):
+        blocks = gguf_blocks(n, k, name, seed=n + k)
+        new = cpu_gguf._avx2_pack(blocks, t)
+        old = _float32_scales_form(blocks, new)
+        for m in (1, 2, 3, 5, 8, 130):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                got = cpu_gguf._avx2_linear(x, new, dtype=dtype)
+                want = cpu_gguf._avx2_linear(x, old, dtype=dtype)
+                assert torch.equal(_bits(got), _bits(want)), (n, k, m, dtype)
+        monkeypatch.setattr(cpu_gguf, "AVX2_DENSE_ROWS", 16)
+        x = torch.randn(17, k, generator=gen)
+        assert torch.equal(cpu_gguf._avx2_linear(x, new), cpu_gguf._avx2_linear(x, old))
+        monkeypatch.undo()
+        monkeypatch.setattr(cpu_gguf, "AVX2_ONLY", instructions == "avx2")
+        ids = torch.tensor([n - 1, 0, 3, 3])
+        for dtype, scale in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 2.5)):
+            got = cpu_gguf._avx2_rows(new, ids, dtype, scale)
+            assert torch.equal(_bits(got), _bits(cpu_gguf._avx2_rows(old, ids, dtype, scale)))
+            assert torch.equal(got, gk.dequantize(blocks, name)[ids].to(dtype) * (scale or 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_k_scales_in_a_moe_stack(dtype, instructions):
+    """A MoE layer's stacks in one call (``gguf_avx2_moe``: descriptors with byte strides):
+    Q4_K gate / up and Q6_K down experts with compact scales, bit for bit the layer with
+    float32 scales."""
+    e, h, inter, tokens, top_k = 4, 512, 256, 5, 2
+    gen = torch.Generator().manual_seed(71)
+
+    def stack(rows, cols, name, seed):
+        t = gk.gguf_type(name)
+        blocks = torch.stack([gguf_blocks(rows, cols, name, seed=seed + i) for i in range(e)])
+        parts = [cpu_gguf._avx2_pack(b, t) for b in blocks]
+        new = {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
+        return new, _float32_scales_form(blocks, new)
+
+    gu_new, gu_old = stack(2 * inter, h, "Q4_K", 1)
+    down_new, down_old = stack(h, inter, "Q6_K", 11)
+    hidden = torch.randn(tokens, h, generator=gen).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(tokens)])
+    op = cpu_gguf.gguf_linear
+    got = op.routed_experts(hidden, weights, ids, [gu_new], down_new)
+    want = op.routed_experts(hidden, weights, ids, [gu_old], down_old)
+    assert got is not None and torch.equal(_bits(got), _bits(want))
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -285,13 +285,16 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     n = blocks.shape[0]
     k = blocks.shape[1] * t.block_size
     signed = t.name == "Q8_0"
+    compact = t.name in _KQUANTS
     zero = _AVX2_ZERO.get(t.name, 0)
     pack = _PACK_S8 if signed else _PACK_U4 if t.bits == 4 else _PACK_U8
     # in huge pages: a decode step streams them, and 4 KiB pages cost a TLB miss each
     values = hugepages.empty((n, k // 2 if pack == _PACK_U4 else k), torch.uint8)
-    # Q8_0's scales as the file holds them, float16 (exact; 2 bytes a block fewer to read)
-    scales = hugepages.empty((n, k // t.group), torch.float16 if signed else torch.float32)
-    offsets = None if signed or zero else hugepages.empty((n, k // t.group))
+    if compact:  # the file's super-block scales (_avx2_kscales)
+        scales = hugepages.empty((n, k // 256, 18 if t.group == 16 else 20), torch.uint8)
+    else:  # Q8_0's scales as the file holds them, float16 (exact; 2 bytes a block fewer)
+        scales = hugepages.empty((n, k // t.group), torch.float16 if signed else torch.float32)
+    offsets = None if signed or zero or compact else hugepages.empty((n, k // t.group))
     order = _avx2_order(k)
     low, high = _avx2_nibbles(k)
     for start in range(0, n, _VOCAB_CHUNK):
@@ -303,18 +306,42 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
             values[part] = u[:, low] | (u[:, high] << 4)
         else:
             values[part] = u[:, order]
-        scales[part] = scale
+        scales[part] = _avx2_kscales(blocks[part], t) if compact else scale
         if offsets is not None:
             offsets[part] = offset
     packed = {
         "avx2_values": values,
         "avx2_scales": scales,
         # the kernels' layout word: the packing, and the zero point in bits 16-23
-        "avx2_layout": torch.tensor([pack | zero << 16 | (_SCALES16 if signed else 0), t.group]),
+        "avx2_layout": torch.tensor(
+            [
+                pack | zero << 16 | (_SCALES16 if signed else 0) | (_KSCALES if compact else 0),
+                t.group,
+            ]
+        ),
     }
     if offsets is not None:
         packed["avx2_offsets"] = offsets
     return packed
+
+
+def _avx2_kscales(blocks: torch.Tensor, t: ref.GGUFType) -> torch.Tensor:
+    """The compact scales of K-quant blocks ``[n, K / 256, size]`` (``csrc/gguf_layout.h``),
+    uint8 ``[n, K / 256, 20 or 18]``: per super-block, Q4_K / Q5_K's float16 ``d`` and ``dmin``
+    (the block's first 4 bytes) then its 8 six-bit sub-scales and 8 mins a byte each; Q6_K's
+    float16 ``d`` then its 16 int8 sub-scales. The kernels compute ``d * sc`` and
+    ``-(dmin * m)`` in float32, exact, so the same scales and offsets as ``ref.unpack``'s."""
+    if t.group == 16:
+        return torch.cat((blocks[..., 208:210], blocks[..., 192:208]), dim=-1)
+    sc, mn = ref._k_scale_min(blocks[..., 4:16])
+    return torch.cat((blocks[..., 0:4], sc, mn), dim=-1)
+
+
+def _avx2_nk(packed: dict[str, torch.Tensor], pack: int) -> tuple[int, int]:
+    """The output and input features of an AVX2-packed weight (or of each expert of a
+    stack), from its values (the scales' shape depends on their form)."""
+    values = packed["avx2_values"]
+    return values.shape[-2], values.shape[-1] * (2 if pack & 0xFF == _PACK_U4 else 1)
 
 
 # The result dtypes the AVX2 products write themselves, and the layout word's bit for bfloat16
@@ -322,6 +349,10 @@ _AVX2_OUT = (torch.float32, torch.bfloat16)
 _Y_BF16 = 1 << 8
 # ... and the bit for float16 scales (Q8_0's)
 _SCALES16 = 1 << 9
+# ... and the bit for the K-quants' compact scales (Q4_K, Q5_K, Q6_K: per 256 values the file's
+# float16 d (and dmin) and its integer sub-scales (and mins), csrc/gguf_layout.h)
+_KSCALES = 1 << 11
+_KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 # ... and the bit that keeps the products to the AVX2 instructions on a CPU with AVX-512 VNNI
 _AVX2_ONLY_BIT = 1 << 10
 # Where the library has them (``gguf_avx2_vnni()``: compiled for a CPU with AVX-512 VNNI,
@@ -373,14 +404,15 @@ def _moe_descriptor(
     for p in products:
         pack, group = p["avx2_layout"][0].tolist()
         values, scales, offsets = p["avx2_values"], p["avx2_scales"], p.get("avx2_offsets")
+        n, k = _avx2_nk(p, pack)
         words += [
             values.data_ptr(), pack | flags, scales.data_ptr(),
-            0 if offsets is None else offsets.data_ptr(), scales.shape[1],
-            scales.shape[2] * group, group, values.stride(0) * values.element_size(),
+            0 if offsets is None else offsets.data_ptr(), n, k, group,
+            values.stride(0) * values.element_size(),
             scales.stride(0) * scales.element_size(),
             0 if offsets is None else offsets.stride(0) * offsets.element_size(),
         ]  # fmt: skip
-    inter = down["avx2_scales"].shape[2] * group  # the down product's K
+    inter = _avx2_nk(down, pack)[1]  # the down product's K
     desc = torch.tensor(words, dtype=torch.int64)
     setattr(down["avx2_values"], _MOE_DESCRIPTOR, ((ptrs, bf16), desc, inter))
     return desc, inter
@@ -393,7 +425,7 @@ def _avx2_dense_product(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> to
     lib = native.load("avx2")
     pack, group = packed["avx2_layout"].tolist()
     scales = packed["avx2_scales"]
-    n, k = scales.shape[0], scales.shape[1] * group
+    n, k = _avx2_nk(packed, pack)
     rows = max(16, _TILE_VALUES // k)
     if not _scratch or _scratch[0].numel() < min(rows, n) * k:
         _scratch[:] = [torch.empty(min(rows, n) * k)]
@@ -439,7 +471,7 @@ def _avx2_linear(
     lib = native.load("avx2")
     pack, group = packed["avx2_layout"].tolist()  # (iterating the tensor costs ~8 us)
     scales = packed["avx2_scales"]
-    n, k = scales.shape[0], scales.shape[1] * group
+    n, k = _avx2_nk(packed, pack)
     bf16 = x2.dtype == torch.bfloat16
     xc = x2.contiguous() if bf16 else x2.float().contiguous()
     # The quantized activations in a scratch buffer reused across calls (three torch.empty
@@ -480,7 +512,7 @@ def _avx2_rows(
     ``scale`` (already rounded to ``dtype``), times it as the embedding's multiply rounds."""
     pack, group = packed["avx2_layout"].tolist()
     scales = packed["avx2_scales"]
-    k = scales.shape[1] * group
+    k = _avx2_nk(packed, pack)[1]
     offsets = packed.get("avx2_offsets")
     bf16 = dtype == torch.bfloat16
     if dtype not in (torch.float32, torch.bfloat16):

@@ -173,7 +173,7 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
                                                            const float *o, int64_t K, int pack,
                                                            int group, const int8_t *xq,
                                                            const float *xd, const float *xs,
-                                                           int zero, int sc16) {
+                                                           int zero, int sc16, int ks) {
     const int64_t nb = K / 32, ng = K / group, n8 = nb - nb % 8;
     const int64_t n4 = nb % 8 >= 4 ? n8 + 4 : n8;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -207,12 +207,13 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
         if (group == 32) {
             for (int v = 0; v < 8; v++)
                 DOT_VEC(g0, 8, v, 0);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]),
-                                  _mm256_mul_ps(scales8(s, sc16, g0), d), acc);
+            const __m256 sv = ks ? kscales8(s, g0 / 8) : scales8(s, sc16, g0);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(sv, d), acc);
         } else { /* 16-value groups: vectors 0-3 hold values 0-15 of each block, 4-7 16-31 */
             for (int v = 0; v < 8; v++)
                 DOT_VEC(g0, 8, v, v >> 2);
-            const __m256 a = _mm256_loadu_ps(s + 2 * g0), b = _mm256_loadu_ps(s + 2 * g0 + 8);
+            const __m256 a = ks ? kscales8_q6(s, g0 / 8, 0) : _mm256_loadu_ps(s + 2 * g0);
+            const __m256 b = ks ? kscales8_q6(s, g0 / 8, 1) : _mm256_loadu_ps(s + 2 * g0 + 8);
             const __m256i ev = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
             const __m256i od = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
             const __m256 se = _mm256_blend_ps(_mm256_permutevar8x32_ps(a, ev),
@@ -260,16 +261,25 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
                               acc);
     }
     float v = hsum_ps(acc);
-    if (o || zero) { /* sum_g o[g] * xs[g]; with a zero point, -z * sum_g s[g] * xs[g] (exact) */
+    /* compact Q4_K / Q5_K scales: offsets -(dmin * m), computed a super-block at a time */
+    const int kmin = ks && group == 32;
+    if (o || zero || kmin) { /* sum_g o[g] * xs[g]; with a zero point, -z * sum_g s[g] * xs[g] */
         const float *oj = o ? o : s;
         __m256 t = _mm256_setzero_ps();
         int64_t g = 0;
-        for (; g + 8 <= ng; g += 8)
-            t = _mm256_fmadd_ps(_mm256_loadu_ps(oj + g), _mm256_loadu_ps(xs + g), t);
+        for (; g + 8 <= ng; g += 8) {
+            const __m256 xv = _mm256_loadu_ps(xs + g);
+            if (kmin) /* -(dmin m) xs + t: the same bits as the stored offset's FMA */
+                t = _mm256_fnmadd_ps(kmins8(s, g / 8), xv, t);
+            else if (ks) /* Q6_K's scales, 16 groups a super-block */
+                t = _mm256_fmadd_ps(kscales8_q6(s, g / 16, (g / 8) & 1), xv, t);
+            else
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(oj + g), xv, t);
+        }
         float u = hsum_ps(t);
-        for (; g < ng; g++)
+        for (; g < ng; g++) /* (none with compact scales: ng is a multiple of 8) */
             u += oj[g] * xs[g];
-        v += o ? u : -(float)zero * u;
+        v += o || kmin ? u : -(float)zero * u;
     }
     return v;
 }
@@ -300,7 +310,7 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
     }
 #endif
     const int pack = pack_of(layout), zero = zero_of(layout), ybf = y_bf16_of(layout);
-    const int sc16 = scales16_of(layout);
+    const int sc16 = scales16_of(layout), ks = kscales_of(layout);
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
     const int64_t nb = K / 32, ng = K / group;
     /* up to MB rows: one tile of every row (decode) */
@@ -311,29 +321,35 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
     for (int64_t n = NT * t; n < NT * t + NT && n < N; n++) {
         const int64_t m1 = m0 + nm < M ? m0 + nm : M;
         const uint8_t *w = values + n * row_bytes;
-        const float *s = scale_row(scales, sc16, n, ng);
+        const float *s = scale_row(scales, sc16, ks, n, K, group);
         const float *o = offsets ? offsets + n * ng : 0;
 /* pack, group and a zero zero point as constants, so that each combination compiles alone */
-#define ROWS(PACK, GROUP, O, Z, SC16)                                                          \
+#define ROWS(PACK, GROUP, O, Z, SC16, KS)                                                      \
     for (int64_t r = m0; r < m1; r++)                                                          \
         store1(y, ybf, r * ldy + n,                                                            \
-               dot_row(w, s, O, K, PACK, GROUP, xq + r * K, xd + r * nb, xs + r * ng, Z, SC16));
-        if (pack == PACK_S8 && sc16)
-            ROWS(PACK_S8, 32, 0, 0, 1)
+               dot_row(w, s, O, K, PACK, GROUP, xq + r * K, xd + r * nb, xs + r * ng, Z, SC16, KS));
+        if (ks && pack == PACK_U4) /* Q4_K */
+            ROWS(PACK_U4, 32, 0, 0, 0, 1)
+        else if (ks && group == 16) /* Q6_K */
+            ROWS(PACK_U8, 16, 0, zero, 0, 1)
+        else if (ks) /* Q5_K */
+            ROWS(PACK_U8, 32, 0, 0, 0, 1)
+        else if (pack == PACK_S8 && sc16)
+            ROWS(PACK_S8, 32, 0, 0, 1, 0)
         else if (pack == PACK_S8)
-            ROWS(PACK_S8, 32, 0, 0, 0)
+            ROWS(PACK_S8, 32, 0, 0, 0, 0)
         else if (pack == PACK_U4 && zero)
-            ROWS(PACK_U4, 32, 0, zero, 0)
+            ROWS(PACK_U4, 32, 0, zero, 0, 0)
         else if (pack == PACK_U4)
-            ROWS(PACK_U4, 32, o, 0, 0)
+            ROWS(PACK_U4, 32, o, 0, 0, 0)
         else if (group == 16 && zero)
-            ROWS(PACK_U8, 16, 0, zero, 0)
+            ROWS(PACK_U8, 16, 0, zero, 0, 0)
         else if (group == 16)
-            ROWS(PACK_U8, 16, o, 0, 0)
+            ROWS(PACK_U8, 16, o, 0, 0, 0)
         else if (zero)
-            ROWS(PACK_U8, 32, 0, zero, 0)
+            ROWS(PACK_U8, 32, 0, zero, 0, 0)
         else
-            ROWS(PACK_U8, 32, o, 0, 0)
+            ROWS(PACK_U8, 32, o, 0, 0, 0)
 #undef ROWS
     }
 }
@@ -346,12 +362,13 @@ void gguf_avx2_dequantize(const uint8_t *values, int layout, const float *scales
                           const float *offsets, int64_t n0, int64_t n1, int64_t K, int group,
                           float *out) {
     const int pack = pack_of(layout), zero = zero_of(layout), sc16 = scales16_of(layout);
+    const int ks = kscales_of(layout), kmin = ks && group == 32;
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
     const int64_t ng = K / group;
 #pragma omp parallel for schedule(static)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *w = values + n * row_bytes;
-        const float *s = scale_row(scales, sc16, n, ng);
+        const float *s = scale_row(scales, sc16, ks, n, K, group);
         const float *o = offsets ? offsets + n * ng : 0;
         float *dst = out + (n - n0) * K;
         for (int64_t b = 0; b < K / 32; b++) {
@@ -362,10 +379,12 @@ void gguf_avx2_dequantize(const uint8_t *values, int layout, const float *scales
                 __m256i i32 = pack == PACK_S8 ? _mm256_cvtepi8_epi32(quarter[q])
                                               : _mm256_cvtepu8_epi32(quarter[q]);
                 int64_t g = (32 * b + 8 * q) / group;
-                const float sg = scale1(s, sc16, g);
+                const float sg = ks ? kscale1(s, group, g) : scale1(s, sc16, g);
                 __m256 v = _mm256_mul_ps(_mm256_set1_ps(sg), _mm256_cvtepi32_ps(i32));
-                if (o || zero)
-                    v = _mm256_add_ps(v, _mm256_set1_ps(o ? o[g] : -(float)zero * sg));
+                if (o || zero || kmin)
+                    v = _mm256_add_ps(v, _mm256_set1_ps(o      ? o[g]
+                                                         : kmin ? koffset1(s, g)
+                                                                : -(float)zero * sg));
                 _mm256_storeu_ps(dst + 32 * b + 8 * q, v);
             }
         }
@@ -396,12 +415,13 @@ void gguf_avx2_rows(const uint8_t *values, int layout, const float *scales, cons
                     const int64_t *ids, int64_t R, int64_t K, int group, void *out, int out_bf16,
                     int scaled, float scale) {
     const int pack = pack_of(layout), zero = zero_of(layout), sc16 = scales16_of(layout);
+    const int ks = kscales_of(layout), kmin = ks && group == 32;
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
     const int64_t ng = K / group;
     for (int64_t r = 0; r < R; r++) {
         const int64_t n = ids[r];
         const uint8_t *w = values + n * row_bytes;
-        const float *s = scale_row(scales, sc16, n, ng);
+        const float *s = scale_row(scales, sc16, ks, n, K, group);
         const float *o = offsets ? offsets + n * ng : 0;
         for (int64_t b = 0; b < K / 32; b++) {
             __m256i wv = load_natural(w, K / 32, b, pack);
@@ -410,10 +430,10 @@ void gguf_avx2_rows(const uint8_t *values, int layout, const float *scales, cons
             for (int j = 0; j < 32; j++) {
                 const int64_t k = 32 * b + j, g = k / group;
                 float u = pack == PACK_S8 ? (float)(int8_t)raw[j] : (float)raw[j];
-                const float sg = scale1(s, sc16, g);
+                const float sg = ks ? kscale1(s, group, g) : scale1(s, sc16, g);
                 float v = sg * u;
-                if (o || zero)
-                    v = v + (o ? o[g] : -(float)zero * sg);
+                if (o || zero || kmin)
+                    v = v + (o ? o[g] : kmin ? koffset1(s, g) : -(float)zero * sg);
                 if (out_bf16) {
                     if (scaled)
                         v = bf16_to_float(float_to_bf16(v)) * scale;

@@ -22,10 +22,70 @@ static inline int scales16_of(int word) { return (word >> 9) & 1; }
  * AVX2 path there; engine_cpu/gguf.py sets it). */
 static inline int avx2_only_of(int word) { return (word >> 10) & 1; }
 static inline int zero_of(int word) { return (word >> 16) & 0xff; }
+/* Bit 11: the K-quants' compact scales (Q4_K, Q5_K, Q6_K; rows a multiple of 256 values). The
+ * scales array then holds, per row, one record a super-block of 256 values as the GGUF block
+ * holds its scales: Q4_K / Q5_K (32-value groups) 20 bytes, float16 d and dmin then 8 uint8
+ * sub-scales sc and 8 uint8 mins m, a group's scale d * sc and its offset -(dmin * m);
+ * Q6_K (16-value groups, zero point 32) 18 bytes, float16 d then 16 int8 sub-scales sc, a
+ * group's scale d * sc. A float16 times an integer below 2^8 in magnitude is exact in float32,
+ * so these are bit for bit the float32 scales and offsets of the other form, computed where
+ * they are used; the offsets argument is NULL. */
+static inline int kscales_of(int word) { return (word >> 11) & 1; }
+enum { KREC_MIN = 20, KREC_Q6 = 18 };
+static inline int64_t krec_bytes(int group) { return group == 16 ? KREC_Q6 : KREC_MIN; }
 
-/* Row n's scales in an [N, ng] array of float32, or of float16 when sc16 */
-static inline const float *scale_row(const float *scales, int sc16, int64_t n, int64_t ng) {
-    return (const float *)((const char *)scales + n * ng * (sc16 ? 2 : 4));
+/* Bytes of one row's scales: [K / group] float32 (or float16 when sc16), or K / 256 records */
+static inline int64_t scale_row_bytes(int sc16, int ks, int64_t K, int group) {
+    return ks ? (K / 256) * krec_bytes(group) : (K / group) * (sc16 ? 2 : 4);
+}
+
+/* Row n's scales */
+static inline const float *scale_row(const float *scales, int sc16, int ks, int64_t n,
+                                     int64_t K, int group) {
+    return (const float *)((const char *)scales + n * scale_row_bytes(sc16, ks, K, group));
+}
+
+/* The record of super-block sb of a row of compact scales */
+static inline const uint8_t *krec(const float *s, int group, int64_t sb) {
+    return (const uint8_t *)s + sb * krec_bytes(group);
+}
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Compact scales: the 8 scales of the 32-value groups of super-block sb (Q4_K / Q5_K), its 8
+ * offsets -(dmin * m) negated (dmin * m: the caller subtracts), and Q6_K's 16 scales as two
+ * vectors (groups 0-7, 8-15 of the super-block). */
+static inline __m256 kscales8(const float *s, int64_t sb) {
+    const uint8_t *r = krec(s, 32, sb);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 4))));
+    return _mm256_mul_ps(_mm256_set1_ps(f16_at(r)), sc);
+}
+static inline __m256 kmins8(const float *s, int64_t sb) {
+    const uint8_t *r = krec(s, 32, sb);
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 12))));
+    return _mm256_mul_ps(_mm256_set1_ps(f16_at(r + 2)), m);
+}
+static inline __m256 kscales8_q6(const float *s, int64_t sb, int half) {
+    const uint8_t *r = krec(s, 16, sb);
+    const __m256 sc = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + 2 + 8 * half))));
+    return _mm256_mul_ps(_mm256_set1_ps(f16_at(r)), sc);
+}
+
+/* Group g's scale and offset (compact scales), one at a time (lookups, dequantization) */
+static inline float kscale1(const float *s, int group, int64_t g) {
+    const int per = 256 / group;
+    const uint8_t *r = krec(s, group, g / per);
+    if (group == 16)
+        return f16_at(r) * (float)(int8_t)r[2 + g % per];
+    return f16_at(r) * (float)r[4 + g % per];
+}
+static inline float koffset1(const float *s, int64_t g) {
+    const uint8_t *r = krec(s, 32, g / 8);
+    return -(f16_at(r + 2) * (float)r[12 + g % 8]);
 }
 
 /* Whether this library was compiled with the AVX-512 VNNI products (gguf_vnni.c): -march=native

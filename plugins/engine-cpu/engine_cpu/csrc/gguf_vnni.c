@@ -58,6 +58,25 @@ static inline __m512 load16(const float *s, int sc16, int64_t i, int64_t n) {
     return _mm512_maskz_loadu_ps(m, s + i);
 }
 
+/* Compact scales (gguf_layout.h): Q6_K's 16 scales of super-block sb */
+static inline __m512 kscales16_q6(const float *s, int64_t sb) {
+    const uint8_t *r = krec(s, 16, sb);
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 2))));
+    return _mm512_mul_ps(_mm512_set1_ps(f16_at(r)), sc);
+}
+
+/* Compact scales: the offsets -(dmin * m) of 32-value groups g .. g + 15 of a row of ng (Q4_K /
+ * Q5_K; g a multiple of 8), zeros from ng on as load16's */
+static inline __m512 koffsets16(const float *s, int64_t g, int64_t ng) {
+    const __m256 lo = kmins8(s, g / 8);
+    const __m256 hi = g + 8 < ng ? kmins8(s, g / 8 + 1) : _mm256_setzero_ps();
+    const __m512i dm = _mm512_castps_si512(
+        _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1));
+    const __mmask16 m = g + 8 < ng ? (__mmask16)0xffff : (__mmask16)0x00ff;
+    /* negated (exact, -0 for m = 0 as the stored offsets), +0 outside the row */
+    return _mm512_castsi512_ps(_mm512_maskz_xor_epi32(m, dm, _mm512_set1_epi32((int)0x80000000u)));
+}
+
 static inline __m512i unsigned_q8(__m512i v, int pack) {
     return pack == PACK_S8 ? _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)) : v;
 }
@@ -163,7 +182,8 @@ static inline __attribute__((always_inline)) void store_tile(const struct gemm *
  * body for both (G, wb, rb, pack, group and sc16 are constants where inlined: the two
  * instances compile as the two loops written out did). */
 static inline __attribute__((always_inline)) void group_tile(
-    int G, int64_t g0, int wb, int rb, int pack, int group, int sc16, const uint8_t *const w[WB],
+    int G, int64_t g0, int wb, int rb, int pack, int group, int sc16, int ks,
+    const uint8_t *const w[WB],
     const float *const s[WB], const int8_t *const x[RB], const float *const d[RB],
     __m512 acc[WB][RB]) {
     const int nv = G / 2;                   /* 64-byte vectors of the group */
@@ -189,10 +209,13 @@ static inline __attribute__((always_inline)) void group_tile(
         __m512 sv[WB];
         for (int i = 0; i < wb; i++) {
             if (group == 32) {
-                sv[i] = G == 8 ? scales8x2(s[i], sc16, g0) : scales4x4(s[i], sc16, g0);
+                sv[i] = ks       ? dup8(kscales8(s[i], g0 / 8)) /* (G 8: one super-block) */
+                        : G == 8 ? scales8x2(s[i], sc16, g0)
+                                 : scales4x4(s[i], sc16, g0);
             } else { /* lane l: block l's scale of values 0-15 (h 0) or 16-31 */
-                const __m512 both = G == 8 ? _mm512_loadu_ps(s[i] + 2 * g0)
-                                           : _mm512_maskz_loadu_ps(0xff, s[i] + 2 * g0);
+                const __m512 both = ks       ? kscales16_q6(s[i], g0 / 8)
+                                    : G == 8 ? _mm512_loadu_ps(s[i] + 2 * g0)
+                                             : _mm512_maskz_loadu_ps(0xff, s[i] + 2 * g0);
                 sv[i] = _mm512_permutexvar_ps(
                     h ? _mm512_add_epi32(even, _mm512_set1_epi32(1)) : even, both);
             }
@@ -211,7 +234,7 @@ static inline __attribute__((always_inline)) void group_tile(
  * rb <= RB; constants where inlined, as are pack, group, has_offsets, and sc16). */
 static inline __attribute__((always_inline)) void tile(const struct gemm *a, int64_t n, int wb,
                                                         int64_t r, int rb, int pack, int group,
-                                                        int has_offsets, int sc16) {
+                                                        int has_offsets, int sc16, int ks) {
     const int64_t K = a->K;
     const float *offsets = has_offsets ? a->offsets : 0;
     const int zero = has_offsets ? 0 : a->zero;
@@ -222,6 +245,7 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
     const int64_t n4 = nb % 8 >= 4 ? n8 + 4 : n8;
     const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
     const int z = pack == PACK_S8 ? 128 : zero; /* Q8_0 read as q + 128 */
+    const int kmin = ks && group == 32;         /* compact Q4_K / Q5_K: offsets -(dmin * m) */
     const uint8_t *w[WB];
     const float *s[WB], *o[WB];
     const int8_t *x[RB];
@@ -229,7 +253,7 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
     __m512 acc[WB][RB];
     for (int i = 0; i < wb; i++) {
         w[i] = values + (n + i) * row_bytes;
-        s[i] = scale_row(scales, sc16, n + i, ng);
+        s[i] = scale_row(scales, sc16, ks, n + i, K, group);
         o[i] = offsets ? offsets + (n + i) * ng : 0;
         for (int q = 0; q < rb; q++)
             acc[i][q] = _mm512_setzero_ps();
@@ -240,9 +264,9 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
         xsr[q] = xs + (r + q) * ng;
     }
     for (int64_t g0 = 0; g0 < n8; g0 += 8)
-        group_tile(8, g0, wb, rb, pack, group, sc16, w, s, x, d, acc);
+        group_tile(8, g0, wb, rb, pack, group, sc16, ks, w, s, x, d, acc);
     if (n4 > n8) /* the group of 4 */
-        group_tile(4, n8, wb, rb, pack, group, sc16, w, s, x, d, acc);
+        group_tile(4, n8, wb, rb, pack, group, sc16, ks, w, s, x, d, acc);
     for (int64_t b = n4; b < nb; b++) { /* blocks alone, 256 bits */
         for (int i = 0; i < wb; i++) {
             const __m256i wv = wblock(w[i], b, pack);
@@ -258,11 +282,13 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
             }
         }
     }
-    if (offsets || z) { /* sum_g o[g] * xs[g], o = -z * s where the type has a zero point */
+    if (offsets || z || kmin) { /* sum_g o[g] * xs[g], o = -z * s where the type has a zero point */
         for (int64_t g = 0; g < ng; g += 16) {
             __m512 ov[WB];
             for (int i = 0; i < wb; i++)
                 ov[i] = offsets ? load16(o[i], 0, g, ng)
+                        : kmin  ? koffsets16(s[i], g, ng)
+                        : ks    ? _mm512_mul_ps(kscales16_q6(s[i], g / 16), _mm512_set1_ps(-(float)z))
                                 : _mm512_mul_ps(load16(s[i], sc16, g, ng), _mm512_set1_ps(-(float)z));
             for (int q = 0; q < rb; q++) {
                 const __m512 xv = load16(xsr[q], 0, g, ng);
@@ -280,7 +306,7 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
 /* Weight rows n0 .. n1 - 1 against activation rows m0 .. m1 - 1 in register tiles, one
  * function per type's constants (kept out of line: one function holding every type's tiles
  * spilled its pointers to the stack and ran a row at a time 1.5-2.5x slower) */
-#define TILES(NAME, PACK, GROUP, HAS_OFFSETS, SC16)                                             \
+#define TILES(NAME, PACK, GROUP, HAS_OFFSETS, SC16, KS)                                           \
     static __attribute__((noinline)) void NAME(const struct gemm *a, int64_t n0, int64_t n1,   \
                                                int64_t m0, int64_t m1) {                       \
         for (int64_t r = m0; r < m1;) {                                                        \
@@ -288,29 +314,32 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
             for (int64_t n = n0; n < n1; n += WB) {                                            \
                 const int wb = n1 - n >= 2 ? 2 : 1;                                            \
                 if (wb == 2 && rb == 4)                                                        \
-                    tile(a, n, 2, r, 4, PACK, GROUP, HAS_OFFSETS, SC16);                       \
+                    tile(a, n, 2, r, 4, PACK, GROUP, HAS_OFFSETS, SC16, KS);                       \
                 else if (wb == 2 && rb == 2)                                                   \
-                    tile(a, n, 2, r, 2, PACK, GROUP, HAS_OFFSETS, SC16);                       \
+                    tile(a, n, 2, r, 2, PACK, GROUP, HAS_OFFSETS, SC16, KS);                       \
                 else if (wb == 2)                                                              \
-                    tile(a, n, 2, r, 1, PACK, GROUP, HAS_OFFSETS, SC16);                       \
+                    tile(a, n, 2, r, 1, PACK, GROUP, HAS_OFFSETS, SC16, KS);                       \
                 else if (rb == 4)                                                              \
-                    tile(a, n, 1, r, 4, PACK, GROUP, HAS_OFFSETS, SC16);                       \
+                    tile(a, n, 1, r, 4, PACK, GROUP, HAS_OFFSETS, SC16, KS);                       \
                 else if (rb == 2)                                                              \
-                    tile(a, n, 1, r, 2, PACK, GROUP, HAS_OFFSETS, SC16);                       \
+                    tile(a, n, 1, r, 2, PACK, GROUP, HAS_OFFSETS, SC16, KS);                       \
                 else                                                                           \
-                    tile(a, n, 1, r, 1, PACK, GROUP, HAS_OFFSETS, SC16);                       \
+                    tile(a, n, 1, r, 1, PACK, GROUP, HAS_OFFSETS, SC16, KS);                       \
             }                                                                                  \
             r += rb;                                                                           \
         }                                                                                      \
     }
-TILES(tiles_s8_16, PACK_S8, 32, 0, 1)
-TILES(tiles_s8, PACK_S8, 32, 0, 0)
-TILES(tiles_u4_zero, PACK_U4, 32, 0, 0)
-TILES(tiles_u4, PACK_U4, 32, 1, 0)
-TILES(tiles_u8_16_zero, PACK_U8, 16, 0, 0)
-TILES(tiles_u8_16, PACK_U8, 16, 1, 0)
-TILES(tiles_u8_zero, PACK_U8, 32, 0, 0)
-TILES(tiles_u8, PACK_U8, 32, 1, 0)
+TILES(tiles_s8_16, PACK_S8, 32, 0, 1, 0)
+TILES(tiles_s8, PACK_S8, 32, 0, 0, 0)
+TILES(tiles_u4_zero, PACK_U4, 32, 0, 0, 0)
+TILES(tiles_u4, PACK_U4, 32, 1, 0, 0)
+TILES(tiles_u8_16_zero, PACK_U8, 16, 0, 0, 0)
+TILES(tiles_u8_16, PACK_U8, 16, 1, 0, 0)
+TILES(tiles_u8_zero, PACK_U8, 32, 0, 0, 0)
+TILES(tiles_u8, PACK_U8, 32, 1, 0, 0)
+TILES(tiles_u4_k, PACK_U4, 32, 0, 0, 1)
+TILES(tiles_u8_16_k, PACK_U8, 16, 0, 0, 1)
+TILES(tiles_u8_k, PACK_U8, 32, 0, 0, 1)
 #undef TILES
 
 /* Bytes n0 .. n1 of an array into the cache ahead of their use. Without it the weights of a
@@ -326,9 +355,11 @@ void gguf_vnni_gemm(const uint8_t *values, int layout, const float *scales, cons
                     int64_t N, int64_t K, int group, const int8_t *xq, const float *xd,
                     const float *xs, int64_t M, void *y, int64_t ldy) {
     const int pack = pack_of(layout), zero = zero_of(layout), sc16 = scales16_of(layout);
+    const int ks = kscales_of(layout);
     const struct gemm a = {values, scales, offsets, K, xq, xd, xs, y, ldy, y_bf16_of(layout), zero};
     void (*run)(const struct gemm *, int64_t, int64_t, int64_t, int64_t) =
-        pack == PACK_S8 ? (sc16 ? tiles_s8_16 : tiles_s8)
+        ks ? (pack == PACK_U4 ? tiles_u4_k : group == 16 ? tiles_u8_16_k : tiles_u8_k)
+        : pack == PACK_S8 ? (sc16 ? tiles_s8_16 : tiles_s8)
         : pack == PACK_U4 ? (zero ? tiles_u4_zero : tiles_u4)
         : group == 16   ? (zero ? tiles_u8_16_zero : tiles_u8_16)
                         : (zero ? tiles_u8_zero : tiles_u8);
@@ -337,7 +368,7 @@ void gguf_vnni_gemm(const uint8_t *values, int layout, const float *scales, cons
     /* the weight rows a tile prefetches: those PF rows on (4 rows, 2.5 KB at K = 640, did
      * best at one activation row; a prefill's tile of 16 rows fetches the next tile) */
     const int64_t pf = nt > 4 ? nt : 4, row_bytes = pack == PACK_U4 ? K / 2 : K;
-    const int64_t scale_bytes = (K / group) * (sc16 ? 2 : 4);
+    const int64_t scale_bytes = scale_row_bytes(sc16, ks, K, group);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < (N + nt - 1) / nt; t++) {
         const int64_t n1 = nt * t + nt < N ? nt * t + nt : N;

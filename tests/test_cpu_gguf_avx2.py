@@ -229,6 +229,8 @@ def test_the_packing_holds_the_values_in_their_bits(name):
     values = packed["avx2_values"]
     if t.bits == 4:
         assert values.shape == (n, k // 2)
+    elif name == "Q6_K":  # 6 bits a value: a nibble plane and a 2-bit plane per 256 values
+        assert values.shape == (n, k // 4 * 3)
     else:
         assert values.shape == (n, k)
     # no offsets for Q8_0 (signed values), where they are -z times the scale, and for the
@@ -250,19 +252,25 @@ def test_the_packing_holds_the_values_in_their_bits(name):
 
 def _float32_scales_form(blocks: torch.Tensor, packed: dict) -> dict:
     """The same K-quant weight in the form every type had before the compact scales: float32
-    scales per group (and float32 offsets for Q4_K / Q5_K), ``ref.unpack``'s, and the layout
-    word without its bit; the values copied (the MoE descriptors are cached per values tensor)."""
+    scales per group (and float32 offsets for Q4_K / Q5_K), ``ref.unpack``'s, the layout word
+    without its bit, and Q6_K's values a byte each; the values copied (the MoE descriptors are
+    cached per values tensor)."""
     word, group = packed["avx2_layout"].reshape(-1, 2)[0].tolist()
     name = "Q6_K" if group == 16 else "Q4_K" if word & 0xFF == cpu_gguf._PACK_U4 else "Q5_K"
     stacked = blocks.dim() == 4
     flat = blocks.flatten(0, 1) if stacked else blocks
-    _, scale, offset = gk.unpack(flat, name)
+    u, scale, offset = gk.unpack(flat, name)
     shape = (*blocks.shape[: 2 if stacked else 1], -1)
+    values = packed["avx2_values"].clone()
+    if name == "Q6_K":  # a byte a value then, in the interleaved order
+        word = word & ~0xFF | cpu_gguf._PACK_U8
+        values = u[:, cpu_gguf._avx2_order(u.shape[1])].reshape(shape).contiguous()
     old = {
-        "avx2_values": packed["avx2_values"].clone(),
+        "avx2_values": values,
         "avx2_scales": scale.reshape(shape).contiguous(),
-        "avx2_layout": packed["avx2_layout"] & ~cpu_gguf._KSCALES,
+        "avx2_layout": packed["avx2_layout"].clone(),
     }
+    old["avx2_layout"][..., 0] = word & ~(cpu_gguf._KSCALES | 0xFF) | word & 0xFF
     if name != "Q6_K":
         old["avx2_offsets"] = offset.reshape(shape).contiguous()
     return old
@@ -476,3 +484,8 @@ def test_the_kernel_timing_harness_builds_and_times_both_paths(tmp_path):
     # one time per copy of the weight and round, for each path
     assert len(times["vnni"]) == len(times["avx2"]) >= 2, times
     assert min(times["vnni"] + times["avx2"]) > 0, times
+    # the K-quants' compact scales against the float32 ones (--forms)
+    times = timing.time_product(lib, "Q6_K", 64, 512, 1, 2, 1 << 16, form="both")
+    assert sorted(times) == ["compact", "float32"]
+    # (one time per copy and round: the compact form is smaller, so it has more copies)
+    assert len(times["compact"]) >= len(times["float32"]) >= 2, times

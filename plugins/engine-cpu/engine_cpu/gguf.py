@@ -203,7 +203,7 @@ def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tens
 
 
 # ---- AVX2 (engine_cpu/csrc/gguf_avx2.c) ---------------------------------------------------------
-_PACK_U8, _PACK_U4, _PACK_S8 = 0, 1, 2  # the kernel's packings (see its header)
+_PACK_U8, _PACK_U4, _PACK_S8, _PACK_U6 = 0, 1, 2, 3  # the kernel's packings (see its header)
 _logged_avx2: set[bool] = set()
 
 
@@ -287,9 +287,9 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     signed = t.name == "Q8_0"
     compact = t.name in _KQUANTS
     zero = _AVX2_ZERO.get(t.name, 0)
-    pack = _PACK_S8 if signed else _PACK_U4 if t.bits == 4 else _PACK_U8
+    pack = _PACK_S8 if signed else {4: _PACK_U4, 6: _PACK_U6}.get(t.bits, _PACK_U8)
     # in huge pages: a decode step streams them, and 4 KiB pages cost a TLB miss each
-    values = hugepages.empty((n, k // 2 if pack == _PACK_U4 else k), torch.uint8)
+    values = hugepages.empty((n, _avx2_row_bytes(pack, k)), torch.uint8)
     if compact:  # the file's super-block scales (_avx2_kscales)
         scales = hugepages.empty((n, k // 256, 18 if t.group == 16 else 20), torch.uint8)
     else:  # Q8_0's scales as the file holds them, float16 (exact; 2 bytes a block fewer)
@@ -304,6 +304,8 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
             u = (u.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
         if pack == _PACK_U4:
             values[part] = u[:, low] | (u[:, high] << 4)
+        elif pack == _PACK_U6:
+            values[part] = _avx2_u6(u[:, order])
         else:
             values[part] = u[:, order]
         scales[part] = _avx2_kscales(blocks[part], t) if compact else scale
@@ -337,11 +339,32 @@ def _avx2_kscales(blocks: torch.Tensor, t: ref.GGUFType) -> torch.Tensor:
     return torch.cat((blocks[..., 0:4], sc, mn), dim=-1)
 
 
+def _avx2_u6(u: torch.Tensor) -> torch.Tensor:
+    """Q6_K's values ``u`` ``[n, K]`` (< 64, in the interleaved order) as ``PACK_U6``: per
+    group of 256 (8 blocks), 128 bytes whose low / high nibbles hold the low 4 bits of
+    positions j / 128 + j (as ``PACK_U4``), then 64 bytes whose bits 2i, 2i + 1 hold the high 2
+    bits of position 64 i + j; 6 bits a value."""
+    n, k = u.shape
+    g = u.view(n, k // 256, 256)
+    nib = (g[..., :128] & 0x0F) | ((g[..., 128:] & 0x0F) << 4)
+    hi = (g >> 4).view(n, k // 256, 4, 64)
+    top = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+    return torch.cat((nib, top), dim=-1).view(n, k // 4 * 3)
+
+
+def _avx2_row_bytes(pack: int, k: int) -> int:
+    """Bytes of a packed row of ``k`` values"""
+    pack &= 0xFF
+    return k // 2 if pack == _PACK_U4 else k // 4 * 3 if pack == _PACK_U6 else k
+
+
 def _avx2_nk(packed: dict[str, torch.Tensor], pack: int) -> tuple[int, int]:
     """The output and input features of an AVX2-packed weight (or of each expert of a
     stack), from its values (the scales' shape depends on their form)."""
     values = packed["avx2_values"]
-    return values.shape[-2], values.shape[-1] * (2 if pack & 0xFF == _PACK_U4 else 1)
+    b = values.shape[-1]
+    pack &= 0xFF
+    return values.shape[-2], 2 * b if pack == _PACK_U4 else b // 3 * 4 if pack == _PACK_U6 else b
 
 
 # The result dtypes the AVX2 products write themselves, and the layout word's bit for bfloat16

@@ -17,6 +17,13 @@ product times the number of layers that run it). Needs a CPU with AVX-512 VNNI. 
 the AVX2 products either way (``gguf_avx2_gemm``), so at ``--rows 1`` the two columns time the
 same code (the harness's own spread); ``--csrc`` with the sources of ``c5dc689`` or earlier
 times the VNNI tiles at one row.
+
+The K-quants (Q4_K, Q5_K, Q6_K) are packed with their compact scales (float16 d and dmin and
+integer sub-scales per 256 values, ``engine_cpu.gguf._avx2_kscales``). ``--float32-scales``
+packs them in the earlier form, float32 scales (and offsets) per group, which the sources of
+``--csrc`` before the compact scales need; ``--forms`` times the two forms against each other
+instead of the two instruction sets (each with the instructions the engine picks: AVX2 at one
+row, VNNI from two), alternating as above.
 """
 
 from __future__ import annotations
@@ -77,15 +84,39 @@ def _timing_library(workdir: Path, src: Path | None = None) -> ctypes.CDLL:
 
 
 def _copies(packed: dict[str, torch.Tensor], min_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """``packed`` and copies of it in fresh huge-page memory, together at least ``min_bytes``."""
-    size = sum(t.numel() * t.element_size() for t in packed.values() if t.dim() == 2)
+    """``packed`` and copies of it in fresh huge-page memory, together at least ``min_bytes``
+    (every tensor but the layout word: the compact scales are ``[N, K / 256, record]``)."""
+    size = sum(t.numel() * t.element_size() for t in packed.values() if t.dim() >= 2)
     out = [packed]
     for _ in range(1, max(1, -(-min_bytes // size))):
         copy = {}
         for key, t in packed.items():
-            copy[key] = t if t.dim() != 2 else hugepages.empty(t.shape, t.dtype).copy_(t)
+            copy[key] = t if t.dim() < 2 else hugepages.empty(t.shape, t.dtype).copy_(t)
         out.append(copy)
     return out
+
+
+def float32_scales(blocks: torch.Tensor, name: str, packed: dict) -> dict[str, torch.Tensor]:
+    """A K-quant weight packed with compact scales, in the earlier form: float32 scales (and
+    offsets for Q4_K / Q5_K) per group, the layout word without the bit, Q6_K's values a byte
+    each (the others' as they are). Other types are returned as they are."""
+    if not int(packed["avx2_layout"][0]) & cpu_gguf._KSCALES:
+        return packed
+    u, scale, offset = gk.unpack(blocks, name)
+    values, layout = packed["avx2_values"], packed["avx2_layout"].clone()
+    layout[0] &= ~cpu_gguf._KSCALES
+    if name == "Q6_K":  # a byte a value, in the interleaved order
+        u = u[:, cpu_gguf._avx2_order(u.shape[1])]
+        values = hugepages.empty(u.shape, torch.uint8).copy_(u)
+        layout[0] = layout[0] & ~0xFF | cpu_gguf._PACK_U8
+    old = {
+        "avx2_values": values,
+        "avx2_scales": hugepages.empty(scale.shape, torch.float32).copy_(scale),
+        "avx2_layout": layout,
+    }
+    if name != "Q6_K":
+        old["avx2_offsets"] = hugepages.empty(offset.shape, torch.float32).copy_(offset)
+    return old
 
 
 def time_product(
@@ -97,41 +128,53 @@ def time_product(
     rounds: int,
     min_bytes: int,
     seed: int = 0,
+    form: str = "compact",
 ) -> dict[str, list[float]]:
     """Microseconds of each call, ``{"vnni": [...], "avx2": [...]}``, of the product of ``rows``
     random activation rows with a random ``n x k`` weight of GGUF type ``name``, the two paths
-    alternating round by round (which goes first alternates too)."""
+    alternating round by round (which goes first alternates too). ``form``: the K-quants'
+    scales, "compact", "float32", or "both" (then the paths are ``{"compact", "float32"}``)."""
     t = gk.gguf_type(name)
     raw = random_blocks(n, k, name, seed)
     blocks = torch.from_numpy(raw).view(n, k // t.block_size, t.type_size)
     packed = cpu_gguf.gguf_linear.prepack(blocks, qtype=t.ggml_type, dtype=torch.float32)
     if "avx2_values" not in packed:
         raise RuntimeError("the AVX2 kernels did not pack this weight")
+    forms = {"compact": packed}
+    if form != "compact":
+        forms["float32"] = float32_scales(blocks, name, packed)
+        if form == "float32":
+            forms = {"float32": forms["float32"]}
     del raw, blocks
-    copies = _copies(packed, min_bytes)
-    c = len(copies)
-    values = (ctypes.c_void_p * c)(*(p["avx2_values"].data_ptr() for p in copies))
-    scales = (ctypes.c_void_p * c)(*(p["avx2_scales"].data_ptr() for p in copies))
-    offsets = (ctypes.c_void_p * c)(
-        *((p["avx2_offsets"].data_ptr() if "avx2_offsets" in p else None) for p in copies)
-    )
-    pack, group = packed["avx2_layout"].tolist()
+    args = {}
+    for key, weight in forms.items():
+        copies = _copies(weight, min_bytes)
+        c = len(copies)
+        values = (ctypes.c_void_p * c)(*(p["avx2_values"].data_ptr() for p in copies))
+        scales = (ctypes.c_void_p * c)(*(p["avx2_scales"].data_ptr() for p in copies))
+        offsets = (ctypes.c_void_p * c)(
+            *((p["avx2_offsets"].data_ptr() if "avx2_offsets" in p else None) for p in copies)
+        )
+        args[key] = (copies, c, values, scales, offsets, int(weight["avx2_layout"][0]))
+    group = int(packed["avx2_layout"][1])
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1))
     y = torch.empty(rows, n)
     scratch = torch.empty(rows * k + 4 * rows * (k // 32 + k // 16) + 128, dtype=torch.uint8)
     base = scratch.data_ptr() + (-scratch.data_ptr() % 64)
-    ns = (ctypes.c_double * c)()
-    times: dict[str, list[float]] = {"vnni": [], "avx2": []}
+    ns = (ctypes.c_double * max(a[1] for a in args.values()))()
+    paths = ("compact", "float32") if form == "both" else ("vnni", "avx2")
+    times: dict[str, list[float]] = {p: [] for p in paths}
     for r in range(rounds + 1):
-        order = ("vnni", "avx2") if r % 2 == 0 else ("avx2", "vnni")
+        order = paths if r % 2 == 0 else paths[::-1]
         for path in order:
+            _, c, values, scales, offsets, pack = args[path if form == "both" else form]
             layout = pack | (cpu_gguf._AVX2_ONLY_BIT if path == "avx2" else 0)
             lib.gguf_time_linear(
                 c, values, scales, offsets, layout, n, k, group, x.data_ptr(), rows, base,
                 y.data_ptr(), ns,
             )  # fmt: skip
             if r:  # round 0 warms up (page faults, the OpenMP pool)
-                times[path] += [v / 1e3 for v in ns]
+                times[path] += [v / 1e3 for v in ns[:c]]
     return times
 
 
@@ -145,7 +188,19 @@ def main() -> None:
     parser.add_argument(
         "--csrc", default=None, help="time the kernels of this csrc directory (another version)"
     )
+    parser.add_argument(
+        "--float32-scales",
+        action="store_true",
+        help="pack the K-quants with float32 scales per group (the form before the compact one)",
+    )
+    parser.add_argument(
+        "--forms",
+        action="store_true",
+        help="time the K-quants' compact scales against float32 ones instead of VNNI against AVX2",
+    )
     args = parser.parse_args()
+    form = "both" if args.forms else "float32" if args.float32_scales else "compact"
+    a_, b_ = ("compact", "float32") if args.forms else ("vnni", "avx2")
     only = {s for s in args.only.split(",") if s}
     with tempfile.TemporaryDirectory() as tmp:
         lib = _timing_library(Path(tmp), args.csrc and Path(args.csrc))
@@ -154,24 +209,26 @@ def main() -> None:
         for threads in (int(s) for s in args.threads.split(",")):
             torch.set_num_threads(threads)
             for rows in (int(s) for s in args.rows.split(",")):
-                step = {"vnni": 0.0, "avx2": 0.0}
+                step = {a_: 0.0, b_: 0.0}
                 for label, name, n, k, per_step in MODEL_PRODUCTS:
                     if only and label not in only:
                         continue
-                    times = time_product(lib, name, n, k, rows, args.rounds, args.min_mib << 20)
+                    times = time_product(
+                        lib, name, n, k, rows, args.rounds, args.min_mib << 20, form=form
+                    )
                     med = {p: statistics.median(v) for p, v in times.items()}
                     for p in step:
                         step[p] += per_step * med[p]
                     print(
                         f"threads={threads} rows={rows} {label:8s} {name:5s} {n:6d}x{k:<5d} "
-                        f"vnni min {min(times['vnni']):8.1f} med {med['vnni']:8.1f} us | "
-                        f"avx2 min {min(times['avx2']):8.1f} med {med['avx2']:8.1f} us | "
-                        f"vnni/avx2 {med['vnni'] / med['avx2']:.3f}",
+                        f"{a_} min {min(times[a_]):8.1f} med {med[a_]:8.1f} us | "
+                        f"{b_} min {min(times[b_]):8.1f} med {med[b_]:8.1f} us | "
+                        f"{a_}/{b_} {med[a_] / med[b_]:.3f}",
                         flush=True,
                     )
                 print(
                     f"threads={threads} rows={rows} one decode step's products (medians): "
-                    f"vnni {step['vnni'] / 1e3:.3f} ms, avx2 {step['avx2'] / 1e3:.3f} ms",
+                    f"{a_} {step[a_] / 1e3:.3f} ms, {b_} {step[b_] / 1e3:.3f} ms",
                     flush=True,
                 )
 

@@ -151,7 +151,15 @@ static inline __m256i load_natural(const uint8_t *w, int64_t nb, int64_t b, int 
     uint32_t out[8];
     for (int c = 0; c < 8; c++) {
         const int64_t p = chunk_pos(nb, b, c);
-        if (pack == PACK_U4) { /* position p of the group: low nibbles, then high ones */
+        if (pack == PACK_U6) { /* position p of the group's 256: nibble, then 2 high bits */
+            const int64_t local = p - 32 * g0;
+            const uint8_t *grp = w + 24 * g0;
+            uint32_t raw, hi;
+            memcpy(&raw, grp + local % 128, 4);
+            memcpy(&hi, grp + 128 + local % 64, 4);
+            out[c] = (local < 128 ? raw & 0x0f0f0f0fu : (raw >> 4) & 0x0f0f0f0fu) |
+                     ((hi >> (2 * (local / 64))) & 0x03030303u) << 4;
+        } else if (pack == PACK_U4) { /* position p of the group: low nibbles, then high ones */
             const int64_t local = p - 32 * g0;
             uint32_t raw;
             memcpy(&raw, w + 16 * g0 + local % half, 4);
@@ -183,7 +191,9 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
 #define DOT_VEC(G0, GS, V, I)                                                                  \
     do {                                                                                       \
         __m256i wv;                                                                            \
-        if (pack == PACK_U4) {                                                                 \
+        if (pack == PACK_U6) {                                                                 \
+            wv = u6_vec(w + 24 * (G0), (V));                                                   \
+        } else if (pack == PACK_U4) {                                                          \
             const int half_ = (GS) / 2;                                                        \
             __m256i raw_ = _mm256_loadu_si256(                                                 \
                 (const __m256i *)(w + 16 * (G0) + 32 * ((V) % half_)));                        \
@@ -311,7 +321,7 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
 #endif
     const int pack = pack_of(layout), zero = zero_of(layout), ybf = y_bf16_of(layout);
     const int sc16 = scales16_of(layout), ks = kscales_of(layout);
-    const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
+    const int64_t row_bytes = row_bytes_of(pack, K);
     const int64_t nb = K / 32, ng = K / group;
     /* up to MB rows: one tile of every row (decode) */
     const int64_t NT = M <= MB ? 1 : 16, nm = M <= MB ? M : MB;
@@ -330,7 +340,9 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
                dot_row(w, s, O, K, PACK, GROUP, xq + r * K, xd + r * nb, xs + r * ng, Z, SC16, KS));
         if (ks && pack == PACK_U4) /* Q4_K */
             ROWS(PACK_U4, 32, 0, 0, 0, 1)
-        else if (ks && group == 16) /* Q6_K */
+        else if (ks && pack == PACK_U6) /* Q6_K */
+            ROWS(PACK_U6, 16, 0, zero, 0, 1)
+        else if (ks && group == 16) /* (Q6_K a byte a value) */
             ROWS(PACK_U8, 16, 0, zero, 0, 1)
         else if (ks) /* Q5_K */
             ROWS(PACK_U8, 32, 0, 0, 0, 1)
@@ -363,7 +375,7 @@ void gguf_avx2_dequantize(const uint8_t *values, int layout, const float *scales
                           float *out) {
     const int pack = pack_of(layout), zero = zero_of(layout), sc16 = scales16_of(layout);
     const int ks = kscales_of(layout), kmin = ks && group == 32;
-    const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
+    const int64_t row_bytes = row_bytes_of(pack, K);
     const int64_t ng = K / group;
 #pragma omp parallel for schedule(static)
     for (int64_t n = n0; n < n1; n++) {
@@ -416,7 +428,7 @@ void gguf_avx2_rows(const uint8_t *values, int layout, const float *scales, cons
                     int scaled, float scale) {
     const int pack = pack_of(layout), zero = zero_of(layout), sc16 = scales16_of(layout);
     const int ks = kscales_of(layout), kmin = ks && group == 32;
-    const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
+    const int64_t row_bytes = row_bytes_of(pack, K);
     const int64_t ng = K / group;
     for (int64_t r = 0; r < R; r++) {
         const int64_t n = ids[r];

@@ -85,6 +85,16 @@ static inline __m512i unsigned_q8(__m512i v, int pack) {
  * vectors 2j and 2j + 1 of gguf_avx2.c's order (for PACK_U4, the low nibbles of the group's
  * 128 bytes are vectors 0-3, the high ones 4-7) */
 static inline __m512i wvec8(const uint8_t *w, int64_t g0, int j, int pack) {
+    if (pack == PACK_U6) { /* positions 64 j ..: gguf_layout.h's u6_vec, 64 bytes at a time */
+        const uint8_t *grp = w + 24 * g0;
+        const __m512i raw = _mm512_loadu_si512((const void *)(grp + 64 * (j & 1)));
+        const __m512i lo = _mm512_and_si512(j < 2 ? raw : _mm512_srli_epi16(raw, 4),
+                                            _mm512_set1_epi8(0x0f));
+        const __m512i h = _mm512_loadu_si512((const void *)(grp + 128));
+        const int sh = 4 - 2 * j;
+        const __m512i hs = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
+        return _mm512_or_si512(lo, _mm512_and_si512(hs, _mm512_set1_epi8(0x30)));
+    }
     if (pack == PACK_U4) {
         __m512i raw = _mm512_loadu_si512((const void *)(w + 16 * g0 + 64 * (j & 1)));
         if (j >= 2)
@@ -243,7 +253,7 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
     const int8_t *xq = a->xq;
     const int64_t nb = K / 32, ng = K / group, n8 = nb - nb % 8;
     const int64_t n4 = nb % 8 >= 4 ? n8 + 4 : n8;
-    const int64_t row_bytes = pack == PACK_U4 ? K / 2 : K;
+    const int64_t row_bytes = row_bytes_of(pack, K);
     const int z = pack == PACK_S8 ? 128 : zero; /* Q8_0 read as q + 128 */
     const int kmin = ks && group == 32;         /* compact Q4_K / Q5_K: offsets -(dmin * m) */
     const uint8_t *w[WB];
@@ -339,6 +349,7 @@ TILES(tiles_u8_zero, PACK_U8, 32, 0, 0, 0)
 TILES(tiles_u8, PACK_U8, 32, 1, 0, 0)
 TILES(tiles_u4_k, PACK_U4, 32, 0, 0, 1)
 TILES(tiles_u8_16_k, PACK_U8, 16, 0, 0, 1)
+TILES(tiles_u6_16_k, PACK_U6, 16, 0, 0, 1)
 TILES(tiles_u8_k, PACK_U8, 32, 0, 0, 1)
 #undef TILES
 
@@ -358,7 +369,10 @@ void gguf_vnni_gemm(const uint8_t *values, int layout, const float *scales, cons
     const int ks = kscales_of(layout);
     const struct gemm a = {values, scales, offsets, K, xq, xd, xs, y, ldy, y_bf16_of(layout), zero};
     void (*run)(const struct gemm *, int64_t, int64_t, int64_t, int64_t) =
-        ks ? (pack == PACK_U4 ? tiles_u4_k : group == 16 ? tiles_u8_16_k : tiles_u8_k)
+        ks ? (pack == PACK_U4   ? tiles_u4_k
+              : pack == PACK_U6 ? tiles_u6_16_k
+              : group == 16     ? tiles_u8_16_k
+                                : tiles_u8_k)
         : pack == PACK_S8 ? (sc16 ? tiles_s8_16 : tiles_s8)
         : pack == PACK_U4 ? (zero ? tiles_u4_zero : tiles_u4)
         : group == 16   ? (zero ? tiles_u8_16_zero : tiles_u8_16)
@@ -367,7 +381,7 @@ void gguf_vnni_gemm(const uint8_t *values, int layout, const float *scales, cons
     const int64_t nt = M <= MB ? WB : NT, nm = M <= MB ? M : MB;
     /* the weight rows a tile prefetches: those PF rows on (4 rows, 2.5 KB at K = 640, did
      * best at one activation row; a prefill's tile of 16 rows fetches the next tile) */
-    const int64_t pf = nt > 4 ? nt : 4, row_bytes = pack == PACK_U4 ? K / 2 : K;
+    const int64_t pf = nt > 4 ? nt : 4, row_bytes = row_bytes_of(pack, K);
     const int64_t scale_bytes = scale_row_bytes(sc16, ks, K, group);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < (N + nt - 1) / nt; t++) {

@@ -208,17 +208,36 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
             aw = _mm256_sign_epi8(wv, wv);                                                     \
             xv = _mm256_sign_epi8(xv, wv);                                                     \
         }                                                                                      \
-        isum[I] = _mm256_add_epi32(isum[I],                                                    \
-                                   _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));     \
+        if (I16) /* 16-bit sums (see below) */                                                 \
+            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(aw, xv));                         \
+        else                                                                                   \
+            isum[I] = _mm256_add_epi32(isum[I],                                                \
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones)); \
     } while (0)
+    /* With compact scales (rows of whole super-blocks, only groups of 8 below) the offsets'
+     * term sum_g o[g] * xs[g] (Q4_K / Q5_K: o = -(dmin * m)) or sum_g s[g] * xs[g] (Q6_K) adds
+     * up in `t` as the group loop goes, the same FMAs in the same order as the loop after it
+     * would make, so the same bits, without reading the records twice. */
+    const int kmin = ks && group == 32;
+    __m256 t = _mm256_setzero_ps();
+    /* Compact Q4_K: a group's eight VPMADDUBSW pair sums (at most 2 * 15 * 127 = 3810 in
+     * magnitude each, 30480 for the eight) add up exactly in 16 bits, then one VPMADDWD */
+    const int I16 = ks && pack == PACK_U4;
+    __m256i p16 = _mm256_setzero_si256();
     for (int64_t g0 = 0; g0 < n8; g0 += 8) {
         __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         const __m256 d = _mm256_loadu_ps(xd + g0);
         if (group == 32) {
+            if (I16)
+                p16 = _mm256_setzero_si256();
             for (int v = 0; v < 8; v++)
                 DOT_VEC(g0, 8, v, 0);
+            if (I16)
+                isum[0] = _mm256_madd_epi16(p16, ones);
             const __m256 sv = ks ? kscales8(s, g0 / 8) : scales8(s, sc16, g0);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(sv, d), acc);
+            if (kmin) /* -(dmin m) xs + t: the stored offset's FMA, the same bits */
+                t = _mm256_fnmadd_ps(kmins8(s, g0 / 8), _mm256_loadu_ps(xs + g0), t);
         } else { /* 16-value groups: vectors 0-3 hold values 0-15 of each block, 4-7 16-31 */
             for (int v = 0; v < 8; v++)
                 DOT_VEC(g0, 8, v, v >> 2);
@@ -232,6 +251,10 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
                                               _mm256_permutevar8x32_ps(b, od), 0xf0);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(se, d), acc);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[1]), _mm256_mul_ps(so, d), acc);
+            if (ks) { /* Q6_K: groups 2 g0 .. 2 g0 + 15 */
+                t = _mm256_fmadd_ps(a, _mm256_loadu_ps(xs + 2 * g0), t);
+                t = _mm256_fmadd_ps(b, _mm256_loadu_ps(xs + 2 * g0 + 8), t);
+            }
         }
     }
     if (n4 > n8) { /* a group of four: lanes l and l + 4 hold block l */
@@ -271,25 +294,18 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
                               acc);
     }
     float v = hsum_ps(acc);
-    /* compact Q4_K / Q5_K scales: offsets -(dmin * m), computed a super-block at a time */
-    const int kmin = ks && group == 32;
-    if (o || zero || kmin) { /* sum_g o[g] * xs[g]; with a zero point, -z * sum_g s[g] * xs[g] */
+    if (ks) { /* (t summed above) */
+        const float u = hsum_ps(t);
+        v += kmin ? u : -(float)zero * u;
+    } else if (o || zero) { /* sum_g o[g] * xs[g]; with a zero point, -z * sum_g s[g] * xs[g] */
         const float *oj = o ? o : s;
-        __m256 t = _mm256_setzero_ps();
         int64_t g = 0;
-        for (; g + 8 <= ng; g += 8) {
-            const __m256 xv = _mm256_loadu_ps(xs + g);
-            if (kmin) /* -(dmin m) xs + t: the same bits as the stored offset's FMA */
-                t = _mm256_fnmadd_ps(kmins8(s, g / 8), xv, t);
-            else if (ks) /* Q6_K's scales, 16 groups a super-block */
-                t = _mm256_fmadd_ps(kscales8_q6(s, g / 16, (g / 8) & 1), xv, t);
-            else
-                t = _mm256_fmadd_ps(_mm256_loadu_ps(oj + g), xv, t);
-        }
+        for (; g + 8 <= ng; g += 8)
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(oj + g), _mm256_loadu_ps(xs + g), t);
         float u = hsum_ps(t);
-        for (; g < ng; g++) /* (none with compact scales: ng is a multiple of 8) */
+        for (; g < ng; g++)
             u += oj[g] * xs[g];
-        v += o || kmin ? u : -(float)zero * u;
+        v += o ? u : -(float)zero * u;
     }
     return v;
 }

@@ -20,10 +20,17 @@ load the blocks are repacked:
 * **On other x86-64 CPUs with AVX2** (Intel since Haswell, AMD since Zen; ``csrc/gguf_avx2.c``),
   and on AMX CPUs for float32 activations: every kept type in every activation dtype, the tied
   embedding / LM head included, row by row in 32-value blocks: the 4-bit types two values a
-  byte, the 5- and 6-bit types a byte each (unsigned, with float32 scales and offsets per
-  group; no offsets where they are -z times the scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed
-  bytes with float32 scales (the embedded Gemma 3 270M Q4_K_M: 345 MiB of weights against
-  1,087 MiB dense in float32, its default dtype on such a CPU). The
+  byte, Q6_K in 6 bits (a nibble plane and a 2-bit plane), the 5-bit types a byte each
+  (unsigned, with float32 scales and offsets per group; no offsets where they are -z times the
+  scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed bytes with float16 scales. The K-quants keep
+  their scales compact, as the file holds them (per 256 values float16 ``d`` and ``dmin``,
+  integer sub-scales and mins, ``_avx2_kscales``; the kernels' float32 ``d * sc`` and
+  ``-(dmin * m)`` are exact, the same values as float32 scales and offsets): Q4_K 4.625 bits a
+  weight (4.5 in the file; 6 with float32 scales and offsets), Q5_K 8.625 (5.5; 10), Q6_K
+  6.5625 (6.5625; 10 with a byte a value and float32 scales). The embedded Gemma 3 270M
+  Q4_K_M (mostly Q5_0): 326.0 MiB of weights as ``engine.benchmarks.gguf_decode`` counts them
+  (334.7 with float32 K-quant scales) against 1,087 MiB dense in float32, its default dtype
+  on such a CPU. The
   activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
   dot products (``VPMADDUBSW``), scaled per group of 8 blocks in float32, up to
   ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
@@ -277,11 +284,13 @@ def _avx2_nibbles(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]:
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
     by row, the values in the interleaved order of ``_avx2_order``: Q8_0 as its signed bytes
-    (with its float16 scales only); 4-bit types as two values a byte (``_avx2_nibbles``); the
-    5- and 6-bit types a byte each, with float32 scales per group and, except for the types
-    whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word carries),
-    float32 offsets. Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's peak for a
-    vocabulary matrix."""
+    (with its float16 scales only); 4-bit types as two values a byte (``_avx2_nibbles``); Q6_K
+    in 6 bits (``_avx2_u6``); the 5-bit types a byte each. Scales: for the K-quants (Q4_K,
+    Q5_K, Q6_K) the compact records of ``_avx2_kscales`` (uint8 ``[N, K / 256, 20 or 18]``,
+    layout bit ``_KSCALES``, no offsets); for the others float32 scales per group and, except
+    for the types whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word
+    carries), float32 offsets. Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's
+    peak for a vocabulary matrix."""
     n = blocks.shape[0]
     k = blocks.shape[1] * t.block_size
     signed = t.name == "Q8_0"

@@ -1,15 +1,23 @@
 /* Quantized GGUF matmuls with AVX2 (x86-64 CPUs without AMX): int8 dot products, float32 scales.
  *
  * y[m, n] = sum_k x[m, k] * W[n, k], where W was repacked at load (engine_cpu/gguf.py), row by
- * row, as 32-value blocks along k (in the interleaved order below) in one of three packings:
- *   - PACK_U8: unsigned values u < 64 (the 5- and 6-bit types), one byte each;
+ * row, as 32-value blocks along k (in the interleaved order below) in one of four packings:
+ *   - PACK_U8: unsigned values u < 64 (Q5_0, Q5_1, Q5_K), one byte each;
  *   - PACK_U4: unsigned values u < 16 (the 4-bit types), two per byte;
  *   - PACK_S8: signed values v (Q8_0), one byte each;
+ *   - PACK_U6: unsigned values u < 64 (Q6_K), 6 bits each: per group of 8 blocks, 128 bytes of
+ *     nibbles as PACK_U4's then 64 bytes of the values' top 2 bits (gguf_layout.h's u6_vec);
  * with, per group of G values (32, or 16 for Q6_K), a float32 scale s and, for the unsigned
  * packings, an offset o: W[n, k] = s[n, g] * u[n, k] + o[n, g] (W = s * v for PACK_S8).
- * Scales and offsets are [N, K / G]. The types whose offset is -z times the scale (Q4_0 z = 8,
- * Q5_0 16, Q6_K 32) store no offsets: the entry points take `pack` | z << 16, and the kernels
- * derive o = -z * s (z a power of two, so the same float32 values as stored offsets).
+ * Scales and offsets are [N, K / G] float32 (Q8_0: float16 scales, bit 9 of the layout word).
+ * The types whose offset is -z times the scale (Q4_0 z = 8, Q5_0 16, Q6_K 32) store no
+ * offsets: the entry points take `pack` | z << 16, and the kernels derive o = -z * s (z a
+ * power of two, so the same float32 values as stored offsets). The K-quants (Q4_K, Q5_K,
+ * Q6_K) keep their scales compact instead (bit 11, gguf_layout.h): per 256 values the file's
+ * float16 d (and dmin) and integer sub-scales (and mins), s = d * sc and o = -(dmin * m)
+ * computed in float32, exactly the float32 values the other form stores. Bits a weight read:
+ * Q4_K 4 + 20 * 8 / 256 = 4.625 (6 with float32 scales and offsets), Q5_K 8.625 (10), Q6_K
+ * 6 + 18 * 8 / 256 = 6.5625 (10); the GGUF file holds 4.5, 5.5 and 6.5625.
  *
  * x comes quantized per 32 values as llama.cpp and vLLM's GGUF kernels quantize activations
  * (gguf_avx2_quantize_rows): x[m, k] ~= xd[m, k / 32] * xq[m, k], xq int8 in [-127, 127], and
@@ -26,7 +34,8 @@
  * blocks stay in their own order (lanes 0-3 values 0-15, 4-7 values 16-31). PACK_U4 stores a
  * group of G blocks in 16 G bytes, byte j holding positions j and 16 G + j of the group's
  * unpacked order in its low and high nibble (for a block alone: values j and 16 + j). A
- * group's vectors then add up in int32 (exact) and are converted and scaled once, against the
+ * group's vectors then add up in int32 (exact; compact Q4_K's VPMADDUBSW results add in int16
+ * first, at most 8 * 2 * 15 * 127) and are converted and scaled once, against the
  * G blocks' scales, instead of once a block (measured: 0.67-0.95x the time of one scaling a
  * block; docs/benchmarks.md, seventh session). Each weight row is run against every
  * activation row while it is in L1.

@@ -16,7 +16,9 @@
  *    and row, and take the offset term of the types with a zero point, -128 * s * xs;
  *  - register tiles of 2 weight rows by up to 4 activation rows: each weight vector is loaded
  *    once for four rows, each activation vector once for two weight rows;
- *  - the offset terms sum_g o[g] * xs[g] 16 groups an FMA into the same accumulator.
+ *  - the offset terms sum_g o[g] * xs[g] 16 groups an FMA into the same accumulator (with the
+ *    K-quants' compact scales, gguf_layout.h, the offsets -(dmin * m) or Q6_K's scales are
+ *    computed from the records there, the same float32 values).
  * A block's int32 lane sum is exact (at most 32 * 255 * 127 < 2^24, so its float32 conversion
  * too). Every (weight row, activation row) pair runs the same instructions in the same order
  * whichever tile it falls in, so a row's result does not depend on the rows batched with it

@@ -231,6 +231,8 @@ def test_the_packing_holds_the_values_in_their_bits(name):
         assert values.shape == (n, k // 2)
     elif name == "Q6_K":  # 6 bits a value: a nibble plane and a 2-bit plane per 256 values
         assert values.shape == (n, k // 4 * 3)
+    elif name == "Q5_K":  # 5 bits a value: a nibble plane and a 1-bit plane per 256 values
+        assert values.shape == (n, k // 8 * 5)
     else:
         assert values.shape == (n, k)
     # no offsets for Q8_0 (signed values), where they are -z times the scale, and for the
@@ -253,8 +255,8 @@ def test_the_packing_holds_the_values_in_their_bits(name):
 def _float32_scales_form(blocks: torch.Tensor, packed: dict) -> dict:
     """The same K-quant weight in the form every type had before the compact scales: float32
     scales per group (and float32 offsets for Q4_K / Q5_K), ``ref.unpack``'s, the layout word
-    without its bit, and Q6_K's values a byte each; the values copied (the MoE descriptors are
-    cached per values tensor)."""
+    without its bit, and Q5_K's and Q6_K's values a byte each; the values copied (the MoE
+    descriptors are cached per values tensor)."""
     word, group = packed["avx2_layout"].reshape(-1, 2)[0].tolist()
     name = "Q6_K" if group == 16 else "Q4_K" if word & 0xFF == cpu_gguf._PACK_U4 else "Q5_K"
     stacked = blocks.dim() == 4
@@ -262,7 +264,7 @@ def _float32_scales_form(blocks: torch.Tensor, packed: dict) -> dict:
     u, scale, offset = gk.unpack(flat, name)
     shape = (*blocks.shape[: 2 if stacked else 1], -1)
     values = packed["avx2_values"].clone()
-    if name == "Q6_K":  # a byte a value then, in the interleaved order
+    if name in ("Q5_K", "Q6_K"):  # a byte a value then, in the interleaved order
         word = word & ~0xFF | cpu_gguf._PACK_U8
         values = u[:, cpu_gguf._avx2_order(u.shape[1])].reshape(shape).contiguous()
     old = {
@@ -310,11 +312,12 @@ def test_compact_k_scales_give_the_float32_scales_bits(name, monkeypatch, instru
             assert torch.equal(got, gk.dequantize(blocks, name)[ids].to(dtype) * (scale or 1))
 
 
+@pytest.mark.parametrize("gate_up", ["Q4_K", "Q5_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compact_k_scales_in_a_moe_stack(dtype, instructions):
+def test_compact_k_scales_in_a_moe_stack(dtype, gate_up, instructions):
     """A MoE layer's stacks in one call (``gguf_avx2_moe``: descriptors with byte strides):
-    Q4_K gate / up and Q6_K down experts with compact scales, bit for bit the layer with
-    float32 scales."""
+    Q4_K or Q5_K gate / up and Q6_K down experts with compact scales (and 5- and 6-bit
+    values), bit for bit the layer with float32 scales and byte values."""
     e, h, inter, tokens, top_k = 4, 512, 256, 5, 2
     gen = torch.Generator().manual_seed(71)
 
@@ -325,7 +328,7 @@ def test_compact_k_scales_in_a_moe_stack(dtype, instructions):
         new = {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
         return new, _float32_scales_form(blocks, new)
 
-    gu_new, gu_old = stack(2 * inter, h, "Q4_K", 1)
+    gu_new, gu_old = stack(2 * inter, h, gate_up, 1)
     down_new, down_old = stack(h, inter, "Q6_K", 11)
     hidden = torch.randn(tokens, h, generator=gen).to(dtype)
     weights = torch.rand(tokens, top_k, generator=gen)

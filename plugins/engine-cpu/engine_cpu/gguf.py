@@ -20,13 +20,13 @@ load the blocks are repacked:
 * **On other x86-64 CPUs with AVX2** (Intel since Haswell, AMD since Zen; ``csrc/gguf_avx2.c``),
   and on AMX CPUs for float32 activations: every kept type in every activation dtype, the tied
   embedding / LM head included, row by row in 32-value blocks: the 4-bit types two values a
-  byte, Q6_K in 6 bits (a nibble plane and a 2-bit plane), the 5-bit types a byte each
-  (unsigned, with float32 scales and offsets per group; no offsets where they are -z times the
-  scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed bytes with float16 scales. The K-quants keep
+  byte, Q6_K and Q5_K in 6 and 5 bits (a nibble plane and a 2- or 1-bit plane), Q5_0 and
+  Q5_1 a byte each (unsigned, with float32 scales and offsets per group; no offsets where they
+  are -z times the scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed bytes with float16 scales. The K-quants keep
   their scales compact, as the file holds them (per 256 values float16 ``d`` and ``dmin``,
   integer sub-scales and mins, ``_avx2_kscales``; the kernels' float32 ``d * sc`` and
   ``-(dmin * m)`` are exact, the same values as float32 scales and offsets): Q4_K 4.625 bits a
-  weight (4.5 in the file; 6 with float32 scales and offsets), Q5_K 8.625 (5.5; 10), Q6_K
+  weight (4.5 in the file; 6 with float32 scales and offsets), Q5_K 5.625 (5.5; 10), Q6_K
   6.5625 (6.5625; 10 with a byte a value and float32 scales). The embedded Gemma 3 270M
   Q4_K_M (mostly Q5_0): 326.0 MiB of weights as ``engine.benchmarks.gguf_decode`` counts them
   (334.7 with float32 K-quant scales) against 1,087 MiB dense in float32, its default dtype
@@ -210,7 +210,13 @@ def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tens
 
 
 # ---- AVX2 (engine_cpu/csrc/gguf_avx2.c) ---------------------------------------------------------
-_PACK_U8, _PACK_U4, _PACK_S8, _PACK_U6 = 0, 1, 2, 3  # the kernel's packings (see its header)
+_PACK_U8, _PACK_U4, _PACK_S8, _PACK_U6, _PACK_U5 = (
+    0,
+    1,
+    2,
+    3,
+    4,
+)  # the kernel's packings (its header)
 _logged_avx2: set[bool] = set()
 
 
@@ -285,7 +291,7 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
     by row, the values in the interleaved order of ``_avx2_order``: Q8_0 as its signed bytes
     (with its float16 scales only); 4-bit types as two values a byte (``_avx2_nibbles``); Q6_K
-    in 6 bits (``_avx2_u6``); the 5-bit types a byte each. Scales: for the K-quants (Q4_K,
+    in 6 bits (``_avx2_u6``), Q5_K in 5 (``_avx2_u5``); Q5_0 and Q5_1 a byte each. Scales: for the K-quants (Q4_K,
     Q5_K, Q6_K) the compact records of ``_avx2_kscales`` (uint8 ``[N, K / 256, 20 or 18]``,
     layout bit ``_KSCALES``, no offsets); for the others float32 scales per group and, except
     for the types whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word
@@ -297,6 +303,8 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     compact = t.name in _KQUANTS
     zero = _AVX2_ZERO.get(t.name, 0)
     pack = _PACK_S8 if signed else {4: _PACK_U4, 6: _PACK_U6}.get(t.bits, _PACK_U8)
+    if t.name == "Q5_K":  # (whole groups of 8 blocks: not Q5_0 / Q5_1, whose rows may end early)
+        pack = _PACK_U5
     # in huge pages: a decode step streams them, and 4 KiB pages cost a TLB miss each
     values = hugepages.empty((n, _avx2_row_bytes(pack, k)), torch.uint8)
     if compact:  # the file's super-block scales (_avx2_kscales)
@@ -315,6 +323,8 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
             values[part] = u[:, low] | (u[:, high] << 4)
         elif pack == _PACK_U6:
             values[part] = _avx2_u6(u[:, order])
+        elif pack == _PACK_U5:
+            values[part] = _avx2_u5(u[:, order])
         else:
             values[part] = u[:, order]
         scales[part] = _avx2_kscales(blocks[part], t) if compact else scale
@@ -361,19 +371,33 @@ def _avx2_u6(u: torch.Tensor) -> torch.Tensor:
     return torch.cat((nib, top), dim=-1).view(n, k // 4 * 3)
 
 
+def _avx2_u5(u: torch.Tensor) -> torch.Tensor:
+    """Q5_K's values ``u`` ``[n, K]`` (< 32, in the interleaved order) as ``PACK_U5``: per
+    group of 256, the 128 bytes of nibbles of ``_avx2_u6``, then 32 bytes whose bit i holds the
+    top bit of position 32 i + j; 5 bits a value."""
+    n, k = u.shape
+    g = u.view(n, k // 256, 256)
+    nib = (g[..., :128] & 0x0F) | ((g[..., 128:] & 0x0F) << 4)
+    hi = (g >> 4).view(n, k // 256, 8, 32)
+    top = torch.zeros_like(hi[..., 0, :])
+    for i in range(8):
+        top |= hi[..., i, :] << i
+    return torch.cat((nib, top), dim=-1).view(n, k // 8 * 5)
+
+
+_ROW_BITS = {_PACK_U4: 4, _PACK_U6: 6, _PACK_U5: 5}  # bits a value (else 8)
+
+
 def _avx2_row_bytes(pack: int, k: int) -> int:
     """Bytes of a packed row of ``k`` values"""
-    pack &= 0xFF
-    return k // 2 if pack == _PACK_U4 else k // 4 * 3 if pack == _PACK_U6 else k
+    return k * _ROW_BITS.get(pack & 0xFF, 8) // 8
 
 
 def _avx2_nk(packed: dict[str, torch.Tensor], pack: int) -> tuple[int, int]:
     """The output and input features of an AVX2-packed weight (or of each expert of a
     stack), from its values (the scales' shape depends on their form)."""
     values = packed["avx2_values"]
-    b = values.shape[-1]
-    pack &= 0xFF
-    return values.shape[-2], 2 * b if pack == _PACK_U4 else b // 3 * 4 if pack == _PACK_U6 else b
+    return values.shape[-2], values.shape[-1] * 8 // _ROW_BITS.get(pack & 0xFF, 8)
 
 
 # The result dtypes the AVX2 products write themselves, and the layout word's bit for bfloat16

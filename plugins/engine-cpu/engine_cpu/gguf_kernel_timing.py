@@ -98,14 +98,14 @@ def _copies(packed: dict[str, torch.Tensor], min_bytes: int) -> list[dict[str, t
 
 def float32_scales(blocks: torch.Tensor, name: str, packed: dict) -> dict[str, torch.Tensor]:
     """A K-quant weight packed with compact scales, in the earlier form: float32 scales (and
-    offsets for Q4_K / Q5_K) per group, the layout word without the bit, Q6_K's values a byte
-    each (the others' as they are). Other types are returned as they are."""
+    offsets for Q4_K / Q5_K) per group, the layout word without the bit, Q5_K's and Q6_K's
+    values a byte each (Q4_K's as they are). Other types are returned as they are."""
     if not int(packed["avx2_layout"][0]) & cpu_gguf._KSCALES:
         return packed
     u, scale, offset = gk.unpack(blocks, name)
     values, layout = packed["avx2_values"], packed["avx2_layout"].clone()
     layout[0] &= ~cpu_gguf._KSCALES
-    if name == "Q6_K":  # a byte a value, in the interleaved order
+    if name in ("Q5_K", "Q6_K"):  # a byte a value, in the interleaved order
         u = u[:, cpu_gguf._avx2_order(u.shape[1])]
         values = hugepages.empty(u.shape, torch.uint8).copy_(u)
         layout[0] = layout[0] & ~0xFF | cpu_gguf._PACK_U8

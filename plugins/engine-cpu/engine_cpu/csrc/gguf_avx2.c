@@ -2,11 +2,13 @@
  *
  * y[m, n] = sum_k x[m, k] * W[n, k], where W was repacked at load (engine_cpu/gguf.py), row by
  * row, as 32-value blocks along k (in the interleaved order below) in one of four packings:
- *   - PACK_U8: unsigned values u < 64 (Q5_0, Q5_1, Q5_K), one byte each;
+ *   - PACK_U8: unsigned values u < 32 (Q5_0, Q5_1), one byte each;
  *   - PACK_U4: unsigned values u < 16 (the 4-bit types), two per byte;
  *   - PACK_S8: signed values v (Q8_0), one byte each;
  *   - PACK_U6: unsigned values u < 64 (Q6_K), 6 bits each: per group of 8 blocks, 128 bytes of
  *     nibbles as PACK_U4's then 64 bytes of the values' top 2 bits (gguf_layout.h's u6_vec);
+ *   - PACK_U5: unsigned values u < 32 (Q5_K), 5 bits each: the nibbles, then 32 bytes of the
+ *     values' top bits (u5_vec);
  * with, per group of G values (32, or 16 for Q6_K), a float32 scale s and, for the unsigned
  * packings, an offset o: W[n, k] = s[n, g] * u[n, k] + o[n, g] (W = s * v for PACK_S8).
  * Scales and offsets are [N, K / G] float32 (Q8_0: float16 scales, bit 9 of the layout word).
@@ -16,7 +18,7 @@
  * Q6_K) keep their scales compact instead (bit 11, gguf_layout.h): per 256 values the file's
  * float16 d (and dmin) and integer sub-scales (and mins), s = d * sc and o = -(dmin * m)
  * computed in float32, exactly the float32 values the other form stores. Bits a weight read:
- * Q4_K 4 + 20 * 8 / 256 = 4.625 (6 with float32 scales and offsets), Q5_K 8.625 (10), Q6_K
+ * Q4_K 4 + 20 * 8 / 256 = 4.625 (6 with float32 scales and offsets), Q5_K 5.625 (10), Q6_K
  * 6 + 18 * 8 / 256 = 6.5625 (10); the GGUF file holds 4.5, 5.5 and 6.5625.
  *
  * x comes quantized per 32 values as llama.cpp and vLLM's GGUF kernels quantize activations
@@ -168,6 +170,14 @@ static inline __m256i load_natural(const uint8_t *w, int64_t nb, int64_t b, int 
             memcpy(&hi, grp + 128 + local % 64, 4);
             out[c] = (local < 128 ? raw & 0x0f0f0f0fu : (raw >> 4) & 0x0f0f0f0fu) |
                      ((hi >> (2 * (local / 64))) & 0x03030303u) << 4;
+        } else if (pack == PACK_U5) { /* position p of the group's 256: nibble, then top bit */
+            const int64_t local = p - 32 * g0;
+            const uint8_t *grp = w + 20 * g0;
+            uint32_t raw, hi;
+            memcpy(&raw, grp + local % 128, 4);
+            memcpy(&hi, grp + 128 + local % 32, 4);
+            out[c] = (local < 128 ? raw & 0x0f0f0f0fu : (raw >> 4) & 0x0f0f0f0fu) |
+                     ((hi >> (local / 32)) & 0x01010101u) << 4;
         } else if (pack == PACK_U4) { /* position p of the group: low nibbles, then high ones */
             const int64_t local = p - 32 * g0;
             uint32_t raw;
@@ -202,6 +212,8 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
         __m256i wv;                                                                            \
         if (pack == PACK_U6) {                                                                 \
             wv = u6_vec(w + 24 * (G0), (V));                                                   \
+        } else if (pack == PACK_U5) {                                                          \
+            wv = u5_vec(w + 20 * (G0), (V));                                                   \
         } else if (pack == PACK_U4) {                                                          \
             const int half_ = (GS) / 2;                                                        \
             __m256i raw_ = _mm256_loadu_si256(                                                 \
@@ -367,6 +379,8 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
             ROWS(PACK_U4, 32, 0, 0, 0, 1)
         else if (ks && pack == PACK_U6) /* Q6_K */
             ROWS(PACK_U6, 16, 0, zero, 0, 1)
+        else if (ks && pack == PACK_U5) /* Q5_K */
+            ROWS(PACK_U5, 32, 0, 0, 0, 1)
         else if (ks && group == 16) /* (Q6_K a byte a value) */
             ROWS(PACK_U8, 16, 0, zero, 0, 1)
         else if (ks) /* Q5_K */

@@ -6,14 +6,15 @@
 
 #include "avx2_common.h"
 
-enum { PACK_U8 = 0, PACK_U4 = 1, PACK_S8 = 2, PACK_U6 = 3 };
+enum { PACK_U8 = 0, PACK_U4 = 1, PACK_S8 = 2, PACK_U6 = 3, PACK_U5 = 4 };
 
-/* (PACK_U6 has no block of its own: rows of whole groups of 8 blocks only, see gguf_avx2.c) */
+/* (PACK_U6 and PACK_U5 have no block of their own: rows of whole groups of 8 blocks only, see
+ * gguf_avx2.c) */
 static inline int64_t block_bytes_of(int pack) { return pack == PACK_U4 ? 16 : 32; }
 
 /* Bytes of a packed row of K values */
 static inline int64_t row_bytes_of(int pack, int64_t K) {
-    return pack == PACK_U4 ? K / 2 : pack == PACK_U6 ? K / 4 * 3 : K;
+    return pack == PACK_U4 ? K / 2 : pack == PACK_U6 ? K / 4 * 3 : pack == PACK_U5 ? K / 8 * 5 : K;
 }
 
 /* PACK_U6: the 8 vectors of 32 values of a group of 8 blocks at `group` (192 bytes): vector v
@@ -30,6 +31,20 @@ static inline __m256i u6_vec(const uint8_t *group, int v) {
     const int sh = 4 - 2 * (v / 2);
     const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
     return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x30)));
+}
+
+/* PACK_U5 likewise (160 bytes a group): the nibbles, then 32 bytes whose bit i holds the top
+ * bit of position 32 i + j; vector v takes bit v, moved to bit 4 by one 16-bit shift of at
+ * most 4, so bit 4 of each byte comes from the same byte. */
+static inline __m256i u5_vec(const uint8_t *group, int v) {
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(group + 32 * (v % 4)));
+    const __m256i lo = v < 4 ? _mm256_and_si256(raw, nib)
+                             : _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(group + 128));
+    const int sh = 4 - v;
+    const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
+    return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x10)));
 }
 
 /* The packing and the zero point of a layout word (see gguf_avx2.c's header); for the

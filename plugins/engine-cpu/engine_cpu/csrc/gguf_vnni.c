@@ -97,6 +97,10 @@ static inline __m512i wvec8(const uint8_t *w, int64_t g0, int j, int pack) {
         const __m512i hs = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
         return _mm512_or_si512(lo, _mm512_and_si512(hs, _mm512_set1_epi8(0x30)));
     }
+    if (pack == PACK_U5) { /* gguf_avx2.c's vectors 2j and 2j + 1: bits 2j, 2j + 1 */
+        return _mm512_inserti64x4(_mm512_castsi256_si512(u5_vec(w + 20 * g0, 2 * j)),
+                                  u5_vec(w + 20 * g0, 2 * j + 1), 1);
+    }
     if (pack == PACK_U4) {
         __m512i raw = _mm512_loadu_si512((const void *)(w + 16 * g0 + 64 * (j & 1)));
         if (j >= 2)
@@ -352,6 +356,7 @@ TILES(tiles_u8, PACK_U8, 32, 1, 0, 0)
 TILES(tiles_u4_k, PACK_U4, 32, 0, 0, 1)
 TILES(tiles_u8_16_k, PACK_U8, 16, 0, 0, 1)
 TILES(tiles_u6_16_k, PACK_U6, 16, 0, 0, 1)
+TILES(tiles_u5_k, PACK_U5, 32, 0, 0, 1)
 TILES(tiles_u8_k, PACK_U8, 32, 0, 0, 1)
 #undef TILES
 
@@ -373,6 +378,7 @@ void gguf_vnni_gemm(const uint8_t *values, int layout, const float *scales, cons
     void (*run)(const struct gemm *, int64_t, int64_t, int64_t, int64_t) =
         ks ? (pack == PACK_U4   ? tiles_u4_k
               : pack == PACK_U6 ? tiles_u6_16_k
+              : pack == PACK_U5 ? tiles_u5_k
               : group == 16     ? tiles_u8_16_k
                                 : tiles_u8_k)
         : pack == PACK_S8 ? (sc16 ? tiles_s8_16 : tiles_s8)

@@ -229,9 +229,13 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
             aw = _mm256_sign_epi8(wv, wv);                                                     \
             xv = _mm256_sign_epi8(xv, wv);                                                     \
         }                                                                                      \
-        if (I16) /* 16-bit sums (see below) */                                                 \
+        if (C16) { /* 16-bit sums of C16 vectors (see below) */                               \
             p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(aw, xv));                         \
-        else                                                                                   \
+            if (((V) + 1) % C16 == 0) {                                                        \
+                isum[I] = _mm256_add_epi32(isum[I], _mm256_madd_epi16(p16, ones));             \
+                p16 = _mm256_setzero_si256();                                                  \
+            }                                                                                  \
+        } else                                                                                 \
             isum[I] = _mm256_add_epi32(isum[I],                                                \
                                        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones)); \
     } while (0)
@@ -241,20 +245,17 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
      * would make, so the same bits, without reading the records twice. */
     const int kmin = ks && group == 32;
     __m256 t = _mm256_setzero_ps();
-    /* Compact Q4_K: a group's eight VPMADDUBSW pair sums (at most 2 * 15 * 127 = 3810 in
-     * magnitude each, 30480 for the eight) add up exactly in 16 bits, then one VPMADDWD */
-    const int I16 = ks && pack == PACK_U4;
+    /* Compact K-quant rows: the VPMADDUBSW pair sums of C16 vectors add up exactly in 16 bits
+     * before one VPMADDWD: Q4_K 8 (at most 2 * 15 * 127 = 3810 in magnitude each, 30480 for
+     * eight), Q5_K 4 (4 * 7874 = 31496), Q6_K 2 (2 * 16002 = 32004) */
+    const int C16 = !ks ? 0 : pack == PACK_U4 ? 8 : pack == PACK_U5 ? 4 : pack == PACK_U6 ? 2 : 0;
     __m256i p16 = _mm256_setzero_si256();
     for (int64_t g0 = 0; g0 < n8; g0 += 8) {
         __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         const __m256 d = _mm256_loadu_ps(xd + g0);
         if (group == 32) {
-            if (I16)
-                p16 = _mm256_setzero_si256();
             for (int v = 0; v < 8; v++)
                 DOT_VEC(g0, 8, v, 0);
-            if (I16)
-                isum[0] = _mm256_madd_epi16(p16, ones);
             const __m256 sv = ks ? kscales8(s, g0 / 8) : scales8(s, sc16, g0);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[0]), _mm256_mul_ps(sv, d), acc);
             if (kmin) /* -(dmin m) xs + t: the stored offset's FMA, the same bits */

@@ -36,8 +36,9 @@
  * blocks stay in their own order (lanes 0-3 values 0-15, 4-7 values 16-31). PACK_U4 stores a
  * group of G blocks in 16 G bytes, byte j holding positions j and 16 G + j of the group's
  * unpacked order in its low and high nibble (for a block alone: values j and 16 + j). A
- * group's vectors then add up in int32 (exact; compact Q4_K's VPMADDUBSW results add in int16
- * first, at most 8 * 2 * 15 * 127) and are converted and scaled once, against the
+ * group's vectors then add up in int32 (exact; with compact K-quant scales the VPMADDUBSW
+ * results of 8, 4 or 2 vectors add in int16 first, see dot_row) and are converted and scaled
+ * once, against the
  * G blocks' scales, instead of once a block (measured: 0.67-0.95x the time of one scaling a
  * block; docs/benchmarks.md, seventh session). Each weight row is run against every
  * activation row while it is in L1.
@@ -248,7 +249,11 @@ static inline __attribute__((always_inline)) float dot_row(const uint8_t *w, con
     /* Compact K-quant rows: the VPMADDUBSW pair sums of C16 vectors add up exactly in 16 bits
      * before one VPMADDWD: Q4_K 8 (at most 2 * 15 * 127 = 3810 in magnitude each, 30480 for
      * eight), Q5_K 4 (4 * 7874 = 31496), Q6_K 2 (2 * 16002 = 32004) */
-    const int C16 = !ks ? 0 : pack == PACK_U4 ? 8 : pack == PACK_U5 ? 4 : pack == PACK_U6 ? 2 : 0;
+    const int C16 = !ks                ? 0
+                    : pack == PACK_U4 ? 8
+                    : pack == PACK_U5 ? 4
+                    : pack == PACK_U6 ? 2
+                                      : 0;
     __m256i p16 = _mm256_setzero_si256();
     for (int64_t g0 = 0; g0 < n8; g0 += 8) {
         __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};

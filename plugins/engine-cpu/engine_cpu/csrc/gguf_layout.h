@@ -14,7 +14,10 @@ static inline int64_t block_bytes_of(int pack) { return pack == PACK_U4 ? 16 : 3
 
 /* Bytes of a packed row of K values */
 static inline int64_t row_bytes_of(int pack, int64_t K) {
-    return pack == PACK_U4 ? K / 2 : pack == PACK_U6 ? K / 4 * 3 : pack == PACK_U5 ? K / 8 * 5 : K;
+    return pack == PACK_U4   ? K / 2
+           : pack == PACK_U6 ? K / 4 * 3
+           : pack == PACK_U5 ? K / 8 * 5
+                             : K;
 }
 
 /* PACK_U6: the 8 vectors of 32 values of a group of 8 blocks at `group` (192 bytes): vector v
@@ -97,12 +100,14 @@ static inline float f16_at(const uint8_t *p) {
  * vectors (groups 0-7, 8-15 of the super-block). */
 static inline __m256 kscales8(const float *s, int64_t sb) {
     const uint8_t *r = krec(s, 32, sb);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 4))));
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)(r + 4));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
     return _mm256_mul_ps(_mm256_set1_ps(f16_at(r)), sc);
 }
 static inline __m256 kmins8(const float *s, int64_t sb) {
     const uint8_t *r = krec(s, 32, sb);
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 12))));
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)(r + 12));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
     return _mm256_mul_ps(_mm256_set1_ps(f16_at(r + 2)), m);
 }
 static inline __m256 kscales8_q6(const float *s, int64_t sb, int half) {

@@ -63,7 +63,8 @@ static inline __m512 load16(const float *s, int sc16, int64_t i, int64_t n) {
 /* Compact scales (gguf_layout.h): Q6_K's 16 scales of super-block sb */
 static inline __m512 kscales16_q6(const float *s, int64_t sb) {
     const uint8_t *r = krec(s, 16, sb);
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 2))));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(r + 2));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
     return _mm512_mul_ps(_mm512_set1_ps(f16_at(r)), sc);
 }
 
@@ -94,7 +95,9 @@ static inline __m512i wvec8(const uint8_t *w, int64_t g0, int j, int pack) {
                                             _mm512_set1_epi8(0x0f));
         const __m512i h = _mm512_loadu_si512((const void *)(grp + 128));
         const int sh = 4 - 2 * j;
-        const __m512i hs = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
+        const __m512i hs = sh > 0   ? _mm512_slli_epi16(h, sh)
+                           : sh < 0 ? _mm512_srli_epi16(h, -sh)
+                                    : h;
         return _mm512_or_si512(lo, _mm512_and_si512(hs, _mm512_set1_epi8(0x30)));
     }
     if (pack == PACK_U5) { /* gguf_avx2.c's vectors 2j and 2j + 1: bits 2j, 2j + 1 */
@@ -304,8 +307,8 @@ static inline __attribute__((always_inline)) void tile(const struct gemm *a, int
             for (int i = 0; i < wb; i++)
                 ov[i] = offsets ? load16(o[i], 0, g, ng)
                         : kmin  ? koffsets16(s[i], g, ng)
-                        : ks    ? _mm512_mul_ps(kscales16_q6(s[i], g / 16), _mm512_set1_ps(-(float)z))
-                                : _mm512_mul_ps(load16(s[i], sc16, g, ng), _mm512_set1_ps(-(float)z));
+                        : _mm512_mul_ps(ks ? kscales16_q6(s[i], g / 16) : load16(s[i], sc16, g, ng),
+                                        _mm512_set1_ps(-(float)z));
             for (int q = 0; q < rb; q++) {
                 const __m512 xv = load16(xsr[q], 0, g, ng);
                 for (int i = 0; i < wb; i++)

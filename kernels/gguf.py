@@ -117,9 +117,10 @@ def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     return ((qh.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :count]
 
 
-def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: the 12 packed bytes -> (sc, m), 8 six-bit values each (ggml's
-    ``get_scale_min_k4``)."""
+def k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: a block's 12 packed scale bytes ``[..., 12]`` -> (sc, m), ``[..., 8]`` six-bit
+    values each (ggml's ``get_scale_min_k4``); a sub-block's scale is ``d * sc``, its offset
+    ``-(dmin * m)``. Public for the plugins that keep the scales in this integer form."""
     d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
     sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
     mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
@@ -160,7 +161,7 @@ def unpack(
         return values.reshape(n, -1), d.reshape(n, nb), offset.reshape(n, nb)
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-        sc, mn = _k_scale_min(blocks[..., 4:16])  # [N, nb, 8]
+        sc, mn = k_scale_min(blocks[..., 4:16])  # [N, nb, 8]
         qs = blocks[..., -128:].reshape(n, nb, 4, 32)
         values = _nibbles(qs).reshape(n, nb, 8, 32)  # group 2i: low nibbles of chunk i
         if name == "Q5_K":

@@ -20,17 +20,17 @@ load the blocks are repacked:
 * **On other x86-64 CPUs with AVX2** (Intel since Haswell, AMD since Zen; ``csrc/gguf_avx2.c``),
   and on AMX CPUs for float32 activations: every kept type in every activation dtype, the tied
   embedding / LM head included, row by row in 32-value blocks: the 4-bit types two values a
-  byte, Q6_K and Q5_K in 6 and 5 bits (a nibble plane and a 2- or 1-bit plane), Q5_0 and
-  Q5_1 a byte each (unsigned, with float32 scales and offsets per group; no offsets where they
-  are -z times the scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed bytes with float16 scales. The K-quants keep
-  their scales compact, as the file holds them (per 256 values float16 ``d`` and ``dmin``,
-  integer sub-scales and mins, ``_avx2_kscales``; the kernels' float32 ``d * sc`` and
+  byte, Q6_K and Q5_K in 6 and 5 bits (a nibble plane and a 2- or 1-bit plane), Q5_0 and Q5_1
+  a byte each (unsigned, with float32 scales and offsets per group; no offsets where they are
+  -z times the scale: Q4_0, Q5_0, Q6_K), Q8_0 as its signed bytes with float16 scales. The
+  K-quants keep their scales compact, as the file holds them (per 256 values float16 ``d`` and
+  ``dmin``, integer sub-scales and mins, ``_avx2_kscales``; the kernels' float32 ``d * sc`` and
   ``-(dmin * m)`` are exact, the same values as float32 scales and offsets): Q4_K 4.625 bits a
   weight (4.5 in the file; 6 with float32 scales and offsets), Q5_K 5.625 (5.5; 10), Q6_K
-  6.5625 (6.5625; 10 with a byte a value and float32 scales). The embedded Gemma 3 270M
-  Q4_K_M (mostly Q5_0): 326.0 MiB of weights as ``engine.benchmarks.gguf_decode`` counts them
-  (334.7 with float32 K-quant scales) against 1,087 MiB dense in float32, its default dtype
-  on such a CPU. The
+  6.5625 (6.5625; 10 with a byte a value and float32 scales). The embedded Gemma 3 270M Q4_K_M
+  (mostly Q5_0): 326.0 MiB of weights as ``engine.benchmarks.gguf_decode`` counts them (334.7
+  with float32 K-quant scales) against 1,087 MiB dense in float32, its default dtype on such a
+  CPU. The
   activations are quantized per 32 values to int8, as on AMX, and multiplied with AVX2 byte
   dot products (``VPMADDUBSW``), scaled per group of 8 blocks in float32, up to
   ``AVX2_DENSE_ROWS`` rows (decode: 1.3-2.7x faster than the dense float32 product at one row
@@ -210,13 +210,8 @@ def _amx_linear(x2: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tens
 
 
 # ---- AVX2 (engine_cpu/csrc/gguf_avx2.c) ---------------------------------------------------------
-_PACK_U8, _PACK_U4, _PACK_S8, _PACK_U6, _PACK_U5 = (
-    0,
-    1,
-    2,
-    3,
-    4,
-)  # the kernel's packings (its header)
+# the kernel's packings (csrc/gguf_layout.h)
+_PACK_U8, _PACK_U4, _PACK_S8, _PACK_U6, _PACK_U5 = 0, 1, 2, 3, 4
 _logged_avx2: set[bool] = set()
 
 
@@ -291,12 +286,12 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
     by row, the values in the interleaved order of ``_avx2_order``: Q8_0 as its signed bytes
     (with its float16 scales only); 4-bit types as two values a byte (``_avx2_nibbles``); Q6_K
-    in 6 bits (``_avx2_u6``), Q5_K in 5 (``_avx2_u5``); Q5_0 and Q5_1 a byte each. Scales: for the K-quants (Q4_K,
-    Q5_K, Q6_K) the compact records of ``_avx2_kscales`` (uint8 ``[N, K / 256, 20 or 18]``,
-    layout bit ``_KSCALES``, no offsets); for the others float32 scales per group and, except
-    for the types whose offset is -z times the scale (``_AVX2_ZERO``, whose z the layout word
-    carries), float32 offsets. Unpacked _VOCAB_CHUNK rows at a time, which bounds the load's
-    peak for a vocabulary matrix."""
+    in 6 bits (``_avx2_u6``), Q5_K in 5 (``_avx2_u5``); Q5_0 and Q5_1 a byte each. Scales: for
+    the K-quants (Q4_K, Q5_K, Q6_K) the compact records of ``_avx2_kscales`` (uint8
+    ``[N, K / 256, 20 or 18]``, layout bit ``_KSCALES``, no offsets); for the others float32
+    scales per group and, except for the types whose offset is -z times the scale
+    (``_AVX2_ZERO``, whose z the layout word carries), float32 offsets. Unpacked _VOCAB_CHUNK
+    rows at a time, which bounds the load's peak for a vocabulary matrix."""
     n = blocks.shape[0]
     k = blocks.shape[1] * t.block_size
     signed = t.name == "Q8_0"
@@ -354,7 +349,7 @@ def _avx2_kscales(blocks: torch.Tensor, t: ref.GGUFType) -> torch.Tensor:
     ``-(dmin * m)`` in float32, exact, so the same scales and offsets as ``ref.unpack``'s."""
     if t.group == 16:
         return torch.cat((blocks[..., 208:210], blocks[..., 192:208]), dim=-1)
-    sc, mn = ref._k_scale_min(blocks[..., 4:16])
+    sc, mn = ref.k_scale_min(blocks[..., 4:16])
     return torch.cat((blocks[..., 0:4], sc, mn), dim=-1)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_tolerance import close
+from kernel_tolerance import ONE_ROUNDING, close
 from moe_routing import route
 
 from engine.kernels import reference as ref
@@ -234,7 +234,14 @@ def test_gguf_experts_match_the_exact_weights(case, variant, device, seed):
         decode_config=DecodeConfig(**DECODE),
         config=GroupedConfig(**{**GROUPED, "block_k": 32}),
     )
-    close(out, expected, dtype, f"{seed} {case} {variant}")
+    slack = None
+    if dtype == torch.float32:
+        # The kernels fold each group's offset in as s (x . q) + o sum(x): float32 rounds those
+        # terms, which are on the scale of the largest outputs, not of a small one (seed
+        # 218234983: 1.7e-5 off at outputs up to 5.05, against 1e-5). One rounding of the
+        # largest output, then.
+        slack = torch.full(expected.shape, ONE_ROUNDING[dtype]) * expected.abs().max().cpu()
+    close(out, expected, dtype, f"{seed} {case} {variant}", slack)
 
 
 def test_gguf_moe_layers_run_the_triton_kernel_on_gpu_platforms(device, seed):

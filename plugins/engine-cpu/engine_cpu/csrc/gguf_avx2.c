@@ -153,6 +153,20 @@ static inline __m256i load_block(const uint8_t *w, int pack) {
     return _mm256_loadu_si256((const __m256i *)w);
 }
 
+/* Four values at position `local` of the 256 of a PACK_U6 (hb = 2) or PACK_U5 (hb = 1) group
+ * at block g0 (16 + 4 hb bytes a block): the nibble of the first 128 bytes (low for positions
+ * below 128, high above), plus bits hb (local / 32 hb) .. of the high plane moved to bit 4. */
+static inline uint32_t split_plane_chunk(const uint8_t *w, int64_t g0, int64_t local, int hb) {
+    const uint8_t *grp = w + (16 + 4 * hb) * g0;
+    const int64_t plane = 32 * hb; /* bytes of the high plane */
+    const uint32_t mask = hb == 2 ? 0x03030303u : 0x01010101u;
+    uint32_t raw, hi;
+    memcpy(&raw, grp + local % 128, 4);
+    memcpy(&hi, grp + 128 + local % plane, 4);
+    return (local < 128 ? raw & 0x0f0f0f0fu : (raw >> 4) & 0x0f0f0f0fu) |
+           ((hi >> (hb * (local / plane))) & mask) << 4;
+}
+
 /* Block b of a packed row of nb blocks as its 32 values in their own order (the lookups and
  * the dequantization; the products read the interleaved order directly). */
 static inline __m256i load_natural(const uint8_t *w, int64_t nb, int64_t b, int pack) {
@@ -163,23 +177,9 @@ static inline __m256i load_natural(const uint8_t *w, int64_t nb, int64_t b, int 
     uint32_t out[8];
     for (int c = 0; c < 8; c++) {
         const int64_t p = chunk_pos(nb, b, c);
-        if (pack == PACK_U6) { /* position p of the group's 256: nibble, then 2 high bits */
-            const int64_t local = p - 32 * g0;
-            const uint8_t *grp = w + 24 * g0;
-            uint32_t raw, hi;
-            memcpy(&raw, grp + local % 128, 4);
-            memcpy(&hi, grp + 128 + local % 64, 4);
-            out[c] = (local < 128 ? raw & 0x0f0f0f0fu : (raw >> 4) & 0x0f0f0f0fu) |
-                     ((hi >> (2 * (local / 64))) & 0x03030303u) << 4;
-        } else if (pack == PACK_U5) { /* position p of the group's 256: nibble, then top bit */
-            const int64_t local = p - 32 * g0;
-            const uint8_t *grp = w + 20 * g0;
-            uint32_t raw, hi;
-            memcpy(&raw, grp + local % 128, 4);
-            memcpy(&hi, grp + 128 + local % 32, 4);
-            out[c] = (local < 128 ? raw & 0x0f0f0f0fu : (raw >> 4) & 0x0f0f0f0fu) |
-                     ((hi >> (local / 32)) & 0x01010101u) << 4;
-        } else if (pack == PACK_U4) { /* position p of the group: low nibbles, then high ones */
+        if (pack == PACK_U6 || pack == PACK_U5) /* position p of the group's 256 */
+            out[c] = split_plane_chunk(w, g0, p - 32 * g0, pack == PACK_U6 ? 2 : 1);
+        else if (pack == PACK_U4) { /* position p of the group: low nibbles, then high ones */
             const int64_t local = p - 32 * g0;
             uint32_t raw;
             memcpy(&raw, w + 16 * g0 + local % half, 4);
@@ -385,12 +385,8 @@ void gguf_avx2_gemm(const uint8_t *values, int layout, const float *scales, cons
             ROWS(PACK_U4, 32, 0, 0, 0, 1)
         else if (ks && pack == PACK_U6) /* Q6_K */
             ROWS(PACK_U6, 16, 0, zero, 0, 1)
-        else if (ks && pack == PACK_U5) /* Q5_K */
+        else if (ks) /* Q5_K (compact scales come only with these three packings) */
             ROWS(PACK_U5, 32, 0, 0, 0, 1)
-        else if (ks && group == 16) /* (Q6_K a byte a value) */
-            ROWS(PACK_U8, 16, 0, zero, 0, 1)
-        else if (ks) /* Q5_K */
-            ROWS(PACK_U8, 32, 0, 0, 0, 1)
         else if (pack == PACK_S8 && sc16)
             ROWS(PACK_S8, 32, 0, 0, 1, 0)
         else if (pack == PACK_S8)

@@ -357,10 +357,8 @@ TILES(tiles_u8_16, PACK_U8, 16, 1, 0, 0)
 TILES(tiles_u8_zero, PACK_U8, 32, 0, 0, 0)
 TILES(tiles_u8, PACK_U8, 32, 1, 0, 0)
 TILES(tiles_u4_k, PACK_U4, 32, 0, 0, 1)
-TILES(tiles_u8_16_k, PACK_U8, 16, 0, 0, 1)
 TILES(tiles_u6_16_k, PACK_U6, 16, 0, 0, 1)
 TILES(tiles_u5_k, PACK_U5, 32, 0, 0, 1)
-TILES(tiles_u8_k, PACK_U8, 32, 0, 0, 1)
 #undef TILES
 
 /* Bytes n0 .. n1 of an array into the cache ahead of their use. Without it the weights of a
@@ -379,11 +377,7 @@ void gguf_vnni_gemm(const uint8_t *values, int layout, const float *scales, cons
     const int ks = kscales_of(layout);
     const struct gemm a = {values, scales, offsets, K, xq, xd, xs, y, ldy, y_bf16_of(layout), zero};
     void (*run)(const struct gemm *, int64_t, int64_t, int64_t, int64_t) =
-        ks ? (pack == PACK_U4   ? tiles_u4_k
-              : pack == PACK_U6 ? tiles_u6_16_k
-              : pack == PACK_U5 ? tiles_u5_k
-              : group == 16     ? tiles_u8_16_k
-                                : tiles_u8_k)
+        ks ? (pack == PACK_U4 ? tiles_u4_k : pack == PACK_U6 ? tiles_u6_16_k : tiles_u5_k)
         : pack == PACK_S8 ? (sc16 ? tiles_s8_16 : tiles_s8)
         : pack == PACK_U4 ? (zero ? tiles_u4_zero : tiles_u4)
         : group == 16   ? (zero ? tiles_u8_16_zero : tiles_u8_16)

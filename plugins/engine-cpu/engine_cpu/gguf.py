@@ -286,7 +286,7 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
     """The AVX2 layout (engine_cpu/csrc/gguf_avx2.c) of raw blocks ``[N, K / block, size]``, row
     by row, the values in the interleaved order of ``_avx2_order``: Q8_0 as its signed bytes
     (with its float16 scales only); 4-bit types as two values a byte (``_avx2_nibbles``); Q6_K
-    in 6 bits (``_avx2_u6``), Q5_K in 5 (``_avx2_u5``); Q5_0 and Q5_1 a byte each. Scales: for
+    in 6 bits, Q5_K in 5 (``_avx2_split_planes``); Q5_0 and Q5_1 a byte each. Scales: for
     the K-quants (Q4_K, Q5_K, Q6_K) the compact records of ``_avx2_kscales`` (uint8
     ``[N, K / 256, 20 or 18]``, layout bit ``_KSCALES``, no offsets); for the others float32
     scales per group and, except for the types whose offset is -z times the scale
@@ -317,9 +317,9 @@ def _avx2_pack(blocks: torch.Tensor, t: ref.GGUFType) -> dict[str, torch.Tensor]
         if pack == _PACK_U4:
             values[part] = u[:, low] | (u[:, high] << 4)
         elif pack == _PACK_U6:
-            values[part] = _avx2_u6(u[:, order])
+            values[part] = _avx2_split_planes(u[:, order], 2)
         elif pack == _PACK_U5:
-            values[part] = _avx2_u5(u[:, order])
+            values[part] = _avx2_split_planes(u[:, order], 1)
         else:
             values[part] = u[:, order]
         scales[part] = _avx2_kscales(blocks[part], t) if compact else scale
@@ -353,31 +353,20 @@ def _avx2_kscales(blocks: torch.Tensor, t: ref.GGUFType) -> torch.Tensor:
     return torch.cat((blocks[..., 0:4], sc, mn), dim=-1)
 
 
-def _avx2_u6(u: torch.Tensor) -> torch.Tensor:
-    """Q6_K's values ``u`` ``[n, K]`` (< 64, in the interleaved order) as ``PACK_U6``: per
-    group of 256 (8 blocks), 128 bytes whose low / high nibbles hold the low 4 bits of
-    positions j / 128 + j (as ``PACK_U4``), then 64 bytes whose bits 2i, 2i + 1 hold the high 2
-    bits of position 64 i + j; 6 bits a value."""
+def _avx2_split_planes(u: torch.Tensor, hb: int) -> torch.Tensor:
+    """Q6_K's (``hb`` 2, values < 64) or Q5_K's (``hb`` 1, < 32) values ``u`` ``[n, K]``, in the
+    interleaved order, as ``PACK_U6`` / ``PACK_U5``: per group of 256 (8 blocks), 128 bytes whose
+    low / high nibbles hold the low 4 bits of positions j / 128 + j (as ``PACK_U4``), then
+    ``32 hb`` bytes whose bits ``hb i`` .. ``hb i + hb - 1`` hold the top bits of position
+    ``32 hb i + j``; ``4 + hb`` bits a value (``csrc/gguf_layout.h``'s ``split_plane_vec``)."""
     n, k = u.shape
     g = u.view(n, k // 256, 256)
     nib = (g[..., :128] & 0x0F) | ((g[..., 128:] & 0x0F) << 4)
-    hi = (g >> 4).view(n, k // 256, 4, 64)
-    top = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
-    return torch.cat((nib, top), dim=-1).view(n, k // 4 * 3)
-
-
-def _avx2_u5(u: torch.Tensor) -> torch.Tensor:
-    """Q5_K's values ``u`` ``[n, K]`` (< 32, in the interleaved order) as ``PACK_U5``: per
-    group of 256, the 128 bytes of nibbles of ``_avx2_u6``, then 32 bytes whose bit i holds the
-    top bit of position 32 i + j; 5 bits a value."""
-    n, k = u.shape
-    g = u.view(n, k // 256, 256)
-    nib = (g[..., :128] & 0x0F) | ((g[..., 128:] & 0x0F) << 4)
-    hi = (g >> 4).view(n, k // 256, 8, 32)
+    hi = (g >> 4).view(n, k // 256, 8 // hb, 32 * hb)
     top = torch.zeros_like(hi[..., 0, :])
-    for i in range(8):
-        top |= hi[..., i, :] << i
-    return torch.cat((nib, top), dim=-1).view(n, k // 8 * 5)
+    for i in range(8 // hb):
+        top |= hi[..., i, :] << (hb * i)
+    return torch.cat((nib, top), dim=-1).view(n, k // 8 * (4 + hb))
 
 
 _ROW_BITS = {_PACK_U4: 4, _PACK_U6: 6, _PACK_U5: 5}  # bits a value (else 8)

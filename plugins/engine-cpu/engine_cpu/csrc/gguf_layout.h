@@ -20,35 +20,25 @@ static inline int64_t row_bytes_of(int pack, int64_t K) {
                              : K;
 }
 
-/* PACK_U6: the 8 vectors of 32 values of a group of 8 blocks at `group` (192 bytes): vector v
- * is the low nibbles (v < 4) or high nibbles (v >= 4) of bytes 32 (v % 4) .. of the first 128
- * (as PACK_U4), plus 16 times bits 2 (v / 2) and 2 (v / 2) + 1 of bytes 32 (v % 2) .. of the
- * last 64. shl: a 16-bit shift left by 4 - 2 (v / 2) (right for v / 2 = 3), then the mask
- * keeps bits 4-5 of each byte, which come from the same byte. */
-static inline __m256i u6_vec(const uint8_t *group, int v) {
+/* Vector v (0-7) of the 32 values of a PACK_U6 (hb = 2, 192 bytes) or PACK_U5 (hb = 1, 160
+ * bytes) group of 8 blocks at `group`: the low nibbles (v < 4) or high nibbles (v >= 4) of bytes
+ * 32 (v % 4) .. of the first 128 (as PACK_U4), plus 16 times the hb bits hb (v / hb) .. of bytes
+ * 32 (v % hb) .. of the high plane that follows (64 or 32 bytes). Those bits move to bit 4 by
+ * one 16-bit shift of at most 4 (left by 4 - hb (v / hb), right when negative), and the mask
+ * keeps bits from the same byte. The lookups' twin is gguf_avx2.c's split_plane_chunk. */
+static inline __m256i split_plane_vec(const uint8_t *group, int v, int hb) {
     const __m256i nib = _mm256_set1_epi8(0x0f);
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(group + 32 * (v % 4)));
     const __m256i lo = v < 4 ? _mm256_and_si256(raw, nib)
                              : _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(group + 128 + 32 * (v % 2)));
-    const int sh = 4 - 2 * (v / 2);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(group + 128 + 32 * (v % hb)));
+    const int sh = 4 - hb * (v / hb);
     const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
-    return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x30)));
+    const __m256i top = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4)); /* 0x30 or 0x10 */
+    return _mm256_or_si256(lo, _mm256_and_si256(hs, top));
 }
-
-/* PACK_U5 likewise (160 bytes a group): the nibbles, then 32 bytes whose bit i holds the top
- * bit of position 32 i + j; vector v takes bit v, moved to bit 4 by one 16-bit shift of at
- * most 4, so bit 4 of each byte comes from the same byte. */
-static inline __m256i u5_vec(const uint8_t *group, int v) {
-    const __m256i nib = _mm256_set1_epi8(0x0f);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)(group + 32 * (v % 4)));
-    const __m256i lo = v < 4 ? _mm256_and_si256(raw, nib)
-                             : _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)(group + 128));
-    const int sh = 4 - v;
-    const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
-    return _mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x10)));
-}
+static inline __m256i u6_vec(const uint8_t *group, int v) { return split_plane_vec(group, v, 2); }
+static inline __m256i u5_vec(const uint8_t *group, int v) { return split_plane_vec(group, v, 1); }
 
 /* The packing and the zero point of a layout word (see gguf_avx2.c's header); for the
  * products, bit 8 asks for y in bfloat16 (rounded to nearest even, as torch's conversion of the

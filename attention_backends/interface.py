@@ -25,6 +25,15 @@ Conventions shared by all backends (the reference backend in ``torch_ref.py`` is
   by their log-sum-exp (cascade attention). The result is the same attention. The inputs are
   read on the device, so captured decode graphs replay cascade steps too.
 * Logit soft-capping, when set, maps a score ``s`` to ``cap * tanh(s / cap)`` before softmax.
+* **Attention sinks** (a backend that sets ``supports_attention_sinks``; GPT-OSS): the layer
+  sets ``AttentionBackend.sinks``, a float32 ``[num_heads]`` tensor of learned logits (this
+  rank's heads), and query head ``h`` weighs its visible keys by
+  ``p_j = exp(x_j) / (exp(sinks[h]) + sum_k exp(x_k))`` (``x`` the scaled, possibly
+  soft-capped scores): the sink is one more softmax score with no value, so the weights sum to
+  less than one. The sink is never soft-capped or masked, and it joins each query's softmax
+  exactly once, however a backend splits the context (split-K slices, a cascade prefix). A
+  query always sees at least its own key, so the denominator has a key term too. ``sinks``
+  None (the default) is plain softmax.
 * An fp8 KV cache (a backend lists the float8 dtypes it stores in
   ``supported_kv_cache_dtypes``) holds keys and values cast to that dtype (scale 1: the cast
   rounds, it does not rescale); attention reads them back as the compute dtype. The cache
@@ -66,6 +75,9 @@ class AttentionSpec:
     kv_cache_dtype: str | None = None
     # Queries see later keys inside given spans (image tokens of Gemma 3; see the module doc).
     bidirectional_spans: bool = False
+    # A learned per-head logit joins every query's softmax (GPT-OSS; see the module doc): the
+    # model class says so with ``attention_sinks = True``.
+    attention_sinks: bool = False
 
 
 @dataclass
@@ -249,6 +261,10 @@ class AttentionBackend(ABC):
     # True when ``forward`` honours ``AttentionMetadata.bidirectional_spans_cpu`` (queries see
     # later keys inside a span: image tokens of Gemma 3).
     supports_bidirectional_spans: ClassVar[bool] = False
+    # True when ``forward`` honours ``self.sinks`` (attention sinks: a learned per-head logit
+    # in each query's softmax, GPT-OSS; see the module docstring). A backend without it is
+    # never given sinks: selection refuses it for such a model.
+    supports_attention_sinks: ClassVar[bool] = False
     # True when ``forward`` honours ``AttentionMetadata.cascade`` (cascade attention over a
     # prefix many decodes share; see the module docstring), in captured decode graphs too
     # (``supports_decode_graphs``). The model runner then looks for one in each step.
@@ -300,6 +316,10 @@ class AttentionBackend(ABC):
             reasons.append("sliding-window attention not supported")
         if spec.logit_softcap and not cls.supports_logit_softcap:
             reasons.append("logit soft-capping not supported")
+        if spec.attention_sinks and not cls.supports_attention_sinks:
+            reasons.append(
+                "attention sinks (a learned per-head softmax logit, GPT-OSS) not supported"
+            )
         if spec.bidirectional_spans and not cls.supports_bidirectional_spans:
             reasons.append(
                 "bidirectional attention within image tokens (Gemma 3 vision) not supported; "
@@ -382,6 +402,11 @@ class AttentionBackend(ABC):
         # Per-layer scales of an FP8 KV cache (the loader sets them from the checkpoint).
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # Attention sinks (see the module docstring): float32 [num_heads] on the layer's
+        # device, this rank's heads, set by the ``Attention`` layer (a parameter the model
+        # loads) when the model has them and the backend ``supports_attention_sinks``; None:
+        # no sinks. Set after construction so that ``__init__``'s signature stays the same.
+        self.sinks: torch.Tensor | None = None
 
     @abstractmethod
     def forward(

@@ -10,10 +10,11 @@ over speed, while staying usable on a CPU:
   attention call with an explicit mask (``is_causal`` when there is no prefix to see).
 
 Scores, softmax and the weighted sum run in float32 whatever the model dtype, so bf16/fp16
-results differ from an exact computation only by the final rounding. An FP8 cache
-(``--kv-cache-dtype fp8``: e4m3; the conformance kit also runs e4m3fnuz and e5m2) holds
-``key / k_scale`` and ``value / v_scale`` in that dtype; they are multiplied back as they are
-gathered.
+results differ from an exact computation only by the final rounding. Soft-capping and attention
+sinks (``self.sinks``: one more float32 score per query head, with no value) take an explicit
+scores-then-softmax path instead of SDPA. An FP8 cache (``--kv-cache-dtype fp8``: e4m3; the
+conformance kit also runs e4m3fnuz and e5m2) holds ``key / k_scale`` and ``value / v_scale`` in
+that dtype; they are multiplied back as they are gathered.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _select(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 class TorchReferenceBackend(AttentionBackend):
     """Reference paged attention in plain torch: any device, fp32/bf16/fp16, GQA, sliding window,
-    logit soft-capping and bidirectional spans."""
+    logit soft-capping, attention sinks and bidirectional spans."""
 
     name: ClassVar[str] = "torch"
     # Plain torch ops only, so any device torch can drive (ROCm presents itself as "cuda").
@@ -45,6 +46,7 @@ class TorchReferenceBackend(AttentionBackend):
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
     supports_bidirectional_spans: ClassVar[bool] = True
+    supports_attention_sinks: ClassVar[bool] = True
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
         "float8_e4m3fn",
         "float8_e4m3fnuz",
@@ -154,7 +156,7 @@ class TorchReferenceBackend(AttentionBackend):
         """q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]; mask: bool [B, Lq, Lk] or None for plain
         causal attention with Lq == Lk. Returns [B, H, Lq, D] in float32."""
         q, k, v = q.float(), k.float(), v.float()
-        if self.logit_softcap is None:
+        if self.logit_softcap is None and self.sinks is None:
             attn_mask = None if mask is None else mask[:, None]
             return F.scaled_dot_product_attention(
                 q,
@@ -165,20 +167,28 @@ class TorchReferenceBackend(AttentionBackend):
                 scale=self.scale,
                 enable_gqa=k.shape[1] != q.shape[1],
             )
-        # Soft-capping sits between the scores and the softmax, which SDPA does not expose.
+        # Soft-capping sits between the scores and the softmax, and a sink is one more column
+        # of the softmax: SDPA exposes neither.
         b, h, lq, d = q.shape
         hkv = k.shape[1]
-        qg = q.reshape(b, hkv, (h // hkv) * lq, d)  # query head h uses kv head h // (h // hkv)
+        group = h // hkv
+        qg = q.reshape(b, hkv, group * lq, d)  # query head h uses kv head h // (h // hkv)
         scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale
-        scores = self.logit_softcap * torch.tanh(scores / self.logit_softcap)
+        if self.logit_softcap is not None:
+            scores = self.logit_softcap * torch.tanh(scores / self.logit_softcap)
         if mask is None:
             lk = k.shape[2]
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)[None]
-        mask = (
-            mask[:, None, None].expand(b, hkv, h // hkv, lq, -1).reshape(b, hkv, -1, mask.shape[-1])
-        )
+        mask = mask[:, None, None].expand(b, hkv, group, lq, -1).reshape(b, hkv, -1, mask.shape[-1])
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if self.sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # Row (kv head kh, query head kh * group + g, query i) gets sinks[kh * group + g] as
+            # an extra, never-masked, value-less score, in float32 (not soft-capped).
+            sink = self.sinks.to(device=q.device, dtype=torch.float32).view(1, hkv, group, 1, 1)
+            sink = sink.expand(b, hkv, group, lq, 1).reshape(b, hkv, group * lq, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         return torch.matmul(probs, v).reshape(b, h, lq, d)
 
     def _decode(

@@ -416,9 +416,10 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
     kernels = plugins.kernel_registry().resolve(platform.name)
     quant_config = resolve_quantization(config, hf_config, platform, kernels, plugins)
     spec = attention_spec_for(hf_config, config, platform)
-    # Image tokens that attend to each other both ways (Gemma 3) need a backend that can.
-    # The native class, when one serves the model (load_config chose the implementation): a
-    # model only the transformers backend runs has no registered class to ask.
+    # Image tokens that attend to each other both ways (Gemma 3), and attention sinks
+    # (GPT-OSS), need a backend that can. The native class, when one serves the model
+    # (load_config chose the implementation): a model only the transformers backend runs has
+    # no registered class to ask.
     model_cls: Any = None
     if getattr(config.model, "implementation", "native") != "transformers":
         _, model_cls = models.resolve(getattr(hf_config, "architectures", None) or [])
@@ -426,6 +427,9 @@ def build_engine_parts(config: EngineConfig) -> tuple[Any, Any, Any, list[int], 
         getattr(model_cls, "bidirectional_image_attention", False)
         and config.multimodal.limit("image") > 0
     ) or bool(getattr(model_cls, "bidirectional_attention", False))  # encoders (BERT)
+    # Learned per-head softmax logits (GPT-OSS): a class that sets ``attention_sinks = True``
+    # gets a backend that honours them, or the reasons why none does.
+    spec.attention_sinks = bool(getattr(model_cls, "attention_sinks", False))
     _check_pooling(config)
     _check_image_parallel(config, model_cls)
     backend_cls = plugins.select_attention_backend(config.attention_backend, spec, platform, config)

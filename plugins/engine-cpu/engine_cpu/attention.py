@@ -6,9 +6,9 @@ through the block tables into one padded tensor, builds a mask and calls SDPA: a
 ops a layer, 0.3 ms a call for one 64-token decode of the embedded Gemma 3 270M on a 2-core
 EPYC. Here one call reads the cache through the block table in place, per request and KV head
 (grouped query heads together; with fewer of those than threads, each context is also cut into
-slices whose softmax sums are combined): scores in float32, soft-capping and the sliding window
-as the reference applies them, softmax, the weighted sum of values, rounded once to the query's
-dtype. Prefill chunks keep the reference's path (SDPA over the gathered context, which is
+slices whose softmax sums are combined): scores in float32, soft-capping, the sliding window
+and attention sinks (GPT-OSS: folded into the combined softmax once per head) as the reference
+applies them, softmax, the weighted sum of values, rounded once to the query's dtype. Prefill chunks keep the reference's path (SDPA over the gathered context, which is
 compute-bound there), and so does every case the compiled kernels do not take: a float16 or
 FP8 cache (the reference dequantizes FP8 as it gathers) or activations of another dtype than
 the cache's.
@@ -40,6 +40,9 @@ class CpuAttentionBackend(TorchReferenceBackend):
     # (the compiled paths), so the CPU's native plans (engine_cpu.plan) may record it. Any
     # other path is torch ops, which a recording refuses.
     supports_decode_graphs: ClassVar[bool] = True
+    # The reference's prefill honours ``self.sinks``; so does the compiled decode, which reads
+    # the layer's float32 parameter in place (a pointer that native plans record as it is).
+    supports_attention_sinks: ClassVar[bool] = True
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -116,6 +119,14 @@ class CpuAttentionBackend(TorchReferenceBackend):
         seq_lens: list[int],
     ) -> torch.Tensor:
         lib = self._native(kv_cache, query)
+        sinks = self.sinks
+        if sinks is not None:
+            if sinks.numel() != self.num_heads:
+                raise ValueError(
+                    f"attention sinks hold {sinks.numel()} values for {self.num_heads} heads"
+                )
+            if sinks.dtype != torch.float32 or not sinks.is_contiguous():
+                lib = None  # the kernel reads float32 [Hq] in place; the reference converts
         if lib is None:
             return super()._decode(query, kv_cache, md, seq_lens)
         nd = query.shape[0]
@@ -146,5 +157,6 @@ class CpuAttentionBackend(TorchReferenceBackend):
             self.scale,
             self.logit_softcap or 0.0,
             self.sliding_window or 0,
+            None if sinks is None else sinks.data_ptr(),
         )
         return out

@@ -119,7 +119,7 @@ def _declare_avx2(lib: ctypes.CDLL) -> None:
     lib.cpu_write_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i32, i64, i64, i64]
     lib.cpu_paged_decode.argtypes = [
         *(ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64),
-        *(i32, i64, i64, i64, i64, i64, f32, f32, i64),
+        *(i32, i64, i64, i64, i64, i64, f32, f32, i64, ptr),  # ..., window, sinks (or NULL)
     ]
     lib.cpu_gated_act.argtypes = [ptr, i64, ptr, i64, i32, i64, i64, i32]
     lib.cpu_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]

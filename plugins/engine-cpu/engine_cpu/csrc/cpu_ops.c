@@ -240,19 +240,23 @@ static void decode_part(const float *qf, const void *k_cache, const void *v_cach
  * start = seq_lens[b] - window when window > 0 (a sliding window), else 0. Caches
  * [num_blocks, BS, Hkv, D] contiguous, query head h reading KV head h / (Hq / Hkv). Scores
  * q.k * scale, soft-capped as cap * tanh(s / cap) when softcap > 0, softmax, then the weighted
- * sum of values, written at out + b * o_row + h * o_head (zeros for an empty context).
+ * sum of values, written at out + b * o_row + h * o_head (zeros for an empty context). With
+ * attention sinks (`sinks` float32 [Hq], not NULL) query head h's softmax has one more score,
+ * sinks[h], with no value: never soft-capped or masked, it joins the maximum and adds
+ * exp(sinks[h] - max) to the denominator.
  *
  * Threads over (request, KV head); where those are fewer than the threads (batch 1, models
  * with one KV head), each context is also cut into up to `threads` slices of at least
  * MIN_SPLIT positions, whose partial softmax sums are combined per head afterwards, as split-K
- * decode kernels on GPUs do. The exponentials run eight lanes at a time (exp8). */
+ * decode kernels on GPUs do; the sink is folded in there, once per (request, query head),
+ * never per slice. The exponentials run eight lanes at a time (exp8). */
 #define MIN_SPLIT 64
 #define MAX_SPLITS 64
 void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *k_cache,
                       const void *v_cache, const int32_t *block_table, int64_t bt_row,
                       const int32_t *seq_lens, void *out, int64_t o_row, int64_t o_head,
                       int bf16, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                      float scale, float softcap, int64_t window) {
+                      float scale, float softcap, int64_t window, const float *sinks) {
     const int64_t G = Hq / Hkv;
     int64_t work = 0, longest = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -291,7 +295,8 @@ void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *
                             D, BS, scale, softcap, p0, p1, qf + G * D, pt, pt + G, pt + 2 * G);
                 free(qf);
             }
-    /* Combine the slices: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M). */
+    /* Combine the slices: out = sum_s acc_s e^(m_s - M) / (sum_s l_s e^(m_s - M) [+ e^(sink -
+     * M)]), M the largest m_s (and the sink): the sink's term once per (request, head). */
     for (int64_t b = 0; b < B; b++)
         for (int64_t kh = 0; kh < Hkv; kh++)
             for (int64_t g = 0; g < G; g++) {
@@ -299,6 +304,11 @@ void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *
                 float mx = -INFINITY, total = 0.0f;
                 for (int64_t sl = 0; sl < S; sl++)
                     mx = p[sl * part + g] > mx ? p[sl * part + g] : mx;
+                if (sinks) {
+                    const float sink = sinks[kh * G + g];
+                    mx = sink > mx ? sink : mx;
+                    total = expf(sink - mx);
+                }
                 float wts[MAX_SPLITS];
                 for (int64_t sl = 0; sl < S; sl++) {
                     const float *ps = p + sl * part;

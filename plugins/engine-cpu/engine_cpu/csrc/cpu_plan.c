@@ -32,7 +32,7 @@ void cpu_paged_decode(const void *q, int64_t q_row, int64_t q_head, const void *
                       const void *v_cache, const int32_t *block_table, int64_t bt_row,
                       const int32_t *seq_lens, void *out, int64_t o_row, int64_t o_head,
                       int bf16, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t BS,
-                      float scale, float softcap, int64_t window);
+                      float scale, float softcap, int64_t window, const float *sinks);
 void cpu_gated_act(const void *x, int64_t x_row, void *out, int64_t o_row, int bf16, int64_t T,
                    int64_t I, int act);
 void cpu_topk_softmax(const void *logits, int64_t row, int bf16, int64_t T, int64_t E,
@@ -83,7 +83,8 @@ void cpu_write_kv_p(const int64_t *a) {
 
 void cpu_paged_decode_p(const int64_t *a) {
     cpu_paged_decode(P(0), I(1), I(2), P(3), P(4), P(5), I(6), P(7), P(8), I(9), I(10),
-                     (int)I(11), I(12), I(13), I(14), I(15), I(16), F(a, 17), F(a, 18), I(19));
+                     (int)I(11), I(12), I(13), I(14), I(15), I(16), F(a, 17), F(a, 18), I(19),
+                     P(20));
 }
 
 void cpu_gated_act_p(const int64_t *a) {

@@ -120,7 +120,8 @@ def test_the_buggy_vendor_conforms_without_its_bugs(plugin_env, pytester, monkey
         "-k",
         "cheap or check-config or float32-H4",
     )
-    result.assert_outcomes(passed=5)  # detection-is-cheap, check-config, GQA, window, soft-cap
+    # detection-is-cheap, check-config; GQA, window, soft-cap, sinks, window with sinks
+    result.assert_outcomes(passed=7)
 
 
 def test_seeds_are_fresh(plugin_env, pytester, monkeypatch):

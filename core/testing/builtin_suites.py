@@ -118,8 +118,8 @@ class AttentionSuite(ConformanceSuite):
     description: ClassVar[str] = (
         "every attention backend the plugin provides or its platform lists, against the torch "
         "reference on fresh random paged batches: prefill, chunked prefill, a cached prefix, "
-        "decodes, GQA and MQA, an odd block pool; sliding window, soft-cap and fp8 KV caches "
-        "when declared"
+        "decodes, GQA and MQA, an odd block pool; sliding window, soft-cap, fp8 KV caches and "
+        "attention sinks when declared"
     )
 
     def checks(self, target: ConformanceTarget) -> Iterator[ConformanceCheck]:

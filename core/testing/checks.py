@@ -310,8 +310,9 @@ def attention_cases(
     backend: type[AttentionBackend], platform: type[Platform]
 ) -> list[AttentionCase]:
     """The configurations to check ``backend`` on: GQA in each dtype both support, MQA, then
-    sliding window, soft-capping and each fp8 KV-cache dtype when the backend declares them.
-    Every case runs the four-step plan of ``default_plan`` (prefill, chunked prefill, a cached
+    sliding window, soft-capping, each fp8 KV-cache dtype and attention sinks (alone and, as
+    GPT-OSS's sliding layers have them, with a window) when the backend declares them. Every
+    case runs the four-step plan of ``default_plan`` (prefill, chunked prefill, a cached
     prefix, decodes, an odd number of blocks)."""
     head = _pick(backend.supported_head_sizes, 64)
     block = _pick(backend.supported_block_sizes, 16)
@@ -327,6 +328,10 @@ def attention_cases(
         cases.append(AttentionCase(dtypes[0], logit_softcap=5.0, **base))
     for kv_dtype in backend.supported_kv_cache_dtypes:
         cases.append(AttentionCase(dtypes[0], kv_cache_dtype=kv_dtype, **base))
+    if backend.supports_attention_sinks:
+        cases.append(AttentionCase(dtypes[0], attention_sinks=True, **base))
+        if backend.supports_sliding_window:
+            cases.append(AttentionCase(dtypes[0], sliding_window=8, attention_sinks=True, **base))
     return cases
 
 
@@ -341,6 +346,7 @@ def spec_for_case(case: AttentionCase, device_type: str) -> AttentionSpec:
         sliding_window=case.sliding_window is not None,
         logit_softcap=case.logit_softcap is not None,
         kv_cache_dtype=case.kv_cache_dtype,
+        attention_sinks=case.attention_sinks,
     )
 
 
@@ -356,8 +362,10 @@ def check_attention_backend(
     ``backend`` on ``device`` and through ``reference`` on the CPU in float32; outputs must
     match within the dtype's tolerance at every step. Later steps read what earlier ones wrote,
     so cache writes are checked too. With an fp8 KV cache the reference attends over the keys
-    and values rounded to that dtype (what the cache holds)."""
-    from engine.testing.inputs import FP8_DTYPES
+    and values rounded to that dtype (what the cache holds). With attention sinks both get the
+    same random float32 sinks (``engine.testing.inputs.attention_sinks``) as ``impl.sinks``, on
+    their devices, as the ``Attention`` layer sets them."""
+    from engine.testing.inputs import FP8_DTYPES, attention_sinks
 
     gen = torch.Generator().manual_seed(seed)
     dtype = DTYPES[case.dtype]
@@ -372,6 +380,9 @@ def check_attention_backend(
         case.logit_softcap,
     )
     impl, ref = backend(*args), reference(*args)
+    if case.attention_sinks:  # drawn only here, so the other cases' inputs stay as they were
+        sinks = attention_sinks(case.num_heads, gen)
+        impl.sinks, ref.sinks = sinks.to(device), sinks
     shape = backend.kv_cache_shape(
         plan.num_blocks, case.block_size, case.num_kv_heads, case.head_size
     )

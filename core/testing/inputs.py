@@ -627,6 +627,8 @@ class AttentionCase:
     sliding_window: int | None = None
     logit_softcap: float | None = None
     kv_cache_dtype: str | None = None  # None: the model dtype; else an FP8_DTYPES name
+    # Attention sinks (GPT-OSS): random float32 per-head logits, some large (``attention_sinks``)
+    attention_sinks: bool = False
 
     @property
     def id(self) -> str:
@@ -642,11 +644,25 @@ class AttentionCase:
             parts.append(f"softcap{self.logit_softcap:g}")
         if self.kv_cache_dtype:
             parts.append(f"kv-{self.kv_cache_dtype}")
+        if self.attention_sinks:
+            parts.append("sinks")
         return "-".join(parts)
 
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_size)
+
+
+def attention_sinks(num_heads: int, gen: torch.Generator) -> torch.Tensor:
+    """Random float32 sinks ``[num_heads]`` for the conformance cases: a few units around 0
+    (comparable to the scores), the first large and positive (it takes nearly all of its head's
+    weight: that head's output nearly vanishes) and, with two heads or more, the last large and
+    negative (it changes nothing), the extremes a backend's softmax must survive."""
+    sinks = torch.randn(num_heads, generator=gen) * 2.0
+    sinks[0] = 20.0
+    if num_heads > 1:
+        sinks[-1] = -20.0
+    return sinks.float()
 
 
 @dataclass

@@ -437,3 +437,31 @@ def test_the_installed_backends_declare_sinks_as_documented():
             platform,
         )  # fmt: skip
         assert chosen.supports_attention_sinks
+
+
+class _Chosen(Exception):
+    """Stops the engine build once the attention spec is known."""
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_the_runtime_asks_for_sinks_when_the_model_class_declares_them(
+    tmp_path, monkeypatch, declared
+):
+    from engine import LLM
+    from engine.models.llama import LlamaForCausalLM
+    from engine.plugins import PluginManager
+    from engine.testing.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny", "llama")
+    if declared:
+        monkeypatch.setattr(LlamaForCausalLM, "attention_sinks", True, raising=False)
+    specs = []
+
+    def spy(self, name, spec, platform, config=None):
+        specs.append(spec)
+        raise _Chosen
+
+    monkeypatch.setattr(PluginManager, "select_attention_backend", spy)
+    with pytest.raises(_Chosen):
+        LLM(model=str(path), skip_tokenizer_init=True)
+    assert [s.attention_sinks for s in specs] == [declared]

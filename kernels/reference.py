@@ -270,6 +270,66 @@ def fused_moe(
     return routed_experts(hidden, w13.shape[0], lambda e: (w13[e], w2[e]), topk_weights, topk_ids)
 
 
+#: The expert activations ``fused_moe_biased`` takes: SwiGLU (``silu(gate) * up``, as
+#: ``fused_moe``) and GPT-OSS's clamped SwiGLU (``swigluoai_and_mul``).
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+
+
+def swigluoai_and_mul(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU: with ``g = min(gate, limit)`` and ``u = clamp(up, -limit,
+    limit)``, ``(u + 1) * g * sigmoid(alpha * g)``, computed in ``gate``'s dtype."""
+    g = gate.clamp(max=limit)
+    u = up.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def fused_moe_biased(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """``fused_moe`` with per-expert biases and a choice of activation (GPT-OSS's experts):
+    for every choice ``(t, k)`` with ``e = topk_ids[t, k] >= 0``, ``topk_weights[t, k] *
+    (w2[e] @ act(w13[e] @ x_t + w13_bias[e]) + w2_bias[e])``, summed over ``k``.
+
+    w13: [E, 2I, H] (gate rows, then up rows: a checkpoint that interleaves them is split at
+    load); w2: [E, H, I]; w13_bias: [E, 2I] and w2_bias: [E, H] in w13's / w2's dtype, or None.
+    ``activation`` is one of ``MOE_ACTIVATIONS``: ``"silu"`` (``silu(gate) * up``) or
+    ``"swigluoai"`` (``swigluoai_and_mul(gate, up, alpha, limit)``). Under tensor parallelism a
+    rank's ``w2_bias`` is zero except on one rank, so the reduced sum adds it once.
+
+    Rounding points as ``fused_moe``'s: each matmul, its bias added, returns the
+    activation dtype; the activation computes in float32 from the rounded gate/up and rounds
+    once; the weighted sum over the top-k accumulates in float32 and rounds once at the end.
+    """
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(
+            f"unknown MoE activation {activation!r}; supported: {', '.join(MOE_ACTIVATIONS)}"
+        )
+
+    def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+        b13 = None if w13_bias is None else w13_bias[expert]
+        b2 = None if w2_bias is None else w2_bias[expert]
+        gate_up = F.linear(x.to(w13.dtype), w13[expert], b13).to(hidden.dtype).float()
+        gate, up = gate_up.chunk(2, dim=-1)
+        if activation == "silu":
+            act = F.silu(gate) * up
+        else:
+            act = swigluoai_and_mul(gate, up, alpha, limit)
+        return F.linear(act.to(w2.dtype), w2[expert], b2).to(hidden.dtype)
+
+    return routed_expert_calls(hidden, w13.shape[0], expert_mlp, topk_weights, topk_ids)
+
+
 def fused_moe_fp8(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -544,6 +604,7 @@ REFERENCE_KERNELS = {
     "argmax": argmax,
     "moe_topk_softmax": moe_topk_softmax,
     "fused_moe": fused_moe,
+    "fused_moe_biased": fused_moe_biased,
     "fused_moe_fp8": fused_moe_fp8,
     "fused_moe_wna16": fused_moe_wna16,
     "add_lora_linear": add_lora_linear,

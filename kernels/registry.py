@@ -32,6 +32,9 @@ KERNEL_NAMES = (
     "argmax",
     "moe_topk_softmax",
     "fused_moe",
+    # Experts with biases and a choice of activation, GPT-OSS's clamped SwiGLU among them
+    # (engine.kernels.reference.fused_moe_biased).
+    "fused_moe_biased",
     # FP8 experts, weight-only (engine.kernels.reference.fused_moe_fp8).
     "fused_moe_fp8",
     # 4/8-bit integer experts in groups (GPTQ, AWQ, compressed-tensors), weight-only

@@ -264,6 +264,25 @@ def _fused_moe_cases(dtype, gen):
     return cases
 
 
+def _fused_moe_biased_cases(dtype, gen):
+    # Both activations, with and without biases; gate/up values large enough (scale 2) that
+    # GPT-OSS's clamp at +-limit (here 2.0, so that it bites) is exercised on both sides.
+    cases = []
+    for t, e, k, h, i in ((3, 8, 2, 40, 24), (17, 4, 4, 32, 16)):
+        x = _randn(gen, dtype, t, h)
+        w13 = _randn(gen, dtype, e, 2 * i, h, scale=2 * h**-0.5)
+        w2 = _randn(gen, dtype, e, h, i, scale=i**-0.5)
+        b13 = _randn(gen, dtype, e, 2 * i)
+        b2 = _randn(gen, dtype, e, h)
+        weights, ids = _moe_routing(gen, t, e, k)
+        for act in ("swigluoai", "silu"):
+            args = (x, w13, w2, weights, ids, b13, b2, act, 1.702, 2.0)
+            cases.append((f"T{t}-E{e}-top{k}-{act}-bias", args))
+        cases.append((f"T{t}-E{e}-top{k}-swigluoai", (x, w13, w2, weights, ids, None, None,
+                                                       "swigluoai", 1.702, 2.0)))  # fmt: skip
+    return cases
+
+
 def _fp8_expert_scales(gen, e, n, k, std, block, slices=1):
     """Positive float32 scales of FP8 experts ``[E, N, K]`` whose e4m3 values have std 64:
     per channel ``[E, N]``, or per block (``block`` rows per ``slices`` part, see
@@ -590,6 +609,7 @@ register_kernel_inputs("linear", _linear_cases)
 register_kernel_inputs("argmax", _argmax_cases)
 register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
 register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
+register_kernel_inputs("fused_moe_biased", _fused_moe_biased_cases, kind="moe")
 register_kernel_inputs("fused_moe_fp8", _fused_moe_fp8_cases, kind="moe")
 register_kernel_inputs("fused_moe_wna16", _fused_moe_wna16_cases, kind="moe")
 register_kernel_inputs("fp8_linear", _fp8_linear_cases)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.kernels.reference import MOE_ACTIVATIONS
 from engine.layers.weight_utils import (
     ModelLoadError,
     check_shape,
@@ -151,6 +152,10 @@ class FusedMoEMethodBase:
 
     #: per-expert checkpoint tensors (by suffix) that are accepted and dropped
     ignored_checkpoint_suffixes: tuple[str, ...] = ()
+    #: the expert activations (``engine.kernels.reference.MOE_ACTIVATIONS``) the method runs,
+    #: and whether it takes per-expert biases (``FusedMoE(bias=True)``, GPT-OSS)
+    activations: tuple[str, ...] = ("silu",)
+    supports_bias: bool = False
 
     def create_weights(
         self,
@@ -177,7 +182,11 @@ class FusedMoEMethodBase:
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Experts in the activation dtype: ``w13_weight`` and ``w2_weight``, computed by the
-    platform's ``fused_moe`` kernel."""
+    platform's ``fused_moe`` kernel; with biases (``w13_bias [E_local, 2 * I_local]``,
+    ``w2_bias [E_local, H]``) or another activation than SiLU, by ``fused_moe_biased``."""
+
+    activations = ("silu", "swigluoai")
+    supports_bias = True
 
     def create_weights(
         self,
@@ -194,6 +203,15 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             param.moe_shard_kind = kind  # type: ignore[attr-defined]
             set_weight_loader(param, layer.weight_loader)
             layer.register_parameter(name, param)
+        if layer.has_bias:
+            # Loaded whole per layer by ``FusedMoE.load_bias`` (no per-expert checkpoint names).
+            for name, shape, kind in (
+                ("w13_bias", (num_local_experts, 2 * i), "w13"),
+                ("w2_bias", (num_local_experts, hidden_size), "w2"),
+            ):
+                param = new_parameter(shape, dtype)
+                param.moe_bias_kind = kind  # type: ignore[attr-defined]
+                layer.register_parameter(name, param)
 
     def apply(
         self,
@@ -202,6 +220,19 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
+        if layer.has_bias or layer.activation != "silu":
+            return layer.kernels.fused_moe_biased(
+                hidden,
+                layer.w13_weight,
+                layer.w2_weight,
+                topk_weights,
+                topk_ids,
+                getattr(layer, "w13_bias", None),
+                getattr(layer, "w2_bias", None),
+                layer.activation,
+                layer.swiglu_alpha,
+                layer.swiglu_limit,
+            )
         return layer.kernels.fused_moe(
             hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
         )
@@ -214,7 +245,10 @@ class FusedMoE(nn.Module):
     ``intermediate_size`` is one expert's (global) intermediate size. ``renormalize`` divides
     the chosen softmax weights by their sum (Mixtral; Qwen's ``norm_topk_prob``).
     ``reduce_results=False`` leaves the partial sum unreduced so that the block can add a
-    shared expert's partial output first and reduce once (``reduce``).
+    shared expert's partial output first and reduce once (``reduce``). ``activation`` is the
+    experts' (``"silu"``: SwiGLU; ``"swigluoai"``: GPT-OSS's clamped SwiGLU with
+    ``swiglu_alpha`` and ``swiglu_limit``) and ``bias=True`` gives every expert's gate/up and
+    down projections a bias (GPT-OSS), loaded with ``load_bias``.
     """
 
     def __init__(
@@ -235,6 +269,10 @@ class FusedMoE(nn.Module):
         reduce_results: bool = True,
         scoring_func: str = "softmax",
         proj_names: tuple[str, str, str] | None = None,
+        activation: str = "silu",
+        bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ) -> None:
         """``quant_config`` (the model's, or None) picks the method by ``prefix`` (the layer's
         checkpoint name) through its ``get_moe_method(layer, prefix)``; ``quant_method``
@@ -269,6 +307,15 @@ class FusedMoE(nn.Module):
         self.intermediate_size_per_partition = intermediate_size // parallel.tp_size
         self.renormalize = renormalize
         self.scoring_func = scoring_func
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(
+                f"MoE expert activation {activation!r} is not supported; supported: "
+                f"{', '.join(MOE_ACTIVATIONS)}"
+            )
+        self.activation = activation
+        self.has_bias = bias
+        self.swiglu_alpha = swiglu_alpha
+        self.swiglu_limit = swiglu_limit
         self.kernels = kernels
         self.parallel = parallel
         self.communicator = communicator
@@ -302,6 +349,15 @@ class FusedMoE(nn.Module):
                 )
             quant_method = getter(self, prefix)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod()
+        method = self.quant_method
+        if activation not in method.activations or (bias and not method.supports_bias):
+            asked = f"activation {activation!r}" + (" with biases" if bias else "")
+            raise NotImplementedError(
+                f"{prefix or 'FusedMoE'}: the {type(method).__name__} experts do not run "
+                f"{asked} (they run {', '.join(method.activations)}"
+                f"{', with biases' if method.supports_bias else ', without biases'}); these "
+                "experts are served unquantized (bfloat16/float16/float32 weights)"
+            )
         self.quant_method.create_weights(
             self, self.num_local_experts, hidden_size, self.intermediate_size_per_partition, dtype
         )
@@ -408,6 +464,30 @@ class FusedMoE(nn.Module):
         else:
             raise ModelLoadError(f"shard {shard_id!r} does not fit a {kind} expert parameter")
 
+    def load_bias(self, kind: str, loaded: torch.Tensor) -> str:
+        """Copy a checkpoint's stacked expert biases into this rank's ``w13_bias`` (``kind``
+        ``"w13"``: ``[E, 2I]``, gate then up, split over the tensor-parallel ranks like the
+        weights) or ``w2_bias`` (``"w2"``: ``[E, H]``, kept by tensor-parallel rank 0 and zero
+        on the others, so the reduced sum adds it once). Returns the parameter's name."""
+        if not self.has_bias:
+            raise ModelLoadError(f"{self.prefix}: expert biases given to a layer without them")
+        name = f"{kind}_bias"
+        param = getattr(self, name)
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        expected = (e, 2 * i) if kind == "w13" else (e, h)
+        check_shape(f"stacked {name}", expected, loaded.shape)
+        experts = self.local_experts
+        mine = materialize(narrow(loaded, 0, experts.start, len(experts)))
+        ip, rank = self.intermediate_size_per_partition, self.parallel.tp_rank
+        if kind == "w13":
+            param.data[:, :ip].copy_(mine[:, rank * ip : (rank + 1) * ip])
+            param.data[:, ip:].copy_(mine[:, i + rank * ip : i + (rank + 1) * ip])
+        elif rank == 0:
+            param.data.copy_(mine)
+        else:
+            param.data.zero_()
+        return name
+
     def local_expert(self, what: str, expert_id: int | None) -> int | None:
         """This rank's index of global expert ``expert_id`` (None: another rank holds it), for
         a quantized method's loader of per-expert tensors; ``what`` names the tensor in
@@ -435,6 +515,7 @@ class FusedMoE(nn.Module):
             f"experts={self.num_experts} (local {self.num_local_experts}), top_k={self.top_k}, "
             f"hidden={self.hidden_size}, intermediate={self.intermediate_size} "
             f"(per rank {self.intermediate_size_per_partition}), renormalize={self.renormalize}, "
+            f"activation={self.activation}{', bias' if self.has_bias else ''}, "
             f"tp={p.tp_rank}/{p.tp_size}, ep={p.ep_rank}/{p.ep_size}"
         )
 

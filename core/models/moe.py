@@ -51,6 +51,13 @@ class MoESpec:
     block_name: str = "mlp"
     #: the checkpoint's names of an expert's gate, up and down projections
     expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    #: GPT-OSS: the router has a bias; the experts have biases and a clamped SwiGLU
+    #: (``FusedMoE``'s ``activation``, ``bias``, ``swiglu_alpha`` and ``swiglu_limit``)
+    router_bias: bool = False
+    activation: str = "silu"
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer_idx: int) -> bool:
         return (
@@ -71,7 +78,7 @@ class SparseMoeBlock(nn.Module):
         parallel, communicator = moe_parallel_from_context(ctx)
         # Routers stay unquantized (as in vLLM): replicated, in the model dtype.
         self.gate = ReplicatedLinear(
-            hidden, spec.num_experts, ctx=ctx, prefix=f"{prefix}.gate",
+            hidden, spec.num_experts, spec.router_bias, ctx=ctx, prefix=f"{prefix}.gate",
             quant_method=UNQUANTIZED,
         )  # fmt: skip
         # A router's product is small: it keeps its plain weight for the platform's ``linear``
@@ -94,6 +101,10 @@ class SparseMoeBlock(nn.Module):
             # With a shared expert the block adds its (tensor-parallel partial) output first
             # and reduces once.
             reduce_results=not has_shared,
+            activation=spec.activation,
+            bias=spec.expert_bias,
+            swiglu_alpha=spec.swiglu_alpha,
+            swiglu_limit=spec.swiglu_limit,
         )
         if has_shared:
             self.shared_expert = LlamaMLP(

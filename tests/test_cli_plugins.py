@@ -81,7 +81,7 @@ def test_plugins_json_lists_five_plugins_and_platform_reasons(plugin_env, capsys
     want = [*norms, *activations, "linear", "argmax", "moe_topk_softmax", *quantized]
     assert on_cpu == [(k, "engine-llm-cpu") for k in want], on_cpu
     methods = {m["name"]: m for m in report["quantization_methods"]}
-    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]
+    assert list(methods) == ["fp8", "compressed-tensors", "gptq", "awq", "gguf", "mxfp4"]
     assert all(m["usable"] and m["provider"] == "engine-llm" for m in methods.values())
     comms = {c["platform"]: c for c in report["communicators"]}
     assert comms["cpu"]["provider"] == "engine-llm-cpu" and "gloo" in comms["cpu"]["communicator"]

@@ -32,7 +32,7 @@ CPU = QuantizationSpec(platform="cpu", device_type="cpu", dtype="bfloat16")
 # ---- the registry ------------------------------------------------------------------------------
 def test_builtin_methods_use_vllm_names():
     registry = QuantizationRegistry()
-    assert registry.names() == ["fp8", "compressed-tensors", "gptq", "awq", "gguf"]
+    assert registry.names() == ["fp8", "compressed-tensors", "gptq", "awq", "gguf", "mxfp4"]
     assert [e.name for e in registry.readers("awq")] == ["awq"]
     assert "compressed_tensors" in registry  # vLLM's alternative spelling
 

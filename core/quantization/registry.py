@@ -41,6 +41,7 @@ BUILTIN_METHODS = {
     "gptq": "engine.quantization.gptq:GPTQConfig",
     "awq": "engine.quantization.awq:AWQConfig",
     "gguf": "engine.quantization.gguf:GGUFConfig",
+    "mxfp4": "engine.quantization.mxfp4:Mxfp4Config",
 }
 # ``--quantization`` spellings that mean a registered name.
 ALIASES = {"compressed_tensors": "compressed-tensors", "fp8_e4m3": "fp8"}

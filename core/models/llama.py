@@ -27,6 +27,7 @@ from engine.layers import (
     rope_parameters,
 )
 from engine.layers.rotary import LongRopeRotaryEmbedding, get_rope
+from engine.layers.weight_utils import check_shape, materialize, narrow, set_weight_loader
 from engine.models.base import (
     CausalLM,
     DecoderModel,
@@ -82,7 +83,10 @@ class LlamaAttention(SelfAttention):
         o_bias: bool,
         qk_norm: bool,
         prefix: str = "",
+        sinks: bool = False,
     ) -> None:
+        """``sinks``: every query head has a learned softmax logit (GPT-OSS), read from the
+        checkpoint's ``self_attn.sinks`` (this rank's heads)."""
         super().__init__()
         cfg = ctx.hf_config
         self._build_projections(ctx, qkv_bias, o_bias, prefix)
@@ -99,7 +103,17 @@ class LlamaAttention(SelfAttention):
             self.head_dim**-0.5,
             ctx.attn_backend_cls,
             sliding_window=layer_sliding_window(cfg, layer_idx),
+            sinks=sinks,
         )
+        if sinks:
+            set_weight_loader(self.attn.sinks, self._load_sinks)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """All heads' sinks ``[total_heads]`` -> this tensor-parallel rank's."""
+        qkv = self.qkv_proj
+        check_shape("attention sinks", (qkv.total_num_heads,), loaded.shape)
+        mine = narrow(loaded, 0, qkv.tp_rank * self.num_heads, self.num_heads)
+        param.data.copy_(materialize(mine))
 
 
 class LlamaMLP(nn.Module):

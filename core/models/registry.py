@@ -29,6 +29,7 @@ _BUILTIN_MODELS = {
     "Gemma2ForCausalLM": "engine.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "engine.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",

@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     # Natively implemented too (core/models/phi3.py, gemma2.py); the others run through the
     # transformers modeling backend.
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
@@ -66,6 +67,22 @@ TINY_EXTRA: dict[str, dict[str, Any]] = {
     "gpt_neox": {"rotary_pct": 0.5},
     "phi": {"partial_rotary_factor": 0.5},
     "gpt2": {"tie_word_embeddings": True},
+    # GPT-OSS: sliding and full layers alternate; a small clamp so that the experts' clamped
+    # SwiGLU bites; YaRN from a short original context, as the released configs (from 4,096).
+    "gpt_oss": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "swiglu_limit": 1.5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 16.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    },
 }
 # Mixture-of-experts settings for build_tiny_model: many experts, top-2 and top-8, a shared
 # expert, dense layers among sparse ones (Qwen's decoder_sparse_step / mlp_only_layers).
@@ -87,6 +104,7 @@ TINY_MOE = {
         "norm_topk_prob": True,
         "head_dim": 16,
     },
+    "gpt_oss": {"num_local_experts": 16, "num_experts_per_tok": 4},
 }
 
 
@@ -185,6 +203,9 @@ def build_tiny_model(
                 param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
             elif "norm" in name:
                 param.uniform_(0.8, 1.2)
+            elif name.endswith(".sinks"):
+                # GPT-OSS's per-head softmax sinks: from nearly none to most of the weight.
+                param.uniform_(-2.0, 3.0)
             else:
                 param.normal_(0.0, 0.1)
     model = model.to(getattr(torch, dtype))

@@ -1,0 +1,231 @@
+"""GPT-OSS on the CPU: greedy tokens identical to transformers on tiny random checkpoints
+(attention sinks, alternating sliding/full layers, YaRN, biased router and experts, the
+clamped SwiGLU), in bf16-layout and MXFP4 checkpoints; the experts' op against transformers'
+own expert module; MXFP4 dequantization against transformers'; tensor and expert parallelism
+over gloo; and the refusals (a backend without sinks, quantized experts)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels.reference import fused_moe_biased, moe_topk_softmax
+from engine.models.gpt_oss import split_interleaved
+from engine.quantization.mxfp4 import E2M1_VALUES, dequantize_mxfp4
+from engine.testing.moe_parallel import assert_moe_layouts_match_one_process
+from engine.testing.tiny_models import build_tiny_model
+
+NUM_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", num_layers=3)
+
+
+def hf_greedy(model, prompt: list[int], num_new: int) -> list[int]:
+    ids, past, tokens = torch.tensor([prompt]), None, []
+    with torch.no_grad():
+        for _ in range(num_new):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def mixed_prompts(vocab: int) -> list[list[int]]:
+    """Lengths from 1 to well past the sliding window (8), and a shared prefix."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in (1, 3, 8, 17, 33, 64, 90)]
+    prompts.append(prompts[5][:40] + [rng.randrange(10, vocab) for _ in range(7)])
+    return prompts
+
+
+def assert_greedy_matches(path, hf) -> None:
+    prompts = mixed_prompts(hf.config.vocab_size)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=32,  # chunked prefill
+        max_num_seqs=6,
+        num_gpu_blocks_override=48,  # small enough to preempt
+        enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NUM_NEW), len(prompt)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert llm.llm_engine.num_used_blocks == 0
+    llm.llm_engine.shutdown()
+
+
+def test_greedy_matches_transformers(gpt_oss):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(gpt_oss, dtype=torch.float32).eval()
+    assert hf.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    sinks = torch.cat([layer.self_attn.sinks.detach() for layer in hf.model.layers])
+    assert sinks.max() > 1.0  # sinks that take real weight (tiny_models widens them)
+    assert_greedy_matches(gpt_oss, hf)
+
+
+def test_experts_op_matches_transformers_expert_module():
+    """``fused_moe_biased`` with the de-interleaved weights against transformers'
+    ``GptOssExperts`` and router on the same tensors (float32, routing by our top-k)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
+    cfg = GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=8,
+                       num_experts_per_tok=3, swiglu_limit=1.0)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    experts, router = GptOssExperts(cfg), GptOssTopKRouter(cfg)
+    with torch.no_grad():
+        for p in (*experts.parameters(), *router.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    x = torch.randn(19, 32, generator=gen)
+    with torch.no_grad():
+        logits, scores, ids = router(x)
+        want = experts(x, ids, scores)
+    weights, our_ids = moe_topk_softmax(logits, 3, renormalize=True)
+    assert torch.equal(our_ids.long().sort(-1).values, ids.sort(-1).values)
+    w13 = split_interleaved(experts.gate_up_proj.detach().transpose(1, 2), 1)
+    b13 = split_interleaved(experts.gate_up_proj_bias.detach(), 1)
+    w2 = experts.down_proj.detach().transpose(1, 2)
+    got = fused_moe_biased(x, w13, w2, weights, our_ids, b13, experts.down_proj_bias.detach(),
+                           "swigluoai", cfg.swiglu_alpha, cfg.swiglu_limit)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The clamp bit: some gate/up values were past the limit.
+    assert (x @ experts.gate_up_proj[0]).abs().max() > cfg.swiglu_limit
+
+
+# ---- MXFP4 ----------------------------------------------------------------------------------
+def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 packer written from the OCP microscaling spec: per block of 32 along the last
+    dim, the scale is the power of two that puts the block's largest magnitude in E2M1's
+    range (``floor(log2(amax)) - 2``, E2M1's largest exponent being 2), each value rounds to
+    the nearest E2M1 value times the scale; codes pack two a byte, low nibble first."""
+    *lead, k = w.shape
+    blocks = w.float().reshape(*lead, k // 32, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2.0**-126)
+    exp = torch.floor(torch.log2(amax)) - 2
+    scaled = blocks / torch.exp2(exp)[..., None]
+    grid = torch.tensor(E2M1_VALUES[:8])
+    code = (scaled.abs()[..., None] - grid).abs().argmin(-1)  # the nearest magnitude
+    code = code + 8 * (scaled < 0)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exp + 127).to(torch.uint8)
+
+
+def test_dequantize_mxfp4_hand_made_values():
+    # One block: codes 0..15 then 15..0; scale 2**1 (byte 128).
+    codes = list(range(16)) + list(range(15, -1, -1))
+    packed = torch.tensor([codes[i] | (codes[i + 1] << 4) for i in range(0, 32, 2)],
+                          dtype=torch.uint8).reshape(1, 16)  # fmt: skip
+    got = dequantize_mxfp4(packed, torch.tensor([128], dtype=torch.uint8), torch.float32)
+    want = torch.tensor([2 * E2M1_VALUES[c] for c in codes])
+    assert torch.equal(got, want)
+    # Scale 2**-3 (byte 124) and bfloat16 (exact).
+    got = dequantize_mxfp4(packed, torch.tensor([124], dtype=torch.uint8), torch.bfloat16)
+    assert torch.equal(got.float(), want / 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_mxfp4_matches_transformers(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (3, 40, 4), generator=gen, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, dtype)  # [E, N, K]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, K, N]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+
+
+def test_mxfp4_packer_round_trips_representable_values():
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (5, 64), generator=gen)
+    codes[:, 0] = 7  # every block holds +-6 times its scale
+    codes[:, 32] = 15
+    exps = torch.randint(-4, 4, (5, 2), generator=gen).float()
+    w = torch.tensor(E2M1_VALUES)[codes] * torch.exp2(exps).repeat_interleave(32, 1)
+    blocks, scales = mxfp4_pack(w)
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), w)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    """The tiny model's experts quantized to MXFP4 in the released checkpoints' layout, and a
+    float32 copy whose experts hold exactly the dequantized values (what transformers runs)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    ref = tmp_path_factory.mktemp("gpt_oss_mxfp4_ref")
+    tensors = load_file(str(gpt_oss / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_pack(t.transpose(1, 2))  # [E, out, in] in blocks of 32
+            quantized[f"{name}_blocks"] = blocks.reshape(*scales.shape, 16)
+            quantized[f"{name}_scales"] = scales
+            dq = dequantize_mxfp4(quantized[f"{name}_blocks"], scales, torch.float32)
+            dequantized[name] = dq.transpose(1, 2).contiguous()
+        else:
+            quantized[name] = dequantized[name] = t
+    for path, data in ((out, quantized), (ref, dequantized)):
+        for f in gpt_oss.iterdir():
+            if f.name != "model.safetensors":
+                (path / f.name).write_bytes(f.read_bytes())
+        save_file(data, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return out, ref
+
+
+def test_mxfp4_checkpoint_matches_transformers_on_the_dequantized_weights(gpt_oss_mxfp4, caplog):
+    from transformers import AutoModelForCausalLM
+
+    path, ref = gpt_oss_mxfp4
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with caplog.at_level("INFO"):
+        assert_greedy_matches(path, hf)
+    assert "mxfp4: the experts' MXFP4 weights are dequantized at load" in caplog.text
+
+
+# ---- parallel -------------------------------------------------------------------------------
+def test_experts_split_and_placed_over_two_ranks_match_one_process(tmp_path):
+    # 16 experts of intermediate size 128: split (64 rows of gate and of up per rank; the
+    # down bias on rank 0 only) or placed (8 whole experts per rank); sinks split by head.
+    path = build_tiny_model(tmp_path / "gpt_oss", "gpt_oss", num_layers=2, seed=2)
+    assert_moe_layouts_match_one_process(
+        str(path),
+        "model.layers.0.mlp.experts.w13_bias",
+        {False: [(16, 128)] * 2, True: [(8, 256)] * 2},
+        prompt_lens=(2, 7, 19, 40),
+        max_tokens=8,
+    )
+
+
+# ---- refusals -------------------------------------------------------------------------------
+def test_a_backend_without_sinks_is_refused_with_the_reason(gpt_oss):
+    with pytest.raises(Exception, match="attention sinks") as info:
+        LLM(model=str(gpt_oss), dtype="float32", attention_backend="triton")
+    assert "Traceback" not in str(info.value)
+
+
+def test_quantized_experts_are_refused_with_what_runs(gpt_oss):
+    with pytest.raises(Exception, match="swigluoai") as info:
+        LLM(model=str(gpt_oss), dtype="float32", quantization="fp8")
+    assert "served unquantized" in str(info.value)

@@ -7,12 +7,12 @@ over gloo; and the refusals (a backend without sinks, quantized experts)."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
+from greedy_reference import assert_greedy_matches, mixed_prompts
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.kernels.reference import fused_moe_biased, moe_topk_softmax
 from engine.models.gpt_oss import split_interleaved
 from engine.quantization.mxfp4 import E2M1_VALUES, dequantize_mxfp4
@@ -27,27 +27,9 @@ def gpt_oss(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", num_layers=3)
 
 
-def hf_greedy(model, prompt: list[int], num_new: int) -> list[int]:
-    ids, past, tokens = torch.tensor([prompt]), None, []
-    with torch.no_grad():
-        for _ in range(num_new):
-            out = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            ids = torch.tensor([[tokens[-1]]])
-    return tokens
-
-
-def mixed_prompts(vocab: int) -> list[list[int]]:
-    """Lengths from 1 to well past the sliding window (8), and a shared prefix."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in (1, 3, 8, 17, 33, 64, 90)]
-    prompts.append(prompts[5][:40] + [rng.randrange(10, vocab) for _ in range(7)])
-    return prompts
-
-
-def assert_greedy_matches(path, hf) -> None:
-    prompts = mixed_prompts(hf.config.vocab_size)
+def assert_greedy_matches_hf(path, hf) -> None:
+    """Prompts of 1 to 90 tokens (well past the window of 8) and a shared prefix, submitted
+    together with chunked prefill, prefix caching and a cache small enough to preempt."""
     llm = LLM(
         model=str(path),
         dtype="float32",
@@ -57,14 +39,12 @@ def assert_greedy_matches(path, hf) -> None:
         num_gpu_blocks_override=48,  # small enough to preempt
         enable_prefix_caching=True,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NUM_NEW), len(prompt)
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert llm.llm_engine.num_used_blocks == 0
-    llm.llm_engine.shutdown()
+    try:
+        prompts = mixed_prompts(hf.config.vocab_size, (1, 3, 8, 17, 33, 64, 90))
+        assert_greedy_matches(llm, hf, prompts, NUM_NEW)
+        assert llm.llm_engine.get_stats().num_preemptions > 0
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_greedy_matches_transformers(gpt_oss):
@@ -74,7 +54,7 @@ def test_greedy_matches_transformers(gpt_oss):
     assert hf.config.layer_types[:2] == ["sliding_attention", "full_attention"]
     sinks = torch.cat([layer.self_attn.sinks.detach() for layer in hf.model.layers])
     assert sinks.max() > 1.0  # sinks that take real weight (tiny_models widens them)
-    assert_greedy_matches(gpt_oss, hf)
+    assert_greedy_matches_hf(gpt_oss, hf)
 
 
 def test_experts_op_matches_transformers_expert_module():
@@ -200,7 +180,7 @@ def test_mxfp4_checkpoint_matches_transformers_on_the_dequantized_weights(gpt_os
     path, ref = gpt_oss_mxfp4
     hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
     with caplog.at_level("INFO"):
-        assert_greedy_matches(path, hf)
+        assert_greedy_matches_hf(path, hf)
     assert "mxfp4: the experts' MXFP4 weights are dequantized at load" in caplog.text
 
 

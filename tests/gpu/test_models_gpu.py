@@ -36,6 +36,7 @@ MODELS = {
     ),
     "gpt_neox": ("gpt_neox", {}),
     "starcoder2": ("starcoder2", {}),
+    "gpt_oss": ("gpt_oss", {}),
 }
 
 
@@ -107,4 +108,14 @@ def test_native_phi3_gemma2_on_gpu_match_cpu(name, model_dir):
     want, _ = _run(path, platform="cpu", attention_backend="torch")
     got, graphs = _run(path, platform="cuda", attention_backend="triton")
     assert graphs, "decode graphs were not captured"
+    assert got == want
+
+
+def test_gpt_oss_on_gpu_matches_cpu(model_dir):
+    """GPT-OSS on a GPU as it runs there today: attention sinks on the torch reference
+    backend (``auto`` passes over Triton, which lacks them) and the reference
+    ``fused_moe_biased`` experts, eagerly; the same greedy tokens as the CPU's."""
+    path = model_dir("gpt_oss")
+    want, _ = _run(path, platform="cpu", attention_backend="torch")
+    got, _ = _run(path, platform="cuda")
     assert got == want

@@ -135,7 +135,9 @@ class GptOssForCausalLM(MoEForCausalLM):
                     shape = mxfp4_dequantized_shape(blocks.shape, scales.shape)
                     t = torch.empty(shape, dtype=dtype, device="meta")
                 else:
-                    t = dequantize_mxfp4(blocks, scales, dtype)
+                    # On the layer's device: a GPU decodes the blocks far faster than the CPU.
+                    device = layer.w13_weight.device
+                    t = dequantize_mxfp4(blocks.to(device), scales.to(device), dtype)
             if shard == "w13":
                 t = split_interleaved(t, 1)
             yield f"{layer_name}.{proj}", t.contiguous()

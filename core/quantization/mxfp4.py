@@ -43,20 +43,22 @@ def dequantize_mxfp4(
         raise QuantizationError(
             f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
         )
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    # Every byte's two values (low nibble first), so that one lookup decodes a byte.
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.arange(256, device=blocks.device)
+    pairs = torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1)  # [256, 2]
     groups = blocks.shape[-2]
     flat_blocks = blocks.reshape(-1, groups, MXFP4_BLOCK // 2)
     exponents = scales.reshape(-1, groups).to(torch.int32) - _SCALE_BIAS
     out = torch.empty((flat_blocks.shape[0], groups * MXFP4_BLOCK), dtype=dtype,
                       device=blocks.device)  # fmt: skip
-    # Scaled in float32 (exact: a power of two times a value of two significant bits), a
-    # chunk of rows at a time so that the float32 temporary stays near 64 MiB.
+    # In float32 (exact: a power of two times a value of two significant bits), a chunk of
+    # rows at a time so that the float32 temporary stays near 64 MiB.
     chunk = max(1, (1 << 24) // (groups * MXFP4_BLOCK))
     for start in range(0, flat_blocks.shape[0], chunk):
-        part = flat_blocks[start : start + chunk]
-        codes = torch.stack((part & 0x0F, part >> 4), dim=-1).flatten(-2).long()
-        values = torch.ldexp(table[codes], exponents[start : start + chunk, :, None])
-        out[start : start + chunk] = values.flatten(1).to(dtype)
+        part = pairs[flat_blocks[start : start + chunk].long()].view(-1, groups, MXFP4_BLOCK)
+        part = torch.ldexp(part, exponents[start : start + chunk, :, None])
+        out[start : start + chunk] = part.flatten(1).to(dtype)
     return out.view(shape)
 
 

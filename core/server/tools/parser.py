@@ -200,6 +200,9 @@ class ToolParser(ABC):
     # The markers may be special tokens in some vocabularies (Hermes 2 Pro's <tool_call>):
     # then the output is detokenized with them unless the request set skip_special_tokens.
     needs_special_tokens: bool = False
+    # The parser reads OpenAI's harmony messages (engine.server.harmony): the openai_gptoss
+    # reasoning parser then leaves the calls, as harmony, in the content it hands on.
+    reads_harmony: bool = False
 
     @abstractmethod
     def stream(self) -> ToolCallStream:

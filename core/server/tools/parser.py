@@ -25,6 +25,7 @@ TOOL_PARSERS: dict[str, str] = {
     "hermes": "engine.server.tools.hermes:HermesToolParser",
     "llama3_json": "engine.server.tools.llama3_json:Llama3JsonToolParser",
     "mistral": "engine.server.tools.mistral:MistralToolParser",
+    "openai": "engine.server.tools.openai:OpenAIToolParser",
     "pythonic": "engine.server.tools.pythonic:PythonicToolParser",
     "qwen3_coder": "engine.server.tools.qwen3_coder:Qwen3CoderToolParser",
 }

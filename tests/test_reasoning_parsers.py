@@ -55,6 +55,6 @@ def test_a_tag_split_across_deltas_is_held_back_not_leaked():
 
 
 def test_unknown_parser_names_the_choices():
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3, openai_gptoss"):
         get_reasoning_parser("o1")
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss"}

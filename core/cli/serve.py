@@ -228,17 +228,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         + " (hermes: <tool_call>{...}</tool_call>, Hermes and Qwen models; llama3_json: "
         '{"name": ..., "parameters": ...} objects, Llama 3.x; mistral: [TOOL_CALLS] calls, '
         "Mistral and Mixtral models; pythonic: [f(x=1), g()] lists, Llama 3.2 / 4; "
-        "qwen3_coder: <function=f><parameter=x>...</parameter></function>, Qwen3-Coder), or "
+        "qwen3_coder: <function=f><parameter=x>...</parameter></function>, Qwen3-Coder; "
+        "openai: harmony messages to=functions.NAME, GPT-OSS), or "
         "module:Class of your own ToolParser. Needs --enable-auto-tool-choice.",
     )
     tools.add_argument(
         "--reasoning-parser",
         default=None,
         choices=_reasoning_parser_names(),
-        help="Put the model's <think>...</think> reasoning in the chat response's reasoning "
-        "(and reasoning_content) field, out of content: deepseek_r1 (DeepSeek-R1 and its "
+        help="Put the model's reasoning in the chat response's reasoning (and "
+        "reasoning_content) field, out of content: deepseek_r1 (DeepSeek-R1 and its "
         "distills, QwQ, Qwen3 Thinking-2507: reasoning until </think>), qwen3 (hybrid Qwen3: "
-        "reasoning only when the output opens <think>).",
+        "reasoning only when the output opens <think>), openai_gptoss (GPT-OSS: the harmony "
+        "format's analysis channel; final and preambles are content).",
     )
     tools.add_argument(
         "--exclude-tools-when-tool-choice-none",

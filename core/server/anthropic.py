@@ -257,8 +257,12 @@ def _tool_use_block(call: ToolCall) -> dict[str, Any]:
 
 
 def _call_input(call: ToolCall) -> dict[str, Any]:
-    """A call's arguments as the ``input`` object (parsers only return objects)."""
-    value = json.loads(call.arguments) if call.arguments.strip() else {}
+    """A call's arguments as the ``input`` object (parsers return objects, but a harmony call
+    finished by <|call|> carries whatever body the model wrote)."""
+    try:
+        value = json.loads(call.arguments) if call.arguments.strip() else {}
+    except ValueError:
+        return {"value": call.arguments}
     return value if isinstance(value, dict) else {"value": value}
 
 

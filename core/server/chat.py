@@ -112,12 +112,14 @@ def plan_chat_tools(ctx: ServingContext, req: ChatCompletionRequest) -> ToolPlan
         parallel_tool_calls=req.parallel_tool_calls,
         exclude_tools_when_tool_choice_none=ctx.options.exclude_tools_when_tool_choice_none,
     )
-    if (
-        tool_plan.parser is not None
-        and tool_plan.parser.needs_special_tokens
-        and "skip_special_tokens" not in req.model_fields_set
+    reasoning = reasoning_parser_for(ctx, req, tool_plan)
+    if "skip_special_tokens" not in req.model_fields_set and (
+        (tool_plan.parser is not None and tool_plan.parser.needs_special_tokens)
+        or (reasoning is not None and reasoning.needs_special_tokens)
     ):
-        req.skip_special_tokens = False  # keep call markers that are special tokens
+        # Keep markers that are special tokens (call tags, harmony's channels) for the parsers,
+        # which take them out of the content.
+        req.skip_special_tokens = False
     return tool_plan
 
 
@@ -489,12 +491,16 @@ async def _stream(
 def reasoning_parser_for(
     ctx: ServingContext, req: ChatCompletionRequest, tool_plan: ToolPlan
 ) -> ReasoningParser | None:
-    """The server's reasoning parser for this request, or None: also None when the output is
-    constrained (structured outputs, forced tool calls), since the grammar then decides it from
-    the first token and there is no think block to take out."""
+    """The server's reasoning parser for this request (fitted to the tool parser that reads
+    its content), or None: also None when the output is constrained (structured outputs,
+    forced tool calls), since the grammar then decides it from the first token and there is no
+    think block to take out."""
+    parser = ctx.options.reasoning
+    if parser is None:
+        return None
     if tool_plan.json_schema is not None or structured_outputs_field(req) is not None:
         return None
-    return ctx.options.reasoning
+    return parser.for_tool_parser(tool_plan.parser)
 
 
 def _force_tool_schema(req: ChatCompletionRequest, params: Any, schema: dict) -> None:

@@ -51,7 +51,8 @@ def test_serve_help_is_grouped(capsys):
     ):
         assert flag in text, flag
     assert "\ntool calling:\n" in text
-    assert "hermes, llama3_json, mistral, pythonic" in " ".join(text.split())  # wrapped
+    assert "hermes, llama3_json, mistral, openai, pythonic" in " ".join(text.split())  # wrapped
+    assert "openai_gptoss" in text
 
 
 def test_serve_defaults_and_engine_config():

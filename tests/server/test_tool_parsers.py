@@ -415,7 +415,7 @@ def test_registry_and_server_flags():
     assert load_tool_parser("engine.server.tools.hermes:HermesToolParser").name == "hermes"
     with pytest.raises(
         ToolParserNotFound,
-        match="choose one of hermes, llama3_json, mistral, pythonic, qwen3_coder",
+        match="choose one of hermes, llama3_json, mistral, openai, pythonic, qwen3_coder",
     ):
         load_tool_parser("granite")
     with pytest.raises(ToolParserNotFound, match="not a ToolParser"):

@@ -25,6 +25,7 @@ TOOL_PARSERS: dict[str, str] = {
     "hermes": "engine.server.tools.hermes:HermesToolParser",
     "llama3_json": "engine.server.tools.llama3_json:Llama3JsonToolParser",
     "mistral": "engine.server.tools.mistral:MistralToolParser",
+    "openai": "engine.server.tools.openai:OpenAIToolParser",
     "pythonic": "engine.server.tools.pythonic:PythonicToolParser",
     "qwen3_coder": "engine.server.tools.qwen3_coder:Qwen3CoderToolParser",
 }
@@ -200,6 +201,9 @@ class ToolParser(ABC):
     # The markers may be special tokens in some vocabularies (Hermes 2 Pro's <tool_call>):
     # then the output is detokenized with them unless the request set skip_special_tokens.
     needs_special_tokens: bool = False
+    # The parser reads OpenAI's harmony messages (engine.server.harmony): the openai_gptoss
+    # reasoning parser then leaves the calls, as harmony, in the content it hands on.
+    reads_harmony: bool = False
 
     @abstractmethod
     def stream(self) -> ToolCallStream:

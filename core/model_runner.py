@@ -633,6 +633,15 @@ class ModelRunner:
         if self.parallel.pp_size > 1:
             logger.info("decode graphs are not captured under pipeline parallelism (eager steps)")
             return None
+        if graphs_cls is DecodeGraphs and not eager:
+            from engine.layers.fused_moe import graph_capture_problems
+
+            # A kernel that synchronises with the host (a reference MoE op on a platform no
+            # plugin serves) would fail the capture: run eagerly and say why.
+            problems = graph_capture_problems(self.model)
+            if problems:
+                logger.warning("decode CUDA graphs are not captured: %s", "; ".join(problems))
+                return None
         if graphs_cls is not DecodeGraphs and (
             self.lora is not None or self.config.speculative is not None
         ):

@@ -170,6 +170,12 @@ class FusedMoEMethodBase:
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Post-load processing (none by default)."""
 
+    def graph_capture_problem(self, layer: FusedMoE) -> str | None:
+        """Why ``apply`` cannot run inside a captured CUDA graph on this platform (None: it
+        can). The default trusts the method; a method whose kernel may be the torch reference
+        says so with ``host_loop_problem``."""
+        return None
+
     def apply(
         self,
         layer: FusedMoE,
@@ -178,6 +184,20 @@ class FusedMoEMethodBase:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+
+def host_loop_problem(layer: FusedMoE, op: str) -> str | None:
+    """The reason a graph cannot hold op ``op`` of ``layer``'s kernels when the platform binds
+    it to the torch reference: the reference experts run in a host loop over the experts that
+    received tokens (``engine.kernels.reference.routed_expert_calls``), which reads the counts
+    on the host; None when a plugin provides the op."""
+    kernels = layer.kernels
+    if not hasattr(kernels, "is_reference") or not kernels.is_reference(op):
+        return None
+    return (
+        f"no plugin provides {op} on {kernels.platform}: its torch reference runs the experts "
+        "in a host loop, which a CUDA graph cannot capture"
+    )
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
@@ -213,6 +233,14 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
                 param.moe_bias_kind = kind  # type: ignore[attr-defined]
                 layer.register_parameter(name, param)
 
+    @staticmethod
+    def kernel_name(layer: FusedMoE) -> str:
+        """The op ``apply`` runs for ``layer``."""
+        return "fused_moe_biased" if layer.has_bias or layer.activation != "silu" else "fused_moe"
+
+    def graph_capture_problem(self, layer: FusedMoE) -> str | None:
+        return host_loop_problem(layer, self.kernel_name(layer))
+
     def apply(
         self,
         layer: FusedMoE,
@@ -220,7 +248,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if layer.has_bias or layer.activation != "silu":
+        if self.kernel_name(layer) == "fused_moe_biased":
             return layer.kernels.fused_moe_biased(
                 hidden,
                 layer.w13_weight,
@@ -509,6 +537,12 @@ class FusedMoE(nn.Module):
         """Let the method repack or fold what it loaded (called once by the loader)."""
         self.quant_method.process_weights_after_loading(self)
 
+    def graph_capture_problem(self) -> str | None:
+        """Why this layer's experts cannot run inside a captured decode graph here (None:
+        they can); the model runner then keeps decode steps eager (``graph_capture_problems``)."""
+        problem = self.quant_method.graph_capture_problem(self)
+        return None if problem is None else f"{self.prefix or 'FusedMoE'}: {problem}"
+
     def extra_repr(self) -> str:
         p = self.parallel
         return (
@@ -655,6 +689,20 @@ def expert_checkpoint_suffixes(layer: FusedMoE) -> set[str]:
 
 
 # ---- expert load ------------------------------------------------------------------------------
+def graph_capture_problems(model: nn.Module) -> list[str]:
+    """The distinct reasons the model's modules give (``graph_capture_problem()``, which
+    ``FusedMoE`` implements) for why its decode steps cannot be captured in CUDA graphs on this
+    platform; empty when none."""
+    problems: dict[str, None] = {}
+    for module in model.modules():
+        check = getattr(module, "graph_capture_problem", None)
+        problem = check() if callable(check) else None
+        if problem is not None:
+            # Layers differ only in their prefix: keep one line per kind of problem.
+            problems.setdefault(problem.split(": ", 1)[-1], None)
+    return list(problems)
+
+
 def moe_layers(model: nn.Module) -> list[FusedMoE]:
     """The model's ``FusedMoE`` layers, in module order."""
     return [m for m in model.modules() if isinstance(m, FusedMoE)]

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from engine.kernels.quantized import FP8_DTYPE
-from engine.layers.fused_moe import FusedMoEMethodBase
+from engine.layers.fused_moe import FusedMoEMethodBase, host_loop_problem
 from engine.layers.weight_utils import (
     ModelLoadError,
     check_shape,
@@ -275,6 +275,9 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         return getattr(layer, f"{kind}_{self.scale_name}")
 
     # ---- compute ------------------------------------------------------------------------
+    def graph_capture_problem(self, layer: FusedMoE) -> str | None:
+        return host_loop_problem(layer, "fused_moe_fp8")
+
     def apply(
         self,
         layer: FusedMoE,

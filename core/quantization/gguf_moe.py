@@ -51,7 +51,7 @@ from torch import nn
 
 from engine.kernels.gguf import GGUFType
 from engine.kernels.reference import routed_expert_calls
-from engine.layers.fused_moe import FusedMoEMethodBase
+from engine.layers.fused_moe import FusedMoEMethodBase, host_loop_problem
 from engine.layers.weight_utils import ModelLoadError, materialize, set_weight_loader
 from engine.quantization.base import QuantizationError
 from engine.quantization.utils import replace_param
@@ -270,6 +270,10 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         return {key: getattr(layer, f"{prefix}_{expert}_{key}") for key in names}
 
     # -- compute -------------------------------------------------------------------------------
+    def graph_capture_problem(self, layer: FusedMoE) -> str | None:
+        # The CPU path (gguf_linear) runs where native plans, not CUDA graphs, record steps.
+        return host_loop_problem(layer, "fused_moe_wna16") if self.integer else None
+
     def apply(
         self,
         layer: FusedMoE,

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from engine.kernels.quantized import dequantize_wna16_experts
-from engine.layers.fused_moe import FusedMoEMethodBase
+from engine.layers.fused_moe import FusedMoEMethodBase, host_loop_problem
 from engine.layers.weight_utils import ModelLoadError, materialize, new_parameter, set_weight_loader
 from engine.quantization.base import QuantizationError
 from engine.quantization.utils import fill_random_bits, pack_int32, replace_param, unpack_int32
@@ -339,6 +339,9 @@ class WNA16MoEMethod(FusedMoEMethodBase):
         return out
 
     # ---- compute ------------------------------------------------------------------------
+    def graph_capture_problem(self, layer: FusedMoE) -> str | None:
+        return host_loop_problem(layer, "fused_moe_wna16")
+
     def apply(
         self,
         layer: FusedMoE,

@@ -209,3 +209,33 @@ def test_quantized_experts_are_refused_with_what_runs(gpt_oss):
     with pytest.raises(Exception, match="swigluoai") as info:
         LLM(model=str(gpt_oss), dtype="float32", quantization="fp8")
     assert "served unquantized" in str(info.value)
+
+
+def test_the_gpt_oss_20b_shape_builds_as_the_released_model(tmp_path):
+    """``--model gpt-oss-20b --load-format dummy`` (the GPU benchmarks' shape): its config
+    parses as transformers' GPT-OSS-20B, and the model built on the meta device has the
+    released model's 20.9B parameters (3.6B active per token)."""
+    from engine.benchmarks.workload import write_builtin_model
+    from engine.config import ModelConfig
+    from engine.loader import load_hf_config
+
+    path = write_builtin_model("gpt-oss", str(tmp_path))
+    config = ModelConfig(model=path, load_format="dummy")
+    hf = load_hf_config(config)
+    assert hf.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert hf.rope_parameters["rope_type"] == "yarn"
+    from transformers import AutoModelForCausalLM
+
+    from engine.attention_backends.torch_ref import TorchReferenceBackend
+    from engine.kernels.registry import KernelRegistry
+    from engine.models.context import ModelContext
+    from engine.models.gpt_oss import GptOssForCausalLM
+
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(hf)
+        ctx = ModelContext(hf, torch.bfloat16, KernelRegistry().resolve("cpu"),
+                           TorchReferenceBackend, torch.device("meta"))  # fmt: skip
+        ours = GptOssForCausalLM(ctx)
+    total = sum(p.numel() for p in theirs.parameters())
+    assert round(total / 1e9, 1) == 20.9
+    assert sum(p.numel() for p in ours.parameters()) == total

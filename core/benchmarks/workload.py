@@ -119,6 +119,42 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
         eos_token_id=2,
         torch_dtype="bfloat16",
     ),
+    # gpt-oss-20b: 24 layers of 32 experts (top-4, 2880 wide, with biases), attention sinks,
+    # sliding (128) and full layers alternating; 3.6B active of 20.9B parameters. The released
+    # checkpoint's MXFP4 experts are dequantized at load, so this bf16 shape is what runs.
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        swiglu_limit=7.0,
+        attention_bias=True,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        bos_token_id=199998,
+        eos_token_id=200002,
+        pad_token_id=199999,
+        torch_dtype="bfloat16",
+    ),
 }
 # The 8B shape as an AWQ 4-bit checkpoint (the vLLM kit's ``llama3-8b-awq``): config.json
 # with its quantization_config, for --load-format dummy (random packed weights).
@@ -166,6 +202,7 @@ ALIASES = {
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
     "mixtral": "mixtral-8x7b",
     "llama3-8b-awq": "llama-3.1-8b-awq",
+    "gpt-oss": "gpt-oss-20b",
 }
 # Draft shapes for speculative decoding with the Llama-3.1-8B shape (same vocabulary): a
 # Llama-3.2-1B draft model, and EAGLE / EAGLE-3 heads as yuhuili's for Llama-3.1-8B-Instruct.

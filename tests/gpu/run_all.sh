@@ -13,7 +13,7 @@
 # experts in groups of 128 with zero points: fused_moe_wna16), moe-kernels-gguf (GGUF stacks as a
 # GPU runs them: Q4_K gate/up, Q6_K down, MOE_GGUF_SCHEME=gguf-q4k for all Q4_K), moe-wna16-b1 and moe-wna16-nano
 # (the Qwen3-30B-A3B-GPTQ-Int4 shape, dummy packed weights), moe-b1, moe-fp8-b1 and
-# moe-fp8-nano (the Qwen3-30B-A3B-FP8 shape: 128x128 block FP8, experts weight-only), moe-nano, mixtral-b1, spec-base, spec-ngram,
+# moe-fp8-nano (the Qwen3-30B-A3B-FP8 shape: 128x128 block FP8, experts weight-only), moe-nano, mixtral-b1, gptoss-b1 and gptoss-nano (the gpt-oss-20b shape), spec-base, spec-ngram,
 # spec-draft, spec-eagle, spec-eagle3 (speculative decoding on the Llama-3.1-8B shape, prompts
 # holding the model's own greedy continuation; docs/speculative-decoding.md), the multi-LoRA
 # steps lora-kernels, lora-b1, lora-nano, lora-kprofile, lora-b1-sep (Llama-3.1-8B with 8
@@ -169,6 +169,8 @@ for step in "${steps[@]}"; do
     moe-wna16-nano) bench moe-wna16-nano 300 throughput --model qwen3-30b-a3b-gptq-int4 "${NANO[@]}" ;;
     moe-nano) bench moe-nano 300 throughput --model qwen3-30b-a3b "${NANO[@]}" ;;
     mixtral-b1) bench mixtral-b1 240 latency --model mixtral-8x7b "${B1[@]}" ;;
+    gptoss-b1) bench gptoss-b1 240 latency --model gpt-oss-20b "${B1[@]}" ;;
+    gptoss-nano) bench gptoss-nano 300 throughput --model gpt-oss-20b "${NANO[@]}" ;;
     qwen-nano) bench qwen-nano 200 throughput --model qwen3-0.6b "${NANO[@]}" ;;
     qwen-b1) bench qwen-b1 150 latency --model qwen3-0.6b "${B1[@]}" ;;
     llama-b1)  # a fresh Triton cache: start-to-ready of the 8B shape, cold

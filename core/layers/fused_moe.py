@@ -192,7 +192,7 @@ def host_loop_problem(layer: FusedMoE, op: str) -> str | None:
     received tokens (``engine.kernels.reference.routed_expert_calls``), which reads the counts
     on the host; None when a plugin provides the op."""
     kernels = layer.kernels
-    if not hasattr(kernels, "is_reference") or not kernels.is_reference(op):
+    if not kernels.is_reference(op):
         return None
     return (
         f"no plugin provides {op} on {kernels.platform}: its torch reference runs the experts "
@@ -484,13 +484,20 @@ class FusedMoE(nn.Module):
                 check_shape(f"{shard_id} projection", (i, h), w.shape)
                 halves = ((shard_id, w),)
             for which, half in halves:
-                offset = 0 if which == "w1" else ip
-                dst.narrow(0, offset, ip).copy_(materialize(narrow(half, 0, rank * ip, ip)))
+                self._copy_rank_half(dst, half, which)
         elif kind == "w2" and shard_id == "w2":
             check_shape("w2 (down) projection", (h, i), w.shape)
             dst.copy_(materialize(narrow(w, 1, rank * ip, ip)))
         else:
             raise ModelLoadError(f"shard {shard_id!r} does not fit a {kind} expert parameter")
+
+    def _copy_rank_half(self, dst: torch.Tensor, half: Any, which: str) -> None:
+        """This tensor-parallel rank's rows of one expert's gate (``which`` ``"w1"``) or up
+        (``"w3"``) half, ``[I, ...]``, into their place in its ``w13`` rows ``dst``: the gate's
+        first, then the up's (a weight ``[2 * I_local, H]`` or a bias ``[2 * I_local]``)."""
+        ip, rank = self.intermediate_size_per_partition, self.parallel.tp_rank
+        offset = 0 if which == "w1" else ip
+        dst.narrow(0, offset, ip).copy_(materialize(narrow(half, 0, rank * ip, ip)))
 
     def load_bias(self, kind: str, loaded: torch.Tensor) -> str:
         """Copy a checkpoint's stacked expert biases into this rank's ``w13_bias`` (``kind``
@@ -506,11 +513,11 @@ class FusedMoE(nn.Module):
         check_shape(f"stacked {name}", expected, loaded.shape)
         experts = self.local_experts
         mine = materialize(narrow(loaded, 0, experts.start, len(experts)))
-        ip, rank = self.intermediate_size_per_partition, self.parallel.tp_rank
         if kind == "w13":
-            param.data[:, :ip].copy_(mine[:, rank * ip : (rank + 1) * ip])
-            param.data[:, ip:].copy_(mine[:, i + rank * ip : i + (rank + 1) * ip])
-        elif rank == 0:
+            for local in range(len(experts)):
+                for which, start in (("w1", 0), ("w3", i)):
+                    self._copy_rank_half(param.data[local], mine[local].narrow(0, start, i), which)
+        elif self.parallel.tp_rank == 0:
             param.data.copy_(mine)
         else:
             param.data.zero_()
@@ -536,12 +543,6 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """Let the method repack or fold what it loaded (called once by the loader)."""
         self.quant_method.process_weights_after_loading(self)
-
-    def graph_capture_problem(self) -> str | None:
-        """Why this layer's experts cannot run inside a captured decode graph here (None:
-        they can); the model runner then keeps decode steps eager (``graph_capture_problems``)."""
-        problem = self.quant_method.graph_capture_problem(self)
-        return None if problem is None else f"{self.prefix or 'FusedMoE'}: {problem}"
 
     def extra_repr(self) -> str:
         p = self.parallel
@@ -690,16 +691,14 @@ def expert_checkpoint_suffixes(layer: FusedMoE) -> set[str]:
 
 # ---- expert load ------------------------------------------------------------------------------
 def graph_capture_problems(model: nn.Module) -> list[str]:
-    """The distinct reasons the model's modules give (``graph_capture_problem()``, which
-    ``FusedMoE`` implements) for why its decode steps cannot be captured in CUDA graphs on this
-    platform; empty when none."""
+    """The distinct reasons the model's MoE layers give (their methods'
+    ``graph_capture_problem``) for why its decode steps cannot be captured in CUDA graphs on
+    this platform, one line per kind (layers share them); empty when none."""
     problems: dict[str, None] = {}
-    for module in model.modules():
-        check = getattr(module, "graph_capture_problem", None)
-        problem = check() if callable(check) else None
+    for layer in moe_layers(model):
+        problem = layer.quant_method.graph_capture_problem(layer)
         if problem is not None:
-            # Layers differ only in their prefix: keep one line per kind of problem.
-            problems.setdefault(problem.split(": ", 1)[-1], None)
+            problems.setdefault(problem, None)
     return list(problems)
 
 

@@ -224,6 +224,43 @@ def dequantize_wna16_experts(
     return (q - zeros.float().repeat_interleave(group, dim=-1)) * s
 
 
+#: The 16 E2M1 values of MXFP4 (the OCP microscaling format), by 4-bit code (bit 3: sign).
+E2M1_VALUES = tuple(sign * m for sign in (1.0, -1.0) for m in (0, 0.5, 1, 1.5, 2, 3, 4, 6))
+#: MXFP4 values per scale: one E8M0 exponent byte per block of 32 along the input features.
+MXFP4_BLOCK = 32
+
+
+def dequantize_mxfp4_experts(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """MXFP4 weights as ``dtype``: the spec of ``fused_moe_mxfp4``'s weights.
+
+    ``blocks`` uint8 ``[..., N, K / 2]``: two E2M1 codes a byte along the input features, the
+    low nibble first; ``scales`` uint8 ``[..., N, K / 32]``: one E8M0 exponent per block of 32
+    features. Value ``k`` of a row is ``E2M1_VALUES[code_k] * 2 ** (scales[k // 32] - 127)``,
+    computed in float32 (exact: two significant bits times a power of two) and rounded once
+    to ``dtype`` (exact in bfloat16 for the exponents checkpoints hold). Returns ``[..., N,
+    K]``."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
+        )
+    k = blocks.shape[-1] * 2
+    if blocks.shape[:-1] != scales.shape[:-1] or scales.shape[-1] * MXFP4_BLOCK != k:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+            f"(expected [..., N, K / 2] bytes and [..., N, K / {MXFP4_BLOCK}] exponents)"
+        )
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    # Each byte's two values (low nibble first), so that one lookup decodes a byte.
+    codes = torch.arange(256, device=blocks.device)
+    pairs = torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=-1)  # [256, 2]
+    w = pairs[blocks.long()].flatten(-2)  # [..., N, K]
+    exponents = scales.to(torch.int32) - 127
+    w = torch.ldexp(w.unflatten(-1, (-1, MXFP4_BLOCK)), exponents[..., None].float())
+    return w.flatten(-2).to(dtype)
+
+
 def wna16_activations(x: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
     """``x`` as ``[M, K]`` rows, its features in the packed weight's order (``packed["perm"]``,
     the act-order of a GPTQ checkpoint)."""

@@ -43,6 +43,7 @@ from engine.kernels.gguf import gguf_linear
 from engine.kernels.quantized import (
     QUANTIZED_REFERENCE_KERNELS,
     dequantize_fp8_experts,
+    dequantize_mxfp4_experts,
     dequantize_wna16_experts,
     fp8_quantize_per_token,
 )
@@ -311,23 +312,84 @@ def fused_moe_biased(
     activation dtype; the activation computes in float32 from the rounded gate/up and rounds
     once; the weighted sum over the top-k accumulates in float32 and rounds once at the end.
     """
+    return routed_expert_calls(
+        hidden,
+        w13.shape[0],
+        biased_expert_mlp(
+            hidden, lambda e: (w13[e], w2[e]), w13_bias, w2_bias, activation, alpha, limit
+        ),
+        topk_weights,
+        topk_ids,
+    )
+
+
+def biased_expert_mlp(
+    hidden: torch.Tensor,
+    expert_weights: Any,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    alpha: float,
+    limit: float,
+) -> Any:
+    """``fused_moe_biased``'s per-expert computation for ``routed_expert_calls``, with each
+    expert's ``(w13 [2I, H], w2 [H, I])`` taken from ``expert_weights(e)`` (stored, or
+    dequantized for the call)."""
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(
             f"unknown MoE activation {activation!r}; supported: {', '.join(MOE_ACTIVATIONS)}"
         )
 
     def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
-        b13 = None if w13_bias is None else w13_bias[expert]
-        b2 = None if w2_bias is None else w2_bias[expert]
-        gate_up = F.linear(x.to(w13.dtype), w13[expert], b13).to(hidden.dtype).float()
+        w13, w2 = expert_weights(expert)
+        b13 = None if w13_bias is None else w13_bias[expert].to(w13.dtype)
+        b2 = None if w2_bias is None else w2_bias[expert].to(w2.dtype)
+        gate_up = F.linear(x.to(w13.dtype), w13, b13).to(hidden.dtype).float()
         gate, up = gate_up.chunk(2, dim=-1)
         if activation == "silu":
             act = F.silu(gate) * up
         else:
             act = swigluoai_and_mul(gate, up, alpha, limit)
-        return F.linear(act.to(w2.dtype), w2[expert], b2).to(hidden.dtype)
+        return F.linear(act.to(w2.dtype), w2, b2).to(hidden.dtype)
 
-    return routed_expert_calls(hidden, w13.shape[0], expert_mlp, topk_weights, topk_ids)
+    return expert_mlp
+
+
+def fused_moe_mxfp4(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "swigluoai",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """``fused_moe_biased`` with MXFP4 experts (GPT-OSS as released), **weight-only**: each
+    expert's weights are ``engine.kernels.quantized.dequantize_mxfp4_experts`` of its blocks
+    and scales in hidden's dtype (exact for bfloat16 and float32), the activations stay in
+    hidden's dtype.
+
+    ``w13`` uint8 ``[E, 2I, H / 2]`` (each expert's gate rows, then its up rows) and ``w2``
+    uint8 ``[E, H, I / 2]``: two E2M1 codes a byte along the input features, low nibble
+    first; ``w13_scales`` uint8 ``[E, 2I, H / 32]`` and ``w2_scales`` uint8 ``[E, H, I / 32]``:
+    one E8M0 exponent per block of 32 input features. Biases, activation and rounding points
+    as ``fused_moe_biased``'s, whose result this equals on the dequantized weights. Only the
+    experts that received a token are dequantized, on every call (the portable, slow path).
+    """
+
+    def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            dequantize_mxfp4_experts(w13[e], w13_scales[e], hidden.dtype),
+            dequantize_mxfp4_experts(w2[e], w2_scales[e], hidden.dtype),
+        )
+
+    mlp = biased_expert_mlp(hidden, weights, w13_bias, w2_bias, activation, alpha, limit)
+    return routed_expert_calls(hidden, w13.shape[0], mlp, topk_weights, topk_ids)
 
 
 def fused_moe_fp8(
@@ -607,6 +669,7 @@ REFERENCE_KERNELS = {
     "fused_moe_biased": fused_moe_biased,
     "fused_moe_fp8": fused_moe_fp8,
     "fused_moe_wna16": fused_moe_wna16,
+    "fused_moe_mxfp4": fused_moe_mxfp4,
     "add_lora_linear": add_lora_linear,
     "lora_expand_augmented": lora_expand_augmented,
 }

@@ -40,6 +40,9 @@ KERNEL_NAMES = (
     # 4/8-bit integer experts in groups (GPTQ, AWQ, compressed-tensors), weight-only
     # (engine.kernels.reference.fused_moe_wna16).
     "fused_moe_wna16",
+    # MXFP4 experts (GPT-OSS as released) with biases and a choice of activation, weight-only
+    # (engine.kernels.reference.fused_moe_mxfp4).
+    "fused_moe_mxfp4",
     # Quantized matmuls (engine.kernels.quantized); wna16_linear carries its own prepack.
     "fp8_linear",
     "fp8_block_linear",

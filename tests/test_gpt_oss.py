@@ -2,20 +2,28 @@
 (attention sinks, alternating sliding/full layers, YaRN, biased router and experts, the
 clamped SwiGLU), in bf16-layout and MXFP4 checkpoints; the experts' op against transformers'
 own expert module; MXFP4 dequantization against transformers'; tensor and expert parallelism
-over gloo; and the refusals (a backend without sinks, quantized experts)."""
+over gloo; and the refusals (a backend without sinks, quantized experts). MXFP4 experts kept
+quantized (``Mxfp4MoEMethod``): the ``fused_moe_mxfp4`` reference against ``fused_moe_biased``
+on the dequantized weights, the loader's placement of the checkpoint's blocks on every
+tensor- and expert-parallel rank, the tiny MXFP4 model kept in MXFP4 against transformers, and
+the split that falls back to dequantizing at load."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 from greedy_reference import assert_greedy_matches, mixed_prompts
 
 from engine import LLM
-from engine.kernels.reference import fused_moe_biased, moe_topk_softmax
+from engine.kernels.quantized import E2M1_VALUES, dequantize_mxfp4_experts
+from engine.kernels.reference import fused_moe_biased, fused_moe_mxfp4, moe_topk_softmax
+from engine.kernels.registry import KernelRegistry
+from engine.layers.fused_moe import FusedMoE, MoEParallel
 from engine.models.gpt_oss import split_interleaved
-from engine.quantization.mxfp4 import E2M1_VALUES, dequantize_mxfp4
+from engine.quantization.mxfp4 import Mxfp4Config, Mxfp4MoEMethod, dequantize_mxfp4
 from engine.testing.moe_parallel import assert_moe_layouts_match_one_process
 from engine.testing.tiny_models import build_tiny_model
 
@@ -239,3 +247,148 @@ def test_the_gpt_oss_20b_shape_builds_as_the_released_model(tmp_path):
     total = sum(p.numel() for p in theirs.parameters())
     assert round(total / 1e9, 1) == 20.9
     assert sum(p.numel() for p in ours.parameters()) == total
+
+
+# ---- MXFP4 experts kept quantized (Mxfp4MoEMethod, fused_moe_mxfp4) -------------------------
+def random_mxfp4(gen, *shape_nk, low=118, high=126):
+    """Random MXFP4 experts ``[..., N, K]``: (blocks ``[..., N, K / 2]``, scales ``[..., N, K
+    / 32]``), every byte value, exponents 2**-9 .. 2**-2."""
+    *lead, n, k = shape_nk
+    blocks = torch.randint(0, 256, (*lead, n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(low, high, (*lead, n, k // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_dequantize_mxfp4_experts_hand_made_values_and_checkpoint_layout():
+    # Codes 0..15 then 15..0 in one row of one block; exponent 2**-1 (byte 126).
+    codes = list(range(16)) + list(range(15, -1, -1))
+    row = torch.tensor([codes[i] | (codes[i + 1] << 4) for i in range(0, 32, 2)],
+                       dtype=torch.uint8)  # fmt: skip
+    got = dequantize_mxfp4_experts(row[None], torch.tensor([[126]], dtype=torch.uint8))
+    assert torch.equal(got[0], torch.tensor([E2M1_VALUES[c] / 2 for c in codes]))
+    # The checkpoint layout [..., G, 16] / [..., G] is the same bytes.
+    gen = torch.Generator().manual_seed(0)
+    blocks, scales = random_mxfp4(gen, 3, 40, 96)
+    for dtype in (torch.float32, torch.bfloat16):
+        flat = dequantize_mxfp4_experts(blocks, scales, dtype)
+        assert torch.equal(flat, dequantize_mxfp4(blocks.reshape(3, 40, 3, 16), scales, dtype))
+
+
+def test_dequantize_mxfp4_experts_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="do not match scales"):
+        dequantize_mxfp4_experts(torch.zeros(2, 16, dtype=torch.uint8),
+                                 torch.zeros(2, 2, dtype=torch.uint8))  # fmt: skip
+    with pytest.raises(ValueError, match="must be uint8"):
+        dequantize_mxfp4_experts(torch.zeros(2, 16), torch.zeros(2, 1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_reference_equals_the_biased_experts_on_the_dequantized_weights(dtype, activation):
+    # Exact: the dequantized weights are exact in both dtypes, and the two references then
+    # compute the same thing in the same order.
+    gen = torch.Generator().manual_seed(1)
+    t, e, k, h, i = 9, 8, 4, 64, 96
+    w13, s13 = random_mxfp4(gen, e, 2 * i, h)
+    w2, s2 = random_mxfp4(gen, e, h, i)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    b13 = torch.randn(e, 2 * i, generator=gen).to(dtype)
+    b2 = torch.randn(e, h, generator=gen).to(dtype)
+    weights, ids = moe_topk_softmax(torch.randn(t, e, generator=gen), k, True)
+    ids[0, 1] = -1  # a choice another expert-parallel rank holds
+    got = fused_moe_mxfp4(x, w13, w2, weights, ids, s13, s2, b13, b2, activation, 1.702, 2.0)
+    dq13, dq2 = dequantize_mxfp4_experts(w13, s13, dtype), dequantize_mxfp4_experts(w2, s2, dtype)
+    want = fused_moe_biased(x, dq13, dq2, weights, ids, b13, b2, activation, 1.702, 2.0)
+    assert torch.equal(got, want)
+    gate_up = torch.einsum("th,enh->ten", x.float(), dq13.float())
+    if activation == "swigluoai":
+        assert gate_up.abs().max() > 2.0  # the clamp bit
+
+
+def moe_layer(tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, *, e=4, h=64, i=128):
+    """A GPT-OSS-like FusedMoE with experts kept in MXFP4 on one rank of a layout (no
+    communicator: only the loader runs)."""
+    parallel = MoEParallel(tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size)
+    kernels = KernelRegistry().resolve("cpu")
+    return FusedMoE(
+        e, 2, h, i, renormalize=True, kernels=kernels, dtype=torch.float32, parallel=parallel,
+        communicator=object() if parallel.world_size > 1 else None,
+        quant_method=Mxfp4MoEMethod(), prefix="mlp.experts", activation="swigluoai", bias=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout", [(1, 1), (2, 1), (4, 1), (1, 2)], ids=lambda x: f"tp{x[0]}ep{x[1]}"
+)
+def test_each_rank_holds_its_part_of_the_checkpoint_blocks(layout):
+    """The loader's placement: every rank's kept bytes, dequantized, are its part of the
+    de-interleaved dequantized weights (gate rows then up rows, each cut by tensor-parallel
+    rank; the down projection's inputs cut by whole blocks; whole experts per expert-parallel
+    rank)."""
+    tp, ep = layout
+    e, h, i = 4, 64, 128
+    gen = torch.Generator().manual_seed(2)
+    # The checkpoint's layout: gate/up rows interleaved, [E, N, G, 16] / [E, N, G].
+    w13, s13 = random_mxfp4(gen, e, 2 * i, h)
+    w2, s2 = random_mxfp4(gen, e, h, i)
+    full13 = split_interleaved(dequantize_mxfp4_experts(w13, s13), 1)
+    full2 = dequantize_mxfp4_experts(w2, s2)
+    gate, up = full13[:, :i], full13[:, i:]
+    ip, per = i // tp, e // ep
+    for rank in range(tp * ep):
+        tp_rank, ep_rank = (rank, 0) if ep == 1 else (0, rank)
+        layer = moe_layer(tp_rank, tp, ep_rank, ep, e=e, h=h, i=i)
+        method = layer.quant_method
+        names = method.load(layer, "w13", split_interleaved(w13.reshape(e, 2 * i, h // 32, 16), 1),
+                            split_interleaved(s13, 1))  # fmt: skip
+        names += method.load(layer, "w2", w2.reshape(e, h, i // 32, 16), s2)
+        assert names == ["w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"]
+        experts = slice(ep_rank * per, (ep_rank + 1) * per)
+        rows = slice(tp_rank * ip, (tp_rank + 1) * ip)
+        want13 = torch.cat((gate[experts, rows], up[experts, rows]), dim=1)
+        assert torch.equal(method.dequantized(layer, "w13"), want13)
+        assert torch.equal(method.dequantized(layer, "w2"), full2[experts][:, :, rows])
+        assert layer.w13_weight.dtype == torch.uint8 and layer.w13_weight.shape[-1] == h // 2
+
+
+def test_a_split_that_cuts_blocks_falls_back_with_the_reason(caplog):
+    # 96 intermediate features over 2 ranks: 48 each, not whole blocks of 32.
+    config = Mxfp4Config()
+    config.provider = "someone"
+    layer = FusedMoE(4, 2, 64, 96, renormalize=True, kernels=KernelRegistry().resolve("cpu"),
+                     dtype=torch.float32, parallel=MoEParallel(tp_rank=0, tp_size=2),
+                     communicator=object(), prefix="mlp.experts", activation="swigluoai",
+                     bias=True)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        assert config.get_moe_method(layer, "mlp.experts") is None
+    assert "each rank's 48 of the experts' 96 intermediate features" in caplog.text
+    assert "sizes that keep whole blocks: 1, or --enable-expert-parallel" in caplog.text
+
+
+def test_load_refuses_blocks_of_the_wrong_shape():
+    layer = moe_layer()
+    blocks = torch.zeros(4, 256, 2, 16, dtype=torch.uint8)
+    with pytest.raises(Exception, match=r"MXFP4 w13 blocks \(4, 256, 2, 16\) / scales"):
+        layer.quant_method.load(layer, "w13", blocks, torch.zeros(4, 256, 3, dtype=torch.uint8))
+
+
+def test_tiny_gpt_oss_kept_in_mxfp4_matches_transformers(gpt_oss_mxfp4, monkeypatch, caplog):
+    """The released layout kept in MXFP4 (the CPU's reference multiplies it, forced on here)
+    gives transformers' tokens on the dequantized weights; the experts hold uint8 bytes."""
+    from transformers import AutoModelForCausalLM
+
+    path, ref = gpt_oss_mxfp4
+    monkeypatch.setattr(Mxfp4Config, "quantized_on_reference", True)
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with caplog.at_level("INFO"):
+        assert_greedy_matches_hf(path, hf)
+    assert "mxfp4: the experts stay in MXFP4" in caplog.text
+    assert "dequantized at load" not in caplog.text
+    llm = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=16)
+    try:
+        model = llm.llm_engine.runner.model
+        experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all(isinstance(m.quant_method, Mxfp4MoEMethod) for m in experts)
+        assert all(m.w13_weight.dtype == torch.uint8 for m in experts)
+    finally:
+        llm.llm_engine.shutdown()

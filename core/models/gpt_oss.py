@@ -16,9 +16,10 @@ Checkpoints store the experts stacked per layer: ``mlp.experts.gate_up_proj [E, 
 columns interleave gate and up (gate at even indices), ``down_proj [E, I, H]`` and the biases
 ``gate_up_proj_bias [E, 2I]`` (interleaved too) and ``down_proj_bias [E, H]``; the released
 checkpoints hold the two weights in MXFP4 instead (``gate_up_proj_blocks`` / ``_scales``,
-``[E, 2I, H / 32, 16]`` bytes and ``[E, 2I, H / 32]`` exponents), which are dequantized at load
-(``engine.quantization.mxfp4``). The loader turns either form into ``FusedMoE``'s layout
-(``w13 [E, 2I, H]``, gate rows then up rows; ``w2 [E, H, I]``).
+``[E, 2I, H / 32, 16]`` bytes and ``[E, 2I, H / 32]`` exponents), which stay in MXFP4 where a
+plugin provides ``fused_moe_mxfp4`` and are dequantized at load elsewhere
+(``engine.quantization.mxfp4``). The loader turns every form into ``FusedMoE``'s layout
+(``w13 [E, 2I, H]``, gate rows then up rows; ``w2 [E, H, I]``; MXFP4 bytes likewise).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from engine.layers.fused_moe import ExpertCheckpointMapping, FusedMoE
 from engine.layers.weight_utils import ModelLoadError, materialize
 from engine.models.llama import FUSED_WEIGHTS
 from engine.models.moe import MoEForCausalLM, MoESpec, config_num_experts
-from engine.quantization.mxfp4 import dequantize_mxfp4, mxfp4_dequantized_shape
+from engine.quantization.mxfp4 import Mxfp4MoEMethod, dequantize_mxfp4, mxfp4_dequantized_shape
 
 # Checkpoint name fragments -> ours: the router is ``gate`` in ``SparseMoeBlock``; the sinks
 # live on the ``Attention`` layer.
@@ -128,9 +129,17 @@ class GptOssForCausalLM(MoEForCausalLM):
                 if len(parts) < 2:
                     continue
                 del pending[f"{layer_name}.{proj}"]
+                blocks, scales = parts["_blocks"], parts["_scales"]
+                if isinstance(layer.quant_method, Mxfp4MoEMethod):
+                    # Kept in MXFP4: the gate/up rows de-interleaved like a weight's.
+                    if shard == "w13":
+                        blocks, scales = split_interleaved(blocks, 1), split_interleaved(scales, 1)
+                    names = layer.quant_method.load(layer, shard, blocks, scales)
+                    loaded.update(f"{layer_name}.{n}" for n in names)
+                    continue
                 # Dequantized in the layer's dtype: [E, out, in], already our layout. The
                 # loader's dry run (meta tensors in the model dtype) checks shapes only.
-                blocks, scales, dtype = parts["_blocks"], parts["_scales"], layer.w13_weight.dtype
+                dtype = layer.w13_weight.dtype
                 if blocks.is_meta:
                     shape = mxfp4_dequantized_shape(blocks.shape, scales.shape)
                     t = torch.empty(shape, dtype=dtype, device="meta")

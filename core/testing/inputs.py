@@ -283,6 +283,34 @@ def _fused_moe_biased_cases(dtype, gen):
     return cases
 
 
+def _mxfp4_experts(gen, e, n, k):
+    """Random MXFP4 experts [E, N, K]: every byte value, exponents 2**-6 .. 2**-2."""
+    blocks = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(121, 126, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def _fused_moe_mxfp4_cases(dtype, gen):
+    # Random E2M1 codes (every byte value) with exponents around 2**-4, so gate/up reach the
+    # clamp (limit 2.0 here); sizes whose rows hold one and three blocks of 32; biases on and
+    # off, both activations.
+    cases = []
+    for t, e, k, h, i in ((3, 8, 2, 32, 64), (17, 4, 4, 96, 32)):
+        x = _randn(gen, dtype, t, h)
+
+        w13, s13 = _mxfp4_experts(gen, e, 2 * i, h)
+        w2, s2 = _mxfp4_experts(gen, e, h, i)
+        b13 = _randn(gen, dtype, e, 2 * i)
+        b2 = _randn(gen, dtype, e, h)
+        weights, ids = _moe_routing(gen, t, e, k)
+        for act in ("swigluoai", "silu"):
+            args = (x, w13, w2, weights, ids, s13, s2, b13, b2, act, 1.702, 2.0)
+            cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}-{act}-bias", args))
+        args = (x, w13, w2, weights, ids, s13, s2, None, None, "swigluoai", 1.702, 2.0)
+        cases.append((f"T{t}-E{e}-top{k}-H{h}-I{i}-swigluoai", args))
+    return cases
+
+
 def _fp8_expert_scales(gen, e, n, k, std, block, slices=1):
     """Positive float32 scales of FP8 experts ``[E, N, K]`` whose e4m3 values have std 64:
     per channel ``[E, N]``, or per block (``block`` rows per ``slices`` part, see
@@ -610,6 +638,7 @@ register_kernel_inputs("argmax", _argmax_cases)
 register_kernel_inputs("moe_topk_softmax", _moe_topk_softmax_cases, kind="moe")
 register_kernel_inputs("fused_moe", _fused_moe_cases, kind="moe")
 register_kernel_inputs("fused_moe_biased", _fused_moe_biased_cases, kind="moe")
+register_kernel_inputs("fused_moe_mxfp4", _fused_moe_mxfp4_cases, kind="moe")
 register_kernel_inputs("fused_moe_fp8", _fused_moe_fp8_cases, kind="moe")
 register_kernel_inputs("fused_moe_wna16", _fused_moe_wna16_cases, kind="moe")
 register_kernel_inputs("fp8_linear", _fp8_linear_cases)

@@ -392,3 +392,24 @@ def test_tiny_gpt_oss_kept_in_mxfp4_matches_transformers(gpt_oss_mxfp4, monkeypa
         assert all(m.w13_weight.dtype == torch.uint8 for m in experts)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_dummy_weights_kept_in_mxfp4_generate(gpt_oss_mxfp4, monkeypatch):
+    """``--load-format dummy`` on an MXFP4 config (the ``gpt-oss-20b-mxfp4`` benchmark shape's
+    path): the method fills random codes and exponents of 2**-8 .. 2**-6 and zero biases; the
+    model generates."""
+    from engine import SamplingParams
+
+    path, _ = gpt_oss_mxfp4
+    monkeypatch.setattr(Mxfp4Config, "quantized_on_reference", True)
+    llm = LLM(model=str(path), dtype="float32", load_format="dummy", num_gpu_blocks_override=16)
+    try:
+        layer = next(m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedMoE))
+        assert layer.w13_weight.dtype == torch.uint8
+        assert {int(v) for v in layer.w2_weight_scale.unique()} == {119, 120, 121}
+        assert not layer.w13_bias.any()
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.shutdown()

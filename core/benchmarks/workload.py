@@ -192,6 +192,21 @@ BUILTIN_SHAPES["qwen3-30b-a3b-gptq-int4"] = dict(
         "checkpoint_format": "gptq",
     },
 )
+# gpt-oss-20b as released: its experts in MXFP4 (the checkpoint's quantization_config), for
+# --load-format dummy: random E2M1 codes and exponents, kept in MXFP4 where a plugin provides
+# fused_moe_mxfp4 and dequantized at load elsewhere (engine.quantization.mxfp4).
+BUILTIN_SHAPES["gpt-oss-20b-mxfp4"] = dict(
+    BUILTIN_SHAPES["gpt-oss-20b"],
+    quantization_config={
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
+)
 ALIASES = {
     "llama3-8b": "llama-3.1-8b",
     "llama-3-8b": "llama-3.1-8b",
@@ -203,6 +218,7 @@ ALIASES = {
     "mixtral": "mixtral-8x7b",
     "llama3-8b-awq": "llama-3.1-8b-awq",
     "gpt-oss": "gpt-oss-20b",
+    "gpt-oss-mxfp4": "gpt-oss-20b-mxfp4",
 }
 # Draft shapes for speculative decoding with the Llama-3.1-8B shape (same vocabulary): a
 # Llama-3.2-1B draft model, and EAGLE / EAGLE-3 heads as yuhuili's for Llama-3.1-8B-Instruct.

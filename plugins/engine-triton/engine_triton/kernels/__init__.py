@@ -35,6 +35,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
     from engine_triton.kernels.fp8_linear import fp8_block_linear, fp8_linear
     from engine_triton.kernels.fused_moe import (
         fused_moe,
+        fused_moe_biased,
         fused_moe_fp8,
         fused_moe_wna16,
         moe_topk_softmax,
@@ -68,6 +69,7 @@ def register(registry: KernelRegistry, platforms: Iterable[str] = GPU_PLATFORMS)
         "argmax": argmax,
         "moe_topk_softmax": moe_topk_softmax,
         "fused_moe": fused_moe,
+        "fused_moe_biased": fused_moe_biased,
         "fused_moe_fp8": fused_moe_fp8,
         "fused_moe_wna16": fused_moe_wna16,
         "fp8_linear": fp8_linear,

@@ -70,11 +70,28 @@ offsets in the zero points' place (``OFFSETS``: ``W = q s + o``, folded in as ``
 sum(x)``), and their down projection may have its own width (a Q4_K_M file: 4-bit gate/up,
 Q6_K down held in bytes): ``WBITS`` and ``MAGIC`` are per launch.
 
+``fused_moe_biased`` (GPT-OSS's experts: per-expert biases and a choice of activation) runs
+through the same four kernels too, with two more switches, both off by default (the other
+ops' kernels compile exactly as before; the bias pointers and the activation's parameters are
+``None`` constexprs there):
+
+* ``HAS_BIAS``: the gate/up kernels add the expert's ``w13_bias`` row ``[2I]`` to the float32
+  gate and up sums before they are rounded and activated; the down kernels add its ``w2_bias``
+  row ``[H]`` to the float32 output before it is rounded and multiplied by the routing weight
+  (the bias is part of the expert, so it is weighted with it).
+* ``ACTIVATION``: ``ACT_SILU`` (SiLU-and-mul) or ``ACT_SWIGLUOAI``, GPT-OSS's clamped SwiGLU
+  ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``,
+  ``alpha`` and ``limit`` runtime floats (one compiled kernel for any values).
+
+Its grouped path keeps each weighted expert output in float32 until the top-k sum (a float32
+``pair_out``), as its reference specifies, rather than rounding it first as ``fused_moe``'s
+does; the decode path's top-k sum is float32 for every op.
+
 Ids of -1 (choices held by another expert-parallel rank) are skipped everywhere. Arithmetic is
 float32; the gate/up results are rounded to the activation dtype before SiLU-and-mul and each
-expert's down result before it is weighted, as the torch reference does; the grouped path also
-stores each weighted expert output in the activation dtype before the top-k sum (within one
-rounding of the reference).
+expert's down result before it is weighted, as the torch reference does; the grouped path of
+``fused_moe`` (and its FP8 and integer forms) also stores each weighted expert output in the
+activation dtype before the top-k sum (within one rounding of the reference).
 """
 
 from __future__ import annotations
@@ -93,6 +110,11 @@ from engine_triton.kernels.wna16_linear import ONE_BITS, _dot_operand, _magic, _
 
 MAX_ROUTER_EXPERTS = 1024  # register-resident softmax; more experts take the torch reference
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The kernels' ACTIVATION switch: SiLU-and-mul (every op) or GPT-OSS's clamped SwiGLU
+# (``fused_moe_biased``'s "swigluoai").
+ACT_SILU = tl.constexpr(0)
+ACT_SWIGLUOAI = tl.constexpr(1)
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 
 
 # ---- routing ----------------------------------------------------------------------------------
@@ -423,6 +445,20 @@ def _silu_mul(gate, up, out_dtype: tl.constexpr):
     return (g / (1.0 + tl.exp(-g)) * u).to(out_dtype)
 
 
+@triton.jit
+def _swigluoai_mul(gate, up, out_dtype: tl.constexpr, alpha, limit):
+    """GPT-OSS's clamped SwiGLU (``engine.kernels.reference.swigluoai_and_mul``): ``(u + 1) *
+    g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    in float32 from gate/up rounded to the activation dtype, rounded once. NaNs propagate
+    through the clamps, as torch's ``clamp`` propagates them."""
+    g = gate.to(out_dtype).to(tl.float32)
+    u = up.to(out_dtype).to(tl.float32)
+    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.maximum(tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit,
+                   propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
+    return ((u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))).to(out_dtype)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _decode_gate_up_kernel(
     x_ptr,
@@ -453,6 +489,11 @@ def _decode_gate_up_kernel(
     z_ptr=None,
     p_ptr=None,
     one_bits=None,
+    HAS_BIAS: tl.constexpr = False,
+    ACTIVATION: tl.constexpr = ACT_SILU,
+    b_ptr=None,
+    alpha=None,
+    limit=None,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -520,7 +561,14 @@ def _decode_gate_up_kernel(
         if SCALE == 1:
             gate = gate * tl.load(g_scales)
             up = up * tl.load(u_scales)
-    h = _silu_mul(gate, up, inter_ptr.dtype.element_ty)
+    if HAS_BIAS:  # the expert's gate/up biases, before the rounding and the activation
+        b_row = b_ptr + expert.to(tl.int64) * (2 * INTER) + cols_c
+        gate += tl.load(b_row).to(tl.float32)
+        up += tl.load(b_row + INTER).to(tl.float32)
+    if ACTIVATION == ACT_SWIGLUOAI:
+        h = _swigluoai_mul(gate, up, inter_ptr.dtype.element_ty, alpha, limit)
+    else:
+        h = _silu_mul(gate, up, inter_ptr.dtype.element_ty)
     tl.store(inter_ptr + pair.to(tl.int64) * INTER + cols, h, mask=cols < INTER)
 
 
@@ -557,6 +605,8 @@ def _decode_down_kernel(
     z_ptr=None,
     p_ptr=None,
     one_bits=None,
+    HAS_BIAS: tl.constexpr = False,
+    b_ptr=None,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -604,6 +654,8 @@ def _decode_down_kernel(
             y = tl.sum(acc, axis=1)
             if SCALE == 1:
                 y = y * tl.load(scales)
+        if HAS_BIAS:  # the expert's down bias: part of its output, so weighted with it
+            y += tl.load(b_ptr + expert.to(tl.int64) * H + rows_c).to(tl.float32)
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.load(topk_w_ptr + pair)
     # The top-k sum: every choice of the token leaves its weighted rows in the float32
@@ -729,6 +781,11 @@ def _grouped_gate_up_kernel(
     OFFSETS: tl.constexpr = False,
     z_ptr=None,
     p_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
+    ACTIVATION: tl.constexpr = ACT_SILU,
+    b_ptr=None,
+    alpha=None,
+    limit=None,
 ):
     num_n = tl.cdiv(INTER, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -805,7 +862,14 @@ def _grouped_gate_up_kernel(
     if SCALE == 1:
         acc_g = acc_g * tl.load(g_scales)[None, :]
         acc_u = acc_u * tl.load(u_scales)[None, :]
-    h = _silu_mul(acc_g, acc_u, inter_ptr.dtype.element_ty)
+    if HAS_BIAS:  # the expert's gate/up biases, before the rounding and the activation
+        b_row = b_ptr + expert.to(tl.int64) * (2 * INTER) + cols_c
+        acc_g += tl.load(b_row).to(tl.float32)[None, :]
+        acc_u += tl.load(b_row + INTER).to(tl.float32)[None, :]
+    if ACTIVATION == ACT_SWIGLUOAI:
+        h = _swigluoai_mul(acc_g, acc_u, inter_ptr.dtype.element_ty, alpha, limit)
+    else:
+        h = _silu_mul(acc_g, acc_u, inter_ptr.dtype.element_ty)
     out = inter_ptr + pairs.to(tl.int64)[:, None] * INTER + cols[None, :]
     tl.store(out, h, mask=row_ok[:, None] & (cols < INTER)[None, :])
 
@@ -845,6 +909,8 @@ def _grouped_down_kernel(
     OFFSETS: tl.constexpr = False,
     z_ptr=None,
     p_ptr=None,
+    HAS_BIAS: tl.constexpr = False,
+    b_ptr=None,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -903,11 +969,16 @@ def _grouped_down_kernel(
             w_ptrs += BLOCK_K
     if SCALE == 1:
         acc = acc * tl.load(scales)[None, :]
-    dtype = pair_out_ptr.dtype.element_ty
+    if HAS_BIAS:  # the expert's down bias: part of its output, so weighted with it
+        acc += tl.load(b_ptr + expert.to(tl.int64) * H + cols_c).to(tl.float32)[None, :]
+    # Each expert's output rounds to the activation dtype (the intermediate's) before it is
+    # weighted; the weighted output is stored in pair_out's: the activation dtype for
+    # fused_moe (the same rounding again), float32 for fused_moe_biased (none until the sum).
+    dtype = inter_ptr.dtype.element_ty
     weight = tl.load(topk_w_ptr + pairs64, mask=row_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * weight[:, None]
     out = pair_out_ptr + pairs64[:, None] * H + cols[None, :]
-    tl.store(out, y.to(dtype), mask=row_ok[:, None] & (cols < H)[None, :])
+    tl.store(out, y.to(pair_out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < H)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -1053,6 +1124,35 @@ def _scale_constexprs(scales: Scales, which: str, grouped: bool) -> dict:
 
 def _k_tile(scales: Scales, block_k: int, which: str, grouped: bool) -> int:
     return block_k if scales is None else scales.k_tile(block_k, which, grouped)
+
+
+@dataclass(frozen=True)
+class ExpertEpilogue:
+    """``fused_moe_biased``'s additions to the kernels (see the module docstring): the
+    per-expert biases ``b13 [E, 2I]`` / ``b2 [E, H]`` (contiguous; None: none), the
+    ``ACTIVATION`` code and its ``alpha`` / ``limit``. ``None`` in place of this object: the
+    other ops, whose kernels compile without any of it."""
+
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+    activation: int
+    alpha: float
+    limit: float
+
+    def constexprs(self, which: str) -> dict:
+        """The switches and extra arguments of the ``which`` ("w13" / "w2") kernels; the
+        activation's floats only where the clamped SwiGLU reads them (SiLU's kernels compile
+        with ``None`` there)."""
+        if which == "w2":
+            return {"HAS_BIAS": self.b2 is not None, "b_ptr": self.b2}
+        out = {"HAS_BIAS": self.b13 is not None, "b_ptr": self.b13, "ACTIVATION": self.activation}
+        if self.activation == ACTIVATIONS["swigluoai"]:
+            out.update(alpha=float(self.alpha), limit=float(self.limit))
+        return out
+
+
+def _epilogue_constexprs(epilogue: ExpertEpilogue | None, which: str) -> dict:
+    return {} if epilogue is None else epilogue.constexprs(which)
 
 
 def fused_moe(
@@ -1243,11 +1343,69 @@ def fused_moe_wna16(
     )
 
 
-def _fused_moe(
-    hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config
+def fused_moe_biased(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    *,
+    variant: str | None = None,
+    decode_config: DecodeConfig | None = None,
+    config: GroupedConfig | None = None,
 ) -> torch.Tensor:
-    """The shared body of ``fused_moe``, ``fused_moe_fp8`` and ``fused_moe_wna16``; ``dims``
-    is ``_check``'s ``(t, h, e, i, k)``, validated once by the caller."""
+    """See ``engine.kernels.reference.fused_moe_biased``: experts with per-expert biases
+    (``w13_bias [E, 2I]``, ``w2_bias [E, H]``, each optional) and SiLU-and-mul or GPT-OSS's
+    clamped SwiGLU (``activation`` "swigluoai", with ``alpha`` and ``limit``).
+
+    The same kernels, dispatch and configurations as ``fused_moe`` with the ``HAS_BIAS`` and
+    ``ACTIVATION`` switches on (see the module docstring); the grouped path keeps the weighted
+    expert outputs in float32 until the top-k sum. Serves unquantized experts in the
+    activations' dtype (bfloat16, float16, float32); anything else is refused with a
+    ``ValueError`` rather than computed differently from the reference."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"unknown MoE activation {activation!r}; supported: {', '.join(ref.MOE_ACTIVATIONS)}"
+        )
+    if hidden.dtype not in DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise ValueError(
+            "fused_moe_biased (Triton) runs unquantized experts in the activations' dtype "
+            f"(bfloat16, float16, float32); got hidden {hidden.dtype}, w13 {w13.dtype}, w2 "
+            f"{w2.dtype}"
+        )
+    dims = _check(hidden, w13, w2, topk_weights, topk_ids)
+    _, h, e, i, _ = dims
+    for name, bias, want in (("w13_bias", w13_bias, (e, 2 * i)), ("w2_bias", w2_bias, (e, h))):
+        if bias is not None and (tuple(bias.shape) != want or not bias.is_floating_point()):
+            raise ValueError(
+                f"fused_moe_biased: {name} {tuple(bias.shape)} {bias.dtype} does not fit: "
+                f"expected a float tensor of shape {want}"
+            )
+    epilogue = ExpertEpilogue(
+        None if w13_bias is None else w13_bias.contiguous(),
+        None if w2_bias is None else w2_bias.contiguous(),
+        ACTIVATIONS[activation],
+        float(alpha),
+        float(limit),
+    )
+    return _fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, dims, None, variant, decode_config, config,
+        epilogue,
+    )  # fmt: skip
+
+
+def _fused_moe(
+    hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config,
+    epilogue: ExpertEpilogue | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The shared body of ``fused_moe``, ``fused_moe_fp8``, ``fused_moe_wna16`` and
+    ``fused_moe_biased`` (``epilogue``); ``dims`` is ``_check``'s ``(t, h, e, i, k)``,
+    validated once by the caller."""
     t, h, e, i, k = dims
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
     if t == 0:
@@ -1263,7 +1421,7 @@ def _fused_moe(
     if variant == "decode":
         if decode_config is None:
             decode_config = WNA16_DECODE[bits] if bits else DecodeConfig()
-        _run_decode(x, w13, w2, weights, ids, out, decode_config, scales)
+        _run_decode(x, w13, w2, weights, ids, out, decode_config, scales, epilogue)
     elif variant == "grouped":
         # The 4-bit tilings were swept with 16-bit activations; float32 ones need twice the
         # shared memory per stage (m16 n128 four stages asked for 275 KiB on an H100 and failed
@@ -1274,13 +1432,15 @@ def _fused_moe(
         same_width = not isinstance(scales, IntegerExperts) or scales.bits2 == bits
         rule_bits = bits if x.element_size() == 2 and same_width else 0
         cfg = config or grouped_config(t * k, e, rule_bits)
-        _run_grouped(x, w13, w2, weights, ids, out, cfg, scales)
+        _run_grouped(x, w13, w2, weights, ids, out, cfg, scales, epilogue)
     else:
         raise ValueError(f"unknown fused_moe variant {variant!r} (decode, grouped)")
     return out
 
 
-def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig, scales=None) -> None:
+def _run_decode(
+    x, w13, w2, weights, ids, out, cfg: DecodeConfig, scales=None, epilogue=None
+) -> None:
     t, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -1296,14 +1456,14 @@ def _run_decode(x, w13, w2, weights, ids, out, cfg: DecodeConfig, scales=None) -
         *_scale_args(scales, "w13", w13),
         TOP_K=k, BLOCK_N=cfg.gate_up_n, BLOCK_K=gu_k, EVEN_K=h % gu_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
-        **_scale_constexprs(scales, "w13", False),
+        **_scale_constexprs(scales, "w13", False), **_epilogue_constexprs(epilogue, "w13"),
     )  # fmt: skip
     _decode_down_kernel[(pairs, grid_n)](
         inter, w2, ids, weights, out, ws, counters, t, h, i, w2.stride(0), w2.stride(1),
         out.stride(0), *_scale_args(scales, "w2", w2),
         TOP_K=k, BLOCK_N=cfg.down_n, BLOCK_K=down_k, EVEN_K=i % down_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
-        **_scale_constexprs(scales, "w2", False),
+        **_scale_constexprs(scales, "w2", False), **_epilogue_constexprs(epilogue, "w2"),
     )  # fmt: skip
 
 
@@ -1335,7 +1495,9 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return counts, sorted_pairs, max_m_blocks
 
 
-def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig, scales=None) -> None:
+def _run_grouped(
+    x, w13, w2, weights, ids, out, cfg: GroupedConfig, scales=None, epilogue=None
+) -> None:
     t, h = x.shape
     e, two_i, _ = w13.shape
     i = two_i // 2
@@ -1354,16 +1516,20 @@ def _run_grouped(x, w13, w2, weights, ids, out, cfg: GroupedConfig, scales=None)
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=gu_n, BLOCK_K=block_k,
         GROUP_M=cfg.group_m, E_POW2=e_pow2, EVEN_K=h % block_k == 0, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_scale_constexprs(scales, "w13", True),
+        **_scale_constexprs(scales, "w13", True), **_epilogue_constexprs(epilogue, "w13"),
     )  # fmt: skip
-    pair_out = torch.empty((pairs, h), dtype=x.dtype, device=x.device)
+    # fused_moe_biased keeps the weighted expert outputs in float32 until the top-k sum (its
+    # spec's rounding points); the other ops store them in the activation dtype (half the
+    # bytes, within one rounding of their references).
+    pair_dtype = x.dtype if epilogue is None else torch.float32
+    pair_out = torch.empty((pairs, h), dtype=pair_dtype, device=x.device)
     _grouped_down_kernel[(max_m * triton.cdiv(h, cfg.block_n),)](
         inter, w2, counts, sorted_pairs, weights, pair_out, pairs, max_m, h, i, e,
         w2.stride(0), w2.stride(1), *_scale_args(scales, "w2", w2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=down_k, GROUP_M=cfg.group_m,
         E_POW2=e_pow2, EVEN_K=i % down_k == 0, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_scale_constexprs(scales, "w2", True),
+        **_scale_constexprs(scales, "w2", True), **_epilogue_constexprs(epilogue, "w2"),
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(h))
     _topk_sum_kernel[(t, triton.cdiv(h, block))](

@@ -40,8 +40,10 @@ def set_kernels(llm, kernels) -> None:
 
 def test_problems_name_the_reference_op_the_experts_would_run(llms):
     qwen, gpt_oss = llms["qwen3_moe"], llms["gpt_oss"]
-    # A platform whose plugin provides fused_moe but not fused_moe_biased (engine-triton's
-    # CUDA today): Qwen3-MoE's experts capture, GPT-OSS's (biases, clamped SwiGLU) do not.
+    # A platform whose plugin provides fused_moe but not fused_moe_biased (a vendor plugin
+    # without GPT-OSS's experts; engine-triton provides both, which
+    # tests/triton_kernels/test_triton_fused_moe_biased.py checks with the real registry):
+    # Qwen3-MoE's experts capture, GPT-OSS's (biases, clamped SwiGLU) do not.
     set_kernels(qwen, gpu_kernels({"fused_moe_biased"}))
     set_kernels(gpt_oss, gpu_kernels({"fused_moe_biased"}))
     assert graph_capture_problems(qwen.llm_engine.runner.model) == []

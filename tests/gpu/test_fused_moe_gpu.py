@@ -1,7 +1,8 @@
 """engine-triton's MoE kernels on a CUDA GPU at the real model shapes, against the torch
-references (bf16; unquantized, FP8 and 4/8-bit integer experts), inside CUDA graphs, and tiny
-MoE models through the engine (decode graphs) token-exact against the CPU path (a GPTQ one
-against its dequantized twin); the expert-load counters inside captured graphs."""
+references (bf16; unquantized, FP8 and 4/8-bit integer experts; GPT-OSS's biased experts with
+the clamped SwiGLU in bf16 and fp16: ``-k biased``), inside CUDA graphs, and tiny MoE models
+through the engine (decode graphs) token-exact against the CPU path (a GPTQ one against its
+dequantized twin); the expert-load counters inside captured graphs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import random
 
 import pytest
 import torch
-from kernel_tolerance import close
+from kernel_tolerance import close, close_to_scale
 
 from engine.kernels import reference as ref
 
@@ -189,6 +190,131 @@ def test_fused_moe_wna16_matches_reference_at_model_sizes(experts, scheme, seed)
         assert torch.equal(out, fm.fused_moe_wna16(*args, variant=variant)), (name, t, variant)
     del q13, q2, s13, s2, z13, z2
     torch.cuda.empty_cache()
+
+
+# ---- experts with biases and GPT-OSS's clamped SwiGLU (fused_moe_biased) -----------------------
+GPT_OSS = (32, 4, 2880, 2880)  # gpt-oss-20b: experts, top-k, hidden, expert intermediate
+GPT_OSS_TOKENS = [1, 2, 3, 5, 64, 333, 2048]
+ALPHA, LIMIT = 1.702, 7.0
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def biased_experts(request):
+    """gpt-oss-20b's expert stacks and biases in bf16 or fp16: gate/up values of std ~3 plus
+    biases of std 1 (a few percent of them past the clamp at 7, on each side), down
+    projections of unit gain, down biases of std 1. The reference's matmuls run without
+    cuBLAS's reduced-precision reductions, so that it is the float32-accumulating spec."""
+    e, k, h, i = GPT_OSS
+    dtype = request.param
+    torch.manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda") * 3 * h**-0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device="cuda") * i**-0.5).to(dtype)
+    b13 = torch.randn(e, 2 * i, device="cuda").to(dtype)
+    b2 = torch.randn(e, h, device="cuda").to(dtype)
+    matmul = torch.backends.cuda.matmul
+    saved = (
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    yield dtype, k, w13, w2, b13, b2
+    (
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    ) = saved
+    del w13, w2, b13, b2
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_fused_moe_biased_matches_reference_at_gpt_oss_size(biased_experts, activation, seed):
+    """gpt-oss-20b's experts with their biases, both activations, at decode and prefill
+    batches: both paths and the rule's choice (its grouped configurations), against the
+    reference, one rounding apart relative to the outputs' scale (``close_to_scale``)."""
+    from engine_triton.kernels import fused_moe as fm
+
+    dtype, k, w13, w2, b13, b2 = biased_experts
+    e, _, h = w13.shape
+    for t in GPT_OSS_TOKENS:
+        x = torch.randn(t, h, device="cuda", dtype=dtype)
+        weights, ids = _route(t, e, k)
+        if t > 2:
+            ids[1, 0] = -1  # an expert held by another rank
+        args = (x, w13, w2, weights, ids, b13, b2, activation, ALPHA, LIMIT)
+        expected = ref.fused_moe_biased(*args)
+        variants = ["grouped"] + (["decode"] if t * k <= fm.DECODE_MAX_PAIRS else [])
+        for variant in variants + [None]:
+            out = fm.fused_moe_biased(*args, variant=variant)
+            assert out.dtype == dtype
+            close_to_scale(out, expected, dtype, f"{seed} {dtype} {activation} T={t} {variant}")
+    # The clamp bit: token 0's gate/up values for its first choice go past +-LIMIT.
+    expert = int(ids[0, 0])
+    gate, up = (x[0].float() @ w13[expert].float().T + b13[expert].float()).chunk(2)
+    assert (gate > LIMIT).any() and (up > LIMIT).any() and (up < -LIMIT).any()
+
+
+def test_fused_moe_biased_replays_in_a_cuda_graph(biased_experts):
+    """GPT-OSS's experts inside a captured graph (what its decode graphs need): captured once
+    per variant, replayed on new routing, equal to the eager result."""
+    from engine_triton.kernels import fused_moe as fm
+
+    dtype, k, w13, w2, b13, b2 = biased_experts
+    e, _, h = w13.shape
+    for t, variant in ((1, "decode"), (4, "decode"), (96, "grouped")):
+        x = torch.randn(t, h, device="cuda", dtype=dtype)
+        weights, ids = _route(t, e, k)
+        args = (x, w13, w2, weights, ids, b13, b2, "swigluoai", ALPHA, LIMIT)
+        fm.fused_moe_biased(*args, variant=variant)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fm.fused_moe_biased(*args, variant=variant)
+        new_w, new_ids = _route(t, e, k)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fm.fused_moe_biased(*args, variant=variant)), (dtype, t, variant)
+
+
+def test_gpt_oss_moe_layer_biased_in_a_cuda_graph():
+    """GPT-OSS's ``FusedMoE`` layer (routing and experts, engine-triton's kernels bound for
+    cuda) names no reason against decode graphs, captures, and replays on new inputs to the
+    same result as eagerly, within one rounding of the layer on the torch references."""
+    from engine.kernels.registry import KernelRegistry
+    from engine.layers.fused_moe import FusedMoE
+    from engine_triton.kernels import register
+
+    registry = KernelRegistry()
+    register(registry)
+    e, k, h, i, dtype = 16, 4, 256, 384, torch.bfloat16
+
+    def layer(kernels):
+        with torch.device("cuda"):
+            moe = FusedMoE(e, k, h, i, renormalize=True, kernels=kernels, dtype=dtype,
+                           activation="swigluoai", bias=True)  # fmt: skip
+        torch.manual_seed(1)
+        for name, std in (("w13_weight", 3 * h**-0.5), ("w2_weight", i**-0.5),
+                          ("w13_bias", 1.0), ("w2_bias", 1.0)):  # fmt: skip
+            param = getattr(moe, name)
+            param.data.copy_(torch.randn(param.shape) * std)
+        return moe
+
+    moe, reference = layer(registry.resolve("cuda")), layer(KernelRegistry().resolve("cuda"))
+    assert moe.quant_method.graph_capture_problem(moe) is None
+    assert reference.quant_method.graph_capture_problem(reference) is not None
+    x = torch.randn(8, h, device="cuda", dtype=dtype)
+    logits = torch.randn(8, e, device="cuda", dtype=dtype)
+    moe(x, logits)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x, logits)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe(x, logits))
+    close_to_scale(out, reference(x, logits), dtype, "layer")
 
 
 @pytest.mark.parametrize("e,k", [(128, 8), (8, 2), (60, 4)])

@@ -61,7 +61,11 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _run(path: str, **kwargs) -> tuple[list[list[int]], bool]:
+def _run(
+    path: str, providers: dict[str, str] | None = None, **kwargs
+) -> tuple[list[list[int]], bool]:
+    """Greedy tokens of ``_prompts()`` and whether decode graphs were captured; ``providers``
+    maps kernel ops to the provider each must be bound to on the run's platform."""
     # One prefill chunk holds any prompt (as transformers prefills it), so LongRoPE's choice is
     # the same on every path.
     # A cache sized by block count, not by profiling: run_all.sh runs test files side by side
@@ -69,6 +73,9 @@ def _run(path: str, **kwargs) -> tuple[list[list[int]], bool]:
     if kwargs.get("platform") == "cuda":
         kwargs.setdefault("num_gpu_blocks_override", 512)
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=512, **kwargs)
+    kernels = llm.llm_engine.runner.kernels
+    for op, provider in (providers or {}).items():
+        assert kernels.provider(op) == provider, (op, kernels.provider(op))
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
     assert llm.llm_engine.num_used_blocks == 0
@@ -111,11 +118,30 @@ def test_native_phi3_gemma2_on_gpu_match_cpu(name, model_dir):
     assert got == want
 
 
+# GPT-OSS's experts on engine-triton's fused_moe_biased (and its router on moe_topk_softmax).
+GPT_OSS_TRITON = {"fused_moe_biased": "engine-llm-triton", "moe_topk_softmax": "engine-llm-triton"}
+
+
 def test_gpt_oss_on_gpu_matches_cpu(model_dir):
-    """GPT-OSS on a GPU as it runs there today: attention sinks on the torch reference
-    backend (``auto`` passes over Triton, which lacks them) and the reference
-    ``fused_moe_biased`` experts, eagerly; the same greedy tokens as the CPU's."""
+    """GPT-OSS on a GPU with the default attention backend (``auto``: the first that has
+    attention sinks) and engine-triton's ``fused_moe_biased`` experts (decode and grouped
+    paths, float32); the same greedy tokens as the CPU's."""
     path = model_dir("gpt_oss")
     want, _ = _run(path, platform="cpu", attention_backend="torch")
-    got, _ = _run(path, platform="cuda")
+    got, _ = _run(path, GPT_OSS_TRITON, platform="cuda")
+    assert got == want
+
+
+def test_gpt_oss_in_decode_cuda_graphs_matches_cpu(model_dir):
+    """GPT-OSS's decode steps captured in CUDA graphs (the Triton attention backend, which
+    needs attention sinks, and the Triton experts, which the runner's host-loop guard no
+    longer refuses): the CPU's greedy tokens."""
+    from engine_triton.attention import TritonAttentionBackend
+
+    if not TritonAttentionBackend.supports_attention_sinks:
+        pytest.skip("the Triton attention backend has no attention sinks on this branch")
+    path = model_dir("gpt_oss")
+    want, _ = _run(path, platform="cpu", attention_backend="torch")
+    got, graphs = _run(path, GPT_OSS_TRITON, platform="cuda", attention_backend="triton")
+    assert graphs, "decode graphs were not captured"
     assert got == want

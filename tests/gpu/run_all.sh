@@ -102,7 +102,7 @@ for step in "${steps[@]}"; do
       timeout -k 10 $(($(left) - 30)) python3 -m engine_triton.benchmark --moe-only \
         --json "$OUT/moe-kernels.json" >"$OUT/moe-kernels.log" 2>&1
       echo "rc=$? at $(elapsed)s"
-      grep -E "^(moe|qwen|mixtral)|T=|best|ERROR" "$OUT/moe-kernels.log"
+      grep -E "^(moe|qwen|mixtral|gpt-oss)|T=|best|ERROR" "$OUT/moe-kernels.log"
       JSONS+=("moe-kernels")
       ;;
     moe-kernels-fp8)  # the same sweep with FP8 experts (fused_moe_fp8, 128x128 block scales)

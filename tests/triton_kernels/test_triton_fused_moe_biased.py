@@ -233,6 +233,49 @@ def test_conformance_kit_accepts_the_override():
         check_kernel("fused_moe_biased", fm.fused_moe_biased, device, dtype)
 
 
+def test_moe_benchmark_sweep_times_the_biased_op(monkeypatch, capsys):
+    """``python -m engine_triton.benchmark --moe-only`` times a biased shape (gpt-oss-20b's)
+    through ``fused_moe_biased`` with the clamped SwiGLU, end to end on one tiny shape with
+    the GPU timers stubbed, and ``--moe-fp8`` passes over it (its experts are unquantized)."""
+    from engine_triton import benchmark
+    from engine_triton.kernels import fused_moe as fm
+
+    if torch.cuda.is_available():
+        pytest.skip("runs for real on a GPU: python -m engine_triton.benchmark --moe-only")
+    assert benchmark.MOE_SHAPES["gpt-oss-20b"]["biased"]
+    tiny = dict(experts=8, top_k=4, hidden=32, inter=16, layers=2, other_params=1000, biased=True)
+    monkeypatch.setattr(benchmark, "MOE_SHAPES", {"tiny-oss": tiny})
+    monkeypatch.setattr(benchmark, "_graph_us", lambda call, calls=1: (call(0), call(1), 2.0)[-1])
+    monkeypatch.setattr(benchmark, "_copy_gbps", lambda device: 4000.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "interpreter")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    every = benchmark._moe_candidates
+    monkeypatch.setattr(
+        benchmark,
+        "_moe_candidates",
+        lambda t, k, e, bits, rule_bits=None: every(t, k, e, bits, rule_bits)[:2],
+    )
+    activations = []
+    biased = fm.fused_moe_biased
+
+    def counted(*args, **kwargs):
+        activations.append(args[7])
+        return biased(*args, **kwargs)
+
+    monkeypatch.setattr(fm, "fused_moe_biased", counted)
+    results: dict = {}
+    benchmark.sweep_moe(results, tokens=(1, 5), device="cpu")
+    out = capsys.readouterr().out
+    assert "tiny-oss: fused_moe_biased (swigluoai), 8 experts, top-4" in out
+    assert activations and set(activations) == {"swigluoai"}
+    rows = results["moe tiny-oss T=5"]["rows"]
+    assert any(r["config"].startswith("decode") for r in rows)
+    assert any(r["config"].startswith("grouped") for r in rows)
+    assert all("error" not in r and r["max_err"] < 0.06 for r in rows), rows
+    benchmark.sweep_moe(results, tokens=(1,), device="cpu", fp8="block")
+    assert "tiny-oss: passed over" in capsys.readouterr().out
+
+
 # ---- the layer and the model ------------------------------------------------------------------
 def _triton_kernels(platform: str):
     """The registry's kernels for ``platform`` with engine-triton's registered for it."""

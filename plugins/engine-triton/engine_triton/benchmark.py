@@ -19,7 +19,8 @@ the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the 
 (FP8 experts through ``fused_moe_fp8``, or 4/8-bit integer experts in groups through
 ``fused_moe_wna16``, GGUF stacks included; all weight-only) times the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
 (128 experts, top-8, hidden 2048, 768 wide) and Mixtral-8x7B (8 experts, top-2, 4096, 14336)
-shapes, bf16, uniformly random routing, for each token count: both ways through the experts
+shapes, and gpt-oss-20b's (32 experts, top-4, 2880, 2880; biased, with the clamped SwiGLU:
+``fused_moe_biased``, unquantized only), bf16, uniformly random routing, for each token count: both ways through the experts
 (decode GEMVs, grouped GEMMs) and a few launch configurations, each per call inside a CUDA
 graph over rotating weight copies and routings (HBM, not L2). It reports the bytes the call
 must read (the distinct experts hit, plus activations), the achieved GB/s against this GPU's
@@ -460,7 +461,14 @@ MOE_SHAPES = {
     "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336, layers=32,
                          other_params=32 * (4096 * 128 * 48 + 4096 * 128 * 32 + 8 * 4096)
                          + 32000 * 4096),
+    # Biased experts with the clamped SwiGLU (``biased``): timed through fused_moe_biased,
+    # unquantized only (--moe-fp8 / --moe-wna16 pass over it).
+    "gpt-oss-20b": dict(experts=32, top_k=4, hidden=2880, inter=2880, layers=24, biased=True,
+                        other_params=24 * (2880 * 64 * 64 * 2 + 2880 * 8 * 64 * 2 + 2880 * 32)
+                        + 201088 * 2880),
 }  # fmt: skip
+# GPT-OSS's clamped SwiGLU, for the biased shapes.
+MOE_SWIGLU = ("swigluoai", 1.702, 7.0)
 MOE_ROTATE_BYTES = 1 << 30  # weight copies a graph cycles through
 
 
@@ -477,7 +485,8 @@ def _copy_gbps(device: str, nbytes: int = 1 << 30) -> float:
 
 def _moe_call(x, weights, routes, kw):
     """``call(j)``: the fused MoE on weight copy ``j`` and routing ``j`` (rotating). A copy
-    is ``(w13, w2)``, or ``(w13, w2, w13_scale, w2_scale, block_size)`` for FP8 experts."""
+    is ``(w13, w2)``, ``(w13, w2, w13_bias, w2_bias)`` for biased experts, ``(w13, w2,
+    w13_scale, w2_scale, block_size)`` for FP8 experts, or longer for integer ones."""
 
     def call(j):
         ids, w = routes[j % len(routes)]
@@ -491,6 +500,9 @@ def _moe_run(x, copy, topk_weights, topk_ids, kw):
 
     if len(copy) == 2:
         return fm.fused_moe(x, *copy, topk_weights, topk_ids, **kw)
+    if len(copy) == 4:  # biased experts (GPT-OSS)
+        w13, w2, b13, b2 = copy
+        return fm.fused_moe_biased(x, w13, w2, topk_weights, topk_ids, b13, b2, *MOE_SWIGLU, **kw)
     if len(copy) >= 7:  # integer experts (GGUF ones: with permutations, offsets, down width)
         w13, w2, s13, s2, *rest = copy
         return fm.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, *rest, **kw)
@@ -503,6 +515,9 @@ def _moe_reference(x, copy, topk_weights, topk_ids):
 
     if len(copy) == 2:
         return ref.fused_moe(x, *copy, topk_weights, topk_ids)
+    if len(copy) == 4:
+        w13, w2, b13, b2 = copy
+        return ref.fused_moe_biased(x, w13, w2, topk_weights, topk_ids, b13, b2, *MOE_SWIGLU)
     if len(copy) >= 7:
         w13, w2, s13, s2, *rest = copy
         return ref.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, *rest)
@@ -582,13 +597,19 @@ def _gguf_experts(e: int, h: int, i: int, scheme: str, device: str) -> tuple:
     return q13, q2, s13, s2, None, None, bits, None, None, o13, o2, bits2
 
 
-def _moe_experts(e, h, i, dtype, device, fp8: str | None, wna16: str | None = None) -> tuple:
+def _moe_experts(
+    e, h, i, dtype, device, fp8: str | None, wna16: str | None = None, biased: bool = False
+) -> tuple:
     """One random copy of a layer's experts, quantized to FP8 when ``fp8``, to integers in
-    groups when ``wna16`` (one bf16 copy alive at a time)."""
+    groups when ``wna16`` (one bf16 copy alive at a time), with gate/up and down biases
+    (std 0.5) when ``biased``."""
     import torch
 
     w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5
     w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5
+    if biased:
+        b13 = torch.randn(e, 2 * i, device=device, dtype=dtype) * 0.5
+        return w13, w2, b13, torch.randn(e, h, device=device, dtype=dtype) * 0.5
     if wna16 in MOE_GGUF_SCHEMES:
         return _gguf_experts(e, h, i, wna16, device)
     if wna16:
@@ -701,16 +722,21 @@ def sweep_moe(
     for name in names:
         sh = MOE_SHAPES[name]
         e, k, h, i = sh["experts"], sh["top_k"], sh["hidden"], sh["inter"]
+        biased = bool(sh.get("biased"))
+        if biased and (fp8 or wna16):
+            print(f"\n{name}: passed over (its biased experts run unquantized only)", flush=True)
+            continue
         expert_bytes = 3 * h * i * weight_bytes
         copies = max(1, min(8, math.ceil(MOE_ROTATE_BYTES / (e * expert_bytes))))
         torch.manual_seed(0)
-        weights = [_moe_experts(e, h, i, dtype, device, fp8, wna16) for _ in range(copies)]
+        weights = [_moe_experts(e, h, i, dtype, device, fp8, wna16, biased) for _ in range(copies)]
         gen = torch.Generator(device="cpu").manual_seed(0)
         floor_bytes = (
             sh["other_params"] * dtype.itemsize + sh["layers"] * k * 3 * h * i * weight_bytes
         )
         floor_us = floor_bytes / copy * 1e-3  # read once at the copy rate
-        print(f"\n{name}: {e} experts, top-{k}, hidden {h}, inter {i}, {sh['layers']} layers; "
+        op = "fused_moe_biased (swigluoai), " if biased else ""
+        print(f"\n{name}: {op}{e} experts, top-{k}, hidden {h}, inter {i}, {sh['layers']} layers; "
               f"batch-1 step reads {floor_bytes / 1e9:.2f} GB of active weights = "
               f"{floor_us:.0f} us at copy speed (1.5x: {1.5 * floor_us:.0f} us)", flush=True)  # fmt: skip
         for t in tokens:

@@ -307,12 +307,12 @@ def test_fused_moe_layer_on_triton_matches_reference(dtype, device, seed):
     """GPT-OSS's MoE layer (``FusedMoE(activation="swigluoai", bias=True)``) with the
     registry's Triton kernels (routing and experts) against the same layer on the torch
     references, at a decode-sized and a prefill-sized batch."""
-    triton_kernels = _triton_kernels("cpu")
-    assert triton_kernels.provider("fused_moe_biased") == "engine-llm-triton"
+    on_triton = _triton_kernels("cpu")
+    assert on_triton.provider("fused_moe_biased") == "engine-llm-triton"
     from engine.kernels.registry import KernelRegistry
 
     reference = _gpt_oss_layer(KernelRegistry().resolve("cpu"), dtype)
-    layer = _gpt_oss_layer(triton_kernels, dtype).to(device)
+    layer = _gpt_oss_layer(on_triton, dtype).to(device)
     for t in (1, 21):
         x = torch.randn(t, 40).to(dtype)
         logits = torch.randn(t, 16).to(dtype)

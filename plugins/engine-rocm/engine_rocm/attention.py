@@ -36,7 +36,8 @@ def device_arch(device: torch.device) -> str | None:
 
 
 class RocmTritonAttentionBackend(TritonAttentionBackend):
-    """Triton paged attention tuned per AMD gfx family (GQA, sliding window, soft-cap)."""
+    """Triton paged attention tuned per AMD gfx family (GQA, sliding window, soft-cap, attention
+    sinks: all inherited from the triton backend, which passes ``self.sinks`` to the kernels)."""
 
     name: ClassVar[str] = "triton-rocm"
     _logged: ClassVar[set[str | None]] = set()

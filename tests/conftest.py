@@ -92,3 +92,13 @@ def tiny_default_model(tiny_gemma3_gguf_file, tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "DEFAULT_MODEL_SIZE", tiny_gemma3_gguf_file.stat().st_size)
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path / "engine-cache"))
     return tmp_path / "engine-cache" / "models" / module.MODEL_NAME
+
+
+@pytest.fixture
+def triton_sinks_declared(monkeypatch):
+    """engine-triton's attention backend (and engine-rocm's subclass) declaring attention
+    sinks, which its kernels take but which it declares only once they have run on a GPU
+    (``engine_triton.attention.TritonAttentionBackend.supports_attention_sinks``): the tests of
+    that path, under the interpreter and on a GPU, run with it declared."""
+    attention = pytest.importorskip("engine_triton.attention")
+    monkeypatch.setattr(attention.TritonAttentionBackend, "supports_attention_sinks", True)

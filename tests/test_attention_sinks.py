@@ -415,8 +415,9 @@ def test_selection_refuses_a_backend_without_sinks_with_the_reason():
 
 
 def test_the_installed_backends_declare_sinks_as_documented():
-    """The reference and engine-cpu's backend serve sinks; the GPU and TPU backends do not yet,
-    and ``auto`` on the cpu platform still finds one."""
+    """The reference, engine-cpu's backend and the Triton ones (engine-triton's and its
+    engine-rocm subclass) serve sinks; CUDA's sdpa / flash-attn and the TPU backends do not
+    yet, and ``auto`` on the cpu platform still finds one."""
     from engine.plugins import PluginManager
 
     pm = PluginManager.from_env()
@@ -427,6 +428,8 @@ def test_the_installed_backends_declare_sinks_as_documented():
             cls = entry.load()
         except Exception:  # an optional dependency missing here: not this test's business
             continue
+        # triton / triton-rocm: their kernels take sinks, declared once their GPU tests ran
+        # (engine_triton.attention); the ``triton_sinks_declared`` fixture declares them.
         has = cls.name in ("torch", "cpu")
         assert cls.supports_attention_sinks is has, cls.name
         assert (SINK_REASON in cls.supports(spec)) is not has, cls.name

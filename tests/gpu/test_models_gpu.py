@@ -62,10 +62,11 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(
-    path: str, providers: dict[str, str] | None = None, **kwargs
+    path: str, providers: dict[str, str] | None = None, info: dict | None = None, **kwargs
 ) -> tuple[list[list[int]], bool]:
     """Greedy tokens of ``_prompts()`` and whether decode graphs were captured; ``providers``
-    maps kernel ops to the provider each must be bound to on the run's platform."""
+    maps kernel ops to the provider each must be bound to on the run's platform; ``info``,
+    when given, receives the name of the attention backend chosen (``"backend"``)."""
     # One prefill chunk holds any prompt (as transformers prefills it), so LongRoPE's choice is
     # the same on every path.
     # A cache sized by block count, not by profiling: run_all.sh runs test files side by side
@@ -79,8 +80,11 @@ def _run(
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
     assert llm.llm_engine.num_used_blocks == 0
-    graphs = llm.llm_engine.runner.graphs is not None
-    del llm
+    runner = llm.llm_engine.runner
+    graphs = runner.graphs is not None
+    if info is not None:
+        info["backend"] = runner.attn_backend_cls.name
+    del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
     return tokens, graphs
@@ -122,26 +126,32 @@ def test_native_phi3_gemma2_on_gpu_match_cpu(name, model_dir):
 GPT_OSS_TRITON = {"fused_moe_biased": "engine-llm-triton", "moe_topk_softmax": "engine-llm-triton"}
 
 
-def test_gpt_oss_on_gpu_matches_cpu(model_dir):
+def test_gpt_oss_on_gpu_matches_cpu(model_dir, triton_sinks_declared):
     """GPT-OSS on a GPU with the default attention backend (``auto``: the first that has
-    attention sinks) and engine-triton's ``fused_moe_biased`` experts (decode and grouped
-    paths, float32); the same greedy tokens as the CPU's."""
+    attention sinks, now triton) and engine-triton's ``fused_moe_biased`` experts (decode and
+    grouped paths, float32), and with the torch reference attention backend (the spec, on any
+    device); the same greedy tokens as the CPU's."""
     path = model_dir("gpt_oss")
     want, _ = _run(path, platform="cpu", attention_backend="torch")
-    got, _ = _run(path, GPT_OSS_TRITON, platform="cuda")
+    info: dict = {}
+    got, _ = _run(path, GPT_OSS_TRITON, info, platform="cuda")
+    assert info["backend"] == "triton"
     assert got == want
+    reference, _ = _run(path, GPT_OSS_TRITON, platform="cuda", attention_backend="torch")
+    assert reference == want
 
 
-def test_gpt_oss_in_decode_cuda_graphs_matches_cpu(model_dir):
-    """GPT-OSS's decode steps captured in CUDA graphs (the Triton attention backend, which
-    needs attention sinks, and the Triton experts, which the runner's host-loop guard no
-    longer refuses): the CPU's greedy tokens."""
-    from engine_triton.attention import TritonAttentionBackend
-
-    if not TritonAttentionBackend.supports_attention_sinks:
-        pytest.skip("the Triton attention backend has no attention sinks on this branch")
+def test_gpt_oss_in_decode_cuda_graphs_matches_cpu(model_dir, triton_sinks_declared):
+    """GPT-OSS's decode steps captured in CUDA graphs (the Triton attention backend with its
+    attention sinks, split-KV: 11 requests leave most of the GPU to the splits; the Triton
+    experts, which the runner's host-loop guard no longer refuses), and eagerly: the CPU's
+    greedy tokens."""
     path = model_dir("gpt_oss")
     want, _ = _run(path, platform="cpu", attention_backend="torch")
     got, graphs = _run(path, GPT_OSS_TRITON, platform="cuda", attention_backend="triton")
     assert graphs, "decode graphs were not captured"
     assert got == want
+    eager, _ = _run(
+        path, GPT_OSS_TRITON, platform="cuda", attention_backend="triton", enforce_eager=True
+    )
+    assert eager == want

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_tolerance import close, qk_norm_rotary_slack
-from paged_reference import TOLERANCE, make_batch, reference_attention, rel_error
+from paged_reference import (
+    TOLERANCE,
+    make_batch,
+    reference_attention,
+    rel_error,
+    worst_head_error,
+)
 
 from engine.attention_backends.interface import BatchLayout
 from engine.kernels import reference as ref
@@ -172,6 +178,122 @@ def test_decode_cascade_at_8b_shape(batch_size, seed):
                                    batch.block_tables, 128**-0.5)  # fmt: skip
     err = rel_error(out, expected)
     assert err < TOLERANCE[torch.bfloat16], f"seed={seed} rel_error={err}"
+
+
+# GPT-OSS-20B's attention: 64 query heads of 64 over 8 KV heads, a 128-token window on half
+# the layers, attention sinks.
+GPT_OSS_HEADS = (64, 8, 64)
+
+
+def _sinks(seed: int) -> torch.Tensor:
+    """GPT-OSS-like sinks on the GPU: one that takes almost all the weight (e^12), one that
+    adds nothing (e^-30), the rest within a few units of 0 (tests/test_attention_sinks.py)."""
+    from test_attention_sinks import random_sinks
+
+    return random_sinks(GPT_OSS_HEADS[0], torch.Generator().manual_seed(seed)).cuda()
+
+
+def _sink_error(out, batch, scale, window, sinks) -> float:
+    """The worst query head's relative error against the dense sink oracle."""
+    expected = reference_attention(batch.query, batch.kv_cache, batch.query_lens,
+                                   batch.seq_lens, batch.block_tables, scale, window, None,
+                                   sinks)  # fmt: skip
+    return worst_head_error(out[: expected.shape[0]], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 128])
+def test_sinks_backend_mixed_batch(dtype, window, seed):
+    """Attention sinks through ``forward`` at GPT-OSS's head shape: decodes (a long context:
+    split-KV, short ones in one split), then chunked prefills over cached prefixes."""
+    from engine_triton.attention import TritonAttentionBackend
+
+    heads, kv_heads, head = GPT_OSS_HEADS
+    qlens, slens = [1, 1, 1, 300, 77, 256], [3000, 17, 1, 300, 600, 800]
+    batch = make_batch(qlens, slens, heads, kv_heads, head, 16, dtype, "cuda")
+    backend = TritonAttentionBackend(heads, head, kv_heads, head**-0.5, window)
+    backend.sinks = _sinks(seed)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, _meta(batch))
+    err = _sink_error(out, batch, head**-0.5, window, backend.sinks)
+    assert err < TOLERANCE[dtype], f"seed={seed} worst head rel_error={err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sinks_decode_every_split_count(dtype, seed):
+    """Unsplit, the automatic split count and 32 splits: the sink counted once each time."""
+    from engine_triton.kernels.attention import decode_splits, paged_decode
+
+    heads, kv_heads, head = GPT_OSS_HEADS
+    slens = torch.randint(1, 2500, (7,)).tolist()
+    batch = make_batch([1] * 7, slens, heads, kv_heads, head, 16, dtype, "cuda")
+    meta = _meta(batch)
+    sinks = _sinks(seed)
+    for splits in (1, decode_splits(7, kv_heads, torch.device("cuda")), 32):
+        out = torch.full_like(batch.query, float("nan"))
+        paged_decode(batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, 7,
+                     head**-0.5, num_splits=splits, sinks=sinks)  # fmt: skip
+        err = _sink_error(out, batch, head**-0.5, None, sinks)
+        assert err < TOLERANCE[dtype], f"seed={seed} splits={splits} rel_error={err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sinks_decode_cascade(dtype, seed):
+    """Cascade attention with sinks: a 2,000-token prefix shared by all requests but the last,
+    suffixes of 1-500 tokens; the shared pass's partials and the split rest merge with the
+    sink once."""
+    from engine.attention_backends.interface import CascadeInputs, find_shared_prefix
+    from engine_triton.kernels.attention import paged_decode
+
+    heads, kv_heads, head = GPT_OSS_HEADS
+    n = 64
+    slens = [2000 + s for s in torch.randint(1, 500, (n,)).tolist()]
+    batch = make_batch([1] * n, slens, heads, kv_heads, head, 16, dtype, "cuda")
+    for table in batch.block_tables[1:-1]:
+        table[:125] = batch.block_tables[0][:125]
+    prefix = find_shared_prefix(batch.block_tables, slens, n, 16)
+    assert prefix is not None and prefix.length == 2000
+    cascade = CascadeInputs.from_prefix(prefix, n, "cuda")
+    meta = _meta(batch)
+    sinks = _sinks(seed)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_decode(batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, n,
+                 head**-0.5, cascade_starts=cascade.starts, cascade_prefix=cascade.prefix,
+                 sinks=sinks)  # fmt: skip
+    err = _sink_error(out, batch, head**-0.5, None, sinks)
+    assert err < TOLERANCE[dtype], f"seed={seed} worst head rel_error={err}"
+
+
+def test_sinks_decode_in_a_cuda_graph(seed):
+    """A captured split-KV decode (with the fused cache append) reads the sinks on the device:
+    replays with new queries and new sink values written in place (as a weight reload would)
+    give the oracle's answer."""
+    from engine_triton.kernels.attention import paged_decode
+
+    heads, kv_heads, head = GPT_OSS_HEADS
+    slens = [1500, 3, 700, 129]
+    batch = make_batch([1] * 4, slens, heads, kv_heads, head, 16, torch.bfloat16, "cuda")
+    meta = _meta(batch)
+    sinks = _sinks(seed)
+    out = torch.zeros_like(batch.query)
+    counters = torch.zeros(4 * kv_heads, dtype=torch.int32, device="cuda")
+
+    def decode():
+        paged_decode(batch.query, batch.kv_cache, out, meta.seq_lens, meta.block_table, 4,
+                     head**-0.5, num_splits=8, key=batch.key, value=batch.value,
+                     slot_mapping=meta.slot_mapping, split_counters=counters,
+                     sinks=sinks)  # fmt: skip
+
+    decode()  # compile outside the capture (and write the newest keys, as every replay does)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode()
+    for step in range(3):
+        batch.query.copy_(torch.randn_like(batch.query))
+        sinks.copy_(sinks.flip(0) + step)
+        graph.replay()
+        err = _sink_error(out, batch, head**-0.5, None, sinks)
+        assert err < TOLERANCE[torch.bfloat16], f"seed={seed} replay {step}: rel_error={err}"
 
 
 # Decode matmuls x[M, K] @ W[N, K]^T of Qwen3-0.6B and Llama-3.1-8B: (N, K).

@@ -36,7 +36,9 @@ def device_arch(device: torch.device) -> str | None:
 
 
 class RocmTritonAttentionBackend(TritonAttentionBackend):
-    """Triton paged attention tuned per AMD gfx family (GQA, sliding window, soft-cap)."""
+    """Triton paged attention tuned per AMD gfx family (GQA, sliding window, soft-cap; attention
+    sinks as the triton backend declares them: inherited, with ``self.sinks`` passed to the
+    kernels)."""
 
     name: ClassVar[str] = "triton-rocm"
     _logged: ClassVar[set[str | None]] = set()

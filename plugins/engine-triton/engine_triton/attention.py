@@ -7,7 +7,8 @@ through the split-KV decode kernel, the rest through the varlen prefill kernel, 
 over each request's cached prefix as well (chunked prefill, prefix caching). When many decodes
 share a long cached prefix (``AttentionMetadata.cascade``), the decode kernel is preceded
 by a shared pass over it (cascade attention, ``kernels/attention.py``), in the captured
-decode graphs too.
+decode graphs too. Attention sinks (GPT-OSS, ``self.sinks``) go to every kernel, which fold
+them in once per query and head, however the decode splits the context.
 
 Importing this module is cheap: Triton and torch are imported when the backend is used.
 """
@@ -34,8 +35,8 @@ def _interpreting() -> bool:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention in Triton: GQA, sliding window, logit soft-cap, any block size, and an
-    FP8 (e4m3, per-layer scales) KV cache."""
+    """Paged attention in Triton: GQA, sliding window, logit soft-cap, attention sinks, any
+    block size, and an FP8 (e4m3, per-layer scales) KV cache."""
 
     name: ClassVar[str] = "triton"
     # The CPU only through Triton's interpreter (TRITON_INTERPRET=1, for tests): ``supports``
@@ -44,6 +45,13 @@ class TritonAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
+    # ``self.sinks`` reaches prefill, decode (split or not) and cascade alike; the kernels read
+    # the layer's float32 parameter in place, so captured decode graphs keep up with it. Not
+    # declared yet: the sink path (``HAS_SINKS``) has passed its tests under Triton's
+    # interpreter but not yet run on a GPU, so selection still gives GPT-OSS the torch backend
+    # there; tests declare it with the ``triton_sinks_declared`` fixture (tests/conftest.py),
+    # and it turns True once tests/gpu (``-k "sink or gpt_oss"``) has passed with it.
+    supports_attention_sinks: ClassVar[bool] = False
     supports_decode_graphs: ClassVar[bool] = True  # lengths come from tensors; see kernels
     # Not under Triton's interpreter: there the FP8-cache attention differs from the reference
     # on the conformance kit's float32 case (85.8% of elements past 1e-3 on 2026-12-02, cause
@@ -175,6 +183,7 @@ class TritonAttentionBackend(AttentionBackend):
                 configs=tuning,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                sinks=self.sinks,
                 **self._cascade_args(metadata),
             )
         if metadata.num_seqs > num_decodes:
@@ -193,6 +202,7 @@ class TritonAttentionBackend(AttentionBackend):
                 config=tuning.get("prefill"),
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                sinks=self.sinks,
             )
         if query.shape[0] > num_tokens:  # padding rows (e.g. a padded graph batch)
             out[num_tokens:].zero_()

@@ -23,6 +23,14 @@ fits in a single slice is written without a combine. The same launch also append
 request's newest key/value to the cache. ``splits`` depends only on the batch size and head
 count, and every length is read from device tensors, so the launch can be captured in a CUDA
 graph and replayed with new lengths.
+
+Attention sinks (GPT-OSS; ``sinks``: float32 ``[num_heads]``, see ``interface.py``): query head
+``h``'s softmax denominator also holds ``exp(sinks[h])``. Every kernel keeps its running max and
+sum over the keys only and folds the sink in once, where a query's answer is final: at the end
+of the prefill kernel, of an unsplit decode, or of the split-KV combine (after the splits' and
+the shared prefix's partials are merged). Partials (split-KV slices, cascade's shared pass)
+never hold it, so however a context is cut the sink counts once. Without sinks the
+``HAS_SINKS`` branches are compiled out.
 """
 
 from __future__ import annotations
@@ -49,6 +57,20 @@ def _scores(q, k, scale, softcap, USE_SOFTCAP: tl.constexpr, PRECISION: tl.const
     if USE_SOFTCAP:
         s = softcap * _tanh(s / softcap)
     return s * 1.4426950408889634
+
+
+@triton.jit
+def _sink_scale(sinks_ptr, head, mask, m_i, l_i):
+    """Attention sinks: the factor ``L / (L + e^sink)`` (``L = l_i * 2^m_i``, the softmax
+    denominator over the keys, log2 domain) that turns outputs normalised over the keys into
+    outputs whose denominator also holds query head ``head``'s sink, in float32. Written as
+    ``1 / (1 + 2^(sink - lse))``, relative to the keys' log-sum-exp, so neither a large sink
+    nor a large score overflows (a sink far above the scores gives 0, the limit). A row that
+    saw no key (``l_i == 0``: a padding row, whose output is 0 anyway) gets 1/2, never NaN."""
+    sink = tl.load(sinks_ptr + head, mask=mask, other=0.0) * 1.4426950408889634
+    has_keys = l_i > 0.0
+    lse = m_i + tl.log2(tl.where(has_keys, l_i, 1.0))
+    return 1.0 / (1.0 + tl.exp2(tl.where(has_keys, sink - lse, 0.0)))
 
 
 @triton.jit
@@ -115,9 +137,10 @@ def _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.const
 # new variant whenever an integer first becomes 1 or a multiple of 16, or a pointer (the
 # metadata sliced past the decodes) first lands off a 16-byte boundary; each compile costs about
 # a second in the middle of serving (measured: 7.8k -> 17.6k output tok/s on the H200).
+# ``sinks_ptr`` is such a slice too when there are no sinks (it then stands in, unused).
 @triton.jit(
     do_not_specialize=["num_seqs", "bt_stride"],
-    do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "block_table_ptr"],
+    do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "block_table_ptr", "sinks_ptr"],
 )
 def _prefill_kernel(
     q_ptr,
@@ -141,6 +164,7 @@ def _prefill_kernel(
     window,
     head_size,
     v_scale,
+    sinks_ptr,
     G: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -150,6 +174,7 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     pid = tl.program_id(0)
@@ -199,6 +224,8 @@ def _prefill_kernel(
             PRECISION, KV_FP8,
         )  # fmt: skip
 
+    if HAS_SINKS:  # one pass over all of the query's keys: its answer is final here
+        acc = acc * _sink_scale(sinks_ptr, head, row_ok, m_i, l_i)[:, None]
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if KV_FP8:
@@ -216,7 +243,7 @@ def _prefill_kernel(
 @triton.jit(
     do_not_specialize=["bt_stride", "num_splits", "num_shared"],
     do_not_specialize_on_alignment=[
-        "seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr", "kv_start_ptr"
+        "seq_lens_ptr", "block_table_ptr", "slot_ptr", "counter_ptr", "kv_start_ptr", "sinks_ptr"
     ],
 )  # fmt: skip
 def _decode_kernel(
@@ -255,6 +282,7 @@ def _decode_kernel(
     num_shared,
     k_scale,
     v_scale,
+    sinks_ptr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     SPLIT_KV: tl.constexpr,
@@ -268,6 +296,7 @@ def _decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
@@ -388,9 +417,14 @@ def _decode_kernel(
                         g_ok, d, num_shared, HEAD_PAD, COMBINE_CHUNK,
                     )  # fmt: skip
                 merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+                if HAS_SINKS:  # once, over every slice and the shared prefix together
+                    merged = merged * _sink_scale(sinks_ptr, head, g_ok, m_run, total)[:, None]
                 tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), o_mask)
             return
     # No split, or a context that fits in one split: this program holds the whole answer.
+    # (The partials stored above are the keys' softmax only: the sink joins at the combine.)
+    if HAS_SINKS:
+        out = out * _sink_scale(sinks_ptr, head, g_ok, m_i, l_i)[:, None]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), o_mask)
 
 
@@ -489,7 +523,8 @@ def _shared_prefix_kernel(
     on the device, so a captured graph serves every prefix. The grid's third axis splits the
     prefix; each split leaves a partial output and log2-sum-exp in slot ``part0 + split`` of
     each row's partials (an empty one when the prefix is too short to reach it), which the
-    decode kernel combines."""
+    decode kernel combines. The partials never hold an attention sink: the decode kernel's
+    combine adds it once for prefix and rest together, so this kernel has no sink input."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -541,6 +576,24 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Attention sinks are read in place (a captured graph keeps the pointer): they must
+    already be the float32 ``[num_heads]`` tensor the kernels index, on the query's device."""
+    if sinks is None:
+        return
+    num_heads = query.shape[1]
+    if (
+        sinks.dtype != torch.float32
+        or sinks.shape != (num_heads,)
+        or not sinks.is_contiguous()
+        or sinks.device != query.device
+    ):
+        raise ValueError(
+            f"sinks must be a contiguous float32 [{num_heads}] tensor on {query.device}, got "
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
+
+
 def _cache_halves(kv_cache: torch.Tensor):
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, page, kv_heads, head_size]
     assert k_cache.stride(-1) == 1
@@ -567,12 +620,15 @@ def paged_prefill(
     config: dict | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention for ``num_seqs`` requests with query lengths from ``query_start_loc`` (absolute
     token indices into ``query``/``out`` [T, H, D]) over their paged context; writes ``out``.
-    ``num_tokens`` (the tokens these requests own) only sizes the grid."""
+    ``num_tokens`` (the tokens these requests own) only sizes the grid. ``sinks`` (float32
+    ``[H]``, on the query's device) adds attention sinks; None: plain softmax."""
     if num_seqs == 0 or num_tokens == 0:
         return
+    _check_sinks(sinks, query)
     num_heads, head_size = query.shape[1], query.shape[2]
     k_cache, v_cache = _cache_halves(kv_cache)
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -608,6 +664,7 @@ def paged_prefill(
         sliding_window or 0,
         head_size,
         float(v_scale),
+        seq_lens if sinks is None else sinks,  # unused without sinks
         G=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -617,6 +674,7 @@ def paged_prefill(
         USE_SOFTCAP=bool(logit_softcap),
         PRECISION=_precision(query.dtype),
         KV_FP8=fp8,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -704,6 +762,7 @@ def paged_decode(
     cascade_starts: torch.Tensor | None = None,
     cascade_prefix: torch.Tensor | None = None,
     shared_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One query token per request (request ``i`` is token ``i`` of ``query``/``out``
     [T, H, D]) over its paged context of ``seq_lens[i]`` tokens. Writes ``out[:num_seqs]``.
@@ -724,9 +783,15 @@ def paged_decode(
     each request's own rest by the decode kernel, which merges both. Both tensors are read on
     the device, so a captured graph serves every prefix; ``shared_splits`` fixes how many
     slices the shared pass cuts the prefix into (default: ``shared_prefix_splits``).
+
+    ``sinks`` (float32 ``[H]``, on the query's device; None: plain softmax) adds attention
+    sinks, once per (request, head): the splits' and the shared pass's partials leave them out
+    and the combine (or the one program that holds a whole context) folds them in. They are
+    read on the device, so a captured graph sees new values written in place.
     """
     if num_seqs == 0:
         return
+    _check_sinks(sinks, query)
     num_heads, head_size = query.shape[1], query.shape[2]
     k_cache, v_cache = _cache_halves(kv_cache)
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -850,6 +915,7 @@ def paged_decode(
         shared_parts,
         float(k_scale),
         float(v_scale),
+        seq_lens if sinks is None else sinks,  # unused without sinks
         G=group,
         G_PAD=max(16, triton.next_power_of_2(group)),
         SPLIT_KV=num_parts > 1,
@@ -863,6 +929,7 @@ def paged_decode(
         USE_SOFTCAP=bool(logit_softcap),
         PRECISION=_precision(query.dtype),
         KV_FP8=fp8,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_launch(query.device),

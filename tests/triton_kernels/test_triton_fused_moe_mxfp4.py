@@ -362,10 +362,10 @@ def test_mxfp4_layer_on_triton_matches_reference(dtype, device, seed):
     decode-sized and a prefill-sized batch."""
     from engine.kernels.registry import KernelRegistry
 
-    triton_kernels = _triton_kernels("cpu")
-    assert triton_kernels.provider("fused_moe_mxfp4") == "engine-llm-triton"
+    kernels = _triton_kernels("cpu")
+    assert kernels.provider("fused_moe_mxfp4") == "engine-llm-triton"
     reference = _mxfp4_layer(KernelRegistry().resolve("cpu"), dtype)
-    layer = _mxfp4_layer(triton_kernels, dtype).to(device)
+    layer = _mxfp4_layer(kernels, dtype).to(device)
     assert layer.w13_weight.dtype == torch.uint8
     for t in (1, 21):
         x = torch.randn(t, 64).to(dtype)

@@ -1,13 +1,16 @@
 """engine-triton's MoE kernels on a CUDA GPU at the real model shapes, against the torch
 references (bf16; unquantized, FP8 and 4/8-bit integer experts; GPT-OSS's biased experts with
-the clamped SwiGLU in bf16 and fp16: ``-k biased``), inside CUDA graphs, and tiny MoE models
-through the engine (decode graphs) token-exact against the CPU path (a GPTQ one against its
-dequantized twin); the expert-load counters inside captured graphs."""
+the clamped SwiGLU in bf16 and fp16: ``-k biased``; GPT-OSS's MXFP4 experts at gpt-oss-20b's
+and gpt-oss-120b's shapes, the op engine-triton does not register until these pass: ``-k
+mxfp4``), inside CUDA graphs, and tiny MoE models through the engine (decode graphs)
+token-exact against the CPU path (a GPTQ one against its dequantized twin); the expert-load
+counters inside captured graphs."""
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import random
 
 import pytest
@@ -315,6 +318,166 @@ def test_gpt_oss_moe_layer_biased_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, moe(x, logits))
     close_to_scale(out, reference(x, logits), dtype, "layer")
+
+
+# ---- GPT-OSS's experts as released: MXFP4 (fused_moe_mxfp4, not registered yet) -------------
+# gpt-oss-20b's and gpt-oss-120b's experts: count, top-k, hidden, expert intermediate.
+GPT_OSS_MXFP4 = {"gpt-oss-20b": (32, 4, 2880, 2880), "gpt-oss-120b": (128, 4, 2880, 2880)}
+
+
+def _mxfp4(e, n, k, std):
+    """Random MXFP4 experts ``[E, N, K]`` on the GPU (every byte value) whose products with
+    unit inputs have about ``std``: exponents within one of the one giving it (E2M1's random
+    codes have an RMS of about 2.93). Returns (uint8 ``[E, N, K / 2]``, uint8 ``[E, N, K /
+    32]``)."""
+    center = 127 + round(math.log2(std / (2.93 * math.sqrt(k))))
+    blocks = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(center - 1, center + 2, (e, n, k // 32), dtype=torch.uint8,
+                           device="cuda")  # fmt: skip
+    return blocks, scales
+
+
+@pytest.fixture(scope="module", params=list(GPT_OSS_MXFP4))
+def mxfp4_experts(request):
+    """GPT-OSS's MXFP4 expert stacks (bf16 biases): gate/up values of std ~3 plus biases of
+    std 1 (some past the clamp at 7, on each side), down projections of about unit gain, down
+    biases of std 1. The reference's matmuls (on the dequantized bf16 weights) run without
+    cuBLAS's reduced-precision reductions, so that it is the float32-accumulating spec."""
+    e, k, h, i = GPT_OSS_MXFP4[request.param]
+    torch.manual_seed(0)
+    w13, s13 = _mxfp4(e, 2 * i, h, 3.0)
+    w2, s2 = _mxfp4(e, h, i, 1.0)
+    b13 = torch.randn(e, 2 * i, device="cuda").to(torch.bfloat16)
+    b2 = torch.randn(e, h, device="cuda").to(torch.bfloat16)
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    yield request.param, k, w13, w2, s13, s2, b13, b2
+    matmul.allow_bf16_reduced_precision_reduction = saved
+    del w13, w2, s13, s2, b13, b2
+    torch.cuda.empty_cache()
+
+
+def test_mxfp4_decode_is_bit_exact_on_the_gpu():
+    """The kernels' in-register E2M1 decode, compiled for this GPU: all 256 bytes at exponents
+    2..252 equal ``dequantize_mxfp4_experts``'s float32 values bit for bit."""
+    from e2m1_decode import decode_mxfp4, every_byte_at_every_exponent
+
+    from engine.kernels.quantized import dequantize_mxfp4_experts
+
+    blocks, scales = every_byte_at_every_exponent()
+    out = decode_mxfp4(blocks.cuda(), scales.cuda()).cpu()
+    want = dequantize_mxfp4_experts(blocks[None], scales[None])[0]
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("activation", ["swigluoai", "silu"])
+def test_fused_moe_mxfp4_matches_reference_at_gpt_oss_size(mxfp4_experts, activation, seed):
+    """GPT-OSS's MXFP4 experts with their biases (bf16), both activations, at decode and
+    prefill batches: both paths and the rule's choice (``MXFP4_DECODE``, the general grouped
+    tilings), against the reference (which dequantizes the experts to bf16, exactly), one
+    rounding apart relative to the outputs' scale (``close_to_scale``)."""
+    from engine_triton.kernels import fused_moe as fm
+
+    name, k, w13, w2, s13, s2, b13, b2 = mxfp4_experts
+    e, _, h2 = w13.shape
+    h = 2 * h2
+    for t in GPT_OSS_TOKENS:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _route(t, e, k)
+        if t > 2:
+            ids[1, 0] = -1  # an expert held by another rank
+        args = (x, w13, w2, weights, ids, s13, s2, b13, b2, activation, ALPHA, LIMIT)
+        expected = ref.fused_moe_mxfp4(*args)
+        variants = ["grouped"] + (["decode"] if t * k <= fm.DECODE_MAX_PAIRS else [])
+        for variant in variants + [None]:
+            out = fm.fused_moe_mxfp4(*args, variant=variant)
+            assert out.dtype == torch.bfloat16
+            close_to_scale(out, expected, torch.bfloat16, f"{seed} {name} {activation} T={t} "
+                                                          f"{variant}")  # fmt: skip
+    # The clamp bit: token 0's gate/up values for its first choice go past +-LIMIT.
+    from engine.kernels.quantized import dequantize_mxfp4_experts
+
+    expert = int(ids[0, 0])
+    dq = dequantize_mxfp4_experts(w13[expert], s13[expert])
+    gate, up = (x[0].float() @ dq.T + b13[expert].float()).chunk(2)
+    assert (gate > LIMIT).any() and (up > LIMIT).any() and (up < -LIMIT).any()
+
+
+def test_fused_moe_mxfp4_replays_in_a_cuda_graph(mxfp4_experts):
+    """GPT-OSS's MXFP4 experts inside a captured graph (what its decode graphs need once the
+    op is registered): captured once per variant, replayed on new routing and activations,
+    equal to the eager result."""
+    from engine_triton.kernels import fused_moe as fm
+
+    name, k, w13, w2, s13, s2, b13, b2 = mxfp4_experts
+    e, _, h2 = w13.shape
+    for t, variant in ((1, "decode"), (4, "decode"), (96, "grouped")):
+        x = torch.randn(t, 2 * h2, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _route(t, e, k)
+        args = (x, w13, w2, weights, ids, s13, s2, b13, b2, "swigluoai", ALPHA, LIMIT)
+        fm.fused_moe_mxfp4(*args, variant=variant)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fm.fused_moe_mxfp4(*args, variant=variant)
+        new_w, new_ids = _route(t, e, k)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fm.fused_moe_mxfp4(*args, variant=variant)), (name, t, variant)
+
+
+def test_gpt_oss_mxfp4_moe_layer_in_a_cuda_graph():
+    """GPT-OSS's ``FusedMoE`` layer with its experts kept in MXFP4 (``Mxfp4MoEMethod``), on
+    engine-triton's kernels with ``fused_moe_mxfp4`` registered for cuda by hand (``register``
+    leaves it out until this file passes): names no reason against decode graphs, captures,
+    and replays on new inputs to the same result as eagerly, within one rounding of the layer
+    on the torch references."""
+    from engine.kernels.registry import KernelRegistry
+    from engine.layers.fused_moe import FusedMoE
+    from engine.quantization.mxfp4 import Mxfp4MoEMethod
+    from engine_triton.kernels import PRIORITY, PROVIDER, register
+    from engine_triton.kernels.fused_moe import fused_moe_mxfp4
+
+    registry = KernelRegistry()
+    register(registry)
+    registry.register("fused_moe_mxfp4", fused_moe_mxfp4, platforms=("cuda",),
+                      priority=PRIORITY, provider=PROVIDER)  # fmt: skip
+    e, k, h, i, dtype = 16, 4, 256, 384, torch.bfloat16
+    torch.manual_seed(1)
+    w13, s13 = _mxfp4(e, 2 * i, h, 3.0)
+    w2, s2 = _mxfp4(e, h, i, 1.0)
+
+    def layer(kernels):
+        with torch.device("cuda"):
+            moe = FusedMoE(e, k, h, i, renormalize=True, kernels=kernels, dtype=dtype,
+                           quant_method=Mxfp4MoEMethod(), prefix="mlp.experts",
+                           activation="swigluoai", bias=True)  # fmt: skip
+        torch.manual_seed(2)
+        for name, value in (("w13_weight", w13), ("w2_weight", w2), ("w13_weight_scale", s13),
+                            ("w2_weight_scale", s2), ("w13_bias", torch.randn(e, 2 * i)),
+                            ("w2_bias", torch.randn(e, h))):  # fmt: skip
+            getattr(moe, name).data.copy_(value)
+        return moe
+
+    moe, reference = layer(registry.resolve("cuda")), layer(KernelRegistry().resolve("cuda"))
+    assert moe.w13_weight.dtype == torch.uint8
+    assert moe.quant_method.graph_capture_problem(moe) is None
+    assert reference.quant_method.graph_capture_problem(reference) is not None
+    x = torch.randn(8, h, device="cuda", dtype=dtype)
+    logits = torch.randn(8, e, device="cuda", dtype=dtype)
+    moe(x, logits)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x, logits)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe(x, logits))
+    close_to_scale(out, reference(x, logits), dtype, "mxfp4 layer")
 
 
 @pytest.mark.parametrize("e,k", [(128, 8), (8, 2), (60, 4)])

@@ -175,8 +175,10 @@ def test_register_overrides_gpu_platforms_only():
 
     registry = KernelRegistry()
     register(registry)
-    # GPT-OSS's MXFP4 experts have no Triton kernel yet: the reference (their FusedMoE method
-    # then dequantizes them at load and runs fused_moe_biased, which Triton provides).
+    # GPT-OSS's MXFP4 experts: engine_triton.kernels.fused_moe.fused_moe_mxfp4 exists but is
+    # not registered until it has run on a GPU (tests/gpu/test_fused_moe_gpu.py -k mxfp4), so
+    # the reference stays (the FusedMoE method then dequantizes them at load and runs
+    # fused_moe_biased, which Triton provides).
     not_yet = {"fused_moe_mxfp4"}
     for platform in ("cuda", "rocm"):
         kernels = registry.resolve(platform)

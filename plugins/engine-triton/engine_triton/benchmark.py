@@ -20,7 +20,9 @@ the max error against ``F.linear``, and ``TUNED`` lines ready to paste into the 
 ``fused_moe_wna16``, GGUF stacks included; all weight-only) times the fused MoE kernel (``engine_triton.kernels.fused_moe``) per layer on the Qwen3-30B-A3B
 (128 experts, top-8, hidden 2048, 768 wide) and Mixtral-8x7B (8 experts, top-2, 4096, 14336)
 shapes, and gpt-oss-20b's (32 experts, top-4, 2880, 2880; biased, with the clamped SwiGLU:
-``fused_moe_biased``, unquantized only), bf16, uniformly random routing, for each token count: both ways through the experts
+``fused_moe_biased``, unquantized only), and GPT-OSS as released, gpt-oss-20b's and
+gpt-oss-120b's (128 experts) MXFP4 experts through ``fused_moe_mxfp4`` (``--moe-shapes
+gpt-oss`` takes all three), bf16, uniformly random routing, for each token count: both ways through the experts
 (decode GEMVs, grouped GEMMs) and a few launch configurations, each per call inside a CUDA
 graph over rotating weight copies and routings (HBM, not L2). It reports the bytes the call
 must read (the distinct experts hit, plus activations), the achieved GB/s against this GPU's
@@ -466,7 +468,19 @@ MOE_SHAPES = {
     "gpt-oss-20b": dict(experts=32, top_k=4, hidden=2880, inter=2880, layers=24, biased=True,
                         other_params=24 * (2880 * 64 * 64 * 2 + 2880 * 8 * 64 * 2 + 2880 * 32)
                         + 201088 * 2880),
+    # GPT-OSS as released (``mxfp4``): MXFP4 experts with their biases, timed through
+    # fused_moe_mxfp4 (--moe-fp8 / --moe-wna16 pass over them).
+    "gpt-oss-20b-mxfp4": dict(experts=32, top_k=4, hidden=2880, inter=2880, layers=24,
+                              biased=True, mxfp4=True,
+                              other_params=24 * (2880 * 64 * 64 * 2 + 2880 * 8 * 64 * 2
+                                                 + 2880 * 32) + 201088 * 2880),
+    "gpt-oss-120b-mxfp4": dict(experts=128, top_k=4, hidden=2880, inter=2880, layers=36,
+                               biased=True, mxfp4=True,
+                               other_params=36 * (2880 * 64 * 64 * 2 + 2880 * 8 * 64 * 2
+                                                  + 2880 * 128) + 201088 * 2880),
 }  # fmt: skip
+# Bytes an MXFP4 weight takes: its 4-bit code and its share of its block's exponent byte.
+MOE_MXFP4_BYTES = 0.5 + 1 / 32
 # GPT-OSS's clamped SwiGLU, for the biased shapes.
 MOE_SWIGLU = ("swigluoai", 1.702, 7.0)
 MOE_ROTATE_BYTES = 1 << 30  # weight copies a graph cycles through
@@ -486,7 +500,8 @@ def _copy_gbps(device: str, nbytes: int = 1 << 30) -> float:
 def _moe_call(x, weights, routes, kw):
     """``call(j)``: the fused MoE on weight copy ``j`` and routing ``j`` (rotating). A copy
     is ``(w13, w2)``, ``(w13, w2, w13_bias, w2_bias)`` for biased experts, ``(w13, w2,
-    w13_scale, w2_scale, block_size)`` for FP8 experts, or longer for integer ones."""
+    w13_scale, w2_scale, block_size)`` for FP8 experts, ``(w13, w2, w13_scales, w2_scales,
+    w13_bias, w2_bias)`` for MXFP4 ones, or longer for integer ones."""
 
     def call(j):
         ids, w = routes[j % len(routes)]
@@ -503,6 +518,9 @@ def _moe_run(x, copy, topk_weights, topk_ids, kw):
     if len(copy) == 4:  # biased experts (GPT-OSS)
         w13, w2, b13, b2 = copy
         return fm.fused_moe_biased(x, w13, w2, topk_weights, topk_ids, b13, b2, *MOE_SWIGLU, **kw)
+    if len(copy) == 6:  # MXFP4 experts (GPT-OSS as released)
+        return fm.fused_moe_mxfp4(x, *copy[:2], topk_weights, topk_ids, *copy[2:], *MOE_SWIGLU,
+                                  **kw)  # fmt: skip
     if len(copy) >= 7:  # integer experts (GGUF ones: with permutations, offsets, down width)
         w13, w2, s13, s2, *rest = copy
         return fm.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, *rest, **kw)
@@ -518,6 +536,8 @@ def _moe_reference(x, copy, topk_weights, topk_ids):
     if len(copy) == 4:
         w13, w2, b13, b2 = copy
         return ref.fused_moe_biased(x, w13, w2, topk_weights, topk_ids, b13, b2, *MOE_SWIGLU)
+    if len(copy) == 6:
+        return ref.fused_moe_mxfp4(x, *copy[:2], topk_weights, topk_ids, *copy[2:], *MOE_SWIGLU)
     if len(copy) >= 7:
         w13, w2, s13, s2, *rest = copy
         return ref.fused_moe_wna16(x, w13, w2, topk_weights, topk_ids, s13, s2, *rest)
@@ -598,12 +618,27 @@ def _gguf_experts(e: int, h: int, i: int, scheme: str, device: str) -> tuple:
 
 
 def _moe_experts(
-    e, h, i, dtype, device, fp8: str | None, wna16: str | None = None, biased: bool = False
-) -> tuple:
+    e, h, i, dtype, device, fp8: str | None, wna16: str | None = None, biased: bool = False,
+    mxfp4: bool = False,
+) -> tuple:  # fmt: skip
     """One random copy of a layer's experts, quantized to FP8 when ``fp8``, to integers in
     groups when ``wna16`` (one bf16 copy alive at a time), with gate/up and down biases
-    (std 0.5) when ``biased``."""
+    (std 0.5) when ``biased``; ``mxfp4``: random MXFP4 bytes (every code) with exponents
+    2**-8 .. 2**-6 (weights of std about 0.02, as ``--load-format dummy`` fills them) and
+    biases, never a bf16 copy (gpt-oss-120b's would take 8 GB a layer)."""
     import torch
+
+    if mxfp4:
+
+        def codes(n, k):
+            return torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device)
+
+        def exponents(n, k):
+            return torch.randint(119, 122, (e, n, k // 32), dtype=torch.uint8, device=device)
+
+        b13 = torch.randn(e, 2 * i, device=device, dtype=dtype) * 0.5
+        b2 = torch.randn(e, h, device=device, dtype=dtype) * 0.5
+        return codes(2 * i, h), codes(h, i), exponents(2 * i, h), exponents(h, i), b13, b2
 
     w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype) * h**-0.5
     w2 = torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5
@@ -642,20 +677,27 @@ def _topk_call(logits, top_k):
 
 
 def _moe_candidates(
-    tokens: int, top_k: int, experts: int, bits: int = 0, rule_bits: int | None = None
+    tokens: int,
+    top_k: int,
+    experts: int,
+    bits: int = 0,
+    rule_bits: int | None = None,
+    mxfp4: bool = False,
 ) -> list[tuple[str, object]]:
     """(variant, config) pairs the sweep times for one batch, the rule's choice first: decode
     tilings while the decode kernels may serve it, grouped tilings sized to the pairs per
     expert. ``bits`` (integer experts): their decode default (``WNA16_DECODE[bits]``) and
     longer K steps (a step of packed words holds a quarter of FP8's bytes at 4 bits).
     ``rule_bits`` (default ``bits``): the width the grouped rule is given, 0 where the
-    dispatch takes the general rule (``_wna16_rule_bits``)."""
+    dispatch takes the general rule (``_wna16_rule_bits``). ``mxfp4`` (with ``bits`` 4 and
+    ``rule_bits`` 0, as ``fused_moe_mxfp4`` dispatches): the decode default is
+    ``MXFP4_DECODE``."""
     from engine_triton.kernels import fused_moe as fm
 
     D, G = fm.DecodeConfig, fm.GroupedConfig
     pairs = tokens * top_k
     rule = "decode" if fm.use_decode(tokens, top_k, experts, bits) else "grouped"
-    decode_rule = fm.WNA16_DECODE[bits] if bits else D()
+    decode_rule = fm.MXFP4_DECODE if mxfp4 else fm.WNA16_DECODE[bits] if bits else D()
     out: list[tuple[str, object]] = [
         (
             rule,
@@ -701,7 +743,9 @@ def sweep_moe(
     (weight-only, bf16 activations): a byte per weight, so the copy-speed floor halves;
     ``wna16`` (a key of ``MOE_WNA16_SCHEMES``) ``fused_moe_wna16`` on them quantized to 4 or
     8 bits in groups, the bytes read counting the packed values with their group's scale and
-    zero point (``_wna16_bytes_per_weight``)."""
+    zero point (``_wna16_bytes_per_weight``). Shapes marked ``mxfp4`` (GPT-OSS as released)
+    time ``fused_moe_mxfp4`` on random MXFP4 experts, the bytes read counting 4.25 bits a
+    weight (``MOE_MXFP4_BYTES``: the codes and their blocks' exponents)."""
     import time
 
     import torch
@@ -722,20 +766,26 @@ def sweep_moe(
     for name in names:
         sh = MOE_SHAPES[name]
         e, k, h, i = sh["experts"], sh["top_k"], sh["hidden"], sh["inter"]
-        biased = bool(sh.get("biased"))
+        biased, mxfp4 = bool(sh.get("biased")), bool(sh.get("mxfp4"))
+        if mxfp4 and (fp8 or wna16):
+            print(f"\n{name}: passed over (its experts are MXFP4)", flush=True)
+            continue
         if biased and (fp8 or wna16):
             print(f"\n{name}: passed over (its biased experts run unquantized only)", flush=True)
             continue
-        expert_bytes = 3 * h * i * weight_bytes
+        shape_bytes = MOE_MXFP4_BYTES if mxfp4 else weight_bytes
+        expert_bytes = 3 * h * i * shape_bytes
         copies = max(1, min(8, math.ceil(MOE_ROTATE_BYTES / (e * expert_bytes))))
         torch.manual_seed(0)
-        weights = [_moe_experts(e, h, i, dtype, device, fp8, wna16, biased) for _ in range(copies)]
+        weights = [_moe_experts(e, h, i, dtype, device, fp8, wna16, biased, mxfp4)
+                   for _ in range(copies)]  # fmt: skip
         gen = torch.Generator(device="cpu").manual_seed(0)
         floor_bytes = (
-            sh["other_params"] * dtype.itemsize + sh["layers"] * k * 3 * h * i * weight_bytes
+            sh["other_params"] * dtype.itemsize + sh["layers"] * k * 3 * h * i * shape_bytes
         )
         floor_us = floor_bytes / copy * 1e-3  # read once at the copy rate
         op = "fused_moe_biased (swigluoai), " if biased else ""
+        op = "fused_moe_mxfp4 (swigluoai), " if mxfp4 else op
         print(f"\n{name}: {op}{e} experts, top-{k}, hidden {h}, inter {i}, {sh['layers']} layers; "
               f"batch-1 step reads {floor_bytes / 1e9:.2f} GB of active weights = "
               f"{floor_us:.0f} us at copy speed (1.5x: {1.5 * floor_us:.0f} us)", flush=True)  # fmt: skip
@@ -751,9 +801,12 @@ def sweep_moe(
             nbytes = distinct * expert_bytes + 2 * t * h * dtype.itemsize
             expected = _moe_reference(x, weights[0], routes[0][1], routes[0][0]).float()
             over = time.perf_counter() - t0 > budget_s
-            cands = _moe_candidates(
-                t, k, e, *((_wna16_bits(wna16), _wna16_rule_bits(wna16)) if wna16 else (0, 0))
-            )
+            if mxfp4:  # fused_moe_mxfp4's dispatch: the 4-bit decode rule, the general tilings
+                cands = _moe_candidates(t, k, e, 4, 0, mxfp4=True)
+            else:
+                cands = _moe_candidates(
+                    t, k, e, *((_wna16_bits(wna16), _wna16_rule_bits(wna16)) if wna16 else (0, 0))
+                )
             cands = cands if candidates and not over else cands[:1]
             rows = []
             for index, (variant, cfg) in enumerate(cands):

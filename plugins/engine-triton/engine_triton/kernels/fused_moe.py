@@ -87,6 +87,25 @@ Its grouped path keeps each weighted expert output in float32 until the top-k su
 ``pair_out``), as its reference specifies, rather than rounding it first as ``fused_moe``'s
 does; the decode path's top-k sum is float32 for every op.
 
+``fused_moe_mxfp4`` (GPT-OSS's experts as released: MXFP4 weights, two E2M1 codes a byte with
+the low nibble the even input feature, one E8M0 exponent byte per 32 features; biases and the
+activation as ``fused_moe_biased``'s, through the same ``ExpertEpilogue`` and float32
+``pair_out``) runs through the same four kernels with one more switch, ``MXFP4`` (off: every
+MXFP4 branch is pruned and the other ops' kernels compile exactly as before). The codes are
+decoded with integer ops into float32 bit patterns, the block's exponent folded into the
+exponent field (``_e2m1_to_f32``: exact, no table, no conversion), never dequantized to memory.
+The decode GEMVs load a K step's bytes ``[BLOCK_N, BLOCK_K / 32, 16]`` (block, byte) and one
+exponent per block, and multiply the low nibbles by the activations at even features and the
+high nibbles by those at odd ones (``_mxfp4_gemv_step``); the grouped GEMMs decode
+``[BLOCK_K / 32, 16, 2, BLOCK_N]`` (block, byte, nibble, column), convert it to the
+activation dtype (exact for bfloat16) and reshape it to the tensor-core operand
+(``_mxfp4_dot_step``). K steps are multiples of 32 and may span blocks. ``use_decode`` takes
+the 4-bit rule; the tilings are ``MXFP4_DECODE`` and the general grouped rule's, chosen from
+sm_90 compiles (register use, spills) and not yet timed on a GPU. The op is **not registered**
+for cuda/rocm yet (see the note above ``fused_moe_mxfp4``): registering it moves GPT-OSS on
+GPUs from experts dequantized at load to experts kept in MXFP4 (gpt-oss-120b's: 61 GB instead
+of 229 GB in bfloat16), which should wait until the kernels have run on a GPU.
+
 Ids of -1 (choices held by another expert-parallel rank) are skipped everywhere. Arithmetic is
 float32; the gate/up results are rounded to the activation dtype before SiLU-and-mul and each
 expert's down result before it is weighted, as the torch reference does; the grouped path of
@@ -104,6 +123,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import reference as ref
+from engine.kernels.quantized import MXFP4_BLOCK
 from engine_triton.kernels.linear import _Scratch
 from engine_triton.kernels.pdl import pdl_launch, pdl_wait
 from engine_triton.kernels.wna16_linear import ONE_BITS, _dot_operand, _magic, _unit_field
@@ -436,6 +456,92 @@ def _int_dot_step(
     return acc + s[None, :] * (dq - (z + MAGIC)[None, :] * xsum[:, None])
 
 
+# ---- MXFP4 expert weights ----------------------------------------------------------------------
+@triton.jit
+def _e2m1_to_f32(code, scale):
+    """E2M1 codes (int32 0..15: bit 3 the sign, then two exponent bits and one mantissa bit)
+    times their block's E8M0 exponent ``2 ** (scale - 127)`` (int32), as float32, built from
+    integer ops alone (no conversion, no table): ``mag = code & 7`` is 0 (zero), 1 (0.5: the
+    bits ``(scale - 1) << 23``) or ``(1 + m / 2) * 2 ** (e - 1)`` with ``e = mag >> 1``, ``m =
+    mag & 1`` (the bits ``((e + scale - 1) << 23) | (m << 22)``), and the sign goes to bit 31.
+    Exact, as ``engine.kernels.quantized.dequantize_mxfp4_experts``'s float32 values, for
+    every scale whose products are normal floats (2 to 252; checkpoints hold about 110 to
+    130): no subnormals, no infinities."""
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    normal = ((e + scale - 1) << 23) | (m << 22)
+    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, (scale - 1) << 23, 0))
+    bits = bits | ((code >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_gemv_step(x_row, w_rows, s_rows, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step ``[k0, k0 + BLOCK_K)`` of an MXFP4 decode GEMV: the float32 products
+    ``[BLOCK_N, BLOCK_K / 32, 16]`` (row, block of 32 features, byte of the block) of the rows
+    at ``w_rows`` (``[BLOCK_N, 1]`` pointers to uint8 rows, two codes a byte along K, the low
+    nibble the even feature) and their E8M0 exponents at ``s_rows`` (``[BLOCK_N]``, one per
+    block) with the activations ``x_row``; the caller sums them after its loop. The bytes load
+    once (16-byte vector loads) and each block's exponent once, broadcast over its 16 bytes in
+    registers; the low nibbles multiply the activations at even features and the high nibbles
+    those at odd ones (two FMAs against ``x`` gathered with stride 2, which L1 serves)."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = k0 // 32 + tl.arange(0, G)  # MXFP4 blocks
+    c = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # bytes: features 2c (low), 2c + 1 (high)
+    if EVEN_K:
+        b = tl.load(w_rows[:, :, None] + c[None, :, :])
+        s = tl.load(s_rows[:, None] + g[None, :])
+        x_even = tl.load(x_row + 2 * c).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * c + 1).to(tl.float32)
+    else:
+        ok = g < K // 32
+        b = tl.load(w_rows[:, :, None] + c[None, :, :], mask=ok[None, :, None], other=0)
+        s = tl.load(s_rows[:, None] + g[None, :], mask=ok[None, :], other=127)
+        x_even = tl.load(x_row + 2 * c, mask=ok[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * c + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+    b = b.to(tl.int32)
+    s = s.to(tl.int32)[:, :, None]
+    return _e2m1_to_f32(b & 15, s) * x_even[None] + _e2m1_to_f32(b >> 4, s) * x_odd[None]
+
+
+@triton.jit
+def _mxfp4_dot_step(
+    acc, x, w_cols, s_cols, k0, K,
+    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus one grouped K step: the activations ``x`` ``[BLOCK_M, BLOCK_K]`` (features
+    ``[k0, k0 + BLOCK_K)``) times the MXFP4 rows ``w_cols`` (``[BLOCK_N]`` pointers to uint8
+    rows, K contiguous), whose E8M0 exponent rows are ``s_cols``.
+
+    The bytes load once as ``[BLOCK_K / 32, 16, BLOCK_N]`` (block, byte, column: 16-byte
+    vector loads) and each block's exponent once (``[BLOCK_K / 32, BLOCK_N]``, broadcast over
+    its bytes in registers); the two nibbles of each byte decode (``_e2m1_to_f32``, exponent
+    folded in) to ``[BLOCK_K / 32, 16, 2, BLOCK_N]``, the feature order ``32 block + 2 byte +
+    nibble``, converted to x's dtype (exact for bfloat16 and float32; float16 rounds as the
+    reference's dequantization does) and reshaped to the ``[BLOCK_K, BLOCK_N]`` operand of
+    one ``tl.dot``, as the integer experts' words are (``_int_dot_step``). Float32 activations
+    take the same path (an FMA product, no tensor cores), which spills registers in an sm_90
+    compile as the integer experts' float32 path does (GPT-OSS runs in bfloat16)."""
+    G: tl.constexpr = BLOCK_K // 32
+    g = k0 // 32 + tl.arange(0, G)
+    r = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16] byte offsets in the rows
+    b_ptrs = w_cols[None, None, :] + r[:, :, None]
+    s_ptrs = s_cols[None, :] + g[:, None]
+    if EVEN_K:
+        b = tl.load(b_ptrs)
+        s = tl.load(s_ptrs)
+    else:
+        ok = g < K // 32
+        b = tl.load(b_ptrs, mask=ok[:, None, None], other=0)
+        s = tl.load(s_ptrs, mask=ok[:, None], other=127)
+    shifts = tl.arange(0, 2) * 4
+    code = (b.to(tl.int32)[:, :, None, :] >> shifts[None, None, :, None]) & 15
+    v = _e2m1_to_f32(code, s.to(tl.int32)[:, None, None, :]).to(x.dtype)
+    w = tl.reshape(v, (BLOCK_K, v.shape[3]))
+    return tl.dot(x, w, acc, input_precision=PRECISION)
+
+
 # ---- decode kernels ---------------------------------------------------------------------------
 @triton.jit
 def _silu_mul(gate, up, out_dtype: tl.constexpr):
@@ -494,6 +600,7 @@ def _decode_gate_up_kernel(
     b_ptr=None,
     alpha=None,
     limit=None,
+    MXFP4: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -511,7 +618,15 @@ def _decode_gate_up_kernel(
         s_ptr, expert, cols_c, INTER, stride_se, stride_sn, SCALE, SCALE_BN
     )
     x_row = x_ptr + token.to(tl.int64) * stride_xt
-    if WBITS != 0:  # integer experts: packed rows, scales [E, 2I, groups] (SCALE 2, SCALE_BN 1)
+    if MXFP4:  # MXFP4 experts: byte rows, E8M0 exponents [E, 2I, H / 32] (per-channel rows)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            acc_g += _mxfp4_gemv_step(x_row, gate_rows, g_scales, k0, H, BLOCK_K, EVEN_K)
+            acc_u += _mxfp4_gemv_step(x_row, up_rows, u_scales, k0, H, BLOCK_K, EVEN_K)
+        gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+        up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    elif WBITS != 0:  # integer experts: packed rows, scales [E, 2I, groups] (SCALE 2, SCALE_BN 1)
         g_zeros = None
         u_zeros = None
         p_row = None
@@ -607,6 +722,7 @@ def _decode_down_kernel(
     one_bits=None,
     HAS_BIAS: tl.constexpr = False,
     b_ptr=None,
+    MXFP4: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)
     pair = tl.program_id(0)
@@ -621,7 +737,12 @@ def _decode_down_kernel(
         w_rows = w2_ptr + expert.to(tl.int64) * stride_we + rows_c.to(tl.int64)[:, None] * stride_wn
         scales = _w2_scale_rows(s_ptr, expert, rows_c, stride_se, stride_sn, SCALE, SCALE_BN)
         a_row = inter_ptr + pair.to(tl.int64) * INTER
-        if WBITS != 0:  # integer experts (see the gate/up kernel)
+        if MXFP4:  # MXFP4 experts (see the gate/up kernel)
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                acc += _mxfp4_gemv_step(a_row, w_rows, scales, k0, INTER, BLOCK_K, EVEN_K)
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        elif WBITS != 0:  # integer experts (see the gate/up kernel)
             zeros = None
             p_row = None
             if HAS_ZP:
@@ -786,6 +907,7 @@ def _grouped_gate_up_kernel(
     b_ptr=None,
     alpha=None,
     limit=None,
+    MXFP4: tl.constexpr = False,
 ):
     num_n = tl.cdiv(INTER, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -808,7 +930,19 @@ def _grouped_gate_up_kernel(
     )
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WBITS != 0:  # integer experts: each K step inside one group (BLOCK_K divides SCALE_BK)
+    if MXFP4:  # MXFP4 experts: byte rows, per-channel exponent rows (any K step of 32s)
+        g_cols = w_base + cols_c.to(tl.int64) * stride_wn
+        u_cols = w_base + (cols_c + INTER).to(tl.int64) * stride_wn
+        x_rows = x_ptr + tokens[:, None] * stride_xt
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + kk
+            if EVEN_K:
+                x = tl.load(x_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < H)[None, :], other=0.0)
+            acc_g = _mxfp4_dot_step(acc_g, x, g_cols, g_scales, k0, H, EVEN_K, BLOCK_K, PRECISION)
+            acc_u = _mxfp4_dot_step(acc_u, x, u_cols, u_scales, k0, H, EVEN_K, BLOCK_K, PRECISION)
+    elif WBITS != 0:  # integer experts: each K step inside one group (BLOCK_K divides SCALE_BK)
         g_cols = w_base + cols_c.to(tl.int64) * stride_wn
         u_cols = w_base + (cols_c + INTER).to(tl.int64) * stride_wn
         g_zeros = None
@@ -911,6 +1045,7 @@ def _grouped_down_kernel(
     p_ptr=None,
     HAS_BIAS: tl.constexpr = False,
     b_ptr=None,
+    MXFP4: tl.constexpr = False,
 ):
     num_n = tl.cdiv(H, BLOCK_N)
     expert, pairs, row_ok, pid_n = _grouped_block(
@@ -930,7 +1065,18 @@ def _grouped_down_kernel(
     )  # fmt: skip
     scales = _w2_scale_rows(s_ptr, expert, cols_c, stride_se, stride_sn, SCALE, SCALE_BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WBITS != 0:  # integer experts (see the gate/up kernel)
+    if MXFP4:  # MXFP4 experts (see the gate/up kernel)
+        w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols_c.to(tl.int64) * stride_wn
+        a_rows = inter_ptr + pairs64[:, None] * INTER
+        for k0 in range(0, INTER, BLOCK_K):
+            k = k0 + kk
+            if EVEN_K:
+                a = tl.load(a_rows + k[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & (k < INTER)[None, :],
+                            other=0.0)  # fmt: skip
+            acc = _mxfp4_dot_step(acc, a, w_cols, scales, k0, INTER, EVEN_K, BLOCK_K, PRECISION)
+    elif WBITS != 0:  # integer experts (see the gate/up kernel)
         w_cols = w2_ptr + expert.to(tl.int64) * stride_we + cols_c.to(tl.int64) * stride_wn
         zeros = None
         if HAS_ZP:
@@ -1111,7 +1257,38 @@ class IntegerExperts:
         return math.gcd(block_k, self.group13 if which == "w13" else self.group2)
 
 
-Scales = ExpertScales | IntegerExperts | None
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """MXFP4 experts' E8M0 exponents as the kernels read them (see
+    ``engine.kernels.reference.fused_moe_mxfp4``): uint8 ``s13 [E, 2I, H / 32]`` and ``s2
+    [E, H, I / 32]``, one per 32 input features of a row, K contiguous. ``bits`` is what
+    ``use_decode`` reads: 4-bit experts unpack in the grouped GEMMs' K loop, so decode serves
+    more re-reads for them (the grouped tilings and the decode one are MXFP4's own choices,
+    see ``MXFP4_DECODE`` and ``_fused_moe``)."""
+
+    s13: torch.Tensor
+    s2: torch.Tensor
+    bits: int = 4
+
+    def args(self, which: str) -> tuple[torch.Tensor, int, int]:
+        t = self.s13 if which == "w13" else self.s2
+        return t, t.stride(0), t.stride(1)
+
+    def constexprs(self, which: str, grouped: bool) -> dict:
+        return {"MXFP4": True}
+
+    def k_tile(self, block_k: int, which: str, grouped: bool) -> int:
+        """The K step: whole 32-feature blocks, a power of two of them (a step may span
+        blocks: each block's exponent is loaded with its bytes)."""
+        if block_k % MXFP4_BLOCK or block_k & (block_k - 1):
+            raise ValueError(
+                f"fused_moe_mxfp4: a K step of {block_k} features is not a power-of-two "
+                f"multiple of the MXFP4 block of {MXFP4_BLOCK}"
+            )
+        return block_k
+
+
+Scales = ExpertScales | IntegerExperts | Mxfp4Experts | None
 
 
 def _scale_args(scales: Scales, which: str, dummy: torch.Tensor) -> tuple:
@@ -1241,6 +1418,10 @@ WNA16_DECODE = {
 }
 # Input features per group that the grouped GEMMs' K steps can hold (the tensor-core K step).
 WNA16_GROUP_MULTIPLE = 16
+# MXFP4 experts' decode tiling, not timed on a GPU yet: 8 rows of 256 bytes a K step (2 KiB of
+# each projection), chosen in an sm_90 compile without a GPU (ptxas): 96 registers for gate/up
+# and 69 for down, no spills, where the 4-bit integer tiling (8 x 1,024 features) takes 252.
+MXFP4_DECODE = DecodeConfig(gate_up_n=8, gate_up_k=512, down_n=8, down_k=512, num_stages=4)
 
 
 def fused_moe_wna16(
@@ -1399,13 +1580,97 @@ def fused_moe_biased(
     )  # fmt: skip
 
 
+# NOT REGISTERED YET: ``fused_moe_mxfp4`` is importable (``from engine_triton.kernels.fused_moe
+# import fused_moe_mxfp4``; the interpreter tests call it and register it for the cpu platform
+# themselves) but ``engine_triton.kernels.register`` leaves it out for cuda/rocm until it has run
+# on a GPU (``tests/gpu/test_fused_moe_gpu.py -k mxfp4``): registering it flips GPT-OSS on GPUs
+# from dequantizing its experts at load (``fused_moe_biased``) to keeping them in MXFP4
+# (``engine.quantization.mxfp4.Mxfp4Config.bind``).
+def fused_moe_mxfp4(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "swigluoai",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    *,
+    variant: str | None = None,
+    decode_config: DecodeConfig | None = None,
+    config: GroupedConfig | None = None,
+) -> torch.Tensor:
+    """See ``engine.kernels.reference.fused_moe_mxfp4``: GPT-OSS's experts as released, MXFP4
+    weights (uint8 ``w13 [E, 2I, H / 2]``, ``w2 [E, H, I / 2]``: two E2M1 codes a byte, low
+    nibble first; uint8 E8M0 exponents ``w13_scales [E, 2I, H / 32]``, ``w2_scales [E, H, I /
+    32]``) with per-expert biases and SiLU-and-mul or the clamped SwiGLU, **weight-only**.
+
+    ``fused_moe_biased``'s kernels, dispatch and rounding points with the ``MXFP4`` switch on
+    (see the module docstring): the bytes are decoded in registers, their exponent folded in,
+    never dequantized to memory; ``use_decode``'s 4-bit rule, ``MXFP4_DECODE`` and the general
+    grouped tilings. The biases are read in the activations' dtype, as the reference rounds
+    them. H and I must be multiples of 32 (whole blocks); anything else is refused with a
+    ``ValueError``."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"unknown MoE activation {activation!r}; supported: {', '.join(ref.MOE_ACTIVATIONS)}"
+        )
+    if hidden.dtype not in DTYPES:
+        raise ValueError(
+            f"fused_moe_mxfp4 takes bfloat16, float16 or float32 activations, got {hidden.dtype}"
+        )
+    tensors = (("w13", w13), ("w2", w2), ("w13_scales", w13_scales), ("w2_scales", w2_scales))
+    for name, t in tensors:
+        if t.dtype != torch.uint8:
+            raise ValueError(
+                f"fused_moe_mxfp4: {name} must be uint8 (MXFP4 codes two a byte / E8M0 "
+                f"exponents), got {t.dtype}"
+            )
+    dims = _check(hidden, w13, w2, topk_weights, topk_ids, 2)
+    _, h, e, i, _ = dims
+    if h % MXFP4_BLOCK or i % MXFP4_BLOCK:
+        raise ValueError(
+            f"fused_moe_mxfp4: hidden {h} and intermediate {i} must be multiples of the MXFP4 "
+            f"block of {MXFP4_BLOCK}"
+        )
+    want13, want2 = (e, 2 * i, h // MXFP4_BLOCK), (e, h, i // MXFP4_BLOCK)
+    if tuple(w13_scales.shape) != want13 or tuple(w2_scales.shape) != want2:
+        raise ValueError(
+            f"fused_moe_mxfp4 scales do not fit: w13_scales {tuple(w13_scales.shape)} (expected "
+            f"{want13}), w2_scales {tuple(w2_scales.shape)} (expected {want2})"
+        )
+    for name, bias, want in (("w13_bias", w13_bias, (e, 2 * i)), ("w2_bias", w2_bias, (e, h))):
+        if bias is not None and (tuple(bias.shape) != want or not bias.is_floating_point()):
+            raise ValueError(
+                f"fused_moe_mxfp4: {name} {tuple(bias.shape)} {bias.dtype} does not fit: "
+                f"expected a float tensor of shape {want}"
+            )
+
+    def bias_operand(bias: torch.Tensor | None) -> torch.Tensor | None:
+        return None if bias is None else bias.to(hidden.dtype).contiguous()
+
+    scales = Mxfp4Experts(w13_scales.contiguous(), w2_scales.contiguous())
+    epilogue = ExpertEpilogue(
+        bias_operand(w13_bias), bias_operand(w2_bias), ACTIVATIONS[activation], float(alpha),
+        float(limit),
+    )  # fmt: skip
+    return _fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config,
+        epilogue,
+    )  # fmt: skip
+
+
 def _fused_moe(
     hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config,
     epilogue: ExpertEpilogue | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The shared body of ``fused_moe``, ``fused_moe_fp8``, ``fused_moe_wna16`` and
-    ``fused_moe_biased`` (``epilogue``); ``dims`` is ``_check``'s ``(t, h, e, i, k)``,
-    validated once by the caller."""
+    """The shared body of ``fused_moe``, ``fused_moe_fp8``, ``fused_moe_wna16``,
+    ``fused_moe_biased`` (``epilogue``) and ``fused_moe_mxfp4`` (both); ``dims`` is
+    ``_check``'s ``(t, h, e, i, k)``, validated once by the caller."""
     t, h, e, i, k = dims
     out = torch.empty((t, h), dtype=hidden.dtype, device=hidden.device)
     if t == 0:
@@ -1415,12 +1680,16 @@ def _fused_moe(
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    bits = scales.bits if isinstance(scales, IntegerExperts) else 0
+    # 4-bit experts (integer or MXFP4) take their own dispatch rule and tilings.
+    bits = scales.bits if isinstance(scales, (IntegerExperts, Mxfp4Experts)) else 0
     if variant is None:
         variant = "decode" if use_decode(t, k, e, bits) else "grouped"
     if variant == "decode":
         if decode_config is None:
-            decode_config = WNA16_DECODE[bits] if bits else DecodeConfig()
+            if isinstance(scales, Mxfp4Experts):
+                decode_config = MXFP4_DECODE
+            else:
+                decode_config = WNA16_DECODE[bits] if bits else DecodeConfig()
         _run_decode(x, w13, w2, weights, ids, out, decode_config, scales, epilogue)
     elif variant == "grouped":
         # The 4-bit tilings were swept with 16-bit activations; float32 ones need twice the
@@ -1429,8 +1698,12 @@ def _fused_moe(
         # another width (GGUF Q4_K gate/up with Q6_K down in bytes, groups of 16): on an H100,
         # Qwen3-30B-A3B's shape at 32 tokens took 1,065 us a layer with the 4-bit tiling and
         # 606 us with the general rule's (`moe-kernels-gguf`, 2026-12-07).
+        # MXFP4 experts take the general rule too: in an sm_90 compile (ptxas, no GPU) the
+        # 4-bit tilings spill registers in their gate/up GEMM (m16 n128 k128: 544 bytes) and
+        # the general rule's do not; neither is timed on a GPU yet.
         same_width = not isinstance(scales, IntegerExperts) or scales.bits2 == bits
-        rule_bits = bits if x.element_size() == 2 and same_width else 0
+        own_rule = same_width and not isinstance(scales, Mxfp4Experts)
+        rule_bits = bits if x.element_size() == 2 and own_rule else 0
         cfg = config or grouped_config(t * k, e, rule_bits)
         _run_grouped(x, w13, w2, weights, ids, out, cfg, scales, epilogue)
     else:

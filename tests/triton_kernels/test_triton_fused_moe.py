@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_tolerance import close
-from moe_routing import route
+from moe_routing import count_expert_paths, route
 
 from engine.kernels import reference as ref
 
@@ -241,15 +241,7 @@ def test_moe_model_on_triton_interpreter_matches_torch(tmp_path, monkeypatch, qu
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13, 14]]
     # The second request outlives the first: its last steps decode alone (batch 1).
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 5)]
-    calls = {"decode": 0, "grouped": 0}
-    for variant in calls:
-        run = getattr(fm, f"_run_{variant}")
-
-        def counted(*args, _run=run, _variant=variant):
-            calls[_variant] += 1
-            return _run(*args)
-
-        monkeypatch.setattr(fm, f"_run_{variant}", counted)
+    calls = count_expert_paths(monkeypatch, fm)
 
     def generate():
         llm = LLM(path, attention_backend="torch", dtype="float32", block_size=4,

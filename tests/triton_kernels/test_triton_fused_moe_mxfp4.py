@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 from kernel_tolerance import close_to_scale
-from moe_routing import route
+from moe_routing import count_expert_paths, route
 
 from engine.kernels import reference as ref
 from engine.kernels.quantized import dequantize_mxfp4_experts
@@ -426,15 +426,7 @@ def test_tiny_gpt_oss_kept_in_mxfp4_on_triton_interpreter_matches_torch(tmp_path
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13, 14]]
     # The second request outlives the first: its last steps decode alone (batch 1).
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 5)]
-    calls = {"decode": 0, "grouped": 0}
-    for variant in calls:
-        run = getattr(fm, f"_run_{variant}")
-
-        def counted(*args, _run=run, _variant=variant):
-            calls[_variant] += 1
-            return _run(*args)
-
-        monkeypatch.setattr(fm, f"_run_{variant}", counted)
+    calls = count_expert_paths(monkeypatch, fm)
 
     def generate():
         llm = LLM(path, attention_backend="torch", dtype="float32", block_size=4,

@@ -200,6 +200,24 @@ def host_loop_problem(layer: FusedMoE, op: str) -> str | None:
     )
 
 
+def register_expert_biases(
+    layer: FusedMoE, num_local_experts: int, intermediate_size_per_partition: int, dtype: Any
+) -> None:
+    """A biased layer's ``w13_bias [E_local, 2 * I_local]`` and ``w2_bias [E_local, H]`` in
+    ``dtype`` (none without ``bias=True``), for any expert method that supports biases; they
+    are loaded whole per layer by ``FusedMoE.load_bias`` (no per-expert checkpoint names)."""
+    if not layer.has_bias:
+        return
+    i = intermediate_size_per_partition
+    for name, shape, kind in (
+        ("w13_bias", (num_local_experts, 2 * i), "w13"),
+        ("w2_bias", (num_local_experts, layer.hidden_size), "w2"),
+    ):
+        param = new_parameter(shape, dtype)
+        param.moe_bias_kind = kind  # type: ignore[attr-defined]
+        layer.register_parameter(name, param)
+
+
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Experts in the activation dtype: ``w13_weight`` and ``w2_weight``, computed by the
     platform's ``fused_moe`` kernel; with biases (``w13_bias [E_local, 2 * I_local]``,
@@ -223,15 +241,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             param.moe_shard_kind = kind  # type: ignore[attr-defined]
             set_weight_loader(param, layer.weight_loader)
             layer.register_parameter(name, param)
-        if layer.has_bias:
-            # Loaded whole per layer by ``FusedMoE.load_bias`` (no per-expert checkpoint names).
-            for name, shape, kind in (
-                ("w13_bias", (num_local_experts, 2 * i), "w13"),
-                ("w2_bias", (num_local_experts, hidden_size), "w2"),
-            ):
-                param = new_parameter(shape, dtype)
-                param.moe_bias_kind = kind  # type: ignore[attr-defined]
-                layer.register_parameter(name, param)
+        register_expert_biases(layer, num_local_experts, i, dtype)
 
     @staticmethod
     def kernel_name(layer: FusedMoE) -> str:
@@ -250,17 +260,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     ) -> torch.Tensor:
         if self.kernel_name(layer) == "fused_moe_biased":
             return layer.kernels.fused_moe_biased(
-                hidden,
-                layer.w13_weight,
-                layer.w2_weight,
-                topk_weights,
-                topk_ids,
-                getattr(layer, "w13_bias", None),
-                getattr(layer, "w2_bias", None),
-                layer.activation,
-                layer.swiglu_alpha,
-                layer.swiglu_limit,
-            )
+                hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                *layer.epilogue_args(),
+            )  # fmt: skip
         return layer.kernels.fused_moe(
             hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
         )
@@ -499,6 +501,27 @@ class FusedMoE(nn.Module):
         offset = 0 if which == "w1" else ip
         dst.narrow(0, offset, ip).copy_(materialize(narrow(half, 0, rank * ip, ip)))
 
+    def copy_gate_up(self, dst: torch.Tensor, stacked: torch.Tensor) -> None:
+        """Every local expert's gate/up rows of ``stacked`` ``[E_local, 2I, ...]`` (gate rows,
+        then up rows, all of the intermediate features) into this rank's ``dst`` ``[E_local,
+        2 * I_local, ...]`` (``_copy_rank_half`` per half): a bias, or a method's stacked
+        tensor of any row layout."""
+        i = self.intermediate_size
+        for local in range(stacked.shape[0]):
+            for which, start in (("w1", 0), ("w3", i)):
+                self._copy_rank_half(dst[local], stacked[local].narrow(0, start, i), which)
+
+    def epilogue_args(self) -> tuple:
+        """``(w13_bias, w2_bias, activation, alpha, limit)``: what ``fused_moe_biased`` and
+        ``fused_moe_mxfp4`` take after their weights (a bias None where the layer has none)."""
+        return (
+            getattr(self, "w13_bias", None),
+            getattr(self, "w2_bias", None),
+            self.activation,
+            self.swiglu_alpha,
+            self.swiglu_limit,
+        )
+
     def load_bias(self, kind: str, loaded: torch.Tensor) -> str:
         """Copy a checkpoint's stacked expert biases into this rank's ``w13_bias`` (``kind``
         ``"w13"``: ``[E, 2I]``, gate then up, split over the tensor-parallel ranks like the
@@ -514,9 +537,7 @@ class FusedMoE(nn.Module):
         experts = self.local_experts
         mine = materialize(narrow(loaded, 0, experts.start, len(experts)))
         if kind == "w13":
-            for local in range(len(experts)):
-                for which, start in (("w1", 0), ("w3", i)):
-                    self._copy_rank_half(param.data[local], mine[local].narrow(0, start, i), which)
+            self.copy_gate_up(param.data, mine)
         elif self.parallel.tp_rank == 0:
             param.data.copy_(mine)
         else:

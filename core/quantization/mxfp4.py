@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from engine.kernels.quantized import MXFP4_BLOCK, dequantize_mxfp4_experts
-from engine.layers.fused_moe import FusedMoEMethodBase, host_loop_problem
+from engine.layers.fused_moe import FusedMoEMethodBase, host_loop_problem, register_expert_biases
 from engine.layers.weight_utils import ModelLoadError, materialize, narrow, new_parameter
 from engine.quantization.base import QuantizationConfig, QuantizationError, QuantizationSpec
 
@@ -202,14 +202,7 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
             # No ``moe_shard_kind``: the stacked blocks come through ``load``, not through
             # the per-expert mapping (``ExpertCheckpointMapping``).
             layer.register_parameter(name, new_parameter(shape, torch.uint8))
-        if layer.has_bias:
-            for name, shape, kind in (
-                ("w13_bias", (e, 2 * ip), "w13"),
-                ("w2_bias", (e, h), "w2"),
-            ):
-                param = new_parameter(shape, dtype)
-                param.moe_bias_kind = kind  # type: ignore[attr-defined]
-                layer.register_parameter(name, param)
+        register_expert_biases(layer, e, ip, dtype)
 
     def load(
         self, layer: FusedMoE, kind: str, blocks: torch.Tensor, scales: torch.Tensor
@@ -235,10 +228,7 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         for src, dst in ((blocks, weight), (scales, weight_scale)):
             mine = materialize(narrow(src, 0, experts.start, len(experts)))
             if kind == "w13":
-                for local in range(len(experts)):
-                    for which, start in (("w1", 0), ("w3", i)):
-                        half = mine[local].narrow(0, start, i).flatten(1)
-                        layer._copy_rank_half(dst.data[local], half, which)
+                layer.copy_gate_up(dst.data, mine.flatten(2))
             else:
                 per = ip // MXFP4_BLOCK  # this rank's blocks of the down projection's inputs
                 dst.data.copy_(mine.narrow(2, rank * per, per).flatten(2))
@@ -250,14 +240,10 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         for name, param in layer.named_parameters(recurse=False):
             if name.endswith("_bias"):
                 param.data.zero_()
-            elif name.endswith("_scale"):
+            else:  # exponents 119-121, or codes of every byte value
+                low, high = (119, 122) if name.endswith("_scale") else (0, 256)
                 param.data.copy_(
-                    torch.randint(119, 122, param.shape, generator=generator,
-                                  device=param.device, dtype=torch.uint8)
-                )  # fmt: skip
-            else:
-                param.data.copy_(
-                    torch.randint(0, 256, param.shape, generator=generator,
+                    torch.randint(low, high, param.shape, generator=generator,
                                   device=param.device, dtype=torch.uint8)
                 )  # fmt: skip
 
@@ -286,9 +272,5 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
             topk_ids,
             layer.w13_weight_scale,
             layer.w2_weight_scale,
-            getattr(layer, "w13_bias", None),
-            getattr(layer, "w2_bias", None),
-            layer.activation,
-            layer.swiglu_alpha,
-            layer.swiglu_limit,
+            *layer.epilogue_args(),
         )

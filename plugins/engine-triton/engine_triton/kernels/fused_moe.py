@@ -1316,6 +1316,42 @@ class ExpertEpilogue:
     alpha: float
     limit: float
 
+    @classmethod
+    def checked(
+        cls,
+        op: str,
+        dims: tuple[int, ...],
+        w13_bias: torch.Tensor | None,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+        alpha: float,
+        limit: float,
+        bias_dtype: torch.dtype | None = None,
+    ) -> ExpertEpilogue:
+        """The epilogue of op ``op`` (for its errors) on experts of ``_check``'s ``dims``:
+        the activation known and each bias a float tensor of its shape (``ValueError``
+        otherwise), made contiguous (and cast to ``bias_dtype`` when given)."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"unknown MoE activation {activation!r}; supported: "
+                f"{', '.join(ref.MOE_ACTIVATIONS)}"
+            )
+        _, h, e, i, _ = dims
+        for name, bias, want in (("w13_bias", w13_bias, (e, 2 * i)), ("w2_bias", w2_bias, (e, h))):
+            if bias is not None and (tuple(bias.shape) != want or not bias.is_floating_point()):
+                raise ValueError(
+                    f"{op}: {name} {tuple(bias.shape)} {bias.dtype} does not fit: "
+                    f"expected a float tensor of shape {want}"
+                )
+
+        def operand(bias: torch.Tensor | None) -> torch.Tensor | None:
+            if bias is None:
+                return None
+            return (bias if bias_dtype is None else bias.to(bias_dtype)).contiguous()
+
+        return cls(operand(w13_bias), operand(w2_bias), ACTIVATIONS[activation], float(alpha),
+                   float(limit))  # fmt: skip
+
     def constexprs(self, which: str) -> dict:
         """The switches and extra arguments of the ``which`` ("w13" / "w2") kernels; the
         activation's floats only where the clamped SwiGLU reads them (SiLU's kernels compile
@@ -1549,10 +1585,6 @@ def fused_moe_biased(
     expert outputs in float32 until the top-k sum. Serves unquantized experts in the
     activations' dtype (bfloat16, float16, float32); anything else is refused with a
     ``ValueError`` rather than computed differently from the reference."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"unknown MoE activation {activation!r}; supported: {', '.join(ref.MOE_ACTIVATIONS)}"
-        )
     if hidden.dtype not in DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
         raise ValueError(
             "fused_moe_biased (Triton) runs unquantized experts in the activations' dtype "
@@ -1560,19 +1592,8 @@ def fused_moe_biased(
             f"{w2.dtype}"
         )
     dims = _check(hidden, w13, w2, topk_weights, topk_ids)
-    _, h, e, i, _ = dims
-    for name, bias, want in (("w13_bias", w13_bias, (e, 2 * i)), ("w2_bias", w2_bias, (e, h))):
-        if bias is not None and (tuple(bias.shape) != want or not bias.is_floating_point()):
-            raise ValueError(
-                f"fused_moe_biased: {name} {tuple(bias.shape)} {bias.dtype} does not fit: "
-                f"expected a float tensor of shape {want}"
-            )
-    epilogue = ExpertEpilogue(
-        None if w13_bias is None else w13_bias.contiguous(),
-        None if w2_bias is None else w2_bias.contiguous(),
-        ACTIVATIONS[activation],
-        float(alpha),
-        float(limit),
+    epilogue = ExpertEpilogue.checked(
+        "fused_moe_biased", dims, w13_bias, w2_bias, activation, alpha, limit
     )
     return _fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, dims, None, variant, decode_config, config,
@@ -1615,10 +1636,6 @@ def fused_moe_mxfp4(
     grouped tilings. The biases are read in the activations' dtype, as the reference rounds
     them. H and I must be multiples of 32 (whole blocks); anything else is refused with a
     ``ValueError``."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(
-            f"unknown MoE activation {activation!r}; supported: {', '.join(ref.MOE_ACTIVATIONS)}"
-        )
     if hidden.dtype not in DTYPES:
         raise ValueError(
             f"fused_moe_mxfp4 takes bfloat16, float16 or float32 activations, got {hidden.dtype}"
@@ -1643,21 +1660,11 @@ def fused_moe_mxfp4(
             f"fused_moe_mxfp4 scales do not fit: w13_scales {tuple(w13_scales.shape)} (expected "
             f"{want13}), w2_scales {tuple(w2_scales.shape)} (expected {want2})"
         )
-    for name, bias, want in (("w13_bias", w13_bias, (e, 2 * i)), ("w2_bias", w2_bias, (e, h))):
-        if bias is not None and (tuple(bias.shape) != want or not bias.is_floating_point()):
-            raise ValueError(
-                f"fused_moe_mxfp4: {name} {tuple(bias.shape)} {bias.dtype} does not fit: "
-                f"expected a float tensor of shape {want}"
-            )
-
-    def bias_operand(bias: torch.Tensor | None) -> torch.Tensor | None:
-        return None if bias is None else bias.to(hidden.dtype).contiguous()
-
     scales = Mxfp4Experts(w13_scales.contiguous(), w2_scales.contiguous())
-    epilogue = ExpertEpilogue(
-        bias_operand(w13_bias), bias_operand(w2_bias), ACTIVATIONS[activation], float(alpha),
-        float(limit),
-    )  # fmt: skip
+    # The biases in the activations' dtype, as the reference rounds them.
+    epilogue = ExpertEpilogue.checked(
+        "fused_moe_mxfp4", dims, w13_bias, w2_bias, activation, alpha, limit, hidden.dtype
+    )
     return _fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, dims, scales, variant, decode_config, config,
         epilogue,
